@@ -1,0 +1,1 @@
+"""The `sloserve` command line: serve, generate, bench, info."""

@@ -1,0 +1,41 @@
+"""The plain-data contract between the scheduler and the executor (no torch, no Request objects).
+
+One engine step = one SchedulerOutput. For each scheduled sequence the executor computes
+``token_ids`` at positions ``start_pos .. start_pos + len(token_ids) - 1``, writing their K/V into
+the slots named by ``block_table`` (slot of position p = block_table[p // block_size] * block_size
++ p % block_size), attending causally to everything before them in the same block table, and,
+when ``sample`` is set, samples one next token from the logits of the last position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sloserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    req_id: str
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or one decode token)
+    start_pos: int  # position of token_ids[0]; equals the request's num_computed_tokens
+    block_table: list[int]  # device KV block ids covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when this chunk ends at the last known token: sample the next one
+    sampling: SamplingParams
+    num_generated: int = 0  # output tokens produced so far (for repetition-free bookkeeping/seeds)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), before forward
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), before forward
+    finished_req_ids: list[str] = field(default_factory=list)  # executor may drop per-request state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences and not self.swap_out and not self.swap_in

@@ -1,0 +1,143 @@
+"""The one typed configuration, built by the CLI (or the offline API) and validated once.
+
+Components copy the few fields they need at construction; no module reads the environment.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024; ValueError says the accepted forms."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size must be > 0 bytes, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"cannot read size {text!r}: use a number of bytes or e.g. 512MiB, 2GiB, 1.5GB")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be > 0 bytes, got {text!r}")
+    return value
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: str = "default"  # a local Hugging Face folder, or 'default' / 'default-moe'
+    device: str = "auto"  # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'
+    dtype: str = "auto"  # 'auto' (float32 on CPU, bfloat16 on GPU), 'float32', 'bfloat16', 'float16'
+    attention_backend: str = "auto"  # 'auto', 'reference', 'sdpa', 'flash', 'triton'
+    max_model_len: int | None = None  # defaults to the checkpoint's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), "model path must not be empty (use 'default' for the built-in model)")
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.attention_backend in ("auto", "reference", "sdpa", "flash", "triton"),
+                 f"attention backend must be auto, reference, sdpa, flash or triton, got {self.attention_backend!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV page
+    kv_pool_bytes: int | None = None  # None: a default that suits the device (see memory.pool)
+    gpu_memory_fraction: float = 0.85  # used on a GPU when kv_pool_bytes is None
+    arena_bytes: int | None = None  # None: 256 MiB on GPU, 16 MiB on CPU
+    swap_bytes: int = 256 * 1024**2  # host pool for swap preemption (pinned on CUDA)
+    prefix_cache: bool = True
+    expert_slots_per_layer: int | None = None  # MoE resident experts per layer; None = all
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a power of two, got {self.block_size}")
+        _require(self.kv_pool_bytes is None or self.kv_pool_bytes > 0, "kv pool size must be > 0 bytes")
+        _require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu memory fraction must be in (0, 1]")
+        _require(self.swap_bytes >= 0, "swap space must be >= 0 bytes")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    policy: str = "slo"  # 'slo' (urgency + aging) or 'fifo' (arrival order)
+    max_batch: int = 64  # most requests running at once
+    max_batched_tokens: int = 2048  # token budget of one step
+    chunked_prefill: bool = True
+    prefill_chunk: int = 512  # longest prefill chunk of one request in one step
+    preemption_mode: str = "swap"  # 'swap' (falls back to recompute) or 'recompute'
+    batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
+    adaptive_batch: bool = True
+    aging: float = 0.95  # key multiplier per step waited
+    max_wait_s: float = 0.2  # starvation guard
+    length_weight_s: float = 1e-4  # seconds of urgency per prompt token
+    default_ttft_s: float = 2.0  # first-token objective when a request gives none
+    max_waiting: int = 1024  # admission: queue cap
+    queue_timeout_s: float = 30.0  # admission: longest wait before refusal
+    admission_control: bool = True  # refuse requests whose SLO cannot be met
+
+    def __post_init__(self) -> None:
+        _require(self.policy in ("slo", "fifo"), f"policy must be 'slo' or 'fifo', got {self.policy!r}")
+        _require(self.max_batch >= 1, f"max batch must be >= 1, got {self.max_batch}")
+        _require(self.max_batched_tokens >= 1, "max batched tokens must be >= 1")
+        _require(self.prefill_chunk >= 1, "prefill chunk must be >= 1")
+        _require(self.preemption_mode in ("swap", "recompute"),
+                 f"preemption mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        _require(0.0 < self.batch_decay < 1.0, f"batch decay must be in (0, 1), got {self.batch_decay}")
+        _require(0.0 < self.aging <= 1.0, f"aging must be in (0, 1], got {self.aging}")
+        _require(math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max wait must be > 0 seconds")
+        _require(self.length_weight_s >= 0, "length weight must be >= 0")
+        _require(self.max_waiting >= 1, "max waiting must be >= 1")
+        _require(self.queue_timeout_s > 0, "queue timeout must be > 0 seconds")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = 9464  # None disables the Prometheus endpoint
+    max_message_bytes: int = 16 * 1024**2
+    max_prompt_tokens: int | None = None  # None: the model's context length
+    max_tokens_limit: int = 4096
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    grace_s: float = 10.0
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        _require(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics port must be in 0..65535")
+        _require((self.tls_cert is None) == (self.tls_key is None), "TLS needs both --tls-cert and --tls-key")
+        _require(self.log_format in ("text", "json"), "log format must be 'text' or 'json'")
+        _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
+
+
+@dataclass(slots=True)
+class SloserveConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def naive(cls, **model_kw) -> SloserveConfig:
+        """The write-up's 'before': fifo, one request at a time, no prefix cache, no chunking."""
+        return cls(
+            model=ModelConfig(**model_kw),
+            cache=CacheConfig(prefix_cache=False),
+            scheduler=SchedulerConfig(policy="fifo", max_batch=1, chunked_prefill=False,
+                                      adaptive_batch=False, admission_control=False),
+        )

@@ -1,0 +1,29 @@
+"""Exceptions that cross layer boundaries; the service maps each to one gRPC status."""
+
+
+class SloserveError(Exception):
+    """Base class of every error sloserve raises on purpose."""
+
+
+class InvalidRequestError(SloserveError, ValueError):
+    """The request itself is wrong (empty prompt, bad sampling values, too long): INVALID_ARGUMENT."""
+
+
+class RequestRefusedError(SloserveError):
+    """Admission control refused the request: RESOURCE_EXHAUSTED.
+
+    `reason` is a short machine-readable label (``queue_full``, ``deadline_passed``,
+    ``slo_unattainable``, ``draining``, ``queue_timeout``) used for metrics.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineDeadError(SloserveError):
+    """The engine loop has died; no request can make progress: UNAVAILABLE."""
+
+
+class CheckpointError(SloserveError, ValueError):
+    """A model folder cannot be loaded; the message names the file or architecture."""

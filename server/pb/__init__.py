@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs for sloserve.v1 (see generate.py; never edit by hand)."""
