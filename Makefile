@@ -18,7 +18,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m sloserve.pb.generate --check
 	$(PY) -m pytest -q -x --timeout=900
 
 test-full: $(STAMP)
