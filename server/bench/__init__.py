@@ -1,0 +1,1 @@
+"""Load generation and measurement: workloads, a gRPC client, statistics and reports."""
