@@ -1,0 +1,50 @@
+"""sloserve.hotpath: the SLO request queue, batch sizing, and the KV block and expert allocators.
+
+The compiled Cython modules (`_queue`, `_blocks`, `_experts`) are used by default. Setting
+``SLOSERVE_NO_EXTENSIONS=1`` before this package is first imported selects the pure-Python
+twins (`_queue_py`, `_blocks_py`, `_experts_py`), which have the same API and behaviour.
+`USING_EXTENSIONS` says which ones were loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+# NOTE: the one environment read at import time that the project allows (see HELPERS.md).
+_FORCE_PYTHON = os.environ.get("SLOSERVE_NO_EXTENSIONS", "").strip() not in ("", "0")
+
+if _FORCE_PYTHON:
+    USING_EXTENSIONS = False
+else:
+    try:
+        from ._blocks import BlockAllocator
+        from ._experts import ExpertAllocator
+        from ._queue import RequestQueue, target_batch_size
+
+        USING_EXTENSIONS = True
+    except ImportError as exc:
+        warnings.warn(
+            f"sloserve.hotpath: compiled extensions are not built ({exc}); using the slow "
+            "pure-Python twins. Build them with `python3 setup.py build_ext --inplace` or "
+            "`pip install -e .`",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        USING_EXTENSIONS = False
+
+if not USING_EXTENSIONS:
+    from ._blocks_py import BlockAllocator
+    from ._experts_py import ExpertAllocator
+    from ._queue_py import RequestQueue, target_batch_size
+
+IMPLEMENTATION = "cython" if USING_EXTENSIONS else "python"
+
+__all__ = [
+    "IMPLEMENTATION",
+    "USING_EXTENSIONS",
+    "BlockAllocator",
+    "ExpertAllocator",
+    "RequestQueue",
+    "target_batch_size",
+]
