@@ -1,0 +1,104 @@
+"""Server interceptors: bearer-token auth on every call, and exceptions turned into statuses."""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from sloserve.convert import failure_from_exception
+
+log = logging.getLogger(__name__)
+
+_KINDS = {  # (request_streaming, response_streaming) -> (handler factory, behaviour attribute)
+    (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+    (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+    (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+    (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+}
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, behaviour: Callable) -> grpc.RpcMethodHandler:
+    """The same kind of handler with another behaviour and the original (de)serializers."""
+    factory, _ = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    return factory(behaviour, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
+    return getattr(handler, _KINDS[(handler.request_streaming, handler.response_streaming)][1])
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("auth token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        if isinstance(got, str) and hmac.compare_digest(got.encode(), self._expected):
+            return handler
+        message = ("missing bearer token: send metadata 'authorization: Bearer <token>'" if got is None
+                   else "wrong bearer token: check the token given to the server with --auth-token")
+
+        if handler.response_streaming:
+            async def deny_stream(request: Any, context: grpc.aio.ServicerContext):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                yield  # pragma: no cover - makes this an async generator
+            return _rebuild(handler, deny_stream)
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        return _rebuild(handler, deny)
+
+
+class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+    """Turns an exception escaping a handler into its status code (INTERNAL if unknown) and logs it."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        inner = _behaviour(handler)
+        method = details.method
+
+        async def fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+            failure = failure_from_exception(exc)
+            log.error("%s failed: %s", method, failure.message, exc_info=exc)
+            await context.abort(failure.code, failure.message)
+
+        if inspect.isasyncgenfunction(inner):
+            async def wrapped_stream(request: Any, context: grpc.aio.ServicerContext):
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await fail(context, exc)
+            return _rebuild(handler, wrapped_stream)
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                result = inner(request, context)
+                return await result if inspect.isawaitable(result) else result
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await fail(context, exc)
+        return _rebuild(handler, wrapped)

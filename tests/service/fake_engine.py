@@ -1,0 +1,187 @@
+"""A small asyncio engine implementing the AsyncEngine contract, for service tests.
+
+Each request holds ceil((prompt + max_tokens) / block_size) blocks from a fixed pool until it
+ends; it emits one token per `step_s` (token id = (prompt sum + i) % 200 + 32, text = chr(id)),
+so tests can check chunk interleaving, cancellation and block accounting through Info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
+from sloserve.sampling_params import SLO, SamplingParams
+
+
+@dataclass(slots=True)
+class FakeOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass(slots=True)
+class FakeStats:
+    waiting: int = 0
+    running: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    swap_blocks_total: int = 0
+    swap_blocks_free: int = 0
+    prompt_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    preemptions_total: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    step_time_s: float = 0.0
+    tokens_per_step: float = 0.0
+    requests_finished_total: int = 0
+
+
+class ByteTokenizer:
+    """One token per byte."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i % 256 for i in ids).decode(errors="replace")
+
+
+@dataclass(slots=True)
+class _Req:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    slo: SLO | None
+    blocks: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class FakeEngine:
+    """Contract-compatible stand-in for sloserve.engine.AsyncEngine (see HELPERS.md)."""
+
+    def __init__(self, *, num_blocks: int = 64, block_size: int = 16, max_model_len: int = 256,
+                 step_s: float = 0.01, max_running: int = 8, start_delay_s: float = 0.0) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.step_s = step_s
+        self.max_running = max_running
+        self.start_delay_s = start_delay_s
+        self.tokenizer = ByteTokenizer()
+        self.model_info = {"model": "fake", "architecture": "FakeForCausalLM", "max_model_len": max_model_len,
+                           "block_size": block_size, "device": "cpu", "attention_backend": "none"}
+        self.ready = False
+        self.alive = False
+        self.dead_reason: str | None = None
+        self.flowing = asyncio.Event()  # clear it to hold every token back
+        self.flowing.set()
+        self.reqs: dict[str, _Req] = {}
+        self.slos: dict[str, SLO | None] = {}  # every request's SLO as received (for deadline tests)
+        self._free = num_blocks
+        self._stats = FakeStats(kv_blocks_total=num_blocks)
+        self.stopped = False
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.start_delay_s)
+        self.ready = self.alive = True
+
+    async def stop(self) -> None:
+        self.stopped = True
+        self.alive = False
+        for rid in list(self.reqs):
+            self.abort(rid)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    slo: SLO | None = None) -> AsyncIterator[FakeOutput]:
+        if self.dead_reason is not None or self.stopped:
+            raise EngineDeadError(self.dead_reason or "engine stopped")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}; shorten the prompt or lower max_tokens")
+        if request_id in self.reqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already live")
+        if len(self.reqs) >= self.max_running:
+            self._stats.refusals["queue_full"] = self._stats.refusals.get("queue_full", 0) + 1
+            raise RequestRefusedError("queue_full", f"{len(self.reqs)} requests already queued; retry later")
+        blocks = math.ceil((len(ids) + params.max_tokens) / self.block_size)
+        if blocks > self._free:
+            self._stats.refusals["no_kv_blocks"] = self._stats.refusals.get("no_kv_blocks", 0) + 1
+            raise RequestRefusedError("no_kv_blocks", "not enough KV cache blocks free; retry later")
+        self._free -= blocks
+        req = _Req(request_id, ids, params, slo, blocks)
+        self.reqs[request_id] = req
+        self.slos[request_id] = slo
+        self._stats.prompt_tokens_total += len(ids)
+        req.task = asyncio.create_task(self._run(req))
+        return self._iterate(req)
+
+    async def _iterate(self, req: _Req) -> AsyncIterator[FakeOutput]:
+        while True:
+            out = await req.queue.get()
+            yield out
+            if out.finished:
+                return
+
+    async def _run(self, req: _Req) -> None:
+        base = sum(req.prompt)
+        first = None
+        for i in range(req.params.max_tokens):
+            await self.flowing.wait()
+            await asyncio.sleep(self.step_s)
+            tok = (base + i) % 200 + 32
+            first = first or time.monotonic()
+            self._stats.generated_tokens_total += 1
+            if tok in req.params.stop_token_ids:
+                self._finish(req, "stop", i + 1, first, [tok])
+                return
+            if i == req.params.max_tokens - 1:
+                self._finish(req, "length", i + 1, first, [tok])
+                return
+            req.queue.put_nowait(FakeOutput(req.id, [tok], chr(tok)))
+
+    def _finish(self, req: _Req, reason: str, n: int, first: float | None, last: list[int]) -> None:
+        if self.reqs.pop(req.id, None) is None:
+            return
+        self._free += req.blocks
+        self._stats.requests_finished_total += 1
+        req.queue.put_nowait(FakeOutput(
+            req.id, last, "".join(chr(t) for t in last), True, reason, None, len(req.prompt), n, 0,
+            req.arrival, req.arrival, first, time.monotonic()))
+
+    def abort(self, request_id: str) -> bool:
+        req = self.reqs.get(request_id)
+        if req is None:
+            return False
+        if req.task is not None:
+            req.task.cancel()
+        self._finish(req, "cancelled", 0, None, [])
+        return True
+
+    def stats(self) -> FakeStats:
+        s = self._stats
+        s.running = len(self.reqs)
+        s.kv_blocks_free = self._free
+        return FakeStats(**{k: getattr(s, k) for k in FakeStats.__slots__})
