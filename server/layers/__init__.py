@@ -1,0 +1,1 @@
+"""Model building blocks: attention backends, MoE dispatch, norms, rotary embeddings, sampler."""

@@ -1,0 +1,49 @@
+"""The one interface every attention backend implements, and the K/V write they all share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from sloserve.layers.attention.metadata import AttentionMetadata
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend cannot run here (missing package, wrong device, unsupported page size)."""
+
+
+class AttentionBackend(ABC):
+    """Paged attention over caches shaped [pages, page_size, kv_heads, head_dim].
+
+    Subclasses set ``name``; their constructor takes the device and raises
+    BackendUnavailableError (with the reason) when they cannot run on it.
+    """
+
+    name: str = "?"
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [P, page, Hkv, D]
+        v_cache: torch.Tensor,  # [P, page, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Attend each query to its sequence's cached keys (new K/V already written)."""
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [P, page, Hkv, D]
+    v_cache: torch.Tensor,  # [P, page, Hkv, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Scatter the new tokens' K/V into their cache slots (slot = page * page_size + offset)."""
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -1,0 +1,59 @@
+"""Pure-torch paged attention: the CPU oracle every other backend is checked against."""
+
+from __future__ import annotations
+
+import torch
+from sloserve.layers.attention.base import AttentionBackend
+from sloserve.layers.attention.metadata import AttentionMetadata
+
+
+class ReferenceBackend(AttentionBackend):
+    """Gather each sequence's pages, mask causally (bottom-right), softmax in float32."""
+
+    name = "reference"
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.num_tokens == 0:
+            return torch.empty_like(q)
+        if meta.decode_only:
+            return _decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        cu, page = meta.cu_seqlens_q_list, k_cache.shape[1]
+        for i, (start, seq_len) in enumerate(zip(meta.start_pos_list, meta.seq_lens_list, strict=True)):
+            lo, hi = cu[i], cu[i + 1]
+            pages = meta.block_tables_list[i][: (seq_len + page - 1) // page]
+            out[lo:hi] = _attend(q[lo:hi], k_cache[pages], v_cache[pages], start, seq_len, scale)
+        return out
+
+
+def _attend(q, k_pages, v_pages, start: int, seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence: q[n, Hq, D] against its keys [seq_len, Hkv, D]; query j sees keys <= start+j."""
+    n, hq, dim = q.shape
+    hkv = k_pages.shape[-2]
+    k = k_pages.reshape(-1, hkv, dim)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+    v = v_pages.reshape(-1, hkv, dim)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+    qg = q.view(n, hkv, hq // hkv, dim).permute(1, 2, 0, 3).reshape(hkv, -1, dim)  # [Hkv, g*n, D]
+    scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, g*n, L]
+    rows = torch.arange(n, device=q.device).repeat(hq // hkv) + start  # query position per row
+    keys = torch.arange(seq_len, device=q.device)
+    scores.masked_fill_(keys[None, :] > rows[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [Hkv, g*n, D]
+    return out.view(hkv, hq // hkv, n, dim).permute(2, 0, 1, 3).reshape(n, hq, dim)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All sequences decode one token: one batched gather + two batched matmuls."""
+    num_seqs, hq, dim = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    width = (meta.max_seqlen_k + page - 1) // page
+    tables = meta.block_tables[:, :width]
+    k = k_cache[tables].view(num_seqs, width * page, hkv, dim).permute(0, 2, 3, 1)  # [S, Hkv, D, L]
+    v = v_cache[tables].view(num_seqs, width * page, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
+    qg = q.view(num_seqs, hkv, hq // hkv, dim)
+    scores = torch.matmul(qg, k).float() * scale  # [S, Hkv, g, L]
+    keys = torch.arange(width * page, device=q.device)
+    invalid = keys[None, :] >= meta.seq_lens[:, None]  # [S, L]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(num_seqs, hq, dim)

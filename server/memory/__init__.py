@@ -1,0 +1,1 @@
+"""The one device pool (KV pages, expert slots, workspaces) and the expert cache."""
