@@ -1,0 +1,261 @@
+"""Asyncio load generator over sloserve's bidirectional Stream RPC.
+
+Requests are spread round-robin over ``streams`` open streams. Arrivals are Poisson at
+``rate`` requests/s (``inf`` sends as fast as allowed); ``concurrency`` caps requests in flight
+(with an infinite rate that is a closed loop). A run ends after ``num_requests`` arrivals or once
+``duration_s`` has passed, and then waits for the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from sloserve.bench.stats import RequestRecord, effective_slo
+from sloserve.bench.workloads import WorkloadItem
+from sloserve.pb import serving_pb2 as pb
+from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.sampling_params import SLO
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                 pb.FINISH_REASON_CANCELLED: "cancelled"}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024**2),
+                   ("grpc.max_send_message_length", 64 * 1024**2)]
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """How to send a workload: arrival process, limits, objectives and sampling."""
+
+    rate: float = math.inf  # Poisson arrivals per second; inf = no pacing
+    concurrency: int | None = None  # most requests in flight; None = unbounded
+    num_requests: int | None = None  # None: one pass over the workload (unless duration_s)
+    duration_s: float | None = None  # stop sending after this long
+    streams: int = 1
+    seed: int = 0
+    slo: SLO | None = None  # sent with each request and used for attainment
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    request_timeout_s: float = 600.0  # a request still open this long is cancelled and failed
+    auth_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0):
+            raise ValueError(f"rate must be > 0 requests/s (inf for no pacing), got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.streams < 1:
+            raise ValueError(f"streams must be >= 1, got {self.streams}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"number of requests must be >= 1, got {self.num_requests}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Every request record of one run at one rate, and the run's wall-clock span."""
+
+    rate: float
+    records: list[RequestRecord] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+class _StreamConn:
+    """One open Stream: writes requests, reads server messages and routes them by request id."""
+
+    def __init__(self, stub: pb_grpc.SloserveStub, metadata: tuple) -> None:
+        self._call = stub.Stream(metadata=metadata or None)
+        self._lock = asyncio.Lock()
+        self._pending: dict[str, tuple[RequestRecord, asyncio.Future]] = {}
+        self._reader = asyncio.create_task(self._read())
+
+    async def send(self, request: pb.GenerateRequest, record: RequestRecord) -> asyncio.Future:
+        """Send one request; the future resolves when its terminal message arrives."""
+        done = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = (record, done)
+        async with self._lock:
+            record.send_time = time.perf_counter()
+            try:
+                await self._call.write(pb.ClientMessage(generate=request))
+            except grpc.aio.AioRpcError as exc:
+                self.finish(request.request_id, "failed", exc.code(), "stream_lost")
+            except (grpc.aio.UsageError, asyncio.InvalidStateError):
+                self.finish(request.request_id, "failed", grpc.StatusCode.UNAVAILABLE, "stream_lost")
+        return done
+
+    async def give_up(self, request_id: str) -> None:
+        """Cancel a request that ran past the client's timeout and record it as failed."""
+        self.finish(request_id, "failed", grpc.StatusCode.DEADLINE_EXCEEDED, "client_timeout")
+        async with self._lock:
+            try:
+                await self._call.write(pb.ClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                pass
+
+    def finish(self, request_id: str, status: str, code: grpc.StatusCode | str | None,
+                reason: str | None) -> RequestRecord | None:
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return None
+        record, done = entry
+        record.end_time = time.perf_counter()
+        record.status = status
+        if code is not None:
+            record.error_code = code if isinstance(code, str) else code.name
+        record.error_reason = reason
+        if not done.done():
+            done.set_result(record)
+        return record
+
+    async def _read(self) -> None:
+        code: grpc.StatusCode | None = grpc.StatusCode.UNKNOWN
+        try:
+            while (message := await self._call.read()) is not grpc.aio.EOF:
+                self._dispatch(message)
+            code = None
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+        for request_id in list(self._pending):
+            self.finish(request_id, "failed", code or grpc.StatusCode.UNAVAILABLE, "stream_lost")
+
+    def _dispatch(self, message: pb.ServerMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "chunk":
+            entry = self._pending.get(message.chunk.request_id)
+            if entry is not None:
+                record = entry[0]
+                if message.chunk.token_ids:
+                    record.chunk_times.append(time.perf_counter())
+                    record.chunk_tokens.append(len(message.chunk.token_ids))
+                record.text += message.chunk.text
+        elif kind == "final":
+            final = message.final
+            record = self.finish(final.request_id, "ok", None, None)
+            if record is not None:
+                record.finish_reason = _FINISH_NAMES.get(final.finish_reason, "unspecified")
+                record.prompt_tokens = final.prompt_tokens
+                record.output_tokens = final.completion_tokens or sum(record.chunk_tokens)
+                record.cached_tokens = final.cached_prompt_tokens
+        elif kind == "error":
+            error = message.error
+            self.finish(error.request_id, "refused",
+                         _CODE_NAMES.get(error.code, str(error.code)), error.reason or None)
+
+    async def close(self) -> None:
+        try:
+            await self._call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), 5.0)
+        except (TimeoutError, asyncio.CancelledError):
+            self._call.cancel()
+            self._reader.cancel()
+
+
+def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec,
+                  slo: SLO | None) -> pb.GenerateRequest:
+    """The GenerateRequest for one workload item."""
+    sampling = pb.SamplingParams(temperature=spec.temperature,
+                                 ignore_eos=item.ignore_eos or spec.ignore_eos)
+    message = pb.GenerateRequest(request_id=request_id, text=item.prompt,
+                                 max_tokens=item.max_tokens, sampling=sampling)
+    if slo is not None:
+        for name in ("ttft_s", "tpot_s", "e2e_s"):
+            if (value := getattr(slo, name)) is not None:
+                setattr(message.slo, name, value)
+    return message
+
+
+async def connect(target: str, timeout_s: float = 10.0) -> grpc.aio.Channel:
+    """An open channel to a server; ConnectionError when it is not reachable within timeout_s."""
+    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+    except (TimeoutError, asyncio.CancelledError):
+        await channel.close()
+        raise ConnectionError(f"cannot reach a sloserve server at {target} within {timeout_s:g} s: "
+                              "check --server HOST:PORT and that the server is running") from None
+    return channel
+
+
+async def fetch_info(channel: grpc.aio.Channel, auth_token: str | None = None) -> dict:
+    """The server's model and limits ({} when the server does not answer Info)."""
+    try:
+        info = await pb_grpc.SloserveStub(channel).Info(
+            pb.InfoRequest(), timeout=10.0, metadata=_metadata(auth_token) or None)
+    except grpc.aio.AioRpcError:
+        return {}
+    return {"model": info.model, "architecture": info.architecture, "version": info.version,
+            "device": info.device, "max_model_len": info.max_model_len,
+            "attention_backend": info.attention_backend}
+
+
+def _metadata(auth_token: str | None) -> tuple:
+    return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+
+
+async def run_load(channel: grpc.aio.Channel, items: list[WorkloadItem], spec: LoadSpec,
+                   on_done: Callable[[RequestRecord], None] | None = None,
+                   id_prefix: str = "bench") -> RunResult:
+    """Send the workload as spec says and record every request; never raises for a request."""
+    if not items:
+        raise ValueError("the workload holds no requests")
+    stub = pb_grpc.SloserveStub(channel)
+    conns = [_StreamConn(stub, _metadata(spec.auth_token)) for _ in range(spec.streams)]
+    rng = random.Random(spec.seed)
+    limit = spec.num_requests or (None if spec.duration_s else len(items))
+    gate = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
+    result = RunResult(rate=spec.rate)
+    tasks: list[asyncio.Task] = []
+
+    async def one(index: int, conn: _StreamConn, item: WorkloadItem) -> None:
+        slo = effective_slo(item.slo, spec.slo)
+        request_id = f"{id_prefix}-{index}"
+        record = RequestRecord(request_id, 0.0, item.max_tokens, item.expected_output, slo)
+        result.records.append(record)
+        try:
+            done = await conn.send(build_request(request_id, item, spec, slo), record)
+            try:
+                await asyncio.wait_for(asyncio.shield(done), spec.request_timeout_s)
+            except TimeoutError:
+                await conn.give_up(request_id)
+            if on_done is not None:
+                on_done(record)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    start = time.perf_counter()
+    next_arrival = start
+    try:
+        index = 0
+        while limit is None or index < limit:
+            if math.isfinite(spec.rate):
+                next_arrival += rng.expovariate(spec.rate)
+                await asyncio.sleep(max(0.0, next_arrival - time.perf_counter()))
+            if spec.duration_s is not None and time.perf_counter() - start >= spec.duration_s:
+                break
+            if gate is not None:
+                await gate.acquire()
+            tasks.append(asyncio.create_task(
+                one(index, conns[index % len(conns)], items[index % len(items)])))
+            index += 1
+            await asyncio.sleep(0)  # let the request task write before the next arrival
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*(conn.close() for conn in conns), return_exceptions=True)
+    ends = [r.end_time for r in result.records if r.end_time is not None]
+    result.duration_s = (max(ends) if ends else time.perf_counter()) - start
+    return result

@@ -1,0 +1,155 @@
+"""Per-request timings and the statistics of a run, defined as vLLM's ``bench serve`` defines them.
+
+For one request sent at time s whose chunks arrive at t_1 < t_2 < ... and whose terminal
+message arrives at t_end (all client clock):
+
+    TTFT = t_1 - s                          time to the first chunk
+    ITL  = [t_i - t_{i-1} for i >= 2]       one gap per chunk after the first
+    E2E  = t_end - s                        end-to-end latency
+    TPOT = (E2E - TTFT) / (n_out - 1)       when n_out > 1, else undefined (and 0 for goodput)
+
+A request meets its SLO when it completed and every objective given holds (TTFT, TPOT, E2E);
+SLO attainment is that count over every request sent (refused and failed ones miss), and
+goodput is that count per second of the run (the DistServe / vLLM definition).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from sloserve.sampling_params import SLO
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the client saw of one request (times are client time.perf_counter() values)."""
+
+    request_id: str
+    send_time: float
+    max_tokens: int = 0
+    expected_output: str | None = None
+    slo: SLO | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    end_time: float | None = None
+    status: str = "pending"  # 'ok' (a Final arrived), 'refused' (a RequestError), 'failed' (stream lost)
+    finish_reason: str | None = None
+    error_code: str | None = None  # gRPC status name of a RequestError or a lost stream
+    error_reason: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.send_time if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.send_time
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        ttft, e2e = self.ttft, self.e2e
+        if ttft is None or e2e is None or self.output_tokens < 2:
+            return None
+        return (e2e - ttft) / (self.output_tokens - 1)
+
+
+def summary(values: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (numpy's linear interpolation); None for each when there are no values."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()),
+            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def effective_slo(own: SLO | None, run: SLO | None) -> SLO | None:
+    """A request's own objectives, each falling back to the run's."""
+    if own is None or run is None:
+        return own or run
+    return SLO(*(a if a is not None else b for a, b in (
+        (own.ttft_s, run.ttft_s), (own.tpot_s, run.tpot_s), (own.e2e_s, run.e2e_s))))
+
+
+def meets_slo(record: RequestRecord, slo: SLO | None) -> bool:
+    """Completed, and every objective given holds (a one-token request has TPOT 0)."""
+    if record.status != "ok":
+        return False
+    if slo is None:
+        return True
+    checks = ((slo.ttft_s, record.ttft), (slo.tpot_s, record.tpot or 0.0), (slo.e2e_s, record.e2e))
+    return all(limit is None or (value is not None and value <= limit) for limit, value in checks)
+
+
+def normalise_output(text: str) -> str:
+    """The answer part of a generated ARC grid: up to the first blank line, outer whitespace removed."""
+    return text.split("\n\n", 1)[0].strip()
+
+
+def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
+              rate: float | None) -> dict:
+    """One run's figures: the JSON schema of `sloserve bench` (see report.py)."""
+    done = [r for r in records if r.status == "ok"]
+    refused = [r for r in records if r.status == "refused"]
+    refusals: dict[str, int] = {}
+    for r in records:
+        if r.status in ("refused", "failed"):
+            key = f"{r.error_code}:{r.error_reason}" if r.error_reason else str(r.error_code)
+            refusals[key] = refusals.get(key, 0) + 1
+    good = sum(meets_slo(r, effective_slo(r.slo, slo)) for r in records)
+    graded = [r for r in done if r.expected_output is not None]
+    matched = sum(normalise_output(r.text) == normalise_output(r.expected_output or "") for r in graded)
+    seconds = duration_s if duration_s > 0 else math.nan
+    output_tokens = sum(r.output_tokens for r in done)
+    return {
+        "rate": rate if rate is not None and math.isfinite(rate) else None,
+        "requests": len(records),
+        "completed": len(done),
+        "refused": len(refused),
+        "failed": len(records) - len(done) - len(refused),
+        "refusals": refusals,
+        "duration_s": duration_s,
+        "request_throughput": _finite(len(done) / seconds),
+        "output_token_throughput": _finite(output_tokens / seconds),
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "output_tokens": output_tokens,
+        "prefix_hit_tokens": sum(r.cached_tokens for r in done),
+        "slo_attainment": good / len(records) if records else None,
+        "goodput": _finite(good / seconds),
+        "exact_match": matched / len(graded) if graded else None,
+        "ttft_s": summary([r.ttft for r in done if r.ttft is not None]),
+        "tpot_s": summary([r.tpot for r in done if r.tpot is not None]),
+        "itl_s": summary([gap for r in done for gap in r.itl]),
+        "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
+    }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def rate_at_attainment(points: list[tuple[float, float]], target: float = 0.95) -> float | None:
+    """Highest request rate meeting the attainment target, from (rate, attainment) sweep points.
+
+    Linear interpolation between the last rate that meets the target and the first one above it
+    that does not; None when even the lowest rate misses; the highest rate when none misses.
+    """
+    points = sorted(points)
+    if not points or points[0][1] < target:
+        return None
+    for (r0, a0), (r1, a1) in zip(points, points[1:], strict=False):
+        if a1 < target:
+            return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+    return points[-1][0]
