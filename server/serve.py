@@ -115,9 +115,12 @@ class SloserveServer:
                 return
             ready = self.engine.ready and self.engine.alive and not self.service.draining
             if ready != current and not self.service.draining:
-                if current is not None or not ready:
-                    log.log(logging.INFO if ready else logging.WARNING, "readiness: %s",
-                            "SERVING" if ready else "NOT_SERVING (engine loading, stuck or stopped)")
+                if current is None:
+                    log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING until the model is loaded")
+                elif ready:
+                    log.info("readiness: SERVING")
+                else:
+                    log.warning("readiness: NOT_SERVING (the engine loop is stuck or stopped)")
                 await self.health.set(SERVICE_NAME, SERVING if ready else NOT_SERVING)
                 current = ready
             await asyncio.sleep(self.watchdog_interval_s)
@@ -140,7 +143,7 @@ class SloserveServer:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
-        self.metrics.stop()
+        await asyncio.to_thread(self.metrics.stop)  # HTTP server shutdown blocks up to 0.5 s
         try:
             await self.engine.stop()
         except Exception as exc:  # noqa: BLE001 - stopping a dead engine may fail; we exit anyway

@@ -22,7 +22,7 @@ async def live_server(engine: FakeEngine | None = None, *, start_engine: bool = 
                       **server_kw) -> AsyncIterator[tuple[SloserveServer, pb_grpc.SloserveStub, grpc.aio.Channel]]:
     """A SloserveServer on an ephemeral port with a connected channel; stopped on exit."""
     engine = engine or FakeEngine()
-    server_kw.setdefault("metrics_port", 0)
+    server_kw.setdefault("metrics_port", None)  # the metrics test turns it on
     config = SloserveConfig(server=ServerConfig(host="127.0.0.1", port=0, **server_kw))
     server = SloserveServer(config, engine, watchdog_interval_s=0.02)
     await server.start(start_engine=start_engine)

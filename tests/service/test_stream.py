@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 import pytest
-
 from sloserve.pb import serving_pb2 as pb
+
 from tests.service.fake_engine import FakeEngine
 from tests.service.helpers import Transcript, cancel, gen, live_server, read_until, wait_for
 
