@@ -1,0 +1,122 @@
+"""Paged attention through PyTorch's fused `scaled_dot_product_attention`.
+
+SDPA takes dense K/V, so each sequence's pages are gathered first. Its `is_causal` flag aligns
+the mask top-left, which is wrong for a chunk that starts after cached context; the mask here
+is explicit and aligned bottom-right: query j of sequence i (at position start_pos[i] + j)
+sees keys 0 .. start_pos[i] + j.
+
+Two ways to run it: one SDPA call per sequence (no padding; the default on CPU, where Python
+loops are cheap next to the maths), or one batched call over every sequence padded to the
+longest query chunk and context (the default on GPUs: no host syncs, one kernel launch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from sloserve.layers.attention.metadata import AttentionMetadata
+
+_HAS_ENABLE_GQA = torch.__version__ >= "2.5"
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA over [..., H, L, D] with GQA (Hq a multiple of Hkv) and an optional boolean keep-mask."""
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class SdpaBackend:
+    """PyTorch SDPA over pages gathered per step; runs on every device and dtype."""
+
+    name = "sdpa"
+
+    def __init__(self, batched: bool | None = None) -> None:
+        self.batched = batched  # None: batched on CUDA, per sequence elsewhere
+
+    @staticmethod
+    def unavailable_reason(
+        device: torch.device | str, dtype: torch.dtype | None = None, block_size: int | None = None,
+        head_dim: int | None = None,
+    ) -> str | None:
+        """Why this backend cannot run with these settings, or None when it can (always can)."""
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q[T, Hq, D] over the paged caches [P, page, Hkv, D] -> [T, Hq, D]."""
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        if q.shape[1] % k_cache.shape[2]:
+            raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+        batched = q.is_cuda if self.batched is None else self.batched
+        if batched:
+            return self._forward_batched(q, k_cache, v_cache, meta, scale)
+        return self._forward_loop(q, k_cache, v_cache, meta, scale)
+
+    def _forward_loop(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        page = k_cache.shape[1]
+        out = torch.empty_like(q)
+        cu = meta.cu_seqlens_q_list
+        for i, seq_len in enumerate(meta.seq_lens_list):
+            lo, hi = cu[i], cu[i + 1]
+            n = hi - lo
+            if n == 0:
+                continue
+            blocks = meta.block_tables[i, : -(-seq_len // page)].to(torch.long)
+            k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+            v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+            mask = None
+            if n > 1:
+                keys = torch.arange(seq_len, device=q.device)
+                rows = torch.arange(n, device=q.device) + (seq_len - n)
+                mask = keys[None, :] <= rows[:, None]  # [n, L], bottom-right causal
+            out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, mask, scale).transpose(0, 1)
+        return out
+
+    def _forward_batched(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_seqs = meta.num_seqs
+        page = k_cache.shape[1]
+        max_q = meta.max_seqlen_q
+        num_blocks = -(-meta.max_seqlen_k // page)
+        device = q.device
+        table = meta.block_tables[:, :num_blocks].to(torch.long)  # [S, nb]
+        # [S, nb, page, Hkv, D] -> [S, Hkv, Lk, D]
+        k = k_cache[table].flatten(1, 2).transpose(1, 2)
+        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        cu = meta.cu_seqlens_q.to(torch.long)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(num_seqs, device=device), cu[1:] - cu[:-1], output_size=num_tokens
+        )
+        row = torch.arange(num_tokens, device=device) - cu[seq_of_token]
+        q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim)
+        q_pad[seq_of_token, row] = q
+        keys = torch.arange(num_blocks * page, device=device)
+        # NOTE: slots past a sequence's length (the tail of its last page, the null page padding
+        # the table) hold whatever the pool held, NaN bit patterns included; masked scores still
+        # multiply them (0 * NaN = NaN), so they are zeroed, not just masked.
+        outside = (keys[None, :] >= meta.seq_lens.to(torch.long)[:, None])[:, None, :, None]  # [S,1,Lk,1]
+        k = k.masked_fill(outside, 0.0)
+        v = v.masked_fill(outside, 0.0)
+        rows = meta.start_pos.to(torch.long)[:, None] + torch.arange(max_q, device=device)[None, :]  # [S, maxq]
+        # Padded query rows still see key 0 (start_pos + row >= 0), so no row is fully masked.
+        mask = keys[None, None, :] <= rows[:, :, None]  # [S, maxq, Lk], bottom-right causal
+        out = _sdpa(q_pad.transpose(1, 2), k, v, mask[:, None], scale)  # [S, Hq, maxq, D]
+        return out.transpose(1, 2)[seq_of_token, row]

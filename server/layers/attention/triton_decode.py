@@ -1,0 +1,149 @@
+"""A Triton paged-attention kernel for GPUs: one program per (query token, KV head).
+
+Each program loads the GROUP query heads that share one KV head (padded to 16 rows for
+`tl.dot`), walks that sequence's pages through the block table in BLOCK_N-key tiles with an
+online softmax, and writes GROUP output rows. Query token t of sequence i sits at position
+p = start_pos[i] + (t - cu_seqlens_q[i]) and sees keys 0..p (causal, bottom-right), so the
+same kernel serves decode tokens and prefill chunks in one launch; it is built for decode,
+where every token's keys are read once. Triton is imported only when installed; the module
+itself imports on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from sloserve.layers.attention.metadata import AttentionMetadata
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+if _HAS_TRITON:  # pragma: no cover - GPU machines only
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr,
+        scale,
+        stride_qt, stride_qh,
+        stride_kp, stride_ks, stride_kh,
+        stride_vp, stride_vs, stride_vh,
+        stride_ot, stride_oh,
+        stride_tb,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1).to(tl.int64)
+        seq = tl.load(seq_ptr + tok).to(tl.int64)
+        n_keys = tl.load(pos_ptr + tok).to(tl.int32) + 1
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None], other=0.0)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for start in range(0, n_keys, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            k_ok = offs < n_keys
+            page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE, mask=k_ok, other=0).to(tl.int64)
+            within = (offs % PAGE).to(tl.int64)
+            k = tl.load(k_ptr + page[:, None] * stride_kp + within[:, None] * stride_ks
+                        + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(k_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + page[:, None] * stride_vp + within[:, None] * stride_vs
+                        + kv_head * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+class TritonDecodeBackend:
+    """The Triton paged kernel above; CUDA + triton only, head_dim a power of two in 16..256."""
+
+    name = "triton"
+
+    def __init__(self, block_n: int | None = None, num_warps: int = 4) -> None:
+        if not _HAS_TRITON:
+            raise RuntimeError("the 'triton' attention backend needs the triton package and a CUDA GPU; "
+                               "use --attention-backend sdpa instead")
+        self.block_n = block_n
+        self.num_warps = num_warps
+
+    @staticmethod
+    def unavailable_reason(
+        device: torch.device | str, dtype: torch.dtype | None = None, block_size: int | None = None,
+        head_dim: int | None = None,
+    ) -> str | None:
+        """Why the Triton kernel cannot run with these settings, or None when it can."""
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            return "the Triton paged kernel needs a CUDA device"
+        if not _HAS_TRITON:
+            return "triton is not installed"
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"the Triton paged kernel supports float16, bfloat16 and float32, not {dtype}"
+        if head_dim is not None and (head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1)):
+            return f"the Triton paged kernel needs head_dim a power of two in 16..256, got {head_dim}"
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q[T, Hq, D] over the paged caches [P, page, Hkv, D] -> [T, Hq, D]."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+        if not q.is_cuda:
+            raise ValueError("the Triton paged kernel runs on CUDA tensors only; use the sdpa backend on CPU")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("KV caches must be contiguous in head_dim")
+        out = torch.empty_like(q)
+        if num_tokens == 0:
+            return out
+        q = q.contiguous()
+        group = num_heads // num_kv_heads
+        cu = meta.cu_seqlens_q.to(torch.long)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(meta.num_seqs, device=q.device), cu[1:] - cu[:-1], output_size=num_tokens
+        )
+        positions = meta.start_pos.to(torch.long)[seq_of_token] + (
+            torch.arange(num_tokens, device=q.device) - cu[seq_of_token]
+        )
+        tables = meta.block_tables
+        block_n = self.block_n or (64 if head_dim <= 128 else 32)
+        _paged_attention_kernel[(num_tokens, num_kv_heads)](
+            q, k_cache, v_cache, out, tables, seq_of_token, positions,
+            scale,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            tables.stride(0),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            PAGE=page, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            num_warps=self.num_warps,
+        )
+        return out

@@ -1,0 +1,194 @@
+"""Every attention backend against a float64 oracle over the same paged cache.
+
+Cases: context lengths 1, page-1, page, page+1, 3*page+5; GQA ratios 1, 4, 8; whole prefills,
+decode tokens and prefill chunks after cached context, alone and mixed in one batch; pages
+handed out in shuffled order. GPU-only backends run under the `gpu` marker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from sloserve.layers.attention.metadata import AttentionMetadata
+from sloserve.layers.attention.sdpa import SdpaBackend
+
+PAGE = 16
+HEAD_DIM = 32
+KV_HEADS = 2
+LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 5]
+RATIOS = [1, 4, 8]
+CUDA = torch.cuda.is_available()
+
+
+def cpu_backends() -> list[tuple[str, object]]:
+    """(id, backend) for every backend that runs on a CPU."""
+    found: list[tuple[str, object]] = [
+        ("sdpa-loop", SdpaBackend(batched=False)),
+        ("sdpa-batched", SdpaBackend(batched=True)),
+    ]
+    try:
+        from sloserve.layers.attention import get_backend
+    except ImportError:
+        return found
+    try:
+        found.append(("reference", get_backend("reference", "cpu")))
+    except (ValueError, RuntimeError, KeyError):
+        pass
+    return found
+
+
+BACKENDS = cpu_backends()
+
+
+def make_case(
+    chunks: list[tuple[int, int]], ratio: int, *, seed: int = 0, dtype=torch.float32, device="cpu",
+    page: int = PAGE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
+    """Random q and paged caches for sequences given as (start_pos, query_len); pages shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = [math.ceil((s + n) / page) for s, n in chunks]
+    num_pages = sum(pages_needed) + 3  # + null page 0 and two pages nobody uses
+    page_ids = list(range(1, num_pages))
+    random.Random(seed).shuffle(page_ids)
+    tables, at = [], 0
+    for n in pages_needed:
+        tables.append(page_ids[at : at + n])
+        at += n
+    k_cache = torch.randn(num_pages, page, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, page, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, KV_HEADS * ratio, HEAD_DIM, generator=gen).to(dtype)
+    meta = AttentionMetadata.build([n for _, n in chunks], [s for s, _ in chunks], tables, page, device)
+    return q.to(device), k_cache.to(device), v_cache.to(device), meta, HEAD_DIM**-0.5
+
+
+def oracle(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Token by token in float64: query at position p sees keys 0..p of its sequence."""
+    q, k_cache, v_cache = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
+    group = q.shape[1] // k_cache.shape[2]
+    page = meta.block_size
+    out = torch.zeros_like(q)
+    cu = meta.cu_seqlens_q_list
+    for i, table in enumerate(meta.block_tables_list):
+        for t in range(cu[i], cu[i + 1]):
+            pos = meta.start_pos_list[i] + (t - cu[i])
+            slots = [(table[p // page], p % page) for p in range(pos + 1)]
+            k = torch.stack([k_cache[b, o] for b, o in slots])  # [L, Hkv, D]
+            v = torch.stack([v_cache[b, o] for b, o in slots])
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[t], k) * scale
+            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
+def modes(length: int) -> dict[str, tuple[int, int]]:
+    """(start_pos, query_len) of a whole prefill, a decode token and a chunk, all ending at `length`."""
+    half = length // 2
+    return {"prefill": (0, length), "decode": (length - 1, 1), "chunk": (half, length - half)}
+
+
+@pytest.mark.parametrize("backend", [b for _, b in BACKENDS], ids=[i for i, _ in BACKENDS])
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("mode", ["prefill", "decode", "chunk"])
+def test_single_sequence_matches_oracle(backend, ratio, length, mode):
+    q, k, v, meta, scale = make_case([modes(length)[mode]], ratio, seed=length * 10 + ratio)
+    out = backend.forward(q, k, v, meta, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, oracle(q, k, v, meta, scale)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", [b for _, b in BACKENDS], ids=[i for i, _ in BACKENDS])
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_mixed_prefill_and_decode_in_one_batch(backend, ratio):
+    chunks = [m for length in LENGTHS for m in modes(length).values()]
+    random.Random(ratio).shuffle(chunks)
+    q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio)
+    out = backend.forward(q, k, v, meta, scale)
+    ref = oracle(q, k, v, meta, scale)
+    assert rel_err(out, ref) <= 1e-5
+    # Each sequence's rows are its own: a per-sequence error check catches a swapped row block.
+    cu = meta.cu_seqlens_q_list
+    for i in range(meta.num_seqs):
+        assert rel_err(out[cu[i] : cu[i + 1]], ref[cu[i] : cu[i + 1]]) <= 1e-5
+
+
+def test_unrelated_pages_do_not_leak_into_the_output():
+    q, k, v, meta, scale = make_case([(0, 5), (PAGE, 3)], 4, seed=7)
+    used = {b for table in meta.block_tables_list for b in table}
+    k2, v2 = k.clone(), v.clone()
+    for page in range(k.shape[0]):
+        if page not in used:
+            k2[page] = float("nan")
+            v2[page] = float("inf")
+    # Slots past each sequence's length inside its last page may hold garbage too (the pool is
+    # never cleared): they must not reach the output, not even as 0 * NaN.
+    last = meta.block_tables_list[0][-1]
+    k2[last, 5:] = float("nan")
+    v2[last, 5:] = float("nan")
+    for _, backend in BACKENDS:
+        assert torch.equal(backend.forward(q, k, v, meta, scale), backend.forward(q, k2, v2, meta, scale))
+
+
+def test_sdpa_rejects_bad_head_ratio():
+    q, k, v, meta, scale = make_case([(0, 3)], 1, seed=1)  # KV_HEADS = 2 KV heads
+    q3 = torch.randn(q.shape[0], 3, HEAD_DIM)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        SdpaBackend().forward(q3, k, v, meta, scale)
+
+
+def test_gpu_backends_report_why_they_cannot_run_on_cpu():
+    from sloserve.layers.attention.flash import FlashBackend
+    from sloserve.layers.attention.triton_decode import TritonDecodeBackend
+
+    assert "CUDA" in FlashBackend.unavailable_reason("cpu")
+    assert "CUDA" in TritonDecodeBackend.unavailable_reason("cpu")
+    assert SdpaBackend.unavailable_reason("cpu") is None
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+
+def gpu_backends(dtype: torch.dtype, block_size: int) -> list[object]:
+    from sloserve.layers.attention.flash import FlashBackend
+    from sloserve.layers.attention.triton_decode import TritonDecodeBackend
+
+    found: list[object] = [SdpaBackend(batched=True)]
+    for cls in (TritonDecodeBackend, FlashBackend):
+        if cls.unavailable_reason("cuda", dtype, block_size, HEAD_DIM) is None:
+            found.append(cls())
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_gpu_backends_match_oracle(dtype, ratio):
+    chunks = [m for length in LENGTHS for m in modes(length).values()]
+    q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=dtype, device="cuda")
+    ref = oracle(q, k, v, meta, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for backend in gpu_backends(dtype, PAGE):
+        assert rel_err(backend.forward(q, k, v, meta, scale), ref) <= tolerance, backend.name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_gpu_backends_with_256_token_pages(ratio):
+    """flash-attn's paged kernels need 256-token pages; decode-only and mixed batches."""
+    lengths = [1, 255, 256, 257, 3 * 256 + 5]
+    for chunks in ([(n - 1, 1) for n in lengths], [m for n in lengths for m in modes(n).values()]):
+        q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=torch.bfloat16, device="cuda", page=256)
+        ref = oracle(q, k, v, meta, scale)
+        for backend in gpu_backends(torch.bfloat16, 256):
+            assert rel_err(backend.forward(q, k, v, meta, scale), ref) <= 2e-2, backend.name
