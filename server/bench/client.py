@@ -25,6 +25,7 @@ from sloserve.sampling_params import SLO
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                  pb.FINISH_REASON_CANCELLED: "cancelled"}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sloserve"].full_name
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024**2),
                    ("grpc.max_send_message_length", 64 * 1024**2)]
 
@@ -186,6 +187,32 @@ async def connect(target: str, timeout_s: float = 10.0) -> grpc.aio.Channel:
         raise ConnectionError(f"cannot reach a sloserve server at {target} within {timeout_s:g} s: "
                               "check --server HOST:PORT and that the server is running") from None
     return channel
+
+
+async def wait_ready(channel: grpc.aio.Channel, timeout_s: float, auth_token: str | None = None) -> None:
+    """Wait until the server's health check says the service is SERVING (model loaded).
+
+    Servers without the health service are taken as ready; ConnectionError after timeout_s.
+    """
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            reply = await stub.Check(request, timeout=5.0, metadata=_metadata(auth_token) or None)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise ConnectionError(f"the server refused our credentials: {exc.details()}") from None
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"the server is reachable but not ready after {timeout_s:g} s "
+                                  "(model still loading?): raise --ready-timeout") from None
+        await asyncio.sleep(0.5)
 
 
 async def fetch_info(channel: grpc.aio.Channel, auth_token: str | None = None) -> dict:

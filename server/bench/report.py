@@ -1,0 +1,121 @@
+"""Bench reports: the JSON document (a stable interface), a text table, and latency plots.
+
+JSON schema (``schema_version`` 1): top level ``server``, ``server_info``, ``workload``,
+``config`` and ``runs``; each run (one per rate of a sweep) holds at least ``rate`` (null for
+unpaced), ``completed``, ``refused``, ``duration_s``, ``request_throughput``,
+``output_token_throughput``, ``prompt_tokens``, ``prefix_hit_tokens``, ``slo_attainment``,
+``goodput``, and ``ttft_s``, ``tpot_s``, ``itl_s``, ``e2e_s`` each with ``mean``, ``p50``,
+``p90``, ``p99`` (seconds; null when there is nothing to measure).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+
+import orjson
+from sloserve.bench.client import RunResult
+
+SCHEMA_VERSION = 1
+
+
+def build_report(server: str, server_info: dict, workload: str, config: dict,
+                 runs: list[dict]) -> dict:
+    """The JSON document of one bench invocation."""
+    return {"schema_version": SCHEMA_VERSION, "tool": "sloserve bench",
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "server": server, "server_info": server_info, "workload": workload,
+            "config": config, "runs": runs}
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    """Write the report with orjson (indented, keys in a stable order)."""
+    Path(path).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+
+
+def _num(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def rate_label(rate: float | None) -> str:
+    return "inf" if rate is None or not math.isfinite(rate) else f"{rate:g}/s"
+
+
+def format_table(runs: list[dict]) -> str:
+    """One column per run (rate), one row per figure; latencies in milliseconds."""
+    rows: list[tuple[str, list[str]]] = [
+        ("rate", [rate_label(r["rate"]) for r in runs]),
+        ("completed / sent", [f"{r['completed']}/{r['requests']}" for r in runs]),
+        ("refused", [str(r["refused"]) for r in runs]),
+        ("failed", [str(r["failed"]) for r in runs]),
+        ("duration (s)", [_num(r["duration_s"]) for r in runs]),
+        ("requests/s", [_num(r["request_throughput"]) for r in runs]),
+        ("output tokens/s", [_num(r["output_token_throughput"], digits=1) for r in runs]),
+        ("prompt tokens", [str(r["prompt_tokens"]) for r in runs]),
+        ("prefix-hit tokens", [str(r["prefix_hit_tokens"]) for r in runs]),
+        ("SLO attainment %", [_num(r["slo_attainment"], 100.0, 1) for r in runs]),
+        ("goodput (req/s)", [_num(r["goodput"]) for r in runs]),
+    ]
+    if any(r.get("exact_match") is not None for r in runs):
+        rows.append(("exact match %", [_num(r.get("exact_match"), 100.0, 1) for r in runs]))
+    for metric, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        for stat in ("mean", "p50", "p90", "p99"):
+            rows.append((f"{label} {stat} (ms)", [_num(r[metric][stat], 1000.0, 1) for r in runs]))
+    refusals = sorted({k for r in runs for k in r.get("refusals", {})})
+    for key in refusals:
+        rows.append((f"  {key}", [str(r.get("refusals", {}).get(key, 0)) for r in runs]))
+    width = max(len(name) for name, _ in rows)
+    cols = [max(len(row[1][i]) for row in rows) for i in range(len(runs))]
+    lines = [f"{name:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols, strict=True))
+             for name, values in rows]
+    rule = "-" * len(lines[0])
+    return "\n".join([rule, lines[0], rule, *lines[1:], rule])
+
+
+def _cdf(ax, values: list[float], label: str) -> None:
+    if values:
+        xs = sorted(v * 1000.0 for v in values)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+
+
+def write_plot(results: list[RunResult], runs: list[dict], path: str | Path) -> None:
+    """Latency CDFs (TTFT, TPOT, E2E) per rate; for a sweep also attainment and P99 vs rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = len(runs) > 1
+    fig, axes = plt.subplots(2 if sweep else 1, 3, figsize=(15, 8 if sweep else 4.2), squeeze=False)
+    for ax, (name, getter) in zip(axes[0], (
+            ("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot]), ("end-to-end", lambda r: [r.e2e])),
+            strict=True):
+        for result in results:
+            done = [r for r in result.records if r.status == "ok"]
+            _cdf(ax, [v for r in done for v in getter(r) if v is not None], rate_label(result.rate))
+        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    if sweep:
+        points = [(r["rate"], r) for r in runs if r["rate"] is not None]
+        rates = [p for p, _ in points]
+        ax = axes[1][0]
+        ax.plot(rates, [100.0 * (r["slo_attainment"] or 0.0) for _, r in points], marker="o")
+        ax.set(title="SLO attainment", xlabel="request rate (req/s)", ylabel="%", ylim=(0, 102))
+        ax = axes[1][1]
+        ax.plot(rates, [r["goodput"] or 0.0 for _, r in points], marker="o", label="goodput")
+        ax.plot(rates, [r["request_throughput"] or 0.0 for _, r in points], marker="x", label="throughput")
+        ax.set(title="Goodput", xlabel="request rate (req/s)", ylabel="req/s")
+        ax.legend(fontsize="small")
+        ax = axes[1][2]
+        for metric, label in (("ttft_s", "TTFT p99"), ("e2e_s", "E2E p99")):
+            ys = [r[metric]["p99"] for _, r in points]
+            ax.plot(rates, [math.nan if y is None else y * 1000.0 for y in ys], marker="o", label=label)
+        ax.set(title="P99 latency", xlabel="request rate (req/s)", ylabel="ms")
+        ax.legend(fontsize="small")
+        for ax in axes[1]:
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
