@@ -183,3 +183,57 @@ class BlockAllocator:
     def free_order(self) -> list[int]:
         """Truly free blocks in hand-out order, then cached blocks LRU first (for tests)."""
         return [*self._free, *self._cached]
+
+
+_MASK64 = (1 << 64) - 1
+_BENCH_MAX_BLOCKS = 16
+
+
+def _bench_blocks(
+    num_blocks: int, n_requests: int, n_ops: int, seed: int = 1, probe=None, probe_target: int = 0
+) -> tuple[int, int, int, int]:
+    """Same churn as `_blocks._bench_blocks` through the public API (the twin holds the GIL)."""
+    if num_blocks < 2 or n_requests < 1 or n_ops < 0:
+        raise ValueError("need num_blocks >= 2, n_requests >= 1, n_ops >= 0")
+    a = BlockAllocator(num_blocks)
+    held: list[list[int]] = [[] for _ in range(n_requests)]
+    x, checksum, done, hash_space = seed, 0, 0, 4 * n_requests
+    start = seen = probe[0] if probe is not None else 0
+    for i in range(n_ops):
+        x = (x * 6364136223846793005 + 1442695040888963407) & _MASK64
+        r = x >> 33
+        k = r % n_requests
+        if held[k]:
+            a.free(held[k][::-1])
+            held[k] = []
+        else:
+            want = 1 + (r >> 8) % _BENCH_MAX_BLOCKS
+            h = (r >> 12) % hash_space
+            got = []
+            b = a.lookup(h)
+            a.record_lookup(b >= 0)
+            if b >= 0:
+                if a.ref_count(b) > 0:
+                    a.incref(b)
+                else:
+                    a.touch(b)
+                got = [b]
+            new = a.allocate(want - len(got))
+            if new is None:
+                if got:
+                    a.free(got)
+            else:
+                blocks = got + new
+                if not got:
+                    a.set_hash(blocks[0], h)
+                for block in blocks:
+                    checksum = (checksum * 1000003 + block) & _MASK64
+                held[k] = blocks
+        done = i + 1
+        if probe is not None and i % 256 == 255:
+            seen = probe[0]
+            if seen - start >= probe_target:
+                break
+    if probe is not None:
+        seen = probe[0]
+    return checksum, done, seen - start, a.num_used

@@ -191,3 +191,50 @@ def target_batch_size(max_batch: int, queue_depth: int, decay: float = 0.9) -> i
         return 0
     target = math.ceil(max_batch * (1.0 - decay**queue_depth))
     return min(max(target, 1), max_batch)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _lcg(x: int) -> int:
+    return (x * 6364136223846793005 + 1442695040888963407) & _MASK64
+
+
+def _bench_queue(
+    n_live: int, n_ops: int, seed: int = 1, probe=None, probe_target: int = 0
+) -> tuple[int, int, int]:
+    """Same churn as `_queue._bench_queue` through the public API (the twin holds the GIL)."""
+    if n_live < 1 or n_ops < 0:
+        raise ValueError(f"need n_live >= 1 and n_ops >= 0, got {n_live}, {n_ops}")
+    q = RequestQueue(0.95, 0.2, 1e-4, n_live + 1)
+    x, checksum, next_handle, now, done = seed, 0, 0, 0.0, 0
+    start = seen = probe[0] if probe is not None else 0
+    for _ in range(n_live):
+        x = _lcg(x)
+        r = x >> 33
+        q.push(next_handle, now + (r % 2000) * 0.001, (r >> 11) % 4096, now)
+        next_handle += 1
+    for i in range(n_ops):
+        now += 1e-6
+        checksum = (checksum * 1000003 + q.pop()) & _MASK64
+        x = _lcg(x)
+        r = x >> 33
+        q.push(next_handle, now + (r % 2000) * 0.001, (r >> 11) % 4096, now)
+        next_handle += 1
+        if i % 8 == 7:
+            victim = next_handle - 1 - r % 16
+            if victim in q:
+                q.remove(victim)
+                checksum = (checksum * 1000003 + victim) & _MASK64
+                x = _lcg(x)
+                r = x >> 33
+                q.push(next_handle, now + (r % 2000) * 0.001, (r >> 11) % 4096, now)
+                next_handle += 1
+        done = i + 1
+        if probe is not None and i % 256 == 255:
+            seen = probe[0]
+            if seen - start >= probe_target:
+                break
+    if probe is not None:
+        seen = probe[0]
+    return checksum, done, seen - start

@@ -1,0 +1,359 @@
+# cython: language_level=3
+"""KV block bookkeeping over C arrays: refcounts, a free list, and an LRU of cached prefix blocks.
+
+Invariants (both implementations)::
+
+    block 0           the null block: never handed out, freed, shared or hashed
+    refs[b] > 0       in use; in no list
+    refs[b] == 0      exactly one of: FREE list (no hash) or CACHED list (holds a hash)
+    num_free + num_used == num_total == num_blocks - 1
+
+Both lists are threaded through flat `prev`/`next` int32 arrays with two sentinel nodes
+(`FREE = num_blocks`, `CACHED = num_blocks + 1`), so allocation, free and removal from the
+middle (touching a cached block) are O(1) and allocate nothing:
+
+    FREE   <-> 4 <-> 5 <-> 3 <-> FREE        hand-out order (a freed block joins the tail)
+    CACHED <-> 1 <-> 7 <-> CACHED            least recently freed first (evicted first)
+
+`allocate(n)` is all-or-nothing: it takes free blocks first, then evicts cached ones from the
+LRU head (dropping their hash), and returns None when fewer than n exist. A request's blocks
+are freed tail first, so the tail of a prefix chain is evicted before its head. The prefix map
+(hash -> block) is a C open-addressing table; no Python object exists per block.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+
+from _hashmap cimport I64Map, map_del, map_find, map_free, map_get, map_init, map_put
+
+from ._blocks_py import check_hash
+
+
+ctypedef struct Blocks:
+    int32_t* prev
+    int32_t* next
+    int32_t* refs
+    unsigned char* hashed
+    int64_t* hashes
+    I64Map by_hash
+    Py_ssize_t n
+    Py_ssize_t n_free
+    Py_ssize_t n_cached
+    int64_t evictions
+
+
+cdef inline void list_unlink(Blocks* a, int32_t b) noexcept nogil:
+    a.next[a.prev[b]] = a.next[b]
+    a.prev[a.next[b]] = a.prev[b]
+
+
+cdef inline void list_append(Blocks* a, int32_t head, int32_t b) noexcept nogil:
+    cdef int32_t tail = a.prev[head]
+    a.next[tail] = b
+    a.prev[b] = tail
+    a.next[b] = head
+    a.prev[head] = b
+
+
+cdef int b_init(Blocks* a, Py_ssize_t n) noexcept nogil:
+    """Every block but 0 free, in id order; -1 when out of memory."""
+    cdef Py_ssize_t b
+    a.n = n
+    a.n_free = n - 1
+    a.n_cached = 0
+    a.evictions = 0
+    a.prev = <int32_t*>malloc((n + 2) * sizeof(int32_t))
+    a.next = <int32_t*>malloc((n + 2) * sizeof(int32_t))
+    a.refs = <int32_t*>calloc(n, sizeof(int32_t))
+    a.hashed = <unsigned char*>calloc(n, 1)
+    a.hashes = <int64_t*>calloc(n, sizeof(int64_t))
+    if map_init(&a.by_hash, n) < 0 or a.prev == NULL or a.next == NULL or a.refs == NULL \
+            or a.hashed == NULL or a.hashes == NULL:
+        return -1
+    a.prev[n] = a.next[n] = <int32_t>n
+    a.prev[n + 1] = a.next[n + 1] = <int32_t>(n + 1)
+    for b in range(1, n):
+        list_append(a, <int32_t>n, <int32_t>b)
+    return 0
+
+
+cdef void b_free_all(Blocks* a) noexcept nogil:
+    free(a.prev)
+    free(a.next)
+    free(a.refs)
+    free(a.hashed)
+    free(a.hashes)
+    map_free(&a.by_hash)
+    a.prev = NULL
+    a.next = NULL
+    a.refs = NULL
+    a.hashed = NULL
+    a.hashes = NULL
+    a.n = 0
+
+
+cdef int b_allocate(Blocks* a, Py_ssize_t count, int32_t* out) noexcept nogil:
+    """Fill out[0:count] (free blocks first, then LRU cached); -1 and no change when short."""
+    cdef Py_ssize_t i
+    cdef int32_t b
+    cdef int32_t free_head = <int32_t>a.n
+    cdef int32_t cached_head = <int32_t>(a.n + 1)
+    if count > a.n_free + a.n_cached:
+        return -1
+    for i in range(count):
+        if a.n_free > 0:
+            b = a.next[free_head]
+            a.n_free -= 1
+        else:
+            b = a.next[cached_head]
+            a.n_cached -= 1
+            map_del(&a.by_hash, a.hashes[b])
+            a.hashed[b] = 0
+            a.evictions += 1
+        list_unlink(a, b)
+        a.refs[b] = 1
+        out[i] = b
+    return 0
+
+
+cdef inline void b_decref(Blocks* a, int32_t b) noexcept nogil:
+    a.refs[b] -= 1
+    if a.refs[b] == 0:
+        if a.hashed[b]:
+            list_append(a, <int32_t>(a.n + 1), b)
+            a.n_cached += 1
+        else:
+            list_append(a, <int32_t>a.n, b)
+            a.n_free += 1
+
+
+cdef Py_ssize_t b_check_free(Blocks* a, const int32_t* ids, Py_ssize_t count) noexcept nogil:
+    """Index of the first occurrence that would free a block below refcount 0, else -1."""
+    cdef Py_ssize_t i, j, bad = -1
+    for i in range(count):
+        a.refs[ids[i]] -= 1
+        if a.refs[ids[i]] < 0:
+            bad = i
+            i += 1
+            break
+    else:
+        i = count
+    for j in range(i):  # restore: validation changes nothing
+        a.refs[ids[j]] += 1
+    return bad
+
+
+cdef int b_touch(Blocks* a, int32_t b) noexcept nogil:
+    list_unlink(a, b)
+    a.n_cached -= 1
+    a.refs[b] = 1
+    return 0
+
+
+cdef inline uint64_t lcg(uint64_t x) noexcept nogil:
+    return x * <uint64_t>6364136223846793005ULL + <uint64_t>1442695040888963407ULL
+
+
+cdef inline int64_t read_probe(const int64_t* p) noexcept nogil:
+    return (<volatile const int64_t*>p)[0]
+
+
+cdef class BlockAllocator:
+    """Reference-counted KV blocks, a free list, and an LRU of cached prefix blocks."""
+
+    cdef Blocks a
+    cdef readonly Py_ssize_t num_blocks
+    cdef public long long prefix_hits
+    cdef public long long prefix_misses
+
+    def __init__(self, num_blocks):
+        cdef Py_ssize_t n = num_blocks
+        if n < 1:
+            raise ValueError(f"num_blocks must be >= 1 (block 0 is the null block), got {n}")
+        if n > 2**31 - 3:
+            raise ValueError(f"num_blocks must be < 2**31 - 2, got {n}")
+        b_free_all(&self.a)
+        self.num_blocks = n
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+        if b_init(&self.a, n) < 0:
+            b_free_all(&self.a)
+            raise MemoryError(f"BlockAllocator: out of memory for {n} blocks")
+
+    def __dealloc__(self):
+        b_free_all(&self.a)
+
+    @property
+    def num_free(self):
+        """Blocks allocate() can hand out: truly free plus cached evictable."""
+        return self.a.n_free + self.a.n_cached
+
+    @property
+    def num_cached(self):
+        """Blocks with refcount 0 that still hold a reusable prefix."""
+        return self.a.n_cached
+
+    @property
+    def num_used(self):
+        """Blocks with refcount > 0."""
+        return self.a.n - 1 - self.a.n_free - self.a.n_cached
+
+    @property
+    def num_total(self):
+        """Blocks that can ever be handed out (num_blocks - 1: block 0 is the null block)."""
+        return self.a.n - 1
+
+    @property
+    def evictions(self):
+        """Cached blocks whose prefix was dropped to satisfy allocate()."""
+        return self.a.evictions
+
+    cdef int32_t _check_block(self, block) except -1:
+        cdef int64_t b
+        try:
+            b = block
+        except OverflowError:
+            b = -1
+        if b == 0:
+            raise ValueError("block 0 is the null block; it is never allocated, freed or shared")
+        if not 0 < b < self.a.n:
+            raise ValueError(f"block {block} is out of range 1..{self.a.n - 1}")
+        return <int32_t>b
+
+    cdef int32_t _check_any(self, block) except -1:
+        cdef int64_t b
+        try:
+            b = block
+        except OverflowError:
+            b = -1
+        if not 0 <= b < self.a.n:
+            raise ValueError(f"block {block} is out of range 0..{self.a.n - 1}")
+        return <int32_t>b
+
+    def allocate(self, n):
+        """n blocks with refcount 1 (free ones first, then LRU cached), or None if short."""
+        cdef Py_ssize_t count = n
+        cdef Py_ssize_t i
+        cdef int32_t stack[64]
+        cdef int32_t* out = stack
+        if count < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({count})")
+        if count > self.a.n_free + self.a.n_cached:
+            return None
+        if count > 64:
+            out = <int32_t*>malloc(count * sizeof(int32_t))
+            if out == NULL:
+                raise MemoryError("BlockAllocator: out of memory")
+        try:
+            b_allocate(&self.a, count, out)
+            return [out[i] for i in range(count)]
+        finally:
+            if out != stack:
+                free(out)
+
+    def free(self, blocks):
+        """Decref each block (pass a request's blocks tail first); at 0 it is cached or freed."""
+        cdef list items = blocks if type(blocks) is list else list(blocks)
+        cdef Py_ssize_t count = len(items)
+        cdef Py_ssize_t i, bad
+        cdef int32_t stack[64]
+        cdef int32_t* ids = stack
+        cdef int32_t b
+        if count > 64:
+            ids = <int32_t*>malloc(count * sizeof(int32_t))
+            if ids == NULL:
+                raise MemoryError("BlockAllocator: out of memory")
+        try:
+            for i in range(count):
+                ids[i] = self._check_block(items[i])
+            bad = b_check_free(&self.a, ids, count)
+            if bad >= 0:
+                b = ids[bad]
+                refs = self.a.refs[b]
+                state = "not allocated" if refs == 0 else f"held {refs} time(s)"
+                raise ValueError(f"double free: block {b} is {state} but freed {refs + 1} time(s)")
+            for i in range(count):
+                b_decref(&self.a, ids[i])
+        finally:
+            if ids != stack:
+                free(ids)
+
+    def incref(self, block):
+        """Share an allocated block with one more request."""
+        cdef int32_t b = self._check_block(block)
+        if self.a.refs[b] == 0:
+            raise ValueError(f"block {b} is not allocated; use touch() to reuse a cached block")
+        self.a.refs[b] += 1
+
+    def ref_count(self, block):
+        """Current reference count of a block (0 when free or cached)."""
+        return self.a.refs[self._check_any(block)]
+
+    def lookup(self, block_hash):
+        """Block holding this hash, or -1; refcounts and LRU order are unchanged."""
+        cdef int64_t h
+        try:
+            h = block_hash
+        except OverflowError:
+            check_hash(block_hash)
+            raise
+        return map_get(&self.a.by_hash, h, -1)
+
+    def touch(self, block):
+        """Reuse a cached block: take it off the evictable list with refcount 1."""
+        cdef int32_t b = self._check_block(block)
+        if self.a.refs[b] > 0:
+            raise ValueError(f"block {b} is in use (refcount {self.a.refs[b]}); use incref()")
+        if not self.a.hashed[b]:
+            raise ValueError(f"block {b} is free and holds no prefix; allocate() it instead")
+        b_touch(&self.a, b)
+
+    def set_hash(self, block, block_hash):
+        """Record that an allocated block holds this full block; False if another block already does."""
+        cdef int32_t b = self._check_block(block)
+        cdef int64_t h
+        try:
+            h = block_hash
+        except OverflowError:
+            check_hash(block_hash)
+            raise
+        if self.a.refs[b] == 0:
+            raise ValueError(f"block {b} is not allocated; only a block in use can be hashed")
+        if self.a.hashed[b]:
+            if self.a.hashes[b] == h:
+                return True
+            raise ValueError(f"block {b} already holds hash {self.a.hashes[b]}; blocks are hashed once")
+        if map_find(&self.a.by_hash, h) >= 0:
+            return False
+        if map_put(&self.a.by_hash, h, b) < 0:
+            raise MemoryError("BlockAllocator: out of memory")
+        self.a.hashed[b] = 1
+        self.a.hashes[b] = h
+        return True
+
+    def block_hash(self, block):
+        """The hash recorded for a block, or None."""
+        cdef int32_t b = self._check_any(block)
+        return self.a.hashes[b] if self.a.hashed[b] else None
+
+    def record_lookup(self, hit):
+        """Count one prefix-cache lookup as a hit or a miss."""
+        if hit:
+            self.prefix_hits += 1
+        else:
+            self.prefix_misses += 1
+
+    def free_order(self):
+        """Truly free blocks in hand-out order, then cached blocks LRU first (for tests)."""
+        out = []
+        cdef int32_t head
+        cdef int32_t b
+        for head in (<int32_t>self.a.n, <int32_t>(self.a.n + 1)):
+            b = self.a.next[head]
+            while b != head:
+                out.append(b)
+                b = self.a.next[b]
+        return out
+
+
+include "_blocks_bench.pxi"
