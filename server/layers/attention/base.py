@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
 
 import torch
 from sloserve.layers.attention.metadata import AttentionMetadata
@@ -12,19 +12,18 @@ class BackendUnavailableError(RuntimeError):
     """A backend cannot run here (missing package, wrong device, unsupported page size)."""
 
 
-class AttentionBackend(ABC):
+@runtime_checkable
+class AttentionBackend(Protocol):
     """Paged attention over caches shaped [pages, page_size, kv_heads, head_dim].
 
-    Subclasses set ``name``; their constructor takes the device and raises
-    BackendUnavailableError (with the reason) when they cannot run on it.
+    A backend class has a ``name``, a constructor callable without arguments (raising
+    ImportError or RuntimeError when its package is missing), and a static
+    ``unavailable_reason(device, dtype=None, block_size=None, head_dim=None) -> str | None``
+    saying why it cannot run with those settings (None when it can).
     """
 
-    name: str = "?"
+    name: str
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -34,6 +33,7 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Attend each query to its sequence's cached keys (new K/V already written)."""
+        ...
 
 
 def write_kv(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import torch
-from sloserve.layers.attention.base import AttentionBackend
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 
-class ReferenceBackend(AttentionBackend):
+class ReferenceBackend:
     """Gather each sequence's pages, mask causally (bottom-right), softmax in float32."""
 
     name = "reference"
+
+    @staticmethod
+    def unavailable_reason(device, dtype=None, block_size=None, head_dim=None) -> str | None:
+        """Runs everywhere."""
+        return None
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.num_tokens == 0:
