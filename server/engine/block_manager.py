@@ -1,0 +1,199 @@
+"""KV block bookkeeping for requests over the hot-path BlockAllocator: prefix reuse and swap.
+
+Prefix reuse: full block i of a request is identified by the chained hash
+``h_i = hash((h_{i-1}, tokens of block i))`` with ``h_{-1} = 0``, so a hash names the whole
+prefix up to the end of its block. The allocator maps hash -> block id; a hit is only taken
+when the stored tokens of that block equal the request's tokens (a hash collision is a miss).
+Shared blocks are reference counted by the allocator; a freed hashed block stays cached
+(evictable, LRU) until its memory is needed. A hit never covers the last token of a request,
+so at least one token is computed and its logits can be sampled::
+
+    tokens:  |-- block 0 --|-- block 1 --|-- block 2 --|-- partial --|
+    hit:     |<===== cached (full blocks) =====>|       (capped at (num_tokens - 1) // block_size)
+    compute:                                    |<-- chunked prefill -->|
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sloserve.engine.request import Request
+from sloserve.hotpath import BlockAllocator
+
+_ROOT_HASH = 0
+
+
+def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Hash of one full block given its parent's hash (a signed 64-bit int, deterministic in-process)."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    """Gives requests device blocks (with prefix hits) and host blocks (swap) and takes them back."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
+                 num_host_blocks: int = 0) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs >= 2 blocks (block 0 is the null block), got {num_blocks}")
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+        self.allocator = BlockAllocator(num_blocks)
+        self.num_usable = num_blocks - 1
+        self.num_host_blocks = num_host_blocks
+        self._host_free = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out 0 first
+        self._tokens: dict[int, tuple[int, ...]] = {}  # block id -> the tokens it was hashed with
+        self._pending: dict[int, int] = {}  # hash -> number of scheduled computations of it
+        self._pending_by_req: dict[str, list[int]] = {}
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return self.allocator.num_cached
+
+    @property
+    def num_host_free(self) -> int:
+        return len(self._host_free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def find_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int], int | None]:
+        """(hit blocks, their hashes, hash of the next full block or None); changes nothing."""
+        if not self.prefix_cache:
+            return [], [], None
+        bs, alloc = self.block_size, self.allocator
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent = _ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, chunk)
+            block = alloc.lookup(h)
+            if block < 0 or self._tokens.get(block) != chunk:
+                return blocks, hashes, h
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes, None
+
+    def is_pending(self, block_hash: int | None) -> bool:
+        """True when a scheduled (not yet finished) step is computing the block with this hash."""
+        return block_hash is not None and block_hash in self._pending
+
+    def acquire_prefix(self, req: Request, blocks: list[int], hashes: list[int]) -> int:
+        """Give a request with no blocks the hit blocks; returns the number of cached tokens."""
+        assert not req.block_table, "prefix hits are taken before any block is allocated"
+        alloc = self.allocator
+        for block in blocks:
+            if alloc.ref_count(block) == 0:
+                alloc.touch(block)
+            else:
+                alloc.incref(block)
+        if self.prefix_cache:
+            for _ in blocks:
+                alloc.record_lookup(True)
+            if len(blocks) < (req.num_tokens - 1) // self.block_size:
+                alloc.record_lookup(False)
+        req.block_table = list(blocks)
+        req.block_hashes = list(hashes)
+        return len(blocks) * self.block_size
+
+    def mark_pending(self, req: Request, end: int) -> None:
+        """Record the full blocks this step will finish for `req` (tokens [0, end) computed)."""
+        if not self.prefix_cache:
+            return
+        hashes = self._new_full_hashes(req, end)
+        if hashes:
+            self._pending_by_req.setdefault(req.request_id, []).extend(hashes)
+            for h in hashes:
+                self._pending[h] = self._pending.get(h, 0) + 1
+
+    def commit(self, req: Request) -> None:
+        """Hash the blocks completed by `req.num_computed_tokens` so later requests can hit them."""
+        self._clear_pending(req)
+        if not self.prefix_cache:
+            return
+        start = len(req.block_hashes)
+        hashes = self._new_full_hashes(req, req.num_computed_tokens)
+        bs, alloc = self.block_size, self.allocator
+        for offset, h in enumerate(hashes):
+            i = start + offset
+            req.block_hashes.append(h)
+            block = req.block_table[i]
+            if alloc.lookup(h) < 0:  # NOTE: a duplicate computed in the same step stays unhashed
+                alloc.set_hash(block, h)
+                self._tokens[block] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+
+    def _new_full_hashes(self, req: Request, end: int) -> list[int]:
+        bs = self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        out = []
+        for i in range(len(req.block_hashes), end // bs):
+            parent = chain_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def _clear_pending(self, req: Request) -> None:
+        for h in self._pending_by_req.pop(req.request_id, ()):
+            left = self._pending[h] - 1
+            if left:
+                self._pending[h] = left
+            else:
+                del self._pending[h]
+
+    # ---- allocation --------------------------------------------------------------------
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Grow req.block_table to cover positions [0, num_tokens); False (nothing taken) if short."""
+        need = self.blocks_for(num_tokens) - len(req.block_table)
+        if need <= 0:
+            return True
+        blocks = self.allocator.allocate(need)
+        if blocks is None:
+            return False
+        req.block_table.extend(blocks)
+        return True
+
+    def free(self, req: Request) -> None:
+        """Return every device and host block of `req` (device blocks tail first)."""
+        self._clear_pending(req)
+        if req.block_table:
+            self.allocator.free(req.block_table[::-1])
+        req.block_table = []
+        req.block_hashes = []
+        self.drop_swap(req)
+
+    # ---- swap --------------------------------------------------------------------------
+    def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
+        """Move the computed blocks of `req` to host blocks; None (nothing changed) if the pool is short."""
+        n = self.blocks_for(req.num_computed_tokens)
+        if n == 0 or n > len(self._host_free):
+            return None
+        hosts = [self._host_free.pop() for _ in range(n)]
+        pairs = list(zip(req.block_table[:n], hosts, strict=True))
+        self._clear_pending(req)
+        self.allocator.free(req.block_table[::-1])
+        req.block_table = []
+        req.host_table = hosts
+        return pairs
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back onto device blocks; None (nothing changed) if short."""
+        blocks = self.allocator.allocate(len(req.host_table))
+        if blocks is None:
+            return None
+        pairs = list(zip(req.host_table, blocks, strict=True))
+        self._host_free.extend(reversed(req.host_table))
+        req.host_table = []
+        req.block_table = blocks
+        return pairs
+
+    def drop_swap(self, req: Request) -> None:
+        """Forget a swapped-out copy (abort, or fall back to recompute)."""
+        if req.host_table:
+            self._host_free.extend(reversed(req.host_table))
+            req.host_table = []

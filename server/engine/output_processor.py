@@ -1,0 +1,79 @@
+"""Per-token post-processing: stop conditions, detokenized text and the deltas streamed out."""
+
+from __future__ import annotations
+
+from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.request import Request, RequestStatus
+
+
+def process_token(req: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    """Append a sampled token, extend the text and set a FINISHED_* status if a stop condition holds.
+
+    Order: EOS (unless ignore_eos) and stop token ids end the request without adding text; a stop
+    string ends it with the text cut just before the string; then max_tokens and the context
+    length give 'length'.
+    """
+    req.append_token(token)
+    params = req.sampling
+    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        req.status = RequestStatus.FINISHED_STOPPED
+        _flush_text(req)
+        return
+    if req.detokenizer is not None:
+        before = len(req.output_text)
+        req.output_text += req.detokenizer.add(token)
+        if params.stop and _cut_at_stop_string(req, before):
+            req.status = RequestStatus.FINISHED_STOPPED
+            return
+    if req.num_output_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
+        req.status = RequestStatus.FINISHED_LENGTH
+        _flush_text(req)
+
+
+def _flush_text(req: Request) -> None:
+    if req.detokenizer is None:
+        return
+    before = len(req.output_text)
+    req.output_text += req.detokenizer.flush()
+    if req.sampling.stop:
+        _cut_at_stop_string(req, before)
+
+
+def _cut_at_stop_string(req: Request, before: int) -> bool:
+    """Truncate the text before the earliest stop string that the new text completed."""
+    longest = max(len(s) for s in req.sampling.stop)
+    start = max(0, before - longest + 1)
+    text = req.output_text
+    found = [i for i in (text.find(s, start) for s in req.sampling.stop) if i >= 0]
+    if not found:
+        return False
+    req.output_text = text[:min(found)]
+    return True
+
+
+def take_output(req: Request) -> RequestOutput:
+    """The tokens and text not yet streamed; with stop strings, the last len-1 chars wait until known safe."""
+    text_end = len(req.output_text)
+    if req.sampling.stop and not req.is_finished:
+        hold = max(len(s) for s in req.sampling.stop) - 1
+        text_end = max(req.sent_text_len, text_end - hold)
+    new_text = req.output_text[req.sent_text_len:text_end]
+    req.sent_text_len = text_end
+    new_ids = req.output_token_ids[req.sent_token_len:]
+    req.sent_token_len = req.num_output_tokens
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=new_ids,
+        new_text=new_text,
+        finished=req.is_finished,
+        finish_reason=req.finish_reason,
+        error=req.error,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        arrival_time=req.arrival_time,
+        first_scheduled_time=req.first_scheduled_time,
+        first_token_time=req.first_token_time,
+        finish_time=req.finish_time,
+        refusal_reason=req.refusal_reason,
+    )

@@ -1,0 +1,51 @@
+"""What the engine hands back: per-step request outputs and engine-wide stats (plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens and text of one request since its previous output; the last has finished=True."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # 'stop' | 'length' | 'cancelled' | 'error' | None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    refusal_reason: str | None = None  # set when admission control refused it after queueing
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Mirrors the proto EngineStats message field for field."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    swap_blocks_total: int = 0
+    swap_blocks_free: int = 0
+    prompt_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    preemptions_total: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    step_time_s: float = 0.0
+    tokens_per_step: float = 0.0
+    requests_finished_total: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache."""
+        return self.prefix_hit_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0

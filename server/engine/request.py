@@ -1,0 +1,133 @@
+"""A request's state inside the engine: tokens, progress, blocks, timing and SLO targets."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from sloserve.sampling_params import SLO, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered lifecycle: every FINISHED_* value compares greater than the live states."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+    FINISHED_REFUSED = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REFUSED: "error",
+}
+
+
+class Request:
+    """One generation request.
+
+    Progress is a single counter: ``num_computed_tokens`` of ``num_tokens`` (prompt + output)
+    have their K/V in the cache. A prefill chunk, a prefix hit and a decode step all just move it
+    forward, so there are no prefill/decode phase flags. ``block_table[i]`` holds positions
+    ``[i * block_size, (i + 1) * block_size)``; ``block_hashes[i]`` is the chained hash of full
+    block i once it has been computed (or matched in the prefix cache).
+    """
+
+    __slots__ = (
+        "request_id", "handle", "prompt_token_ids", "output_token_ids", "all_token_ids",
+        "sampling", "slo", "arrival_time", "deadline", "has_explicit_slo", "status",
+        "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
+        "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
+        "finish_time", "error", "refusal_reason", "detokenizer", "output_text", "sent_text_len",
+        "sent_token_len", "ever_scheduled",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        handle: int,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        default_ttft_s: float = 2.0,
+    ) -> None:
+        self.request_id = request_id
+        self.handle = handle
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.slo = slo
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.has_explicit_slo = slo is not None and (slo.ttft_s is not None or slo.e2e_s is not None)
+        self.deadline = self.arrival_time + _first_token_budget(slo, default_ttft_s)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.host_table: list[int] = []  # host blocks holding the swapped-out K/V, in order
+        self.resumed_step: int | None = None  # step it was resumed in; protects it from preemption
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.error: str | None = None
+        self.refusal_reason: str | None = None
+        self.detokenizer = None
+        self.output_text = ""
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+        self.ever_scheduled = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_swapped(self) -> bool:
+        return bool(self.host_table)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+def _first_token_budget(slo: SLO | None, default_ttft_s: float) -> float:
+    """Seconds from arrival to the first-token deadline: the tighter of ttft and e2e, else the default."""
+    if slo is None:
+        return default_ttft_s
+    budgets = [b for b in (slo.ttft_s, slo.e2e_s) if b is not None]
+    return min(budgets) if budgets else default_ttft_s

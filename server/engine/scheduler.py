@@ -1,0 +1,342 @@
+"""The scheduler: which tokens of which requests run in the next step (plain Python, no torch).
+
+One step: expire queue timeouts, re-key the waiting queue, then fill a token budget -- running
+requests first in urgency order (a decode token each, or their next prefill chunk), preempting
+the least urgent running request when blocks run out, then waiting requests in queue order
+with chunked prefill while the running set is below the (adaptive) batch target.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.config import SloserveConfig
+from sloserve.engine.admission import AdmissionControl
+from sloserve.engine.block_manager import BlockManager
+from sloserve.engine.detokenizer import IncrementalDetokenizer
+from sloserve.engine.output_processor import process_token, take_output
+from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.queue_policy import make_queue
+from sloserve.engine.request import Request, RequestStatus
+from sloserve.errors import InvalidRequestError
+from sloserve.hotpath import target_batch_size
+from sloserve.sampling_params import SLO, SamplingParams
+
+
+class Scheduler:
+    """Owns every live request, the waiting queue, the running set and the block manager."""
+
+    def __init__(self, config: SloserveConfig, *, num_blocks: int, block_size: int,
+                 max_model_len: int, num_host_blocks: int = 0, eos_token_ids: Sequence[int] = (),
+                 decode: Callable[[list[int]], str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = sc = config.scheduler
+        swap = sc.preemption_mode == "swap"
+        self.block_manager = BlockManager(num_blocks, block_size, prefix_cache=config.cache.prefix_cache,
+                                          num_host_blocks=num_host_blocks if swap else 0)
+        self.block_size = block_size
+        # NOTE: a request alone must always fit in the pool, else it could preempt itself forever.
+        self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode
+        self.clock = clock
+        self.waiting = make_queue(sc)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.admission = AdmissionControl(sc)
+        self.step_count = 0
+        self._handles = itertools.count()
+        self._scheduled: list[tuple[Request, int]] = []
+        self._swapped: list[Request] = []  # requests swapped in or out by the current step
+        self._outputs: list[RequestOutput] = []  # finished outside update() (queue timeouts)
+        self._finished_ids: list[str] = []
+        self.prompt_tokens_total = 0
+        self.prefix_hit_tokens_total = 0
+        self.computed_prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.preemptions_total = 0
+        self.requests_finished_total = 0
+
+    # ---- requests in and out -----------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    slo: SLO | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; InvalidRequestError / RequestRefusedError say why not."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the model takes at most "
+                f"{self.max_model_len - 1} (room is needed for one output token); shorten it")
+        now = self.clock()
+        req = Request(request_id, next(self._handles), prompt_token_ids, sampling, slo,
+                      arrival_time if arrival_time is not None else now, self.config.default_ttft_s)
+        ahead = cached = 0
+        if self.admission.enabled and req.has_explicit_slo:
+            ahead = self._tokens_ahead(req)
+            cached = len(self.block_manager.find_prefix(req.all_token_ids)[0]) * self.block_size
+        self.admission.check_new(req, now, len(self.waiting), ahead, cached)
+        if self.decode is not None:
+            req.detokenizer = IncrementalDetokenizer(self.decode, req.prompt_token_ids)
+        self.requests[request_id] = req
+        self.waiting.add(req, now)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request as 'cancelled' and free its blocks now; None if it is not live."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return take_output(req)
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self._outputs)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; call update() with the sampled tokens before scheduling again."""
+        assert not self._scheduled, "update() must follow every schedule()"
+        now = self.clock()
+        self.step_count += 1
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        self._swapped = []
+        self._expire(now)
+        self.waiting.rekey(now)
+        budget = self.config.max_batched_tokens
+        preempted = False
+        pending = deque(sorted(self.running, key=self._urgency))
+        while pending and budget > 0:
+            req = pending.popleft()
+            n = self._chunk(req, budget, first=not out.sequences)
+            if n == 0:
+                continue
+            while req is not None and not self.block_manager.allocate(req, req.num_computed_tokens + n):
+                victim = self._pick_victim(pending, req)
+                if victim is not req:
+                    pending.remove(victim)
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    req = None
+            if req is not None:
+                self._schedule_chunk(req, n, out, now)
+                budget -= n
+        if not preempted:
+            self._admit_waiting(out, budget, now)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        bm = self.block_manager
+        target = self._batch_target()
+        for req in self.waiting.in_order() if self.waiting else ():
+            if budget <= 0 or len(self.running) >= target:
+                return
+            if req.is_swapped:
+                n = self._chunk(req, budget, first=not out.sequences)
+                extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
+                if out.swap_out or bm.num_free < len(req.host_table) + extra:
+                    return
+                out.swap_in.extend(bm.swap_in(req))
+                self._swapped.append(req)
+            else:
+                blocks, hashes, next_hash = bm.find_prefix(req.all_token_ids)
+                if bm.is_pending(next_hash):
+                    continue  # its next block is being computed right now: hit it next step
+                cached = len(blocks) * self.block_size
+                n = self._chunk(req, budget, first=not out.sequences, computed=cached)
+                if n == 0:
+                    return
+                bm.acquire_prefix(req, blocks, hashes)
+                if not bm.allocate(req, cached + n):
+                    bm.free(req)
+                    return
+                req.num_computed_tokens = cached
+                if not req.ever_scheduled:
+                    req.num_cached_tokens = cached
+                    self.prompt_tokens_total += req.num_prompt_tokens
+                    self.prefix_hit_tokens_total += cached
+            if not bm.allocate(req, req.num_computed_tokens + n):
+                raise RuntimeError("block accounting broke: a checked allocation failed")
+            if req.status == RequestStatus.PREEMPTED:
+                req.resumed_step = self.step_count
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule_chunk(req, n, out, now)
+            budget -= n
+
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
+               errors: dict[str, str] | None = None) -> list[RequestOutput]:
+        """Apply one step's results: advance progress, append sampled tokens, finish requests.
+
+        `sampled` has one entry per sequence with sample=True, in order (None: not computed);
+        `errors` names requests whose computation failed -- they alone finish with 'error'.
+        """
+        n_sample = sum(1 for s in out.sequences if s.sample)
+        if len(sampled) != n_sample:
+            raise ValueError(f"the runner returned {len(sampled)} tokens for {n_sample} sampled sequences")
+        outputs, self._outputs = self._outputs, []
+        tokens = iter(sampled)
+        now = self.clock()
+        for (req, n), seq in zip(self._scheduled, out.sequences, strict=True):
+            token = next(tokens) if seq.sample else None
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted or moved back to the queue during the step
+            if errors and req.request_id in errors:
+                req.error = errors[req.request_id]
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(take_output(req))
+                continue
+            if seq.sample and token is None:
+                continue
+            try:
+                start = req.num_computed_tokens
+                req.num_computed_tokens += n
+                self.block_manager.commit(req)
+                self.computed_prompt_tokens_total += max(0, min(start + n, req.num_prompt_tokens) - start)
+                if token is None:
+                    continue
+                if req.resumed_step is not None and self.step_count > req.resumed_step:
+                    req.resumed_step = None
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                process_token(req, token, self.eos_token_ids, self.max_model_len)
+                self.generated_tokens_total += 1
+                if req.is_finished:
+                    self._finish(req, req.status)
+                outputs.append(take_output(req))
+            except Exception as exc:  # one request's failure must not fail the batch
+                req.error = f"{type(exc).__name__}: {exc}"
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(take_output(req))
+        self._scheduled = []
+        return outputs
+
+    def recover_swaps(self) -> None:
+        """After a failed step: requests whose swap may not have happened restart by recompute."""
+        for req in self._swapped:
+            if req.status.is_finished:
+                continue
+            self.block_manager.free(req)
+            req.num_computed_tokens = 0
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.requeue(req)
+        self._swapped = []
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _urgency(self, req: Request) -> tuple[float, int]:
+        if self.config.policy == "slo":
+            return req.deadline, req.handle
+        return req.arrival_time, req.handle
+
+    def _batch_target(self) -> int:
+        cap = self.config.max_batch
+        if not self.config.adaptive_batch:
+            return cap
+        return target_batch_size(cap, len(self.running) + len(self.waiting), self.config.batch_decay)
+
+    def _chunk(self, req: Request, budget: int, first: bool, computed: int | None = None) -> int:
+        """Tokens of `req` to compute now: 1 to decode, else a prefill chunk within the budget."""
+        remaining = req.num_tokens - (req.num_computed_tokens if computed is None else computed)
+        if remaining <= 1:
+            return 1 if budget >= 1 else 0
+        if self.config.chunked_prefill:
+            return min(remaining, budget, self.config.prefill_chunk)
+        # Without chunking a prompt runs whole; one longer than the budget may run alone.
+        return remaining if remaining <= budget or first else 0
+
+    def _pick_victim(self, pending: deque[Request], current: Request) -> Request:
+        """The least urgent unscheduled running request, sparing those just resumed (no thrashing)."""
+        def protected(r: Request) -> bool:
+            return r.resumed_step is not None
+
+        for r in reversed(pending):
+            if not protected(r) and (r.block_table or r.num_computed_tokens):
+                return r
+        if not protected(current) or not pending:
+            return current
+        return pending[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Move a running request back to the queue: swap its K/V out, else drop it (recompute)."""
+        self.running.remove(req)
+        pairs = None
+        if self.config.preemption_mode == "swap" and req.num_computed_tokens:
+            pairs = self.block_manager.swap_out(req)
+        if pairs:
+            out.swap_out.extend(pairs)
+            self._swapped.append(req)
+        else:
+            self.block_manager.free(req)
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.resumed_step = None
+        req.num_preemptions += 1
+        self.preemptions_total += 1
+        self.waiting.requeue(req)
+
+    def _schedule_chunk(self, req: Request, n: int, out: SchedulerOutput, now: float) -> None:
+        start = req.num_computed_tokens
+        end = start + n
+        self.block_manager.mark_pending(req, end)
+        out.sequences.append(ScheduledSequence(
+            req_id=req.request_id, token_ids=req.all_token_ids[start:end], start_pos=start,
+            block_table=req.block_table[:self.block_manager.blocks_for(end)],
+            sample=end == req.num_tokens, sampling=req.sampling, num_generated=req.num_output_tokens))
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.ever_scheduled = True
+        self._scheduled.append((req, n))
+
+    def _expire(self, now: float) -> None:
+        for req in self.waiting:
+            if self.admission.timed_out(req, now):
+                self.admission.refusals["queue_timeout"] += 1
+                req.refusal_reason = "queue_timeout"
+                req.error = (f"refused: waited {now - req.arrival_time:.1f}s in the queue, past the "
+                             f"{self.admission.queue_timeout_s:g}s queue timeout")
+                self._finish(req, RequestStatus.FINISHED_REFUSED)
+                self._outputs.append(take_output(req))
+
+    def _tokens_ahead(self, req: Request) -> int:
+        """Prompt tokens still to prefill before `req` would start (for the SLO estimate)."""
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        slo = self.config.policy == "slo"
+        for r in self.waiting:
+            if not slo or r.deadline <= req.deadline:
+                ahead += r.num_tokens - r.num_computed_tokens
+        return ahead
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = status
+        req.finish_time = self.clock()
+        self.block_manager.free(req)
+        self.requests.pop(req.request_id, None)
+        self.requests_finished_total += 1
+        if req.ever_scheduled:
+            self._finished_ids.append(req.request_id)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            waiting=len(self.waiting), running=len(self.running),
+            kv_blocks_total=bm.num_usable, kv_blocks_free=bm.num_free, kv_blocks_cached=bm.num_cached,
+            swap_blocks_total=bm.num_host_blocks, swap_blocks_free=bm.num_host_free,
+            prompt_tokens_total=self.prompt_tokens_total,
+            prefix_hit_tokens_total=self.prefix_hit_tokens_total,
+            generated_tokens_total=self.generated_tokens_total,
+            preemptions_total=self.preemptions_total, refusals=dict(self.admission.refusals),
+            requests_finished_total=self.requests_finished_total)
