@@ -76,18 +76,26 @@ class SloserveServer:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert and cfg.tls_key:
-            self.port = server.add_secure_port(address, read_tls(cfg.tls_cert, cfg.tls_key))
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if cfg.tls_cert and cfg.tls_key:
+                self.port = server.add_secure_port(address, read_tls(cfg.tls_cert, cfg.tls_key))
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise ValueError(f"cannot bind {address}: is the port in use? pick another with --port")
+            raise ValueError(f"cannot listen on {address}: the port is in use or the host is not "
+                             "an address of this machine; pick another --port or --host")
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+            except OSError as exc:
+                raise ValueError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {exc.strerror}; "
+                                 "pick another --metrics-port (or --metrics-port off)") from None
         await server.start()
         self._server = server
-        if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
         log.info("listening on %s:%d (%s)%s", cfg.host, self.port, "TLS" if cfg.tls_cert else "plaintext",
                  f", metrics on http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
         if start_engine:

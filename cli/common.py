@@ -1,0 +1,111 @@
+"""Pieces the CLI commands share: one-line errors (exit 2), server addresses, client channels."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import click
+import grpc
+from click.exceptions import NoArgsIsHelpError
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+RANDOM_WEIGHTS_NOTE = (
+    "note: the built-in '{model}' model has random weights, so its text is gibberish; it exercises "
+    "the server, not the answers. Serve a trained Hugging Face folder (config.json, *.safetensors, "
+    "tokenizer.json) with --model /path/to/folder."
+)
+
+
+class CliError(click.ClickException):
+    """A user error: one line on stderr saying what to change, exit status 2, no traceback."""
+
+    exit_code = 2
+
+
+class OneLineCommand(click.Command):
+    """A click command whose usage errors (bad flag values, missing arguments) print as one line."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            if isinstance(exc, NoArgsIsHelpError):
+                raise
+            raise CliError(f"{exc.format_message()} (see sloserve {info_name} --help)") from None
+
+
+def parse_server(text: str) -> str:
+    """Validate HOST:PORT; CliError otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(f"--server must be HOST:PORT with a port in 1..65535, e.g. {DEFAULT_SERVER}; got {text!r}")
+    return text
+
+
+def read_token(token: str | None, token_file: str | None) -> str | None:
+    """The bearer token from --auth-token or --auth-token-file (first line, stripped)."""
+    if token and token_file:
+        raise CliError("give either --auth-token or --auth-token-file, not both")
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read --auth-token-file {token_file!r}: {exc.strerror}") from None
+        if not token:
+            raise CliError(f"--auth-token-file {token_file!r} is empty: put the token on its first line")
+    if token is not None and not token.strip():
+        raise CliError("--auth-token must not be empty")
+    return token
+
+
+def check_model(model: str) -> None:
+    """Fail fast, with a clear line, when --model is neither built in nor a checkpoint folder."""
+    if model in ("default", "default-moe"):
+        return
+    path = Path(model)
+    if not path.exists():
+        raise CliError(f"model folder {model!r} does not exist: give a Hugging Face checkpoint folder "
+                       "or --model default")
+    if not path.is_dir():
+        raise CliError(f"--model {model!r} is a file: give the checkpoint folder that holds config.json")
+    missing = [name for name in ("config.json",) if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise CliError(f"{model!r} is not a Hugging Face checkpoint folder: missing {', '.join(missing)}")
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+async def open_channel(server: str, tls_ca: str | None, timeout_s: float) -> grpc.aio.Channel:
+    """A connected channel (TLS when --tls-ca is given); CliError when the server cannot be reached."""
+    if tls_ca:
+        try:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        except OSError as exc:
+            raise CliError(f"cannot read --tls-ca {tls_ca!r}: {exc.strerror}") from None
+        channel = grpc.aio.secure_channel(server, creds)
+    else:
+        channel = grpc.aio.insecure_channel(server)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+    except (TimeoutError, asyncio.CancelledError):
+        await channel.close()
+        raise CliError(f"cannot reach a sloserve server at {server} within {timeout_s:g} s: start one with "
+                       "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS)") from None
+    return channel
+
+
+def rpc_error(exc: grpc.aio.AioRpcError, server: str) -> click.ClickException:
+    """A one-line CLI error from a failed call (exit 2 for errors the user can fix, else 1)."""
+    code = exc.code()
+    message = f"{server}: {code.name}: {exc.details()}"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        message += " (pass the server's token with --auth-token)"
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+        return CliError(message)
+    return click.ClickException(message)

@@ -1,0 +1,166 @@
+"""The `sloserve` command: serve, generate, info (and bench, the load generator)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+import grpc
+import orjson
+from sloserve import __version__
+from sloserve.cli.common import (
+    RANDOM_WEIGHTS_NOTE,
+    CliError,
+    OneLineCommand,
+    check_model,
+    metadata,
+    open_channel,
+    parse_server,
+    read_token,
+    rpc_error,
+)
+from sloserve.cli.generate import generate
+from sloserve.cli.options import (
+    build_config,
+    engine_options,
+    pop_engine_options,
+    with_engine,
+    with_flag,
+)
+from sloserve.config import ServerConfig
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sloserve")
+def cli() -> None:
+    """sloserve: an SLO-aware LLM inference server with bidirectional gRPC token streaming."""
+
+
+def _metrics_port(text: str) -> int | None:
+    if text.lower() == "off":
+        return None
+    if not text.isdigit() or int(text) > 65535:
+        raise CliError(f"--metrics-port must be a port in 0..65535 or 'off', got {text!r}")
+    return int(text)
+
+
+@cli.command(cls=OneLineCommand)
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--port", default=50051, show_default=True, type=int, help="gRPC port (0 picks a free one).")
+@click.option("--metrics-port", default="9464", show_default=True, help="Prometheus port, or 'off'.")
+@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Require 'authorization: Bearer TOKEN' on every call.")
+@click.option("--auth-token-file", default=None, help="Read the bearer token from this file.")
+@click.option("--tls-cert", default=None, help="PEM certificate chain (TLS on; needs --tls-key).")
+@click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
+@click.option("--max-tokens-limit", default=4096, show_default=True, type=int, help="Largest max_tokens accepted.")
+@click.option("--max-prompt-tokens", default=None, type=int, help="Longest prompt accepted [default: context length].")
+@click.option("--grace", default=10.0, show_default=True, type=float,
+              help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
+def serve(**kwargs) -> None:
+    """Serve a model over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
+    engine_opts = pop_engine_options(kwargs)
+    check_model(engine_opts["model"])
+    token = read_token(kwargs["auth_token"], kwargs["auth_token_file"])
+    for flag in ("tls_cert", "tls_key"):
+        path = kwargs[flag]
+        if path is not None and not Path(path).is_file():
+            raise CliError(f"--{flag.replace('_', '-')} {path!r} is not a readable file")
+    try:
+        server = ServerConfig(
+            host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
+            auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
+            max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
+            grace_s=kwargs["grace"], log_format=kwargs["log_format"])
+    except ValueError as exc:
+        raise CliError(with_flag(str(exc))) from None
+    if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:
+        raise CliError("--max-prompt-tokens must be >= 1")
+    if server.grace_s < 0:
+        raise CliError("--grace must be >= 0 seconds")
+    config = build_config(engine_opts, server)
+    click.echo(f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
+               f" ({'TLS' if server.tls_cert else 'plaintext'}, auth {'on' if token else 'off'})", err=True)
+    if config.model.path in ("default", "default-moe"):
+        click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
+    from sloserve.serve import main as serve_main
+
+    try:
+        code = serve_main(config)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    sys.exit(code)
+
+
+INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", "max_model_len",
+             "max_prompt_tokens", "max_tokens_limit", "block_size")
+
+
+@cli.command(cls=OneLineCommand)
+@click.option("--server", default=None, help="HOST:PORT of a running server [default: load --model in process].")
+@engine_options
+@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
+@click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
+@click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(server, auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
+    """Model, limits and live engine statistics (KV blocks, queue, prefix hits)."""
+    engine_opts = pop_engine_options(kwargs)
+    if server is not None:
+        data = asyncio.run(_remote_info(parse_server(server), auth_token, tls_ca, timeout))
+    else:
+        check_model(engine_opts["model"])
+        data = asyncio.run(with_engine(build_config(engine_opts), _local_info))
+    if as_json:
+        click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        return
+    width = max(map(len, data))
+    for key, value in data.items():
+        click.echo(f"{key:<{width}}  {value}")
+
+
+async def _remote_info(server: str, token: str | None, tls_ca: str | None, timeout: float) -> dict:
+    from google.protobuf.json_format import MessageToDict
+    from sloserve.pb import serving_pb2 as pb
+    from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+    channel = await open_channel(server, tls_ca, timeout)
+    try:
+        reply = await pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), metadata=metadata(token), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        raise rpc_error(exc, server) from None
+    finally:
+        await channel.close()
+    data = {key: getattr(reply, key) for key in INFO_KEYS}
+    stats = MessageToDict(reply.stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+    for key, value in stats.items():  # uint64 fields arrive as strings in proto JSON
+        data[key] = int(value) if isinstance(value, str) and value.isdigit() else value
+    return data
+
+
+async def _local_info(engine) -> dict:
+    from dataclasses import asdict
+
+    model_info = dict(engine.model_info)
+    data = {key: model_info.get(key) for key in INFO_KEYS if key in model_info}
+    data["model"] = model_info.get("model", data.get("model"))
+    data["version"] = __version__
+    stats = engine.stats()
+    data.update(asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(vars(stats)))
+    return data
+
+
+cli.add_command(generate)
+try:  # the load generator lives in its own module (it pulls in matplotlib lazily)
+    from sloserve.cli.bench import bench
+except ImportError:  # pragma: no cover - only while the bench module is missing
+    bench = None
+if bench is not None:
+    cli.add_command(bench)
+
+if __name__ == "__main__":
+    cli()

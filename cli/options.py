@@ -1,0 +1,99 @@
+"""Engine and server flags shared by `serve`, `generate` and `info`, and the config they build."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import click
+from sloserve.cli.common import CliError
+from sloserve.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SloserveConfig,
+    parse_size,
+)
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def engine_options(fn: Callable) -> Callable:
+    """--model and the engine switches (model, cache, scheduler)."""
+    decorators = [
+        click.option("--model", default="default", show_default=True,
+                     help="A Hugging Face checkpoint folder, or 'default' / 'default-moe' (built in, random weights)."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+        click.option("--dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+        click.option("--attention-backend", default="auto", show_default=True,
+                     type=click.Choice(["auto", "reference", "sdpa", "flash", "triton"])),
+        click.option("--max-model-len", type=int, default=None, help="Context length [default: the checkpoint's]."),
+        click.option("--kv-pool-size", default=None, help="Bytes for the KV cache pool, e.g. 512MiB or 2GiB "
+                     "[default: suits the device]."),
+        click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV page."),
+        click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True),
+        click.option("--policy", default="slo", show_default=True, type=click.Choice(["slo", "fifo"])),
+        click.option("--max-batch", default=64, show_default=True, type=int, help="Most requests running at once."),
+        click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True),
+    ]
+    return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
+
+
+def build_config(opts: dict[str, Any], server: ServerConfig | None = None) -> SloserveConfig:
+    """SloserveConfig from the engine flags; every ValueError becomes a one-line CliError."""
+    if not _DEVICE_RE.match(opts["device"]):
+        raise CliError(f"--device must be auto, cpu, cuda or cuda:N, got {opts['device']!r}")
+    try:
+        pool = parse_size(opts["kv_pool_size"]) if opts["kv_pool_size"] is not None else None
+    except ValueError as exc:
+        raise CliError(f"--kv-pool-size: {exc}") from None
+    try:
+        return SloserveConfig(
+            model=ModelConfig(path=opts["model"], device=opts["device"], dtype=opts["dtype"],
+                              attention_backend=opts["attention_backend"], max_model_len=opts["max_model_len"]),
+            cache=CacheConfig(block_size=opts["block_size"], kv_pool_bytes=pool, prefix_cache=opts["prefix_cache"]),
+            scheduler=SchedulerConfig(policy=opts["policy"], max_batch=opts["max_batch"],
+                                      chunked_prefill=opts["chunked_prefill"]),
+            server=server or ServerConfig(),
+        )
+    except ValueError as exc:
+        raise CliError(with_flag(str(exc))) from None
+
+
+_FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_model_len", "--max-model-len"),
+          ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
+          ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"))
+
+
+def with_flag(message: str) -> str:
+    """Prefix a config error with the flag that sets the field, so the user knows what to change."""
+    for needle, flag in _FLAGS:
+        if message.startswith(needle):
+            return f"{flag}: {message}"
+    return message
+
+
+def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove the engine flags from a command's kwargs and return them."""
+    names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
+             "prefix_cache", "policy", "max_batch", "chunked_prefill")
+    return {name: kwargs.pop(name) for name in names}
+
+
+async def with_engine(config: SloserveConfig, body: Callable[[Any], Any]) -> Any:
+    """Start an in-process engine, run `await body(engine)`, stop it; load errors become CliErrors."""
+    from sloserve.engine import AsyncEngine  # imports torch: only when a command needs a model
+
+    engine = AsyncEngine(config)
+    try:
+        try:
+            await engine.start()
+        except ValueError as exc:  # CheckpointError, a pool too small for the model, ...
+            raise CliError(f"cannot load model {config.model.path!r}: {exc}") from None
+        return await body(engine)
+    finally:
+        await engine.stop()
