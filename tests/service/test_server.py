@@ -192,3 +192,17 @@ async def test_drain_past_grace_cancels_the_rest():
         await call.read()
         assert await server.drain(grace_s=0.2) is False
         await wait_for(lambda: not engine.reqs)
+
+
+async def test_grpc_deadline_ends_the_call_and_frees_the_request():
+    engine = FakeEngine(step_s=0.01)
+    async with live_server(engine) as (_, stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Generate(pb.GenerateRequest(request_id="slow", text="hi", max_tokens=200),
+                                         timeout=0.3):
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        (slo,) = engine.slos.values()
+        assert 0 < slo.e2e_s <= 0.3  # the deadline became the request's e2e objective
+        await wait_for(lambda: not engine.reqs)  # and its blocks were freed when the call ended
+        assert engine.stats().kv_blocks_free == engine.num_blocks

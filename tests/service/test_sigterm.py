@@ -1,4 +1,4 @@
-"""SIGTERM under load: in-flight requests finish, new ones are refused, the process exits 0."""
+"""Process lifecycle: SIGTERM under load drains and exits 0; a dead engine loop exits non-zero."""
 
 from __future__ import annotations
 
@@ -48,6 +48,20 @@ async def test_sigterm_under_load_finishes_in_flight_requests():
         messages = [entry["msg"] for entry in logs]
         assert any(m.startswith("draining: 10 request(s) in flight") for m in messages), messages
         assert "stopped" in messages
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_dead_engine_loop_exits_non_zero():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.service.fake_server", "0.01", "0.5", cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert await asyncio.wait_for(proc.wait(), 60) == 1
+        logs = [orjson.loads(x) for x in (await proc.stderr.read()).splitlines() if x.startswith(b"{")]
+        assert any(e["msg"] == "engine loop died: fake loop crashed" and e["level"] == "error" for e in logs), logs
     finally:
         if proc.returncode is None:
             proc.kill()

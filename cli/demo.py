@@ -1,0 +1,156 @@
+"""`make demo`: start `sloserve serve` on the built-in model, stream a short burst, stop it with SIGTERM.
+
+Steps: pick free ports, start the server as a subprocess, wait for its readiness health check,
+show several requests multiplexed on ONE bidirectional stream (with one cancelled mid-way),
+run a short `sloserve bench` burst, print a few Prometheus counters, send SIGTERM and check the
+server drains and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import click
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sloserve.pb import serving_pb2 as pb
+from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+SERVICE = "sloserve.v1.Sloserve"
+PROMPTS = {  # ARC-style grids, one token per digit with the default model's byte tokenizer
+    "grid-a": "input:\n012\n340\n000\noutput:\n",
+    "grid-b": "input:\n5550\n0505\noutput:\n",
+    "grid-c": "input:\n77\n07\noutput:\n",
+    "cancel-me": "input:\n123456789\noutput:\n",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _relay(stream, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        click.echo(f"{prefix}{line.rstrip()}")
+
+
+async def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    """Poll grpc.health.v1 until the readiness service says SERVING."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise click.ClickException(f"the server exited early with status {proc.returncode}")
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    raise click.ClickException(f"the server was not ready after {timeout_s:g} s")
+
+
+async def multiplexed(address: str, max_tokens: int) -> None:
+    """Send every prompt on one stream, cancel one after its first tokens, print what arrives."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SloserveStub(channel).Stream()
+        start = time.monotonic()
+        for rid, text in PROMPTS.items():
+            await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
+                request_id=rid, text=text, max_tokens=max_tokens * (4 if rid == "cancel-me" else 1),
+                sampling=pb.SamplingParams(ignore_eos=True), slo=pb.Slo(ttft_s=1.0))))
+        pending, order, cancelled = set(PROMPTS), [], False
+        tokens = dict.fromkeys(PROMPTS, 0)
+        while pending:
+            msg = await call.read()
+            kind = msg.WhichOneof("kind")
+            body = getattr(msg, kind)
+            if kind == "chunk":
+                tokens[body.request_id] += len(body.token_ids)
+                if not order or order[-1] != body.request_id:
+                    order.append(body.request_id)
+                if body.request_id == "cancel-me" and not cancelled:
+                    await call.write(pb.ClientMessage(cancel=pb.CancelRequest(request_id="cancel-me")))
+                    cancelled = True
+                continue
+            pending.discard(body.request_id)
+            if kind == "final":
+                reason = pb.FinishReason.Name(body.finish_reason).removeprefix("FINISH_REASON_").lower()
+                click.echo(f"  {body.request_id:<10} {reason:<9} prompt {body.prompt_tokens:>3} tok  "
+                           f"output {body.completion_tokens:>3} tok  ttft {body.ttft_s * 1000:7.1f} ms  "
+                           f"e2e {body.e2e_s * 1000:7.1f} ms")
+            else:
+                click.echo(f"  {body.request_id:<10} error {body.code}: {body.message}")
+        await call.done_writing()
+        click.echo(f"  {len(PROMPTS)} requests on one stream in {time.monotonic() - start:.2f} s; the "
+                   f"stream switched between requests {len(order) - 1} times (interleaved chunks)")
+
+
+def metrics_summary(port: int) -> list[str]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    keep = ("sloserve_requests_total", "sloserve_ttft_seconds_count", "sloserve_kv_blocks_total",
+            "sloserve_prefix_hit_rate", "sloserve_preemptions_total", "sloserve_generated_tokens_total")
+    return [line for line in text.splitlines() if line.startswith(keep)]
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option("--requests", "num_requests", default=16, show_default=True, type=int, help="Bench burst size.")
+@click.option("--workload", default="fixed:64,32", show_default=True, help="Bench workload spec.")
+@click.option("--max-tokens", default=16, show_default=True, type=int, help="Tokens per multiplexed request.")
+@click.option("--ready-timeout", default=600.0, show_default=True, type=float,
+              help="Seconds to wait for the model to load (the default model is built on first use).")
+def demo(model: str, num_requests: int, workload: str, max_tokens: int, ready_timeout: float) -> None:
+    """Start a server, stream requests over one bidirectional stream, run a short bench, stop it."""
+    port, metrics_port = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    command = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", model, "--port", str(port),
+               "--metrics-port", str(metrics_port), "--grace", "30"]
+    click.echo(f"$ sloserve serve --model {model} --port {port} --metrics-port {metrics_port}")
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    relay = threading.Thread(target=_relay, args=(proc.stderr, "  [server] "), daemon=True)
+    relay.start()
+    try:
+        started = time.monotonic()
+        asyncio.run(wait_serving(address, ready_timeout, proc))
+        click.echo(f"server ready (health SERVING) after {time.monotonic() - started:.1f} s\n")
+        click.echo("1) several requests multiplexed on one bidirectional stream, one cancelled mid-way:")
+        asyncio.run(multiplexed(address, max_tokens))
+        click.echo(f"\n2) a load burst: sloserve bench --workload {workload} --num-requests {num_requests}")
+        bench = subprocess.run([sys.executable, "-m", "sloserve.cli.main", "bench", "--server", address,
+                                "--workload", workload, "--num-requests", str(num_requests), "--streams", "2"],
+                               text=True, capture_output=True)
+        click.echo(bench.stdout.rstrip())
+        if bench.returncode != 0:
+            click.echo(f"  bench exited with {bench.returncode}: {bench.stderr.strip()}")
+        click.echo("\n3) Prometheus metrics (excerpt):")
+        for line in metrics_summary(metrics_port):
+            click.echo(f"  {line}")
+    finally:
+        if proc.poll() is None:
+            click.echo("\n4) SIGTERM: the server drains in-flight requests and exits")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        relay.join(5)
+    click.echo(f"server exited with status {proc.returncode}")
+    if proc.returncode != 0:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    demo()
