@@ -1,0 +1,152 @@
+"""The write-up's before/after table, measured on this machine with one build, trace and seed.
+
+before = naive (fifo, max batch 1, no prefix cache, no chunked prefill); after = the full server.
+Rows: QPS at 95% SLO attainment (Poisson rate sweep), P99 end-to-end latency at one common rate,
+peak server memory (process RSS on CPU). The SLO is scaled to this machine: by default
+TTFT <= --ttft-factor x and TPOT <= --tpot-factor x the naive server's unloaded p90 (measured
+first, printed), so the table compares scheduling, not the speed of the CPU.
+
+    python benchmarks/seed_table.py            # ~5 min on a 2-core CPU with the default model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import harness
+from sloserve.bench.client import LoadSpec
+from sloserve.bench.report import format_table
+from sloserve.bench.stats import rate_at_attainment, summarise
+from sloserve.sampling_params import SLO
+
+WRITE_UP = {"qps": (3.2, 10.1), "p99_ms": (1842.0, 623.0), "memory_gb": (78.0, 64.0)}
+GRID = (0.5, 0.8, 1.2, 1.8, 2.7, 4.0, 6.0, 9.0, 13.5)  # multiples of the naive capacity estimate
+TARGET = 0.95
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--workload", default=None, help="default: the ARC trace if present, else synthetic-arc")
+    p.add_argument("--requests-per-rate", type=int, default=24)
+    p.add_argument("--max-prompt-chars", type=int, default=1200)
+    p.add_argument("--max-tokens", type=int, default=24, help="cap on each request's output tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--ttft-factor", type=float, default=5.0)
+    p.add_argument("--tpot-factor", type=float, default=3.0)
+    p.add_argument("--slo-ttft", type=float, default=None, help="seconds; overrides the factor")
+    p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
+    p.add_argument("--budget-s", type=float, default=150.0, help="most seconds of sweep per mode")
+    return p.parse_args(argv)
+
+
+def calibrate(target: str, items: list, seed: int) -> dict:
+    """Unloaded latencies: one request at a time through the naive server."""
+    result = harness.run(harness.send(target, items[:6], LoadSpec(concurrency=1, seed=seed)))
+    figures = summarise(result.records, result.duration_s, None, None)
+    if figures["completed"] < 6:
+        raise SystemExit(f"calibration failed: {figures['refusals']}")
+    return figures
+
+
+def sweep(target: str, items: list, rates: list[float], slo: SLO, args, budget_s: float) -> list[dict]:
+    """Run each rate in order until attainment falls below the target or the budget is spent."""
+    runs: list[dict] = []
+    start = time.monotonic()
+    for i, rate in enumerate(rates):
+        spec = LoadSpec(rate=rate, num_requests=len(items), streams=args.streams, seed=args.seed + i, slo=slo)
+        result = harness.run(harness.send(target, items, spec))
+        run = summarise(result.records, result.duration_s, slo, rate)
+        runs.append(run)
+        print(f"  rate {rate:7.3f}/s  attainment {100 * run['slo_attainment']:5.1f}%  "
+              f"p99 e2e {1000 * (run['e2e_s']['p99'] or 0):8.1f} ms", flush=True)
+        if run["slo_attainment"] < TARGET or time.monotonic() - start > budget_s:
+            break
+    return runs
+
+
+def change(before: float | None, after: float | None, kind: str) -> str:
+    if not before or after is None:
+        return "n/a"
+    return f"x{after / before:.2f}" if kind == "ratio" else f"{100 * (after - before) / before:+.0f}%"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    spec, items = harness.arc_items(args.requests_per_rate, args.seed, args.max_prompt_chars,
+                                    args.max_tokens, args.workload)
+    print(f"workload {spec}: {len(items)} requests per rate, prompts <= {args.max_prompt_chars} chars, "
+          f"outputs <= {args.max_tokens} tokens, seed {args.seed}")
+    results: dict[str, dict] = {}
+    slo = rates = None
+    for mode in ("naive", "full"):
+        print(f"[{mode}] starting server ...", flush=True)
+        with harness.ServerProcess(mode, args.model,
+                                   harness.RESULTS / f"seed_table_{mode}_server.log") as server:
+            info = harness.run(harness.ready_info(server.target))
+            if slo is None:  # the naive server sets the SLO and the rate grid for both
+                unloaded = calibrate(server.target, items, args.seed)
+                slo = SLO(ttft_s=args.slo_ttft or round(args.ttft_factor * unloaded["ttft_s"]["p90"], 3),
+                          tpot_s=args.slo_tpot or round(args.tpot_factor * (unloaded["tpot_s"]["p90"] or 0.01), 4))
+                capacity = 1.0 / unloaded["e2e_s"]["mean"]
+                rates = [round(capacity * g, 3) for g in GRID]
+                print(f"  unloaded: TTFT p90 {1000 * unloaded['ttft_s']['p90']:.1f} ms, TPOT p90 "
+                      f"{1000 * (unloaded['tpot_s']['p90'] or 0):.1f} ms, e2e mean "
+                      f"{1000 * unloaded['e2e_s']['mean']:.1f} ms -> SLO TTFT <= {slo.ttft_s} s, "
+                      f"TPOT <= {slo.tpot_s} s", flush=True)
+            runs = sweep(server.target, items, rates, slo, args, args.budget_s)
+            results[mode] = {"info": info, "runs": runs, "peak_rss_bytes": server.peak_rss_bytes()}
+    naive = results["naive"]
+    qps = {m: rate_at_attainment([(r["rate"], r["slo_attainment"]) for r in results[m]["runs"]], TARGET)
+           for m in results}
+    passing = [r["rate"] for r in naive["runs"] if r["slo_attainment"] >= TARGET]
+    common = max(passing) if passing else rates[0]
+    p99 = {}
+    for mode in results:
+        at = [r for r in results[mode]["runs"] if r["rate"] == common]
+        if not at:  # the full sweep stopped earlier: measure the common rate explicitly
+            with harness.ServerProcess(mode, args.model) as server:
+                harness.run(harness.ready_info(server.target))
+                result = harness.run(harness.send(server.target, items, LoadSpec(
+                    rate=common, streams=args.streams, seed=args.seed, slo=slo)))
+            at = [summarise(result.records, result.duration_s, slo, common)]
+        p99[mode] = at[0]["e2e_s"]["p99"]
+    mem = {m: results[m]["peak_rss_bytes"] for m in results}
+    wq, wp, wm = WRITE_UP["qps"], WRITE_UP["p99_ms"], WRITE_UP["memory_gb"]
+
+    def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
+        return "n/a" if v is None else f"{v * scale:.{digits}f}"
+
+    rows = [
+        ("QPS at 95% SLO attainment", fmt(qps["naive"]), fmt(qps["full"]), change(qps["naive"], qps["full"], "ratio"),
+         f"x{wq[1] / wq[0]:.2f} ({wq[0]} -> {wq[1]})"),
+        (f"P99 e2e at {common:g} req/s (ms)", fmt(p99["naive"], 1000, 1), fmt(p99["full"], 1000, 1),
+         change(p99["naive"], p99["full"], "pct"), f"{100 * (wp[1] - wp[0]) / wp[0]:+.0f}% ({wp[0]:g} -> {wp[1]:g} ms)"),
+        ("peak memory, server RSS (MiB)", fmt(mem["naive"], 2**-20, 0), fmt(mem["full"], 2**-20, 0),
+         change(mem["naive"], mem["full"], "pct"), f"{100 * (wm[1] - wm[0]) / wm[0]:+.0f}% ({wm[0]:g} -> {wm[1]:g} GB)"),
+    ]
+    header = ("", "before (naive)", "after (full)", "change", "write-up")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+    print()
+    print(f"SLO: TTFT <= {slo.ttft_s} s and TPOT <= {slo.tpot_s} s; model {naive['info'].get('model')} "
+          f"on {naive['info'].get('device')}")
+    for row in [header, *rows]:
+        print("  ".join(f"{str(c):<{w}}" if i == 0 else f"{str(c):>{w}}" for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    for mode in results:
+        print(f"\n{mode} sweep:")
+        print(format_table(results[mode]["runs"]))
+    path = harness.save("seed_table", {
+        "machine": harness.machine(), "workload": spec, "seed": args.seed, "args": vars(args),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "common_rate": common,
+        "qps_at_95": qps, "p99_e2e_s": p99, "peak_rss_bytes": mem, "write_up": WRITE_UP,
+        "sweeps": {m: results[m]["runs"] for m in results},
+        "server_info": {m: results[m]["info"] for m in results}})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
