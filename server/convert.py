@@ -104,7 +104,7 @@ def failure_from_exception(exc: BaseException) -> Failure:
     if isinstance(exc, InvalidRequestError):
         return Failure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
     if isinstance(exc, RequestRefusedError):
-        return Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.reason, f"{exc} (reason: {exc.reason})")
+        return refusal(exc.reason, str(exc))
     if isinstance(exc, DeadlineExceeded):
         return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", str(exc))
     if isinstance(exc, EngineDeadError):
@@ -113,6 +113,20 @@ def failure_from_exception(exc: BaseException) -> Failure:
     if isinstance(exc, ValueError):  # e.g. a tokenizer refusing token ids out of the vocabulary
         return Failure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
     return Failure(grpc.StatusCode.INTERNAL, "internal", f"internal error: {type(exc).__name__}: {exc}")
+
+
+def refusal(reason: str, message: str) -> Failure:
+    """Admission refused: RESOURCE_EXHAUSTED with the reason (DEADLINE_EXCEEDED once the deadline passed)."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if reason == "deadline_passed" else grpc.StatusCode.RESOURCE_EXHAUSTED
+    return Failure(code, reason, f"{message} (reason: {reason})")
+
+
+def failure_from_output(out: Any) -> Failure:
+    """The failure of a final RequestOutput with finish_reason 'error' (refused after queueing, or failed)."""
+    reason = getattr(out, "refusal_reason", None)
+    if reason:
+        return refusal(reason, out.error or "refused by admission control")
+    return Failure(grpc.StatusCode.INTERNAL, "internal", f"the engine failed this request: {out.error or 'unknown error'}")
 
 
 def error_pb(request_id: str, failure: Failure) -> pb.ServerMessage:

@@ -19,6 +19,7 @@ from sloserve.convert import (
     chunk_pb,
     error_pb,
     failure_from_exception,
+    failure_from_output,
     final_pb,
     from_pb,
     info_pb,
@@ -86,6 +87,14 @@ class SloserveService(pb_grpc.SloserveServicer):
         if self._inflight == 0:
             self._idle.set()
 
+    def _output_failure(self, out: Any) -> Failure:
+        failure = failure_from_output(out)
+        if failure.code == grpc.StatusCode.INTERNAL:
+            log.error("request %s failed: %s", out.request_id, failure.message)
+        if self.metrics is not None:
+            self.metrics.request_failed(failure.code, failure.reason)
+        return failure
+
     def _failure(self, exc: BaseException) -> Failure:
         failure = _unavailable_failure(exc) or failure_from_exception(exc)
         if failure.code == grpc.StatusCode.INTERNAL:
@@ -124,7 +133,7 @@ class SloserveService(pb_grpc.SloserveServicer):
                 if out.finished:
                     finished = True
                     if out.finish_reason == "error":
-                        failure = self._failure(RuntimeError(out.error or "engine error"))
+                        failure = self._output_failure(out)
                         await context.abort(failure.code, failure.message)
                         return
                     self._record(out)
@@ -239,8 +248,7 @@ class _StreamSession:
                     self.out.put_nowait(chunk_pb(request_id, out, arrival))
                 if out.finished:
                     if out.finish_reason == "error":
-                        terminal = error_pb(request_id, self.service._failure(
-                            RuntimeError(out.error or "engine error")))
+                        terminal = error_pb(request_id, self.service._output_failure(out))
                     else:
                         self.service._record(out)
                         terminal = final_pb(request_id, out, arrival)

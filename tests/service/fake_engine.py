@@ -32,6 +32,7 @@ class FakeOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    refusal_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +97,8 @@ class FakeEngine:
         self.flowing.set()
         self.reqs: dict[str, _Req] = {}
         self.slos: dict[str, SLO | None] = {}  # every request's SLO as received (for deadline tests)
+        # prompt text -> (refusal reason or None, error): such requests fail after they were queued
+        self.late_failures: dict[str, tuple[str | None, str]] = {}
         self._free = num_blocks
         self._stats = FakeStats(kv_blocks_total=num_blocks)
         self.stopped = False
@@ -146,6 +149,14 @@ class FakeEngine:
                 return
 
     async def _run(self, req: _Req) -> None:
+        failure = self.late_failures.get(self.tokenizer.decode(req.prompt))
+        if failure is not None:
+            await asyncio.sleep(self.step_s)
+            self.reqs.pop(req.id, None)
+            self._free += req.blocks
+            req.queue.put_nowait(FakeOutput(req.id, [], "", True, "error", failure[1], len(req.prompt),
+                                            refusal_reason=failure[0]))
+            return
         base = sum(req.prompt)
         first = None
         for i in range(req.params.max_tokens):

@@ -224,3 +224,25 @@ async def test_requests_before_the_model_is_ready_are_unavailable():
         err = (await call.read()).error
         assert err.code == grpc.StatusCode.UNAVAILABLE.value[0] and err.reason == "not_ready"
         await call.done_writing()
+
+
+async def test_failures_after_queueing_map_to_statuses():
+    engine = FakeEngine(step_s=0.002)
+    engine.late_failures = {"late": ("queue_timeout", "waited 30 s in the queue"),
+                            "past": ("deadline_passed", "the e2e deadline passed while queued"),
+                            "boom": (None, "CUDA error: device-side assert")}
+    async with live_server(engine) as (_, stub, _):
+        call = stub.Stream()
+        for rid in ("late", "past", "boom"):
+            await call.write(gen(rid, text=rid))
+        await call.write(gen("fine", max_tokens=3))
+        transcript = Transcript()
+        await read_until(call, transcript, {"late", "past", "boom", "fine"})
+        late, past, boom = (transcript.terminal(r).error for r in ("late", "past", "boom"))
+        assert (late.code, late.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "queue_timeout")
+        assert "waited 30 s" in late.message
+        assert (past.code, past.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "deadline_passed")
+        assert (boom.code, boom.reason) == (grpc.StatusCode.INTERNAL.value[0], "internal")
+        assert "device-side assert" in boom.message
+        assert transcript.terminal("fine").final.completion_tokens == 3
+        await call.done_writing()
