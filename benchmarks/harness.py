@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_
 from sloserve.bench.workloads import WorkloadItem, default_workload, load_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LOGS = Path(tempfile.gettempdir())  # server logs of benchmark runs
 
 # A server process built from the typed config (so the benchmark does not depend on CLI flags).
 _LAUNCH = """
@@ -58,9 +60,23 @@ class ServerProcess:
             raise ValueError(f"mode must be 'naive' or 'full', got {mode!r}")
         self.mode, self.port = mode, free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
         self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, mode, model, str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        """Wait until the model is loaded (health SERVING); return Info. Fails fast if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the {self.mode} server exited with status {self.proc.returncode}; "
+                                   f"see {self.log_path or 'its log'}")
+            try:
+                return run(ready_info(self.target, 5.0))
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
 
     def peak_rss_bytes(self) -> int | None:
         """Peak resident set size of the server process so far (VmHWM)."""
@@ -91,7 +107,7 @@ class ServerProcess:
 
 async def ready_info(target: str, timeout_s: float = 600.0) -> dict:
     """Wait for the server's model to load; return its Info."""
-    channel = await connect(target, timeout_s=60.0)
+    channel = await connect(target, timeout_s=timeout_s)
     try:
         await wait_ready(channel, timeout_s)
         return await fetch_info(channel)

@@ -85,8 +85,8 @@ def main(argv: list[str]) -> int:
     for mode in ("naive", "full"):
         print(f"[{mode}] starting server ...", flush=True)
         with harness.ServerProcess(mode, args.model,
-                                   harness.RESULTS / f"seed_table_{mode}_server.log") as server:
-            info = harness.run(harness.ready_info(server.target))
+                                   harness.LOGS / f"seed_table_{mode}_server.log") as server:
+            info = server.wait_ready()
             if slo is None:  # the naive server sets the SLO and the rate grid for both
                 unloaded = calibrate(server.target, items, args.seed)
                 slo = SLO(ttft_s=args.slo_ttft or round(args.ttft_factor * unloaded["ttft_s"]["p90"], 3),
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
         at = [r for r in results[mode]["runs"] if r["rate"] == common]
         if not at:  # the full sweep stopped earlier: measure the common rate explicitly
             with harness.ServerProcess(mode, args.model) as server:
-                harness.run(harness.ready_info(server.target))
+                server.wait_ready()
                 result = harness.run(harness.send(server.target, items, LoadSpec(
                     rate=common, streams=args.streams, seed=args.seed, slo=slo)))
             at = [summarise(result.records, result.duration_s, slo, common)]
