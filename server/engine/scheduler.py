@@ -219,8 +219,12 @@ class Scheduler:
         self._scheduled = []
         return outputs
 
-    def recover_swaps(self) -> None:
-        """After a failed step: requests whose swap may not have happened restart by recompute."""
+    def recover_swaps(self) -> set[str]:
+        """After a failed step: requests whose swap may not have happened restart by recompute.
+
+        Returns the ids of those that were scheduled in the step and are now back in the queue.
+        """
+        moved = set()
         for req in self._swapped:
             if req.status.is_finished:
                 continue
@@ -230,7 +234,9 @@ class Scheduler:
                 self.running.remove(req)
                 req.status = RequestStatus.PREEMPTED
                 self.waiting.requeue(req)
+                moved.add(req.request_id)
         self._swapped = []
+        return moved
 
     # ---- helpers -----------------------------------------------------------------------
     def _urgency(self, req: Request) -> tuple[float, int]:

@@ -1,0 +1,7 @@
+"""The engine: scheduler, block manager and the async step loop (imports no torch)."""
+
+from sloserve.engine.async_engine import AsyncEngine
+from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.stream import RequestStream
+
+__all__ = ["AsyncEngine", "EngineStats", "RequestOutput", "RequestStream"]
