@@ -57,6 +57,9 @@ class LoadSpec:
             raise ValueError(f"number of requests must be >= 1, got {self.num_requests}")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
+        if self.duration_s is not None and math.isinf(self.rate) and self.concurrency is None:
+            raise ValueError("a run bounded by duration needs a finite rate or a concurrency limit; "
+                             "set --rate or --concurrency")
 
 
 @dataclass(slots=True)

@@ -94,6 +94,7 @@ async def test_info_and_unreachable_server(fake):
 
 
 def test_load_spec_validation():
-    for kwargs in ({"rate": 0.0}, {"concurrency": 0}, {"streams": 0}, {"duration_s": -1.0}):
+    for kwargs in ({"rate": 0.0}, {"concurrency": 0}, {"streams": 0}, {"duration_s": -1.0},
+                   {"duration_s": 1.0}):
         with pytest.raises(ValueError):
             LoadSpec(**kwargs)
