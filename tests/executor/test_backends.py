@@ -121,8 +121,21 @@ def test_mixed_prefill_and_decode_in_one_batch(backend, ratio):
         assert rel_err(out[cu[i] : cu[i + 1]], ref[cu[i] : cu[i + 1]]) <= 1e-5
 
 
-def test_unrelated_pages_do_not_leak_into_the_output():
-    q, k, v, meta, scale = make_case([(0, 5), (PAGE, 3)], 4, seed=7)
+def leak_cases() -> list:
+    """(backend, chunks) pairs; the reference's batched decode path is known to leak (reported)."""
+    cases = []
+    for name, backend in BACKENDS:
+        for case_id, chunks in (("mixed", [(0, 5), (PAGE, 3)]), ("decode", [(4, 1), (PAGE + 2, 1)])):
+            marks = []
+            if name == "reference" and case_id == "decode":
+                marks = [pytest.mark.xfail(strict=True, reason="reference._decode computes 0 * NaN over masked slots")]
+            cases.append(pytest.param(backend, chunks, id=f"{case_id}-{name}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("backend", "chunks"), leak_cases())
+def test_unrelated_pages_do_not_leak_into_the_output(backend, chunks):
+    q, k, v, meta, scale = make_case(chunks, 4, seed=7)
     used = {b for table in meta.block_tables_list for b in table}
     k2, v2 = k.clone(), v.clone()
     for page in range(k.shape[0]):
@@ -134,8 +147,7 @@ def test_unrelated_pages_do_not_leak_into_the_output():
     last = meta.block_tables_list[0][-1]
     k2[last, 5:] = float("nan")
     v2[last, 5:] = float("nan")
-    for _, backend in BACKENDS:
-        assert torch.equal(backend.forward(q, k, v, meta, scale), backend.forward(q, k2, v2, meta, scale))
+    assert torch.equal(backend.forward(q, k, v, meta, scale), backend.forward(q, k2, v2, meta, scale))
 
 
 def test_sdpa_rejects_bad_head_ratio():
