@@ -24,7 +24,7 @@ from sloserve.config import SloserveConfig
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.scheduler import Scheduler
 from sloserve.engine.stream import RequestStream
-from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
+from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -245,11 +245,7 @@ class AsyncEngine:
         """Route outputs to their streams (call with the lock held)."""
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.refusal_reason is not None:
-                stream.put(RequestRefusedError(out.refusal_reason, out.error or "refused"))
-            else:
+            if stream is not None:
                 stream.put(out)
 
     def _die(self, reason: str) -> None:

@@ -22,7 +22,9 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    refusal_reason: str | None = None  # set when admission control refused it after queueing
+    # Set (with finish_reason 'error') when admission control refused it after queueing, e.g.
+    # 'queue_timeout'; the service maps it to RESOURCE_EXHAUSTED.
+    refusal_reason: str | None = None
 
 
 @dataclass(slots=True)

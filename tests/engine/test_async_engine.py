@@ -8,7 +8,7 @@ import threading
 import pytest
 from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine import AsyncEngine
-from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
+from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SamplingParams
 
 from tests.engine.fakes import FakeRunner, reference_tokens
@@ -167,7 +167,7 @@ async def test_a_stuck_step_turns_alive_false():
     await engine.stop()
 
 
-async def test_queue_timeout_raises_refused_from_the_stream():
+async def test_queue_timeout_ends_the_stream_with_a_refusal():
     gate = threading.Event()
     runner = FakeRunner()
     original = runner.execute
@@ -179,9 +179,8 @@ async def test_queue_timeout_raises_refused_from_the_stream():
     await asyncio.sleep(0.05)
     gate.set()
     await _collect(busy)
-    with pytest.raises(RequestRefusedError) as info:
-        await _collect(late)
-    assert info.value.reason == "queue_timeout"
+    _, outs = await _collect(late)
+    assert outs[-1].finish_reason == "error" and outs[-1].refusal_reason == "queue_timeout"
     assert engine.stats().refusals == {"queue_timeout": 1}
     await engine.stop()
 
