@@ -168,10 +168,10 @@ def stats_pb(stats: Any) -> pb.EngineStats:
 def info_pb(model: str, model_info: dict, stats: Any, *, version: str, max_prompt_tokens: int | None,
             max_tokens_limit: int) -> pb.InfoResponse:
     """The InfoResponse from the engine's model_info and stats."""
-    max_len = int(model_info.get("max_model_len") or 0)
+    max_len = int(model_info.get("max_model_len") or 0)  # a prompt leaves room for one output token
     return pb.InfoResponse(
         model=model, architecture=str(model_info.get("architecture", "")), version=version,
-        max_model_len=max_len, max_prompt_tokens=max_prompt_tokens or max_len,
+        max_model_len=max_len, max_prompt_tokens=max_prompt_tokens or max(0, max_len - 1),
         max_tokens_limit=max_tokens_limit, block_size=int(model_info.get("block_size") or 0),
         device=str(model_info.get("device", "")),
         attention_backend=str(model_info.get("attention_backend", "")),

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sloserve.config import CacheConfig, SchedulerConfig, ServerConfig, SloserveConfig
 from sloserve.engine import AsyncEngine
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-from sloserve.serve import SloserveServer
+from sloserve.serve import SERVICE_NAME, SloserveServer
 
 from tests.engine.fakes import FakeRunner, reference_tokens
 from tests.service.helpers import Transcript, cancel, gen, read_until, wait_for
@@ -105,3 +108,53 @@ async def test_engine_errors_reach_the_client(served):
     oov = transcript.terminal("oov").error
     assert oov.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "outside the vocabulary" in oov.message
     assert transcript.tokens("ok") == reference_tokens(runner, list(b"fine"), 3)
+
+
+class BlockingRunner(FakeRunner):
+    """Blocks inside execute() until `release` is set: a hung device."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.release = threading.Event()
+        self.release.set()
+
+    def execute(self, out):
+        self.release.wait()
+        return super().execute(out)
+
+
+async def test_health_reacts_to_a_stuck_engine_loop():
+    runner = BlockingRunner(num_blocks=64, block_size=4)
+    config = SloserveConfig(cache=CacheConfig(block_size=4), server=ServerConfig(port=0, metrics_port=None))
+    engine = AsyncEngine(config, runner=runner, stuck_after_s=0.2)
+    server = SloserveServer(config, engine, watchdog_interval_s=0.02)
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def ready() -> int:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status
+
+        try:
+            await wait_for(lambda: engine.ready)
+            await wait_status(ready, health_pb2.HealthCheckResponse.SERVING)
+            runner.release.clear()  # the next step hangs
+            call = pb_grpc.SloserveStub(channel).Stream()
+            await call.write(gen("hang", max_tokens=4, sampling=pb.SamplingParams(ignore_eos=True)))
+            await wait_status(ready, health_pb2.HealthCheckResponse.NOT_SERVING)
+            runner.release.set()  # the device recovers
+            await wait_status(ready, health_pb2.HealthCheckResponse.SERVING)
+            transcript = Transcript()
+            await read_until(call, transcript, {"hang"})
+            assert transcript.terminal("hang").final.completion_tokens == 4
+            await call.done_writing()
+        finally:
+            runner.release.set()
+            await server.stop(grace_s=0)
+
+
+async def wait_status(check, want: int) -> None:
+    async def poll() -> None:
+        while await check() != want:
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), 10)

@@ -70,7 +70,7 @@ async def test_info_reports_model_limits_and_stats():
         info = await stub.Info(pb.InfoRequest())
         assert (info.model, info.architecture, info.max_model_len, info.block_size) == (
             "default", "FakeForCausalLM", 128, 8)
-        assert info.max_prompt_tokens == 128 and info.max_tokens_limit == 4096 and info.version
+        assert info.max_prompt_tokens == 127 and info.max_tokens_limit == 4096 and info.version
         assert info.stats.kv_blocks_total == info.stats.kv_blocks_free == 32
 
 
