@@ -98,8 +98,10 @@ class DevicePool:
     def free_bytes(self, *, contiguous: bool = True) -> int:
         """Bytes a large carve can still take (contiguous), or all bytes not yet carved."""
         if contiguous:
-            start = _align(self._top, self.arena_bytes) if self._top % self.arena_bytes else self._top
-            return max(0, self.total_bytes - start)
+            arena = self.arena_bytes
+            in_arena = min(_align(self._top + 1, arena), self.total_bytes) - self._top  # small carves
+            whole = self.total_bytes - _align(self._top, arena)  # large carves start on a boundary
+            return max(0, in_arena, whole) // _ALIGN * _ALIGN
         return self.total_bytes - self.used_bytes
 
     def carve(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""ModelRunner: loads a checkpoint, carves the KV pool once, and turns SchedulerOutputs into tokens."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.config import SloserveConfig
+from sloserve.executor.inputs import InputBuilder, workspace_bytes
+from sloserve.executor.swap import copy_blocks
+from sloserve.layers.attention import get_backend
+from sloserve.layers.sampler import Sampler
+from sloserve.memory.pool import (
+    CPU_DEFAULT_POOL_BYTES,
+    DevicePool,
+    default_arena_bytes,
+    default_pool_bytes,
+)
+from sloserve.models.decoder import DecoderModel
+from sloserve.models.loader import load_checkpoint, resolve_model_path
+from sloserve.sampling_params import SamplingParams
+from sloserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; a CUDA device that is absent -> ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was requested but CUDA is not available; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> float32 on a CPU (bf16 matmuls are ~100x slower there), bfloat16 on a GPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Executes one SchedulerOutput per call: swaps, one batched forward, sampling."""
+
+    def __init__(self, config: SloserveConfig) -> None:
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        started = time.monotonic()
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.model_path = resolve_model_path(mc.path)
+        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype)
+        spec = self.spec
+        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        limit = spec.context_limit
+        if mc.max_model_len is not None and mc.max_model_len > limit:
+            raise ValueError(f"max_model_len {mc.max_model_len} exceeds what {spec.architecture} at "
+                             f"{self.model_path} supports ({limit}); lower it")
+        self.max_model_len = mc.max_model_len or limit
+        self.block_size = cc.block_size
+        self.eos_token_ids = list(spec.eos_token_ids) or (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        max_blocks = math.ceil(self.max_model_len / self.block_size)
+        max_tokens = sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, self.max_model_len)
+        max_seqs = sc.max_batch
+
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
+        self.page_bytes = token_bytes * self.block_size
+        slots = cc.expert_slots_per_layer
+        partial = bool(spec.moe_layers) and slots is not None and slots < spec.num_experts
+        expert_bytes = (len(spec.moe_layers) * slots * 3 * spec.moe_intermediate_size * spec.hidden_size * itemsize
+                        + 1024) if partial else 0
+        ws_bytes = workspace_bytes(max_tokens, max_seqs, max_blocks)
+        arena = cc.arena_bytes or default_arena_bytes(self.device)
+        kv_bytes = cc.kv_pool_bytes
+        if kv_bytes is None:
+            if self.device.type == "cuda":
+                kv_bytes = default_pool_bytes(self.device, cc.gpu_memory_fraction) - ws_bytes - expert_bytes - 2 * arena
+            else:  # enough for max_batch full-length sequences, capped
+                kv_bytes = min(CPU_DEFAULT_POOL_BYTES, token_bytes * self.max_model_len * max_seqs + self.page_bytes)
+        num_pages = kv_bytes // self.page_bytes
+        if num_pages - 1 < max_blocks:
+            raise ValueError(
+                f"the KV pool holds {max(num_pages - 1, 0)} pages of {self.block_size} tokens, fewer than one "
+                f"{self.max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool) "
+                "or lower max_model_len"
+            )
+        # NOTE: KV first, at offset 0; the small carves follow it, so arena alignment wastes little.
+        kv_total = num_pages * self.page_bytes
+        total = -(-kv_total // arena) * arena + ws_bytes + expert_bytes + arena
+        self.pool = DevicePool(total, arena, self.device)
+        kv_shape = (spec.num_layers, 2, num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = self.pool.carve("kv", kv_shape, self.dtype)
+        self.num_kv_blocks = num_pages
+        self.experts = None
+        if spec.moe_layers:
+            from sloserve.layers.moe import ExpertStore
+
+            self.experts = ExpertStore(weights.experts, device=self.device, dtype=self.dtype,
+                                       slots_per_layer=slots, pool=self.pool if partial else None)
+            weights.experts.clear()  # the store holds its own (resident or host) copies
+        staging = None
+        if self.device.type == "cuda":
+            staging = DevicePool(ws_bytes, None, "cpu", pin_memory=True)
+        self.inputs = InputBuilder(self.pool, staging, max_tokens, max_seqs, max_blocks, self.block_size,
+                                   spec.vocab_size, self.max_model_len)
+        host_pages = min(cc.swap_bytes // self.page_bytes, num_pages)
+        self.host_pool = None
+        self.host_kv = None
+        if host_pages > 0:
+            self.host_pool = DevicePool(host_pages * self.page_bytes, None, "cpu",
+                                        pin_memory=self.device.type == "cuda")
+            self.host_kv = self.host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), self.dtype)
+        self.num_host_blocks = host_pages
+        self.backend = get_backend(mc.attention_backend, self.device, dtype=self.dtype,
+                                   block_size=self.block_size, head_dim=spec.head_dim)
+        self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
+                                  self.device, self.dtype)
+        self.sampler = Sampler(self.device)
+        self._num_params = weights.num_parameters()
+        self.load_time_s = time.monotonic() - started
+        log.info("loaded %s (%s) on %s/%s: %d KV pages, backend %s, %.1fs", self.model_path, spec.architecture,
+                 self.device, self.dtype, num_pages, self.backend.name, self.load_time_s)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Swap blocks, run one forward over every scheduled sequence, sample where asked."""
+        if out.swap_out or out.swap_in:
+            if self.host_kv is None:
+                raise ValueError("swap requested but the runner has no host swap pool (swap_bytes is 0)")
+            copy_blocks(self.kv, self.host_kv, out.swap_out)
+            copy_blocks(self.host_kv, self.kv, out.swap_in)
+        if out.finished_req_ids:
+            self.sampler.drop(out.finished_req_ids)
+        if not out.sequences:
+            return []
+        step = self.inputs.build(out.sequences)
+        logits = self.model.forward(step.input_ids, step.positions, step.meta, self.kv, step.sample_idx)
+        seqs = out.sequences
+        return self.sampler.sample(logits, [seqs[i].sampling for i in step.sampled],
+                                   [seqs[i].req_id for i in step.sampled])
+
+    def warmup(self) -> None:
+        """One prefill and one decode step on the null page (block 0), so first requests run warm."""
+        greedy = SamplingParams(max_tokens=1)
+        prefill = min(self.inputs.max_tokens, 4 * self.block_size, self.max_model_len)
+        blocks = [0] * math.ceil(prefill / self.block_size)
+        self.execute(SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)]))
+        batch = min(self.inputs.max_seqs, 8)
+        seqs = [ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy) for i in range(batch)]
+        self.execute(SchedulerOutput(seqs))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def info(self) -> dict:
+        """What is loaded and how memory is laid out."""
+        spec = self.spec
+        info = {
+            "model": str(self.model_path),
+            "architecture": spec.architecture,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+            "parameters": self._num_params,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_host_blocks": self.num_host_blocks,
+            "kv_page_bytes": self.page_bytes,
+            "pool": self.pool.report(),
+            "load_time_s": round(self.load_time_s, 3),
+        }
+        if self.experts is not None:
+            info["experts"] = self.experts.stats()
+        return info

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (GPT-NeoX half-rotation) with default, linear and llama3 scaling.
+
+cos/sin tables are built once for every position up to the context limit; a step gathers the
+rows of its positions once and every layer reuses them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True, frozen=True)
+class RopeSpec:
+    """RoPE settings read from config.json: base theta and optional scaling."""
+
+    theta: float
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [D/2] in float32, as transformers computes them for each rope type."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "default":
+        return inv_freq
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope type {rope.type!r} is not supported (default, linear, llama3)")
+
+
+def rope_tables(rope: RopeSpec, head_dim: int, max_positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, D] (each frequency twice, as in transformers)."""
+    inv_freq = inv_frequencies(rope, head_dim)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x[T, H, D] rotated by cos/sin [T, D]: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

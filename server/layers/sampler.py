@@ -1,0 +1,85 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+Greedy rows take one argmax over the whole batch. Sampled rows are filtered together (one sort),
+then each draws from its own torch.Generator: a seeded request's tokens depend only on its seed
+and its own logits, never on what it was batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from sloserve.sampling_params import SamplingParams
+
+
+class Sampler:
+    """Picks one token per logits row; keeps one generator per request until it finishes."""
+
+    def __init__(self, device: torch.device | str, seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+        self._shared = torch.Generator(device=self.device)
+        if seed is None:
+            self._shared.seed()
+        else:
+            self._shared.manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self._generators)
+
+    def drop(self, req_ids: Sequence[str]) -> None:
+        """Forget the generators of finished requests."""
+        for req_id in req_ids:
+            self._generators.pop(req_id, None)
+
+    def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._shared
+        gen = self._generators.get(req_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self._generators[req_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], req_ids: Sequence[str]) -> list[int]:
+        """One token id per row of logits[S, V]."""
+        if logits.shape[0] == 0:
+            return []
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            return tokens.tolist()
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled])
+        out = tokens.tolist()
+        for j, i in enumerate(sampled):
+            gen = self._generator(req_ids[i], params[i])
+            out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+        return out
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities [S, V] after temperature, top-k and top-p (float32; filtered entries are 0)."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+    scaled = logits.float() / temps[:, None]
+    need_k = any(p.top_k for p in params)
+    need_p = any(p.top_p < 1.0 for p in params)
+    if need_k or need_p:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        vocab = scaled.shape[-1]
+        ranks = torch.arange(vocab, device=device)[None, :]
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if need_k:
+            ks = torch.tensor([p.top_k or vocab for p in params], device=device)
+            remove |= ranks >= ks[:, None]
+        if need_p:
+            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+            sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+            remove |= (before >= top_p[:, None]) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    return scaled.softmax(dim=-1)

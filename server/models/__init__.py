@@ -1,0 +1,1 @@
+"""Model families (Llama/Mistral, Qwen2, Mixtral, Qwen2-MoE), checkpoint loading, built-in models."""

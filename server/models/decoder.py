@@ -1,0 +1,87 @@
+"""One decoder-only transformer for all four families, over a flat token batch and paged KV.
+
+Per layer (as transformers computes it)::
+
+    h = h + o_proj(attention(rope(q), rope(k), v))        with x = rms_norm(h) feeding q, k, v
+    h = h + mlp(rms_norm(h))                              dense SwiGLU, or routed experts
+                                                          (+ sigmoid-gated shared expert: Qwen2-MoE)
+
+Only the rows that are sampled go through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from sloserve.layers.attention import AttentionBackend, AttentionMetadata, write_kv
+from sloserve.layers.moe import ExpertStore, moe_forward
+from sloserve.layers.norm import rms_norm
+from sloserve.layers.rope import apply_rope, rope_tables
+from sloserve.models.spec import ModelSpec
+from sloserve.models.weights import LayerWeights, ModelWeights
+
+
+class DecoderModel:
+    """Weights + the forward pass; holds no per-request state."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: ModelWeights,
+        backend: AttentionBackend,
+        experts: ExpertStore | None,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if spec.moe_layers and experts is None:
+            raise ValueError(f"{spec.architecture} has MoE layers: an ExpertStore is required")
+        self.spec = spec
+        self.weights = weights
+        self.backend = backend
+        self.experts = experts
+        self.scale = spec.head_dim**-0.5
+        self.cos, self.sin = rope_tables(spec.rope, spec.head_dim, max_positions, device, dtype)
+        self._split = [spec.q_size, spec.kv_size, spec.kv_size]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
+        sample_idx: torch.Tensor,  # [S'] int64, rows whose logits are wanted
+    ) -> torch.Tensor:  # [S', V] float32
+        spec, w = self.spec, self.weights
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, w.embed)  # [T, H]
+        cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
+        sin = self.sin.index_select(0, positions)
+        for i, layer in enumerate(w.layers):
+            x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
+            q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
+            v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+            h = h + F.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b)
+            x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
+            h = h + (self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
+        h = rms_norm(h.index_select(0, sample_idx), w.norm, spec.rms_norm_eps)
+        return F.linear(h, w.lm_head).float()
+
+    def _moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x, layer.router_w)  # [T, E]
+        out = moe_forward(x, router_logits, self.experts, i, self.spec.top_k, self.spec.renormalize)
+        if layer.shared_gate_w is not None:
+            out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(layer, x)
+        return out
+
+
+def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused in one matmul."""
+    gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)

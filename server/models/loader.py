@@ -1,0 +1,172 @@
+"""Read a local Hugging Face folder: config, (sharded) safetensors, into fused per-layer weights.
+
+Weights are fused as they load so a step runs one matmul where transformers runs several:
+q/k/v -> qkv[(Hq + 2 Hkv) * D, H]; gate/up -> gate_up[2I, H]; experts -> w13[E, 2I, H], w2[E, H, I].
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from sloserve.errors import CheckpointError
+from sloserve.models.spec import ModelSpec, load_spec, read_json, supported
+from sloserve.models.weights import LayerWeights, ModelWeights
+
+BUILTIN_MODELS = ("default", "default-moe")
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """'default' / 'default-moe' -> the cached built-in folder; a folder -> itself; else CheckpointError."""
+    if str(path) in BUILTIN_MODELS:
+        from sloserve.models.default import ensure_default_model
+
+        return ensure_default_model(str(path))
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a folder: pass a local Hugging Face folder "
+                              f"(config.json, *.safetensors, tokenizer.json) or one of {', '.join(BUILTIN_MODELS)}")
+    return folder
+
+
+class TensorSource:
+    """Name -> tensor over one or many safetensors files, each opened once; errors name the file."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._handles: dict[Path, object] = {}
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} lacks a 'weight_map' object")
+            self._where = {name: folder / file for name, file in weight_map.items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder} holds no *.safetensors file (sloserve loads safetensors only; "
+                                      "re-save the model with save_pretrained(safe_serialization=True))")
+            self._where = {}
+            for file in files:
+                for name in self._open(file).keys():
+                    self._where[name] = file
+        for file in sorted(set(self._where.values())):
+            if not file.is_file():
+                raise CheckpointError(f"shard {file.name} named in {index.name} is missing from {folder}")
+
+    def _open(self, file: Path):
+        if file in self._handles:
+            return self._handles[file]
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+        self._handles[file] = handle
+        return handle
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `name` (on the CPU), checked against the shape the config implies."""
+        file = self._where.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        try:
+            tensor = self._open(file).get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"but config.json implies {tuple(shape)}")
+        return tensor
+
+
+def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelSpec, ModelWeights]:
+    """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`."""
+    spec = load_spec(folder)
+    src = TensorSource(folder)
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return src.get(name, shape).to(device=device, dtype=dtype)
+
+    def cat(names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        return torch.cat([src.get(n, s).to(device=device, dtype=dtype) for n, s in zip(names, shapes, strict=True)])
+
+    h, v = spec.hidden_size, spec.vocab_size
+    embed = get("model.embed_tokens.weight", v, h)
+    if spec.tie_word_embeddings or not src.has("lm_head.weight"):
+        if not spec.tie_word_embeddings:
+            raise CheckpointError(f"{folder}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight", v, h)
+    layers, experts = [], {}
+    for i in range(spec.num_layers):
+        layer, routed = _load_layer(spec, i, get, cat, src)
+        layers.append(layer)
+        if routed is not None:
+            experts[i] = routed
+    return spec, ModelWeights(embed=embed, norm=get("model.norm.weight", h), lm_head=lm_head,
+                              layers=layers, experts=experts)
+
+
+Getter = Callable[..., torch.Tensor]
+
+
+def _load_layer(spec: ModelSpec, i: int, get: Getter, cat: Callable, src: TensorSource):
+    h, d = spec.hidden_size, spec.head_dim
+    p = f"model.layers.{i}."
+    q, kv = spec.q_size, spec.kv_size
+    attn = p + "self_attn."
+    qkv_names = [attn + f"{n}_proj.weight" for n in "qkv"]
+    layer = LayerWeights(
+        ln1=get(p + "input_layernorm.weight", h),
+        ln2=get(p + "post_attention_layernorm.weight", h),
+        qkv_w=cat(qkv_names, [(q, h), (kv, h), (kv, h)]),
+        qkv_b=cat([attn + f"{n}_proj.bias" for n in "qkv"], [(q,), (kv,), (kv,)]) if spec.qkv_bias else None,
+        o_w=get(attn + "o_proj.weight", h, spec.num_heads * d),
+        o_b=get(attn + "o_proj.bias", h) if spec.o_bias else None,
+    )
+    if i not in spec.moe_layers:
+        mlp, inter = p + "mlp.", spec.intermediate_size
+        layer.gate_up_w = cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)])
+        layer.down_w = get(mlp + "down_proj.weight", h, inter)
+        if spec.mlp_bias:
+            layer.gate_up_b = cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)])
+            layer.down_b = get(mlp + "down_proj.bias", h)
+        return layer, None
+    e, inter = spec.num_experts, spec.moe_intermediate_size
+    if spec.family == "mixtral" and not src.has(p + "mlp.experts.gate_up_proj"):
+        moe = p + "block_sparse_moe."
+        layer.router_w = get(moe + "gate.weight", e, h)
+        names = [moe + f"experts.{x}.w{{}}.weight" for x in range(e)]  # w1 gate, w3 up, w2 down
+        w13 = torch.stack([cat([n.format(1), n.format(3)], [(inter, h), (inter, h)]) for n in names])
+        w2 = torch.stack([get(n.format(2), h, inter) for n in names])
+        return layer, (w13, w2)
+    moe = p + "mlp."
+    layer.router_w = get(moe + "gate.weight", e, h)
+    if src.has(moe + "experts.gate_up_proj"):  # transformers 5's fused in-memory layout
+        w13 = get(moe + "experts.gate_up_proj", e, 2 * inter, h)
+        w2 = get(moe + "experts.down_proj", e, h, inter)
+    else:
+        names = [moe + f"experts.{x}.{{}}_proj.weight" for x in range(e)]
+        w13 = torch.stack([cat([n.format("gate"), n.format("up")], [(inter, h), (inter, h)]) for n in names])
+        w2 = torch.stack([get(n.format("down"), h, inter) for n in names])
+    if spec.shared_expert_intermediate_size:
+        shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
+        layer.gate_up_w = cat([shared + "gate_proj.weight", shared + "up_proj.weight"], [(s, h), (s, h)])
+        layer.down_w = get(shared + "down_proj.weight", h, s)
+        layer.shared_gate_w = get(moe + "shared_expert_gate.weight", 1, h)
+    return layer, (w13, w2)
+
+
+def describe(folder: Path) -> dict:
+    """config.json summary for `sloserve info` without loading weights."""
+    spec = load_spec(folder)
+    return {"architecture": spec.architecture, "family": spec.family, "layers": spec.num_layers,
+            "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "supported": supported(),
+            "config": json.loads((folder / "config.json").read_text())}
