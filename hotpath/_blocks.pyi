@@ -35,4 +35,5 @@ def _bench_blocks(
     seed: int = 1,
     probe: array | None = None,
     probe_target: int = 0,
+    release_gil: bool = True,
 ) -> tuple[int, int, int, int]: ...

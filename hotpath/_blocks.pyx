@@ -21,8 +21,10 @@ are freed tail first, so the tail of a prefix chain is evicted before its head. 
 (hash -> block) is a C open-addressing table; no Python object exists per block.
 """
 
+from cpython.number cimport PyNumber_Index
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
 
 from _hashmap cimport I64Map, map_del, map_find, map_free, map_get, map_init, map_put
 
@@ -167,7 +169,7 @@ cdef class BlockAllocator:
     cdef public long long prefix_misses
 
     def __init__(self, num_blocks):
-        cdef Py_ssize_t n = num_blocks
+        cdef Py_ssize_t n = PyNumber_Index(num_blocks)
         if n < 1:
             raise ValueError(f"num_blocks must be >= 1 (block 0 is the null block), got {n}")
         if n > 2**31 - 3:
@@ -211,7 +213,7 @@ cdef class BlockAllocator:
     cdef int32_t _check_block(self, block) except -1:
         cdef int64_t b
         try:
-            b = block
+            b = PyNumber_Index(block)
         except OverflowError:
             b = -1
         if b == 0:
@@ -223,7 +225,7 @@ cdef class BlockAllocator:
     cdef int32_t _check_any(self, block) except -1:
         cdef int64_t b
         try:
-            b = block
+            b = PyNumber_Index(block)
         except OverflowError:
             b = -1
         if not 0 <= b < self.a.n:
@@ -232,7 +234,7 @@ cdef class BlockAllocator:
 
     def allocate(self, n):
         """n blocks with refcount 1 (free ones first, then LRU cached), or None if short."""
-        cdef Py_ssize_t count = n
+        cdef Py_ssize_t count = PyNumber_Index(n)
         cdef Py_ssize_t i
         cdef int32_t stack[64]
         cdef int32_t* out = stack
@@ -293,7 +295,7 @@ cdef class BlockAllocator:
         """Block holding this hash, or -1; refcounts and LRU order are unchanged."""
         cdef int64_t h
         try:
-            h = block_hash
+            h = PyNumber_Index(block_hash)
         except OverflowError:
             check_hash(block_hash)
             raise
@@ -313,7 +315,7 @@ cdef class BlockAllocator:
         cdef int32_t b = self._check_block(block)
         cdef int64_t h
         try:
-            h = block_hash
+            h = PyNumber_Index(block_hash)
         except OverflowError:
             check_hash(block_hash)
             raise

@@ -43,7 +43,9 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         num_blocks = operator.index(num_blocks)
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.prefix_hits = 0
         self.prefix_misses = 0
@@ -112,7 +114,9 @@ class BlockAllocator:
             seen[block] = seen.get(block, 0) + 1
             if seen[block] > refs[block]:
                 state = "not allocated" if refs[block] == 0 else f"held {refs[block]} time(s)"
-                raise ValueError(f"double free: block {block} is {state} but freed {seen[block]} time(s)")
+                raise ValueError(
+                    f"double free: block {block} is {state} but freed {seen[block]} time(s)"
+                )
         for block in blocks:
             refs[block] -= 1
             if refs[block] == 0:
@@ -143,7 +147,9 @@ class BlockAllocator:
         """Reuse a cached block: take it off the evictable list with refcount 1."""
         block = self._check_block(block)
         if self._refs[block] > 0:
-            raise ValueError(f"block {block} is in use (refcount {self._refs[block]}); use incref()")
+            raise ValueError(
+                f"block {block} is in use (refcount {self._refs[block]}); use incref()"
+            )
         if block not in self._cached:
             raise ValueError(f"block {block} is free and holds no prefix; allocate() it instead")
         del self._cached[block]
@@ -190,7 +196,13 @@ _BENCH_MAX_BLOCKS = 16
 
 
 def _bench_blocks(
-    num_blocks: int, n_requests: int, n_ops: int, seed: int = 1, probe=None, probe_target: int = 0
+    num_blocks: int,
+    n_requests: int,
+    n_ops: int,
+    seed: int = 1,
+    probe=None,
+    probe_target: int = 0,
+    release_gil: bool = True,
 ) -> tuple[int, int, int, int]:
     """Same churn as `_blocks._bench_blocks` through the public API (the twin holds the GIL)."""
     if num_blocks < 2 or n_requests < 1 or n_ops < 0:

@@ -13,6 +13,7 @@ offset of n contiguous rows or None when the step's budget is short; `release_ro
 them all at the end of the step.
 """
 
+from cpython.number cimport PyNumber_Index
 from libc.stdint cimport int32_t
 from libc.stdlib cimport free, malloc
 
@@ -43,7 +44,7 @@ cdef class ExpertAllocator:
             ("slots_per_layer", slots_per_layer, 1),
             ("workspace_rows", workspace_rows, 0),
         ):
-            if value.__index__() < low:
+            if PyNumber_Index(value) < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if slots_per_layer > num_experts:
             raise ValueError(
@@ -100,9 +101,9 @@ cdef class ExpertAllocator:
         self.prev[head] = <int32_t>g
 
     cdef int _check(self, layer, expert) except -1:
-        if not 0 <= layer.__index__() < self.num_layers:
+        if not 0 <= PyNumber_Index(layer) < self.num_layers:
             raise ValueError(f"layer {layer} is out of range 0..{self.num_layers - 1}")
-        if not 0 <= expert.__index__() < self.num_experts:
+        if not 0 <= PyNumber_Index(expert) < self.num_experts:
             raise ValueError(f"expert {expert} is out of range 0..{self.num_experts - 1}")
         return 0
 
@@ -175,7 +176,7 @@ cdef class ExpertAllocator:
 
     def reserve_rows(self, n):
         """Offset of n workspace rows for this step, or None when the budget is short."""
-        cdef Py_ssize_t count = n
+        cdef Py_ssize_t count = PyNumber_Index(n)
         cdef Py_ssize_t offset
         if count < 0:
             raise ValueError(f"cannot reserve a negative number of rows ({count})")

@@ -103,7 +103,9 @@ class ExpertAllocator:
         self._check(layer, expert)
         slot = self._slot_of[layer][expert]
         if slot < 0:
-            raise ValueError(f"expert {expert} of layer {layer} is not resident; acquire() it first")
+            raise ValueError(
+                f"expert {expert} of layer {layer} is not resident; acquire() it first"
+            )
         if not self._pinned[layer][slot]:
             self._pinned[layer][slot] = True
             del self._lru[layer][slot]

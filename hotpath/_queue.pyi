@@ -29,4 +29,5 @@ def _bench_queue(
     seed: int = 1,
     probe: array | None = None,
     probe_target: int = 0,
+    release_gil: bool = True,
 ) -> tuple[int, int, int]: ...

@@ -33,6 +33,7 @@ read contiguous memory; `pos[slot]` is the node's heap index and a C hash map se
 to its slot, which makes remove-by-handle O(log n). No Python object per entry.
 """
 
+from cpython.number cimport PyNumber_Index
 from libc.math cimport INFINITY, ceil, isfinite, isnan, pow
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort, realloc
@@ -318,7 +319,7 @@ cdef class RequestQueue:
     def __contains__(self, handle):
         cdef int64_t h
         try:
-            h = handle
+            h = PyNumber_Index(handle)
         except (OverflowError, TypeError):
             return False
         return map_find(&self.q.index, h) >= 0
@@ -328,12 +329,12 @@ cdef class RequestQueue:
         cdef int64_t h, tokens
         cdef int rc
         try:
-            h = handle
+            h = PyNumber_Index(handle)
         except OverflowError:
             check_handle(handle)
             raise
         try:
-            tokens = prompt_tokens
+            tokens = PyNumber_Index(prompt_tokens)
         except OverflowError:
             check_push(deadline, prompt_tokens, now)
             raise
@@ -361,7 +362,7 @@ cdef class RequestQueue:
         """Drop a queued handle (cancellation); ValueError when it is not queued."""
         cdef int64_t h
         try:
-            h = handle
+            h = PyNumber_Index(handle)
         except OverflowError:
             raise ValueError(f"handle {handle!r} is not in the queue") from None
         if not q_remove(&self.q, h):
@@ -408,59 +409,4 @@ cpdef int target_batch_size(long long max_batch, long long queue_depth, double d
     return <int>max_batch if target > <double>max_batch else <int>target
 
 
-def _bench_queue(Py_ssize_t n_live, Py_ssize_t n_ops, uint64_t seed=1, int64_t[::1] probe=None,
-                 int64_t probe_target=0):
-    """Churn a private queue of n_live entries for n_ops pop+push(+remove) ops in ONE nogil section.
-
-    Returns (checksum of popped handles, ops done, probe advance). With `probe`, the C loop
-    re-reads probe[0] every 256 ops and stops once another thread has advanced it by
-    probe_target: a test of GIL release. `_queue_py._bench_queue` runs the same ops.
-    """
-    cdef Queue q
-    cdef uint64_t x = seed, r, checksum = 0
-    cdef int64_t next_handle = 0, victim, start = 0, seen = 0
-    cdef const int64_t* probe_ptr = NULL
-    cdef double now = 0.0
-    cdef Py_ssize_t i, done = 0
-    cdef int rc = 0
-    if n_live < 1 or n_ops < 0:
-        raise ValueError(f"need n_live >= 1 and n_ops >= 0, got {n_live}, {n_ops}")
-    if probe is not None:
-        probe_ptr = &probe[0]
-    if q_init(&q, n_live + 1, 0.95, 0.2, 1e-4) < 0:
-        raise MemoryError("_bench_queue: out of memory")
-    with nogil:
-        if probe_ptr != NULL:
-            start = read_probe(probe_ptr)
-            seen = start
-        for i in range(n_live):
-            x = lcg(x)
-            r = x >> 33
-            rc |= q_push(&q, next_handle, now + <double>(r % 2000) * 0.001, <int64_t>((r >> 11) % 4096), now)
-            next_handle += 1
-        for i in range(n_ops):
-            now += 1e-6
-            checksum = checksum * 1000003 + <uint64_t>q_remove_at(&q, 0)
-            x = lcg(x)
-            r = x >> 33
-            rc |= q_push(&q, next_handle, now + <double>(r % 2000) * 0.001, <int64_t>((r >> 11) % 4096), now)
-            next_handle += 1
-            if i % 8 == 7:
-                victim = next_handle - 1 - <int64_t>(r % 16)
-                if q_remove(&q, victim):
-                    checksum = checksum * 1000003 + <uint64_t>victim
-                    x = lcg(x)
-                    r = x >> 33
-                    rc |= q_push(&q, next_handle, now + <double>(r % 2000) * 0.001, <int64_t>((r >> 11) % 4096), now)
-                    next_handle += 1
-            done = i + 1
-            if probe_ptr != NULL and i % 256 == 255:
-                seen = read_probe(probe_ptr)
-                if seen - start >= probe_target:
-                    break
-        if probe_ptr != NULL:
-            seen = read_probe(probe_ptr)
-    q_free(&q)
-    if rc != 0:
-        raise MemoryError("_bench_queue: out of memory")
-    return checksum, done, seen - start
+include "_queue_bench.pxi"

@@ -26,14 +26,20 @@ def entry_key(deadline: float, now: float, length_term: float, steps: int, aging
     return base * scale if base >= 0.0 else base / scale
 
 
-def check_queue_args(aging: float, max_wait_s: float, length_weight_s: float, capacity: int) -> None:
+def check_queue_args(
+    aging: float, max_wait_s: float, length_weight_s: float, capacity: int
+) -> None:
     """Raise ValueError naming the first bad RequestQueue constructor argument."""
     if not 0.0 < aging <= 1.0:
         raise ValueError(f"aging must be in (0, 1] (1 disables aging), got {aging!r}")
     if math.isnan(max_wait_s) or max_wait_s < 0.0:
-        raise ValueError(f"max_wait_s must be >= 0 seconds (inf disables the guard), got {max_wait_s!r}")
+        raise ValueError(
+            f"max_wait_s must be >= 0 seconds (inf disables the guard), got {max_wait_s!r}"
+        )
     if not math.isfinite(length_weight_s) or length_weight_s < 0.0:
-        raise ValueError(f"length_weight_s must be a finite number >= 0 s/token, got {length_weight_s!r}")
+        raise ValueError(
+            f"length_weight_s must be a finite number >= 0 s/token, got {length_weight_s!r}"
+        )
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity!r}")
 
@@ -47,7 +53,9 @@ def check_handle(handle: int) -> None:
 def check_push(deadline: float, prompt_tokens: int, now: float) -> None:
     """Raise ValueError for a NaN/-inf deadline, a non-finite now or a negative token count."""
     if math.isnan(deadline) or deadline == -math.inf:
-        raise ValueError(f"deadline must be a time.monotonic() value or +inf (no SLO), got {deadline!r}")
+        raise ValueError(
+            f"deadline must be a time.monotonic() value or +inf (no SLO), got {deadline!r}"
+        )
     if not math.isfinite(now):
         raise ValueError(f"now must be a finite time.monotonic() value, got {now!r}")
     if not 0 <= prompt_tokens <= _INT64_MAX:
@@ -100,12 +108,13 @@ class RequestQueue:
         return len(self._entries)
 
     def __contains__(self, handle: object) -> bool:
-        return handle in self._entries
+        return isinstance(handle, int) and handle in self._entries
 
     def push(self, handle: int, deadline: float, prompt_tokens: int, now: float) -> None:
         """Queue `handle`; deadline is the absolute time.monotonic() of its SLO."""
         handle = operator.index(handle)
         check_handle(handle)
+        prompt_tokens = operator.index(prompt_tokens)
         check_push(deadline, prompt_tokens, now)
         if handle in self._entries:
             raise ValueError(f"handle {handle} is already queued; remove it first")
@@ -142,6 +151,7 @@ class RequestQueue:
 
     def remove(self, handle: int) -> None:
         """Drop a queued handle (cancellation); ValueError when it is not queued."""
+        handle = operator.index(handle)
         if self._entries.pop(handle, None) is None:
             raise ValueError(f"handle {handle!r} is not in the queue")
         if len(self._heap) > 2 * len(self._entries) + 64:
@@ -201,7 +211,12 @@ def _lcg(x: int) -> int:
 
 
 def _bench_queue(
-    n_live: int, n_ops: int, seed: int = 1, probe=None, probe_target: int = 0
+    n_live: int,
+    n_ops: int,
+    seed: int = 1,
+    probe=None,
+    probe_target: int = 0,
+    release_gil: bool = True,
 ) -> tuple[int, int, int]:
     """Same churn as `_queue._bench_queue` through the public API (the twin holds the GIL)."""
     if n_live < 1 or n_ops < 0:
