@@ -97,6 +97,41 @@ async def multiplexed(address: str, max_tokens: int) -> None:
                    f"stream switched between requests {len(order) - 1} times (interleaved chunks)")
 
 
+async def drain_under_load(address: str, proc: subprocess.Popen, max_tokens: int) -> None:
+    """Start three requests, SIGTERM the server once all stream, then collect their endings."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SloserveStub(channel).Stream()
+        ids = ["drain-1", "drain-2", "drain-3"]
+        for rid in ids:
+            await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
+                request_id=rid, text=PROMPTS["grid-a"], max_tokens=max_tokens,
+                sampling=pb.SamplingParams(ignore_eos=True))))
+        streaming: set[str] = set()
+        endings: dict[str, str] = {}
+        sent_late = False
+        while len(endings) < len(ids) + 1:
+            msg = await call.read()
+            kind = msg.WhichOneof("kind")
+            body = getattr(msg, kind)
+            if kind == "chunk":
+                streaming.add(body.request_id)
+                if streaming == set(ids) and not sent_late:
+                    proc.send_signal(signal.SIGTERM)
+                    await asyncio.sleep(0.3)
+                    await call.write(pb.ClientMessage(generate=pb.GenerateRequest(request_id="late", text="0")))
+                    sent_late = True
+            elif kind == "final":
+                endings[body.request_id] = f"finished, {body.completion_tokens} tokens"
+            else:
+                endings[body.request_id] = f"{_status_name(body.code)}: {body.message}"
+        for rid in [*ids, "late"]:
+            click.echo(f"  {rid:<8} {endings[rid]}")
+
+
+def _status_name(number: int) -> str:
+    return next((c.name for c in grpc.StatusCode if c.value[0] == number), str(number))
+
+
 def metrics_summary(port: int) -> list[str]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     keep = ("sloserve_requests_total", "sloserve_ttft_seconds_count", "sloserve_kv_blocks_total",
@@ -137,9 +172,10 @@ def demo(model: str, num_requests: int, workload: str, max_tokens: int, ready_ti
         click.echo("\n3) Prometheus metrics (excerpt):")
         for line in metrics_summary(metrics_port):
             click.echo(f"  {line}")
+        click.echo("\n4) SIGTERM with requests in flight: they finish, new ones get UNAVAILABLE, exit 0")
+        asyncio.run(drain_under_load(address, proc, max_tokens))
     finally:
         if proc.poll() is None:
-            click.echo("\n4) SIGTERM: the server drains in-flight requests and exits")
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)

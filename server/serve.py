@@ -109,7 +109,11 @@ class SloserveServer:
             log.error("engine failed to start: %s", exc, exc_info=exc)
             self.dead.set()
             return
-        log.info("model loaded and warmed up: %s", dict(self.engine.model_info))
+        info = dict(self.engine.model_info)
+        summary = ", ".join(f"{key}={info[key]}" for key in
+                            ("model", "architecture", "device", "dtype", "attention_backend", "max_model_len")
+                            if key in info)
+        log.info("model loaded and warmed up: %s", summary)
 
     async def _watchdog(self) -> None:
         """Poll the engine: readiness follows ready/alive; a dead loop sets `dead`."""
