@@ -54,6 +54,7 @@ class SloserveServer:
         self.service = SloserveService(engine, config, self.metrics)
         self.health = health_aio.HealthServicer()
         self.dead = asyncio.Event()
+        self.start_error: BaseException | None = None  # why the engine failed to load, if it did
         self.port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -106,7 +107,11 @@ class SloserveServer:
         try:
             await self.engine.start()
         except Exception as exc:  # noqa: BLE001 - a model that cannot load is fatal for this server
-            log.error("engine failed to start: %s", exc, exc_info=exc)
+            self.start_error = exc
+            if isinstance(exc, ValueError):  # CheckpointError and friends: the user's to fix, no traceback
+                log.error("cannot load model %r: %s", self.config.model.path, exc)
+            else:
+                log.error("engine failed to start: %s", exc, exc_info=exc)
             self.dead.set()
             return
         info = dict(self.engine.model_info)
@@ -163,7 +168,11 @@ class SloserveServer:
 
 
 async def run(config: SloserveConfig, engine: Any | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (drain, exit 0) or a dead engine (exit 1); returns the exit code."""
+    """Serve until SIGTERM/SIGINT (drain, exit 0) or a dead engine (exit 1); returns the exit code.
+
+    A model that cannot be loaded (a ValueError such as CheckpointError) is raised as ValueError,
+    which the CLI prints as one line with exit status 2.
+    """
     if engine is None:
         from sloserve.engine import AsyncEngine
 
@@ -180,6 +189,8 @@ async def run(config: SloserveConfig, engine: Any | None = None) -> int:
         task.cancel()
     if server.dead.is_set():
         await server.stop(grace_s=0)
+        if isinstance(server.start_error, ValueError):
+            raise ValueError(f"cannot load model {config.model.path!r}: {server.start_error}")
         log.error("exiting: the engine is dead")
         return 1
     log.info("signal received: shutting down gracefully")

@@ -38,6 +38,7 @@ CASES = [
     (["info", "--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
     (["serve", "--model", "{file}"], "is a file: give the checkpoint folder"),
     (["serve", "--model", "{ckpt}"], "is not a Hugging Face checkpoint folder: missing *.safetensors"),
+    (["serve", "--model", "{broken}", "--port", "0", "--metrics-port", "off"], "cannot load model '{broken}': "),
     (["serve", "--kv-pool-size", "lots"], "--kv-pool-size: cannot read size 'lots'"),
     (["serve", "--kv-pool-size", "0"], "--kv-pool-size: size must be > 0"),
     (["serve", "--max-batch", "0"], "--max-batch: max batch must be >= 1"),
@@ -74,7 +75,7 @@ CASES = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "needle"), CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
 def test_user_error_is_one_line_exit_2(args, needle, tmp_path, not_a_checkpoint):
-    if "{busy}" in args and not engine_available():
+    if ("{busy}" in args or "{broken}" in args) and not engine_available():
         pytest.skip("serve builds the engine before binding; sloserve.engine.AsyncEngine is missing")
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
@@ -84,7 +85,11 @@ def test_user_error_is_one_line_exit_2(args, needle, tmp_path, not_a_checkpoint)
     closed = free_port_in_use()
     closed_port = closed.getsockname()[1]
     closed.close()
-    fill = {"file": str(a_file), "ckpt": not_a_checkpoint, "empty": str(empty),
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    fill = {"file": str(a_file), "ckpt": not_a_checkpoint, "empty": str(empty), "broken": str(broken),
             "busy": str(busy.getsockname()[1]), "closed": str(closed_port)}
     try:
         result = CliRunner().invoke(cli, [a.format(**fill) for a in args])
