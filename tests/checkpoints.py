@@ -92,11 +92,16 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     """transformers' greedy `generate` on each prompt alone: the new token ids of each."""
     import torch
 
+    from transformers import GenerationConfig
+
+    # NOTE: no EOS handling (and no min_new_tokens, which would mask EOS): plain argmax each step.
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=258)
+    model.generation_config.eos_token_id = None
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=258)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            assert out.shape[1] == len(prompt) + max_new_tokens, "generate stopped early"
             outputs.append(out[0, len(prompt):].tolist())
     return outputs

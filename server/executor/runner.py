@@ -101,6 +101,7 @@ class ModelRunner:
         kv_shape = (spec.num_layers, 2, num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = self.pool.carve("kv", kv_shape, self.dtype)
         self.num_kv_blocks = num_pages
+        self._num_params = weights.num_parameters()
         self.experts = None
         if spec.moe_layers:
             from sloserve.layers.moe import ExpertStore
@@ -126,7 +127,6 @@ class ModelRunner:
         self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
                                   self.device, self.dtype)
         self.sampler = Sampler(self.device)
-        self._num_params = weights.num_parameters()
         self.load_time_s = time.monotonic() - started
         log.info("loaded %s (%s) on %s/%s: %d KV pages, backend %s, %.1fs", self.model_path, spec.architecture,
                  self.device, self.dtype, num_pages, self.backend.name, self.load_time_s)

@@ -21,7 +21,7 @@ import torch
 _ALIGN = 256  # bytes; enough for every dtype and for vectorised kernels
 GPU_ARENA_BYTES = 256 * 1024**2
 CPU_ARENA_BYTES = 16 * 1024**2
-CPU_DEFAULT_POOL_BYTES = 512 * 1024**2
+CPU_DEFAULT_POOL_BYTES = 256 * 1024**2
 
 
 class PoolExhaustedError(MemoryError):
@@ -46,7 +46,7 @@ def default_arena_bytes(device: torch.device | str) -> int:
 
 
 def default_pool_bytes(device: torch.device | str, gpu_memory_fraction: float) -> int:
-    """A fraction of free device memory on a GPU (call after loading weights); 512 MiB on a CPU."""
+    """A fraction of free device memory on a GPU (call after loading weights); 256 MiB on a CPU."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

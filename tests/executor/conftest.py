@@ -1,0 +1,30 @@
+"""Executor test fixtures: a ModelRunner factory over the session's tiny checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
+
+
+def runner_config(folder: Path, *, block_size: int = 4, backend: str = "reference", kv_pool_bytes: int = 2 * 2**20,
+                  max_batch: int = 8, max_batched_tokens: int = 256, swap_bytes: int = 2**20,
+                  **model_kw) -> SloserveConfig:
+    return SloserveConfig(
+        model=ModelConfig(path=str(folder), device="cpu", attention_backend=backend, **model_kw),
+        cache=CacheConfig(block_size=block_size, kv_pool_bytes=kv_pool_bytes, swap_bytes=swap_bytes),
+        scheduler=SchedulerConfig(max_batch=max_batch, max_batched_tokens=max_batched_tokens),
+    )
+
+
+@pytest.fixture(scope="session")
+def make_runner() -> Callable:
+    """make_runner(folder, **runner_config kwargs) -> ModelRunner."""
+    from sloserve.executor import ModelRunner
+
+    def make(folder: Path, **kw):
+        return ModelRunner(runner_config(folder, **kw))
+
+    return make
