@@ -139,6 +139,8 @@ class SloserveService(pb_grpc.SloserveServicer):
                     self._record(out)
                     yield final_pb(request.request_id, out, arrival)
                     return
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:  # noqa: BLE001
             finished = True
             failure = self._failure(exc)

@@ -206,3 +206,18 @@ async def test_grpc_deadline_ends_the_call_and_frees_the_request():
         assert 0 < slo.e2e_s <= 0.3  # the deadline became the request's e2e objective
         await wait_for(lambda: not engine.reqs)  # and its blocks were freed when the call ended
         assert engine.stats().kv_blocks_free == engine.num_blocks
+
+
+async def test_generate_failure_after_queueing_is_its_status(caplog):
+    engine = FakeEngine(step_s=0.002)
+    engine.late_failures = {"late": ("queue_timeout", "waited 30 s in the queue")}
+    async with live_server(engine) as (server, stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Generate(pb.GenerateRequest(request_id="g", text="late")):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details() == "waited 30 s in the queue (reason: queue_timeout)"
+        counts = {s.labels["outcome"]: s.value for m in server.metrics.registry.collect()
+                  if m.name == "sloserve_requests" for s in m.samples if s.name.endswith("_total")}
+        assert counts == {"resource_exhausted": 1.0}
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
