@@ -28,17 +28,22 @@ def engine_options(fn: Callable) -> Callable:
                      help="A Hugging Face checkpoint folder, or 'default' / 'default-moe' (built in, random weights)."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+                     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                     help="Weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)."),
         click.option("--attention-backend", default="auto", show_default=True,
-                     type=click.Choice(["auto", "reference", "sdpa", "flash", "triton"])),
+                     type=click.Choice(["auto", "reference", "sdpa", "flash", "triton"]),
+                     help="Attention kernel (auto picks the best available)."),
         click.option("--max-model-len", type=int, default=None, help="Context length [default: the checkpoint's]."),
         click.option("--kv-pool-size", default=None, help="Bytes for the KV cache pool, e.g. 512MiB or 2GiB "
                      "[default: suits the device]."),
         click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV page."),
-        click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True),
-        click.option("--policy", default="slo", show_default=True, type=click.Choice(["slo", "fifo"])),
+        click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+                     help="Reuse the KV of prompt prefixes already computed."),
+        click.option("--policy", default="slo", show_default=True, type=click.Choice(["slo", "fifo"]),
+                     help="Who runs next: SLO urgency with aging, or arrival order."),
         click.option("--max-batch", default=64, show_default=True, type=int, help="Most requests running at once."),
-        click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True),
+        click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True,
+                     help="Split long prompts across steps so decodes keep flowing."),
     ]
     return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
 
