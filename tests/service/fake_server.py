@@ -1,7 +1,8 @@
-"""Run `sloserve.serve.run` over a FakeEngine in this process (for the SIGTERM subprocess test).
+"""Run `sloserve.serve.run` over a FakeEngine in this process (for the process-lifecycle tests).
 
-Usage: python -m tests.service.fake_server STEP_S [DIE_AFTER_S]   (prints 'PORT <n>' once bound;
-with DIE_AFTER_S the fake engine loop "dies" that long after start, and the server must exit 1)
+Usage: python -m tests.service.fake_server STEP_S [DIE_AFTER_S]
+Logs JSON lines on stderr (the 'listening on HOST:PORT' line gives the port). With DIE_AFTER_S
+the fake engine loop "dies" that long after start, and the server must exit 1.
 """
 
 from __future__ import annotations
@@ -18,13 +19,6 @@ from tests.service.fake_engine import FakeEngine
 
 async def main(step_s: float, die_after_s: float | None = None) -> int:
     config = SloserveConfig(server=ServerConfig(port=0, metrics_port=None, grace_s=20.0))
-    original_start = serve.SloserveServer.start
-
-    async def start_and_announce(self, **kw) -> None:
-        await original_start(self, **kw)
-        print(f"PORT {self.port}", flush=True)
-
-    serve.SloserveServer.start = start_and_announce
     engine = FakeEngine(step_s=step_s, max_running=64, num_blocks=1024)
     if die_after_s is not None:
         async def die() -> None:

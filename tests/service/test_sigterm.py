@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,14 +21,24 @@ pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
 
 
+async def read_port(proc: asyncio.subprocess.Process) -> int:
+    """The port from the server's JSON 'listening on 127.0.0.1:PORT' log line."""
+    while True:
+        line = await asyncio.wait_for(proc.stderr.readline(), 60)
+        assert line, "the server exited before listening"
+        if line.startswith(b"{"):
+            found = re.match(r"listening on 127\.0\.0\.1:(\d+) ", orjson.loads(line)["msg"])
+            if found:
+                return int(found.group(1))
+
+
 async def test_sigterm_under_load_finishes_in_flight_requests():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.service.fake_server", "0.01", cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert line.startswith("PORT "), line
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{line.split()[1]}") as channel:
+        port = await read_port(proc)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = serving_pb2_grpc.SloserveStub(channel)
             call = stub.Stream()
             ids = [f"r{i}" for i in range(10)]
@@ -46,6 +57,7 @@ async def test_sigterm_under_load_finishes_in_flight_requests():
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         logs = [orjson.loads(x) for x in (await proc.stderr.read()).splitlines() if x.startswith(b"{")]
         messages = [entry["msg"] for entry in logs]
+        assert all(entry["level"] in ("info", "warning") for entry in logs), logs
         assert any(m.startswith("draining: 10 request(s) in flight") for m in messages), messages
         assert "stopped" in messages
     finally:
