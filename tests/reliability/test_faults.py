@@ -1,0 +1,107 @@
+"""Injected faults: a failing request fails alone (INTERNAL); a dead engine loop ends the process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+from tests.reliability.client import StreamClient, generate
+from tests.reliability.harness import SERVICE_NAME, ServerProcess, describe, quiescent
+
+pytestmark = pytest.mark.timeout(300)
+
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+@pytest.fixture
+def fault_server(tiny_llama):
+    server = ServerProcess([str(tiny_llama)], module="tests.reliability.fault_server")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
+async def _start_normal(client: StreamClient, n: int, max_tokens: int) -> list[str]:
+    """n healthy requests, waited on until each is producing tokens (so faults hit a live batch)."""
+    ids = [f"ok-{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        await client.send(generate(rid, text=f"healthy request {i} " * 3, max_tokens=max_tokens))
+    deadline = time.monotonic() + 60
+    while not all(client.records[r].tokens for r in ids):
+        assert time.monotonic() < deadline, "healthy requests never started"
+        await asyncio.sleep(0.005)
+    return ids
+
+
+async def test_a_request_failing_in_processing_fails_alone_with_internal(fault_server):
+    async with fault_server.aio_channel() as channel:
+        client = StreamClient(pb_grpc.SloserveStub(channel))
+        healthy = await _start_normal(client, 6, max_tokens=120)
+        for rid in ("poison-fwd-1", "poison-post-1"):
+            await client.send(generate(rid, text="this request trips a fault", max_tokens=50))
+        assert await client.wait_terminals(120), f"no terminal for {client.pending()}"
+        later = await _start_normal(StreamClient(pb_grpc.SloserveStub(channel)), 2, max_tokens=5)  # still serving
+        await client.close()
+    for rid, where in (("poison-fwd-1", "forward"), ("poison-post-1", "post-processing")):
+        error = client.records[rid].error
+        assert error is not None and error.code == INTERNAL, client.records[rid]
+        assert f"injected {where} failure for {rid}" in error.message, error.message
+    for rid in healthy:
+        record = client.records[rid]
+        assert record.final is not None and record.final.completion_tokens == 120, record
+        assert record.tokens == 120 and record.extra_terminals == 0
+    assert later and client.status == grpc.StatusCode.OK
+    stats = fault_server.wait_quiescent()
+    assert quiescent(stats), describe(stats)
+    assert fault_server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+    assert fault_server.proc.poll() is None
+    print(f"\nfaults: {len(healthy)} healthy requests finished, 2 poisoned -> INTERNAL; {describe(stats)}")
+
+
+async def test_a_dead_engine_loop_turns_health_off_and_exits_non_zero(fault_server):
+    statuses: list[int] = []
+    async with fault_server.aio_channel() as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+
+        async def follow() -> None:
+            try:
+                async for reply in watch:
+                    statuses.append(reply.status)
+            except grpc.aio.AioRpcError:
+                pass
+
+        watcher = asyncio.create_task(follow())
+        client = StreamClient(pb_grpc.SloserveStub(channel))
+        healthy = await _start_normal(client, 4, max_tokens=200)
+        started = time.monotonic()
+        await client.send(generate("kill-loop", text="this one kills the loop", max_tokens=5))
+        assert await client.wait_terminals(60), f"requests hung after the loop died: {client.pending()}"
+        code = await asyncio.to_thread(fault_server.wait, 60)
+        exited_after = time.monotonic() - started
+        await asyncio.wait_for(watcher, 30)
+    assert code != 0, "a server whose engine died must exit non-zero so a supervisor restarts it"
+    for rid in (*healthy, "kill-loop"):
+        record = client.records[rid]
+        # Each live request ends with UNAVAILABLE (a RequestError, or the stream's own status).
+        assert (record.error is not None and record.error.code == UNAVAILABLE) or (
+            record.final is None and record.error is None and client.status == grpc.StatusCode.UNAVAILABLE), record
+    assert statuses[:1] == [health_pb2.HealthCheckResponse.SERVING]
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, f"liveness never turned off: {statuses}"
+    assert any(m.startswith("engine loop died: SystemError: injected engine loop failure")
+               for m in fault_server.messages())
+    print(f"\nloop death: exit code {code} after {exited_after:.2f}s; health seen {statuses}; "
+          f"outcomes {[client.records[r].outcome for r in (*healthy, 'kill-loop')]}")
+    try:
+        fault_server.wait(1)
+    except subprocess.TimeoutExpired:  # pragma: no cover - the assertion above already failed
+        pass
