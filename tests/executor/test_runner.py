@@ -1,0 +1,128 @@
+"""ModelRunner: pool-backed inputs, swap round trips, errors, info, warm-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.sampling_params import SamplingParams
+
+from tests.executor.driver import generate
+
+GREEDY = SamplingParams(max_tokens=8)
+PROMPT = [256, 10, 20, 30, 40, 50, 60, 70, 80, 90]
+
+
+def _seq(req_id, tokens, start, table, sample=True):
+    return ScheduledSequence(req_id, tokens, start, list(table), sample, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama, make_runner):
+    return make_runner(tiny_llama)
+
+
+def test_info_reports_model_and_pool(runner):
+    info = runner.info()
+    assert info["architecture"] == "LlamaForCausalLM" and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["attention_backend"] == "reference"
+    assert info["num_kv_blocks"] == runner.num_kv_blocks > 256  # 2 MiB of 4-token pages of 512 B/token
+    assert info["pool"]["carves"]["kv"]["shape"] == [2, 2, runner.num_kv_blocks, 4, 2, 16]
+    assert runner.num_host_blocks > 0 and runner.eos_token_ids == [257]
+    assert runner.tokenizer.decode(runner.tokenizer.encode("12\n")) == "12\n"
+
+
+def test_step_inputs_are_views_into_the_pool(runner):
+    step = runner.inputs.build([_seq("a", PROMPT, 0, [1, 2, 3]), _seq("b", [5], 7, [4, 5])])
+    base = runner.pool._buffer.untyped_storage().data_ptr()
+    for t in (step.input_ids, step.positions, step.meta.slot_mapping, step.meta.block_tables, step.sample_idx):
+        assert t.untyped_storage().data_ptr() == base
+    assert runner.kv.untyped_storage().data_ptr() == base
+    assert step.positions.tolist() == list(range(10)) + [7]
+    assert step.meta.slot_mapping.tolist()[-1] == 5 * 4 + 3
+    assert step.sample_idx.tolist() == [9, 10]
+
+
+def test_unsampled_chunks_return_no_token(runner):
+    out = runner.execute(SchedulerOutput([_seq("a", PROMPT[:4], 0, [1], sample=False)]))
+    assert out == []
+    assert runner.execute(SchedulerOutput([])) == []
+
+
+def test_swap_out_and_back_in_continues_exactly(runner):
+    expected = generate(runner, [PROMPT], 6)[0]
+    # prefill + 2 decode steps on blocks 7, 8, 9
+    table = [7, 8, 9]
+    tokens = list(PROMPT)
+    tokens += runner.execute(SchedulerOutput([_seq("s", PROMPT, 0, table)]))
+    for _ in range(2):
+        tokens += runner.execute(SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)]))
+    runner.execute(SchedulerOutput(swap_out=[(7, 0), (8, 1), (9, 2)]))
+    runner.kv[:, :, 7:10].fill_(123.0)  # another request reuses the device blocks
+    table = [20, 31, 25, 33]  # the swapped blocks, then a fresh one for the tail
+    runner.execute(SchedulerOutput(swap_in=[(0, 20), (1, 31), (2, 25)]))
+    while len(tokens) < len(PROMPT) + 6:
+        tokens += runner.execute(SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)]))
+    assert tokens[len(PROMPT):] == expected
+
+
+def test_bad_steps_are_refused_with_what_to_change(runner):
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 260\)"):
+        runner.execute(SchedulerOutput([_seq("a", [999], 0, [1])]))
+    with pytest.raises(ValueError, match="needs 3 KV blocks"):
+        runner.execute(SchedulerOutput([_seq("a", PROMPT, 0, [1, 2])]))
+    too_many = [_seq(f"r{i}", [1], 0, [i + 1]) for i in range(9)]
+    with pytest.raises(ValueError, match="exceeds the executor's buffers"):
+        runner.execute(SchedulerOutput(too_many))
+
+
+def test_warmup_leaves_results_unchanged(runner):
+    before = generate(runner, [PROMPT], 4, seed=1)
+    runner.warmup()
+    assert generate(runner, [PROMPT], 4, seed=2) == before
+
+
+def test_pool_too_small_for_one_sequence(tiny_llama, make_runner):
+    with pytest.raises(ValueError, match=r"fewer than one 1024-token sequence.*raise kv_pool_bytes"):
+        make_runner(tiny_llama, kv_pool_bytes=64 * 1024)
+    small = make_runner(tiny_llama, kv_pool_bytes=64 * 1024, max_model_len=64)
+    assert small.max_model_len == 64
+
+
+def test_max_model_len_beyond_the_checkpoint(tiny_llama, make_runner):
+    with pytest.raises(ValueError, match="exceeds what LlamaForCausalLM"):
+        make_runner(tiny_llama, max_model_len=4096)
+
+
+def test_unknown_or_unavailable_backend(tiny_llama, make_runner):
+    from sloserve.layers.attention import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match="'flash' cannot run"):
+        make_runner(tiny_llama, backend="flash")
+
+
+def test_moe_runner_reports_expert_stats(tiny_mixtral, make_runner):
+    runner = make_runner(tiny_mixtral)
+    generate(runner, [PROMPT], 2)
+    stats = runner.info()["experts"]
+    assert stats["num_experts"] == 4 and stats["hits"] > 0 and stats["resident"] == "all"
+
+
+def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner):
+    from sloserve.config import CacheConfig
+    from sloserve.executor import ModelRunner
+
+    from tests.executor.conftest import runner_config
+
+    full = generate(make_runner(tiny_mixtral), [PROMPT, PROMPT[:3]], 5)
+    cfg = runner_config(tiny_mixtral)
+    cfg.cache = CacheConfig(block_size=4, kv_pool_bytes=2 * 2**20, expert_slots_per_layer=2)
+    partial = ModelRunner(cfg)
+    assert generate(partial, [PROMPT, PROMPT[:3]], 5) == full
+    stats = partial.info()["experts"]
+    assert stats["resident"] == "partial" and stats["misses"] > 0 and stats["bytes_copied"] > 0
+    assert "expert_slots.w13" in partial.info()["pool"]["carves"]
+
+
+def test_float_inputs_stay_float32_on_cpu(runner):
+    assert runner.dtype == torch.float32 and runner.kv.dtype == torch.float32
