@@ -8,7 +8,8 @@ Invariants (both implementations)::
     refs[b] == 0      exactly one of: FREE list (no hash) or CACHED list (holds a hash)
     num_free + num_used == num_total == num_blocks - 1
 
-Both lists are threaded through flat `prev`/`next` int32 arrays with two sentinel nodes
+Both lists are threaded through the `prev`/`next` fields of one flat array of `Block` structs
+(refcount, hash and links side by side, one cache line per block) with two sentinel nodes
 (`FREE = num_blocks`, `CACHED = num_blocks + 1`), so allocation, free and removal from the
 middle (touching a cached block) are O(1) and allocate nothing:
 
@@ -31,12 +32,16 @@ from _hashmap cimport I64Map, map_del, map_find, map_free, map_get, map_init, ma
 from ._blocks_py import check_hash
 
 
+ctypedef struct Block:  # 24 bytes: one cache line holds a block's whole state
+    int32_t prev
+    int32_t next
+    int32_t refs
+    int32_t hashed
+    int64_t hash
+
+
 ctypedef struct Blocks:
-    int32_t* prev
-    int32_t* next
-    int32_t* refs
-    unsigned char* hashed
-    int64_t* hashes
+    Block* blk  # [num_blocks + 2]: the last two are the FREE and CACHED sentinels
     I64Map by_hash
     Py_ssize_t n
     Py_ssize_t n_free
@@ -45,16 +50,16 @@ ctypedef struct Blocks:
 
 
 cdef inline void list_unlink(Blocks* a, int32_t b) noexcept nogil:
-    a.next[a.prev[b]] = a.next[b]
-    a.prev[a.next[b]] = a.prev[b]
+    a.blk[a.blk[b].prev].next = a.blk[b].next
+    a.blk[a.blk[b].next].prev = a.blk[b].prev
 
 
 cdef inline void list_append(Blocks* a, int32_t head, int32_t b) noexcept nogil:
-    cdef int32_t tail = a.prev[head]
-    a.next[tail] = b
-    a.prev[b] = tail
-    a.next[b] = head
-    a.prev[head] = b
+    cdef int32_t tail = a.blk[head].prev
+    a.blk[tail].next = b
+    a.blk[b].prev = tail
+    a.blk[b].next = head
+    a.blk[head].prev = b
 
 
 cdef int b_init(Blocks* a, Py_ssize_t n) noexcept nogil:
@@ -64,33 +69,20 @@ cdef int b_init(Blocks* a, Py_ssize_t n) noexcept nogil:
     a.n_free = n - 1
     a.n_cached = 0
     a.evictions = 0
-    a.prev = <int32_t*>malloc((n + 2) * sizeof(int32_t))
-    a.next = <int32_t*>malloc((n + 2) * sizeof(int32_t))
-    a.refs = <int32_t*>calloc(n, sizeof(int32_t))
-    a.hashed = <unsigned char*>calloc(n, 1)
-    a.hashes = <int64_t*>calloc(n, sizeof(int64_t))
-    if map_init(&a.by_hash, n) < 0 or a.prev == NULL or a.next == NULL or a.refs == NULL \
-            or a.hashed == NULL or a.hashes == NULL:
+    a.blk = <Block*>calloc(n + 2, sizeof(Block))
+    if map_init(&a.by_hash, n) < 0 or a.blk == NULL:
         return -1
-    a.prev[n] = a.next[n] = <int32_t>n
-    a.prev[n + 1] = a.next[n + 1] = <int32_t>(n + 1)
+    a.blk[n].prev = a.blk[n].next = <int32_t>n
+    a.blk[n + 1].prev = a.blk[n + 1].next = <int32_t>(n + 1)
     for b in range(1, n):
         list_append(a, <int32_t>n, <int32_t>b)
     return 0
 
 
 cdef void b_free_all(Blocks* a) noexcept nogil:
-    free(a.prev)
-    free(a.next)
-    free(a.refs)
-    free(a.hashed)
-    free(a.hashes)
+    free(a.blk)
     map_free(&a.by_hash)
-    a.prev = NULL
-    a.next = NULL
-    a.refs = NULL
-    a.hashed = NULL
-    a.hashes = NULL
+    a.blk = NULL
     a.n = 0
 
 
@@ -104,24 +96,24 @@ cdef int b_allocate(Blocks* a, Py_ssize_t count, int32_t* out) noexcept nogil:
         return -1
     for i in range(count):
         if a.n_free > 0:
-            b = a.next[free_head]
+            b = a.blk[free_head].next
             a.n_free -= 1
         else:
-            b = a.next[cached_head]
+            b = a.blk[cached_head].next
             a.n_cached -= 1
-            map_del(&a.by_hash, a.hashes[b])
-            a.hashed[b] = 0
+            map_del(&a.by_hash, a.blk[b].hash)
+            a.blk[b].hashed = 0
             a.evictions += 1
         list_unlink(a, b)
-        a.refs[b] = 1
+        a.blk[b].refs = 1
         out[i] = b
     return 0
 
 
 cdef inline void b_decref(Blocks* a, int32_t b) noexcept nogil:
-    a.refs[b] -= 1
-    if a.refs[b] == 0:
-        if a.hashed[b]:
+    a.blk[b].refs -= 1
+    if a.blk[b].refs == 0:
+        if a.blk[b].hashed:
             list_append(a, <int32_t>(a.n + 1), b)
             a.n_cached += 1
         else:
@@ -133,22 +125,22 @@ cdef Py_ssize_t b_check_free(Blocks* a, const int32_t* ids, Py_ssize_t count) no
     """Index of the first occurrence that would free a block below refcount 0, else -1."""
     cdef Py_ssize_t i, j, bad = -1
     for i in range(count):
-        a.refs[ids[i]] -= 1
-        if a.refs[ids[i]] < 0:
+        a.blk[ids[i]].refs -= 1
+        if a.blk[ids[i]].refs < 0:
             bad = i
             i += 1
             break
     else:
         i = count
     for j in range(i):  # restore: validation changes nothing
-        a.refs[ids[j]] += 1
+        a.blk[ids[j]].refs += 1
     return bad
 
 
 cdef int b_touch(Blocks* a, int32_t b) noexcept nogil:
     list_unlink(a, b)
     a.n_cached -= 1
-    a.refs[b] = 1
+    a.blk[b].refs = 1
     return 0
 
 
@@ -271,7 +263,7 @@ cdef class BlockAllocator:
             bad = b_check_free(&self.a, ids, count)
             if bad >= 0:
                 b = ids[bad]
-                refs = self.a.refs[b]
+                refs = self.a.blk[b].refs
                 state = "not allocated" if refs == 0 else f"held {refs} time(s)"
                 raise ValueError(f"double free: block {b} is {state} but freed {refs + 1} time(s)")
             for i in range(count):
@@ -283,13 +275,13 @@ cdef class BlockAllocator:
     def incref(self, block):
         """Share an allocated block with one more request."""
         cdef int32_t b = self._check_block(block)
-        if self.a.refs[b] == 0:
+        if self.a.blk[b].refs == 0:
             raise ValueError(f"block {b} is not allocated; use touch() to reuse a cached block")
-        self.a.refs[b] += 1
+        self.a.blk[b].refs += 1
 
     def ref_count(self, block):
         """Current reference count of a block (0 when free or cached)."""
-        return self.a.refs[self._check_any(block)]
+        return self.a.blk[self._check_any(block)].refs
 
     def lookup(self, block_hash):
         """Block holding this hash, or -1; refcounts and LRU order are unchanged."""
@@ -304,9 +296,9 @@ cdef class BlockAllocator:
     def touch(self, block):
         """Reuse a cached block: take it off the evictable list with refcount 1."""
         cdef int32_t b = self._check_block(block)
-        if self.a.refs[b] > 0:
-            raise ValueError(f"block {b} is in use (refcount {self.a.refs[b]}); use incref()")
-        if not self.a.hashed[b]:
+        if self.a.blk[b].refs > 0:
+            raise ValueError(f"block {b} is in use (refcount {self.a.blk[b].refs}); use incref()")
+        if not self.a.blk[b].hashed:
             raise ValueError(f"block {b} is free and holds no prefix; allocate() it instead")
         b_touch(&self.a, b)
 
@@ -319,24 +311,24 @@ cdef class BlockAllocator:
         except OverflowError:
             check_hash(block_hash)
             raise
-        if self.a.refs[b] == 0:
+        if self.a.blk[b].refs == 0:
             raise ValueError(f"block {b} is not allocated; only a block in use can be hashed")
-        if self.a.hashed[b]:
-            if self.a.hashes[b] == h:
+        if self.a.blk[b].hashed:
+            if self.a.blk[b].hash == h:
                 return True
-            raise ValueError(f"block {b} already holds hash {self.a.hashes[b]}; blocks are hashed once")
+            raise ValueError(f"block {b} already holds hash {self.a.blk[b].hash}; blocks are hashed once")
         if map_find(&self.a.by_hash, h) >= 0:
             return False
         if map_put(&self.a.by_hash, h, b) < 0:
             raise MemoryError("BlockAllocator: out of memory")
-        self.a.hashed[b] = 1
-        self.a.hashes[b] = h
+        self.a.blk[b].hashed = 1
+        self.a.blk[b].hash = h
         return True
 
     def block_hash(self, block):
         """The hash recorded for a block, or None."""
         cdef int32_t b = self._check_any(block)
-        return self.a.hashes[b] if self.a.hashed[b] else None
+        return self.a.blk[b].hash if self.a.blk[b].hashed else None
 
     def record_lookup(self, hit):
         """Count one prefix-cache lookup as a hit or a miss."""
@@ -351,10 +343,10 @@ cdef class BlockAllocator:
         cdef int32_t head
         cdef int32_t b
         for head in (<int32_t>self.a.n, <int32_t>(self.a.n + 1)):
-            b = self.a.next[head]
+            b = self.a.blk[head].next
             while b != head:
                 out.append(b)
-                b = self.a.next[b]
+                b = self.a.blk[b].next
         return out
 
 

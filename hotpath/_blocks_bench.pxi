@@ -40,8 +40,8 @@ cdef BlockChurn block_churn(Blocks* a, int32_t* held, int32_t* cnt, Py_ssize_t n
             got = 0
             b = map_get(&a.by_hash, h, -1)
             if b >= 0:
-                if a.refs[b] > 0:
-                    a.refs[b] += 1
+                if a.blk[b].refs > 0:
+                    a.blk[b].refs += 1
                 else:
                     b_touch(a, <int32_t>b)
                 held[k * MAX_HELD] = <int32_t>b
@@ -53,8 +53,8 @@ cdef BlockChurn block_churn(Blocks* a, int32_t* held, int32_t* cnt, Py_ssize_t n
                 if got == 0:
                     b = held[k * MAX_HELD]
                     map_put(&a.by_hash, h, b)
-                    a.hashed[b] = 1
-                    a.hashes[b] = h
+                    a.blk[b].hashed = 1
+                    a.blk[b].hash = h
                 for j in range(want):
                     res.checksum = res.checksum * 1000003 + <uint64_t>held[k * MAX_HELD + j]
                 cnt[k] = <int32_t>want

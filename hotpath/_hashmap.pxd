@@ -3,18 +3,23 @@
 
 Shared by `_queue.pyx` (handle -> slot) and `_blocks.pyx` (block hash -> block id) through the
 include path; every function is inline, so no module is imported at run time. Deletion shifts
-later entries back (no tombstones), so probe chains never grow with churn. No Python object
-per entry; the table doubles when it is half full.
+later entries back (no tombstones), so probe chains never grow with churn. Keys are any int64;
+values must be >= 0 (a negative value marks an empty cell), and key and value share one 16-byte
+cell so a probe touches one cache line. No Python object per entry; the table doubles when it
+is half full.
 """
 
 from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport free, malloc
+
+
+ctypedef struct MapCell:
+    int64_t key
+    int64_t val  # < 0: empty
 
 
 ctypedef struct I64Map:
-    int64_t* keys
-    int64_t* vals
-    unsigned char* used
+    MapCell* cells
     Py_ssize_t cap  # a power of two
     Py_ssize_t size
 
@@ -33,26 +38,23 @@ cdef inline Py_ssize_t _home(I64Map* m, int64_t key) noexcept nogil:
 cdef inline int map_init(I64Map* m, Py_ssize_t min_entries) noexcept nogil:
     """Empty table for at least `min_entries` before growing; -1 when out of memory."""
     cdef Py_ssize_t cap = 16
+    cdef Py_ssize_t i
     while cap < 2 * min_entries:
         cap *= 2
-    m.keys = <int64_t*>malloc(cap * sizeof(int64_t))
-    m.vals = <int64_t*>malloc(cap * sizeof(int64_t))
-    m.used = <unsigned char*>calloc(cap, 1)
+    m.cells = <MapCell*>malloc(cap * sizeof(MapCell))
     m.cap = cap
     m.size = 0
-    if m.keys == NULL or m.vals == NULL or m.used == NULL:
-        map_free(m)
+    if m.cells == NULL:
+        m.cap = 0
         return -1
+    for i in range(cap):
+        m.cells[i].val = -1
     return 0
 
 
 cdef inline void map_free(I64Map* m) noexcept nogil:
-    free(m.keys)
-    free(m.vals)
-    free(m.used)
-    m.keys = NULL
-    m.vals = NULL
-    m.used = NULL
+    free(m.cells)
+    m.cells = NULL
     m.cap = 0
     m.size = 0
 
@@ -61,8 +63,8 @@ cdef inline Py_ssize_t map_find(I64Map* m, int64_t key) noexcept nogil:
     """Table index holding `key`, or -1."""
     cdef Py_ssize_t mask = m.cap - 1
     cdef Py_ssize_t i = _home(m, key)
-    while m.used[i]:
-        if m.keys[i] == key:
+    while m.cells[i].val >= 0:
+        if m.cells[i].key == key:
             return i
         i = (i + 1) & mask
     return -1
@@ -71,7 +73,7 @@ cdef inline Py_ssize_t map_find(I64Map* m, int64_t key) noexcept nogil:
 cdef inline int64_t map_get(I64Map* m, int64_t key, int64_t missing) noexcept nogil:
     """Value stored for `key`, or `missing`."""
     cdef Py_ssize_t i = map_find(m, key)
-    return missing if i < 0 else m.vals[i]
+    return missing if i < 0 else m.cells[i].val
 
 
 cdef inline int _map_grow(I64Map* m) noexcept nogil:
@@ -80,28 +82,27 @@ cdef inline int _map_grow(I64Map* m) noexcept nogil:
     if map_init(&bigger, m.cap) < 0:
         return -1
     for i in range(m.cap):
-        if m.used[i]:
-            map_put(&bigger, m.keys[i], m.vals[i])
+        if m.cells[i].val >= 0:
+            map_put(&bigger, m.cells[i].key, m.cells[i].val)
     map_free(m)
     m[0] = bigger
     return 0
 
 
 cdef inline int map_put(I64Map* m, int64_t key, int64_t val) noexcept nogil:
-    """Insert or overwrite; -1 when out of memory (the map is unchanged then)."""
+    """Insert or overwrite (val >= 0); -1 when out of memory (the map is unchanged then)."""
     cdef Py_ssize_t mask, i
     if 2 * (m.size + 1) > m.cap and _map_grow(m) < 0:
         return -1
     mask = m.cap - 1
     i = _home(m, key)
-    while m.used[i]:
-        if m.keys[i] == key:
-            m.vals[i] = val
+    while m.cells[i].val >= 0:
+        if m.cells[i].key == key:
+            m.cells[i].val = val
             return 0
         i = (i + 1) & mask
-    m.used[i] = 1
-    m.keys[i] = key
-    m.vals[i] = val
+    m.cells[i].key = key
+    m.cells[i].val = val
     m.size += 1
     return 0
 
@@ -116,14 +117,13 @@ cdef inline bint map_del(I64Map* m, int64_t key) noexcept nogil:
     j = i
     while True:
         j = (j + 1) & mask
-        if not m.used[j]:
+        if m.cells[j].val < 0:
             break
-        home = _home(m, m.keys[j])
+        home = _home(m, m.cells[j].key)
         # Move entry j back into the hole at i unless its home lies cyclically in (i, j].
         if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
-            m.keys[i] = m.keys[j]
-            m.vals[i] = m.vals[j]
+            m.cells[i] = m.cells[j]
             i = j
-    m.used[i] = 0
+    m.cells[i].val = -1
     m.size -= 1
     return True

@@ -27,10 +27,10 @@ How this corrects the write-up:
   never cleared; `target_batch_size` sizes the batch from the queue depth instead, and the
   engine builds a fresh batch every step.
 
-Layout: entries live in dense slot arrays (slot = index < size; removing one moves the last
-slot into the hole); the heap is an array of `Node` (key, seq, starved, slot) so comparisons
-read contiguous memory; `pos[slot]` is the node's heap index and a C hash map sends a handle
-to its slot, which makes remove-by-handle O(log n). No Python object per entry.
+Layout: entries live in a dense array of `Entry` structs (slot = index < size; removing one
+moves the last entry into the hole); the heap is an array of `Node` (key, seq, starved, slot) so
+comparisons read contiguous memory; `Entry.pos` is the node's heap index and a C hash map sends
+a handle to its slot, which makes remove-by-handle O(log n). No Python object per entry.
 """
 
 from cpython.number cimport PyNumber_Index
@@ -52,14 +52,18 @@ ctypedef struct Node:
     int32_t slot
 
 
+ctypedef struct Entry:  # one cache line per queued request
+    int64_t handle
+    double deadline
+    double length_term
+    double push_time
+    int64_t steps
+    Py_ssize_t pos  # index of this entry's node in the heap
+
+
 ctypedef struct Queue:
     Node* heap
-    Py_ssize_t* pos
-    int64_t* handle
-    double* deadline
-    double* length_term
-    double* push_time
-    int64_t* steps
+    Entry* entries
     Py_ssize_t size
     Py_ssize_t cap
     uint64_t next_seq
@@ -96,7 +100,7 @@ cdef int node_cmp(const void* a, const void* b) noexcept nogil:
 
 
 cdef int q_reserve(Queue* q, Py_ssize_t need) noexcept nogil:
-    """Grow every array to hold `need` entries; -1 when out of memory."""
+    """Grow both arrays to hold `need` entries; -1 when out of memory."""
     cdef Py_ssize_t cap = q.cap if q.cap > 0 else 16
     cdef void* p
     if need <= q.cap:
@@ -107,30 +111,10 @@ cdef int q_reserve(Queue* q, Py_ssize_t need) noexcept nogil:
     if p == NULL:
         return -1
     q.heap = <Node*>p
-    p = realloc(q.pos, cap * sizeof(Py_ssize_t))
+    p = realloc(q.entries, cap * sizeof(Entry))
     if p == NULL:
         return -1
-    q.pos = <Py_ssize_t*>p
-    p = realloc(q.handle, cap * sizeof(int64_t))
-    if p == NULL:
-        return -1
-    q.handle = <int64_t*>p
-    p = realloc(q.deadline, cap * sizeof(double))
-    if p == NULL:
-        return -1
-    q.deadline = <double*>p
-    p = realloc(q.length_term, cap * sizeof(double))
-    if p == NULL:
-        return -1
-    q.length_term = <double*>p
-    p = realloc(q.push_time, cap * sizeof(double))
-    if p == NULL:
-        return -1
-    q.push_time = <double*>p
-    p = realloc(q.steps, cap * sizeof(int64_t))
-    if p == NULL:
-        return -1
-    q.steps = <int64_t*>p
+    q.entries = <Entry*>p
     q.cap = cap
     return 0
 
@@ -139,12 +123,7 @@ cdef int q_init(Queue* q, Py_ssize_t capacity, double aging, double max_wait,
                 double length_weight) noexcept nogil:
     """Initialise a Queue whose memory may be garbage; -1 when out of memory."""
     q.heap = NULL
-    q.pos = NULL
-    q.handle = NULL
-    q.deadline = NULL
-    q.length_term = NULL
-    q.push_time = NULL
-    q.steps = NULL
+    q.entries = NULL
     q.size = 0
     q.cap = 0
     q.next_seq = 0
@@ -158,20 +137,10 @@ cdef int q_init(Queue* q, Py_ssize_t capacity, double aging, double max_wait,
 
 cdef void q_free(Queue* q) noexcept nogil:
     free(q.heap)
-    free(q.pos)
-    free(q.handle)
-    free(q.deadline)
-    free(q.length_term)
-    free(q.push_time)
-    free(q.steps)
+    free(q.entries)
     map_free(&q.index)
     q.heap = NULL
-    q.pos = NULL
-    q.handle = NULL
-    q.deadline = NULL
-    q.length_term = NULL
-    q.push_time = NULL
-    q.steps = NULL
+    q.entries = NULL
     q.size = 0
     q.cap = 0
 
@@ -184,10 +153,10 @@ cdef inline void sift_up(Queue* q, Py_ssize_t i) noexcept nogil:
         if not node_less(&node, &q.heap[parent]):
             break
         q.heap[i] = q.heap[parent]
-        q.pos[q.heap[i].slot] = i
+        q.entries[q.heap[i].slot].pos = i
         i = parent
     q.heap[i] = node
-    q.pos[node.slot] = i
+    q.entries[node.slot].pos = i
 
 
 cdef inline void sift_down(Queue* q, Py_ssize_t i) noexcept nogil:
@@ -203,26 +172,28 @@ cdef inline void sift_down(Queue* q, Py_ssize_t i) noexcept nogil:
         if not node_less(&q.heap[child], &node):
             break
         q.heap[i] = q.heap[child]
-        q.pos[q.heap[i].slot] = i
+        q.entries[q.heap[i].slot].pos = i
         i = child
     q.heap[i] = node
-    q.pos[node.slot] = i
+    q.entries[node.slot].pos = i
 
 
 cdef int q_push(Queue* q, int64_t handle, double deadline, int64_t tokens,
                 double now) noexcept nogil:
     """0 when queued, -1 when out of memory, -2 when the handle is already queued."""
     cdef Py_ssize_t s = q.size
+    cdef Entry* e
     if map_find(&q.index, handle) >= 0:
         return -2
     if q_reserve(q, s + 1) < 0 or map_put(&q.index, handle, s) < 0:
         return -1
-    q.handle[s] = handle
-    q.deadline[s] = deadline
-    q.length_term[s] = q.length_weight * <double>tokens
-    q.push_time[s] = now
-    q.steps[s] = 0
-    q.heap[s].key = entry_key(deadline, now, q.length_term[s], 0, q.aging)
+    e = &q.entries[s]
+    e.handle = handle
+    e.deadline = deadline
+    e.length_term = q.length_weight * <double>tokens
+    e.push_time = now
+    e.steps = 0
+    q.heap[s].key = entry_key(deadline, now, e.length_term, 0, q.aging)
     q.heap[s].seq = q.next_seq
     q.heap[s].starved = 0
     q.heap[s].slot = <int32_t>s
@@ -236,26 +207,21 @@ cdef int64_t q_remove_at(Queue* q, Py_ssize_t i) noexcept nogil:
     """Remove the node at heap index i; return its handle."""
     cdef Py_ssize_t s = q.heap[i].slot
     cdef Py_ssize_t last
-    cdef int64_t handle = q.handle[s]
+    cdef int64_t handle = q.entries[s].handle
     q.size -= 1
     last = q.size
     if i != last:
         q.heap[i] = q.heap[last]
-        q.pos[q.heap[i].slot] = i
+        q.entries[q.heap[i].slot].pos = i
         if i > 0 and node_less(&q.heap[i], &q.heap[(i - 1) >> 1]):
             sift_up(q, i)
         else:
             sift_down(q, i)
     map_del(&q.index, handle)
-    if s != last:  # keep slots dense: move the last slot into the hole
-        q.handle[s] = q.handle[last]
-        q.deadline[s] = q.deadline[last]
-        q.length_term[s] = q.length_term[last]
-        q.push_time[s] = q.push_time[last]
-        q.steps[s] = q.steps[last]
-        q.pos[s] = q.pos[last]
-        q.heap[q.pos[s]].slot = <int32_t>s
-        q.index.vals[map_find(&q.index, q.handle[s])] = s
+    if s != last:  # keep slots dense: move the last entry into the hole
+        q.entries[s] = q.entries[last]
+        q.heap[q.entries[s].pos].slot = <int32_t>s
+        q.index.cells[map_find(&q.index, q.entries[s].handle)].val = s
     return handle
 
 
@@ -263,21 +229,22 @@ cdef bint q_remove(Queue* q, int64_t handle) noexcept nogil:
     cdef Py_ssize_t at = map_find(&q.index, handle)
     if at < 0:
         return False
-    q_remove_at(q, q.pos[q.index.vals[at]])
+    q_remove_at(q, q.entries[q.index.cells[at].val].pos)
     return True
 
 
 cdef void q_rekey(Queue* q, double now) noexcept nogil:
-    cdef Py_ssize_t i, s
+    cdef Py_ssize_t i
     cdef Node* node
+    cdef Entry* e
     for i in range(q.size):
         node = &q.heap[i]
-        s = node.slot
-        q.steps[s] += 1
-        if node.starved or now - q.push_time[s] > q.max_wait:
+        e = &q.entries[node.slot]
+        e.steps += 1
+        if node.starved or now - e.push_time > q.max_wait:
             node.starved = 1
         else:
-            node.key = entry_key(q.deadline[s], now, q.length_term[s], q.steps[s], q.aging)
+            node.key = entry_key(e.deadline, now, e.length_term, e.steps, q.aging)
     i = q.size // 2
     while i > 0:
         i -= 1
@@ -350,7 +317,7 @@ cdef class RequestQueue:
         """Most urgent handle, left in the queue; IndexError when empty."""
         if self.q.size == 0:
             raise IndexError("peek from an empty RequestQueue")
-        return self.q.handle[self.q.heap[0].slot]
+        return self.q.entries[self.q.heap[0].slot].handle
 
     def pop(self):
         """Remove and return the most urgent handle; IndexError when empty."""
@@ -387,7 +354,7 @@ cdef class RequestQueue:
                 nodes[i] = self.q.heap[i]
             with nogil:
                 qsort(nodes, n, sizeof(Node), node_cmp)
-            return [self.q.handle[nodes[i].slot] for i in range(n)]
+            return [self.q.entries[nodes[i].slot].handle for i in range(n)]
         finally:
             free(nodes)
 
