@@ -11,29 +11,57 @@ from sloserve.errors import RequestRefusedError
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 
 
-class ThroughputEstimate:
-    """Exponentially weighted tokens per second of engine steps (computed tokens / step time)."""
+class StepCostModel:
+    """Online fit of step time = overhead + per_token * tokens (exponentially weighted least squares).
 
-    def __init__(self, decay: float = 0.9, min_steps: int = 3) -> None:
+    Prefill speed cannot be read off tokens/second of all steps: small decode steps are dominated
+    by fixed per-step overhead and would make a prefill look many times slower than it is.
+    """
+
+    def __init__(self, decay: float = 0.98, min_steps: int = 3) -> None:
         self.decay = decay
         self.min_steps = min_steps
-        self._tokens = 0.0
-        self._seconds = 0.0
         self.steps = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        self._tokens = self._tokens * self.decay + tokens
-        self._seconds = self._seconds * self.decay + seconds
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + tokens
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + tokens * tokens
+        self._xy = self._xy * d + tokens * seconds
         self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(overhead_s, per_token_s), or None until enough varied steps were seen to trust it."""
+        if self.steps < self.min_steps:
+            return None
+        w, x, y = self._w, self._x, self._y
+        var = w * self._xx - x * x
+        if var > 1e-6 * w * w:
+            per_token = (w * self._xy - x * y) / var
+            if per_token > 0:
+                return max(0.0, (y - per_token * x) / w), per_token
+        mean_tokens = x / w
+        if mean_tokens >= 64:  # steps all alike but large: treat their time as per-token cost
+            return 0.0, y / x
+        return None
+
+    def seconds_for(self, tokens: int, step_tokens: int) -> float | None:
+        """Estimated time to compute `tokens` in steps of at most `step_tokens`."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        overhead, per_token = fit
+        return tokens * per_token + -(-tokens // step_tokens) * overhead
 
     @property
     def tokens_per_s(self) -> float | None:
-        """None until enough steps were seen to trust the number."""
-        if self.steps < self.min_steps or self._seconds <= 0:
-            return None
-        return self._tokens / self._seconds
+        fit = self.fit()
+        return None if fit is None else 1.0 / fit[1]
 
 
 class AdmissionControl:
@@ -43,7 +71,8 @@ class AdmissionControl:
         self.enabled = config.admission_control
         self.max_waiting = config.max_waiting
         self.queue_timeout_s = config.queue_timeout_s
-        self.speed = ThroughputEstimate()
+        self.step_tokens = config.max_batched_tokens
+        self.speed = StepCostModel()
         self.refusals: Counter[str] = Counter()
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
@@ -62,16 +91,14 @@ class AdmissionControl:
         left = req.deadline - now
         if left <= 0:
             raise self.refuse("deadline_passed", f"the first-token deadline passed {-left:.3f}s ago")
-        speed = self.speed.tokens_per_s
-        if speed is None:
-            return
         need = tokens_ahead + req.num_prompt_tokens - cached_tokens
-        estimate = need / speed
-        if estimate > left:
+        estimate = self.speed.seconds_for(need, self.step_tokens)
+        if estimate is not None and estimate > left:
             raise self.refuse(
                 "slo_unattainable",
                 f"first token expected in ~{estimate:.2f}s ({need} prompt tokens to prefill at "
-                f"~{speed:.0f} tokens/s) but the SLO allows {left:.2f}s; relax the SLO or retry later")
+                f"~{self.speed.tokens_per_s:.0f} tokens/s) but the SLO allows {left:.2f}s; "
+                "relax the SLO or retry later")
 
     def timed_out(self, req: Request, now: float) -> bool:
         """True when a never-started request has waited longer than the queue timeout."""

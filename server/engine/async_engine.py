@@ -70,12 +70,12 @@ class AsyncEngine:
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
             eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
 
-    async def stop(self) -> None:
-        """Stop the loop; requests still pending end with finish_reason 'cancelled'."""
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop (waiting up to timeout_s for a running step); pending requests end 'cancelled'."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._thread.join, timeout_s)
         if self._scheduler is not None:
             with self._lock:
                 for request_id in list(self._scheduler.requests):
@@ -92,6 +92,11 @@ class AsyncEngine:
             return False
         busy = self._busy_since
         return busy is None or time.monotonic() - busy < self.stuck_after_s
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The scheduler (for inspection and benchmarks; mutate it only through the engine)."""
+        return self._scheduler
 
     @property
     def dead_reason(self) -> str | None:
@@ -200,7 +205,7 @@ class AsyncEngine:
         with self._lock:
             out = scheduler.schedule()
         errors: dict[str, str] | None = None
-        if out.is_empty:
+        if out.is_empty and not out.finished_req_ids:
             sampled: list[int | None] = []
         else:
             try:

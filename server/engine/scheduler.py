@@ -96,7 +96,8 @@ class Scheduler:
         return take_output(req)
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._outputs)
+        """Live requests, undelivered outputs, or finished ids the executor has not been told about."""
+        return bool(self.requests) or bool(self._outputs) or bool(self._finished_ids)
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -56,6 +56,12 @@ async def test_concurrent_streams_match_solo_runs_and_blocks_come_back():
     assert stats.preemptions_total > 0 and stats.requests_finished_total == 16
     assert stats.generated_tokens_total == sum(lengths) and stats.tokens_per_step > 1
     assert _all_free(engine)
+    for _ in range(200):  # the executor is told about every finished request (it drops their state)
+        told = {rid for out in runner.steps for rid in out.finished_req_ids}
+        if len(told) == 16:
+            break
+        await asyncio.sleep(0.01)
+    assert told == {f"r{i}" for i in range(16)}
     await engine.stop()
 
 

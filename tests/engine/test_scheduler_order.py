@@ -68,7 +68,8 @@ def test_chunked_prefill_respects_token_budget_and_chunk_size():
     chunks, outputs = [], {}
     while s.has_work():
         out, outs = step(s, r)
-        chunks.append([(q.req_id, len(q.token_ids)) for q in out.sequences])
+        if out.sequences:  # (a last empty step tells the executor which requests finished)
+            chunks.append([(q.req_id, len(q.token_ids)) for q in out.sequences])
         for o in outs:
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert chunks == [[("A", 6), ("B", 4)], [("A", 6), ("B", 4)], [("A", 1), ("B", 6)],
@@ -84,7 +85,8 @@ def test_without_chunking_a_prompt_runs_whole_and_an_oversized_one_runs_alone():
     chunks = []
     while s.has_work():
         out, _ = step(s, r)
-        chunks.append([(q.req_id, len(q.token_ids)) for q in out.sequences])
+        if out.sequences:  # (a last empty step tells the executor which requests finished)
+            chunks.append([(q.req_id, len(q.token_ids)) for q in out.sequences])
     assert chunks == [[("A", 15)], [("A", 1), ("B", 9)], [("B", 1)]]
 
 

@@ -138,3 +138,18 @@ def test_queue_timeout_refuses_waiting_requests_and_frees_everything():
     assert s.stats().refusals == {"queue_timeout": 1}
     drain(s, r)
     assert_all_free(s)
+
+
+def test_step_cost_model_separates_overhead_from_per_token_cost():
+    from sloserve.engine.admission import StepCostModel
+
+    model = StepCostModel()
+    for tokens in (1, 2, 500, 3, 1000, 1):
+        model.observe(tokens, 0.015 + 0.001 * tokens)
+    overhead, per_token = model.fit()
+    assert overhead == pytest.approx(0.015) and per_token == pytest.approx(0.001)
+    assert model.seconds_for(4096, 2048) == pytest.approx(4.096 + 2 * 0.015)
+    decode_only = StepCostModel()
+    for _ in range(10):
+        decode_only.observe(2, 0.015)  # small steps say nothing about prefill speed
+    assert decode_only.fit() is None and decode_only.seconds_for(1000, 2048) is None
