@@ -1,0 +1,166 @@
+"""Offered load 10x what the server sustains: the excess is refused fast, memory stays bounded,
+and the admitted requests keep their SLO.
+
+A short closed-loop run (no SLOs, so admission control cannot shape it) measures the
+sustainable request rate of this workload on this machine; then an open loop offers 10x that
+rate for 15 s (60 s with SLOSERVE_FULL=1). Every offered request carries a first-token SLO,
+which is what admission control protects. The run happens once; the tests below each check one
+property of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from sloserve.pb import serving_pb2 as pb
+from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+from tests.reliability.client import Record, StreamClient, generate, outcomes
+from tests.reliability.harness import SERVICE_NAME, ServerProcess, count, describe, quiescent
+from tests.reliability.load import LoopLag, RssSampler, closed_loop, open_loop, quantile
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+POOL_BYTES = 1024 * 8192  # 1,024 KV pages of the tiny llama (8 MiB); the swap pool is at most as big
+FIXED_OVERHEAD = 256 * 2**20  # allocator slack, gRPC buffers, Python objects of queued requests
+TTFT_SLO_S = 1.0
+DURATION_S = count(15, 60)
+STREAMS = 4
+CONCURRENCY = 32  # closed-loop clients while measuring capacity (half of --max-batch 64)
+
+
+def _request(rid: str, slo: bool = True) -> pb.ClientMessage:
+    return generate(rid, text=f"{rid} overload test prompt, a few dozen bytes long.", max_tokens=32,
+                    slo=pb.Slo(ttft_s=TTFT_SLO_S) if slo else None)
+
+
+def _no_slo(rid: str) -> pb.ClientMessage:
+    return _request(rid, slo=False)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256", "--kv-pool-size", str(POOL_BYTES))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_light_load_prefill_is_not_refused(server):
+    """One request decoding alone, then a 200-token prompt whose SLO is 50 decode steps: admitted.
+
+    (Regression: a tokens/s estimate taken from 1-token decode steps refused such prompts.)
+    """
+    async with server.aio_channel() as channel:
+        client = StreamClient(pb_grpc.SloserveStub(channel))
+        decoder = await client.send(generate("alone", text="decode alone", max_tokens=230))
+        while decoder.tokens < 150 and decoder.final is None:  # only 1-token steps in recent memory
+            await asyncio.sleep(0.005)
+        step_s = server.info().stats.step_time_s
+        slo = pb.Slo(ttft_s=50 * step_s)  # a 200-token prefill takes a few decode steps, not 50
+        probe = await client.send(generate("long-prompt", text="p" * 199, max_tokens=4, slo=slo))
+        assert await client.wait_terminals(60)
+        await client.close()
+    print(f"\nlight load: decode step {step_s * 1e3:.1f} ms, SLO {slo.ttft_s * 1e3:.0f} ms -> {probe.outcome}"
+          f" {probe.error.message if probe.error else f'ttft {probe.final.ttft_s * 1e3:.0f} ms'}")
+    assert probe.final is not None, f"refused at light load: {probe.error.message}"
+    assert probe.final.ttft_s <= slo.ttft_s
+
+
+@dataclass
+class OverloadRun:
+    sustainable: float  # requests/s
+    rate: float  # offered requests/s
+    offered: list[Record]
+    rss_before: int
+    rss_peak: int
+    after: pb.EngineStats
+
+    @property
+    def completed(self) -> list[Record]:
+        return [r for r in self.offered if r.final is not None]
+
+    @property
+    def refused(self) -> list[Record]:
+        return [r for r in self.offered if r.error is not None]
+
+    @property
+    def attainment(self) -> float:
+        return sum(r.final.ttft_s <= TTFT_SLO_S for r in self.completed) / max(1, len(self.completed))
+
+
+@pytest.fixture(scope="module")
+def run(server) -> OverloadRun:
+    return asyncio.run(_overload(server))
+
+
+async def _overload(server: ServerProcess) -> OverloadRun:
+    async with server.aio_channel() as channel:
+        stub = pb_grpc.SloserveStub(channel)
+        clients = [StreamClient(stub) for _ in range(STREAMS)]
+        await closed_loop(clients, _no_slo, concurrency=8, duration_s=2.0, prefix="warm")
+        t0 = time.monotonic()
+        measured = await closed_loop(clients, _no_slo, concurrency=CONCURRENCY, duration_s=4.0, prefix="sus")
+        sustainable = len(measured) / (time.monotonic() - t0)
+        assert all(r.final is not None for r in measured), outcomes(measured)
+        rss_before = server.rss_bytes()
+        rate = 10 * sustainable
+        async with LoopLag() as lag:
+            with RssSampler(server.rss_bytes) as rss:
+                t1 = time.monotonic()
+                offered = await open_loop(clients, _request, rate=rate, duration_s=DURATION_S)
+                sent_for = time.monotonic() - t1
+                for client in clients:
+                    assert await client.wait_terminals(120), f"no terminal for {client.pending()[:5]}"
+        for client in clients:
+            await client.close()
+            assert client.status == grpc.StatusCode.OK, (client.status, client.details)
+    result = OverloadRun(sustainable, rate, offered, rss_before, rss.peak, server.wait_quiescent())
+    refused, completed = result.refused, result.completed
+    refusal_s = [r.done_at - r.sent_at for r in refused]
+    ttft = [r.final.ttft_s for r in completed]
+    e2e = [r.final.e2e_s for r in completed]
+    print(f"\noverload: sustainable {sustainable:.1f} req/s (closed loop, {CONCURRENCY} clients), offered "
+          f"{rate:.0f} req/s for {DURATION_S}s ({len(offered)} sent, {len(offered) / sent_for:.0f}/s achieved)\n"
+          f"  outcomes {dict(outcomes(offered))}; refusal reasons {dict(Counter(r.error.reason for r in refused))}\n"
+          f"  refusal latency p50 {quantile(refusal_s, .5) * 1e3:.1f} ms p99 {quantile(refusal_s, .99) * 1e3:.1f} ms"
+          f" max {max(refusal_s, default=0) * 1e3:.1f} ms\n"
+          f"  admitted: TTFT p50 {quantile(ttft, .5):.3f}s p99 {quantile(ttft, .99):.3f}s; attainment "
+          f"{result.attainment:.1%} of {len(completed)}; e2e p50 {quantile(e2e, .5):.3f}s p99 {quantile(e2e, .99):.3f}s\n"
+          f"  client loop lag p50 {quantile(lag.lags, .5) * 1e3:.1f} ms p99 {quantile(lag.lags, .99) * 1e3:.1f} ms\n"
+          f"  RSS before {rss_before / 2**20:.0f} MiB, peak {rss.peak / 2**20:.0f} MiB\n"
+          f"  after: {describe(result.after)}")
+    return result
+
+
+async def test_overload_excess_is_refused_fast_and_nothing_is_lost(server, run):
+    by_outcome = outcomes(run.offered)
+    assert set(by_outcome) <= {"final:FINISH_REASON_LENGTH", "error:RESOURCE_EXHAUSTED"}, by_outcome
+    assert all(r.extra_terminals == 0 for r in run.offered)
+    assert run.refused, "10x the sustainable load was all admitted: admission control did nothing"
+    assert len(run.completed) >= 0.5 * run.sustainable * DURATION_S, "the server stopped doing useful work"
+    refusal_s = [r.done_at - r.sent_at for r in run.refused]
+    assert quantile(refusal_s, .99) < TTFT_SLO_S, "refusals must come well before the SLO would have passed"
+    assert quiescent(run.after), describe(run.after)
+    assert server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_overload_memory_stays_bounded(run):
+    """RSS stays within what it was at steady load plus the pools (KV + swap) and a fixed overhead."""
+    assert run.rss_peak <= run.rss_before + 2 * POOL_BYTES + FIXED_OVERHEAD, (run.rss_before, run.rss_peak)
+
+
+@pytest.mark.xfail(strict=True, reason="admission (engine/admission.py): the first-token estimate counts prompt "
+                   "tokens ahead / tokens per second but not the wait for a slot in a full running batch "
+                   "(max_batch) nor the decode steps before one frees, so at 10x load admitted requests "
+                   "wait seconds past a 1 s TTFT SLO")
+async def test_overload_admitted_requests_keep_their_slo(run):
+    assert run.attainment >= 0.9, f"admitted requests met their TTFT SLO only {run.attainment:.1%} of the time"
