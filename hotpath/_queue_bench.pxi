@@ -2,6 +2,14 @@
 # benchmarks/hotpath.py and the GIL-release test. `_queue_py._bench_queue` runs the same
 # operations through the public API and must return the same checksum.
 
+cdef inline uint64_t lcg(uint64_t x) noexcept nogil:
+    return x * <uint64_t>6364136223846793005ULL + <uint64_t>1442695040888963407ULL
+
+
+cdef inline int64_t read_probe(const int64_t* p) noexcept nogil:
+    return (<volatile const int64_t*>p)[0]
+
+
 ctypedef struct QueueChurn:
     uint64_t checksum
     Py_ssize_t done

@@ -191,6 +191,7 @@ class RequestQueue:
 
 def target_batch_size(max_batch: int, queue_depth: int, decay: float = 0.9) -> int:
     """ceil(max_batch * (1 - decay ** queue_depth)), at least 1 while anything waits, 0 if none."""
+    max_batch, queue_depth = operator.index(max_batch), operator.index(queue_depth)
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
     if queue_depth < 0:

@@ -226,3 +226,10 @@ def test_target_batch_size_default_decay(impl):
 def test_target_batch_size_bad_input(impl, args, match):
     with pytest.raises(ValueError, match=match):
         impl.target_batch_size(*args)
+
+
+def test_target_batch_size_wants_integers(impl):
+    with pytest.raises(TypeError):
+        impl.target_batch_size(8.5, 3)
+    with pytest.raises(TypeError):
+        impl.target_batch_size(8, 3.0)
