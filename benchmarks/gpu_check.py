@@ -252,8 +252,13 @@ def decode_runs(runner_cls, folder: Path, device: torch.device, gpu: bool, deadl
         runner.warmup()
         pages = iter(range(1, runner.num_kv_blocks))
         for batch in (1, 32, 128):
-            run = decode_batch(runner, batch, pages, prompt_len, warmup, steady, gpu,
-                               config.scheduler.max_batched_tokens)
+            try:
+                run = decode_batch(runner, batch, pages, prompt_len, warmup, steady, gpu,
+                                   config.scheduler.max_batched_tokens)
+            except Exception as exc:  # noqa: BLE001 - keep the other batches and backends
+                result["runs"].append({"backend": backend, "batch": batch, "error": repr(exc),
+                                       "traceback": traceback.format_exc()})
+                continue
             result["runs"].append(run)
             print(f"  decode {run['backend']:>9} batch {batch:>3}: {run['step_ms']:.2f} ms/step", flush=True)
         if gpu:
@@ -291,20 +296,26 @@ def expert_cache(device: torch.device, gpu: bool) -> dict:
                     "all_resident_layer_ms": clock.time(lambda: run(full), 1, warmup=1) * 1e3 / (steps * layers)}
     expected = run(full)
     for slots, preload in ((4, 0), (4, 2), (6, 3)):
-        store = ExpertStore(weights, device=device, dtype=dtype, slots_per_layer=slots)
-        run(store)  # routing statistics for preload
-        store.preload(preload)
-        store.reset_stats()
-        began = time.perf_counter()
-        out = run(store)
-        if gpu:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - began
-        result[f"slots{slots}_preload{preload}"] = {
+        key = f"slots{slots}_preload{preload}"
+        try:
+            store = ExpertStore(weights, device=device, dtype=dtype, slots_per_layer=slots)
+            run(store)  # routing statistics for preload
+            store.preload(preload)
+            store.reset_stats()
+            began = time.perf_counter()
+            out = run(store)
+            if gpu:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - began
+        except Exception as exc:  # noqa: BLE001 - keep the other configurations
+            result[key] = {"error": repr(exc), "traceback": traceback.format_exc()}
+            continue
+        result[key] = {
             **store.stats(), "identical_to_all_resident": bool(torch.equal(out, expected)),
             "layer_ms": seconds * 1e3 / (steps * layers),
             "copy_gbs": store.bytes_copied / seconds / 1e9,
         }
+        print(f"  experts {key}: hit rate {store.stats()['hit_rate']:.2f}", flush=True)
     return result
 
 

@@ -5,9 +5,10 @@ the mask top-left, which is wrong for a chunk that starts after cached context; 
 is explicit and aligned bottom-right: query j of sequence i (at position start_pos[i] + j)
 sees keys 0 .. start_pos[i] + j.
 
-Two ways to run it: one SDPA call per sequence (no padding; the default on CPU, where Python
-loops are cheap next to the maths), or one batched call over every sequence padded to the
-longest query chunk and context (the default on GPUs: no host syncs, one kernel launch).
+Two ways to run it: one SDPA call per sequence (no padding; the default on CPU for steps with
+prefill chunks, where the maths outweighs a Python loop), or one batched call over every
+sequence padded to the longest query chunk and context (the default on GPUs, where it needs no
+host sync and one launch, and for decode-only steps everywhere, where padding is cheap).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SdpaBackend:
     name = "sdpa"
 
     def __init__(self, batched: bool | None = None) -> None:
-        self.batched = batched  # None: batched on CUDA, per sequence elsewhere
+        self.batched = batched  # None: batched on CUDA or for decode-only steps, else per sequence
 
     @staticmethod
     def unavailable_reason(
@@ -61,7 +62,7 @@ class SdpaBackend:
             return torch.empty_like(q)
         if q.shape[1] % k_cache.shape[2]:
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
-        batched = q.is_cuda if self.batched is None else self.batched
+        batched = (q.is_cuda or meta.decode_only) if self.batched is None else self.batched
         if batched:
             return self._forward_batched(q, k_cache, v_cache, meta, scale)
         return self._forward_loop(q, k_cache, v_cache, meta, scale)
@@ -113,8 +114,8 @@ class SdpaBackend:
         # the table) hold whatever the pool held, NaN bit patterns included; masked scores still
         # multiply them (0 * NaN = NaN), so they are zeroed, not just masked.
         outside = (keys[None, :] >= meta.seq_lens.to(torch.long)[:, None])[:, None, :, None]  # [S,1,Lk,1]
-        k = k.masked_fill(outside, 0.0)
-        v = v.masked_fill(outside, 0.0)
+        k.masked_fill_(outside, 0.0)  # k, v are fresh gathers: safe to clear in place
+        v.masked_fill_(outside, 0.0)
         rows = meta.start_pos.to(torch.long)[:, None] + torch.arange(max_q, device=device)[None, :]  # [S, maxq]
         # Padded query rows still see key 0 (start_pos + row >= 0), so no row is fully masked.
         mask = keys[None, None, :] <= rows[:, :, None]  # [S, maxq, Lk], bottom-right causal
