@@ -165,6 +165,7 @@ def test_partial_residency_gives_identical_outputs():
             assert torch.equal(ours(block, x, partial), ours(block, x, full))
     stats = partial.stats()
     assert stats["resident"] == "partial" and stats["misses"] > 0
+    assert stats["host_pinned"] is False  # page-locked host memory exists only with CUDA
     assert stats["bytes_copied"] == stats["misses"] * (2 * INTER * HIDDEN + HIDDEN * INTER) * 4
     assert full.stats()["misses"] == 0 and full.stats()["hit_rate"] == 1.0
 
@@ -238,3 +239,39 @@ def test_layers_keyed_by_model_layer_index():
             out = moe_forward(x, F.linear(x, block.gate.weight), store, layer, 2, True)
             assert close(out, block(x[None])[0])
     assert store.layers == (1, 3)
+
+
+def test_resident_experts_run_before_misses():
+    """With more active experts than slots, the resident ones run first and count as hits."""
+    block = mixtral_block(num_experts=4, top_k=1, seed=6)
+    store = store_of(block, slots_per_layer=2)
+    x = torch.randn(4, HIDDEN)
+    every = forced_logits([[0], [1], [2], [3]], 4)
+    with torch.no_grad():
+        ours(block, x[:2], store, logits=every[:2])  # experts 0, 1 resident
+        ours(block, x, store, logits=every)  # 0, 1 hit; 2, 3 replace them
+        ours(block, x, store, logits=every)  # 2, 3 hit (ascending order would miss all four)
+    assert (store.hits, store.misses) == (4, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_partial_residency_on_cuda_matches_all_resident(dtype):
+    """Side-stream copies from pinned host memory + events give the same outputs as resident experts."""
+    block = mixtral_block(num_experts=8, top_k=2, seed=11)
+    weights = [(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())]
+    full = ExpertStore(weights, device="cuda", dtype=dtype)
+    partial = ExpertStore(weights, device="cuda", dtype=dtype, slots_per_layer=3)
+    assert partial.stats()["host_pinned"] is True
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        x = torch.randn(40, HIDDEN, generator=gen).to("cuda", dtype)
+        logits = torch.randn(40, 8, generator=gen).to("cuda")
+        expected = moe_forward(x, logits, full, 0, 2, True)
+        assert torch.equal(moe_forward(x, logits, partial, 0, 2, True), expected)
+    assert partial.stats()["misses"] > 0
+    partial.preload(2)
+    x = torch.randn(40, HIDDEN, generator=gen).to("cuda", dtype)
+    logits = torch.randn(40, 8, generator=gen).to("cuda")
+    assert torch.equal(moe_forward(x, logits, partial, 0, 2, True), moe_forward(x, logits, full, 0, 2, True))
