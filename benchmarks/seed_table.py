@@ -22,7 +22,7 @@ from sloserve.bench.stats import rate_at_attainment, summarise
 from sloserve.sampling_params import SLO
 
 WRITE_UP = {"qps": (3.2, 10.1), "p99_ms": (1842.0, 623.0), "memory_gb": (78.0, 64.0)}
-GRID = (0.5, 0.8, 1.2, 1.8, 2.7, 4.0, 6.0, 9.0, 13.5)  # multiples of the naive capacity estimate
+GRID = (0.75, 1.25, 2.0, 3.2, 5.0, 8.0, 12.5)  # multiples of the naive capacity estimate
 TARGET = 0.95
 
 
@@ -30,16 +30,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--workload", default=None, help="default: the ARC trace if present, else synthetic-arc")
-    p.add_argument("--requests-per-rate", type=int, default=24)
-    p.add_argument("--max-prompt-chars", type=int, default=1200)
-    p.add_argument("--max-tokens", type=int, default=24, help="cap on each request's output tokens")
+    p.add_argument("--requests-per-rate", type=int, default=10)
+    p.add_argument("--max-prompt-chars", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=8, help="cap on each request's output tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--ttft-factor", type=float, default=5.0)
     p.add_argument("--tpot-factor", type=float, default=3.0)
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
-    p.add_argument("--budget-s", type=float, default=150.0, help="most seconds of sweep per mode")
+    p.add_argument("--budget-s", type=float, default=140.0, help="most seconds of sweep per mode")
     return p.parse_args(argv)
 
 
@@ -53,19 +53,35 @@ def calibrate(target: str, items: list, seed: int) -> dict:
 
 
 def sweep(target: str, items: list, rates: list[float], slo: SLO, args, budget_s: float) -> list[dict]:
-    """Run each rate in order until attainment falls below the target or the budget is spent."""
+    """Run rates upward until attainment falls below the target; if the first rate already
+    misses, probe downward (rates / 1.6 each) until one meets it. Both stop at the budget."""
     runs: list[dict] = []
     start = time.monotonic()
-    for i, rate in enumerate(rates):
+
+    def one(i: int, rate: float) -> dict | None:
+        if runs and time.monotonic() - start + len(items) / rate > budget_s:
+            print(f"  rate {rate:7.3f}/s  skipped: over the --budget-s of this mode")
+            return None
         spec = LoadSpec(rate=rate, num_requests=len(items), streams=args.streams, seed=args.seed + i, slo=slo)
         result = harness.run(harness.send(target, items, spec))
         run = summarise(result.records, result.duration_s, slo, rate)
         runs.append(run)
         print(f"  rate {rate:7.3f}/s  attainment {100 * run['slo_attainment']:5.1f}%  "
               f"p99 e2e {1000 * (run['e2e_s']['p99'] or 0):8.1f} ms", flush=True)
-        if run["slo_attainment"] < TARGET or time.monotonic() - start > budget_s:
+        return run
+
+    for i, rate in enumerate(rates):
+        run = one(i, rate)
+        if run is None or run["slo_attainment"] < TARGET:
             break
-    return runs
+    if runs and runs[0]["slo_attainment"] < TARGET:
+        rate = rates[0]
+        for i in range(1, 4):
+            rate = round(rate / 1.6, 3)
+            run = one(len(rates) + i, rate)
+            if run is None or run["slo_attainment"] >= TARGET:
+                break
+    return sorted(runs, key=lambda r: r["rate"])
 
 
 def change(before: float | None, after: float | None, kind: str) -> str:
@@ -102,8 +118,10 @@ def main(argv: list[str]) -> int:
     naive = results["naive"]
     qps = {m: rate_at_attainment([(r["rate"], r["slo_attainment"]) for r in results[m]["runs"]], TARGET)
            for m in results}
+    # the common rate: the highest the naive server sustains, preferring one both sweeps measured
     passing = [r["rate"] for r in naive["runs"] if r["slo_attainment"] >= TARGET]
-    common = max(passing) if passing else rates[0]
+    both = set(passing) & {r["rate"] for r in results["full"]["runs"]}
+    common = max(both) if both else max(passing) if passing else rates[0]
     p99 = {}
     for mode in results:
         at = [r for r in results[mode]["runs"] if r["rate"] == common]
