@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from sloserve.memory.expert_cache import ExpertStore
+from sloserve.memory.expert_cache import ExpertStore, MoeWorkspace
 
 __all__ = ["ExpertStore", "moe_forward", "route"]
 
@@ -62,8 +62,39 @@ def moe_forward(
     order = torch.argsort(flat_ids, stable=True)  # pair positions grouped by expert
     counts = torch.bincount(flat_ids, minlength=store.num_experts)
     store.record_counts(layer, counts)
-    rows = hidden.index_select(0, order // top_k)  # [N, H], expert-major
-    out_sorted = torch.empty_like(rows)
+    ws = store.reserve_workspace(flat_ids.numel())
+    try:
+        contrib = _grouped_experts(hidden, order, counts, store, layer, top_k, ws)  # [N, H], (t, j) order
+        # Scale by the routing weight (in float32, like transformers), in place.
+        contrib = contrib.view(num_tokens, top_k, hidden_size).mul_(weights.unsqueeze(-1))
+        out = contrib[:, 0].clone()
+        for j in range(1, top_k):
+            out += contrib[:, j]
+    finally:
+        store.release_workspace()
+    return out
+
+
+def _grouped_experts(
+    hidden: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    store: ExpertStore,
+    layer: int,
+    top_k: int,
+    ws: MoeWorkspace | None,
+) -> torch.Tensor:
+    """Each active expert once on its contiguous slice; returns the outputs back in (t, j) order.
+
+    With a workspace every intermediate is written into its carved rows (out= / in place);
+    without one they are ordinary temporaries. Both compute the same values.
+    """
+    if ws is None:
+        rows = hidden.index_select(0, order // top_k)  # [N, H], expert-major
+        out_sorted = torch.empty_like(rows)
+    else:
+        rows = torch.index_select(hidden, 0, order // top_k, out=ws.rows)
+        out_sorted = ws.out
     counts_list = counts.tolist()  # the one host sync: slice bounds per expert
     starts = [0] * store.num_experts
     total = 0
@@ -73,11 +104,14 @@ def moe_forward(
     active = [e for e, c in enumerate(counts_list) if c]
     for e, w13, w2 in store.experts(layer, active):
         lo, hi = starts[e], starts[e] + counts_list[e]
-        gate, up = F.linear(rows[lo:hi], w13).chunk(2, dim=-1)
-        out_sorted[lo:hi] = F.linear(F.silu(gate) * up, w2)
-    contrib = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)  # back to (t, j) order
-    contrib = (contrib.view(num_tokens, top_k, hidden_size).float() * weights.unsqueeze(-1)).to(hidden.dtype)
-    out = contrib[:, 0].clone()
-    for j in range(1, top_k):
-        out += contrib[:, j]
-    return out
+        if ws is None:
+            gate_up = torch.mm(rows[lo:hi], w13.t())
+            act = torch.empty(hi - lo, store.intermediate_size, dtype=rows.dtype, device=rows.device)
+        else:
+            gate_up = torch.mm(rows[lo:hi], w13.t(), out=ws.gate_up[lo:hi])
+            act = ws.act[lo:hi]
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.mul(F.silu(gate, inplace=True), up, out=act)
+        torch.mm(act, w2.t(), out=out_sorted[lo:hi])
+    # The gathered inputs are dead: their rows take the outputs back in (t, j) order.
+    return rows.index_copy_(0, order, out_sorted)

@@ -20,11 +20,22 @@ Invariants of the partial mode (read before changing `experts`):
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 Weights = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True)
+class MoeWorkspace:
+    """Per-layer scratch carved once: rows of (token, expert) pairs in expert-major order."""
+
+    rows: torch.Tensor  # [n, H] gathered inputs; reused for the un-sorted contributions
+    gate_up: torch.Tensor  # [n, 2I]
+    act: torch.Tensor  # [n, I]
+    out: torch.Tensor  # [n, H] expert outputs, expert-major
 
 
 class ExpertStore:
@@ -38,6 +49,7 @@ class ExpertStore:
         dtype: torch.dtype | None = None,
         slots_per_layer: int | None = None,
         pool: Any | None = None,
+        workspace_rows: int = 0,
     ) -> None:
         items = dict(weights) if isinstance(weights, Mapping) else dict(enumerate(weights))
         if not items:
@@ -66,20 +78,29 @@ class ExpertStore:
         self._pinned: list[set[int]] = [set() for _ in range(num_layers)]
         shape13 = (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
         shape2 = (self.num_experts, self.hidden_size, self.intermediate_size)
+        from sloserve.hotpath import ExpertAllocator
+
+        if workspace_rows < 0:
+            raise ValueError(f"MoE workspace rows must be >= 0, got {workspace_rows}")
+        # Level 1 (slots) is used in the partial mode only; level 2 sizes the per-step workspace.
+        self._alloc = ExpertAllocator(num_layers, self.num_experts, self.slots_per_layer, workspace_rows)
+        self._workspace = None
+        if workspace_rows:
+            h, i = self.hidden_size, self.intermediate_size
+            self._workspace = MoeWorkspace(*(self._carve(f"moe_workspace.{name}", (workspace_rows, width))
+                                             for name, width in (("rows", h), ("gate_up", 2 * i), ("act", i),
+                                                                 ("out", h))))
         if not self.partial:
             self._w13 = [self._place(f"experts.{layer}.w13", shape13, items[layer][0]) for layer in self.layers]
             self._w2 = [self._place(f"experts.{layer}.w2", shape2, items[layer][1]) for layer in self.layers]
             return
         # Partial residency: host copies + device slots chosen by the hot path's allocator.
-        from sloserve.hotpath import ExpertAllocator
-
         pin = self._cuda and torch.cuda.is_available()
         self._host_w13 = [_host_copy(items[layer][0], self.dtype, pin) for layer in self.layers]
         self._host_w2 = [_host_copy(items[layer][1], self.dtype, pin) for layer in self.layers]
         slots = self.slots_per_layer
         self._slot_w13 = self._carve("expert_slots.w13", (num_layers, slots, *shape13[1:]))
         self._slot_w2 = self._carve("expert_slots.w2", (num_layers, slots, *shape2[1:]))
-        self._alloc = ExpertAllocator(num_layers, self.num_experts, slots, 0)
         self._expert_bytes = (shape13[1] * shape13[2] + shape2[1] * shape2[2]) * self._slot_w13.element_size()
         if self._cuda:
             self._stream = torch.cuda.Stream(device=self.device)
@@ -99,7 +120,28 @@ class ExpertStore:
         out.copy_(source)
         return out
 
+    @staticmethod
+    def workspace_bytes(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) -> int:
+        """Pool bytes the workspace of `rows` (token, expert) pairs takes (for sizing the pool)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return rows * (2 * hidden + 3 * intermediate) * itemsize + 4 * 256
+
     # -- the per-step interface ---------------------------------------------------------------
+
+    def reserve_workspace(self, rows: int) -> MoeWorkspace | None:
+        """Views of `rows` workspace rows for one MoE layer, or None (no workspace, or too many rows)."""
+        if self._workspace is None:
+            return None
+        offset = self._alloc.reserve_rows(rows)
+        if offset is None:
+            return None
+        ws = self._workspace
+        return MoeWorkspace(*(t[offset : offset + rows] for t in (ws.rows, ws.gate_up, ws.act, ws.out)))
+
+    def release_workspace(self) -> None:
+        """The layer is done with its workspace rows."""
+        if self._workspace is not None:
+            self._alloc.release_rows()
 
     def layer_index(self, layer: int) -> int:
         """Dense index of a model layer among the MoE layers; ValueError for a dense layer."""
@@ -124,7 +166,9 @@ class ExpertStore:
                 yield e, self._w13[li][e], self._w2[li][e]
             return
         pinned = self._pinned[li]
-        cold = [e for e in active if e not in pinned]
+        # Resident experts first: they are used before the misses of this step can evict them
+        # (ascending order would make LRU evict exactly the experts needed next step).
+        cold = sorted((e for e in active if e not in pinned), key=lambda e: self._alloc.slot_of(li, e) < 0)
         for e in active:
             if e in pinned:
                 slot, hit = self._alloc.acquire(li, e)

@@ -275,3 +275,28 @@ def test_partial_residency_on_cuda_matches_all_resident(dtype):
     x = torch.randn(40, HIDDEN, generator=gen).to("cuda", dtype)
     logits = torch.randn(40, 8, generator=gen).to("cuda")
     assert torch.equal(moe_forward(x, logits, partial, 0, 2, True), moe_forward(x, logits, full, 0, 2, True))
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_workspace_rows_give_identical_outputs_and_fall_back_when_short(slots):
+    block = mixtral_block(num_experts=6, top_k=2, seed=12)
+    pool = DevicePool(4 * 1024**2, 1024**2, "cpu")
+    store = store_of(block, slots_per_layer=slots, pool=pool, workspace_rows=64)
+    carves = pool.report()["carves"]
+    assert carves["moe_workspace.rows"]["shape"] == [64, HIDDEN]
+    assert carves["moe_workspace.gate_up"]["shape"] == [64, 2 * INTER]
+    carved = sum(c["bytes"] for name, c in carves.items() if name.startswith("moe_workspace."))
+    assert carved <= ExpertStore.workspace_bytes(64, HIDDEN, INTER, torch.float32)
+    plain = store_of(block)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for tokens in (20, 32, 50, 1):  # 40 and 64 rows fit; 100 rows fall back to temporaries
+            x = torch.randn(tokens, HIDDEN, generator=gen)
+            out = ours(block, x, store)
+            assert torch.equal(out, ours(block, x, plain))
+            lo = pool._buffer.data_ptr() + carves["moe_workspace.rows"]["offset"]
+            hi = pool._buffer.data_ptr() + carves["moe_workspace.out"]["offset"] + carves["moe_workspace.out"]["bytes"]
+            assert not lo <= out.data_ptr() < hi  # the result never aliases the reused workspace
+    assert store._alloc.rows_in_use == 0 and store._alloc.peak_rows == 64
+    with pytest.raises(ValueError, match="workspace rows"):
+        store_of(block, workspace_rows=-1)
