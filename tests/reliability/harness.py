@@ -137,6 +137,11 @@ class ServerProcess:
                 return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS line in /proc status")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the server process has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def health(self, service: str = "", metadata=None, credentials=None) -> int:
         with self.sync_channel(credentials) as channel:
             return health_pb2_grpc.HealthStub(channel).Check(
