@@ -42,7 +42,7 @@ class DecoderModel:
         self.experts = experts
         self.scale = spec.head_dim**-0.5
         self.cos, self.sin = rope_tables(spec.rope, spec.head_dim, max_positions, device, dtype)
-        self._split = [spec.q_size, spec.kv_size, spec.kv_size]
+        self._split = [spec.q_size + spec.kv_size, spec.kv_size]
 
     @torch.inference_mode()
     def forward(
@@ -55,14 +55,15 @@ class DecoderModel:
     ) -> torch.Tensor:  # [S', V] float32
         spec, w = self.spec, self.weights
         num_tokens = input_ids.shape[0]
+        heads = spec.num_heads + spec.num_kv_heads
         h = F.embedding(input_ids, w.embed)  # [T, H]
         cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
-            q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
-            k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
+            qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
+            qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)  # q and k rotated together
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)

@@ -14,7 +14,7 @@ Block tables are padded with 0 (the null page, never read past seq_lens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ class AttentionMetadata:
     start_pos_list: list[int]
     block_tables_list: list[list[int]]  # unpadded, each covering its sequence's seq_len
     block_size: int
+    memo: dict = field(default_factory=dict)  # per-step values a backend derives once and reuses per layer
 
     @property
     def num_seqs(self) -> int:

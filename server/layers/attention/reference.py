@@ -51,13 +51,16 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     num_seqs, hq, dim = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     width = (meta.max_seqlen_k + page - 1) // page
-    tables = meta.block_tables[:, :width]
-    k = k_cache[tables].view(num_seqs, width * page, hkv, dim).permute(0, 2, 3, 1)  # [S, Hkv, D, L]
-    v = v_cache[tables].view(num_seqs, width * page, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
+    pages = meta.block_tables[:, :width].reshape(-1)
+    k = k_cache.index_select(0, pages).view(num_seqs, width * page, hkv, dim).permute(0, 2, 3, 1)  # [S, Hkv, D, L]
+    v = v_cache.index_select(0, pages).view(num_seqs, width * page, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
     qg = q.view(num_seqs, hkv, hq // hkv, dim)
     scores = torch.matmul(qg, k).float() * scale  # [S, Hkv, g, L]
-    keys = torch.arange(width * page, device=q.device)
-    invalid = keys[None, :] >= meta.seq_lens[:, None]  # [S, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    invalid = meta.memo.get("reference.decode_mask")
+    if invalid is None:  # the same for every layer of the step
+        keys = torch.arange(width * page, device=q.device)
+        invalid = (keys[None, :] >= meta.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        meta.memo["reference.decode_mask"] = invalid
+    scores.masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(num_seqs, hq, dim)
