@@ -1,0 +1,191 @@
+"""Executor speed on the CPU: decode tokens/s of the ~40M built-in Llama beside its bare matmuls.
+
+For batch 1, 8, 32 and 64 it times (in the same run, same shapes):
+  engine       ModelRunner.execute() decode steps (inputs, attention over paged KV, sampling, all)
+  kernels      only the model's matrix products, back to back, on preallocated inputs
+in alternating rounds (the best round of each counts, so a busy machine skews neither side)
+and the fp32 GEMM peak of this machine, then prints tok/s and the fractions engine/kernels and
+achieved/peak FLOP rate. Also times single-request greedy generation against transformers'
+`generate` on the same checkpoint (skipped when transformers is not installed).
+
+    python benchmarks/executor.py [--steps 20] [--context 128] [--out benchmarks/results/executor.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
+from sloserve.executor import ModelRunner
+from sloserve.models.default import ensure_default_model
+from sloserve.sampling_params import SamplingParams
+
+BATCHES = (1, 8, 32, 64)
+GREEDY = SamplingParams(max_tokens=1 << 20)
+
+
+def gemm_peak(n: int = 1536, repeats: int = 5) -> float:
+    """fp32 GFLOP/s of a square matmul (best of `repeats`)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def matmul_weights(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every weight a decode step multiplies by, in order (per layer: qkv, o, gate_up, down; then lm_head)."""
+    ws = []
+    for layer in runner.model.weights.layers:
+        ws += [layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w]
+    return [*ws, runner.model.weights.lm_head]
+
+
+class KernelsOnly:
+    """Just the matmuls of a decode step (inputs preallocated, outputs written in place)."""
+
+    def __init__(self, weights: list[torch.Tensor], batch: int) -> None:
+        self.weights = weights
+        self.xs = [torch.randn(batch, w.shape[1]) for w in weights]
+        self.outs = [torch.empty(batch, w.shape[0]) for w in weights]
+        self.step()
+
+    def step(self) -> None:
+        for x, w, o in zip(self.xs, self.weights, self.outs, strict=True):
+            torch.mm(x, w.t(), out=o)
+
+
+class EngineDecode:
+    """Decode steps of `batch` sequences through ModelRunner.execute, each holding `context` tokens of KV."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, max_steps: int) -> None:
+        self.runner, self.batch = runner, batch
+        pages = -(-(context + max_steps + 2) // runner.block_size)
+        self.tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(batch)]
+        prompt = [256] + [48 + (i % 10) for i in range(context - 1)]
+        self.last: list[int] = []
+        for i in range(batch):  # prefill one at a time (not timed)
+            seq = ScheduledSequence(f"r{i}", prompt, 0, self.tables[i], True, GREEDY)
+            self.last += runner.execute(SchedulerOutput([seq]))
+        self.pos = context
+        self.step()
+
+    def step(self) -> None:
+        seqs = [ScheduledSequence(f"r{i}", [self.last[i]], self.pos, self.tables[i], True, GREEDY)
+                for i in range(self.batch)]
+        self.last = self.runner.execute(SchedulerOutput(seqs))
+        self.pos += 1
+
+    def close(self) -> None:
+        self.runner.execute(SchedulerOutput(finished_req_ids=[f"r{i}" for i in range(self.batch)]))
+
+
+def interleaved(a, b, steps: int, rounds: int) -> tuple[float, float]:
+    """Best seconds per step of a.step and b.step, timed in alternating rounds (fair under load)."""
+    best_a = best_b = float("inf")
+    for _ in range(rounds):
+        for which in (a, b):
+            t = time.perf_counter()
+            for _ in range(steps):
+                which.step()
+            elapsed = (time.perf_counter() - t) / steps
+            if which is a:
+                best_a = min(best_a, elapsed)
+            else:
+                best_b = min(best_b, elapsed)
+    return best_a, best_b
+
+
+def single_request(runner: ModelRunner, folder: Path, prompt_len: int, new_tokens: int) -> dict:
+    """Greedy generation of one request: sloserve vs transformers generate (same checkpoint, same tokens?)."""
+    prompt = [256] + [48 + (i * 7) % 10 for i in range(prompt_len - 1)]
+    table = list(range(1, 2 + (prompt_len + new_tokens) // runner.block_size))
+    t = time.perf_counter()
+    tokens = runner.execute(SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)]))
+    while len(tokens) < new_tokens:
+        seq = ScheduledSequence("g", tokens[-1:], prompt_len + len(tokens) - 1, table, True, GREEDY)
+        tokens += runner.execute(SchedulerOutput([seq]))
+    ours = time.perf_counter() - t
+    result = {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "sloserve_s": round(ours, 4)}
+    try:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+    except ImportError:
+        result["transformers_s"] = None
+        return result
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=258)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)  # warm
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        theirs = time.perf_counter() - t
+    result |= {"transformers_s": round(theirs, 4), "speedup": round(theirs / ours, 2),
+               "same_tokens": out[0, prompt_len:].tolist() == tokens}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best round counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "executor.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = ensure_default_model("default")
+    config = SloserveConfig(
+        model=ModelConfig(path=str(folder), device="cpu", attention_backend=args.backend, max_model_len=1024),
+        cache=CacheConfig(kv_pool_bytes=64 * 1024 * 1024 * 4, swap_bytes=0),
+        scheduler=SchedulerConfig(max_batch=max(BATCHES), max_batched_tokens=1024),
+    )
+    runner = ModelRunner(config)
+    runner.warmup()
+    weights = matmul_weights(runner)
+    flops_per_token = 2 * sum(w.numel() for w in weights)
+    peak = gemm_peak()
+    rows = []
+    print(f"model {runner.info()['parameters'] / 1e6:.1f}M params, {runner.backend.name} attention, "
+          f"{torch.get_num_threads()} threads, fp32 GEMM peak {peak:.1f} GFLOP/s")
+    print(f"{'batch':>5} {'engine tok/s':>13} {'kernels tok/s':>14} {'engine/kernels':>15} {'engine/peak':>12}")
+    for batch in BATCHES:
+        engine = EngineDecode(runner, batch, args.context, args.steps * args.rounds + 2)
+        engine_s, kernel_s = interleaved(engine, KernelsOnly(weights, batch), args.steps, args.rounds)
+        engine.close()
+        engine_tps, kernel_tps = batch / engine_s, batch / kernel_s
+        frac_peak = engine_tps * flops_per_token / 1e9 / peak
+        rows.append({"batch": batch, "engine_tok_s": round(engine_tps, 1), "kernels_tok_s": round(kernel_tps, 1),
+                     "engine_over_kernels": round(engine_tps / kernel_tps, 3), "engine_over_peak": round(frac_peak, 3),
+                     "engine_step_ms": round(engine_s * 1e3, 3), "kernels_step_ms": round(kernel_s * 1e3, 3)})
+        r = rows[-1]
+        print(f"{batch:>5} {r['engine_tok_s']:>13.1f} {r['kernels_tok_s']:>14.1f} "
+              f"{r['engine_over_kernels']:>15.1%} {r['engine_over_peak']:>12.1%}")
+    single = single_request(runner, folder, prompt_len=64, new_tokens=64)
+    print(f"single request, {single['prompt_tokens']}-token prompt, {single['new_tokens']} greedy tokens: "
+          f"sloserve {single['sloserve_s']:.3f}s, transformers {single.get('transformers_s')}s "
+          f"(speedup {single.get('speedup')}x, same tokens: {single.get('same_tokens')})")
+    report = {"benchmark": "executor", "machine": platform.machine(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "model": runner.info()["parameters"], "context": args.context,
+              "steps": args.steps, "rounds": args.rounds, "gemm_peak_gflops": round(peak, 1), "flops_per_token": flops_per_token,
+              "decode": rows, "single_request": single, "attention_backend": runner.backend.name}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
