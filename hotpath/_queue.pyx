@@ -27,10 +27,10 @@ How this corrects the write-up:
   never cleared; `target_batch_size` sizes the batch from the queue depth instead, and the
   engine builds a fresh batch every step.
 
-Layout: entries live in a dense array of `Entry` structs (slot = index < size; removing one
-moves the last entry into the hole); the heap is an array of `Node` (key, seq, starved, slot) so
-comparisons read contiguous memory; `Entry.pos` is the node's heap index and a C hash map sends
-a handle to its slot, which makes remove-by-handle O(log n). No Python object per entry.
+Layout: entries live in an array of `Entry` structs whose unused slots form a free list; the
+heap is an array of `Node` (key, seq, starved, slot) so comparisons read contiguous memory;
+`Entry.pos` is the node's heap index and a C hash map sends a handle to its slot, which makes
+remove-by-handle O(log n). No Python object per entry.
 """
 
 from cpython.number cimport PyNumber_Index

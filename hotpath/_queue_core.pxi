@@ -17,14 +17,16 @@ ctypedef struct Entry:  # one cache line per queued request
     double length_term
     double push_time
     int64_t steps
-    Py_ssize_t pos  # index of this entry's node in the heap
+    Py_ssize_t pos  # index of this entry's node in the heap; next free slot while unused
 
 
 ctypedef struct Queue:
     Node* heap
     Entry* entries
-    Py_ssize_t size
-    Py_ssize_t cap
+    Py_ssize_t size  # queued entries = heap nodes
+    Py_ssize_t cap  # allocated nodes and entries
+    Py_ssize_t slots_used  # entries ever handed out (high-water mark)
+    Py_ssize_t free_slot  # head of the free-slot list threaded through Entry.pos, or -1
     uint64_t next_seq
     double aging
     double max_wait
@@ -85,6 +87,8 @@ cdef int q_init(Queue* q, Py_ssize_t capacity, double aging, double max_wait,
     q.entries = NULL
     q.size = 0
     q.cap = 0
+    q.slots_used = 0
+    q.free_slot = -1
     q.next_seq = 0
     q.aging = aging
     q.max_wait = max_wait
@@ -102,6 +106,8 @@ cdef void q_free(Queue* q) noexcept nogil:
     q.entries = NULL
     q.size = 0
     q.cap = 0
+    q.slots_used = 0
+    q.free_slot = -1
 
 
 cdef inline void sift_up(Queue* q, Py_ssize_t i) noexcept nogil:
@@ -140,25 +146,34 @@ cdef inline void sift_down(Queue* q, Py_ssize_t i) noexcept nogil:
 cdef int q_push(Queue* q, int64_t handle, double deadline, int64_t tokens,
                 double now) noexcept nogil:
     """0 when queued, -1 when out of memory, -2 when the handle is already queued."""
-    cdef Py_ssize_t s = q.size
+    cdef Py_ssize_t s = q.free_slot
+    cdef Py_ssize_t i = q.size
     cdef Entry* e
     if map_find(&q.index, handle) >= 0:
         return -2
-    if q_reserve(q, s + 1) < 0 or map_put(&q.index, handle, s) < 0:
+    if s < 0:
+        s = q.slots_used
+        if q_reserve(q, s + 1) < 0:
+            return -1
+    if map_put(&q.index, handle, s) < 0:
         return -1
+    if s == q.slots_used:
+        q.slots_used += 1
+    else:
+        q.free_slot = q.entries[s].pos
     e = &q.entries[s]
     e.handle = handle
     e.deadline = deadline
     e.length_term = q.length_weight * <double>tokens
     e.push_time = now
     e.steps = 0
-    q.heap[s].key = entry_key(deadline, now, e.length_term, 0, q.aging)
-    q.heap[s].seq = q.next_seq
-    q.heap[s].starved = 0
-    q.heap[s].slot = <int32_t>s
+    q.heap[i].key = entry_key(deadline, now, e.length_term, 0, q.aging)
+    q.heap[i].seq = q.next_seq
+    q.heap[i].starved = 0
+    q.heap[i].slot = <int32_t>s
     q.next_seq += 1
-    q.size = s + 1
-    sift_up(q, s)
+    q.size = i + 1
+    sift_up(q, i)
     return 0
 
 
@@ -177,10 +192,8 @@ cdef int64_t q_remove_at(Queue* q, Py_ssize_t i) noexcept nogil:
         else:
             sift_down(q, i)
     map_del(&q.index, handle)
-    if s != last:  # keep slots dense: move the last entry into the hole
-        q.entries[s] = q.entries[last]
-        q.heap[q.entries[s].pos].slot = <int32_t>s
-        q.index.cells[map_find(&q.index, q.entries[s].handle)].val = s
+    q.entries[s].pos = q.free_slot  # the entry's slot joins the free-slot list
+    q.free_slot = s
     return handle
 
 
