@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +66,28 @@ class ServerProcess:
         self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, mode, model, str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT)
+        self._gpu_peak: int | None = None
+        self._sampling = threading.Event()
+        if shutil.which("nvidia-smi"):
+            threading.Thread(target=self._sample_gpu, daemon=True).start()
+
+    def _sample_gpu(self) -> None:
+        """Poll nvidia-smi for this process's device memory and keep the peak (GPU machines only)."""
+        while not self._sampling.wait(0.5):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                     timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            for line in out.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip() == str(self.proc.pid) and mib.strip().isdigit():
+                    self._gpu_peak = max(self._gpu_peak or 0, int(mib) * 2**20)
+
+    def peak_device_bytes(self) -> int | None:
+        """Peak device memory of the server process seen by nvidia-smi (None without a GPU)."""
+        return self._gpu_peak
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict:
         """Wait until the model is loaded (health SERVING); return Info. Fails fast if the process exits."""
@@ -89,6 +113,7 @@ class ServerProcess:
         return None
 
     def stop(self) -> None:
+        self._sampling.set()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

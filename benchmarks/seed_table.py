@@ -2,9 +2,10 @@
 
 before = naive (fifo, max batch 1, no prefix cache, no chunked prefill); after = the full server.
 Rows: QPS at 95% SLO attainment (Poisson rate sweep), P99 end-to-end latency at one common rate,
-peak server memory (process RSS on CPU). The SLO is scaled to this machine: by default
-TTFT <= --ttft-factor x and TPOT <= --tpot-factor x the naive server's unloaded p90 (measured
-first, printed), so the table compares scheduling, not the speed of the CPU.
+peak server memory (process RSS on CPU; device memory, sampled with nvidia-smi, on a GPU).
+The SLO is scaled to this machine: by default TTFT <= --ttft-factor x and TPOT <= --tpot-factor x
+the naive server's unloaded p90 (measured first, printed), so the table compares scheduling, not
+the speed of the CPU.
 
     python benchmarks/seed_table.py            # ~5 min on a 2-core CPU with the default model
 """
@@ -114,7 +115,8 @@ def main(argv: list[str]) -> int:
                       f"{1000 * unloaded['e2e_s']['mean']:.1f} ms -> SLO TTFT <= {slo.ttft_s} s, "
                       f"TPOT <= {slo.tpot_s} s", flush=True)
             runs = sweep(server.target, items, rates, slo, args, args.budget_s)
-            results[mode] = {"info": info, "runs": runs, "peak_rss_bytes": server.peak_rss_bytes()}
+            results[mode] = {"info": info, "runs": runs, "peak_rss_bytes": server.peak_rss_bytes(),
+                             "peak_device_bytes": server.peak_device_bytes()}
     naive = results["naive"]
     qps = {m: rate_at_attainment([(r["rate"], r["slo_attainment"]) for r in results[m]["runs"]], TARGET)
            for m in results}
@@ -132,7 +134,9 @@ def main(argv: list[str]) -> int:
                     rate=common, streams=args.streams, seed=args.seed, slo=slo)))
             at = [summarise(result.records, result.duration_s, slo, common)]
         p99[mode] = at[0]["e2e_s"]["p99"]
-    mem = {m: results[m]["peak_rss_bytes"] for m in results}
+    on_device = all(results[m]["peak_device_bytes"] for m in results)
+    memory_key = "peak_device_bytes" if on_device else "peak_rss_bytes"
+    mem = {m: results[m][memory_key] for m in results}
     wq, wp, wm = WRITE_UP["qps"], WRITE_UP["p99_ms"], WRITE_UP["memory_gb"]
 
     def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -143,7 +147,7 @@ def main(argv: list[str]) -> int:
          f"x{wq[1] / wq[0]:.2f} ({wq[0]} -> {wq[1]})"),
         (f"P99 e2e at {common:g} req/s (ms)", fmt(p99["naive"], 1000, 1), fmt(p99["full"], 1000, 1),
          change(p99["naive"], p99["full"], "pct"), f"{100 * (wp[1] - wp[0]) / wp[0]:+.0f}% ({wp[0]:g} -> {wp[1]:g} ms)"),
-        ("peak memory, server RSS (MiB)", fmt(mem["naive"], 2**-20, 0), fmt(mem["full"], 2**-20, 0),
+        ("peak memory, server " + ("device" if on_device else "RSS") + " (MiB)", fmt(mem["naive"], 2**-20, 0), fmt(mem["full"], 2**-20, 0),
          change(mem["naive"], mem["full"], "pct"), f"{100 * (wm[1] - wm[0]) / wm[0]:+.0f}% ({wm[0]:g} -> {wm[1]:g} GB)"),
     ]
     header = ("", "before (naive)", "after (full)", "change", "write-up")
@@ -159,7 +163,8 @@ def main(argv: list[str]) -> int:
     path = harness.save("seed_table", {
         "machine": harness.machine(), "workload": spec, "seed": args.seed, "args": vars(args),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "common_rate": common,
-        "qps_at_95": qps, "p99_e2e_s": p99, "peak_rss_bytes": mem, "write_up": WRITE_UP,
+        "qps_at_95": qps, "p99_e2e_s": p99, "peak_memory": {"kind": memory_key, **mem},
+        "peak_rss_bytes": {m: results[m]["peak_rss_bytes"] for m in results}, "write_up": WRITE_UP,
         "sweeps": {m: results[m]["runs"] for m in results},
         "server_info": {m: results[m]["info"] for m in results}})
     print(f"\nwrote {path}")
