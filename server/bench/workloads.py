@@ -42,7 +42,10 @@ def default_workload() -> str:
 
 def load_workload(spec: str, *, seed: int = 0, attempts: int = 2,
                   num_requests: int | None = None) -> list[WorkloadItem]:
-    """Build the request list a spec names; ValueError says what is wrong with the spec or data."""
+    """Build the request list a spec names; ValueError says what is wrong with the spec or data.
+
+    attempts applies to arc: and synthetic-arc (a JSONL trace already lists its attempts).
+    """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     if num_requests is not None and num_requests < 1:
