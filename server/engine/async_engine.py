@@ -28,6 +28,7 @@ from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
+_MAX_CHARS_PER_TOKEN = 16
 
 
 class AsyncEngine:
@@ -175,6 +176,13 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty: send some text or token ids")
+            # NOTE: tokenizing runs on the caller's event loop; a text far longer than any prompt
+            # that could fit is refused before paying for it (no tokenizer averages 16 chars/token).
+            limit = self._scheduler.max_model_len * _MAX_CHARS_PER_TOKEN
+            if len(prompt) > limit:
+                raise InvalidRequestError(
+                    f"the prompt has {len(prompt)} characters, far more than the model's "
+                    f"{self._scheduler.max_model_len}-token context can hold; shorten it")
             return self._runner.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of integer token ids")

@@ -198,6 +198,8 @@ async def test_bad_input_and_lifecycle_errors():
     await engine.start()
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("x", "", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="characters"):
+        engine.add_request("x", "9" * (16 * 512 + 1), SamplingParams())  # not even tokenized
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("x", [1, "a"], SamplingParams())
     with pytest.raises(InvalidRequestError, match="SamplingParams"):

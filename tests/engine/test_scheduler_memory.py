@@ -181,3 +181,20 @@ def test_abort_frees_blocks_at_once_and_mid_step_results_are_dropped():
     s.abort("r3")
     assert_all_free(s)
     assert s.schedule().finished_req_ids == ["r1", "r0", "r2", "r3"]
+
+
+@pytest.mark.parametrize("policy", ["slo", "fifo"])
+def test_a_preempted_request_keeps_its_place_in_the_queue(policy):
+    runner = FakeRunner(num_blocks=8, block_size=4, num_host_blocks=16)
+    s, r, clock = make_scheduler(runner, policy=policy, max_batch=3, adaptive_batch=False)
+    for name, c, ttft in (("tight", "a", 0.5), ("mid", "b", 1.0), ("loose", "c", 5.0)):
+        s.add_request(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
+    step(s, r)
+    clock.t += 0.3  # 'loose' has now been in the system longer than max_wait (0.2 s)
+    s.add_request("newcomer", [ord("d")] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=0.4))
+    step(s, r)  # 'loose' is preempted and queued again
+    assert s.requests["loose"].status == RequestStatus.PREEMPTED
+    s.waiting.rekey(clock.t)  # as the next schedule() does
+    # slo: its wait counts from arrival, so the starvation guard puts it ahead of the tighter
+    # newcomer; fifo: it goes back to the front
+    assert [q.request_id for q in s.waiting.in_order()] == ["loose", "newcomer"]
