@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+from dataclasses import replace
 
 import click
 from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_load, wait_ready
@@ -73,6 +74,8 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
               help="arc:DIR, jsonl:FILE, synthetic-arc or fixed:PROMPT_TOKENS,OUTPUT_TOKENS "
                    "[default: the ARC-AGI-2 trace if present, else synthetic-arc]")
 @click.option("--attempts", default=2, show_default=True, type=int, help="Copies of each ARC test input.")
+@click.option("--max-tokens", type=int, default=None,
+              help="Cap on each request's output tokens [default: the workload's].")
 @click.option("--num-requests", type=int, default=None,
               help=f"Requests per rate [default: {DEFAULT_REQUESTS}, unless --duration].")
 @click.option("--duration", type=float, default=None, help="Seconds to keep sending at each rate.")
@@ -96,7 +99,7 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
               help="Write the report as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write latency CDFs (and, for a sweep, attainment and P99 vs rate) as a PNG.")
-def bench(server, workload, attempts, num_requests, duration, rate, concurrency, streams, seed,
+def bench(server, workload, attempts, max_tokens, num_requests, duration, rate, concurrency, streams, seed,
           slo_ttft, slo_tpot, slo_e2e, temperature, ignore_eos, request_timeout, connect_timeout,
           ready_timeout, auth_token, json_path, plot_path) -> None:
     """Send a workload to a running server and report latency, throughput, SLO attainment, goodput."""
@@ -108,6 +111,10 @@ def bench(server, workload, attempts, num_requests, duration, rate, concurrency,
     try:
         items = load_workload(workload, seed=seed, attempts=attempts,
                               num_requests=None if duration is not None else num_requests)
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+            items = [replace(i, max_tokens=min(i.max_tokens, max_tokens)) for i in items]
         specs = [LoadSpec(rate=r, concurrency=concurrency, num_requests=num_requests,
                           duration_s=duration, streams=streams, seed=seed + i, slo=slo,
                           temperature=temperature, ignore_eos=ignore_eos,
@@ -135,7 +142,7 @@ def bench(server, workload, attempts, num_requests, duration, rate, concurrency,
     runs = [summarise(r.records, r.duration_s, slo, r.rate) for r in results]
     for run, result in zip(runs, results, strict=True):
         run["rate_label"] = rate_label(result.rate)
-    config = {"attempts": attempts, "num_requests": num_requests, "duration_s": duration,
+    config = {"attempts": attempts, "max_tokens": max_tokens, "num_requests": num_requests, "duration_s": duration,
               "rates": [rate_label(r) for r in rates], "concurrency": concurrency, "streams": streams,
               "seed": seed, "temperature": temperature, "ignore_eos": ignore_eos,
               "slo": None if slo is None else {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}}

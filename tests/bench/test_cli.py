@@ -42,7 +42,7 @@ def fake_target():
 def test_sweep_writes_json_and_png(fake_target, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     result = CliRunner().invoke(bench, [
-        "--server", fake_target, "--workload", "synthetic-arc", "--num-requests", "8",
+        "--server", fake_target, "--workload", "synthetic-arc", "--num-requests", "8", "--max-tokens", "5",
         "--rate", "50,200", "--streams", "2", "--slo-ttft", "5", "--slo-e2e", "30",
         "--json", str(out_json), "--plot", str(out_png)])
     assert result.exit_code == 0, result.output
@@ -55,6 +55,7 @@ def test_sweep_writes_json_and_png(fake_target, tmp_path):
         assert RUN_KEYS <= run.keys()
         assert run["completed"] == 8 and run["refused"] == 0 and run["slo_attainment"] == 1.0
         assert run["exact_match"] == 0.0  # the fake answers x's
+        assert run["output_tokens"] <= 5 * 8
         for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
             assert set(run[metric]) == {"mean", "p50", "p90", "p99"}
             assert 0 < run[metric]["p50"] <= run[metric]["p99"]
@@ -79,6 +80,7 @@ def test_closed_loop_single_rate(fake_target, tmp_path):
     (["--workload", "bogus"], "unknown workload"),
     (["--server", "127.0.0.1:1", "--connect-timeout", "0.5"], "cannot reach a sloserve server"),
     (["--concurrency", "0"], "concurrency must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--streams", "x"], "is not a valid integer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
