@@ -4,7 +4,8 @@ Each MoE layer's routed experts are stacked as ``w13[E, 2I, H]`` (gate rows, the
 ``w2[E, H, I]``. With ``slots_per_layer`` set, only that many experts per layer sit in device
 slots carved from the pool; the rest live in host memory (pinned only when CUDA exists) and are
 copied into a slot when a step routes tokens to them. The hot path's ``ExpertAllocator`` decides
-which slot an expert gets (LRU over unpinned slots, hit/miss counters).
+which slot an expert gets (LRU over unpinned slots, hit/miss counters) and, with
+``workspace_rows`` set, hands out rows of the per-layer MoE workspace carved once at start-up.
 
 Invariants of the partial mode (read before changing `experts`):
 
