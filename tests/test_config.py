@@ -3,8 +3,14 @@
 import math
 
 import pytest
-
-from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SloserveConfig, parse_size
+from sloserve.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SloserveConfig,
+    parse_size,
+)
 from sloserve.errors import InvalidRequestError
 from sloserve.sampling_params import SLO, SamplingParams
 
