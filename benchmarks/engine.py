@@ -18,6 +18,7 @@ are ~7x longer than their outputs, so prefill (compute-bound on a CPU) caps the 
 prefix cache halves it.
 
     python3 benchmarks/engine.py                                  # ~3-4 min on 2 cores
+    python3 benchmarks/engine.py --model tiny --rate 3 --out benchmarks/results/engine_tiny.json
     python3 benchmarks/engine.py --model default --num-requests 12 --rate 0.2
 """
 
@@ -42,14 +43,23 @@ from sloserve.sampling_params import SLO, SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def small_model() -> str:
-    """A 4-layer, 256-wide Llama (byte tokenizer), built once with the test checkpoint builder."""
+BENCH_MODELS = {
+    # 3.9M parameters: compute still matters on a CPU, but a step has a fixed cost worth sharing
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2),
+    # 0.1M parameters: step cost nearly flat in batch size, the regime of decode on a GPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+}
+
+
+def bench_model(name: str) -> str:
+    """A random-weight Llama (byte tokenizer) from BENCH_MODELS, built once with the test checkpoint builder."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.checkpoints import tiny_checkpoint
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sloserve" / "bench"
-    return str(tiny_checkpoint("llama", cache, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192))
+    return str(tiny_checkpoint("llama", cache, max_position_embeddings=8192, **BENCH_MODELS[name]))
 
 
 def pick_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
@@ -140,7 +150,7 @@ def show(result: dict) -> None:
 async def main_async(args: argparse.Namespace) -> dict:
     from sloserve.executor import ModelRunner
 
-    args.model_path = small_model() if args.model == "small" else args.model
+    args.model_path = bench_model(args.model) if args.model in BENCH_MODELS else args.model
     spec, items = pick_items(args)
     rng = random.Random(args.seed)
     offsets, t = [], 0.0
@@ -180,7 +190,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small", help="'small', 'default', 'default-moe' or a checkpoint folder")
+    ap.add_argument("--model", default="small", help="'small', 'tiny', 'default', 'default-moe' or a checkpoint folder")
     ap.add_argument("--workload", default=None, help="a sloserve.bench workload spec (default: the ARC trace)")
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--max-prompt-chars", type=int, default=600, help="skip longer ARC prompts (CPU time)")
