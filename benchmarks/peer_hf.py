@@ -34,10 +34,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--workload", default=None, help="default: the ARC trace if present, else synthetic-arc")
-    p.add_argument("--num-requests", type=int, default=12)
+    p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--max-prompt-chars", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=12, help="tokens each request generates (cap)")
-    p.add_argument("--batch-size", type=int, default=8, help="hf-static batch size")
+    p.add_argument("--batch-size", type=int, default=4, help="hf-static batch size")
     p.add_argument("--sequential-requests", type=int, default=None,
                    help="requests for hf-sequential (default: all); its tokens/s is per-request work")
     p.add_argument("--seed", type=int, default=0)
