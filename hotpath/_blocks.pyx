@@ -20,6 +20,10 @@ middle (touching a cached block) are O(1) and allocate nothing:
 LRU head (dropping their hash), and returns None when fewer than n exist. A request's blocks
 are freed tail first, so the tail of a prefix chain is evicted before its head. The prefix map
 (hash -> block) is a C open-addressing table; no Python object exists per block.
+
+Sharing: `incref` only for a block in use; a cached block found by `lookup` is revived with
+`touch` (refcount 0 -> 1, off the LRU). `set_hash` hashes a block once; when another block
+already holds that hash it returns False and the block stays unhashed (freed, not cached).
 """
 
 from cpython.number cimport PyNumber_Index
