@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-full lint bench stubs clean
 
-$(STAMP): setup.cfg setup.py pyproject.toml
+$(STAMP): setup.cfg setup.py pyproject.toml $(wildcard hotpath/*.pyx hotpath/*.pxd hotpath/*.pxi)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -x --timeout=900
+	$(PY) -m pytest -q --timeout=900
 
 test-full: $(STAMP)
 	SLOSERVE_FULL=1 $(PY) -m pytest -q --timeout=7200

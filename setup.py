@@ -15,7 +15,7 @@ def find_packages() -> list[str]:
 
 
 extensions = [
-    Extension(f"sloserve.hotpath.{pyx.stem}", [str(pyx)], extra_compile_args=["-O3"])
+    Extension(f"sloserve.hotpath.{pyx.stem}", [str(pyx)], extra_compile_args=["-O3", "-ffp-contract=off"])
     for pyx in sorted(Path("hotpath").glob("*.pyx"))
 ]
 
