@@ -9,16 +9,12 @@ import time
 import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.executor.inputs import InputBuilder, workspace_bytes
+from sloserve.executor.inputs import InputBuilder
+from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import get_backend
 from sloserve.layers.sampler import Sampler
-from sloserve.memory.pool import (
-    CPU_DEFAULT_POOL_BYTES,
-    DevicePool,
-    default_arena_bytes,
-    default_pool_bytes,
-)
+from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
 from sloserve.sampling_params import SamplingParams
@@ -52,7 +48,7 @@ class ModelRunner:
     """Executes one SchedulerOutput per call: swaps, one batched forward, sampling."""
 
     def __init__(self, config: SloserveConfig) -> None:
-        mc, cc, sc = config.model, config.cache, config.scheduler
+        mc = config.model
         started = time.monotonic()
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
@@ -65,56 +61,31 @@ class ModelRunner:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds what {spec.architecture} at "
                              f"{self.model_path} supports ({limit}); lower it")
         self.max_model_len = mc.max_model_len or limit
-        self.block_size = cc.block_size
+        self.block_size = config.cache.block_size
         self.eos_token_ids = list(spec.eos_token_ids) or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        max_blocks = math.ceil(self.max_model_len / self.block_size)
-        max_tokens = sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, self.max_model_len)
-        max_seqs = sc.max_batch
-
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
-        self.page_bytes = token_bytes * self.block_size
-        slots = cc.expert_slots_per_layer
-        partial = bool(spec.moe_layers) and slots is not None and slots < spec.num_experts
-        expert_bytes = (len(spec.moe_layers) * slots * 3 * spec.moe_intermediate_size * spec.hidden_size * itemsize
-                        + 1024) if partial else 0
-        ws_bytes = workspace_bytes(max_tokens, max_seqs, max_blocks)
-        arena = cc.arena_bytes or default_arena_bytes(self.device)
-        kv_bytes = cc.kv_pool_bytes
-        if kv_bytes is None:
-            if self.device.type == "cuda":
-                kv_bytes = default_pool_bytes(self.device, cc.gpu_memory_fraction) - ws_bytes - expert_bytes - 2 * arena
-            else:  # enough for max_batch full-length sequences, capped
-                kv_bytes = min(CPU_DEFAULT_POOL_BYTES, token_bytes * self.max_model_len * max_seqs + self.page_bytes)
-        num_pages = kv_bytes // self.page_bytes
-        if num_pages - 1 < max_blocks:
-            raise ValueError(
-                f"the KV pool holds {max(num_pages - 1, 0)} pages of {self.block_size} tokens, fewer than one "
-                f"{self.max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool) "
-                "or lower max_model_len"
-            )
+        plan = plan_memory(config, spec, self.max_model_len, self.device, self.dtype)
+        self.page_bytes = plan.page_bytes
         # NOTE: KV first, at offset 0; the small carves follow it, so arena alignment wastes little.
-        kv_total = num_pages * self.page_bytes
-        total = -(-kv_total // arena) * arena + ws_bytes + expert_bytes + arena
-        self.pool = DevicePool(total, arena, self.device)
-        kv_shape = (spec.num_layers, 2, num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.pool = DevicePool(plan.pool_bytes, plan.arena_bytes, self.device)
+        kv_shape = (spec.num_layers, 2, plan.num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = self.pool.carve("kv", kv_shape, self.dtype)
-        self.num_kv_blocks = num_pages
+        self.num_kv_blocks = plan.num_pages
         self._num_params = weights.num_parameters()
         self.experts = None
         if spec.moe_layers:
             from sloserve.layers.moe import ExpertStore
 
             self.experts = ExpertStore(weights.experts, device=self.device, dtype=self.dtype,
-                                       slots_per_layer=slots, pool=self.pool if partial else None)
+                                       slots_per_layer=plan.expert_slots,
+                                       pool=self.pool if plan.expert_slots else None)
             weights.experts.clear()  # the store holds its own (resident or host) copies
         staging = None
         if self.device.type == "cuda":
-            staging = DevicePool(ws_bytes, None, "cpu", pin_memory=True)
-        self.inputs = InputBuilder(self.pool, staging, max_tokens, max_seqs, max_blocks, self.block_size,
-                                   spec.vocab_size, self.max_model_len)
-        host_pages = min(cc.swap_bytes // self.page_bytes, num_pages)
+            staging = DevicePool(plan.workspace_bytes, None, "cpu", pin_memory=True)
+        self.inputs = InputBuilder(self.pool, staging, plan.max_tokens, plan.max_seqs, plan.max_blocks,
+                                   self.block_size, spec.vocab_size, self.max_model_len)
+        host_pages = plan.num_host_pages
         self.host_pool = None
         self.host_kv = None
         if host_pages > 0:
@@ -129,7 +100,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.load_time_s = time.monotonic() - started
         log.info("loaded %s (%s) on %s/%s: %d KV pages, backend %s, %.1fs", self.model_path, spec.architecture,
-                 self.device, self.dtype, num_pages, self.backend.name, self.load_time_s)
+                 self.device, self.dtype, plan.num_pages, self.backend.name, self.load_time_s)
 
     @property
     def vocab_size(self) -> int:

@@ -47,20 +47,42 @@ def _attend(q, k_pages, v_pages, start: int, seq_len: int, scale: float) -> torc
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All sequences decode one token: one batched gather + two batched matmuls."""
+    """All sequences decode one token: one gather per cache and two batched matmuls.
+
+    The gathered pages stay in cache layout, rows ordered (position, kv head). Each query head
+    scores every row, and rows of the other kv heads are masked out with the padding, so one
+    softmax over (position, kv head) is the per-head softmax and no transpose copy is needed.
+    That spends Hkv times the (small) attention FLOPs, so wide-GQA models take the per-head path.
+    """
     num_seqs, hq, dim = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     width = (meta.max_seqlen_k + page - 1) // page
+    length = width * page
     pages = meta.block_tables[:, :width].reshape(-1)
-    k = k_cache.index_select(0, pages).view(num_seqs, width * page, hkv, dim).permute(0, 2, 3, 1)  # [S, Hkv, D, L]
-    v = v_cache.index_select(0, pages).view(num_seqs, width * page, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
-    qg = q.view(num_seqs, hkv, hq // hkv, dim)
-    scores = torch.matmul(qg, k).float() * scale  # [S, Hkv, g, L]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages)  # [S * width, page * Hkv * D]
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages)
     invalid = meta.memo.get("reference.decode_mask")
-    if invalid is None:  # the same for every layer of the step
-        keys = torch.arange(width * page, device=q.device)
-        invalid = (keys[None, :] >= meta.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+    if hkv > _MAX_FOLDED_KV_HEADS:
+        if invalid is None:  # the same for every layer of the step
+            positions = torch.arange(length, device=q.device)
+            invalid = (positions[None, :] >= meta.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+            meta.memo["reference.decode_mask"] = invalid
+        k = k.view(num_seqs, length, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
+        v = v.view(num_seqs, length, hkv, dim).transpose(1, 2)
+        scores = torch.matmul(q.reshape(num_seqs, hkv, hq // hkv, dim), k.transpose(-1, -2)).float() * scale
+        scores.masked_fill_(invalid, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).reshape(num_seqs, hq, dim)
+    if invalid is None:
+        positions = torch.arange(length, device=q.device)
+        heads = torch.arange(hkv, device=q.device)
+        beyond = positions[None, :] >= meta.seq_lens[:, None]  # [S, L]
+        other_head = heads[:, None] != heads[None, :]  # [Hkv (query's), Hkv (row's)]
+        invalid = beyond[:, None, None, :, None] | other_head[None, :, None, None, :]  # [S, Hkv, 1, L, Hkv]
         meta.memo["reference.decode_mask"] = invalid
-    scores.masked_fill_(invalid, float("-inf"))
+    scores = torch.bmm(q, k.view(num_seqs, length * hkv, dim).transpose(1, 2)).float() * scale  # [S, Hq, L*Hkv]
+    scores.view(num_seqs, hkv, hq // hkv, length, hkv).masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(num_seqs, hq, dim)
+    return torch.bmm(probs, v.view(num_seqs, length * hkv, dim))  # [S, Hq, D]
+
+
+_MAX_FOLDED_KV_HEADS = 4
