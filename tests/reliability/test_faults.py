@@ -20,8 +20,9 @@ INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fault_server(tiny_llama):
+    """One server for this module; the loop-death test (last in the file) ends it."""
     server = ServerProcess([str(tiny_llama)], module="tests.reliability.fault_server")
     try:
         server.wait_ready()
