@@ -55,8 +55,9 @@ class InputBuilder:
     """Fills the pool-carved input buffers for one step."""
 
     def __init__(self, pool: DevicePool, staging: DevicePool | None, max_tokens: int, max_seqs: int,
-                 max_blocks: int, block_size: int, vocab_size: int, max_model_len: int) -> None:
+                 max_blocks: int, block_size: int, vocab_size: int, max_model_len: int, num_pages: int) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.num_pages = num_pages
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
         self.device = pool.device
         self._dev: dict[str, torch.Tensor] = {}
@@ -90,6 +91,9 @@ class InputBuilder:
         max_len = int(arrays.seq_lens.max())
         if max_len > self.max_model_len:
             raise ValueError(f"a sequence reaches {max_len} tokens, beyond max_model_len {self.max_model_len}")
+        if int(arrays.block_tables.max()) >= self.num_pages or int(arrays.block_tables.min()) < 0:
+            raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
+                             f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}")
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
         values = {

@@ -84,7 +84,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             staging = DevicePool(plan.workspace_bytes, None, "cpu", pin_memory=True)
         self.inputs = InputBuilder(self.pool, staging, plan.max_tokens, plan.max_seqs, plan.max_blocks,
-                                   self.block_size, spec.vocab_size, self.max_model_len)
+                                   self.block_size, spec.vocab_size, self.max_model_len, plan.num_pages)
         host_pages = plan.num_host_pages
         self.host_pool = None
         self.host_kv = None

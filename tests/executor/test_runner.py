@@ -71,6 +71,8 @@ def test_bad_steps_are_refused_with_what_to_change(runner):
         runner.execute(SchedulerOutput([_seq("a", [999], 0, [1])]))
     with pytest.raises(ValueError, match="needs 3 KV blocks"):
         runner.execute(SchedulerOutput([_seq("a", PROMPT, 0, [1, 2])]))
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, "):
+        runner.execute(SchedulerOutput([_seq("a", [1], 0, [runner.num_kv_blocks])]))
     too_many = [_seq(f"r{i}", [1], 0, [i + 1]) for i in range(9)]
     with pytest.raises(ValueError, match="exceeds the executor's buffers"):
         runner.execute(SchedulerOutput(too_many))
