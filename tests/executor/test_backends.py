@@ -66,22 +66,23 @@ def make_case(
 
 
 def oracle(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Token by token in float64: query at position p sees keys 0..p of its sequence."""
+    """Dense float64 attention per sequence: the query at position p sees keys 0..p of its sequence."""
     q, k_cache, v_cache = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
     group = q.shape[1] // k_cache.shape[2]
     page = meta.block_size
+    flat_k = k_cache.flatten(0, 1)  # [P * page, Hkv, D], row = slot
+    flat_v = v_cache.flatten(0, 1)
     out = torch.zeros_like(q)
     cu = meta.cu_seqlens_q_list
     for i, table in enumerate(meta.block_tables_list):
-        for t in range(cu[i], cu[i + 1]):
-            pos = meta.start_pos_list[i] + (t - cu[i])
-            slots = [(table[p // page], p % page) for p in range(pos + 1)]
-            k = torch.stack([k_cache[b, o] for b, o in slots])  # [L, Hkv, D]
-            v = torch.stack([v_cache[b, o] for b, o in slots])
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,lhd->hl", q[t], k) * scale
-            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+        seq_len = meta.seq_lens_list[i]
+        slots = torch.tensor([table[p // page] * page + p % page for p in range(seq_len)])
+        k = flat_k[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = flat_v[slots].repeat_interleave(group, dim=1)
+        positions = torch.arange(cu[i + 1] - cu[i]) + meta.start_pos_list[i]
+        scores = torch.einsum("thd,lhd->htl", q[cu[i] : cu[i + 1]], k) * scale
+        scores = scores.masked_fill(torch.arange(seq_len)[None, None, :] > positions[None, :, None], -math.inf)
+        out[cu[i] : cu[i + 1]] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
     return out
 
 
@@ -174,9 +175,10 @@ def gpu_backends(dtype: torch.dtype, block_size: int) -> list[object]:
     from sloserve.layers.attention.triton_decode import TritonDecodeBackend
 
     found: list[object] = [SdpaBackend(batched=True)]
-    for cls in (TritonDecodeBackend, FlashBackend):
-        if cls.unavailable_reason("cuda", dtype, block_size, HEAD_DIM) is None:
-            found.append(cls())
+    if TritonDecodeBackend.unavailable_reason("cuda", dtype, block_size, HEAD_DIM) is None:
+        found += [TritonDecodeBackend(), TritonDecodeBackend(block_n=16, num_splits=3)]  # + flash-decoding path
+    if FlashBackend.unavailable_reason("cuda", dtype, block_size, HEAD_DIM) is None:
+        found.append(FlashBackend())
     return found
 
 

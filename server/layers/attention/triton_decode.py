@@ -5,8 +5,10 @@ Each program loads the GROUP query heads that share one KV head (padded to 16 ro
 online softmax, and writes GROUP output rows. Query token t of sequence i sits at position
 p = start_pos[i] + (t - cu_seqlens_q[i]) and sees keys 0..p (causal, bottom-right), so the
 same kernel serves decode tokens and prefill chunks in one launch; it is built for decode,
-where every token's keys are read once. Triton is imported only when installed; the module
-itself imports on any machine.
+where every token's keys are read once. When tokens x KV heads are too few to fill the GPU
+(batch 1, long context), each program takes one slice of the keys and a small torch combine
+merges the slices' softmax partials (flash-decoding). Triton is imported only when installed;
+the module itself imports on any machine.
 """
 
 from __future__ import annotations
@@ -25,19 +27,23 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
     @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr,
-        scale,
+        part_m_ptr, part_l_ptr, part_acc_ptr,
+        scale, num_heads, num_splits, keys_per_split,
         stride_qt, stride_qh,
         stride_kp, stride_ks, stride_kh,
         stride_vp, stride_vs, stride_vh,
         stride_ot, stride_oh,
         stride_tb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         seq = tl.load(seq_ptr + tok).to(tl.int64)
         n_keys = tl.load(pos_ptr + tok).to(tl.int32) + 1
+        lo = split * keys_per_split
+        n_keys = tl.minimum(n_keys, lo + keys_per_split)  # this program's keys: lo .. n_keys-1
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         g_ok = g < GROUP
@@ -47,7 +53,7 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(0, n_keys, BLOCK_N):
+        for start in range(lo, n_keys, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             k_ok = offs < n_keys
             page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -70,9 +76,15 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        if SPLIT:  # unnormalised partials; an empty split stores m = -inf, l = 0, acc = 0
+            row = (tok * num_heads + heads) * num_splits + split
+            tl.store(part_m_ptr + row, m_i, mask=g_ok)
+            tl.store(part_l_ptr + row, l_i, mask=g_ok)
+            tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 class TritonDecodeBackend:
@@ -80,12 +92,25 @@ class TritonDecodeBackend:
 
     name = "triton"
 
-    def __init__(self, block_n: int | None = None, num_warps: int = 4) -> None:
+    def __init__(self, block_n: int | None = None, num_warps: int = 4, num_splits: int | None = None) -> None:
         if not _HAS_TRITON:
             raise RuntimeError("the 'triton' attention backend needs the triton package and a CUDA GPU; "
                                "use --attention-backend sdpa instead")
         self.block_n = block_n
         self.num_warps = num_warps
+        self.num_splits = num_splits  # None: split long contexts when too few programs fill the GPU
+        self._sm_count: int | None = None
+
+    def _splits(self, programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+        """Key splits per (token, KV head): enough programs for ~2 waves over the SMs (flash-decoding)."""
+        if self.num_splits is not None:
+            return max(1, self.num_splits)
+        if self._sm_count is None:
+            self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * self._sm_count
+        if programs >= target:
+            return 1
+        return max(1, min(-(-target // programs), max_keys // (4 * block_n)))
 
     @staticmethod
     def unavailable_reason(
@@ -134,16 +159,33 @@ class TritonDecodeBackend:
         )
         tables = meta.block_tables
         block_n = self.block_n or (64 if head_dim <= 128 else 32)
-        _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        splits = self._splits(num_tokens * num_kv_heads, meta.max_seqlen_k, block_n, q.device)
+        keys_per_split = -(-meta.max_seqlen_k // splits)
+        keys_per_split = -(-keys_per_split // block_n) * block_n
+        splits = -(-meta.max_seqlen_k // keys_per_split)
+        if splits > 1:
+            part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+            part_l = torch.empty_like(part_m)
+            part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        else:
+            part_m = part_l = part_acc = out  # unused
+        _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
             q, k_cache, v_cache, out, tables, seq_of_token, positions,
-            scale,
+            part_m, part_l, part_acc,
+            scale, num_heads, splits, keys_per_split,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1),
             tables.stride(0),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            PAGE=page, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            PAGE=page, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SPLIT=splits > 1,
             num_warps=self.num_warps,
         )
-        return out
+        if splits == 1:
+            return out
+        # Combine the splits' online-softmax partials: rescale each to the common max.
+        weight = torch.exp(part_m - part_m.amax(dim=-1, keepdim=True))  # [T, Hq, splits]
+        total = (part_l * weight).sum(dim=-1, keepdim=True)  # [T, Hq, 1]
+        combined = (part_acc * weight.unsqueeze(-1)).sum(dim=-2) / total
+        return out.copy_(combined)
