@@ -150,6 +150,7 @@ class SloserveServer:
         finished = await self.service.wait_idle(grace_s)
         if not finished:
             log.warning("grace period over: cancelling %d request(s) still running", self.service.inflight)
+        self.service.close_streams()
         await self.stop(grace_s=0.5)
         return finished
 

@@ -45,6 +45,7 @@ class SloserveService(pb_grpc.SloserveServicer):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._sessions: set[_StreamSession] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start_draining(self) -> None:
@@ -54,6 +55,11 @@ class SloserveService(pb_grpc.SloserveServicer):
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def close_streams(self) -> None:
+        """End every open Stream with status OK (after a drain), so stopping cancels no RPC."""
+        for session in self._sessions:
+            session.out.put_nowait(None)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if `timeout` passed first."""
@@ -106,11 +112,13 @@ class SloserveService(pb_grpc.SloserveServicer):
     # ---- RPCs ------------------------------------------------------------------------------
     async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage], context) -> AsyncIterator[pb.ServerMessage]:
         session = _StreamSession(self, context)
+        self._sessions.add(session)
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while (msg := await session.out.get()) is not None:
                 yield msg
         finally:
+            self._sessions.discard(session)
             reader.cancel()
             session.abort_all()
 

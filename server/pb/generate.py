@@ -16,8 +16,8 @@ OUT_DIR = Path("server/pb")
 
 def generate(out_root: Path) -> list[Path]:
     """Run grpc_tools.protoc over every .proto; return the generated files."""
-    from grpc_tools import protoc  # dev-only dependency (extra 'test')
     import grpc_tools
+    from grpc_tools import protoc  # dev-only dependency (extra 'test')
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(str(p.name) for p in PROTO_DIR.glob("*.proto"))
