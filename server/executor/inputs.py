@@ -61,12 +61,16 @@ class InputBuilder:
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
         self.device = pool.device
         self._dev: dict[str, torch.Tensor] = {}
-        self._host: dict[str, np.ndarray] = {}
+        self._staging: dict[str, torch.Tensor] = {}  # only when the device is not the host
+        self._host: dict[str, np.ndarray] = {}  # numpy views the step writes into
         for name, (dtype, kind) in _BUFFERS.items():
             shape = (_length(kind, max_tokens, max_seqs, max_blocks),)
             self._dev[name] = pool.carve(f"inputs.{name}", shape, dtype)
-            host = staging.carve(f"staging.{name}", shape, dtype) if staging is not None else self._dev[name]
-            self._host[name] = host.numpy()  # CPU: the device buffer itself; CUDA: pinned staging
+            if staging is not None:  # CUDA: pinned host staging, copied asynchronously
+                self._staging[name] = staging.carve(f"staging.{name}", shape, dtype)
+                self._host[name] = self._staging[name].numpy()
+            else:  # CPU: write straight into the pool buffer
+                self._host[name] = self._dev[name].numpy()
 
     def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
         """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
@@ -106,8 +110,8 @@ class InputBuilder:
             n = value.shape[0]
             self._host[name][:n] = value
             dev = self._dev[name][:n]
-            if self._host[name].ctypes.data != dev.data_ptr():
-                dev.copy_(torch.from_numpy(self._host[name][:n]), non_blocking=True)
+            if self._staging:
+                dev.copy_(self._staging[name][:n], non_blocking=True)
             views[name] = dev
         meta = AttentionMetadata(
             cu_seqlens_q=views["cu_seqlens"],

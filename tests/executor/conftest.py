@@ -10,10 +10,10 @@ from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveC
 
 
 def runner_config(folder: Path, *, block_size: int = 4, backend: str = "reference", kv_pool_bytes: int = 2 * 2**20,
-                  max_batch: int = 8, max_batched_tokens: int = 256, swap_bytes: int = 2**20,
+                  max_batch: int = 8, max_batched_tokens: int = 256, swap_bytes: int = 2**20, device: str = "cpu",
                   **model_kw) -> SloserveConfig:
     return SloserveConfig(
-        model=ModelConfig(path=str(folder), device="cpu", attention_backend=backend, **model_kw),
+        model=ModelConfig(path=str(folder), device=device, attention_backend=backend, **model_kw),
         cache=CacheConfig(block_size=block_size, kv_pool_bytes=kv_pool_bytes, swap_bytes=swap_bytes),
         scheduler=SchedulerConfig(max_batch=max_batch, max_batched_tokens=max_batched_tokens),
     )

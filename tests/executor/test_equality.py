@@ -7,6 +7,7 @@ mix prefill chunks with decode tokens), spans many KV pages, and takes pages fro
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate
@@ -15,10 +16,11 @@ PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [2
 NEW_TOKENS = 6
 
 
-def _check(make_checkpoint, make_runner, arch: str, *, chunk: int | None = 7, block_size: int = 4, **overrides):
+def _check(make_checkpoint, make_runner, arch: str, *, chunk: int | None = 7, block_size: int = 4,
+           runner_kw: dict | None = None, **overrides):
     folder = make_checkpoint(arch, **overrides)
     expected = hf_greedy(load_hf_model(folder), PROMPTS, NEW_TOKENS)
-    runner = make_runner(folder, block_size=block_size)
+    runner = make_runner(folder, block_size=block_size, **(runner_kw or {}))
     got = generate(runner, PROMPTS, NEW_TOKENS, chunk=chunk, stagger=True, seed=len(arch))
     assert got == expected
 
@@ -59,3 +61,12 @@ def test_llama_variants(make_checkpoint, make_runner, overrides):
 )
 def test_moe_variants(make_checkpoint, make_runner, arch, overrides):
     _check(make_checkpoint, make_runner, arch, **overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_greedy_matches_transformers_on_gpu(make_checkpoint, make_runner, arch, backend):
+    _check(make_checkpoint, make_runner, arch, block_size=16,
+           runner_kw={"device": "cuda", "dtype": "float32", "backend": backend})
