@@ -90,7 +90,7 @@ class ModelRunner:
         self.host_kv = None
         if host_pages > 0:
             self.host_pool = DevicePool(host_pages * self.page_bytes, None, "cpu",
-                                        pin_memory=self.device.type == "cuda")
+                                        pin_memory=self.device.type == "cuda", zero=False)
             self.host_kv = self.host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), self.dtype)
         self.num_host_blocks = host_pages
         self.backend = get_backend(mc.attention_backend, self.device, dtype=self.dtype,

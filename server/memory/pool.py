@@ -6,9 +6,10 @@ Layout (A = arena_bytes)::
       small carves (< A) never cross an arena boundary; large carves (>= A) start on one
       and take whole arenas; space skipped by either becomes a hole for later small carves.
 
-Carved tensors are views into the one buffer, zero-filled, and live as long as the pool: nothing
-is freed or allocated afterwards, so steady-state steps make no device allocations for KV or
-workspaces.
+Carved tensors are views into the one buffer, zero-filled unless the pool was made with
+zero=False (the host swap pool: only ever read after being written), and live as long as the
+pool: nothing is freed or allocated afterwards, so steady-state steps make no device allocations
+for KV or workspaces.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def default_pool_bytes(device: torch.device | str, gpu_memory_fraction: float) -
 
 
 class DevicePool:
-    """Bump allocator over a single zeroed uint8 buffer, carving named typed views."""
+    """Bump allocator over a single uint8 buffer, carving named typed views."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class DevicePool:
         device: torch.device | str = "cpu",
         *,
         pin_memory: bool = False,
+        zero: bool = True,
     ) -> None:
         if total_bytes <= 0:
             raise ValueError(f"pool size must be > 0 bytes, got {total_bytes}")
@@ -76,8 +78,8 @@ class DevicePool:
         # NOTE: pinning is a host-memory property that only exists with CUDA; guard it.
         self.pinned = bool(pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
         try:
-            self._buffer = torch.zeros(self.total_bytes, dtype=torch.uint8, device=self.device,
-                                       pin_memory=self.pinned)
+            make = torch.zeros if zero else torch.empty  # empty host memory is not committed until written
+            self._buffer = make(self.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise PoolExhaustedError(
                 f"cannot allocate a {self.total_bytes / 2**20:.1f} MiB pool on {self.device}: {exc}; "
@@ -105,7 +107,7 @@ class DevicePool:
         return self.total_bytes - self.used_bytes
 
     def carve(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed tensor view of `shape` and `dtype` owned by the pool under `name`."""
+        """A tensor view of `shape` and `dtype` owned by the pool under `name` (zeroed if the pool is)."""
         if name in self._carves:
             raise ValueError(f"pool already holds a carve named {name!r}")
         shape = tuple(int(s) for s in shape)
