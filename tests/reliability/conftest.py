@@ -13,13 +13,22 @@ BLOCK_BYTES = 8192  # one 16-token KV page of the tiny llama (2 layers x K,V x 2
 SMALL_POOL_PAGES = 48  # a pool small enough that a dozen live requests force preemption (swap)
 
 
-@pytest.fixture(scope="session")
-def small_pool_server(tiny_llama: Path) -> Iterator[ServerProcess]:
-    """Tiny llama, 256-token context, a 48-page KV pool: preemption and swap happen under load."""
-    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256",
-                               "--kv-pool-size", str(SMALL_POOL_PAGES * BLOCK_BYTES))
+def _small_pool(model: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess.cli(model, "--max-model-len", "256", "--kv-pool-size", str(SMALL_POOL_PAGES * BLOCK_BYTES))
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def small_pool_server(tiny_llama: Path) -> Iterator[ServerProcess]:
+    """Tiny llama, 256-token context, a 48-page KV pool: preemption and swap happen under load."""
+    yield from _small_pool(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def small_pool_moe_server(tiny_mixtral: Path) -> Iterator[ServerProcess]:
+    """The same on the tiny Mixtral (MoE dispatch in every step; same KV page size as the llama)."""
+    yield from _small_pool(tiny_mixtral)
