@@ -47,7 +47,7 @@ class Scheduler:
         self.waiting = make_queue(sc)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.admission = AdmissionControl(sc)
+        self.admission = AdmissionControl(sc, self.max_model_len)
         self.step_count = 0
         self._handles = itertools.count()
         self._scheduled: list[tuple[Request, int]] = []
@@ -76,11 +76,14 @@ class Scheduler:
         now = self.clock()
         req = Request(request_id, next(self._handles), prompt_token_ids, sampling, slo,
                       arrival_time if arrival_time is not None else now, self.config.default_ttft_s)
-        ahead = cached = 0
+        ahead: list[Request] = []
+        behind: list[Request] = []
+        cached = 0
         if self.admission.enabled and req.has_explicit_slo:
-            ahead = self._tokens_ahead(req)
+            ahead, behind = self._split_waiting(req)
             cached = len(self.block_manager.find_prefix(req.all_token_ids)[0]) * self.block_size
-        self.admission.check_new(req, now, len(self.waiting), ahead, cached)
+        self.admission.check_new(req, now, len(self.waiting), self.running, ahead, behind,
+                                 self._batch_target(extra=1), cached)
         if self.decode is not None:
             req.detokenizer = IncrementalDetokenizer(self.decode, req.prompt_token_ids)
         self.requests[request_id] = req
@@ -245,11 +248,13 @@ class Scheduler:
             return req.deadline, req.handle
         return req.arrival_time, req.handle
 
-    def _batch_target(self) -> int:
+    def _batch_target(self, extra: int = 0) -> int:
+        """Running requests allowed now (`extra`: requests about to join the queue)."""
         cap = self.config.max_batch
         if not self.config.adaptive_batch:
             return cap
-        return target_batch_size(cap, len(self.running) + len(self.waiting), self.config.batch_decay)
+        depth = len(self.running) + len(self.waiting) + extra
+        return target_batch_size(cap, depth, self.config.batch_decay)
 
     def _chunk(self, req: Request, budget: int, first: bool, computed: int | None = None) -> int:
         """Tokens of `req` to compute now: 1 to decode, else a prefill chunk within the budget."""
@@ -314,14 +319,15 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_REFUSED)
                 self._outputs.append(take_output(req))
 
-    def _tokens_ahead(self, req: Request) -> int:
-        """Prompt tokens still to prefill before `req` would start (for the SLO estimate)."""
-        ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
-        slo = self.config.policy == "slo"
+    def _split_waiting(self, req: Request) -> tuple[list[Request], list[Request]]:
+        """The waiting requests more urgent than `req` and the others, each in queue order."""
+        if self.config.policy != "slo":
+            return list(self.waiting), []
+        ahead: list[Request] = []
+        behind: list[Request] = []
         for r in self.waiting:
-            if not slo or r.deadline <= req.deadline:
-                ahead += r.num_tokens - r.num_computed_tokens
-        return ahead
+            (ahead if r.deadline <= req.deadline else behind).append(r)
+        return ahead, behind
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:

@@ -1,0 +1,152 @@
+"""The first-token estimate behind SLO admission: slot waits in a full batch, queue order, pricing."""
+
+from __future__ import annotations
+
+import pytest
+from sloserve.errors import RequestRefusedError
+from sloserve.sampling_params import SLO, SamplingParams
+
+from tests.engine.fakes import FakeRunner
+from tests.engine.helpers import assert_all_free, drain, make_scheduler, step
+
+OVERHEAD_S, PER_TOKEN_S = 0.01, 0.001
+
+
+def _teach_speed(s) -> None:
+    """Timed steps of varied size: step = 10 ms + 1 ms per token."""
+    for tokens in (1, 2, 500, 3, 1000, 1):
+        s.admission.speed.observe(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
+
+
+def _fill(s, r, n: int, max_tokens: int, prefix: str = "run") -> None:
+    """Start `n` requests (no SLO) and step until all of them are decoding."""
+    for i in range(n):
+        s.add_request(f"{prefix}{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    step(s, r)
+    step(s, r)
+    assert len(s.running) == n and all(q.num_output_tokens == 2 for q in s.running)
+
+
+def _runner() -> FakeRunner:
+    return FakeRunner(num_blocks=512, num_host_blocks=0)
+
+
+def test_a_full_batch_of_long_decodes_refuses_a_tight_slo():
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
+    _fill(s, r, 4, max_tokens=200)
+    _teach_speed(s)
+    # Its prefill alone would take ~15 ms, but no slot frees for 198 decode steps (~2.8 s).
+    with pytest.raises(RequestRefusedError) as info:
+        s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+    assert info.value.reason == "slo_unattainable"
+    assert "198 steps for a slot in the full batch of 4" in str(info.value)
+    assert s.stats().refusals == {"slo_unattainable": 1}
+    s.add_request("loose", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=5.0))
+    drain(s, r)
+    assert_all_free(s)
+
+
+def test_an_empty_batch_admits_the_same_request():
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
+    _teach_speed(s)
+    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+    est = s.admission.estimate(s.requests["tight"], [], [], 4)
+    assert est is not None and est.slot_steps == 0 and est.steps == 1 and est.tokens == 6
+    assert est.seconds == pytest.approx(OVERHEAD_S + 6 * PER_TOKEN_S)
+    drain(s, r)
+    assert_all_free(s)
+
+
+def test_a_full_batch_about_to_finish_admits_it():
+    """Occupancy alone is not the wait: the running requests' remaining output tokens are."""
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
+    _fill(s, r, 4, max_tokens=5)
+    _teach_speed(s)
+    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+    est = s.admission.estimate(s.requests["tight"], s.running, [], 4)
+    assert est.slot_steps == 3 and est.steps == 4  # 3 more tokens each, then its prefill
+    drain(s, r)
+    assert_all_free(s)
+
+
+def test_requests_ahead_take_the_slots_that_free_first():
+    s, r, _ = make_scheduler(_runner(), max_batch=2, adaptive_batch=False)
+    s.add_request("a", [97] * 6, SamplingParams(max_tokens=7, ignore_eos=True))
+    s.add_request("b", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True))
+    step(s, r)
+    step(s, r)  # a: 5 steps left, b: 10
+    _teach_speed(s)
+    s.add_request("w", [99] * 6, SamplingParams(max_tokens=20, ignore_eos=True), SLO(ttft_s=30.0))
+    s.add_request("x", [100] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0))
+    est = s.admission.estimate(s.requests["x"], s.running, [s.requests["w"]], 2)
+    # w takes a's slot at step 5 (and holds it until 25); x takes b's at step 10.
+    assert (est.slot_steps, est.steps, est.ahead) == (10, 11, 1)
+    first_token_step = {}
+    while s.has_work():
+        out, outputs = step(s, r)
+        for o in outputs:
+            first_token_step.setdefault(o.request_id, s.step_count - 2)
+    assert first_token_step["x"] == est.steps
+    assert_all_free(s)
+
+
+def test_the_estimate_errs_late_but_close_on_a_priced_clock():
+    """Steps cost exactly what the model says: the admitted request's real TTFT is within the estimate."""
+    s, r, clock = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
+    _fill(s, r, 4, max_tokens=30)
+    for i in range(3):
+        s.add_request(f"q{i}", [100 + i] * (5 + 7 * i), SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True))
+    _teach_speed(s)
+    s.add_request("probe", [120] * 9, SamplingParams(max_tokens=3), SLO(ttft_s=5.0))
+    probe = s.requests["probe"]
+    ahead = [q for q in s.waiting if q is not probe]
+    est = s.admission.estimate(probe, s.running, ahead, 4)
+    while probe.first_token_time is None:
+        out, _ = step(s, r)
+        clock.t += OVERHEAD_S + PER_TOKEN_S * out.num_tokens
+    actual = probe.first_token_time - probe.arrival_time
+    assert est.seconds >= actual and est.seconds <= 1.2 * actual, (est, actual)
+    drain(s, r)
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize("waited_s, refused", [(0.0, False), (0.5, True)])
+def test_a_looser_request_past_the_starvation_guard_counts_as_ahead(waited_s, refused):
+    s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2)
+    s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    step(s, r)
+    s.add_request("old", [98] * 6, SamplingParams(max_tokens=100, ignore_eos=True), SLO(ttft_s=10.0),
+                  arrival_time=clock.t - waited_s)
+    _teach_speed(s)
+    # Behind 'busy' alone: ~9 steps (~0.1 s). If 'old' has starved it runs first: ~110 steps.
+    if refused:
+        with pytest.raises(RequestRefusedError) as info:
+            s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
+        assert info.value.reason == "slo_unattainable" and "1 waiting ahead" in str(info.value)
+    else:
+        s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
+    drain(s, r)
+    assert_all_free(s)
+
+
+def test_no_estimate_before_any_step_was_timed_admits():
+    s, r, _ = make_scheduler(_runner(), max_batch=1, adaptive_batch=False)
+    _fill(s, r, 1, max_tokens=200)
+    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.01))
+    assert s.admission.estimate(s.requests["tight"], s.running, [], 1) is None
+    drain(s, r)
+    assert_all_free(s)
+
+
+def test_decode_only_timing_still_prices_the_slot_wait():
+    """Only 1-token steps seen: no prefill speed, but the mean step time prices a wait of steps."""
+    s, r, _ = make_scheduler(_runner(), max_batch=1, adaptive_batch=False)
+    _fill(s, r, 1, max_tokens=200)
+    for _ in range(10):
+        s.admission.speed.observe(1, 0.02)
+    assert s.admission.speed.fit() is None
+    with pytest.raises(RequestRefusedError) as info:
+        s.add_request("tight", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=1.0))
+    assert info.value.reason == "slo_unattainable"  # 198 steps of 20 ms
+    drain(s, r)
+    assert_all_free(s)
