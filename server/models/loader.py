@@ -6,14 +6,13 @@ q/k/v -> qkv[(Hq + 2 Hkv) * D, H]; gate/up -> gate_up[2I, H]; experts -> w13[E, 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from sloserve.errors import CheckpointError
-from sloserve.models.spec import ModelSpec, load_spec, read_json, supported
+from sloserve.models.spec import ModelSpec, load_spec, read_json
 from sloserve.models.weights import LayerWeights, ModelWeights
 
 BUILTIN_MODELS = ("default", "default-moe")
@@ -163,10 +162,3 @@ def _load_layer(spec: ModelSpec, i: int, get: Getter, cat: Callable, src: Tensor
         layer.shared_gate_w = get(moe + "shared_expert_gate.weight", 1, h)
     return layer, (w13, w2)
 
-
-def describe(folder: Path) -> dict:
-    """config.json summary for `sloserve info` without loading weights."""
-    spec = load_spec(folder)
-    return {"architecture": spec.architecture, "family": spec.family, "layers": spec.num_layers,
-            "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "supported": supported(),
-            "config": json.loads((folder / "config.json").read_text())}
