@@ -164,10 +164,8 @@ def test_server_survives_the_fuzzing(small_pool_server, tally):
     assert not internal, internal[:3]
 
 
-@pytest.mark.xfail(strict=True, reason="service: a ClientMessage that fails to parse ends the Stream with "
-                   "status OK and live requests get no terminal message (service.py _StreamSession.read "
-                   "swallows the DecodeError); should end with INVALID_ARGUMENT or a RequestError each")
 def test_corrupt_bytes_mid_stream_are_not_dropped_silently(small_pool_server):
+    """A message that cannot be parsed must not make the live requests on the stream vanish."""
     valid = pb.ClientMessage(generate=pb.GenerateRequest(request_id="live", text="hello", max_tokens=250))
     valid.generate.sampling.ignore_eos = True
     with small_pool_server.sync_channel() as channel:
@@ -183,10 +181,8 @@ def test_corrupt_bytes_mid_stream_are_not_dropped_silently(small_pool_server):
             f"the live request vanished: stream ended {call.code()} with no terminal for it")
 
 
-@pytest.mark.xfail(strict=True, reason="service: an undecodable GenerateRequest fails with UNKNOWN and an "
-                   "error-level traceback (deserialization happens before the ExceptionInterceptor); "
-                   "should be INVALID_ARGUMENT")
 def test_corrupt_generate_request_is_invalid_argument(small_pool_server):
+    """An undecodable GenerateRequest is the client's fault: INVALID_ARGUMENT, not UNKNOWN."""
     with small_pool_server.sync_channel() as channel:
         raw = channel.unary_stream("/sloserve.v1.Sloserve/Generate", request_serializer=lambda b: b,
                                    response_deserializer=pb.ServerMessage.FromString)

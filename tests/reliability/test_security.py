@@ -150,10 +150,6 @@ def test_oversized_messages_are_refused_by_the_size_limit(server, stub):
     assert stub.Info(pb.InfoRequest(), metadata=GOOD, timeout=10).stats.running == 0
 
 
-@pytest.mark.xfail(strict=True, reason="service/engine: text prompts are tokenized on the asyncio event loop "
-                   "(service._admit for --max-prompt-tokens, then again in engine.add_request), ~6 us/byte, so "
-                   "one 1 MB prompt stalls every other call for ~4 s and a 12 MB one (under the 16 MiB "
-                   "message limit) for minutes; pre-check len(text) and tokenize off the loop")
 def test_a_large_prompt_under_the_size_limit_does_not_stall_other_clients(server, stub):
     """A 1 MB prompt is refused (prompt limit) while another client's calls keep being answered."""
     worst = [0.0]
