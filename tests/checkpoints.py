@@ -91,7 +91,6 @@ def load_hf_model(folder: Path):
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy `generate` on each prompt alone: the new token ids of each."""
     import torch
-
     from transformers import GenerationConfig
 
     # NOTE: no EOS handling (and no min_new_tokens, which would mask EOS): plain argmax each step.
