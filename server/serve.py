@@ -12,11 +12,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from sloserve import handlers
 from sloserve.config import SloserveConfig
 from sloserve.interceptors import AuthInterceptor, ExceptionInterceptor
 from sloserve.logs import configure_logging
 from sloserve.metrics import Metrics
-from sloserve.pb import serving_pb2, serving_pb2_grpc
+from sloserve.pb import serving_pb2
 from sloserve.service import SloserveService
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Sloserve"].full_name  # sloserve.v1.Sloserve
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+STREAM_LINGER_S = 1.0  # after a drain, how long idle Streams stay open for late writers
 
 
 def read_tls(cert: str, key: str) -> grpc.ServerCredentials:
@@ -71,7 +73,7 @@ class SloserveServer:
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        serving_pb2_grpc.add_SloserveServicer_to_server(self.service, server)
+        handlers.add_to_server(self.service, server)  # undecodable requests -> INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -143,12 +145,21 @@ class SloserveServer:
             await asyncio.sleep(self.watchdog_interval_s)
 
     async def drain(self, grace_s: float) -> bool:
-        """Stop admitting (UNAVAILABLE), let in-flight requests finish within grace, then stop."""
+        """Stop admitting (UNAVAILABLE), let in-flight requests finish within grace, then stop.
+
+        Once idle, open Streams stay up to STREAM_LINGER_S more (within grace) so that a client
+        writing just after the signal gets UNAVAILABLE instead of a broken stream; the drain goes
+        on as soon as every client has closed its stream.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         self.service.start_draining()
         await self.health.enter_graceful_shutdown()
         log.info("draining: %d request(s) in flight, grace %.1fs", self.service.inflight, grace_s)
         finished = await self.service.wait_idle(grace_s)
-        if not finished:
+        if finished:
+            await self.service.wait_streams_closed(max(0.0, min(STREAM_LINGER_S, deadline - loop.time())))
+        else:
             log.warning("grace period over: cancelling %d request(s) still running", self.service.inflight)
         self.service.close_streams()
         await self.stop(grace_s=0.5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 import uuid
@@ -17,7 +16,6 @@ from sloserve.convert import (
     Failure,
     ParsedRequest,
     chunk_pb,
-    error_pb,
     failure_from_exception,
     failure_from_output,
     final_pb,
@@ -25,13 +23,15 @@ from sloserve.convert import (
     info_pb,
 )
 from sloserve.errors import InvalidRequestError
+from sloserve.handlers import Undecodable
 from sloserve.metrics import Metrics
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.stream_session import StreamSession
 
 log = logging.getLogger(__name__)
 
-_RECENT_IDS = 1024  # finished ids per stream whose late cancels are ignored, not errors
+MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused before tokenizing
 
 
 class SloserveService(pb_grpc.SloserveServicer):
@@ -45,7 +45,9 @@ class SloserveService(pb_grpc.SloserveServicer):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._sessions: set[_StreamSession] = set()
+        self._sessions: set[StreamSession] = set()
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start_draining(self) -> None:
@@ -57,9 +59,21 @@ class SloserveService(pb_grpc.SloserveServicer):
         return self._inflight
 
     def close_streams(self) -> None:
-        """End every open Stream with status OK (after a drain), so stopping cancels no RPC."""
+        """End every open Stream with status OK; a request still live on one gets RequestError UNAVAILABLE."""
+        failure = Failure(grpc.StatusCode.UNAVAILABLE, "shutdown", "the server shut down before this request "
+                          "finished (drain grace period over); retry it on another replica")
         for session in self._sessions:
+            for error in session.fail_live(failure):
+                session.out.put_nowait(error)
             session.out.put_nowait(None)
+
+    async def wait_streams_closed(self, timeout: float) -> bool:
+        """Wait until clients have closed every Stream; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if `timeout` passed first."""
@@ -70,20 +84,42 @@ class SloserveService(pb_grpc.SloserveServicer):
             return False
 
     # ---- admission -------------------------------------------------------------------------
-    def _admit(self, parsed: ParsedRequest, engine_id: str) -> Any:
-        """Check service-level limits, then hand the request to the engine (raises on refusal)."""
+    def _check_open(self) -> None:
+        """Refuse with UNAVAILABLE while draining or before the model is loaded."""
         if self.draining:
             raise _Unavailable("draining", "the server is shutting down; retry on another replica")
         if not self.engine.ready:
             raise _Unavailable("not_ready", "the model is still loading; retry when health says SERVING")
+
+    def _check_prompt(self, prompt: str | list[int]) -> None:
+        """Cheap limits checked before any tokenizing: characters of a text, count of token ids."""
+        if isinstance(prompt, list):
+            self._check_tokens(len(prompt))
+            return
+        max_len = int(self.engine.model_info.get("max_model_len") or 0)
+        if max_len and len(prompt) > max_len * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} characters, over this server's limit of "
+                f"{max_len * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token of the model's "
+                f"{max_len}-token context); shorten it")
+
+    def _check_tokens(self, n: int) -> None:
         limit = self.config.server.max_prompt_tokens
-        if limit is not None:
-            n = len(parsed.prompt) if isinstance(parsed.prompt, list) else len(
-                self.engine.tokenizer.encode(parsed.prompt))
-            if n > limit:
-                raise InvalidRequestError(
-                    f"prompt has {n} tokens, over this server's limit of {limit}; shorten it")
-        stream = self.engine.add_request(engine_id, parsed.prompt, parsed.params, parsed.slo)
+        if limit is not None and n > limit:
+            raise InvalidRequestError(f"prompt has {n} tokens, over this server's limit of {limit}; shorten it")
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; text is tokenized in a worker thread so the event loop keeps serving."""
+        if isinstance(prompt, list):
+            return prompt
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        self._check_tokens(len(ids))
+        return ids
+
+    def _admit(self, parsed: ParsedRequest, token_ids: list[int], engine_id: str) -> Any:
+        """Hand the tokenized request to the engine (raises on refusal); it is then in flight."""
+        self._check_open()  # again: draining may have begun while the prompt was tokenized
+        stream = self.engine.add_request(engine_id, token_ids, parsed.params, parsed.slo)
         self._inflight += 1
         self._idle.clear()
         return stream
@@ -110,25 +146,39 @@ class SloserveService(pb_grpc.SloserveServicer):
         return failure
 
     # ---- RPCs ------------------------------------------------------------------------------
-    async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage], context) -> AsyncIterator[pb.ServerMessage]:
-        session = _StreamSession(self, context)
+    async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable], context) -> AsyncIterator[pb.ServerMessage]:
+        session = StreamSession(self, context)
         self._sessions.add(session)
+        self._no_streams.clear()
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while (msg := await session.out.get()) is not None:
+                if isinstance(msg, Failure):  # the stream itself is broken: end every request, then it
+                    for error in session.fail_live(Failure(msg.code, msg.reason, "this request was ended "
+                                                           f"because its stream broke: {msg.message}")):
+                        yield error
+                    await context.abort(msg.code, msg.message)
                 yield msg
         finally:
             self._sessions.discard(session)
+            if not self._sessions:
+                self._no_streams.set()
             reader.cancel()
             session.abort_all()
 
-    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.ServerMessage]:
+    async def Generate(self, request: pb.GenerateRequest | Undecodable, context) -> AsyncIterator[pb.ServerMessage]:
+        if isinstance(request, Undecodable):
+            failure = self._failure(InvalidRequestError(request.message))
+            await context.abort(failure.code, failure.message)
         engine_id = f"g-{uuid.uuid4().hex}:{request.request_id}"
         arrival = time.monotonic()
         try:
             parsed = from_pb(request, max_tokens_limit=self.config.server.max_tokens_limit,
                              time_remaining=context.time_remaining())
-            stream = self._admit(parsed, engine_id)
+            self._check_open()
+            self._check_prompt(parsed.prompt)
+            token_ids = await self._prompt_ids(parsed.prompt)
+            stream = self._admit(parsed, token_ids, engine_id)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             failure = self._failure(exc)
             await context.abort(failure.code, failure.message)
@@ -160,7 +210,9 @@ class SloserveService(pb_grpc.SloserveServicer):
                     self.metrics.request_done("cancelled")
             self._release()
 
-    async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+    async def Info(self, request: pb.InfoRequest | Undecodable, context) -> pb.InfoResponse:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return info_pb(self.config.model.path, dict(self.engine.model_info), self.engine.stats(),
                        version=__version__, max_prompt_tokens=self.config.server.max_prompt_tokens,
                        max_tokens_limit=self.config.server.max_tokens_limit)
@@ -171,6 +223,8 @@ class SloserveService(pb_grpc.SloserveServicer):
 
 
 class _Unavailable(Exception):
+    """Refused because of the server's state (draining, loading), not the request."""
+
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
@@ -180,109 +234,3 @@ def _unavailable_failure(exc: BaseException) -> Failure | None:
     if isinstance(exc, _Unavailable):
         return Failure(grpc.StatusCode.UNAVAILABLE, exc.reason, str(exc))
     return None
-
-
-class _StreamSession:
-    """One bidirectional stream: reads commands, runs one pump task per live request.
-
-    Invariant: every accepted request id gets exactly one terminal message (Final or
-    RequestError) on `out`; `None` on `out` means the stream is done.
-    """
-
-    def __init__(self, service: SloserveService, context) -> None:
-        self.service = service
-        self.context = context
-        self.prefix = uuid.uuid4().hex
-        self.out: asyncio.Queue[pb.ServerMessage | None] = asyncio.Queue()
-        self.live: dict[str, tuple[str, asyncio.Task]] = {}  # client id -> (engine id, pump)
-        self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    async def read(self, request_iterator: AsyncIterator[pb.ClientMessage]) -> None:
-        try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("kind")
-                if kind == "generate":
-                    self.generate(msg.generate)
-                elif kind == "cancel":
-                    self.cancel(msg.cancel.request_id)
-                else:
-                    self.reject("", InvalidRequestError("empty ClientMessage: set generate or cancel"))
-            # The client half-closed: let the live requests finish, then end the stream.
-            while self.live:
-                await asyncio.gather(*(task for _, task in list(self.live.values())),
-                                     return_exceptions=True)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a broken read ends the stream, not the server
-            log.info("stream read ended: %s", exc)
-        self.out.put_nowait(None)
-
-    def generate(self, req: pb.GenerateRequest) -> None:
-        arrival = time.monotonic()
-        if req.request_id in self.live:
-            self.reject(req.request_id, InvalidRequestError(
-                f"request_id {req.request_id!r} is already live on this stream; use a new id"),
-                reason="duplicate_id")
-            return
-        engine_id = f"{self.prefix}:{req.request_id}"
-        try:
-            parsed = from_pb(req, max_tokens_limit=self.service.config.server.max_tokens_limit,
-                             time_remaining=self.context.time_remaining())
-            stream = self.service._admit(parsed, engine_id)
-        except Exception as exc:  # noqa: BLE001
-            self.reject(req.request_id, exc)
-            return
-        self.recent.pop(req.request_id, None)
-        task = asyncio.create_task(self.pump(req.request_id, stream, arrival))
-        self.live[req.request_id] = (engine_id, task)
-
-    def cancel(self, request_id: str) -> None:
-        if request_id in self.live:
-            self.service.engine.abort(self.live[request_id][0])  # its pump sends the Final
-        elif request_id not in self.recent:
-            self.reject(request_id, InvalidRequestError(
-                f"cannot cancel {request_id!r}: no live request has that id on this stream"),
-                reason="unknown_id")
-
-    def reject(self, request_id: str, exc: BaseException, reason: str | None = None) -> None:
-        failure = self.service._failure(exc)
-        if reason is not None:
-            failure.reason = reason
-        self.out.put_nowait(error_pb(request_id, failure))
-
-    async def pump(self, request_id: str, stream: AsyncIterator[Any], arrival: float) -> None:
-        terminal: pb.ServerMessage | None = None
-        try:
-            async for out in stream:
-                if out.new_token_ids or out.new_text:
-                    self.out.put_nowait(chunk_pb(request_id, out, arrival))
-                if out.finished:
-                    if out.finish_reason == "error":
-                        terminal = error_pb(request_id, self.service._output_failure(out))
-                    else:
-                        self.service._record(out)
-                        terminal = final_pb(request_id, out, arrival)
-                    break
-            else:
-                terminal = error_pb(request_id, self.service._failure(
-                    RuntimeError("the engine ended the request without a finish reason")))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            terminal = error_pb(request_id, self.service._failure(exc))
-        finally:
-            self.live.pop(request_id, None)
-            self.recent[request_id] = None
-            if len(self.recent) > _RECENT_IDS:
-                self.recent.popitem(last=False)
-            self.service._release()
-            if terminal is not None:
-                self.out.put_nowait(terminal)
-
-    def abort_all(self) -> None:
-        """The client is gone: abort every live request (frees its blocks) and stop the pumps."""
-        for engine_id, task in list(self.live.values()):
-            self.service.engine.abort(engine_id)
-            task.cancel()
-            if self.service.metrics is not None:
-                self.service.metrics.request_done("cancelled")

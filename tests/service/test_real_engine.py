@@ -13,6 +13,7 @@ from sloserve.config import CacheConfig, SchedulerConfig, ServerConfig, Sloserve
 from sloserve.engine import AsyncEngine
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.sampling_params import SamplingParams
 from sloserve.serve import SERVICE_NAME, SloserveServer
 
 from tests.engine.fakes import FakeRunner, reference_tokens
@@ -68,6 +69,23 @@ async def test_multiplexed_outputs_match_the_model(served):
         assert final.e2e_s >= final.ttft_s >= final.queue_s >= 0
     owners = [m.chunk.request_id for m in transcript.messages if m.WhichOneof("kind") == "chunk"]
     assert sum(a != b for a, b in zip(owners, owners[1:], strict=False)) > len(prompts)
+
+
+async def test_text_prompts_tokenized_by_the_service_stream_what_the_engine_makes_of_the_text(served):
+    """The service hands the engine token ids; text, tokens and prompt_tokens match the engine given text."""
+    _, engine, _, stub = served
+    text = "caf\u00e9 \u00e9t\u00e9"  # multi-byte characters: more tokens than characters
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    direct = [out async for out in engine.generate("direct", text, params)]
+    call = stub.Stream()
+    await call.write(gen("svc", text=text, max_tokens=10, sampling=pb.SamplingParams(ignore_eos=True)))
+    transcript = Transcript()
+    await read_until(call, transcript, {"svc"})
+    await call.done_writing()
+    final = transcript.terminal("svc").final
+    assert final.prompt_tokens == direct[-1].num_prompt_tokens == len(text.encode())
+    assert transcript.tokens("svc") == [t for out in direct for t in out.new_token_ids]
+    assert "".join(c.text for c in transcript.chunks("svc")) == "".join(out.new_text for out in direct)
 
 
 async def test_cancel_and_disconnect_free_every_block(served):

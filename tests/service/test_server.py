@@ -192,6 +192,31 @@ async def test_drain_past_grace_cancels_the_rest():
         await call.read()
         assert await server.drain(grace_s=0.2) is False
         await wait_for(lambda: not engine.reqs)
+        transcript = Transcript()
+        await read_until(call, transcript, {"slow"})  # not dropped silently: a RequestError, then the end
+        err = transcript.terminal("slow").error
+        assert err.code == grpc.StatusCode.UNAVAILABLE.value[0] and err.reason == "shutdown", err
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_after_the_drain_an_idle_stream_refuses_late_requests_until_its_client_closes_it():
+    engine = FakeEngine(step_s=0.002)
+    async with live_server(engine) as (server, stub, _):
+        call = stub.Stream()
+        await call.write(gen("quick", max_tokens=2))
+        transcript = Transcript()
+        await read_until(call, transcript, {"quick"})
+        server.service.start_draining()
+        assert await server.service.wait_idle(1.0)
+        closed = asyncio.create_task(server.service.wait_streams_closed(10.0))
+        await call.write(gen("late", max_tokens=2))  # the stream is still open: a clear refusal
+        await read_until(call, transcript, {"late"})
+        assert transcript.terminal("late").error.reason == "draining"
+        assert not closed.done()
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        assert await closed is True
 
 
 async def test_grpc_deadline_ends_the_call_and_frees_the_request():
