@@ -61,11 +61,20 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     pages = meta.block_tables[:, :width].reshape(-1)
     k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages)  # [S * width, page * Hkv * D]
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages)
+    # Slots past a sequence's length (its last page's tail, the null page padding the table) hold
+    # whatever the pool held, NaN included; a masked score still multiplies them (0 * NaN = NaN),
+    # so they are zeroed in the fresh gathers, not just masked.
+    beyond = meta.memo.get("reference.decode_beyond")
+    if beyond is None:  # the same for every layer of the step
+        positions = torch.arange(length, device=q.device)
+        beyond = positions[None, :] >= meta.seq_lens[:, None]  # [S, L]
+        meta.memo["reference.decode_beyond"] = beyond
+    k.view(num_seqs, length, -1).masked_fill_(beyond[:, :, None], 0.0)
+    v.view(num_seqs, length, -1).masked_fill_(beyond[:, :, None], 0.0)
     invalid = meta.memo.get("reference.decode_mask")
     if hkv > _MAX_FOLDED_KV_HEADS:
-        if invalid is None:  # the same for every layer of the step
-            positions = torch.arange(length, device=q.device)
-            invalid = (positions[None, :] >= meta.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        if invalid is None:
+            invalid = beyond[:, None, None, :]  # [S, 1, 1, L]
             meta.memo["reference.decode_mask"] = invalid
         k = k.view(num_seqs, length, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
         v = v.view(num_seqs, length, hkv, dim).transpose(1, 2)
@@ -73,9 +82,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
         scores.masked_fill_(invalid, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).reshape(num_seqs, hq, dim)
     if invalid is None:
-        positions = torch.arange(length, device=q.device)
         heads = torch.arange(hkv, device=q.device)
-        beyond = positions[None, :] >= meta.seq_lens[:, None]  # [S, L]
         other_head = heads[:, None] != heads[None, :]  # [Hkv (query's), Hkv (row's)]
         invalid = beyond[:, None, None, :, None] | other_head[None, :, None, None, :]  # [S, Hkv, 1, L, Hkv]
         meta.memo["reference.decode_mask"] = invalid
