@@ -33,7 +33,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 H200_BANDWIDTH = 4.3e12  # bytes/s, HBM3e peak
-BACKENDS = ("reference", "sdpa", "flex", "flash", "triton")
+BACKENDS = ("reference", "sdpa", "flash", "triton")
 MEMORY_KEYS = ("num_device_alloc", "num_device_free", "segment.all.allocated", "segment.all.freed",
                "num_alloc_retries", "num_ooms", "allocation.all.allocated", "reserved_bytes.all.current")
 

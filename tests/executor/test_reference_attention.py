@@ -90,4 +90,13 @@ def test_metadata_rejects_a_short_block_table():
 def test_unknown_backend_name_lists_choices():
     with pytest.raises(ValueError, match="choose one of: auto, reference"):
         get_backend("fastest", "cpu")
-    assert get_backend("auto", "cpu").name in ("reference", "sdpa", "flex")
+    assert get_backend("auto", "cpu").name in ("reference", "sdpa")
+
+
+def test_registry_lists_exactly_the_backends_the_config_accepts():
+    from sloserve.config import ModelConfig
+    from sloserve.layers.attention import _REGISTRY
+
+    for name in _REGISTRY:
+        ModelConfig(path="default", attention_backend=name)  # raises for a name config refuses
+    assert set(_REGISTRY) == {"reference", "sdpa", "flash", "triton"}

@@ -1,6 +1,6 @@
 """Attention backends behind one interface; `get_backend` picks one by name or by capability.
 
-Backend modules are imported lazily (flash-attn, Triton and FlexAttention are optional). Each
+Backend modules are imported lazily (flash-attn and Triton are optional). Each
 entry of ``_REGISTRY`` names a module under this package and a class following the
 AttentionBackend protocol (see base.py): a no-argument constructor and a static
 ``unavailable_reason(device, dtype, block_size, head_dim)``.
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "reference": ("reference", "ReferenceBackend"),
     "sdpa": ("sdpa", "SdpaBackend"),
-    "flex": ("flex", "FlexBackend"),
     "flash": ("flash", "FlashBackend"),
     "triton": ("triton_decode", "TritonDecodeBackend"),
 }
