@@ -119,10 +119,8 @@ def test_sigterm_drains_short_requests_refuses_late_ones_and_exits_zero(run):
     assert "stopped" in run.messages
 
 
-@pytest.mark.xfail(strict=True, reason="service (196a873 close_streams): after the grace period every open Stream "
-                   "is ended with status OK while requests on it are still live, so they get no terminal "
-                   "message at all; each should get a RequestError UNAVAILABLE (or the stream end UNAVAILABLE)")
 def test_sigterm_drops_nothing_silently(run):
+    """Requests still running after the grace period end with UNAVAILABLE, never with silence."""
     for client in run.clients:
         for rid, record in client.records.items():
             if record.final is None and record.error is None:
