@@ -53,7 +53,9 @@ class ModelRunner:
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.model_path = resolve_model_path(mc.path)
-        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype)
+        # NOTE: with partial expert residency the loader leaves routed experts on the host.
+        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype,
+                                             expert_slots=config.cache.expert_slots_per_layer)
         spec = self.spec
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         limit = spec.context_limit

@@ -84,16 +84,25 @@ class TensorSource:
         return tensor
 
 
-def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelSpec, ModelWeights]:
-    """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`."""
+def load_checkpoint(
+    folder: Path, device: torch.device, dtype: torch.dtype, *, expert_slots: int | None = None
+) -> tuple[ModelSpec, ModelWeights]:
+    """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`.
+
+    With `expert_slots` fewer than the checkpoint's experts (partial expert residency), the routed
+    experts stay in host memory: the ExpertStore copies them into device slots as steps need them,
+    so they never all sit on the device at once.
+    """
     spec = load_spec(folder)
     src = TensorSource(folder)
+    partial = bool(spec.moe_layers) and expert_slots is not None and expert_slots < spec.num_experts
+    expert_device = torch.device("cpu") if partial else device
 
-    def get(name: str, *shape: int) -> torch.Tensor:
-        return src.get(name, shape).to(device=device, dtype=dtype)
+    def get(name: str, *shape: int, on: torch.device = device) -> torch.Tensor:
+        return src.get(name, shape).to(device=on, dtype=dtype)
 
-    def cat(names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        return torch.cat([src.get(n, s).to(device=device, dtype=dtype) for n, s in zip(names, shapes, strict=True)])
+    def cat(names: list[str], shapes: list[tuple[int, ...]], on: torch.device = device) -> torch.Tensor:
+        return torch.cat([src.get(n, s).to(device=on, dtype=dtype) for n, s in zip(names, shapes, strict=True)])
 
     h, v = spec.hidden_size, spec.vocab_size
     embed = get("model.embed_tokens.weight", v, h)
@@ -105,7 +114,7 @@ def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype) -> t
         lm_head = get("lm_head.weight", v, h)
     layers, experts = [], {}
     for i in range(spec.num_layers):
-        layer, routed = _load_layer(spec, i, get, cat, src)
+        layer, routed = _load_layer(spec, i, get, cat, src, expert_device)
         layers.append(layer)
         if routed is not None:
             experts[i] = routed
@@ -116,7 +125,7 @@ def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype) -> t
 Getter = Callable[..., torch.Tensor]
 
 
-def _load_layer(spec: ModelSpec, i: int, get: Getter, cat: Callable, src: TensorSource):
+def _load_layer(spec: ModelSpec, i: int, get: Getter, cat: Callable, src: TensorSource, expert_device: torch.device):
     h, d = spec.hidden_size, spec.head_dim
     p = f"model.layers.{i}."
     q, kv = spec.q_size, spec.kv_size
@@ -143,18 +152,20 @@ def _load_layer(spec: ModelSpec, i: int, get: Getter, cat: Callable, src: Tensor
         moe = p + "block_sparse_moe."
         layer.router_w = get(moe + "gate.weight", e, h)
         names = [moe + f"experts.{x}.w{{}}.weight" for x in range(e)]  # w1 gate, w3 up, w2 down
-        w13 = torch.stack([cat([n.format(1), n.format(3)], [(inter, h), (inter, h)]) for n in names])
-        w2 = torch.stack([get(n.format(2), h, inter) for n in names])
+        w13 = torch.stack([cat([n.format(1), n.format(3)], [(inter, h), (inter, h)], on=expert_device)
+                           for n in names])
+        w2 = torch.stack([get(n.format(2), h, inter, on=expert_device) for n in names])
         return layer, (w13, w2)
     moe = p + "mlp."
     layer.router_w = get(moe + "gate.weight", e, h)
     if src.has(moe + "experts.gate_up_proj"):  # transformers 5's fused in-memory layout
-        w13 = get(moe + "experts.gate_up_proj", e, 2 * inter, h)
-        w2 = get(moe + "experts.down_proj", e, h, inter)
+        w13 = get(moe + "experts.gate_up_proj", e, 2 * inter, h, on=expert_device)
+        w2 = get(moe + "experts.down_proj", e, h, inter, on=expert_device)
     else:
         names = [moe + f"experts.{x}.{{}}_proj.weight" for x in range(e)]
-        w13 = torch.stack([cat([n.format("gate"), n.format("up")], [(inter, h), (inter, h)]) for n in names])
-        w2 = torch.stack([get(n.format("down"), h, inter) for n in names])
+        w13 = torch.stack([cat([n.format("gate"), n.format("up")], [(inter, h), (inter, h)], on=expert_device)
+                           for n in names])
+        w2 = torch.stack([get(n.format("down"), h, inter, on=expert_device) for n in names])
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
         layer.gate_up_w = cat([shared + "gate_proj.weight", shared + "up_proj.weight"], [(s, h), (s, h)])

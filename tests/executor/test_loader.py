@@ -152,3 +152,22 @@ def test_sliding_window_caps_the_context(llama_copy):
     _edit_config(llama_copy, architectures=["MistralForCausalLM"], sliding_window=128)
     spec = load_spec(llama_copy)
     assert spec.context_limit == 128 and spec.family == "llama"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_partial_expert_residency_keeps_experts_on_the_host(make_checkpoint, arch):
+    """Experts the store will copy in on demand never go to the device; everything else does."""
+    folder = make_checkpoint(arch)
+    meta = torch.device("meta")  # a stand-in device: whatever lands there was not kept on the host
+    _, full = load_checkpoint(folder, meta, torch.float32, expert_slots=None)
+    assert all(t.is_meta for pair in full.experts.values() for t in pair)
+    _, all_slots = load_checkpoint(folder, meta, torch.float32, expert_slots=4)  # 4 experts: all resident
+    assert all(t.is_meta for pair in all_slots.experts.values() for t in pair)
+    _, partial = load_checkpoint(folder, meta, torch.float32, expert_slots=2)
+    assert partial.experts and all(t.device.type == "cpu" for pair in partial.experts.values() for t in pair)
+    assert partial.embed.is_meta and all(layer.router_w.is_meta and layer.qkv_w.is_meta for layer in partial.layers)
+    if arch == "qwen2_moe":  # the shared expert is dense: always on the device
+        assert all(layer.gate_up_w.is_meta for layer in partial.layers)
+    _, cpu = load_checkpoint(folder, torch.device("cpu"), torch.float32)
+    for layer, (w13, w2) in partial.experts.items():
+        assert torch.equal(w13, cpu.experts[layer][0]) and torch.equal(w2, cpu.experts[layer][1])

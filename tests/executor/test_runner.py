@@ -110,7 +110,9 @@ def test_moe_runner_reports_expert_stats(tiny_mixtral, make_runner):
     assert stats["num_experts"] == 4 and stats["hits"] > 0 and stats["resident"] == "all"
 
 
-def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner):
+def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkeypatch):
+    import sloserve.executor.runner as runner_module
+    import sloserve.layers.moe as moe
     from sloserve.config import CacheConfig
     from sloserve.executor import ModelRunner
 
@@ -119,7 +121,22 @@ def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner):
     full = generate(make_runner(tiny_mixtral), [PROMPT, PROMPT[:3]], 5)
     cfg = runner_config(tiny_mixtral)
     cfg.cache = CacheConfig(block_size=4, kv_pool_bytes=2 * 2**20, expert_slots_per_layer=2)
+    loads, given = [], []
+    real_load, real_store = runner_module.load_checkpoint, moe.ExpertStore
+
+    def spy_load(*args, **kw):
+        loads.append(kw.get("expert_slots"))
+        return real_load(*args, **kw)
+
+    def spy_store(weights, **kw):
+        given.extend(t.device.type for pair in weights.values() for t in pair)
+        return real_store(weights, **kw)
+
+    monkeypatch.setattr(runner_module, "load_checkpoint", spy_load)
+    monkeypatch.setattr(moe, "ExpertStore", spy_store)
     partial = ModelRunner(cfg)
+    # The loader is told to keep experts on the host (test_loader checks it does), and the store gets host tensors.
+    assert loads == [2] and given and set(given) == {"cpu"}
     assert generate(partial, [PROMPT, PROMPT[:3]], 5) == full
     stats = partial.info()["experts"]
     assert stats["resident"] == "partial" and stats["misses"] > 0 and stats["bytes_copied"] > 0
