@@ -91,13 +91,16 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict:
         """Wait until the model is loaded (health SERVING); return Info. Fails fast if the process exits."""
+        return run(self._wait_ready(timeout_s))
+
+    async def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the {self.mode} server exited with status {self.proc.returncode}; "
                                    f"see {self.log_path or 'its log'}")
             try:
-                return run(ready_info(self.target, 5.0))
+                return await ready_info(self.target, 5.0)
             except ConnectionError:
                 if time.monotonic() > deadline:
                     raise
