@@ -21,6 +21,19 @@ _KINDS = {  # (request_streaming, response_streaming) -> (handler factory, behav
 }
 
 
+async def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """context.abort(code, message); when the call is already over (deadline passed, client gone) return quietly.
+
+    Raises grpc.aio.AbortError like abort when the status goes out; callers return right after.
+    """
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - ExecuteBatchError/UsageError: nobody is left to tell
+        log.info("status %s not sent, the call is already over: %s", code.name, exc)
+
+
 def _rebuild(handler: grpc.RpcMethodHandler, behaviour: Callable) -> grpc.RpcMethodHandler:
     """The same kind of handler with another behaviour and the original (de)serializers."""
     factory, _ = _KINDS[(handler.request_streaming, handler.response_streaming)]
@@ -55,12 +68,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         if handler.response_streaming:
             async def deny_stream(request: Any, context: grpc.aio.ServicerContext):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                await end_call(context, grpc.StatusCode.UNAUTHENTICATED, message)
+                return
                 yield  # pragma: no cover - makes this an async generator
             return _rebuild(handler, deny_stream)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await end_call(context, grpc.StatusCode.UNAUTHENTICATED, message)
         return _rebuild(handler, deny)
 
 
@@ -80,7 +94,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
         async def fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
             failure = failure_from_exception(exc)
             log.error("%s failed: %s", method, failure.message, exc_info=exc)
-            await context.abort(failure.code, failure.message)
+            await end_call(context, failure.code, failure.message)
 
         if inspect.isasyncgenfunction(inner):
             async def wrapped_stream(request: Any, context: grpc.aio.ServicerContext):

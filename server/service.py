@@ -24,6 +24,7 @@ from sloserve.convert import (
 )
 from sloserve.errors import InvalidRequestError
 from sloserve.handlers import Undecodable
+from sloserve.interceptors import end_call
 from sloserve.metrics import Metrics
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
@@ -157,7 +158,8 @@ class SloserveService(pb_grpc.SloserveServicer):
                     for error in session.fail_live(Failure(msg.code, msg.reason, "this request was ended "
                                                            f"because its stream broke: {msg.message}")):
                         yield error
-                    await context.abort(msg.code, msg.message)
+                    await end_call(context, msg.code, msg.message)
+                    return
                 yield msg
         finally:
             self._sessions.discard(session)
@@ -169,7 +171,8 @@ class SloserveService(pb_grpc.SloserveServicer):
     async def Generate(self, request: pb.GenerateRequest | Undecodable, context) -> AsyncIterator[pb.ServerMessage]:
         if isinstance(request, Undecodable):
             failure = self._failure(InvalidRequestError(request.message))
-            await context.abort(failure.code, failure.message)
+            await end_call(context, failure.code, failure.message)
+            return
         engine_id = f"g-{uuid.uuid4().hex}:{request.request_id}"
         arrival = time.monotonic()
         try:
@@ -181,7 +184,7 @@ class SloserveService(pb_grpc.SloserveServicer):
             stream = self._admit(parsed, token_ids, engine_id)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             failure = self._failure(exc)
-            await context.abort(failure.code, failure.message)
+            await end_call(context, failure.code, failure.message)
             return
         finished = False
         try:
@@ -192,7 +195,7 @@ class SloserveService(pb_grpc.SloserveServicer):
                     finished = True
                     if out.finish_reason == "error":
                         failure = self._output_failure(out)
-                        await context.abort(failure.code, failure.message)
+                        await end_call(context, failure.code, failure.message)
                         return
                     self._record(out)
                     yield final_pb(request.request_id, out, arrival)
@@ -202,7 +205,7 @@ class SloserveService(pb_grpc.SloserveServicer):
         except Exception as exc:  # noqa: BLE001
             finished = True
             failure = self._failure(exc)
-            await context.abort(failure.code, failure.message)
+            await end_call(context, failure.code, failure.message)
         finally:
             if not finished:  # client went away or deadline hit: free its blocks now
                 self.engine.abort(engine_id)
@@ -212,7 +215,8 @@ class SloserveService(pb_grpc.SloserveServicer):
 
     async def Info(self, request: pb.InfoRequest | Undecodable, context) -> pb.InfoResponse:
         if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await end_call(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return pb.InfoResponse()  # only when the call was already over
         return info_pb(self.config.model.path, dict(self.engine.model_info), self.engine.stats(),
                        version=__version__, max_prompt_tokens=self.config.server.max_prompt_tokens,
                        max_tokens_limit=self.config.server.max_tokens_limit)

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from sloserve.interceptors import end_call
 from sloserve.pb import serving_pb2 as pb
 from sloserve.serve import SERVICE_NAME
 
@@ -246,3 +247,24 @@ async def test_generate_failure_after_queueing_is_its_status(caplog):
                   if m.name == "sloserve_requests" for s in m.samples if s.name.endswith("_total")}
         assert counts == {"resource_exhausted": 1.0}
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+class _EndedContext:
+    """A servicer context whose call is already over: abort cannot send anything."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.aborts = 0
+
+    async def abort(self, code, message):
+        self.aborts += 1
+        raise self.error
+
+
+async def test_end_call_is_quiet_when_the_call_is_already_over():
+    ended = _EndedContext(RuntimeError('Failed "execute_batch"'))  # what grpc raises after a passed deadline
+    await end_call(ended, grpc.StatusCode.DEADLINE_EXCEEDED, "too late")
+    assert ended.aborts == 1
+    sent = _EndedContext(grpc.aio.AbortError())  # the status went out: the handler must stop
+    with pytest.raises(grpc.aio.AbortError):
+        await end_call(sent, grpc.StatusCode.INVALID_ARGUMENT, "bad")
