@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from sloserve.config import SchedulerConfig
 from sloserve.engine.request import Request
 from sloserve.errors import RequestRefusedError
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
-SLO_MARGIN = 0.8  # admit only when the first-token estimate fits in this share of the time left
+SLO_MARGIN = 0.75  # admit only when the first-token estimate fits in this share of the time left
 
 
 class StepCostModel:
@@ -22,9 +22,10 @@ class StepCostModel:
     by fixed per-step overhead and would make a prefill look many times slower than it is.
     """
 
-    def __init__(self, decay: float = 0.98, min_steps: int = 3) -> None:
+    def __init__(self, decay: float = 0.98, min_steps: int = 3, min_spread: float = 4.0) -> None:
         self.decay = decay
         self.min_steps = min_steps
+        self.min_spread = min_spread  # tokens: the weighted std of step sizes needed to fit a slope
         self.steps = 0
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
@@ -45,7 +46,8 @@ class StepCostModel:
             return None
         w, x, y = self._w, self._x, self._y
         var = w * self._xx - x * x
-        if var > 1e-6 * w * w:
+        # NOTE: one old odd-sized step (e.g. a cold first prefill) must not set the slope.
+        if var >= (self.min_spread * w) ** 2:
             per_token = (w * self._xy - x * y) / var
             if per_token > 0:
                 return max(0.0, (y - per_token * x) / w), per_token
@@ -75,11 +77,6 @@ class StepCostModel:
             return None
         return self._y / self._w, 0.0
 
-    @property
-    def tokens_per_s(self) -> float | None:
-        fit = self.fit()
-        return None if fit is None else 1.0 / fit[1]
-
 
 @dataclass(frozen=True, slots=True)
 class FirstTokenEstimate:
@@ -88,15 +85,41 @@ class FirstTokenEstimate:
     seconds: float
     steps: int  # engine steps until its first token
     slot_steps: int  # of which spent waiting for a free slot in the running batch
-    tokens: int  # tokens every request computes in those steps (prefill + decode)
+    tokens: int  # tokens all requests compute in those steps (an upper bound)
     ahead: int  # waiting requests that start before it
 
 
+@dataclass(slots=True)
+class Backlog:
+    """The running batch as slots, after the waiting requests ahead took theirs in order.
+
+    ``slots`` is a min-heap of the step at which each of the ``cap`` slots frees: a running
+    request holds its slot for its remaining steps (prefill chunks, then one step per output token
+    it may still produce -- max_tokens is an upper bound, so this errs late); each queued request
+    takes the slot that frees first and holds it for its own steps.
+    """
+
+    slots: list[int]
+    cap: int
+    pending: int = 0  # tokens the requests in it compute before their next token
+    prefill_steps: set[int] = field(default_factory=set)  # steps that run someone's prefill chunk
+    occupants: int = 0  # running + queued requests in it
+    queued: int = 0
+    last_deadline: float = float("-inf")  # latest deadline among the queued
+
+
 class AdmissionControl:
-    """Queue cap (always), deadline / SLO / queue-timeout checks (when enabled); counts refusals."""
+    """Queue cap (always), deadline / SLO / queue-timeout checks (when enabled); counts refusals.
+
+    The first-token estimate keeps a Backlog of the running set and the whole waiting queue
+    between steps: a request due no sooner than everyone queued (the usual case) is priced
+    against it in O(log cap) and appended; a more urgent one gets a Backlog of just the requests
+    ahead of it, O(running + waiting). The scheduler calls forget() whenever a step changes them.
+    """
 
     def __init__(self, config: SchedulerConfig, max_model_len: int | None = None) -> None:
         self.enabled = config.admission_control
+        self.fifo = config.policy == "fifo"
         self.max_waiting = config.max_waiting
         self.queue_timeout_s = config.queue_timeout_s
         self.max_wait_s = config.max_wait_s
@@ -104,23 +127,53 @@ class AdmissionControl:
         # Most prompt tokens of one request in one step (without chunking a prompt runs whole).
         self.chunk = min(config.prefill_chunk, config.max_batched_tokens) if config.chunked_prefill else 1 << 30
         self.max_model_len = max_model_len
-        self.speed = StepCostModel()
+        self.speed = StepCostModel()  # step compute time, fed by the engine loop
+        # Schedule-to-schedule time of busy steps against their number of sequences (on_step):
+        # what a queued request really waits per step -- compute plus output delivery, lock and
+        # GIL contention. Kept apart for decode-only steps and steps with a prefill chunk: a
+        # backend may run the two very differently (batched decode, but a per-sequence loop
+        # once any prompt is in), and the per-sequence cost is what a full batch pays.
+        self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
         self.refusals: Counter[str] = Counter()
+        self._backlog: Backlog | None = None
+        self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
         self.refusals[reason] += 1
         return RequestRefusedError(reason, message)
 
-    def check_new(self, req: Request, now: float, num_waiting: int, running: Sequence[Request],
-                  ahead: Sequence[Request], behind: Sequence[Request], batch_cap: int,
-                  cached_tokens: int) -> None:
+    # ---- what the scheduler reports --------------------------------------------------------
+    def on_step(self, now: float, seqs: int, prefill: bool) -> None:
+        """A step of `seqs` sequences (0: nothing ran), with a prefill chunk or not, was scheduled at `now`."""
+        if self._step is not None:
+            began, n, kind = self._step
+            self.cycles[kind].observe(n, now - began)
+        self._step = (now, seqs, prefill) if seqs > 0 else None
+        self._backlog = None
+
+    def on_idle(self) -> None:
+        """No live requests: the gap before the next step is no step time."""
+        self._step = None
+
+    def forget(self) -> None:
+        """The running set or the queue changed other than by queued(): rebuild the Backlog."""
+        self._backlog = None
+
+    def queued(self, req: Request) -> None:
+        """`req` joined the end of the waiting queue."""
+        b = self._backlog
+        if b is not None and (self.fifo or req.deadline >= b.last_deadline):
+            self._take_slot(b, req)
+        else:
+            self._backlog = None
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_new(self, req: Request, now: float, running: Sequence[Request], waiting: Iterable[Request],
+                  num_waiting: int, batch_cap: int, cached_tokens: int) -> None:
         """Raise RequestRefusedError when `req` should not even be queued.
 
-        `running` is the running set, `ahead` the waiting requests more urgent than `req` (in
-        queue order), `behind` the other waiting ones: those among them that would wait past the
-        starvation guard before `req`'s first token jump ahead of it. `batch_cap` is the most
-        requests that run at once.
+        `waiting` is the queue in arrival order, `batch_cap` the most requests that run at once.
         """
         if num_waiting >= self.max_waiting:
             raise self.refuse("queue_full", f"the waiting queue is full ({self.max_waiting} requests); "
@@ -130,76 +183,114 @@ class AdmissionControl:
         left = req.deadline - now
         if left <= 0:
             raise self.refuse("deadline_passed", f"the first-token deadline passed {-left:.3f}s ago")
-        est = self.estimate(req, running, ahead, batch_cap, cached_tokens)
-        if est is not None and behind:
-            starving = [r for r in behind if r.arrival_time + self.max_wait_s < now + est.seconds]
+        cost = self.step_costs()
+        if cost is None:
+            return
+        b = self._backlog
+        if b is None or b.cap != batch_cap:
+            b = self._backlog = self.backlog(running, waiting, batch_cap)
+        if not self.fifo and req.deadline < b.last_deadline:
+            # More urgent than some queued requests: it starts before those -- unless they wait
+            # past the starvation guard before its first token and then go first.
+            ahead = [r for r in waiting if r.deadline <= req.deadline]
+            b = self.backlog(running, ahead, batch_cap)
+            est = self._price(b, req, cached_tokens, cost, now)
+            starve_by = now + est.seconds - self.max_wait_s
+            starving = [r for r in waiting if r.deadline > req.deadline and r.arrival_time < starve_by]
             if starving:
-                est = self.estimate(req, running, starving + list(ahead), batch_cap, cached_tokens)
-        if est is not None and est.seconds > SLO_MARGIN * left:
-            wait = (f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, "
-                    if est.slot_steps else "")
+                b = self.backlog(running, starving + ahead, batch_cap)
+        est = self._price(b, req, cached_tokens, cost, now)
+        if est.seconds > SLO_MARGIN * left:
+            wait = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
             raise self.refuse(
                 "slo_unattainable",
                 f"first token expected in ~{est.seconds:.2f}s ({wait}{est.steps} steps in all, "
-                f"{len(running)} running and {est.ahead} waiting ahead, {est.tokens} tokens to compute) "
-                f"but the SLO allows {left:.2f}s; relax the SLO or retry later")
+                f"{len(running)} running and {est.ahead} waiting ahead) but the SLO allows "
+                f"{left:.2f}s; relax the SLO or retry later")
 
-    def estimate(self, req: Request, running: Sequence[Request], ahead: Sequence[Request],
-                 batch_cap: int, cached_tokens: int = 0) -> FirstTokenEstimate | None:
-        """Predict the first-token time of `req`, queued behind `ahead`; None before steps were timed.
-
-        Steps are simulated as slots of the running batch: each running request holds its slot
-        for its remaining steps (prefill chunks, then one step per output token it may still
-        produce -- max_tokens is an upper bound, so this errs late); each request ahead takes
-        the slot that frees first, in order; `req` takes the next one and needs its own prefill
-        chunks for its first token. The steps are priced with the step-cost model from the
-        tokens computed in them, and are never fewer than the token budget allows.
-        O(len(running) + len(ahead)) heap operations on at most `batch_cap` slots.
-        """
-        cost = self.speed.step_cost()
+    def estimate(self, req: Request, running: Sequence[Request], ahead: Iterable[Request],
+                 batch_cap: int, cached_tokens: int = 0, now: float | None = None) -> FirstTokenEstimate | None:
+        """First-token estimate of `req` queued behind `ahead`; None before any step was timed."""
+        cost = self.step_costs()
         if cost is None:
             return None
-        overhead, per_token = cost
+        return self._price(self.backlog(running, ahead, batch_cap), req, cached_tokens, cost, now)
+
+    def step_costs(self) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """(overhead_s, per_sequence_s) of a decode-only step and of a step with prefill; None if unknown.
+
+        Each from the step cycles of its kind when seen, else the compute times (per token, which
+        a decode step has one of per sequence), else the other kind.
+        """
+        decode, prefill = (c.step_cost() or self.speed.step_cost() for c in self.cycles)
+        if decode is None and prefill is None:
+            return None
+        return decode or prefill, prefill or decode
+
+    def backlog(self, running: Sequence[Request], ahead: Iterable[Request], batch_cap: int) -> Backlog:
+        """The slots after `running` and then `ahead` (in start order) took theirs."""
         cap = max(1, batch_cap)
-        live = [self._work(r) for r in running]
+        steps = sorted(self._work(r)[1] for r in running)
         # Slot i frees when the (len(running) - cap + 1 + i)-th running request finishes.
-        slots = ([0] * max(0, cap - len(live)) + sorted(steps for _, _, steps in live))[-cap:]
-        queued = []
+        b = Backlog(slots=([0] * max(0, cap - len(steps)) + steps)[-cap:], cap=batch_cap,
+                    pending=sum(max(1, r.num_tokens - r.num_computed_tokens) for r in running),
+                    occupants=len(steps))
+        for r in running:
+            b.prefill_steps.update(self._prefill_range(r.num_tokens - r.num_computed_tokens, 0))
         for r in ahead:
-            start = slots[0]
-            work = self._work(r)
-            heapq.heapreplace(slots, start + work[2])
-            queued.append((start, work))
-        start = slots[0]
-        pending = max(1, req.num_tokens - cached_tokens)
-        steps = start + self._prefill_steps(pending)
-        tokens = pending
-        for work in live:
-            tokens += self._tokens_within(work, steps)
-        for begin, work in queued:
-            tokens += self._tokens_within(work, steps - begin)
-        steps = max(steps, -(-tokens // self.step_tokens))
-        return FirstTokenEstimate(seconds=steps * overhead + tokens * per_token, steps=steps,
-                                  slot_steps=start, tokens=tokens, ahead=len(queued))
+            self._take_slot(b, r)
+        return b
 
-    def _prefill_steps(self, pending: int) -> int:
-        return -(-pending // self.chunk)
+    def _take_slot(self, b: Backlog, r: Request) -> None:
+        pending, steps = self._work(r)
+        b.prefill_steps.update(self._prefill_range(pending, b.slots[0]))
+        heapq.heapreplace(b.slots, b.slots[0] + steps)
+        b.pending += pending
+        b.occupants += 1
+        b.queued += 1
+        b.last_deadline = max(b.last_deadline, r.deadline)
 
-    def _work(self, r: Request) -> tuple[int, int, int]:
-        """(tokens to compute before its next token, steps for them, steps until it finishes)."""
+    def _price(self, b: Backlog, req: Request, cached_tokens: int,
+               costs: tuple[tuple[float, float], tuple[float, float]], now: float | None) -> FirstTokenEstimate:
+        """Steps until `req`'s first token after `b`, and their time.
+
+        Its first token comes with its last prefill chunk, run once a slot is free. The steps
+        compute the pending tokens of everyone and at most one token per occupant per step; they
+        are never fewer than the token budget allows (the extra ones run prefill). Each is priced
+        for the occupied slots by its kind (with a prefill chunk or not), and all wait for the
+        step in flight to end.
+        """
+        start = b.slots[0]
+        own = max(1, req.num_tokens - cached_tokens)
+        steps = start + -(-own // self.chunk)
+        busy = min(b.cap, b.occupants)
+        tokens = b.pending + own + steps * busy
+        mixed = len(b.prefill_steps) + sum(1 for t in self._prefill_range(own, start) if t not in b.prefill_steps)
+        extra = max(0, -(-tokens // self.step_tokens) - steps)
+        steps += extra
+        mixed = min(steps, mixed + extra)
+        (d_over, d_seq), (p_over, p_seq) = costs
+        seqs = min(b.cap, b.occupants + 1)
+        fit = self.speed.fit()  # prompt tokens on top of the per-sequence cost, at compute speed
+        seconds = ((steps - mixed) * (d_over + d_seq * seqs) + mixed * (p_over + p_seq * seqs)
+                   + (tokens - steps * busy) * (fit[1] if fit else 0.0))
+        if self._step is not None and now is not None:
+            began, in_flight, kind = self._step
+            over, per_seq = costs[kind]
+            seconds += max(0.0, over + in_flight * per_seq - (now - began))
+        return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
+
+    def _prefill_range(self, pending: int, start: int) -> range:
+        """The steps from `start` that run prefill chunks of `pending` tokens (none for one token)."""
+        return range(start, start + -(-pending // self.chunk)) if pending > 1 else range(0)
+
+    def _work(self, r: Request) -> tuple[int, int]:
+        """(tokens to compute before its next token, steps until it finishes)."""
         pending = max(1, r.num_tokens - r.num_computed_tokens)
         outputs = r.sampling.max_tokens - r.num_output_tokens
         if self.max_model_len is not None:
             outputs = min(outputs, self.max_model_len - r.num_tokens)
-        prefill = self._prefill_steps(pending)
-        return pending, prefill, prefill + max(1, outputs) - 1
-
-    def _tokens_within(self, work: tuple[int, int, int], steps: int) -> int:
-        """Tokens a request with `work` left computes in its next `steps` steps."""
-        pending, prefill, total = work
-        if steps <= 0:
-            return 0
-        return min(pending, steps * self.chunk) + max(0, min(total, steps) - prefill)
+        return pending, -(-pending // self.chunk) + max(1, outputs) - 1
 
     def timed_out(self, req: Request, now: float) -> bool:
         """True when a never-started request has waited longer than the queue timeout."""

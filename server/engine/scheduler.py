@@ -76,18 +76,16 @@ class Scheduler:
         now = self.clock()
         req = Request(request_id, next(self._handles), prompt_token_ids, sampling, slo,
                       arrival_time if arrival_time is not None else now, self.config.default_ttft_s)
-        ahead: list[Request] = []
-        behind: list[Request] = []
         cached = 0
         if self.admission.enabled and req.has_explicit_slo:
-            ahead, behind = self._split_waiting(req)
             cached = len(self.block_manager.find_prefix(req.all_token_ids)[0]) * self.block_size
-        self.admission.check_new(req, now, len(self.waiting), self.running, ahead, behind,
+        self.admission.check_new(req, now, self.running, self.waiting, len(self.waiting),
                                  self._batch_target(extra=1), cached)
         if self.decode is not None:
             req.detokenizer = IncrementalDetokenizer(self.decode, req.prompt_token_ids)
         self.requests[request_id] = req
         self.waiting.add(req, now)
+        self.admission.queued(req)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -134,6 +132,8 @@ class Scheduler:
                 budget -= n
         if not preempted:
             self._admit_waiting(out, budget, now)
+        prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
+        self.admission.on_step(now, len(out.sequences), prefill)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
@@ -221,6 +221,9 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(take_output(req))
         self._scheduled = []
+        self.admission.forget()
+        if not self.requests:
+            self.admission.on_idle()
         return outputs
 
     def recover_swaps(self) -> set[str]:
@@ -229,6 +232,7 @@ class Scheduler:
         Returns the ids of those that were scheduled in the step and are now back in the queue.
         """
         moved = set()
+        self.admission.forget()
         for req in self._swapped:
             if req.status.is_finished:
                 continue
@@ -319,17 +323,8 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_REFUSED)
                 self._outputs.append(take_output(req))
 
-    def _split_waiting(self, req: Request) -> tuple[list[Request], list[Request]]:
-        """The waiting requests more urgent than `req` and the others, each in queue order."""
-        if self.config.policy != "slo":
-            return list(self.waiting), []
-        ahead: list[Request] = []
-        behind: list[Request] = []
-        for r in self.waiting:
-            (ahead if r.deadline <= req.deadline else behind).append(r)
-        return ahead, behind
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.admission.forget()
         if req in self.running:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):

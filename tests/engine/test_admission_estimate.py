@@ -52,7 +52,7 @@ def test_an_empty_batch_admits_the_same_request():
     s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
     est = s.admission.estimate(s.requests["tight"], [], [], 4)
     assert est is not None and est.slot_steps == 0 and est.steps == 1 and est.tokens == 6
-    assert est.seconds == pytest.approx(OVERHEAD_S + 6 * PER_TOKEN_S)
+    assert est.seconds == pytest.approx(OVERHEAD_S + PER_TOKEN_S + 6 * PER_TOKEN_S)  # 1 sequence, 6 prompt tokens
     drain(s, r)
     assert_all_free(s)
 

@@ -113,12 +113,12 @@ def test_unattainable_slo_is_refused_once_prefill_speed_is_known():
     s.add_request("early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05))  # no estimate yet
     for _ in range(5):
         s.admission.speed.observe(1000, 1.0)  # 1000 tokens/s
-    # 'loose' waits behind 'early' only: (100 + 30) tokens at 1000 tokens/s = 0.13 s < 0.8 * 0.5 s
+    # 'loose' waits behind 'early' only: (100 + 30) tokens at 1000 tokens/s = 0.13 s < 0.75 * 0.5 s
     s.add_request("loose", [2] * 30, SamplingParams(max_tokens=1), SLO(ttft_s=0.5))
-    # a 0.15 s request is queued ahead of 'loose': 100 + 100 tokens = 0.2 s > 0.8 * 0.15 s
+    # a 0.15 s request is queued ahead of 'loose': 100 + 100 tokens = 0.2 s > 0.75 * 0.15 s
     with pytest.raises(RequestRefusedError) as info:
         s.add_request("nope", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.15))
-    s.add_request("fits", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.3))
+    s.add_request("fits", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.35))
     assert info.value.reason == "slo_unattainable" and "relax the SLO" in str(info.value)
     s.add_request("no-slo", [3] * 100, SamplingParams(max_tokens=1))  # no explicit SLO: queued
     drain(s, r)
