@@ -1,4 +1,4 @@
-"""How the runner's one device pool is divided: KV pages, expert slots, input workspaces."""
+"""How the runner's one device pool is divided: KV pages, expert slots, input and MoE workspaces."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from sloserve.config import SloserveConfig
 from sloserve.executor.inputs import workspace_bytes
+from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import CPU_DEFAULT_POOL_BYTES, default_arena_bytes, default_pool_bytes
 from sloserve.models.spec import ModelSpec
 
@@ -22,14 +23,16 @@ class MemoryPlan:
     expert_slots: int | None  # resident experts per MoE layer when partial, else None
     workspace_bytes: int
     expert_bytes: int
+    moe_workspace_rows: int  # (token, expert) pairs of one MoE layer's step workspace; 0 without MoE
+    moe_workspace_bytes: int  # that workspace plus the alignment holes its four carves may leave
     arena_bytes: int
     num_host_pages: int
 
     @property
     def pool_bytes(self) -> int:
-        """KV + expert slots + workspaces, plus two arenas of slack for boundary alignment."""
+        """KV + expert slots + input and MoE workspaces, plus two arenas of slack for boundary alignment."""
         kv = self.num_pages * self.page_bytes
-        return kv + self.expert_bytes + self.workspace_bytes + 2 * self.arena_bytes
+        return kv + self.expert_bytes + self.workspace_bytes + self.moe_workspace_bytes + 2 * self.arena_bytes
 
 
 def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
@@ -48,10 +51,17 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
         if partial else 0
     ws_bytes = workspace_bytes(max_tokens, sc.max_batch, max_blocks)
     arena = cc.arena_bytes or default_arena_bytes(device)
+    moe_rows = max_tokens * spec.top_k if spec.moe_layers else 0
+    moe_bytes = 0
+    if moe_rows:
+        moe_bytes = ExpertStore.workspace_bytes(moe_rows, spec.hidden_size, spec.moe_intermediate_size, dtype)
+        # A carve skips at most min(its size, one arena) to respect arena boundaries; four carves.
+        moe_bytes += min(moe_bytes, 4 * arena)
     kv_bytes = cc.kv_pool_bytes
     if kv_bytes is None:
         if device.type == "cuda":
-            kv_bytes = default_pool_bytes(device, cc.gpu_memory_fraction) - ws_bytes - expert_bytes - 2 * arena
+            kv_bytes = default_pool_bytes(device, cc.gpu_memory_fraction) - ws_bytes - expert_bytes - moe_bytes \
+                - 2 * arena
         else:  # enough for max_batch full-length sequences, capped
             kv_bytes = min(CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes)
     num_pages = max(kv_bytes, 0) // page_bytes
@@ -64,5 +74,6 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
     return MemoryPlan(
         max_tokens=max_tokens, max_seqs=sc.max_batch, max_blocks=max_blocks, page_bytes=page_bytes,
         num_pages=num_pages, expert_slots=slots if partial else None, workspace_bytes=ws_bytes,
-        expert_bytes=expert_bytes, arena_bytes=arena, num_host_pages=min(cc.swap_bytes // page_bytes, num_pages),
+        expert_bytes=expert_bytes, moe_workspace_rows=moe_rows, moe_workspace_bytes=moe_bytes, arena_bytes=arena,
+        num_host_pages=min(cc.swap_bytes // page_bytes, num_pages),
     )

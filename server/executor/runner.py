@@ -78,9 +78,11 @@ class ModelRunner:
         if spec.moe_layers:
             from sloserve.layers.moe import ExpertStore
 
+            # The pool backs the slots and the per-layer workspace (reused by every MoE layer of a
+            # step); all-resident experts keep the tensors the loader already put on the device.
             self.experts = ExpertStore(weights.experts, device=self.device, dtype=self.dtype,
-                                       slots_per_layer=plan.expert_slots,
-                                       pool=self.pool if plan.expert_slots else None)
+                                       slots_per_layer=plan.expert_slots, pool=self.pool,
+                                       workspace_rows=plan.moe_workspace_rows, resident_in_pool=False)
             weights.experts.clear()  # the store holds its own (resident or host) copies
         staging = None
         if self.device.type == "cuda":

@@ -51,12 +51,14 @@ class ExpertStore:
         slots_per_layer: int | None = None,
         pool: Any | None = None,
         workspace_rows: int = 0,
+        resident_in_pool: bool = True,  # False: all-resident experts keep the (device) tensors given
     ) -> None:
         items = dict(weights) if isinstance(weights, Mapping) else dict(enumerate(weights))
         if not items:
             raise ValueError("ExpertStore needs the weights of at least one MoE layer")
         self.device = torch.device(device)
         self._pool = pool
+        self._resident_in_pool = resident_in_pool
         self.layers = tuple(sorted(items))
         self._index = {layer: i for i, layer in enumerate(self.layers)}
         first_w13, first_w2 = items[self.layers[0]]
@@ -115,7 +117,7 @@ class ExpertStore:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _place(self, name: str, shape: tuple[int, ...], source: torch.Tensor) -> torch.Tensor:
-        if self._pool is None:
+        if self._pool is None or not self._resident_in_pool:
             return source.to(device=self.device, dtype=self.dtype).contiguous()
         out = self._pool.carve(name, shape, self.dtype)
         out.copy_(source)

@@ -110,6 +110,30 @@ def test_moe_runner_reports_expert_stats(tiny_mixtral, make_runner):
     assert stats["num_experts"] == 4 and stats["hits"] > 0 and stats["resident"] == "all"
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_intermediates_come_from_the_pool(make_checkpoint, make_runner, arch, monkeypatch):
+    """Every MoE layer of every step (a full prefill batch included) runs in the pool-carved workspace."""
+    runner = make_runner(make_checkpoint(arch), max_batched_tokens=32)
+    carves = runner.info()["pool"]["carves"]
+    rows = 32 * runner.spec.top_k
+    assert carves["moe_workspace.rows"]["shape"] == [rows, runner.spec.hidden_size]
+    assert carves["moe_workspace.act"]["shape"] == [rows, runner.spec.moe_intermediate_size]
+    assert not any(name.startswith("experts.") for name in carves)  # resident experts stay where loaded
+    store, reserved = runner.experts, []
+    real = store.reserve_workspace
+
+    def spy(n):
+        ws = real(n)
+        reserved.append((n, ws is not None))
+        return ws
+
+    monkeypatch.setattr(store, "reserve_workspace", spy)
+    prompt = [(7 * i) % 250 for i in range(32)]  # 32 tokens: the whole step budget
+    runner.execute(SchedulerOutput([_seq("full", prompt, 0, range(1, 9))]))
+    generate(runner, [PROMPT, PROMPT[:3]], 2)
+    assert reserved and all(ok for _, ok in reserved) and max(n for n, _ in reserved) == rows
+
+
 def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkeypatch):
     import sloserve.executor.runner as runner_module
     import sloserve.layers.moe as moe
