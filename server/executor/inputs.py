@@ -72,6 +72,16 @@ class InputBuilder:
             else:  # CPU: write straight into the pool buffer
                 self._host[name] = self._dev[name].numpy()
 
+    def _bad_token_message(self, seqs: list[ScheduledSequence], tokens: np.ndarray) -> str:
+        """Which id is out of range, in which request, and the vocabulary size."""
+        at = int(np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))[0])
+        for seq in seqs:
+            if at < len(seq.token_ids):
+                break
+            at -= len(seq.token_ids)
+        return (f"token id {int(seq.token_ids[at])} of request {seq.req_id!r} is outside the model's vocabulary "
+                f"of {self.vocab_size} tokens: token ids must be in [0, {self.vocab_size})")
+
     def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
         """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
         num_seqs = len(seqs)
@@ -91,7 +101,7 @@ class InputBuilder:
         arrays = build_arrays(query_lens, start_pos, tables, self.block_size, max_blocks=width)
         tokens = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=num_tokens)
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {int(tokens.min())}..{int(tokens.max())}")
+            raise ValueError(self._bad_token_message(seqs, tokens))
         max_len = int(arrays.seq_lens.max())
         if max_len > self.max_model_len:
             raise ValueError(f"a sequence reaches {max_len} tokens, beyond max_model_len {self.max_model_len}")

@@ -67,8 +67,11 @@ def test_swap_out_and_back_in_continues_exactly(runner):
 
 
 def test_bad_steps_are_refused_with_what_to_change(runner):
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 260\)"):
-        runner.execute(SchedulerOutput([_seq("a", [999], 0, [1])]))
+    with pytest.raises(ValueError, match=r"token id 999 of request 'b' .* vocabulary of 260 tokens.*\[0, 260\)"):
+        runner.execute(SchedulerOutput([_seq("a", [5, 6], 0, [1]), _seq("b", [1, 999, 260], 0, [2])]))
+    with pytest.raises(ValueError, match=r"token id -1 of request 'a' .* vocabulary of 260 tokens"):
+        runner.execute(SchedulerOutput([_seq("a", [3, -1], 0, [1])]))
+    assert runner.vocab_size == 260
     with pytest.raises(ValueError, match="needs 3 KV blocks"):
         runner.execute(SchedulerOutput([_seq("a", PROMPT, 0, [1, 2])]))
     with pytest.raises(ValueError, match=r"block ids must be in \[0, "):
