@@ -150,3 +150,40 @@ def test_decode_only_timing_still_prices_the_slot_wait():
     assert info.value.reason == "slo_unattainable"  # 198 steps of 20 ms
     drain(s, r)
     assert_all_free(s)
+
+
+def test_steps_with_a_prefill_chunk_are_priced_apart_from_decode_steps():
+    """A backend may run mixed steps far slower than decode-only ones: the wait prices each kind."""
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
+    _fill(s, r, 4, max_tokens=10)  # 8 more steps each
+    adm, t = s.admission, 0.0
+    for _ in range(10):  # schedule-to-schedule cycles: decode-only 40 ms, with a prefill 300 ms
+        adm.on_step(t, 4, False)
+        t += 0.04
+        adm.on_step(t, 4, True)
+        t += 0.3
+    adm.on_idle()
+    req = s.add_request("probe", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0))
+    est = adm.estimate(req, s.running, [], 4)
+    assert (est.slot_steps, est.steps) == (8, 9)
+    assert est.seconds == pytest.approx(8 * 0.04 + 0.3)  # 8 decode-only steps, then its own prefill
+    drain(s, r)
+    assert_all_free(s)
+
+
+def test_the_kept_backlog_matches_one_built_from_scratch():
+    """Same-SLO arrivals are priced against a Backlog extended in place; it must equal a fresh one."""
+    s, r, _ = make_scheduler(_runner(), max_batch=3, adaptive_batch=False)
+    _fill(s, r, 3, max_tokens=12)
+    _teach_speed(s)
+    for i in range(7):
+        s.add_request(f"q{i}", [100 + i] * (4 + 3 * i), SamplingParams(max_tokens=3 + 4 * i), SLO(ttft_s=100.0))
+    kept = s.admission._backlog
+    assert kept is not None and kept.queued == 7
+    fresh = s.admission.backlog(s.running, list(s.waiting), 3)
+    assert sorted(kept.slots) == sorted(fresh.slots)
+    assert (kept.pending, kept.occupants, kept.prefill_steps) == (fresh.pending, fresh.occupants, fresh.prefill_steps)
+    step(s, r)
+    assert s.admission._backlog is None  # a step changes the batch: rebuilt on the next admission
+    drain(s, r)
+    assert_all_free(s)
