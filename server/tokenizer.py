@@ -56,6 +56,7 @@ class Tokenizer:
 
     def __init__(self, tokenizer: _HFTokenizer, eos_token: str | None = None, bos_token: str | None = None) -> None:
         self._tok = tokenizer
+        _drop_useless_word_cache(tokenizer)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
@@ -88,6 +89,19 @@ class Tokenizer:
 
     def incremental(self, prompt_ids: list[int] | None = None) -> IncrementalDecoder:
         return IncrementalDecoder(self, prompt_ids or [])
+
+
+def _drop_useless_word_cache(tokenizer: _HFTokenizer) -> None:
+    """A BPE model without merges (byte level) gains nothing from its word cache: turn it off.
+
+    NOTE: tokenizers' BPE keeps up to 10,000 distinct short words; with grid prompts each one is
+    a new 'word', so the cache only grew RSS (~7 KB per prompt) in the 10,000-request soak.
+    Real BPE models keep their cache. `_resize_cache` is guarded: absent, nothing changes.
+    """
+    model = tokenizer.model
+    if isinstance(model, models.BPE) and hasattr(model, "_resize_cache"):
+        if not json.loads(tokenizer.to_str())["model"].get("merges"):
+            model._resize_cache(0)
 
 
 def _token_text(value: object) -> str | None:
