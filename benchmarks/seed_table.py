@@ -58,13 +58,21 @@ def calibrate(target: str, items: list, seed: int) -> dict:
     return figures
 
 
-def sweep(target: str, items: list, rates: list[float], slo: SLO, args, budget_s: float) -> list[dict]:
+def batch(pool: list, n: int, i: int) -> list:
+    """The i-th slice of n fresh requests (slice 0 calibrates): no rate point reuses the prompts,
+    and so the prefix cache, of an earlier one; both modes see the same slices."""
+    return [pool[k % len(pool)] for k in range(n * (i + 1), n * (i + 2))]
+
+
+def sweep(target: str, pool: list, rates: list[float], slo: SLO, args, budget_s: float) -> list[dict]:
     """Run rates upward until attainment falls below the target; if the first rate already
     misses, probe downward (rates / 1.6 each) until one meets it. Both stop at the budget."""
     runs: list[dict] = []
     start = time.monotonic()
+    n = args.requests_per_rate
 
     def one(i: int, rate: float) -> dict | None:
+        items = batch(pool, n, i)
         if runs and time.monotonic() - start + len(items) / rate > budget_s:
             print(f"  rate {rate:7.3f}/s  skipped: over the --budget-s of this mode")
             return None
@@ -104,9 +112,11 @@ def change(before: float | None, after: float | None, kind: str) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    spec, items = harness.arc_items(args.requests_per_rate, args.seed, args.max_prompt_chars,
-                                    args.max_tokens, args.workload)
-    print(f"workload {spec}: {len(items)} requests per rate, prompts <= {args.max_prompt_chars} chars, "
+    n = args.requests_per_rate
+    spec, pool = harness.arc_items(n * (len(GRID) + 6), args.seed, args.max_prompt_chars,
+                                   args.max_tokens, args.workload)
+    items = pool[:n]  # calibration
+    print(f"workload {spec}: {n} fresh requests per rate, prompts <= {args.max_prompt_chars} chars, "
           f"outputs <= {args.max_tokens} tokens, seed {args.seed}")
     results: dict[str, dict] = {}
     slo = rates = None
@@ -128,7 +138,7 @@ def main(argv: list[str]) -> int:
                       f"{1000 * (unloaded['tpot_s']['p90'] or 0):.1f} ms, e2e mean "
                       f"{1000 * unloaded['e2e_s']['mean']:.1f} ms (p90 {1000 * unloaded['e2e_s']['p90']:.1f}) "
                       f"-> SLO {slo_text(slo)}", flush=True)
-            runs = sweep(server.target, items, rates, slo, args, args.budget_s)
+            runs = sweep(server.target, pool, rates, slo, args, args.budget_s)
             results[mode] = {"info": info, "runs": runs, "peak_rss_bytes": server.peak_rss_bytes(),
                              "peak_device_bytes": server.peak_device_bytes()}
     naive = results["naive"]
@@ -146,7 +156,7 @@ def main(argv: list[str]) -> int:
         if not at:  # the full sweep stopped earlier: measure the common rate explicitly
             with harness.ServerProcess(mode, args.model) as server:
                 server.wait_ready()
-                result = harness.run(harness.send(server.target, items, LoadSpec(
+                result = harness.run(harness.send(server.target, batch(pool, n, len(GRID) + 4), LoadSpec(
                     rate=common, streams=args.streams, seed=args.seed, slo=slo)))
             at = [summarise(result.records, result.duration_s, slo, common)]
         p99[mode] = at[0]["e2e_s"]["p99"]
