@@ -26,7 +26,7 @@ CUDA = torch.cuda.is_available()
 def cpu_backends() -> list[tuple[str, object]]:
     """(id, backend) for every backend that runs on a CPU."""
     found: list[tuple[str, object]] = [
-        ("sdpa-loop", SdpaBackend(batched=False)),
+        ("sdpa-split", SdpaBackend(batched=False)),
         ("sdpa-batched", SdpaBackend(batched=True)),
     ]
     try:
@@ -123,11 +123,16 @@ def test_mixed_prefill_and_decode_in_one_batch(backend, ratio):
 
 
 def leak_cases() -> list:
-    """(backend, chunks) pairs: a mixed prefill/decode batch and a decode-only batch."""
+    """(backend, chunks) pairs: prefill chunks, decodes of unequal lengths beside a prefill, decodes alone."""
+    cases = (
+        ("mixed", [(0, 5), (PAGE, 3)]),
+        ("split", [(0, 5), (PAGE + 2, 1), (4, 1)]),  # the short decode's padding reads the null page
+        ("decode", [(4, 1), (PAGE + 2, 1)]),
+    )
     return [
         pytest.param(backend, chunks, id=f"{case_id}-{name}")
         for name, backend in BACKENDS
-        for case_id, chunks in (("mixed", [(0, 5), (PAGE, 3)]), ("decode", [(4, 1), (PAGE + 2, 1)]))
+        for case_id, chunks in cases
     ]
 
 

@@ -5,10 +5,11 @@ the mask top-left, which is wrong for a chunk that starts after cached context; 
 is explicit and aligned bottom-right: query j of sequence i (at position start_pos[i] + j)
 sees keys 0 .. start_pos[i] + j.
 
-Two ways to run it: one SDPA call per sequence (no padding; the default on CPU for steps with
-prefill chunks, where the maths outweighs a Python loop), or one batched call over every
-sequence padded to the longest query chunk and context (the default on GPUs, where it needs no
-host sync and one launch, and for decode-only steps everywhere, where padding is cheap).
+Two ways to run it: one batched call over every sequence padded to the longest query chunk and
+context (the default on GPUs, where it needs no host sync and one launch), or split (the default
+on CPU): every decode token (query length 1) in one batched call padded to the longest decode
+context, gathered in cache layout, then one unpadded SDPA call per prefill chunk, where the
+maths outweighs the Python loop.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class SdpaBackend:
     name = "sdpa"
 
     def __init__(self, batched: bool | None = None) -> None:
-        self.batched = batched  # None: batched on CUDA or for decode-only steps, else per sequence
+        self.batched = batched  # None: batched on CUDA, split on CPU
 
     @staticmethod
     def unavailable_reason(
@@ -62,30 +63,37 @@ class SdpaBackend:
             return torch.empty_like(q)
         if q.shape[1] % k_cache.shape[2]:
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
-        batched = (q.is_cuda or meta.decode_only) if self.batched is None else self.batched
+        batched = q.is_cuda if self.batched is None else self.batched
         if batched:
             return self._forward_batched(q, k_cache, v_cache, meta, scale)
-        return self._forward_loop(q, k_cache, v_cache, meta, scale)
+        return self._forward_split(q, k_cache, v_cache, meta, scale)
 
-    def _forward_loop(
+    def _forward_split(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         page = k_cache.shape[1]
         out = torch.empty_like(q)
         cu = meta.cu_seqlens_q_list
-        for i, seq_len in enumerate(meta.seq_lens_list):
+        split = meta.memo.get("sdpa.split")
+        if split is None:  # the same for every layer of the step
+            decodes = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
+            prefills = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1]
+            split = (prefills, _decode_inputs(decodes, meta, page, q.device) if decodes else None)
+            meta.memo["sdpa.split"] = split
+        prefills, decode_inputs = split
+        if decode_inputs is not None:
+            tokens, pages, outside = decode_inputs
+            out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, scale)
+        for i in prefills:
+            seq_len = meta.seq_lens_list[i]
             lo, hi = cu[i], cu[i + 1]
             n = hi - lo
-            if n == 0:
-                continue
             blocks = meta.block_tables[i, : -(-seq_len // page)].to(torch.long)
             k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
             v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-            mask = None
-            if n > 1:
-                keys = torch.arange(seq_len, device=q.device)
-                rows = torch.arange(n, device=q.device) + (seq_len - n)
-                mask = keys[None, :] <= rows[:, None]  # [n, L], bottom-right causal
+            keys = torch.arange(seq_len, device=q.device)
+            rows = torch.arange(n, device=q.device) + (seq_len - n)
+            mask = keys[None, :] <= rows[:, None]  # [n, L], bottom-right causal
             out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, mask, scale).transpose(0, 1)
         return out
 
@@ -121,3 +129,33 @@ class SdpaBackend:
         mask = keys[None, None, :] <= rows[:, :, None]  # [S, maxq, Lk], bottom-right causal
         out = _sdpa(q_pad.transpose(1, 2), k, v, mask[:, None], scale)  # [S, Hq, maxq, D]
         return out.transpose(1, 2)[seq_of_token, row]
+
+
+def _decode_inputs(
+    decodes: list[int], meta: AttentionMetadata, page: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat token index, page ids [Sd * nb] and past-the-end slots [Sd, Lk, 1, 1] of the decode sequences."""
+    cu = meta.cu_seqlens_q_list
+    num_blocks = -(-max(meta.seq_lens_list[i] for i in decodes) // page)
+    seqs = torch.tensor(decodes, dtype=torch.long, device=device)
+    tokens = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=device)
+    pages = meta.block_tables[seqs, :num_blocks].to(torch.long).reshape(-1)
+    keys = torch.arange(num_blocks * page, device=device)
+    outside = (keys[None, :] >= meta.seq_lens[seqs].to(torch.long)[:, None])[:, :, None, None]
+    return tokens, pages, outside
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, outside: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q[Sd, Hq, D], over its pages padded to the longest; each sees its whole context."""
+    num_seqs, length = outside.shape[:2]
+    shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(shape)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(shape)
+    # Padding slots may hold NaN (see _forward_batched): zeroed in the fresh gathers, then masked.
+    k.masked_fill_(outside, 0.0)
+    v.masked_fill_(outside, 0.0)
+    mask = ~outside.view(num_seqs, 1, 1, length)  # keys < seq_len
+    return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(2)  # [Sd, Hq, D]
