@@ -82,8 +82,8 @@ class SdpaBackend:
             meta.memo["sdpa.split"] = split
         prefills, decode_inputs = split
         if decode_inputs is not None:
-            tokens, pages, outside = decode_inputs
-            out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, scale)
+            tokens, pages, outside, outside_rows = decode_inputs
+            out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, outside_rows, scale)
         for i in prefills:
             seq_len = meta.seq_lens_list[i]
             lo, hi = cu[i], cu[i + 1]
@@ -133,29 +133,32 @@ class SdpaBackend:
 
 def _decode_inputs(
     decodes: list[int], meta: AttentionMetadata, page: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat token index, page ids [Sd * nb] and past-the-end slots [Sd, Lk, 1, 1] of the decode sequences."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat token index, page ids [Sd * nb], past-the-end slots [Sd, Lk] and their flat rows, of the decodes."""
     cu = meta.cu_seqlens_q_list
     num_blocks = -(-max(meta.seq_lens_list[i] for i in decodes) // page)
     seqs = torch.tensor(decodes, dtype=torch.long, device=device)
     tokens = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=device)
     pages = meta.block_tables[seqs, :num_blocks].to(torch.long).reshape(-1)
     keys = torch.arange(num_blocks * page, device=device)
-    outside = (keys[None, :] >= meta.seq_lens[seqs].to(torch.long)[:, None])[:, :, None, None]
-    return tokens, pages, outside
+    outside = keys[None, :] >= meta.seq_lens[seqs].to(torch.long)[:, None]  # [Sd, Lk]
+    return tokens, pages, outside, outside.reshape(-1).nonzero().squeeze(1)
 
 
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, outside: torch.Tensor,
-    scale: float,
+    outside_rows: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """One query per sequence, q[Sd, Hq, D], over its pages padded to the longest; each sees its whole context."""
-    num_seqs, length = outside.shape[:2]
-    shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(shape)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(shape)
+    num_seqs, length = outside.shape
+    rows = num_seqs * length
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(rows, -1)  # [Sd * Lk, Hkv * D]
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
     # Padding slots may hold NaN (see _forward_batched): zeroed in the fresh gathers, then masked.
-    k.masked_fill_(outside, 0.0)
-    v.masked_fill_(outside, 0.0)
+    # Only those rows are written (index_fill_), a fraction of what a full masked_fill_ touches.
+    k.index_fill_(0, outside_rows, 0.0)
+    v.index_fill_(0, outside_rows, 0.0)
+    shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
+    k, v = k.view(shape), v.view(shape)
     mask = ~outside.view(num_seqs, 1, 1, length)  # keys < seq_len
     return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(2)  # [Sd, Hq, D]
