@@ -66,6 +66,9 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
+@click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
+              help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
+                   "(see sloserve.faults) [default: off].")
 def serve(**kwargs) -> None:
     """Serve a model over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
     engine_opts = pop_engine_options(kwargs)
@@ -87,7 +90,7 @@ def serve(**kwargs) -> None:
         raise CliError("--max-prompt-tokens must be >= 1")
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
-    config = build_config(engine_opts, server)
+    config = build_config(engine_opts, server, faults=kwargs["inject_faults"])
     click.echo(f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
                f" ({'TLS' if server.tls_cert else 'plaintext'}, auth {'on' if token else 'off'})", err=True)
     if config.model.path in ("default", "default-moe"):

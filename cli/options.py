@@ -48,7 +48,7 @@ def engine_options(fn: Callable) -> Callable:
     return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
 
 
-def build_config(opts: dict[str, Any], server: ServerConfig | None = None) -> SloserveConfig:
+def build_config(opts: dict[str, Any], server: ServerConfig | None = None, faults: str = "") -> SloserveConfig:
     """SloserveConfig from the engine flags; every ValueError becomes a one-line CliError."""
     if not _DEVICE_RE.match(opts["device"]):
         raise CliError(f"--device must be auto, cpu, cuda or cuda:N, got {opts['device']!r}")
@@ -64,6 +64,7 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None) -> Sl
             scheduler=SchedulerConfig(policy=opts["policy"], max_batch=opts["max_batch"],
                                       chunked_prefill=opts["chunked_prefill"]),
             server=server or ServerConfig(),
+            faults=faults,
         )
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
@@ -71,7 +72,8 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None) -> Sl
 
 _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_model_len", "--max-model-len"),
           ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
-          ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"))
+          ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"),
+          ("fault rule", "--inject-faults"))
 
 
 def with_flag(message: str) -> str:

@@ -131,6 +131,12 @@ class SloserveConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    faults: str = ""  # fault injection for tests (sloserve.faults); empty = off
+
+    def __post_init__(self) -> None:
+        from sloserve.faults import FaultPlan  # NOTE: torch-free; validates the spec once, here
+
+        FaultPlan.parse(self.faults)
 
     @classmethod
     def naive(cls, **model_kw) -> SloserveConfig:

@@ -1,4 +1,4 @@
-"""Server interceptors: bearer-token auth on every call, and exceptions turned into statuses."""
+"""Server interceptors: bearer-token auth (health probes exempt), and exceptions turned into statuses."""
 
 from __future__ import annotations
 
@@ -45,8 +45,15 @@ def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
     return getattr(handler, _KINDS[(handler.request_streaming, handler.response_streaming)][1])
 
 
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+    """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED.
+
+    The standard health service is exempt: Kubernetes gRPC probes (and grpc_health_probe) cannot
+    send metadata, and health answers reveal nothing but SERVING / NOT_SERVING.
+    """
 
     def __init__(self, token: str) -> None:
         if not token:
@@ -58,7 +65,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
+        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if isinstance(got, str) and hmac.compare_digest(got.encode(), self._expected):

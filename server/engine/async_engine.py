@@ -25,6 +25,7 @@ from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.scheduler import Scheduler
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError, InvalidRequestError
+from sloserve.faults import FaultPlan, FaultyRunner
 from sloserve.sampling_params import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class AsyncEngine:
 
             self._runner = ModelRunner(self.config)
         runner = self._runner
+        plan = FaultPlan.parse(self.config.faults)
+        if plan:
+            log.warning("fault injection is ON (%s): for tests only", self.config.faults)
+            self._runner = runner = FaultyRunner(runner, plan)
         runner.warmup()
         self._scheduler = Scheduler(
             self.config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
@@ -232,7 +237,12 @@ class AsyncEngine:
             time.sleep(0.001)  # nothing could run (e.g. blocks held by a just-finished step)
 
     def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:
-        """Re-run each sequence alone so a failure fails only its own request."""
+        """Re-run each sequence alone so a failure fails only its own request.
+
+        When every sequence fails alone too, the runner is probed with a known-good request
+        (one token on the null block): only if that fails as well is the runner itself broken
+        and the step's exception re-raised (the loop dies); otherwise the requests were bad.
+        """
         log.warning("engine step failed (%s); retrying its %d sequences one by one", exc, len(out.sequences))
         with self._lock:
             moved = self._scheduler.recover_swaps()
@@ -250,8 +260,12 @@ class AsyncEngine:
                     errors[seq.req_id] = f"{type(one).__name__}: {one}"
             if seq.sample:
                 sampled.append(token)
-        if tried > 1 and len(errors) == tried:
-            raise exc  # every request fails on its own: the runner itself is broken
+        if tried and len(errors) == tried:
+            try:
+                self._runner.probe()
+            except Exception as probe_exc:  # noqa: BLE001 - the runner itself is broken
+                log.error("the runner fails a known-good probe too (%s): it is broken", probe_exc)
+                raise exc from probe_exc
         return sampled, errors
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -23,6 +23,7 @@ from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.queue_policy import make_queue
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.errors import InvalidRequestError
+from sloserve.faults import FaultPlan
 from sloserve.hotpath import target_batch_size
 from sloserve.sampling_params import SLO, SamplingParams
 
@@ -48,6 +49,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.admission = AdmissionControl(sc, self.max_model_len)
+        self.faults = FaultPlan.parse(config.faults) or None  # None (the default): no checks at all
         self.step_count = 0
         self._handles = itertools.count()
         self._scheduled: list[tuple[Request, int]] = []
@@ -104,6 +106,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work; call update() with the sampled tokens before scheduling again."""
         assert not self._scheduled, "update() must follow every schedule()"
+        if self.faults is not None:
+            self.faults.check("kill-loop", self.requests)
         now = self.clock()
         self.step_count += 1
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
@@ -211,6 +215,8 @@ class Scheduler:
                     req.resumed_step = None
                 if req.first_token_time is None:
                     req.first_token_time = now
+                if self.faults is not None:
+                    self.faults.check("fail-postprocess", (req.request_id,))
                 process_token(req, token, self.eos_token_ids, self.max_model_len)
                 self.generated_tokens_total += 1
                 if req.is_finished:

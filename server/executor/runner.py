@@ -12,7 +12,7 @@ from sloserve.config import SloserveConfig
 from sloserve.executor.inputs import InputBuilder
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
-from sloserve.layers.attention import get_backend
+from sloserve.layers.attention import select_backend
 from sloserve.layers.sampler import Sampler
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
@@ -63,10 +63,17 @@ class ModelRunner:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds what {spec.architecture} at "
                              f"{self.model_path} supports ({limit}); lower it")
         self.max_model_len = mc.max_model_len or limit
-        self.block_size = config.cache.block_size
+        # The backend decides the page size when the config sets none (flash-attn needs 256): choose it
+        # before the pool is planned, and let everything below (pool, inputs, scheduler) read
+        # self.block_size, never config.cache.block_size.
+        choice = select_backend(mc.attention_backend, self.device, dtype=self.dtype,
+                                block_size=config.cache.block_size, head_dim=spec.head_dim)
+        log.info("attention backend: %s (%s)", choice.name, choice.reason)
+        self.backend = choice.backend
+        self.block_size = choice.block_size
         self.eos_token_ids = list(spec.eos_token_ids) or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        plan = plan_memory(config, spec, self.max_model_len, self.device, self.dtype)
+        plan = plan_memory(config, spec, self.max_model_len, self.device, self.dtype, self.block_size)
         self.page_bytes = plan.page_bytes
         # NOTE: KV first, at offset 0; the small carves follow it, so arena alignment wastes little.
         self.pool = DevicePool(plan.pool_bytes, plan.arena_bytes, self.device)
@@ -97,14 +104,13 @@ class ModelRunner:
                                         pin_memory=self.device.type == "cuda", zero=False)
             self.host_kv = self.host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), self.dtype)
         self.num_host_blocks = host_pages
-        self.backend = get_backend(mc.attention_backend, self.device, dtype=self.dtype,
-                                   block_size=self.block_size, head_dim=spec.head_dim)
         self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
                                   self.device, self.dtype)
         self.sampler = Sampler(self.device)
         self.load_time_s = time.monotonic() - started
-        log.info("loaded %s (%s) on %s/%s: %d KV pages, backend %s, %.1fs", self.model_path, spec.architecture,
-                 self.device, self.dtype, plan.num_pages, self.backend.name, self.load_time_s)
+        log.info("loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs", self.model_path,
+                 spec.architecture, self.device, self.dtype, plan.num_pages, self.block_size, self.backend.name,
+                 self.load_time_s)
 
     @property
     def vocab_size(self) -> int:
@@ -138,6 +144,11 @@ class ModelRunner:
         self.execute(SchedulerOutput(seqs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def probe(self) -> None:
+        """One greedy decode token on the null page: raises only when the runner itself is broken."""
+        seq = ScheduledSequence("__probe__", [0], 0, [0], True, SamplingParams(max_tokens=1))
+        self.execute(SchedulerOutput([seq]))
 
     def info(self) -> dict:
         """What is loaded and how memory is laid out."""

@@ -8,7 +8,8 @@ recompute from the wrong place changes the output (and reading a never-written s
 
 from __future__ import annotations
 
-from sloserve.batch import SchedulerOutput
+from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.sampling_params import SamplingParams
 
 EOS = 3
 
@@ -53,6 +54,12 @@ class FakeRunner:
 
     def warmup(self) -> None:
         self.warmed_up = True
+
+    def probe(self) -> None:
+        """The engine's known-good check: fails only when fail_when fails every sequence."""
+        seq = ScheduledSequence("__probe__", [0], 0, [0], True, SamplingParams(max_tokens=1))
+        if self.fail_when is not None and self.fail_when(seq):
+            raise RuntimeError("injected failure for the probe")
 
     def _slot(self, table: list[int], pos: int) -> int:
         block = table[pos // self.block_size]

@@ -73,22 +73,23 @@ async def test_string_prompts_are_tokenized():
 
 
 async def test_abort_mid_generation_frees_everything_and_ends_the_stream():
-    gate = threading.Event()
+    permits = threading.Semaphore(0)  # one permit = one step: "a" cannot finish before the abort
     runner = FakeRunner(num_blocks=40, block_size=4)
     original = runner.execute
 
-    def slow(out):
-        gate.wait(5)
+    def stepped(out):
+        assert permits.acquire(timeout=30), "the test never released this step"
         return original(out)
 
-    runner.execute = slow
+    runner.execute = stepped
     engine, _ = await _engine(runner)
     stream = engine.add_request("a", [97] * 30, SamplingParams(max_tokens=500))
     other = engine.add_request("b", [98] * 10, SamplingParams(max_tokens=3))
-    gate.set()
+    permits.release()
     first = await stream.__anext__()
     assert first.new_token_ids and not first.finished
     assert engine.abort("a") and not engine.abort("a") and not engine.abort("nope")
+    permits.release(1000)  # "b" may run to the end now
     rest = [o async for o in stream]
     assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
     await _collect(other)
@@ -137,6 +138,21 @@ async def test_a_post_processing_failure_fails_only_that_request():
     assert outs[-1].finish_reason == "error" and "cannot decode" in outs[-1].error
     assert (await _collect(good))[0] == reference_tokens(runner, [98] * 5, 6)
     assert engine.alive and _all_free(engine)
+    await engine.stop()
+
+
+async def test_bad_requests_batched_alone_fail_alone_when_the_runner_passes_its_probe():
+    runner = FakeRunner(num_blocks=40, block_size=4)
+    runner.fail_when = lambda seq: seq.req_id.startswith("bad")
+    engine, _ = await _engine(runner)
+    bad = [engine.add_request(f"bad{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(2)]
+    for stream in bad:
+        _, outs = await _collect(stream)
+        assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
+    assert engine.alive and engine.dead_reason is None
+    tokens, _ = await _collect(engine.add_request("good", [99] * 5, SamplingParams(max_tokens=4)))
+    assert tokens == reference_tokens(runner, [99] * 5, 4)
+    assert _all_free(engine)
     await engine.stop()
 
 

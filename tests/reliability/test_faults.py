@@ -1,4 +1,4 @@
-"""Injected faults: a failing request fails alone (INTERNAL); a dead engine loop ends the process."""
+"""Injected faults (--inject-faults): a failing request fails alone (INTERNAL); a dead engine loop ends the process."""
 
 from __future__ import annotations
 
@@ -20,10 +20,15 @@ INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
+FAULTS = "fail-forward:poison-fwd,fail-postprocess:poison-post,kill-loop:kill-loop"
+
+
 @pytest.fixture(scope="module")
 def fault_server(tiny_llama):
-    """One server for this module; the loop-death test (last in the file) ends it."""
-    server = ServerProcess([str(tiny_llama)], module="tests.reliability.fault_server")
+    """One server for this module, faults injected by the supported switch (--inject-faults via
+    its environment variable); the loop-death test (last in the file) ends it."""
+    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256", "--kv-pool-size", str(256 * 8192),
+                               "--max-batch", "16", "--grace", "5", env={"SLOSERVE_INJECT_FAULTS": FAULTS})
     try:
         server.wait_ready()
         yield server
@@ -52,10 +57,10 @@ async def test_a_request_failing_in_processing_fails_alone_with_internal(fault_s
         assert await client.wait_terminals(120), f"no terminal for {client.pending()}"
         later = await _start_normal(StreamClient(pb_grpc.SloserveStub(channel)), 2, max_tokens=5)  # still serving
         await client.close()
-    for rid, where in (("poison-fwd-1", "forward"), ("poison-post-1", "post-processing")):
+    for rid, kind in (("poison-fwd-1", "fail-forward"), ("poison-post-1", "fail-postprocess")):
         error = client.records[rid].error
         assert error is not None and error.code == INTERNAL, client.records[rid]
-        assert f"injected {where} failure for {rid}" in error.message, error.message
+        assert f"injected {kind} fault for request" in error.message and rid in error.message, error.message
     for rid in healthy:
         record = client.records[rid]
         assert record.final is not None and record.final.completion_tokens == 120, record
@@ -66,6 +71,28 @@ async def test_a_request_failing_in_processing_fails_alone_with_internal(fault_s
     assert fault_server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     assert fault_server.proc.poll() is None
     print(f"\nfaults: {len(healthy)} healthy requests finished, 2 poisoned -> INTERNAL; {describe(stats)}")
+
+
+async def test_bad_requests_batched_alone_are_not_taken_for_a_broken_runner(fault_server):
+    """Every sequence of the step fails on its own, yet a known-good probe passes: the requests
+    are bad, the runner is fine, so only they fail and the server keeps serving."""
+    async with fault_server.aio_channel() as channel:
+        client = StreamClient(pb_grpc.SloserveStub(channel))
+        poisoned = ["poison-fwd-a", "poison-fwd-b"]
+        for rid in poisoned:
+            await client.send(generate(rid, text="a request that always fails", max_tokens=8))
+        assert await client.wait_terminals(120), f"no terminal for {client.pending()}"
+        later = await _start_normal(client, 2, max_tokens=5)
+        assert await client.wait_terminals(120), f"no terminal for {client.pending()}"
+        await client.close()
+    for rid in poisoned:
+        error = client.records[rid].error
+        assert error is not None and error.code == INTERNAL and "fail-forward" in error.message, client.records[rid]
+    for rid in later:
+        assert client.records[rid].final is not None and client.records[rid].tokens == 5, client.records[rid]
+    assert fault_server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+    assert fault_server.proc.poll() is None
+    assert any(m.startswith("fault injection is ON") for m in fault_server.messages())
 
 
 async def test_a_dead_engine_loop_turns_health_off_and_exits_non_zero(fault_server):
@@ -98,7 +125,7 @@ async def test_a_dead_engine_loop_turns_health_off_and_exits_non_zero(fault_serv
             record.final is None and record.error is None and client.status == grpc.StatusCode.UNAVAILABLE), record
     assert statuses[:1] == [health_pb2.HealthCheckResponse.SERVING]
     assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, f"liveness never turned off: {statuses}"
-    assert any(m.startswith("engine loop died: SystemError: injected engine loop failure")
+    assert any(m.startswith("engine loop died: InjectedFault: injected kill-loop fault for request")
                for m in fault_server.messages())
     print(f"\nloop death: exit code {code} after {exited_after:.2f}s; health seen {statuses}; "
           f"outcomes {[client.records[r].outcome for r in (*healthy, 'kill-loop')]}")

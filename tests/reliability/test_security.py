@@ -14,11 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
 from tests.reliability.certs import self_signed
-from tests.reliability.harness import ServerProcess
+from tests.reliability.harness import SERVICE_NAME, ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,13 +95,19 @@ def test_calls_without_the_right_token_are_unauthenticated(server, creds, stub, 
             request_id="s", text="hi", max_tokens=2))]), metadata=metadata, timeout=10)),
     }
     with server.sync_channel(creds) as channel:
-        calls["Health"] = lambda: health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        calls["Reflection"] = lambda: list(reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata, timeout=10))
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as info:
                 call()
             assert info.value.code() == UNAUTHENTICATED, (name, info.value)
             assert "bearer token" in info.value.details(), (name, info.value.details())
+        # Health is exempt, so Kubernetes gRPC probes (which send no metadata) work.
+        for service in ("", SERVICE_NAME):
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), metadata=metadata, timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
 def test_the_right_token_over_tls_works(stub):

@@ -17,7 +17,9 @@ from tests.reliability.harness import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-GRACE_S = 1.5
+GRACE_S = 3.0
+HOLD_S = 0.05  # every step with a '-hold' request in the batch takes this much longer (--inject-faults)
+LONG, SHORT = 240, 6  # a held long request needs >= LONG * HOLD_S = 12 s: it cannot finish within GRACE_S
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
@@ -53,7 +55,8 @@ def run(tiny_llama) -> ShutdownRun:
 
 
 async def _sigterm_under_load(model) -> ShutdownRun:
-    server = ServerProcess.cli(model, "--max-model-len", "256", "--grace", str(GRACE_S))
+    server = ServerProcess.cli(model, "--max-model-len", "256", "--grace", str(GRACE_S),
+                               "--inject-faults", f"slow-step:-hold={HOLD_S}")
     try:
         server.wait_ready()
         async with server.aio_channel() as channel:
@@ -62,10 +65,12 @@ async def _sigterm_under_load(model) -> ShutdownRun:
             lengths = {}
             for c, client in enumerate(clients):
                 for i in range(10):
-                    rid = f"s{c}-{i}"
-                    lengths[rid] = 6 if i % 2 else 240  # short ones finish in the grace period, long ones cannot
+                    # Short ones finish in the grace period; long ones are held past it by construction.
+                    rid = f"s{c}-{i}" if i % 2 else f"s{c}-{i}-hold"
+                    lengths[rid] = SHORT if i % 2 else LONG
                     await client.send(generate(rid, text=f"shutdown test {rid}", max_tokens=lengths[rid]))
-            unary = [asyncio.create_task(_unary(stub, f"u{i}", 6 if i % 2 else 240)) for i in range(6)]
+            unary = [asyncio.create_task(_unary(stub, f"u{i}" if i % 2 else f"u{i}-hold", SHORT if i % 2 else LONG))
+                     for i in range(6)]
             deadline = time.monotonic() + 60
             while not all(r.tokens for c in clients for r in c.records.values()):
                 assert time.monotonic() < deadline, "requests never started"
@@ -105,17 +110,21 @@ def test_sigterm_drains_short_requests_refuses_late_ones_and_exits_zero(run):
     assert run.code == 0
     late = run.late.error
     assert late is not None and late.code == UNAVAILABLE.value[0] and late.reason == "draining", run.late
-    finals = 0
     for client in run.clients:
         for rid, record in client.records.items():
             assert record.extra_terminals == 0, record
-            if record.final is not None:
+            if rid == "late":
+                continue
+            if rid.endswith("-hold"):  # held past the grace period: cancelled with UNAVAILABLE
+                assert record.final is None, record
+                assert (record.error is not None and record.error.code == UNAVAILABLE.value[0]) or (
+                    record.error is None and client.status == UNAVAILABLE), record
+            else:  # short ones finish within the grace period
+                assert record.final is not None, f"{rid} did not finish within the grace period: {record}"
                 assert record.final.finish_reason == pb.FINISH_REASON_LENGTH, record
-                assert record.tokens == run.lengths[rid] == record.final.completion_tokens, record
-                finals += 1
-    assert finals >= 15, "the short requests should finish within the grace period"
-    for outcome, tokens in run.unary:
-        assert outcome in ("final:FINISH_REASON_LENGTH", "status:UNAVAILABLE"), (outcome, tokens)
+                assert record.tokens == SHORT == record.final.completion_tokens, record
+    assert [outcome for outcome, _ in run.unary] == [
+        "status:UNAVAILABLE" if i % 2 == 0 else "final:FINISH_REASON_LENGTH" for i in range(6)], run.unary
     assert "stopped" in run.messages
 
 

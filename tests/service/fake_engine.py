@@ -3,6 +3,8 @@
 Each request holds ceil((prompt + max_tokens) / block_size) blocks from a fixed pool until it
 ends; it emits one token per `step_s` (token id = (prompt sum + i) % 200 + 32, text = chr(id)),
 so tests can check chunk interleaving, cancellation and block accounting through Info.
+It speaks the real torch-free output types (RequestOutput, EngineStats), and an exception in a
+request's task is delivered to that request's stream, never dropped (a dropped one is a hang).
 """
 
 from __future__ import annotations
@@ -13,45 +15,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
-
-
-@dataclass(slots=True)
-class FakeOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    refusal_reason: str | None = None
-
-
-@dataclass(slots=True)
-class FakeStats:
-    waiting: int = 0
-    running: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_cached: int = 0
-    swap_blocks_total: int = 0
-    swap_blocks_free: int = 0
-    prompt_tokens_total: int = 0
-    prefix_hit_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    preemptions_total: int = 0
-    refusals: dict[str, int] = field(default_factory=dict)
-    step_time_s: float = 0.0
-    tokens_per_step: float = 0.0
-    requests_finished_total: int = 0
 
 
 class ByteTokenizer:
@@ -71,7 +37,7 @@ class _Req:
     params: SamplingParams
     slo: SLO | None
     blocks: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
     task: asyncio.Task | None = None
     arrival: float = field(default_factory=time.monotonic)
 
@@ -100,7 +66,7 @@ class FakeEngine:
         # prompt text -> (refusal reason or None, error): such requests fail after they were queued
         self.late_failures: dict[str, tuple[str | None, str]] = {}
         self._free = num_blocks
-        self._stats = FakeStats(kv_blocks_total=num_blocks)
+        self._stats = EngineStats(kv_blocks_total=num_blocks)
         self.stopped = False
 
     async def start(self) -> None:
@@ -114,7 +80,7 @@ class FakeEngine:
             self.abort(rid)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    slo: SLO | None = None) -> AsyncIterator[FakeOutput]:
+                    slo: SLO | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None or self.stopped:
             raise EngineDeadError(self.dead_reason or "engine stopped")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -141,20 +107,33 @@ class FakeEngine:
         req.task = asyncio.create_task(self._run(req))
         return self._iterate(req)
 
-    async def _iterate(self, req: _Req) -> AsyncIterator[FakeOutput]:
+    async def _iterate(self, req: _Req) -> AsyncIterator[RequestOutput]:
         while True:
             out = await req.queue.get()
+            if isinstance(out, BaseException):
+                raise out
             yield out
             if out.finished:
                 return
 
     async def _run(self, req: _Req) -> None:
+        """Produce the request's outputs; an exception goes to its stream instead of vanishing."""
+        try:
+            await self._produce(req)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, who raises it
+            if self.reqs.pop(req.id, None) is not None:
+                self._free += req.blocks
+            req.queue.put_nowait(exc)
+
+    async def _produce(self, req: _Req) -> None:
         failure = self.late_failures.get(self.tokenizer.decode(req.prompt))
         if failure is not None:
             await asyncio.sleep(self.step_s)
             self.reqs.pop(req.id, None)
             self._free += req.blocks
-            req.queue.put_nowait(FakeOutput(req.id, [], "", True, "error", failure[1], len(req.prompt),
+            req.queue.put_nowait(RequestOutput(req.id, [], "", True, "error", failure[1], len(req.prompt),
                                             refusal_reason=failure[0]))
             return
         base = sum(req.prompt)
@@ -171,14 +150,14 @@ class FakeEngine:
             if i == req.params.max_tokens - 1:
                 self._finish(req, "length", i + 1, first, [tok])
                 return
-            req.queue.put_nowait(FakeOutput(req.id, [tok], chr(tok)))
+            req.queue.put_nowait(RequestOutput(req.id, [tok], chr(tok), False))
 
     def _finish(self, req: _Req, reason: str, n: int, first: float | None, last: list[int]) -> None:
         if self.reqs.pop(req.id, None) is None:
             return
         self._free += req.blocks
         self._stats.requests_finished_total += 1
-        req.queue.put_nowait(FakeOutput(
+        req.queue.put_nowait(RequestOutput(
             req.id, last, "".join(chr(t) for t in last), True, reason, None, len(req.prompt), n, 0,
             req.arrival, req.arrival, first, time.monotonic()))
 
@@ -191,8 +170,8 @@ class FakeEngine:
         self._finish(req, "cancelled", 0, None, [])
         return True
 
-    def stats(self) -> FakeStats:
+    def stats(self) -> EngineStats:
         s = self._stats
         s.running = len(self.reqs)
         s.kv_blocks_free = self._free
-        return FakeStats(**{k: getattr(s, k) for k in FakeStats.__slots__})
+        return EngineStats(**{k: getattr(s, k) for k in EngineStats.__slots__})

@@ -229,7 +229,8 @@ async def test_grpc_deadline_ends_the_call_and_frees_the_request():
                 pass
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         (slo,) = engine.slos.values()
-        assert 0 < slo.e2e_s <= 0.3  # the deadline became the request's e2e objective
+        # The deadline became the request's e2e objective (gRPC rounds the timeout on the wire up).
+        assert 0 < slo.e2e_s <= 0.3 + 0.01
         await wait_for(lambda: not engine.reqs)  # and its blocks were freed when the call ended
         assert engine.stats().kv_blocks_free == engine.num_blocks
 

@@ -192,7 +192,7 @@ async def test_grpc_deadline_becomes_the_e2e_slo():
         await read_until(call, Transcript(), {"d", "explicit"})
         await call.done_writing()
         slos = {rid.split(":", 1)[1]: slo for rid, slo in engine.slos.items()}
-        assert 0 < slos["d"].e2e_s <= 30 and slos["d"].ttft_s is None
+        assert 0 < slos["d"].e2e_s <= 30 + 0.01 and slos["d"].ttft_s is None  # gRPC rounds timeouts up
         assert (slos["explicit"].e2e_s, slos["explicit"].ttft_s) == (5.0, 1.0)
         # without a deadline and without an SLO the engine gets None
         call2 = stub.Stream()
