@@ -76,4 +76,5 @@ def take_output(req: Request) -> RequestOutput:
         first_token_time=req.first_token_time,
         finish_time=req.finish_time,
         refusal_reason=req.refusal_reason,
+        error_kind="refused" if req.refusal_reason else None,
     )

@@ -25,6 +25,10 @@ class RequestOutput:
     # Set (with finish_reason 'error') when admission control refused it after queueing, e.g.
     # 'queue_timeout'; the service maps it to RESOURCE_EXHAUSTED.
     refusal_reason: str | None = None
+    # With finish_reason 'error': 'invalid' (the request itself is wrong: INVALID_ARGUMENT),
+    # 'refused' (admission, see refusal_reason) or None (the engine failed it: INTERNAL). An engine
+    # in another process reports what add_request would have raised this way.
+    error_kind: str | None = None
 
 
 @dataclass(slots=True)
