@@ -91,7 +91,8 @@ async def replay(engine: AsyncEngine, arm: str, items: list[WorkloadItem], offse
         record = RequestRecord(f"{arm}-{i}", time.monotonic(), item.max_tokens, slo=slo)
         params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True)
         try:
-            stream = engine.add_request(record.request_id, item.prompt, params, slo)
+            ids = engine.tokenizer.encode(item.prompt) if isinstance(item.prompt, str) else item.prompt
+            stream = engine.add_request(record.request_id, ids, params, slo)
             async for out in stream:
                 if out.new_token_ids:
                     record.chunk_times.append(time.monotonic())

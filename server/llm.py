@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from dataclasses import dataclass, fields
 from typing import Any
@@ -15,7 +14,7 @@ from sloserve.config import (
     SloserveConfig,
     parse_size,
 )
-from sloserve.engine import AsyncEngine
+from sloserve.engine.core import EngineCore
 from sloserve.sampling_params import SamplingParams
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
@@ -50,25 +49,26 @@ def build_config(model: str = "default", **options: Any) -> SloserveConfig:
 
 
 class LLM:
-    """Offline generation: every prompt of a generate() call runs batched through the same engine."""
+    """Offline generation: every prompt of a generate() call runs batched through one EngineCore.
+
+    The core is stepped right here, in the caller's thread: no engine thread, no event loop.
+    """
 
     def __init__(self, model: str = "default", *, runner: Any = None, config: SloserveConfig | None = None,
                  **options: Any) -> None:
         if config is not None and options:
             raise ValueError("pass either config= or individual options, not both")
         self.config = config or build_config(model, **options)
-        self._loop = asyncio.new_event_loop()
-        self._engine = AsyncEngine(self.config, runner)
+        self._core = EngineCore(self.config, runner)
         self._ids = itertools.count()
-        self._loop.run_until_complete(self._engine.start())
 
     @property
-    def engine(self) -> AsyncEngine:
-        return self._engine
+    def engine(self) -> EngineCore:
+        return self._core
 
     @property
     def tokenizer(self) -> Any:
-        return self._engine.tokenizer
+        return self._core.tokenizer
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
@@ -83,33 +83,41 @@ class LLM:
             per_prompt = params
         else:
             per_prompt = [params or SamplingParams()] * len(prompts)
-        return self._loop.run_until_complete(self._generate_all(prompts, per_prompt))
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(ids, per_prompt)
 
-    async def _generate_all(self, prompts: list, params: list[SamplingParams]) -> list[CompletionOutput]:
-        slots = asyncio.Semaphore(self.config.scheduler.max_waiting)  # never overflow the queue cap
-
-        async def one(prompt: str | list[int], p: SamplingParams) -> CompletionOutput:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            async with slots:
-                stream = self._engine.add_request(f"llm-{next(self._ids)}", ids, p)
-                tokens: list[int] = []
-                text: list[str] = []
-                last = None
-                async for out in stream:
-                    tokens += out.new_token_ids
-                    text.append(out.new_text)
-                    last = out
-            return CompletionOutput(token_ids=tokens, text="".join(text), finish_reason=last.finish_reason,
-                                    prompt_token_ids=ids, num_cached_tokens=last.num_cached_tokens,
-                                    error=last.error)
-
-        return list(await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params, strict=True))))
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[CompletionOutput]:
+        """Feed the prompts (never more than the queue cap at once) and step until all finish."""
+        core, cap = self._core, self.config.scheduler.max_waiting
+        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        results = [CompletionOutput([], "", None, ids) for ids in prompts]
+        texts: list[list[str]] = [[] for _ in prompts]
+        pending = iter(range(len(prompts)))
+        live = 0
+        while True:
+            while live < cap and (i := next(pending, None)) is not None:
+                core.add(request_ids[i], prompts[i], params[i])
+                live += 1
+            if not live:
+                break
+            for out in core.step():
+                i = index[out.request_id]
+                results[i].token_ids += out.new_token_ids
+                texts[i].append(out.new_text)
+                if out.finished:
+                    live -= 1
+                    result = results[i]
+                    result.finish_reason, result.error = out.finish_reason, out.error
+                    result.num_cached_tokens = out.num_cached_tokens
+        for result, text in zip(results, texts, strict=True):
+            result.text = "".join(text)
+        return results
 
     def close(self) -> None:
-        """Stop the engine thread and release the event loop."""
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self._engine.stop())
-            self._loop.close()
+        """Abort anything left (there is no thread or loop to stop)."""
+        for request_id in list(self._core.scheduler.requests):
+            self._core.abort(request_id)
 
     def __enter__(self) -> LLM:
         return self

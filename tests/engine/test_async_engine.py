@@ -65,13 +65,6 @@ async def test_concurrent_streams_match_solo_runs_and_blocks_come_back():
     await engine.stop()
 
 
-async def test_string_prompts_are_tokenized():
-    engine, runner = await _engine()
-    tokens, _ = await _collect(engine.add_request("s", "hello", SamplingParams(max_tokens=4)))
-    assert tokens == reference_tokens(runner, list(b"hello"), 4)
-    await engine.stop()
-
-
 async def test_abort_mid_generation_frees_everything_and_ends_the_stream():
     permits = threading.Semaphore(0)  # one permit = one step: "a" cannot finish before the abort
     runner = FakeRunner(num_blocks=40, block_size=4)
@@ -103,7 +96,7 @@ async def test_leaving_generate_early_aborts_the_request():
     async for _ in agen:
         break
     await agen.aclose()
-    assert "g" not in engine._scheduler.requests
+    assert "g" not in engine.scheduler.requests
     assert _all_free(engine)
     await engine.stop()
 
@@ -133,7 +126,7 @@ async def test_a_post_processing_failure_fails_only_that_request():
             raise UnicodeError("cannot decode")
 
     with engine._lock:
-        engine._scheduler.requests["bad"].detokenizer = Broken()
+        engine.scheduler.requests["bad"].detokenizer = Broken()
     _, outs = await _collect(bad)
     assert outs[-1].finish_reason == "error" and "cannot decode" in outs[-1].error
     assert (await _collect(good))[0] == reference_tokens(runner, [98] * 5, 6)
@@ -213,9 +206,9 @@ async def test_bad_input_and_lifecycle_errors():
         engine.add_request("x", [1], SamplingParams())
     await engine.start()
     with pytest.raises(InvalidRequestError, match="empty"):
-        engine.add_request("x", "", SamplingParams())
-    with pytest.raises(InvalidRequestError, match="characters"):
-        engine.add_request("x", "9" * (16 * 512 + 1), SamplingParams())  # not even tokenized
+        engine.add_request("x", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="token ids"):  # the front end tokenizes, never the engine
+        engine.add_request("x", "hello", SamplingParams())
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("x", [1, "a"], SamplingParams())
     with pytest.raises(InvalidRequestError, match="SamplingParams"):

@@ -1,0 +1,154 @@
+"""EngineCore: the synchronous engine -- add, abort, step() -> outputs, stats.
+
+It owns the scheduler (with admission and the block manager) and the model runner, and knows
+nothing of threads, event loops, processes or transports: the offline `LLM` calls it directly,
+`AsyncEngine` drives it from a thread, and the engine process drives it from its own loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from sloserve.batch import SchedulerOutput
+from sloserve.config import SloserveConfig
+from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.scheduler import Scheduler
+from sloserve.errors import InvalidRequestError
+from sloserve.faults import FaultPlan, FaultyRunner
+from sloserve.sampling_params import SLO, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One scheduler and one runner; every call comes from one thread at a time (callers serialise)."""
+
+    def __init__(self, config: SloserveConfig, runner: Any = None, *,
+                 lock: contextlib.AbstractContextManager | None = None) -> None:
+        """Load (unless `runner` is given) and warm up. `lock` guards the scheduler where execute()
+        touches it, for a caller that runs add/abort concurrently with execute (AsyncEngine)."""
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        if runner is None:
+            from sloserve.executor import ModelRunner  # NOTE: lazy, so the engine imports no torch
+
+            runner = ModelRunner(config)
+        plan = FaultPlan.parse(config.faults)
+        if plan:
+            log.warning("fault injection is ON (%s): for tests only", config.faults)
+            runner = FaultyRunner(runner, plan)
+        runner.warmup()
+        self.config = config
+        self.runner = runner
+        self.scheduler = Scheduler(
+            config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
+            max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
+            eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
+        self._steps: deque[tuple[float, int]] = deque(maxlen=64)  # (seconds, tokens) of recent steps
+
+    # ---- requests ----------------------------------------------------------------------
+    def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
+            slo: SLO | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; raises InvalidRequestError / RequestRefusedError now."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(token_ids, list | tuple) or not all(isinstance(t, int) for t in token_ids):
+            raise InvalidRequestError("the prompt must be a list of integer token ids")
+        vocab = getattr(self.runner, "vocab_size", None)
+        bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.scheduler.add_request(request_id, list(token_ids), params, slo, arrival_time)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a live request as 'cancelled' and free its blocks now; None if it is not live."""
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the batch, apply the results: the outputs of every request that moved."""
+        out = self.schedule()
+        sampled, errors, seconds = self.execute(out)
+        return self.update(out, sampled, errors, seconds)
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, str] | None, float]:
+        """Run the step on the runner: (sampled tokens, per-request errors, seconds taken)."""
+        start = time.monotonic()
+        if out.is_empty and not out.finished_req_ids:
+            return [], None, 0.0
+        try:
+            sampled, errors = list(self.runner.execute(out)), None
+        except Exception as exc:  # noqa: BLE001 - find whose request it was
+            sampled, errors = self._isolate(out, exc)
+        return sampled, errors, time.monotonic() - start
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None], errors: dict[str, str] | None,
+               seconds: float) -> list[RequestOutput]:
+        outputs = self.scheduler.update(out, sampled, errors)
+        if out.sequences:
+            self.scheduler.admission.speed.observe(out.num_tokens, seconds)
+            self._steps.append((seconds, out.num_tokens))
+        return outputs
+
+    def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:
+        """Re-run each sequence alone so a failure fails only its own request.
+
+        When every sequence fails alone too, the runner is probed with a known-good request
+        (one token on the null block): only if that fails as well is the runner itself broken
+        and the step's exception re-raised (the engine dies); otherwise the requests were bad.
+        """
+        log.warning("engine step failed (%s); retrying its %d sequences one by one", exc, len(out.sequences))
+        with self._lock:
+            moved = self.scheduler.recover_swaps()
+        sampled: list[int | None] = []
+        errors: dict[str, str] = {}
+        tried = 0
+        for seq in out.sequences:
+            token: int | None = None
+            if seq.req_id not in moved:
+                tried += 1
+                try:
+                    result = self.runner.execute(SchedulerOutput(sequences=[seq]))
+                    token = result[0] if seq.sample else None
+                except Exception as one:  # noqa: BLE001
+                    errors[seq.req_id] = f"{type(one).__name__}: {one}"
+            if seq.sample:
+                sampled.append(token)
+        if tried and len(errors) == tried:
+            try:
+                self.runner.probe()
+            except Exception as probe_exc:  # noqa: BLE001 - the runner itself is broken
+                log.error("the runner fails a known-good probe too (%s): it is broken", probe_exc)
+                raise exc from probe_exc
+        return sampled, errors
+
+    # ---- inspection --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        stats = self.scheduler.stats()
+        steps = list(self._steps)
+        if steps:
+            stats.step_time_s = sum(s for s, _ in steps) / len(steps)
+            stats.tokens_per_step = sum(n for _, n in steps) / len(steps)
+        return stats
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.runner.tokenizer
+
+    @property
+    def model_info(self) -> dict:
+        info = dict(self.runner.info())
+        info.setdefault("model", self.config.model.path)
+        info["max_model_len"] = self.scheduler.max_model_len
+        info["block_size"] = self.runner.block_size
+        info.setdefault("vocab_size", getattr(self.runner, "vocab_size", None))
+        return info

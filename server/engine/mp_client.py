@@ -1,0 +1,260 @@
+"""MPEngineClient: the EngineClient of `sloserve serve` -- EngineCore in a process of its own.
+
+The front end's event loop never waits on a step: requests and aborts go out as one `Inputs`
+message per event-loop turn, and one `StepOutputs` message per step comes back with every
+request's new tokens and the engine's stats. Lifecycle: the client watches the process's
+sentinel, so an engine that dies (crash, OOM kill, kill -9) is noticed at once: every live
+request ends with EngineDeadError giving the reason and `alive` turns False (the server then
+reports NOT_SERVING and exits non-zero for its supervisor to restart it). The engine process
+never outlives this one (see `engine.process`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from sloserve.config import SloserveConfig
+from sloserve.engine import wire
+from sloserve.engine.outputs import EngineStats
+from sloserve.engine.process import run_engine
+from sloserve.engine.stream import RequestStream
+from sloserve.errors import EngineDeadError, InvalidRequestError
+from sloserve.sampling_params import SLO, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class MPEngineClient:
+    """Talks to one engine process; every method is called on the front end's event loop."""
+
+    def __init__(self, config: SloserveConfig, *, stuck_after_s: float = 120.0) -> None:
+        self.config = config
+        self.stuck_after_s = stuck_after_s
+        self.ready = False
+        self.pid: int | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._dir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._actx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending = wire.Inputs(adds=[], aborts=[])
+        self._flush_scheduled = False
+        self._info: dict = {}
+        self._stats = EngineStats()
+        self._tokenizer: Any = None
+        self._dead_reason: str | None = None
+        self._exited = asyncio.Event()
+        self._final = asyncio.Event()
+        self._stopping = False
+        self._last_message = time.monotonic()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine process and wait until its model is loaded and warmed up."""
+        if self._proc is not None:
+            raise RuntimeError("the engine is already started")
+        self._dir = tempfile.mkdtemp(prefix="sloserve-engine-")
+        inputs_addr, outputs_addr = f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs"
+        self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(inputs_addr)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(outputs_addr)
+        # NOTE: started from the event-loop thread: PR_SET_PDEATHSIG fires when the *thread* that
+        # started the child exits, so a worker thread here would kill the engine with it.
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine, name="sloserve-engine", daemon=True,
+            args=(self.config, inputs_addr, outputs_addr, os.getpid(), logging.getLogger().level))
+        self._proc.start()
+        self.pid = self._proc.pid
+        asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_exit)
+        log.info("engine process started (pid %d)", self.pid)
+        first = await self._first_message()
+        if isinstance(first, wire.StartFailed):
+            await self._reap(5.0)
+            raise (ValueError if first.user_error else RuntimeError)(first.message)
+        assert isinstance(first, wire.Ready), first
+        self._info, self._stats = first.model_info, first.stats
+        from sloserve.tokenizer import Tokenizer
+
+        self._tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, first.model_info["model"])
+        self._receiver = asyncio.create_task(self._receive(), name="sloserve-engine-outputs")
+        self.ready = True
+
+    async def _first_message(self) -> wire.Ready | wire.StartFailed:
+        recv = asyncio.ensure_future(self._pull.recv())
+        exited = asyncio.ensure_future(self._exited.wait())
+        await asyncio.wait({recv, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if recv.done():
+            msg = wire.decode_from_engine(recv.result())
+            if isinstance(msg, wire.Ready | wire.StartFailed):
+                return msg
+            raise RuntimeError(f"the engine process sent {type(msg).__name__} before it was ready")
+        recv.cancel()
+        raise RuntimeError(f"the engine process exited while starting ({self._exit_description()})")
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut the engine down: live requests end 'cancelled', the process exits (killed if it hangs)."""
+        self._stopping = True
+        self.ready = False
+        if self._proc is not None and self._proc.is_alive() and self._push is not None:
+            self._flush()
+            self._push.send(wire.encode(wire.Inputs(shutdown=True)))
+            try:
+                await asyncio.wait_for(self._final.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("the engine did not shut down within %.0fs; killing it", timeout_s)
+        await self._reap(5.0)
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._fail_all(EngineDeadError("the engine was stopped"))
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        self._push = self._pull = None
+        self._ctx = self._actx = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _reap(self, timeout_s: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        await asyncio.to_thread(proc.join, timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            await asyncio.to_thread(proc.join, timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """The process runs, its loop has not died, and it has not been silent past stuck_after_s
+        while requests are live (a stuck step)."""
+        if self._dead_reason is not None or self._proc is None or not self._proc.is_alive():
+            return False
+        return not self._streams or time.monotonic() - self._last_message < self.stuck_after_s
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model_info(self) -> dict:
+        return dict(self._info)
+
+    @property
+    def scheduler(self) -> None:
+        """Not inspectable across the process boundary (use stats())."""
+        return None
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    slo: SLO | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Send a request; refusals come back on the stream as a final 'error' output (error_kind)."""
+        self._check_running()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._pending.adds.append(wire.AddRequest(request_id, list(token_ids), params, slo, arrival))
+        self._schedule_flush()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine to cancel a live request (its stream then ends with 'cancelled')."""
+        if request_id not in self._streams or self._dead_reason is not None:
+            return False
+        self._pending.aborts.append(request_id)
+        self._schedule_flush()
+        return True
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its latest message (sent after every step, and when idle)."""
+        return self._stats
+
+    def _check_running(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead_reason}")
+        if not self.ready or self._stopping:
+            raise EngineDeadError("the engine is not running (await engine.start() first)")
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send what this event-loop turn gathered as one message."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, wire.Inputs(adds=[], aborts=[])
+        if (pending.adds or pending.aborts) and self._push is not None and self._dead_reason is None:
+            self._push.send(wire.encode(pending), zmq.NOBLOCK)
+
+    # ---- outputs and death -------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            msg = wire.decode_from_engine(await self._pull.recv())
+            self._last_message = time.monotonic()
+            if isinstance(msg, wire.StepOutputs):
+                self._stats = msg.stats
+                for out in msg.outputs:
+                    stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                if msg.final:
+                    self._final.set()
+            elif isinstance(msg, wire.Died):
+                self._die(msg.reason)
+
+    def _on_exit(self) -> None:
+        """The process sentinel is readable: the engine process has ended."""
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._exited.set()
+        if not self._stopping and self.ready:
+            # Give a 'died' message already on its way a moment to arrive: it carries the reason.
+            asyncio.get_running_loop().call_later(0.05, self._die, None)
+
+    def _die(self, reason: str | None) -> None:
+        if self._dead_reason is None:
+            self._dead_reason = reason or f"the engine process exited unexpectedly ({self._exit_description()})"
+            log.error("engine process failed: %s", self._dead_reason)
+        self._fail_all(EngineDeadError(f"the engine loop died: {self._dead_reason}"))
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(exc)
+
+    def _exit_description(self) -> str:
+        code = self._proc.exitcode if self._proc is not None else None
+        if code is None:
+            return "exit status unknown"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"

@@ -1,0 +1,157 @@
+"""The engine process: EngineCore in a loop of its own, fed and drained over ZeroMQ.
+
+Busy loop while work exists (take whatever inputs arrived, step, send the step's outputs),
+blocking on the input socket when idle. It never outlives its parent: the kernel kills it when
+the parent dies (PR_SET_PDEATHSIG, Linux), and it also exits when it sees itself re-parented.
+SIGINT and SIGTERM are ignored here: the front end owns shutdown and drains across the boundary
+by sending `Inputs(shutdown=True)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+from sloserve.config import SloserveConfig
+from sloserve.engine import wire
+from sloserve.engine.core import EngineCore
+from sloserve.engine.outputs import RequestOutput
+from sloserve.errors import InvalidRequestError, RequestRefusedError
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200  # while idle: how often the loop wakes to check that its parent lives
+STATS_EVERY_S = 0.05  # while busy with steps that produce no output, stats go out at most this often
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the parent (thread) that started it exits."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the re-parenting check in the loop still ends the process
+        pass
+
+
+def run_engine(config: SloserveConfig, inputs_addr: str, outputs_addr: str, parent_pid: int,
+               log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process (multiprocessing target); returns when told to shut down."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from sloserve.logs import configure_logging
+
+    configure_logging(config.server.log_format, level=log_level)
+    if os.getppid() != parent_pid:
+        sys.exit(0)  # the parent died while this process was starting
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(inputs_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.setsockopt(zmq.LINGER, 5000)
+    push.connect(outputs_addr)
+    try:
+        try:
+            core = EngineCore(config)
+        except Exception as exc:  # noqa: BLE001 - reported to the front end, which decides
+            push.send(wire.encode(wire.StartFailed(f"{exc}", isinstance(exc, ValueError))))
+            if not isinstance(exc, ValueError):
+                log.error("engine failed to start: %s", exc, exc_info=exc)
+            return
+        push.send(wire.encode(wire.Ready(core.model_info, core.stats())))
+        try:
+            EngineLoop(core, pull, push, parent_pid).run()
+        except BaseException as exc:  # noqa: BLE001 - the loop's own death: tell the front end why
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("engine step loop failed: %s", reason, exc_info=exc)
+            push.send(wire.encode(wire.Died(reason)))
+            raise SystemExit(1) from None
+    finally:
+        push.close()
+        pull.close(linger=0)
+        ctx.term()
+
+
+class EngineLoop:
+    """The process's loop over one EngineCore (one thread; no lock needed)."""
+
+    def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.pull = pull
+        self.push = push
+        self.parent_pid = parent_pid
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = self.core.has_work()
+            if self.pull.poll(0 if busy else IDLE_POLL_MS):
+                outputs, shutdown = self._take_inputs()
+                if shutdown:
+                    self._shutdown(outputs)
+                    return
+                if outputs or not self.core.has_work():
+                    self._send(outputs)  # refusals and aborts go out before the next step
+            elif not busy and os.getppid() != self.parent_pid:
+                log.error("the front-end process is gone: engine exiting")
+                return
+            if self.core.has_work():
+                outputs = self.core.step()
+                now = time.monotonic()
+                if outputs or now - self._last_stats > STATS_EVERY_S or not self.core.has_work():
+                    self._send(outputs)
+
+    def _take_inputs(self) -> tuple[list[RequestOutput], bool]:
+        """Apply every Inputs message waiting on the socket; outputs of refusals and aborts."""
+        outputs: list[RequestOutput] = []
+        shutdown = False
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return outputs, shutdown
+            msg = wire.decode_inputs(data)
+            for add in msg.adds:
+                refused = self._add(add)
+                if refused is not None:
+                    outputs.append(refused)
+            for request_id in msg.aborts:
+                out = self.core.abort(request_id)
+                if out is not None:
+                    outputs.append(out)
+            shutdown = shutdown or msg.shutdown
+
+    def _add(self, add: wire.AddRequest) -> RequestOutput | None:
+        """Queue one request; what add() would raise in-process comes back as a final error output."""
+        try:
+            self.core.add(add.request_id, add.token_ids, add.params, add.slo, add.arrival_time)
+            return None
+        except RequestRefusedError as exc:
+            return _error_output(add, str(exc), "refused", exc.reason)
+        except InvalidRequestError as exc:
+            return _error_output(add, str(exc), "invalid", None)
+
+    def _send(self, outputs: list[RequestOutput], final: bool = False) -> None:
+        self._last_stats = time.monotonic()
+        self.push.send(wire.encode(wire.StepOutputs(outputs, self.core.stats(), final)))
+
+    def _shutdown(self, outputs: list[RequestOutput]) -> None:
+        for request_id in list(self.core.scheduler.requests):
+            out = self.core.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        self._send(outputs, final=True)
+
+
+def _error_output(add: wire.AddRequest, message: str, kind: str, refusal: str | None) -> RequestOutput:
+    now = time.monotonic()
+    return RequestOutput(add.request_id, [], "", True, "error", message, len(add.token_ids),
+                         arrival_time=add.arrival_time, finish_time=now, refusal_reason=refusal, error_kind=kind)

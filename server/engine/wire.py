@@ -1,0 +1,74 @@
+"""The messages between a front end and an engine process: plain data, msgpack-framed by msgspec.
+
+No torch object crosses. Inputs are batched per event-loop turn, outputs per engine step: one
+`StepOutputs` carries every request's new tokens of that step (never one message per token).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.sampling_params import SLO, SamplingParams
+
+
+class AddRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    slo: SLO | None
+    arrival_time: float  # time.monotonic() of the front end: CLOCK_MONOTONIC is shared across processes
+
+
+class Inputs(msgspec.Struct, tag="inputs", array_like=True):
+    """Front end -> engine: new requests and aborts gathered in one event-loop turn."""
+
+    adds: list[AddRequest] = []
+    aborts: list[str] = []
+    shutdown: bool = False  # abort what is left, send the final outputs, then exit
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """Engine -> front end: the model is loaded and warmed up."""
+
+    model_info: dict
+    stats: EngineStats
+
+
+class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
+    """Engine -> front end: the model could not be loaded (user_error: a ValueError, e.g. a bad checkpoint)."""
+
+    message: str
+    user_error: bool
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Engine -> front end: one step's outputs (possibly none) and the stats after it."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    final: bool = False  # the engine is shutting down; nothing follows
+
+
+class Died(msgspec.Struct, tag="died", array_like=True):
+    """Engine -> front end: the loop itself failed (the process exits right after)."""
+
+    reason: str
+
+
+FromEngine = Ready | StartFailed | StepOutputs | Died
+
+_encoder = msgspec.msgpack.Encoder()
+_inputs_decoder = msgspec.msgpack.Decoder(Inputs)
+_from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: Inputs | Ready | StartFailed | StepOutputs | Died) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_inputs(data: bytes) -> Inputs:
+    return _inputs_decoder.decode(data)
+
+
+def decode_from_engine(data: bytes) -> Ready | StartFailed | StepOutputs | Died:
+    return _from_engine_decoder.decode(data)
