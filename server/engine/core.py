@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from typing import Any
@@ -48,6 +49,7 @@ class EngineCore:
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
             eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
         self._steps: deque[tuple[float, int]] = deque(maxlen=64)  # (seconds, tokens) of recent steps
+        self._step_times: deque[float] = deque(maxlen=512)  # for the p50 / p99 in stats()
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -97,6 +99,7 @@ class EngineCore:
         if out.sequences:
             self.scheduler.admission.speed.observe(out.num_tokens, seconds)
             self._steps.append((seconds, out.num_tokens))
+            self._step_times.append(seconds)
         return outputs
 
     def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:
@@ -138,6 +141,10 @@ class EngineCore:
         if steps:
             stats.step_time_s = sum(s for s, _ in steps) / len(steps)
             stats.tokens_per_step = sum(n for _, n in steps) / len(steps)
+        if self._step_times:
+            ordered = sorted(self._step_times)
+            stats.step_time_p50_s = ordered[(len(ordered) - 1) // 2]
+            stats.step_time_p99_s = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
         return stats
 
     @property

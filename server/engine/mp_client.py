@@ -114,13 +114,14 @@ class MPEngineClient:
         """Shut the engine down: live requests end 'cancelled', the process exits (killed if it hangs)."""
         self._stopping = True
         self.ready = False
-        if self._proc is not None and self._proc.is_alive() and self._push is not None:
+        alive = self._proc is not None and self._proc.is_alive() and self._dead_reason is None
+        if alive and self._push is not None:
             self._flush()
-            self._push.send(wire.encode(wire.Inputs(shutdown=True)))
-            try:
-                await asyncio.wait_for(self._final.wait(), timeout_s)
-            except TimeoutError:
-                log.warning("the engine did not shut down within %.0fs; killing it", timeout_s)
+            if self._send(wire.Inputs(shutdown=True)):
+                try:
+                    await asyncio.wait_for(self._final.wait(), timeout_s)
+                except TimeoutError:
+                    log.warning("the engine did not shut down within %.0fs; killing it", timeout_s)
         await self._reap(5.0)
         if self._receiver is not None:
             self._receiver.cancel()
@@ -214,7 +215,16 @@ class MPEngineClient:
         self._flush_scheduled = False
         pending, self._pending = self._pending, wire.Inputs(adds=[], aborts=[])
         if (pending.adds or pending.aborts) and self._push is not None and self._dead_reason is None:
-            self._push.send(wire.encode(pending), zmq.NOBLOCK)
+            self._send(pending)
+
+    def _send(self, msg: wire.Inputs) -> bool:
+        """Send without ever blocking the event loop; False when the engine's end is gone (it died:
+        the sentinel handler fails the streams)."""
+        try:
+            self._push.send(wire.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     # ---- outputs and death -------------------------------------------------------------
     async def _receive(self) -> None:

@@ -47,9 +47,11 @@ class EngineStats:
     generated_tokens_total: int = 0
     preemptions_total: int = 0
     refusals: dict[str, int] = field(default_factory=dict)
-    step_time_s: float = 0.0
+    step_time_s: float = 0.0  # mean of the last 64 steps
     tokens_per_step: float = 0.0
     requests_finished_total: int = 0
+    step_time_p50_s: float = 0.0  # over the last 512 steps
+    step_time_p99_s: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

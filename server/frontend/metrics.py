@@ -6,17 +6,18 @@ import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sloserve.frontend.failures import FailureCode
+from sloserve.frontend.requests import Finished
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
-    """Request outcomes and latencies (observed by the service) plus live engine gauges (at scrape)."""
+    """Request outcomes and latencies (observed by the front end) plus live engine gauges (at scrape)."""
 
     def __init__(self, engine_stats: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -33,23 +34,21 @@ class Metrics:
             self.registry.register(_EngineCollector(engine_stats, self.service_refusals))
         self._http: Any = None
 
-    def request_done(self, outcome: str, out: Any = None) -> None:
-        """Count a request that ended; observe its latencies when it ran (`out` is the final output)."""
+    def request_done(self, outcome: str, finished: Finished | None = None) -> None:
+        """Count a request that ended; observe its latencies (from its arrival stamp) when it ran."""
         self.requests.labels(outcome=outcome).inc()
-        if out is None or out.arrival_time is None:
+        if finished is None:
             return
-        if out.first_token_time is not None:
-            self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
-            if out.finish_time is not None and (out.num_output_tokens or 0) > 1:
-                self.tpot.observe(max(0.0, (out.finish_time - out.first_token_time)
-                                      / (out.num_output_tokens - 1)))
-        if out.finish_time is not None:
-            self.e2e.observe(max(0.0, out.finish_time - out.arrival_time))
+        if finished.ttft_s is not None:
+            self.ttft.observe(finished.ttft_s)
+            if finished.completion_tokens > 1:
+                self.tpot.observe(max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1))
+        self.e2e.observe(finished.e2e_s)
 
-    def request_failed(self, code: grpc.StatusCode, reason: str) -> None:
-        """Count a request answered with an error status; refusals are also counted by reason."""
-        self.requests.labels(outcome=code.name.lower()).inc()
-        if code == grpc.StatusCode.UNAVAILABLE and reason in ("draining", "not_ready"):
+    def request_failed(self, code: FailureCode, reason: str) -> None:
+        """Count a request that failed; refusals for the server's state are also counted by reason."""
+        self.requests.labels(outcome=code.value).inc()
+        if code == FailureCode.UNAVAILABLE and reason in ("draining", "not_ready"):
             self.service_refusals[reason] += 1
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

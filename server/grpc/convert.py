@@ -1,17 +1,37 @@
-"""Protobuf <-> engine conversions for the gRPC service (protobuf types stop here)."""
+"""Protobuf <-> front-end plain data, and FailureCode -> gRPC status (protobuf types stop here)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
+from sloserve.errors import InvalidRequestError
+from sloserve.frontend import (
+    Failure,
+    FailureCode,
+    Finished,
+    ParsedRequest,
+    RequestFailed,
+    ServerState,
+    Tokens,
+)
 from sloserve.pb import serving_pb2 as pb
 from sloserve.sampling_params import SLO, SamplingParams
 
-DEFAULT_MAX_TOKENS = 64
+STATUS = {  # the one place a front-end failure becomes a gRPC status
+    FailureCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailureCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    FailureCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    FailureCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+_STATE = {
+    ServerState.LOADING: pb.SERVER_STATE_LOADING,
+    ServerState.SERVING: pb.SERVER_STATE_SERVING,
+    ServerState.DRAINING: pb.SERVER_STATE_DRAINING,
+    ServerState.ENGINE_DEAD: pb.SERVER_STATE_ENGINE_DEAD,
+}
 
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -27,49 +47,19 @@ _STATS_FIELDS = (
 )
 
 
-@dataclass(slots=True)
-class ParsedRequest:
-    """A validated GenerateRequest in engine terms."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    slo: SLO | None
-
-
-@dataclass(slots=True)
-class Failure:
-    """A per-request failure: gRPC status, label for metrics, message saying what to change."""
-
-    code: grpc.StatusCode
-    reason: str
-    message: str
-
-
-def from_pb(
-    req: pb.GenerateRequest, *, max_tokens_limit: int, time_remaining: float | None = None
-) -> ParsedRequest:
-    """Validate a GenerateRequest; raise InvalidRequestError with a message saying what to change.
+def from_pb(req: pb.GenerateRequest, *, default_max_tokens: int,
+            time_remaining: float | None = None) -> ParsedRequest:
+    """A GenerateRequest in plain data; raise InvalidRequestError for fields that cannot be converted.
 
     `time_remaining` (seconds left on the call's gRPC deadline) becomes the e2e SLO when the
-    request gives none.
+    request gives none. The server's limits are the front end's to check.
     """
     if not req.request_id:
         raise InvalidRequestError("request_id must be a non-empty string chosen by the client")
-    kind = req.WhichOneof("prompt")
-    if kind == "text" and req.text:
-        prompt: str | list[int] = req.text
-    elif kind == "token_ids" and len(req.token_ids.ids) > 0:
-        prompt = list(req.token_ids.ids)
-    else:
-        raise InvalidRequestError("prompt is empty: set text or token_ids to a non-empty value")
-    max_tokens = req.max_tokens if req.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, max_tokens_limit)
-    if max_tokens > max_tokens_limit:
-        raise InvalidRequestError(
-            f"max_tokens {max_tokens} is over this server's limit of {max_tokens_limit}; ask for fewer")
+    prompt: str | list[int] = list(req.token_ids.ids) if req.WhichOneof("prompt") == "token_ids" else req.text
     s = req.sampling
     params = SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
         temperature=s.temperature if s.HasField("temperature") else 0.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
         top_k=s.top_k if s.HasField("top_k") else 0,
@@ -78,7 +68,7 @@ def from_pb(
         stop=list(s.stop),
         ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else False,
     )
-    return ParsedRequest(req.request_id, prompt, params, slo_from_pb(req.slo, time_remaining))
+    return ParsedRequest(prompt, params, slo_from_pb(req.slo, time_remaining))
 
 
 def slo_from_pb(slo: pb.Slo, time_remaining: float | None) -> SLO | None:
@@ -88,74 +78,33 @@ def slo_from_pb(slo: pb.Slo, time_remaining: float | None) -> SLO | None:
     e2e = slo.e2e_s if slo.HasField("e2e_s") else None
     if e2e is None and time_remaining is not None:
         if time_remaining <= 0:
-            raise DeadlineExceeded("the call's gRPC deadline passed before the request arrived")
+            raise RequestFailed(FailureCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                                "the call's gRPC deadline passed before the request arrived")
         e2e = time_remaining
     if ttft is None and tpot is None and e2e is None:
         return None
     return SLO(ttft_s=ttft, tpot_s=tpot, e2e_s=e2e)
 
 
-class DeadlineExceeded(Exception):
-    """The call's deadline is already over when the request arrives."""
-
-
-def failure_from_exception(exc: BaseException) -> Failure:
-    """Map an engine/service exception to the status code the client sees."""
-    if isinstance(exc, InvalidRequestError):
-        return Failure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
-    if isinstance(exc, RequestRefusedError):
-        return refusal(exc.reason, str(exc))
-    if isinstance(exc, DeadlineExceeded):
-        return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", str(exc))
-    if isinstance(exc, EngineDeadError):
-        return Failure(grpc.StatusCode.UNAVAILABLE, "engine_dead",
-                       f"the engine is not running: {exc}; retry against a healthy replica")
-    if isinstance(exc, ValueError):  # e.g. a tokenizer refusing token ids out of the vocabulary
-        return Failure(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
-    return Failure(grpc.StatusCode.INTERNAL, "internal", f"internal error: {type(exc).__name__}: {exc}")
-
-
-def refusal(reason: str, message: str) -> Failure:
-    """Admission refused: RESOURCE_EXHAUSTED with the reason (DEADLINE_EXCEEDED once the deadline passed)."""
-    code = grpc.StatusCode.DEADLINE_EXCEEDED if reason == "deadline_passed" else grpc.StatusCode.RESOURCE_EXHAUSTED
-    return Failure(code, reason, f"{message} (reason: {reason})")
-
-
-def failure_from_output(out: Any) -> Failure:
-    """The failure of a final RequestOutput with finish_reason 'error' (refused after queueing, or failed)."""
-    reason = getattr(out, "refusal_reason", None)
-    if reason:
-        return refusal(reason, out.error or "refused by admission control")
-    return Failure(grpc.StatusCode.INTERNAL, "internal", f"the engine failed this request: {out.error or 'unknown error'}")
-
-
 def error_pb(request_id: str, failure: Failure) -> pb.ServerMessage:
-    """A terminal RequestError message."""
+    """A RequestError message (request_id empty when it answers a message that started no request)."""
     return pb.ServerMessage(error=pb.RequestError(
-        request_id=request_id, code=failure.code.value[0], message=failure.message, reason=failure.reason))
+        request_id=request_id, code=STATUS[failure.code].value[0], message=failure.message, reason=failure.reason))
 
 
-def chunk_pb(request_id: str, out: Any, arrival: float) -> pb.ServerMessage:
-    """A TokenChunk from one RequestOutput (the new tokens of one engine step)."""
+def chunk_pb(request_id: str, tokens: Tokens) -> pb.ServerMessage:
+    """A TokenChunk from the front end's Tokens event."""
     return pb.ServerMessage(chunk=pb.TokenChunk(
-        request_id=request_id, token_ids=list(out.new_token_ids), text=out.new_text or "",
-        time_s=max(0.0, time.monotonic() - arrival)))
+        request_id=request_id, token_ids=tokens.token_ids, text=tokens.text, time_s=tokens.time_s))
 
 
-def final_pb(request_id: str, out: Any, arrival: float) -> pb.ServerMessage:
-    """The Final message of a request that ran to a finish reason (times relative to arrival)."""
-    start = out.arrival_time if out.arrival_time is not None else arrival
-    end = out.finish_time if out.finish_time is not None else time.monotonic()
-
-    def since(t: float | None) -> float:
-        return max(0.0, t - start) if t is not None else 0.0
-
+def final_pb(request_id: str, done: Finished) -> pb.ServerMessage:
+    """The Final message of a request that ran to a finish reason (times from its arrival)."""
     return pb.ServerMessage(final=pb.Final(
-        request_id=request_id,
-        finish_reason=_FINISH.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
-        prompt_tokens=out.num_prompt_tokens or 0, completion_tokens=out.num_output_tokens or 0,
-        cached_prompt_tokens=out.num_cached_tokens or 0,
-        queue_s=since(out.first_scheduled_time), ttft_s=since(out.first_token_time), e2e_s=since(end)))
+        request_id=request_id, finish_reason=_FINISH.get(done.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+        cached_prompt_tokens=done.cached_tokens, queue_s=done.queue_s or 0.0, ttft_s=done.ttft_s or 0.0,
+        e2e_s=done.e2e_s))
 
 
 def stats_pb(stats: Any) -> pb.EngineStats:
@@ -165,9 +114,9 @@ def stats_pb(stats: Any) -> pb.EngineStats:
     return msg
 
 
-def info_pb(model: str, model_info: dict, stats: Any, *, version: str, max_prompt_tokens: int | None,
-            max_tokens_limit: int) -> pb.InfoResponse:
-    """The InfoResponse from the engine's model_info and stats."""
+def info_pb(model: str, model_info: dict, stats: Any, state: ServerState, *, version: str,
+            max_prompt_tokens: int | None, max_tokens_limit: int) -> pb.InfoResponse:
+    """The InfoResponse from the engine's model_info and stats and the server's state."""
     max_len = int(model_info.get("max_model_len") or 0)  # a prompt leaves room for one output token
     return pb.InfoResponse(
         model=model, architecture=str(model_info.get("architecture", "")), version=version,
@@ -175,4 +124,4 @@ def info_pb(model: str, model_info: dict, stats: Any, *, version: str, max_promp
         max_tokens_limit=max_tokens_limit, block_size=int(model_info.get("block_size") or 0),
         device=str(model_info.get("device", "")),
         attention_backend=str(model_info.get("attention_backend", "")),
-        stats=stats_pb(stats))
+        stats=stats_pb(stats), state=_STATE[state])

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from sloserve.convert import failure_from_exception
+from sloserve.frontend.failures import failure_from_exception
+from sloserve.grpc.convert import STATUS
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
         async def fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
             failure = failure_from_exception(exc)
             log.error("%s failed: %s", method, failure.message, exc_info=exc)
-            await end_call(context, failure.code, failure.message)
+            await end_call(context, STATUS[failure.code], failure.message)
 
         if inspect.isasyncgenfunction(inner):
             async def wrapped_stream(request: Any, context: grpc.aio.ServicerContext):

@@ -1,26 +1,23 @@
-"""One bidirectional Stream call: reads client commands, runs one pump task per live request."""
+"""One bidirectional Stream call: reads client commands, runs one task per live request."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from sloserve.convert import Failure, ParsedRequest, chunk_pb, error_pb, final_pb, from_pb
 from sloserve.errors import InvalidRequestError
-from sloserve.handlers import Undecodable
+from sloserve.frontend import Failure, FailureCode, Frontend, ParsedRequest, RequestHandle, Tokens
+from sloserve.grpc.convert import chunk_pb, error_pb, final_pb, from_pb
+from sloserve.grpc.handlers import Undecodable
 from sloserve.pb import serving_pb2 as pb
-
-if TYPE_CHECKING:
-    from sloserve.service import SloserveService
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +28,26 @@ _RECENT_IDS = 1024  # finished ids per stream whose late cancels are ignored, no
 class _Live:
     """A request accepted on this stream: being tokenized, or (admitted) running in the engine."""
 
-    engine_id: str
+    handle: RequestHandle
     task: asyncio.Task | None = None
-    admitted: bool = False
-    cancelled: bool = False  # the client cancelled it before it reached the engine
 
 
 class StreamSession:
-    """The state of one Stream call.
+    """The state of one Stream call, over the front end (it knows nothing of the servicer).
 
     Invariants: every accepted request id gets exactly one terminal message (Final or
-    RequestError) on `out`; `None` on `out` means the stream is done; a `Failure` on `out` means
-    the stream itself is broken (bytes that do not parse): the live requests get a RequestError
-    each and the call ends with that failure's status. A request id is live from the moment its
-    GenerateRequest is read (so a reused id is refused at once), although its text prompt is
-    tokenized in a worker thread before it reaches the engine.
+    RequestError) on `out`; a message that starts no request (a duplicate live id, a cancel of an
+    unknown id, an empty ClientMessage) is answered with a RequestError whose request_id is
+    empty, so it never reads as a second terminal of a live id. `None` on `out` means the stream
+    is done; a `Failure` on `out` means the stream itself is broken (bytes that do not parse):
+    the live requests get a RequestError each and the call ends with that failure's status. A
+    request id is live from the moment its GenerateRequest is read (so a reused id is refused at
+    once), although its text prompt is tokenized in a worker thread before it reaches the engine.
+    Its arrival is stamped when its message is read; all its times count from that stamp.
     """
 
-    def __init__(self, service: SloserveService, context: grpc.aio.ServicerContext) -> None:
-        self.service = service
+    def __init__(self, frontend: Frontend, context: grpc.aio.ServicerContext) -> None:
+        self.frontend = frontend
         self.context = context
         self.prefix = uuid.uuid4().hex
         self.out: asyncio.Queue[pb.ServerMessage | Failure | None] = asyncio.Queue()
@@ -59,12 +57,13 @@ class StreamSession:
     async def read(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable]) -> None:
         try:
             async for msg in request_iterator:
+                arrival = time.monotonic()  # the one arrival stamp of a request read now
                 if isinstance(msg, Undecodable):
-                    self.out.put_nowait(Failure(grpc.StatusCode.INVALID_ARGUMENT, "undecodable", msg.message))
+                    self.out.put_nowait(Failure(FailureCode.INVALID_ARGUMENT, "undecodable", msg.message))
                     return
                 kind = msg.WhichOneof("kind")
                 if kind == "generate":
-                    self.generate(msg.generate)
+                    self.generate(msg.generate, arrival)
                 elif kind == "cancel":
                     self.cancel(msg.cancel.request_id)
                 else:
@@ -75,88 +74,63 @@ class StreamSession:
                                      return_exceptions=True)
         except asyncio.CancelledError:
             raise
-        except DecodeError as exc:  # registered without the lenient parsers of sloserve.handlers
-            self.out.put_nowait(Failure(grpc.StatusCode.INVALID_ARGUMENT, "undecodable",
+        except DecodeError as exc:  # registered without the lenient parsers of sloserve.grpc.handlers
+            self.out.put_nowait(Failure(FailureCode.INVALID_ARGUMENT, "undecodable",
                                         Undecodable(pb.ClientMessage.DESCRIPTOR.full_name, str(exc)).message))
             return
         except Exception as exc:  # noqa: BLE001 - a broken read ends the stream, not the server
             log.info("stream read ended: %s", exc)
         self.out.put_nowait(None)
 
-    def generate(self, req: pb.GenerateRequest) -> None:
-        """Validate at once (bad fields, reused id, cheap limits); tokenize and admit in its pump."""
-        arrival = time.monotonic()
+    def generate(self, req: pb.GenerateRequest, arrival: float) -> None:
+        """Check at once (fields, reused id, limits); tokenize and admit in its task."""
         if req.request_id in self.live:
-            self.reject(req.request_id, InvalidRequestError(
-                f"request_id {req.request_id!r} is already live on this stream; use a new id"),
-                reason="duplicate_id")
+            self.reject("", InvalidRequestError(
+                f"request_id {req.request_id!r} is already live on this stream; that request goes on "
+                "unaffected; use a new id"), reason="duplicate_id")
             return
         try:
-            parsed = from_pb(req, max_tokens_limit=self.service.config.server.max_tokens_limit,
+            parsed = from_pb(req, default_max_tokens=self.frontend.default_max_tokens,
                              time_remaining=self.context.time_remaining())
-            self.service._check_open()
-            self.service._check_prompt(parsed.prompt)
+            self.frontend.check(parsed)
         except Exception as exc:  # noqa: BLE001
             self.reject(req.request_id, exc)
             return
         self.recent.pop(req.request_id, None)
-        entry = _Live(f"{self.prefix}:{req.request_id}")
+        entry = _Live(RequestHandle(f"{self.prefix}:{req.request_id}", arrival))
         self.live[req.request_id] = entry
-        entry.task = asyncio.create_task(self.pump(req.request_id, parsed, entry, arrival))
+        entry.task = asyncio.create_task(self._run(req.request_id, parsed, entry))
 
     def cancel(self, request_id: str) -> None:
         entry = self.live.get(request_id)
         if entry is not None:
-            entry.cancelled = True
-            if entry.admitted:
-                self.service.engine.abort(entry.engine_id)  # its pump sends the Final
+            self.frontend.cancel(entry.handle)  # its task sends the Final
         elif request_id not in self.recent:
-            self.reject(request_id, InvalidRequestError(
+            self.reject("", InvalidRequestError(
                 f"cannot cancel {request_id!r}: no live request has that id on this stream"),
                 reason="unknown_id")
 
     def reject(self, request_id: str, exc: BaseException, reason: str | None = None) -> None:
-        failure = self.service._failure(exc)
-        if reason is not None:
-            failure.reason = reason
-        self.out.put_nowait(error_pb(request_id, failure))
+        self.out.put_nowait(error_pb(request_id, self.frontend.failure(exc, reason)))
 
-    async def pump(self, request_id: str, parsed: ParsedRequest, entry: _Live, arrival: float) -> None:
+    async def _run(self, request_id: str, parsed: ParsedRequest, entry: _Live) -> None:
+        """Forward the front end's events; the terminal one goes out after the id is no longer live."""
         terminal: pb.ServerMessage | None = None
         try:
-            token_ids = await self.service._prompt_ids(parsed.prompt)
-            if entry.cancelled:  # cancelled while its prompt was tokenized: it never reaches the engine
-                out = _cancelled(len(token_ids), arrival)
-                self.service._record(out)
-                terminal = final_pb(request_id, out, arrival)
-                return
-            stream = self.service._admit(parsed, token_ids, entry.engine_id)
-            entry.admitted = True
-            async for out in stream:
-                if out.new_token_ids or out.new_text:
-                    self.out.put_nowait(chunk_pb(request_id, out, arrival))
-                if out.finished:
-                    if out.finish_reason == "error":
-                        terminal = error_pb(request_id, self.service._output_failure(out))
+            async with contextlib.aclosing(self.frontend.run(entry.handle, parsed)) as events:
+                async for event in events:
+                    if isinstance(event, Tokens):
+                        self.out.put_nowait(chunk_pb(request_id, event))
+                    elif isinstance(event, Failure):
+                        terminal = error_pb(request_id, event)
                     else:
-                        self.service._record(out)
-                        terminal = final_pb(request_id, out, arrival)
-                    break
-            else:
-                terminal = error_pb(request_id, self.service._failure(
-                    RuntimeError("the engine ended the request without a finish reason")))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            terminal = error_pb(request_id, self.service._failure(exc))
+                        terminal = final_pb(request_id, event)
         finally:
             if self.live.get(request_id) is entry:
                 del self.live[request_id]
             self.recent[request_id] = None
             if len(self.recent) > _RECENT_IDS:
                 self.recent.popitem(last=False)
-            if entry.admitted:
-                self.service._release()
             if terminal is not None:
                 self.out.put_nowait(terminal)
 
@@ -164,30 +138,20 @@ class StreamSession:
         """Stop every live request (the stream broke, or shutdown); returns one RequestError for each."""
         errors = []
         for request_id in list(self.live):
-            self._stop(self.live.pop(request_id))
-            if self.service.metrics is not None:
-                self.service.metrics.request_failed(failure.code, failure.reason)
+            self._stop(self.live.pop(request_id), counted=True)
+            self.frontend.count_failure(failure)
             errors.append(error_pb(request_id, failure))
         return errors
 
     def abort_all(self) -> None:
-        """The client is gone: abort every live request (frees its blocks) and stop the pumps."""
+        """The client is gone: abort every live request (frees its blocks) and stop its task."""
         for request_id in list(self.live):
-            entry = self.live.pop(request_id)
-            self._stop(entry)
-            if entry.admitted and self.service.metrics is not None:
-                self.service.metrics.request_done("cancelled")
+            self._stop(self.live.pop(request_id), counted=False)
 
-    def _stop(self, entry: _Live) -> None:
-        if entry.admitted:
-            self.service.engine.abort(entry.engine_id)
+    def _stop(self, entry: _Live, *, counted: bool) -> None:
+        if counted:
+            self.frontend.stop(entry.handle)
+        else:
+            self.frontend.cancel(entry.handle)
         if entry.task is not None:
             entry.task.cancel()
-
-
-def _cancelled(prompt_tokens: int, arrival: float) -> Any:
-    """A RequestOutput-shaped record for a request cancelled before it reached the engine."""
-    now = time.monotonic()
-    return SimpleNamespace(finish_reason="cancelled", num_prompt_tokens=prompt_tokens, num_output_tokens=0,
-                           num_cached_tokens=0, arrival_time=arrival, first_scheduled_time=None,
-                           first_token_time=None, finish_time=now)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from sloserve.config import ServerConfig, SloserveConfig
-from sloserve.serve import SloserveServer
+from sloserve.grpc.server import SloserveServer
 
 from tests.service.fake_engine import FakeEngine
 

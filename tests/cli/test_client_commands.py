@@ -51,13 +51,14 @@ def test_info_json_has_the_documented_keys(fake_server):
                 "prompt_tokens_total", "prefix_hit_tokens_total"):
         assert key in data, key
     assert data["kv_blocks_total"] == 64 and isinstance(data["prompt_tokens_total"], int)
-    assert data["architecture"] == "FakeForCausalLM"
+    assert data["architecture"] == "FakeForCausalLM" and data["state"] == "serving"
 
 
 def test_info_text(fake_server):
     result = CliRunner().invoke(cli, ["info", "--server", fake_server.address])
     assert result.exit_code == 0, result.output
     assert any(line.split() == ["kv_blocks_total", "64"] for line in result.stdout.splitlines())
+    assert result.stdout.splitlines()[0].split() == ["state", "serving"]
 
 
 def test_auth_token_is_sent_and_required(auth_server):

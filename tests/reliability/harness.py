@@ -130,12 +130,36 @@ class ServerProcess:
                                            options=[("grpc.ssl_target_name_override", "localhost")])
         return grpc.aio.insecure_channel(target)
 
+    def pids(self) -> list[int]:
+        """The server process and its descendants (the engine process among them)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                try:
+                    todo += [int(c) for c in task.read_text().split()]
+                except OSError:
+                    pass
+        return found
+
+    def engine_pid(self, timeout: float = 60.0) -> int:
+        """The engine process's pid, from the server's 'engine process started (pid N)' log line."""
+        line = self.wait_log(lambda m: m.startswith("engine process started (pid "), timeout)
+        return int(line.split("(pid ", 1)[1].rstrip(")"))
+
     def rss_bytes(self) -> int:
-        """Resident set size of the server process (VmRSS from /proc)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS line in /proc status")
+        """Resident set size of the server and its engine process (VmRSS from /proc, summed)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except OSError:
+                continue  # ended meanwhile
+            total += next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), 0)
+        if not total:
+            raise RuntimeError("no VmRSS for the server process")
+        return total
 
     def cpu_seconds(self) -> float:
         """User + system CPU time the server process has used so far."""

@@ -40,6 +40,7 @@ class _Req:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
     task: asyncio.Task | None = None
     arrival: float = field(default_factory=time.monotonic)
+    scheduled: float = field(default_factory=time.monotonic)  # when add_request took it
 
 
 class FakeEngine:
@@ -63,6 +64,7 @@ class FakeEngine:
         self.flowing.set()
         self.reqs: dict[str, _Req] = {}
         self.slos: dict[str, SLO | None] = {}  # every request's SLO as received (for deadline tests)
+        self.arrivals: dict[str, float] = {}  # every request's arrival_time as received
         # prompt text -> (refusal reason or None, error): such requests fail after they were queued
         self.late_failures: dict[str, tuple[str | None, str]] = {}
         self._free = num_blocks
@@ -80,7 +82,7 @@ class FakeEngine:
             self.abort(rid)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    slo: SLO | None = None) -> AsyncIterator[RequestOutput]:
+                    slo: SLO | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None or self.stopped:
             raise EngineDeadError(self.dead_reason or "engine stopped")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -101,6 +103,9 @@ class FakeEngine:
             raise RequestRefusedError("no_kv_blocks", "not enough KV cache blocks free; retry later")
         self._free -= blocks
         req = _Req(request_id, ids, params, slo, blocks)
+        if arrival_time is not None:  # like the real engine: times and deadlines count from it
+            req.arrival = arrival_time
+        self.arrivals[request_id] = req.arrival
         self.reqs[request_id] = req
         self.slos[request_id] = slo
         self._stats.prompt_tokens_total += len(ids)
@@ -159,7 +164,7 @@ class FakeEngine:
         self._stats.requests_finished_total += 1
         req.queue.put_nowait(RequestOutput(
             req.id, last, "".join(chr(t) for t in last), True, reason, None, len(req.prompt), n, 0,
-            req.arrival, req.arrival, first, time.monotonic()))
+            req.arrival, req.scheduled, first, time.monotonic()))
 
     def abort(self, request_id: str) -> bool:
         req = self.reqs.get(request_id)

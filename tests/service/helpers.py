@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import grpc
 from sloserve.config import ServerConfig, SloserveConfig
+from sloserve.grpc.server import SloserveServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-from sloserve.serve import SloserveServer
 
 from tests.service.fake_engine import FakeEngine
 

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sloserve.config import CacheConfig, SchedulerConfig, ServerConfig, SloserveConfig
 from sloserve.engine import AsyncEngine
+from sloserve.grpc.server import SERVICE_NAME, SloserveServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
-from sloserve.serve import SERVICE_NAME, SloserveServer
 
 from tests.engine.fakes import FakeRunner, reference_tokens
 from tests.service.helpers import Transcript, cancel, gen, read_until, wait_for
@@ -76,7 +76,7 @@ async def test_text_prompts_tokenized_by_the_service_stream_what_the_engine_make
     _, engine, _, stub = served
     text = "caf\u00e9 \u00e9t\u00e9"  # multi-byte characters: more tokens than characters
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    direct = [out async for out in engine.generate("direct", text, params)]
+    direct = [out async for out in engine.generate("direct", engine.tokenizer.encode(text), params)]
     call = stub.Stream()
     await call.write(gen("svc", text=text, max_tokens=10, sampling=pb.SamplingParams(ignore_eos=True)))
     transcript = Transcript()
@@ -108,7 +108,7 @@ async def test_cancel_and_disconnect_free_every_block(served):
     await wait_for(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
     after = (await stub.Info(pb.InfoRequest())).stats
     assert after.kv_blocks_free == before.kv_blocks_free == after.kv_blocks_total
-    await wait_for(lambda: server.service.inflight == 0)
+    await wait_for(lambda: server.frontend.inflight == 0)
 
 
 async def test_engine_errors_reach_the_client(served):

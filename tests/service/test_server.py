@@ -10,9 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from sloserve.interceptors import end_call
+from sloserve.grpc.interceptors import end_call
+from sloserve.grpc.server import SERVICE_NAME
 from sloserve.pb import serving_pb2 as pb
-from sloserve.serve import SERVICE_NAME
 
 from tests.service.fake_engine import FakeEngine
 from tests.service.helpers import Transcript, gen, live_server, read_until, wait_for
@@ -172,7 +172,7 @@ async def test_drain_finishes_in_flight_and_refuses_new():
             await call.write(gen(rid, max_tokens=30))
         transcript = Transcript(messages=[await call.read()])
         drain = asyncio.create_task(server.drain(grace_s=10))
-        await wait_for(lambda: server.service.draining)
+        await wait_for(lambda: server.frontend.draining)
         health = health_pb2_grpc.HealthStub(channel)
         resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
         assert resp.status == NOT_SERVING
@@ -208,8 +208,8 @@ async def test_after_the_drain_an_idle_stream_refuses_late_requests_until_its_cl
         await call.write(gen("quick", max_tokens=2))
         transcript = Transcript()
         await read_until(call, transcript, {"quick"})
-        server.service.start_draining()
-        assert await server.service.wait_idle(1.0)
+        server.frontend.start_draining()
+        assert await server.frontend.wait_idle(1.0)
         closed = asyncio.create_task(server.service.wait_streams_closed(10.0))
         await call.write(gen("late", max_tokens=2))  # the stream is still open: a clear refusal
         await read_until(call, transcript, {"late"})
@@ -229,8 +229,8 @@ async def test_grpc_deadline_ends_the_call_and_frees_the_request():
                 pass
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         (slo,) = engine.slos.values()
-        # The deadline became the request's e2e objective (gRPC rounds the timeout on the wire up).
-        assert 0 < slo.e2e_s <= 0.3 + 0.01
+        # The deadline became the request's e2e objective (within 10%: the server measures it on its own clock).
+        assert 0 < slo.e2e_s <= 0.3 * 1.1
         await wait_for(lambda: not engine.reqs)  # and its blocks were freed when the call ended
         assert engine.stats().kv_blocks_free == engine.num_blocks
 

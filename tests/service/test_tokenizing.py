@@ -6,8 +6,8 @@ import threading
 
 import grpc
 import pytest
+from sloserve.frontend.limits import MAX_CHARS_PER_TOKEN
 from sloserve.pb import serving_pb2 as pb
-from sloserve.service import MAX_CHARS_PER_TOKEN
 
 from tests.service.fake_engine import ByteTokenizer, FakeEngine
 from tests.service.helpers import Transcript, cancel, gen, live_server, read_until, wait_for
@@ -37,9 +37,9 @@ class RecordingEngine(FakeEngine):
         super().__init__(**kw)
         self.prompts: dict[str, object] = {}
 
-    def add_request(self, request_id, prompt, params, slo=None):
+    def add_request(self, request_id, prompt, params, slo=None, arrival_time=None):
         self.prompts[request_id.split(":", 1)[1]] = prompt  # keyed by the client's id
-        return super().add_request(request_id, prompt, params, slo)
+        return super().add_request(request_id, prompt, params, slo, arrival_time)
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ async def test_the_loop_keeps_serving_while_a_prompt_is_tokenized(gated):
         assert (await stub.Info(pb.InfoRequest())).max_model_len == engine.max_model_len
         await call.write(gen("slow", text="again", max_tokens=3))
         dup = (await call.read()).error
-        assert dup.request_id == "slow" and dup.reason == "duplicate_id", dup
+        assert dup.request_id == "" and dup.reason == "duplicate_id" and "'slow'" in dup.message, dup
         assert tok.threads[0] != threading.get_ident()
         assert "slow" not in engine.prompts
         tok.gate.set()
@@ -90,7 +90,7 @@ async def test_cancel_while_tokenizing_ends_with_cancelled_and_never_reaches_the
             "c", pb.FINISH_REASON_CANCELLED, len("never runs"), 0)
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
-        assert engine.prompts == {} and server.service.inflight == 0
+        assert engine.prompts == {} and server.frontend.inflight == 0
 
 
 async def test_the_prompt_token_limit_is_checked_on_the_tokenized_prompt(gated):

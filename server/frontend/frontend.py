@@ -1,0 +1,220 @@
+"""The transport-neutral front end: validate, tokenize, admit, run and account for requests."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sloserve.config import SloserveConfig
+from sloserve.frontend.failures import (
+    Failure,
+    FailureCode,
+    RequestFailed,
+    failure_from_exception,
+    failure_from_output,
+)
+from sloserve.frontend.limits import Limits
+from sloserve.frontend.metrics import Metrics
+from sloserve.frontend.requests import DEFAULT_MAX_TOKENS, Event, Finished, ParsedRequest, Tokens
+
+log = logging.getLogger(__name__)
+
+
+class ServerState(enum.Enum):
+    """What the server can do now (mirrors the proto ServerState)."""
+
+    LOADING = "loading"  # the model is still loading: requests are refused with not_ready
+    SERVING = "serving"
+    DRAINING = "draining"  # shutting down: live requests finish, new ones are refused
+    ENGINE_DEAD = "engine_dead"  # the engine loop died: nothing can run; the process exits
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """One request between the edge and the engine: cancellable before and after admission."""
+
+    engine_id: str
+    arrival: float  # time.monotonic() when the edge read the request: every time counts from here
+    admitted: bool = False  # handed to the engine (in flight)
+    cancelled: bool = False  # the client cancelled it
+    stopped: bool = False  # ended by the edge, which reported its outcome itself
+
+
+class Frontend:
+    """Requests over one engine client, whatever the transport.
+
+    Invariants: a prompt is checked once (`check`) and tokenized once, in a worker thread; a
+    request counts as in flight from admission until its `run` ends, and `run` ends every
+    admitted request in the engine (aborting it if it did not finish) and counts its outcome
+    once in the metrics. All times count from `RequestHandle.arrival`.
+    """
+
+    def __init__(self, engine: Any, config: SloserveConfig, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.limits = Limits(max_tokens_limit=config.server.max_tokens_limit,
+                             max_prompt_tokens=config.server.max_prompt_tokens)
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def state(self) -> ServerState:
+        if self.engine.dead_reason is not None:
+            return ServerState.ENGINE_DEAD
+        if self.draining:
+            return ServerState.DRAINING
+        return ServerState.SERVING if self.engine.ready else ServerState.LOADING
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def default_max_tokens(self) -> int:
+        return min(DEFAULT_MAX_TOKENS, self.limits.max_tokens_limit)
+
+    def start_draining(self) -> None:
+        """Refuse new requests with UNAVAILABLE; live ones go on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check_open(self) -> None:
+        """Refuse with UNAVAILABLE while draining or before the model is loaded."""
+        if self.draining:
+            raise RequestFailed(FailureCode.UNAVAILABLE, "draining",
+                                "the server is shutting down; retry on another replica")
+        if not self.engine.ready:
+            raise RequestFailed(FailureCode.UNAVAILABLE, "not_ready",
+                                "the model is still loading; retry when health says SERVING")
+
+    def check(self, parsed: ParsedRequest) -> None:
+        """Every check that needs no tokenizer: the server is open, the request within limits."""
+        self.check_open()
+        self.limits.check_request(parsed, int(self.engine.model_info.get("max_model_len") or 0))
+
+    def failure(self, exc: BaseException, reason: str | None = None) -> Failure:
+        """The Failure for `exc` (reason overridden if given), logged if internal and counted."""
+        failure = failure_from_exception(exc)
+        if reason is not None:
+            failure.reason = reason
+        if failure.code == FailureCode.INTERNAL:
+            log.error("request failed: %s", failure.message, exc_info=exc)
+        self.count_failure(failure)
+        return failure
+
+    def count_failure(self, failure: Failure) -> None:
+        if self.metrics is not None:
+            self.metrics.request_failed(failure.code, failure.reason)
+
+    # ---- one request -----------------------------------------------------------------------
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client cancelled: abort it in the engine if admitted (its run ends 'cancelled')."""
+        handle.cancelled = True
+        if handle.admitted:
+            self.engine.abort(handle.engine_id)
+
+    def stop(self, handle: RequestHandle) -> None:
+        """The edge ends the request and reports its outcome itself; frees it in the engine now."""
+        handle.stopped = True
+        if handle.admitted:
+            self.engine.abort(handle.engine_id)
+
+    async def run(self, handle: RequestHandle, parsed: ParsedRequest) -> AsyncIterator[Event]:
+        """Tokenize, admit and stream one checked request: Tokens..., then Finished or a Failure.
+
+        Close it (`contextlib.aclosing`) or cancel its task to abandon the request: it is then
+        aborted in the engine and counted as cancelled, unless `stop` said the edge counts it.
+        """
+        finished = False
+        try:
+            token_ids = await self._tokens(parsed.prompt)
+            if handle.cancelled:  # cancelled while tokenizing: it never reaches the engine
+                finished = True
+                done = Finished("cancelled", len(token_ids), 0, 0, None, None, _since(handle.arrival))
+                self._count_done(done)
+                yield done
+                return
+            self.check_open()  # again: draining may have begun while the prompt was tokenized
+            stream = self.engine.add_request(handle.engine_id, token_ids, parsed.params, parsed.slo,
+                                             arrival_time=handle.arrival)
+            handle.admitted = True
+            self._inflight += 1
+            self._idle.clear()
+            first: float | None = None
+            async for out in stream:
+                now = _since(handle.arrival)
+                if out.new_token_ids or out.new_text:
+                    first = now if first is None else first
+                    yield Tokens(list(out.new_token_ids), out.new_text or "", now)
+                if out.finished:
+                    finished = True
+                    yield self._outcome(out, handle.arrival, first, now)
+                    return
+            finished = True
+            yield self.failure(RuntimeError("the engine ended the request without a finish reason"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a Failure event
+            if not finished:
+                finished = True
+                yield self.failure(exc)
+        finally:
+            if handle.admitted:
+                if not finished:  # abandoned (client gone, call cancelled, shutdown): free its blocks now
+                    self.engine.abort(handle.engine_id)
+                    if not handle.stopped and self.metrics is not None:
+                        self.metrics.request_done("cancelled")
+                self._release()
+
+    async def _tokens(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; text is tokenized in a worker thread so the event loop keeps serving."""
+        if isinstance(prompt, list):
+            return prompt
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        self.limits.check_tokens(len(ids))
+        return ids
+
+    def _outcome(self, out: Any, arrival: float, first: float | None, now: float) -> Finished | Failure:
+        if out.finish_reason == "error":
+            failure = failure_from_output(out)
+            if failure.code == FailureCode.INTERNAL:
+                log.error("request %s failed: %s", out.request_id, failure.message)
+            self.count_failure(failure)
+            return failure
+        queue_s = None
+        if out.first_scheduled_time is not None:
+            queue_s = min(max(0.0, out.first_scheduled_time - arrival), first if first is not None else now)
+        done = Finished(out.finish_reason or "unknown", out.num_prompt_tokens or 0, out.num_output_tokens or 0,
+                        out.num_cached_tokens or 0, queue_s, first, now)
+        self._count_done(done)
+        return done
+
+    def _count_done(self, done: Finished) -> None:
+        if self.metrics is not None:
+            self.metrics.request_done(done.finish_reason, done)
+
+    def _release(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+
+def _since(arrival: float) -> float:
+    return max(0.0, time.monotonic() - arrival)

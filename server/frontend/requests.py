@@ -1,0 +1,48 @@
+"""Plain data in and out of the front end: a parsed request, and the events of one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sloserve.frontend.failures import Failure
+from sloserve.sampling_params import SLO, SamplingParams
+
+DEFAULT_MAX_TOKENS = 64  # when a request does not say (capped at the server's max_tokens limit)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A request as a transport read it: not yet checked against the server's limits."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    slo: SLO | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Tokens:
+    """New tokens of one request; `time_s` counts from its arrival stamp."""
+
+    token_ids: list[int]
+    text: str
+    time_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    """A request ran to a finish reason ('stop', 'length', 'cancelled'); times count from arrival.
+
+    `ttft_s` and `e2e_s` are the time_s of its first and last Tokens (so no chunk is ever later
+    than e2e_s); `queue_s` is when the engine first scheduled it. None: that never happened.
+    """
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    e2e_s: float
+
+
+Event = Tokens | Finished | Failure  # Finished or Failure is the last event of a request
