@@ -25,7 +25,8 @@ def engine_options(fn: Callable) -> Callable:
     """--model and the engine switches (model, cache, scheduler)."""
     decorators = [
         click.option("--model", default="default", show_default=True,
-                     help="A Hugging Face checkpoint folder, or 'default' / 'default-moe' (built in, random weights)."),
+                     help="A Hugging Face checkpoint folder, or a built-in model: 'default' (3M Llama trained on "
+                          "ARC grids), 'default-random' / 'default-moe' (random weights)."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--dtype", default="auto", show_default=True,
                      type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -36,7 +37,8 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--max-model-len", type=int, default=None, help="Context length [default: the checkpoint's]."),
         click.option("--kv-pool-size", default=None, help="Bytes for the KV cache pool, e.g. 512MiB or 2GiB "
                      "[default: suits the device]."),
-        click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV page."),
+        click.option("--block-size", default=None, type=int,
+                     help="Tokens per KV page [default: what the attention backend wants: 256 for flash-attn, else 16]."),
         click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
                      help="Reuse the KV of prompt prefixes already computed."),
         click.option("--policy", default="slo", show_default=True, type=click.Choice(["slo", "fifo"]),

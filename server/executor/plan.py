@@ -36,10 +36,13 @@ class MemoryPlan:
 
 
 def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
-                dtype: torch.dtype) -> MemoryPlan:
-    """Size everything once, before the one allocation; ValueError when the KV cannot hold one sequence."""
+                dtype: torch.dtype, block: int) -> MemoryPlan:
+    """Size everything once, before the one allocation; ValueError when the KV cannot hold one sequence.
+
+    block is the resolved KV page size (the attention backend's choice when the config sets none),
+    never config.cache.block_size, which may be None.
+    """
     cc, sc = config.cache, config.scheduler
-    block = cc.block_size
     max_blocks = math.ceil(max_model_len / block)
     max_tokens = sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, max_model_len)
     itemsize = torch.empty((), dtype=dtype).element_size()

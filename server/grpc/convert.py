@@ -43,7 +43,7 @@ _STATS_FIELDS = (
     "waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached",
     "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total",
     "generated_tokens_total", "preemptions_total", "step_time_s", "tokens_per_step",
-    "requests_finished_total",
+    "requests_finished_total", "step_time_p50_s", "step_time_p99_s",
 )
 
 

@@ -154,7 +154,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total")
+    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,8 @@ class EngineStats(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_P50_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_P99_S_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_total: int
@@ -192,7 +194,9 @@ class EngineStats(_message.Message):
     step_time_s: float
     tokens_per_step: float
     requests_finished_total: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ...) -> None: ...
+    step_time_p50_s: float
+    step_time_p99_s: float
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state")

@@ -8,10 +8,16 @@ from pathlib import Path
 import pytest
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 
+# What `auto` must resolve to on a CPU (pinned, so a silent change of the default fails a test).
+CPU_AUTO_BACKEND = "sdpa"
+# Every backend a CPU runs, `auto` included: the transformers-equality tests cover each.
+CPU_BACKENDS = ("auto", "sdpa", "reference")
 
-def runner_config(folder: Path, *, block_size: int = 4, backend: str = "reference", kv_pool_bytes: int = 2 * 2**20,
-                  max_batch: int = 8, max_batched_tokens: int = 256, swap_bytes: int = 2**20, device: str = "cpu",
-                  **model_kw) -> SloserveConfig:
+
+def runner_config(folder: Path, *, block_size: int | None = 4, backend: str = "auto",
+                  kv_pool_bytes: int = 2 * 2**20, max_batch: int = 8, max_batched_tokens: int = 256,
+                  swap_bytes: int = 2**20, device: str = "cpu", **model_kw) -> SloserveConfig:
+    """A small runner config; backend 'auto' by default, so tests run what users get."""
     return SloserveConfig(
         model=ModelConfig(path=str(folder), device=device, attention_backend=backend, **model_kw),
         cache=CacheConfig(block_size=block_size, kv_pool_bytes=kv_pool_bytes, swap_bytes=swap_bytes),

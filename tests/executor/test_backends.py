@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from sloserve.layers.attention import paged
 from sloserve.layers.attention.metadata import AttentionMetadata
 from sloserve.layers.attention.sdpa import SdpaBackend
 
@@ -21,14 +22,17 @@ KV_HEADS = 2
 LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 5]
 RATIOS = [1, 4, 8]
 CUDA = torch.cuda.is_available()
+PAGED_KERNEL = paged.AVAILABLE
 
 
 def cpu_backends() -> list[tuple[str, object]]:
     """(id, backend) for every backend that runs on a CPU."""
     found: list[tuple[str, object]] = [
-        ("sdpa-split", SdpaBackend(batched=False)),
+        ("sdpa-split-gather", SdpaBackend(batched=False, inplace=False)),
         ("sdpa-batched", SdpaBackend(batched=True)),
     ]
+    if PAGED_KERNEL:  # the in-place paged decode kernel (Cython); its twin is sdpa-split-gather
+        found.append(("sdpa-split-inplace", SdpaBackend(batched=False, inplace=True)))
     try:
         from sloserve.layers.attention import get_backend
     except ImportError:
@@ -180,41 +184,66 @@ def test_gpu_backends_report_why_they_cannot_run_on_cpu():
 
 
 # -- GPU ----------------------------------------------------------------------------------------
+# Each GPU test names the backend it checks. On a CUDA machine a named backend that cannot run
+# (flash-attn or triton missing, a page size it refuses) FAILS the test with the reason: it is
+# never dropped, so a green run means every named kernel ran. Without CUDA they skip.
+
+GPU_BACKENDS = ("sdpa", "triton", "triton-split", "flash")  # triton-split: the flash-decoding path
 
 
-def gpu_backends(dtype: torch.dtype, block_size: int) -> list[object]:
+def gpu_backend(name: str, dtype: torch.dtype, block_size: int) -> object:
+    """The backend a GPU test names, built for these settings; pytest.fail with the reason when it cannot run."""
     from sloserve.layers.attention.flash import FlashBackend
     from sloserve.layers.attention.triton_decode import TritonDecodeBackend
 
-    found: list[object] = [SdpaBackend(batched=True)]
-    if TritonDecodeBackend.unavailable_reason("cuda", dtype, block_size, HEAD_DIM) is None:
-        found += [TritonDecodeBackend(), TritonDecodeBackend(block_n=16, num_splits=3)]  # + flash-decoding path
-    if FlashBackend.unavailable_reason("cuda", dtype, block_size, HEAD_DIM) is None:
-        found.append(FlashBackend())
-    return found
+    classes = {"sdpa": SdpaBackend, "triton": TritonDecodeBackend, "flash": FlashBackend}
+    cls = classes[name.removesuffix("-split")]
+    reason = cls.unavailable_reason("cuda", dtype, block_size, HEAD_DIM)
+    if reason is not None:
+        pytest.fail(f"{name} is named by this test but cannot run on this CUDA machine: {reason}", pytrace=False)
+    if name == "sdpa":
+        return SdpaBackend(batched=True)
+    if name == "triton-split":
+        return TritonDecodeBackend(block_n=16, num_splits=3)
+    return cls()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", [n for n in GPU_BACKENDS if n != "flash"])  # flash needs 256-token pages: below
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("ratio", RATIOS)
-def test_gpu_backends_match_oracle(dtype, ratio):
+def test_gpu_backends_match_oracle(name, dtype, ratio):
+    backend = gpu_backend(name, dtype, PAGE)
     chunks = [m for length in LENGTHS for m in modes(length).values()]
     q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=dtype, device="cuda")
-    ref = oracle(q, k, v, meta, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    for backend in gpu_backends(dtype, PAGE):
-        assert rel_err(backend.forward(q, k, v, meta, scale), ref) <= tolerance, backend.name
+    assert rel_err(backend.forward(q, k, v, meta, scale), oracle(q, k, v, meta, scale)) <= tolerance
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", GPU_BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
-def test_gpu_backends_with_256_token_pages(ratio):
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_gpu_backends_with_256_token_pages(name, ratio, batch):
     """flash-attn's paged kernels need 256-token pages; decode-only and mixed batches."""
+    backend = gpu_backend(name, torch.bfloat16, 256)
     lengths = [1, 255, 256, 257, 3 * 256 + 5]
-    for chunks in ([(n - 1, 1) for n in lengths], [m for n in lengths for m in modes(n).values()]):
-        q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=torch.bfloat16, device="cuda", page=256)
-        ref = oracle(q, k, v, meta, scale)
-        for backend in gpu_backends(torch.bfloat16, 256):
-            assert rel_err(backend.forward(q, k, v, meta, scale), ref) <= 2e-2, backend.name
+    chunks = [(n - 1, 1) for n in lengths] if batch == "decode" else [m for n in lengths for m in modes(n).values()]
+    q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=torch.bfloat16, device="cuda", page=256)
+    assert rel_err(backend.forward(q, k, v, meta, scale), oracle(q, k, v, meta, scale)) <= 2e-2
+
+
+def test_gpu_backend_helper_fails_instead_of_dropping(monkeypatch):
+    """On CUDA a named backend that cannot run fails its test with the reason (checked here without a GPU)."""
+    from sloserve.layers.attention import flash
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flash, "_flash_importable", lambda: False)
+    with pytest.raises(pytest.fail.Exception, match="flash is named by this test.*flash-attn is not installed"):
+        gpu_backend("flash", torch.bfloat16, 256)
+    monkeypatch.setattr(flash, "_flash_importable", lambda: True)
+    with pytest.raises(pytest.fail.Exception, match="multiple of 256, got 16"):
+        gpu_backend("flash", torch.bfloat16, PAGE)
+    assert isinstance(gpu_backend("sdpa", torch.bfloat16, PAGE), SdpaBackend)

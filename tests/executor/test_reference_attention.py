@@ -8,6 +8,8 @@ import pytest
 import torch
 from sloserve.layers.attention import AttentionMetadata, get_backend, write_kv
 
+from tests.executor.conftest import CPU_AUTO_BACKEND
+
 PAGE = 4
 
 
@@ -90,7 +92,12 @@ def test_metadata_rejects_a_short_block_table():
 def test_unknown_backend_name_lists_choices():
     with pytest.raises(ValueError, match="choose one of: auto, reference"):
         get_backend("fastest", "cpu")
-    assert get_backend("auto", "cpu").name in ("reference", "sdpa")
+
+
+def test_auto_on_cpu_is_sdpa():
+    """Pinned: a change of the CPU default must change this test (and the README) on purpose."""
+    assert get_backend("auto", "cpu").name == CPU_AUTO_BACKEND == "sdpa"
+    assert get_backend("auto", "cpu", dtype=torch.bfloat16, block_size=4, head_dim=8).name == "sdpa"
 
 
 def test_registry_lists_exactly_the_backends_the_config_accepts():

@@ -7,6 +7,7 @@ import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
 
+from tests.executor.conftest import CPU_AUTO_BACKEND
 from tests.executor.driver import generate
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -25,7 +26,7 @@ def runner(tiny_llama, make_runner):
 def test_info_reports_model_and_pool(runner):
     info = runner.info()
     assert info["architecture"] == "LlamaForCausalLM" and info["device"] == "cpu" and info["dtype"] == "float32"
-    assert info["attention_backend"] == "reference"
+    assert info["attention_backend"] == CPU_AUTO_BACKEND and info["block_size"] == runner.block_size == 4
     assert info["num_kv_blocks"] == runner.num_kv_blocks > 256  # 2 MiB of 4-token pages of 512 B/token
     assert info["pool"]["carves"]["kv"]["shape"] == [2, 2, runner.num_kv_blocks, 4, 2, 16]
     assert runner.num_host_blocks > 0 and runner.eos_token_ids == [257]

@@ -1,15 +1,17 @@
-"""Attention backends behind one interface; `get_backend` picks one by name or by capability.
+"""Attention backends behind one interface; `select_backend` picks one by name or by capability.
 
 Backend modules are imported lazily (flash-attn and Triton are optional). Each
 entry of ``_REGISTRY`` names a module under this package and a class following the
-AttentionBackend protocol (see base.py): a no-argument constructor and a static
-``unavailable_reason(device, dtype, block_size, head_dim)``.
+AttentionBackend protocol (see base.py): a no-argument constructor, a static
+``unavailable_reason(device, dtype, block_size, head_dim)`` and, optionally, a
+``preferred_block_size`` (the KV page size it runs with when the config sets none).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from dataclasses import dataclass
 
 import torch
 from sloserve.layers.attention.base import AttentionBackend, BackendUnavailableError, write_kv
@@ -17,17 +19,23 @@ from sloserve.layers.attention.metadata import AttentionMetadata, build_arrays
 from sloserve.layers.attention.reference import ReferenceBackend
 
 __all__ = [
+    "AUTO_ORDER",
+    "DEFAULT_BLOCK_SIZE",
     "AttentionBackend",
     "AttentionMetadata",
+    "BackendChoice",
     "BackendUnavailableError",
     "ReferenceBackend",
     "available_backends",
     "build_arrays",
     "get_backend",
+    "select_backend",
     "write_kv",
 ]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV page when neither the config nor the backend asks for another
 
 # name -> (module under sloserve.layers.attention, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -44,15 +52,31 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
+@dataclass(slots=True, frozen=True)
+class BackendChoice:
+    """The backend that runs, the KV page size it runs with, and why (for the start-up log)."""
+
+    backend: AttentionBackend
+    block_size: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+
+def _load_class(name: str) -> type:
+    module_name, class_name = _REGISTRY[name]
+    try:
+        return getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise BackendUnavailableError(f"attention backend {name!r} is not installed: {exc}") from exc
+
+
 def _construct(
     name: str, device: torch.device, dtype: torch.dtype | None, block_size: int | None, head_dim: int | None
 ) -> AttentionBackend:
-    module_name, class_name = _REGISTRY[name]
-    try:
-        module = importlib.import_module(f"{__name__}.{module_name}")
-        cls = getattr(module, class_name)
-    except (ImportError, AttributeError) as exc:
-        raise BackendUnavailableError(f"attention backend {name!r} is not installed: {exc}") from exc
+    cls = _load_class(name)
     check = getattr(cls, "unavailable_reason", None)
     reason = check(device, dtype, block_size, head_dim) if check is not None else None
     if reason:
@@ -63,6 +87,52 @@ def _construct(
         raise BackendUnavailableError(f"attention backend {name!r} cannot run: {exc}") from exc
 
 
+def _page_size(name: str, block_size: int | None) -> tuple[int, str]:
+    """The block size `name` runs with, and where it comes from: the config, or the backend's preference."""
+    if block_size is not None:
+        return block_size, "set in the config"
+    try:
+        preferred = getattr(_load_class(name), "preferred_block_size", None)
+    except BackendUnavailableError:
+        preferred = None
+    if preferred is None:
+        return DEFAULT_BLOCK_SIZE, "the default"
+    return preferred, f"as {name} needs"
+
+
+def select_backend(
+    name: str,
+    device: torch.device | str,
+    *,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+    head_dim: int | None = None,
+) -> BackendChoice:
+    """The backend called `name` (or, for 'auto', the first in AUTO_ORDER that can run) and its page size.
+
+    block_size None lets the backend choose (flash-attn: 256, the others: DEFAULT_BLOCK_SIZE); a
+    block size set in the config is kept, and 'auto' skips the backends it does not fit.
+    """
+    device = torch.device(device)
+    if name != "auto":
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(_REGISTRY)}")
+        size, source = _page_size(name, block_size)
+        backend = _construct(name, device, dtype, size, head_dim)
+        return BackendChoice(backend, size, f"named in the config; {size}-token KV pages, {source}")
+    skipped: list[str] = []
+    for candidate in AUTO_ORDER.get(device.type, ("reference",)):
+        size, source = _page_size(candidate, block_size)
+        try:
+            backend = _construct(candidate, device, dtype, size, head_dim)
+        except BackendUnavailableError as exc:
+            skipped.append(str(exc).removeprefix("attention backend "))
+            continue
+        why = f"skipped {'; '.join(skipped)}" if skipped else "first choice"
+        return BackendChoice(backend, size, f"auto on {device.type}, {why}; {size}-token KV pages, {source}")
+    raise BackendUnavailableError(f"no attention backend can run on {device}: {'; '.join(skipped)}")
+
+
 def get_backend(
     name: str,
     device: torch.device | str,
@@ -71,22 +141,8 @@ def get_backend(
     block_size: int | None = None,
     head_dim: int | None = None,
 ) -> AttentionBackend:
-    """The backend called `name` for these settings, or the best one that can run for name='auto'."""
-    device = torch.device(device)
-    if name == "auto":
-        reasons = []
-        for candidate in AUTO_ORDER.get(device.type, ("reference",)):
-            try:
-                backend = _construct(candidate, device, dtype, block_size, head_dim)
-            except BackendUnavailableError as exc:
-                reasons.append(str(exc))
-                continue
-            log.info("attention backend: %s on %s", backend.name, device)
-            return backend
-        raise BackendUnavailableError(f"no attention backend can run on {device}: {'; '.join(reasons)}")
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(_REGISTRY)}")
-    return _construct(name, device, dtype, block_size, head_dim)
+    """The backend `select_backend` chooses for these settings (without its page size or reason)."""
+    return select_backend(name, device, dtype=dtype, block_size=block_size, head_dim=head_dim).backend
 
 
 def available_backends(
@@ -97,7 +153,7 @@ def available_backends(
     names = []
     for name in _REGISTRY:
         try:
-            _construct(name, torch.device(device), dtype, block_size, head_dim)
+            select_backend(name, device, dtype=dtype, block_size=block_size, head_dim=head_dim)
         except BackendUnavailableError:
             continue
         names.append(name)

@@ -19,7 +19,9 @@ class AttentionBackend(Protocol):
     A backend class has a ``name``, a constructor callable without arguments (raising
     ImportError or RuntimeError when its package is missing), and a static
     ``unavailable_reason(device, dtype=None, block_size=None, head_dim=None) -> str | None``
-    saying why it cannot run with those settings (None when it can).
+    saying why it cannot run with those settings (None when it can). A class that needs a
+    particular KV page size names it in ``preferred_block_size``; `select_backend` gives it that
+    size when the config sets none.
     """
 
     name: str

@@ -28,6 +28,7 @@ class FlashBackend:
     """flash-attn paged kernels (varlen with block table; with_kvcache for decode-only steps)."""
 
     name = "flash"
+    preferred_block_size = PAGE_MULTIPLE  # the KV page size auto gives it when the config sets none
 
     def __init__(self) -> None:
         try:
@@ -55,7 +56,8 @@ class FlashBackend:
         if block_size is not None and block_size % PAGE_MULTIPLE:
             return (
                 f"flash-attn's paged KV needs a block size that is a multiple of {PAGE_MULTIPLE}, "
-                f"got {block_size}: set the KV block size to 256 or use the sdpa/triton backend"
+                f"got {block_size}: leave the block size unset (flash then gets {PAGE_MULTIPLE}) or set a "
+                f"multiple of {PAGE_MULTIPLE}, or use the sdpa/triton backend"
             )
         if head_dim is not None and (head_dim > 256 or head_dim % 8):
             return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
