@@ -1,5 +1,10 @@
-"""Build script: the package map lives in setup.cfg; this file lists packages and Cython extensions."""
+"""Build script: the package map lives in setup.cfg; this file lists packages and Cython extensions.
 
+SLOSERVE_ASAN=1 builds the extensions with AddressSanitizer (and -O1 -g for readable reports);
+`make test-asan` uses it to build them into build/asan/ and run tests/hotpath against them.
+"""
+
+import os
 from pathlib import Path
 
 from Cython.Build import cythonize
@@ -14,8 +19,20 @@ def find_packages() -> list[str]:
     return packages
 
 
+ASAN = os.environ.get("SLOSERVE_ASAN", "").strip() not in ("", "0")
+SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"]
+COMPILE_ARGS = (
+    ["-O1", "-g", *SANITIZE, "-ffp-contract=off"] if ASAN else ["-O3", "-ffp-contract=off"]
+)
+LINK_ARGS = SANITIZE if ASAN else []
+
 extensions = [
-    Extension(f"sloserve.hotpath.{pyx.stem}", [str(pyx)], extra_compile_args=["-O3", "-ffp-contract=off"])
+    Extension(
+        f"sloserve.hotpath.{pyx.stem}",
+        [str(pyx)],
+        extra_compile_args=COMPILE_ARGS,
+        extra_link_args=LINK_ARGS,
+    )
     for pyx in sorted(Path("hotpath").glob("*.pyx"))
 ]
 

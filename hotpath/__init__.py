@@ -4,12 +4,26 @@ The compiled Cython modules (`_queue`, `_blocks`, `_experts`) are used by defaul
 ``SLOSERVE_NO_EXTENSIONS=1`` before this package is first imported selects the pure-Python
 twins (`_queue_py`, `_blocks_py`, `_experts_py`), which have the same API and behaviour.
 `USING_EXTENSIONS` says which ones were loaded.
+
+Both are hardened the same way (see `_limits`): sizes above the MAX_* limits are a ValueError,
+every argument is converted once and bounds-checked, an instance whose __init__ never ran is a
+valid empty object, and the objects are not thread-safe: callers serialise, and an overlapping
+call raises RuntimeError instead of corrupting anything.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+
+from ._limits import (
+    MAX_BLOCKS,
+    MAX_EXPERT_ENTRIES,
+    MAX_QUEUE_CAPACITY,
+    MAX_QUEUE_ENTRIES,
+    MAX_REFCOUNT,
+    MAX_WORKSPACE_ROWS,
+)
 
 # NOTE: the one environment read at import time that the project allows (see HELPERS.md).
 _FORCE_PYTHON = os.environ.get("SLOSERVE_NO_EXTENSIONS", "").strip() not in ("", "0")
@@ -42,6 +56,12 @@ IMPLEMENTATION = "cython" if USING_EXTENSIONS else "python"
 
 __all__ = [
     "IMPLEMENTATION",
+    "MAX_BLOCKS",
+    "MAX_EXPERT_ENTRIES",
+    "MAX_QUEUE_CAPACITY",
+    "MAX_QUEUE_ENTRIES",
+    "MAX_REFCOUNT",
+    "MAX_WORKSPACE_ROWS",
     "USING_EXTENSIONS",
     "BlockAllocator",
     "ExpertAllocator",

@@ -12,6 +12,7 @@ cdef inline int64_t read_probe(const int64_t* p) noexcept nogil:
 
 cdef enum:
     MAX_HELD = 16  # blocks per simulated request
+    BENCH_MAX_REQUESTS = 16777216  # 2**24: the held table stays small and its size cannot wrap
 
 
 ctypedef struct BlockChurn:
@@ -92,8 +93,10 @@ def _bench_blocks(Py_ssize_t num_blocks, Py_ssize_t n_requests, Py_ssize_t n_ops
     cdef int32_t* cnt
     cdef Py_ssize_t used
     cdef const int64_t* probe_ptr = NULL
-    if num_blocks < 2 or n_requests < 1 or n_ops < 0:
-        raise ValueError("need num_blocks >= 2, n_requests >= 1, n_ops >= 0")
+    if (not 2 <= num_blocks <= MAX_BLOCKS or not 1 <= n_requests <= BENCH_MAX_REQUESTS
+            or n_ops < 0):
+        raise ValueError(f"need 2 <= num_blocks <= {MAX_BLOCKS}, "
+                         f"1 <= n_requests <= {BENCH_MAX_REQUESTS}, n_ops >= 0")
     if probe is not None:
         probe_ptr = &probe[0]
     memset(&a, 0, sizeof(Blocks))

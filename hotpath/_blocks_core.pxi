@@ -1,6 +1,11 @@
 # Included by _blocks.pyx: the C structs and `noexcept nogil` cores of the block allocator.
 # The invariants are in the module docstring of _blocks.pyx.
 
+cdef enum:
+    BLOCKS_MAX = 2147483645  # _limits.MAX_BLOCKS: ids and links are int32, plus two sentinels
+    REFS_MAX = 2147483647  # _limits.MAX_REFCOUNT
+
+
 ctypedef struct Block:  # 24 bytes: one cache line holds a block's whole state
     int32_t prev
     int32_t next
@@ -32,8 +37,15 @@ cdef inline void list_append(Blocks* a, int32_t head, int32_t b) noexcept nogil:
 
 
 cdef int b_init(Blocks* a, Py_ssize_t n) noexcept nogil:
-    """Every block but 0 free, in id order; -1 when out of memory."""
+    """Every block but 0 free, in id order; -1 when out of memory (then b_free_all it)."""
     cdef Py_ssize_t b
+    if n < 1 or n > BLOCKS_MAX:
+        a.blk = NULL
+        a.by_hash.cells = NULL
+        a.by_hash.cap = 0
+        a.by_hash.size = 0
+        a.n = 0
+        return -1
     a.n = n
     a.n_free = n - 1
     a.n_cached = 0

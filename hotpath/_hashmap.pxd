@@ -6,7 +6,8 @@ include path; every function is inline, so no module is imported at run time. De
 later entries back (no tombstones), so probe chains never grow with churn. Keys are any int64;
 values must be >= 0 (a negative value marks an empty cell), and key and value share one 16-byte
 cell so a probe touches one cache line. No Python object per entry; the table doubles when it
-is half full.
+is half full. A zeroed I64Map (cap 0, no cells) is a valid empty map: lookups find nothing and
+the first put allocates.
 """
 
 from libc.stdint cimport int64_t, uint64_t
@@ -36,9 +37,16 @@ cdef inline Py_ssize_t _home(I64Map* m, int64_t key) noexcept nogil:
 
 
 cdef inline int map_init(I64Map* m, Py_ssize_t min_entries) noexcept nogil:
-    """Empty table for at least `min_entries` before growing; -1 when out of memory."""
+    """Empty table for at least `min_entries` before growing; -1 when out of memory or range."""
     cdef Py_ssize_t cap = 16
     cdef Py_ssize_t i
+    m.cells = NULL
+    m.cap = 0
+    m.size = 0
+    # 2**40 is far below PY_SSIZE_T_MAX / (4 * sizeof(MapCell)): the doubling and the byte
+    # size below never wrap.
+    if min_entries < 0 or min_entries > (<Py_ssize_t>1 << 40):
+        return -1
     while cap < 2 * min_entries:
         cap *= 2
     m.cells = <MapCell*>malloc(cap * sizeof(MapCell))
@@ -61,8 +69,11 @@ cdef inline void map_free(I64Map* m) noexcept nogil:
 
 cdef inline Py_ssize_t map_find(I64Map* m, int64_t key) noexcept nogil:
     """Table index holding `key`, or -1."""
-    cdef Py_ssize_t mask = m.cap - 1
-    cdef Py_ssize_t i = _home(m, key)
+    cdef Py_ssize_t mask, i
+    if m.cap == 0:
+        return -1
+    mask = m.cap - 1
+    i = _home(m, key)
     while m.cells[i].val >= 0:
         if m.cells[i].key == key:
             return i
@@ -109,8 +120,8 @@ cdef inline int map_put(I64Map* m, int64_t key, int64_t val) noexcept nogil:
 
 cdef inline bint map_del(I64Map* m, int64_t key) noexcept nogil:
     """Remove `key`; False when it was absent."""
-    cdef Py_ssize_t mask = m.cap - 1
     cdef Py_ssize_t i = map_find(m, key)
+    cdef Py_ssize_t mask = m.cap - 1
     cdef Py_ssize_t j, home
     if i < 0:
         return False

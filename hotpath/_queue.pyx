@@ -33,6 +33,7 @@ heap is an array of `Node` (key, seq, starved, slot) so comparisons read contigu
 remove-by-handle O(log n). No Python object per entry.
 """
 
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.number cimport PyNumber_Index
 from libc.math cimport INFINITY, ceil, isfinite, isnan, pow
 from libc.stdint cimport int32_t, int64_t, uint64_t
@@ -40,116 +41,249 @@ from libc.stdlib cimport free, malloc, qsort, realloc
 
 from _hashmap cimport I64Map, map_del, map_find, map_free, map_init, map_put
 
-from ._queue_py import check_handle, check_now, check_push, check_queue_args
+from ._limits import MAX_QUEUE_CAPACITY, MAX_QUEUE_ENTRIES, busy_error
+from ._queue_py import (
+    check_handle,
+    check_now,
+    check_push,
+    check_queue_args,
+    queue_full_error,
+)
+from ._queue_py import target_batch_size as _py_target_batch_size
 
 include "_queue_core.pxi"
 
+if MAX_QUEUE_ENTRIES != QUEUE_MAX_ENTRIES:
+    raise ImportError("_queue: QUEUE_MAX_ENTRIES disagrees with _limits.MAX_QUEUE_ENTRIES")
+
 
 cdef class RequestQueue:
-    """SLO priority queue over caller-chosen int handles; see the module docstring for the order."""
+    """SLO priority queue over caller-chosen int handles; see the module docstring for the order.
+
+    Not thread-safe: callers serialise (see `_limits`); a call that overlaps another call on the
+    same queue raises RuntimeError and changes nothing. `rekey` and `handles_in_order` run their
+    O(n) passes without the GIL; every other method is O(log n) or O(1) and keeps it.
+    """
 
     cdef Queue q
+    cdef int _busy  # set for the duration of every call that touches the tables
     cdef readonly double aging
     cdef readonly double max_wait_s
     cdef readonly double length_weight_s
+    # GIL-release test hook (`_set_gil_probe`); NULL in normal use.
+    cdef const int64_t* _probe
+    cdef object _probe_owner
+    cdef int64_t _probe_target
+    cdef int64_t _probe_max_spins
+    cdef bint _probe_hold_gil
+    cdef readonly int64_t _probe_advance
+
+    def __cinit__(self, *args, **kwargs):
+        # A valid empty queue with the default parameters, so an instance whose __init__ never
+        # ran (cls.__new__(cls)) works like RequestQueue() with capacity 0.
+        self.aging = 0.95
+        self.max_wait_s = 0.2
+        self.length_weight_s = 1e-4
+        if q_init(&self.q, 0, self.aging, self.max_wait_s, self.length_weight_s) < 0:
+            q_free(&self.q)
+            raise MemoryError("RequestQueue: out of memory")
 
     def __init__(self, double aging=0.95, double max_wait_s=0.2, double length_weight_s=1e-4,
-                 Py_ssize_t capacity=1024):
-        check_queue_args(aging, max_wait_s, length_weight_s, capacity)
+                 capacity=1024):
+        cdef Queue fresh
+        cap = PyNumber_Index(capacity)
+        check_queue_args(aging, max_wait_s, length_weight_s, cap)
+        if q_init(&fresh, <Py_ssize_t>cap, aging, max_wait_s, length_weight_s) < 0:
+            q_free(&fresh)
+            raise MemoryError(f"RequestQueue: out of memory for capacity {cap}")
+        if self._busy:
+            q_free(&fresh)
+            raise busy_error("RequestQueue", "__init__")
         q_free(&self.q)
+        self.q = fresh
         self.aging = aging
         self.max_wait_s = max_wait_s
         self.length_weight_s = length_weight_s
-        if q_init(&self.q, capacity, aging, max_wait_s, length_weight_s) < 0:
-            raise MemoryError("RequestQueue: out of memory")
 
     def __dealloc__(self):
         q_free(&self.q)
+
+    cdef inline int _enter(self, str method) except -1:
+        if self._busy:
+            raise busy_error("RequestQueue", method)
+        self._busy = 1
+        return 0
 
     def __len__(self):
         return self.q.size
 
     def __contains__(self, handle):
+        cdef int overflow = 0
         cdef int64_t h
         try:
-            h = PyNumber_Index(handle)
-        except (OverflowError, TypeError):
+            value = PyNumber_Index(handle)
+        except TypeError:
             return False
-        return map_find(&self.q.index, h) >= 0
+        h = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if overflow:
+            return False
+        self._enter("__contains__")
+        try:
+            return map_find(&self.q.index, h) >= 0
+        finally:
+            self._busy = 0
 
     def push(self, handle, double deadline, prompt_tokens, double now):
         """Queue `handle`; deadline is the absolute time.monotonic() of its SLO."""
+        cdef int overflow = 0
         cdef int64_t h, tokens
         cdef int rc
-        try:
-            h = PyNumber_Index(handle)
-        except OverflowError:
+        handle = PyNumber_Index(handle)
+        h = PyLong_AsLongLongAndOverflow(handle, &overflow)
+        if overflow:
             check_handle(handle)
-            raise
-        try:
-            tokens = PyNumber_Index(prompt_tokens)
-        except OverflowError:
+        prompt_tokens = PyNumber_Index(prompt_tokens)
+        tokens = PyLong_AsLongLongAndOverflow(prompt_tokens, &overflow)
+        if (overflow or tokens < 0 or isnan(deadline) or deadline == -INFINITY
+                or not isfinite(now)):
             check_push(deadline, prompt_tokens, now)
-            raise
-        if isnan(deadline) or deadline == -INFINITY or not isfinite(now) or tokens < 0:
-            check_push(deadline, tokens, now)
-        rc = q_push(&self.q, h, deadline, tokens, now)
+        self._enter("push")
+        try:
+            rc = q_push(&self.q, h, deadline, tokens, now)
+        finally:
+            self._busy = 0
         if rc == -2:
             raise ValueError(f"handle {h} is already queued; remove it first")
+        if rc == QUEUE_FULL:
+            raise queue_full_error()
         if rc < 0:
             raise MemoryError("RequestQueue: out of memory")
 
     def peek(self):
         """Most urgent handle, left in the queue; IndexError when empty."""
-        if self.q.size == 0:
-            raise IndexError("peek from an empty RequestQueue")
-        return self.q.entries[self.q.heap[0].slot].handle
+        self._enter("peek")
+        try:
+            if self.q.size == 0:
+                raise IndexError("peek from an empty RequestQueue")
+            return self.q.entries[self.q.heap[0].slot].handle
+        finally:
+            self._busy = 0
 
     def pop(self):
         """Remove and return the most urgent handle; IndexError when empty."""
-        if self.q.size == 0:
-            raise IndexError("pop from an empty RequestQueue")
-        return q_remove_at(&self.q, 0)
+        self._enter("pop")
+        try:
+            if self.q.size == 0:
+                raise IndexError("pop from an empty RequestQueue")
+            return q_remove_at(&self.q, 0)
+        finally:
+            self._busy = 0
 
     def remove(self, handle):
         """Drop a queued handle (cancellation); ValueError when it is not queued."""
+        cdef int overflow = 0
         cdef int64_t h
+        cdef bint found = False
+        handle = PyNumber_Index(handle)
+        h = PyLong_AsLongLongAndOverflow(handle, &overflow)
+        self._enter("remove")
         try:
-            h = PyNumber_Index(handle)
-        except OverflowError:
-            raise ValueError(f"handle {handle!r} is not in the queue") from None
-        if not q_remove(&self.q, h):
+            found = not overflow and q_remove(&self.q, h)
+        finally:
+            self._busy = 0
+        if not found:
             raise ValueError(f"handle {handle!r} is not in the queue")
 
     def rekey(self, double now):
         """One nogil pass: every entry waits one more step, keys recomputed for `now`, re-heapify."""
         if not isfinite(now):
             check_now(now)
-        with nogil:
-            q_rekey(&self.q, now)
+        self._enter("rekey")
+        try:
+            if self._probe_hold_gil:
+                self._rekey_section(now)
+            else:
+                with nogil:
+                    self._rekey_section(now)
+        finally:
+            self._busy = 0
+
+    cdef void _rekey_section(self, double now) noexcept nogil:
+        cdef int64_t start = 0
+        if self._probe != NULL:
+            start = probe_read(self._probe)
+        q_rekey(&self.q, now)
+        if self._probe != NULL:
+            self._probe_advance = probe_wait(self._probe, start, self._probe_target,
+                                             self._probe_max_spins)
 
     def handles_in_order(self):
         """Every queued handle, most urgent first (for tests and inspection; O(n log n))."""
-        cdef Py_ssize_t n = self.q.size
-        cdef Py_ssize_t i
-        cdef Node* nodes = <Node*>malloc((n if n > 0 else 1) * sizeof(Node))
-        if nodes == NULL:
-            raise MemoryError("RequestQueue: out of memory")
+        cdef Py_ssize_t n, i
+        cdef Node* nodes
+        self._enter("handles_in_order")
         try:
-            for i in range(n):
-                nodes[i] = self.q.heap[i]
-            with nogil:
-                qsort(nodes, n, sizeof(Node), node_cmp)
-            return [self.q.entries[nodes[i].slot].handle for i in range(n)]
+            n = self.q.size
+            nodes = <Node*>malloc((n if n > 0 else 1) * sizeof(Node))
+            if nodes == NULL:
+                raise MemoryError("RequestQueue: out of memory")
+            try:
+                for i in range(n):
+                    nodes[i] = self.q.heap[i]
+                if self._probe_hold_gil:
+                    self._sort_section(nodes, n)
+                else:
+                    with nogil:
+                        self._sort_section(nodes, n)
+                return [self.q.entries[nodes[i].slot].handle for i in range(n)]
+            finally:
+                free(nodes)
         finally:
-            free(nodes)
+            self._busy = 0
+
+    cdef void _sort_section(self, Node* nodes, Py_ssize_t n) noexcept nogil:
+        cdef int64_t start = 0
+        if self._probe != NULL:
+            start = probe_read(self._probe)
+        qsort(nodes, n, sizeof(Node), node_cmp)
+        if self._probe != NULL:
+            self._probe_advance = probe_wait(self._probe, start, self._probe_target,
+                                             self._probe_max_spins)
+
+    def _set_gil_probe(self, int64_t[::1] probe=None, int64_t target=0,
+                       int64_t max_spins=0, bint release_gil=True):
+        """Test hook (tests/hotpath/test_gil.py): each GIL-free section then waits for probe[0].
+
+        With a probe, the sections of `rekey` and `handles_in_order` read probe[0] when they
+        start and, after their work, spin until it has advanced by `target` (at most max_spins
+        reads), recording the advance in `_probe_advance`. Only a Python thread can advance it,
+        so an advance proves the section ran without the GIL; release_gil=False runs the same
+        sections holding it (the control). probe=None switches the hook off.
+        """
+        self._enter("_set_gil_probe")
+        try:
+            self._probe = NULL if probe is None else &probe[0]
+            self._probe_owner = probe
+            self._probe_target = target
+            self._probe_max_spins = max_spins
+            self._probe_hold_gil = not release_gil
+            self._probe_advance = 0
+        finally:
+            self._busy = 0
 
 
 def target_batch_size(max_batch, queue_depth, double decay=0.9):
     """ceil(max_batch * (1 - decay ** queue_depth)), at least 1 while anything waits, 0 if none."""
-    cdef long long batch = PyNumber_Index(max_batch)
-    cdef long long depth = PyNumber_Index(queue_depth)
+    cdef int overflow_b = 0, overflow_d = 0
+    cdef long long batch, depth
     cdef double target
+    max_batch = PyNumber_Index(max_batch)
+    queue_depth = PyNumber_Index(queue_depth)
+    batch = PyLong_AsLongLongAndOverflow(max_batch, &overflow_b)
+    depth = PyLong_AsLongLongAndOverflow(queue_depth, &overflow_d)
+    if overflow_b or overflow_d or batch > (1LL << 53):
+        # Past 2**53 a double no longer holds every batch size: the twin's exact integers.
+        return _py_target_batch_size(max_batch, queue_depth, decay)
     if batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
     if depth < 0:

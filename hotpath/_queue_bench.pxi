@@ -73,8 +73,10 @@ def _bench_queue(Py_ssize_t n_live, Py_ssize_t n_ops, uint64_t seed=1, int64_t[:
     cdef Queue q
     cdef QueueChurn res
     cdef const int64_t* probe_ptr = NULL
-    if n_live < 1 or n_ops < 0:
-        raise ValueError(f"need n_live >= 1 and n_ops >= 0, got {n_live}, {n_ops}")
+    if n_live < 1 or n_live > MAX_QUEUE_CAPACITY or n_ops < 0:
+        raise ValueError(
+            f"need 1 <= n_live <= {MAX_QUEUE_CAPACITY} and n_ops >= 0, got {n_live}, {n_ops}"
+        )
     if probe is not None:
         probe_ptr = &probe[0]
     if q_init(&q, n_live + 1, 0.95, 0.2, 1e-4) < 0:

@@ -60,13 +60,20 @@ cdef int node_cmp(const void* a, const void* b) noexcept nogil:
     return 1 if node_less(<const Node*>b, <const Node*>a) else 0
 
 
+cdef enum:
+    QUEUE_MAX_ENTRIES = 2147483647  # _limits.MAX_QUEUE_ENTRIES: Node.slot is an int32
+    QUEUE_FULL = -3
+
+
 cdef int q_reserve(Queue* q, Py_ssize_t need) noexcept nogil:
-    """Grow both arrays to hold `need` entries; -1 when out of memory."""
+    """Grow both arrays to hold `need` entries; -1 when out of memory, QUEUE_FULL past the limit."""
     cdef Py_ssize_t cap = q.cap if q.cap > 0 else 16
     cdef void* p
     if need <= q.cap:
         return 0
-    while cap < need:
+    if need > QUEUE_MAX_ENTRIES:
+        return QUEUE_FULL
+    while cap < need:  # need <= 2**31 - 1, so cap <= 2**31 and the byte sizes cannot wrap
         cap *= 2
     p = realloc(q.heap, cap * sizeof(Node))
     if p == NULL:
@@ -82,7 +89,7 @@ cdef int q_reserve(Queue* q, Py_ssize_t need) noexcept nogil:
 
 cdef int q_init(Queue* q, Py_ssize_t capacity, double aging, double max_wait,
                 double length_weight) noexcept nogil:
-    """Initialise a Queue whose memory may be garbage; -1 when out of memory."""
+    """Initialise a Queue whose memory may be garbage; -1 when out of memory (then q_free it)."""
     q.heap = NULL
     q.entries = NULL
     q.size = 0
@@ -145,16 +152,18 @@ cdef inline void sift_down(Queue* q, Py_ssize_t i) noexcept nogil:
 
 cdef int q_push(Queue* q, int64_t handle, double deadline, int64_t tokens,
                 double now) noexcept nogil:
-    """0 when queued, -1 when out of memory, -2 when the handle is already queued."""
+    """0 when queued, -1 when out of memory, -2 when the handle is already queued, QUEUE_FULL."""
     cdef Py_ssize_t s = q.free_slot
     cdef Py_ssize_t i = q.size
     cdef Entry* e
+    cdef int rc
     if map_find(&q.index, handle) >= 0:
         return -2
     if s < 0:
         s = q.slots_used
-        if q_reserve(q, s + 1) < 0:
-            return -1
+        rc = q_reserve(q, s + 1)
+        if rc < 0:
+            return rc
     if map_put(&q.index, handle, s) < 0:
         return -1
     if s == q.slots_used:
@@ -221,3 +230,18 @@ cdef void q_rekey(Queue* q, double now) noexcept nogil:
     while i > 0:
         i -= 1
         sift_down(q, i)
+
+
+cdef inline int64_t probe_read(const int64_t* p) noexcept nogil:
+    return (<volatile const int64_t*>p)[0]
+
+
+cdef int64_t probe_wait(const int64_t* p, int64_t start, int64_t target,
+                        int64_t max_spins) noexcept nogil:
+    """Spin until probe[0] has advanced by target since start (or max_spins reads); the advance."""
+    cdef int64_t seen = probe_read(p)
+    cdef int64_t spins = 0
+    while seen - start < target and spins < max_spins:
+        spins += 1
+        seen = probe_read(p)
+    return seen - start

@@ -9,6 +9,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from sloserve.hotpath import MAX_EXPERT_ENTRIES, MAX_QUEUE_CAPACITY
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -42,6 +44,10 @@ class ModelConfig:
     dtype: str = "auto"  # 'auto' (float32 on CPU, bfloat16 on GPU), 'float32', 'bfloat16', 'float16'
     attention_backend: str = "auto"  # 'auto', 'reference', 'sdpa', 'flash', 'triton'
     max_model_len: int | None = None  # defaults to the checkpoint's max_position_embeddings
+    # True: run the decode step eagerly; False: torch.compile it (batch buckets, warmed at start-up);
+    # None: the device's default, eager on a CPU (compiling costs ~30 s per shape there and pays
+    # only at small batches; see executor/compiled.py)
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model path must not be empty (use 'default' for the built-in model)")
@@ -54,7 +60,7 @@ class ModelConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16  # tokens per KV page
+    block_size: int | None = None  # tokens per KV page; None: the attention backend's (flash 256, else 16)
     kv_pool_bytes: int | None = None  # None: a default that suits the device (see memory.pool)
     gpu_memory_fraction: float = 0.85  # used on a GPU when kv_pool_bytes is None
     arena_bytes: int | None = None  # None: 256 MiB on GPU, 16 MiB on CPU
@@ -63,11 +69,13 @@ class CacheConfig:
     expert_slots_per_layer: int | None = None  # MoE resident experts per layer; None = all
 
     def __post_init__(self) -> None:
-        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-                 f"block_size must be a power of two, got {self.block_size}")
+        bs = self.block_size
+        _require(bs is None or (bs > 0 and bs & (bs - 1) == 0), f"block_size must be a power of two, got {bs}")
         _require(self.kv_pool_bytes is None or self.kv_pool_bytes > 0, "kv pool size must be > 0 bytes")
         _require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu memory fraction must be in (0, 1]")
         _require(self.swap_bytes >= 0, "swap space must be >= 0 bytes")
+        _require(self.expert_slots_per_layer is None or self.expert_slots_per_layer <= MAX_EXPERT_ENTRIES,
+                 f"expert slots per layer must be <= {MAX_EXPERT_ENTRIES}, got {self.expert_slots_per_layer}")
 
 
 @dataclass(slots=True)
@@ -100,6 +108,8 @@ class SchedulerConfig:
         _require(math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max wait must be > 0 seconds")
         _require(self.length_weight_s >= 0, "length weight must be >= 0")
         _require(self.max_waiting >= 1, "max waiting must be >= 1")
+        _require(self.max_waiting <= MAX_QUEUE_CAPACITY,
+                 f"max waiting must be <= {MAX_QUEUE_CAPACITY} (the hot-path queue's limit), got {self.max_waiting}")
         _require(self.queue_timeout_s > 0, "queue timeout must be > 0 seconds")
 
 
@@ -116,6 +126,7 @@ class ServerConfig:
     tls_key: str | None = None
     grace_s: float = 10.0
     log_format: str = "text"
+    engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
