@@ -17,11 +17,31 @@ class RequestStream:
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Called from any thread."""
+        """Called from any thread (directly, without waking the loop, from the loop's own thread)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._queue.put_nowait(item)
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def take_ready(self) -> list[RequestOutput]:
+        """Outputs already queued behind the one just read, up to a finished one or an exception
+        (so a consumer that fell behind can merge them into one message); never waits."""
+        ready: list[RequestOutput] = []
+        while not self.finished and not self._queue.empty():
+            item = self._queue._queue[0]  # NOTE: peek; an exception stays for __anext__ to raise
+            if isinstance(item, BaseException):
+                break
+            ready.append(self._queue.get_nowait())
+            if item.finished:
+                self.finished = True
+        return ready
 
     def __aiter__(self) -> RequestStream:
         return self

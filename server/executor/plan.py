@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from sloserve.config import SloserveConfig
 from sloserve.executor.inputs import workspace_bytes
+from sloserve.hotpath import MAX_BLOCKS
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import CPU_DEFAULT_POOL_BYTES, default_arena_bytes, default_pool_bytes
 from sloserve.models.spec import ModelSpec
@@ -71,9 +72,13 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
     if num_pages - 1 < max_blocks:
         raise ValueError(
             f"the KV pool holds {max(num_pages - 1, 0)} pages of {block} tokens, fewer than one "
-            f"{max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool) "
+            f"{max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool-size) "
             "or lower max_model_len"
         )
+    if num_pages > MAX_BLOCKS:
+        raise ValueError(
+            f"the KV pool would hold {num_pages} pages of {block} tokens, more than the block allocator's "
+            f"limit of {MAX_BLOCKS}; lower kv_pool_bytes (--kv-pool-size) or raise the block size")
     return MemoryPlan(
         max_tokens=max_tokens, max_seqs=sc.max_batch, max_blocks=max_blocks, page_bytes=page_bytes,
         num_pages=num_pages, expert_slots=slots if partial else None, workspace_bytes=ws_bytes,

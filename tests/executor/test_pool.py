@@ -64,3 +64,16 @@ def test_report_counts_bytes_and_arenas():
     assert report["used_bytes"] == 256 * 1024 and report["free_bytes"] == 3 * MiB - 256 * 1024
     assert report["carves"]["w"]["shape"] == [256, 256]
     assert report["pinned"] is False  # no CUDA here: never pinned
+
+
+def test_a_pool_with_more_pages_than_the_block_allocator_can_index_is_refused(monkeypatch, tiny_llama):
+    from sloserve.config import CacheConfig, ModelConfig, SloserveConfig
+    from sloserve.executor import plan as plan_module
+    from sloserve.models.spec import load_spec
+
+    monkeypatch.setattr(plan_module, "MAX_BLOCKS", 100)
+    config = SloserveConfig(model=ModelConfig(device="cpu", max_model_len=64),
+                            cache=CacheConfig(block_size=16, kv_pool_bytes=64 * 2**20))
+    spec = load_spec(tiny_llama)
+    with pytest.raises(ValueError, match="more than the block allocator's limit of 100"):
+        plan_module.plan_memory(config, spec, 64, torch.device("cpu"), torch.float32, 16)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
 
@@ -37,7 +38,7 @@ class _Req:
     params: SamplingParams
     slo: SLO | None
     blocks: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
+    stream: RequestStream  # what add_request returned: RequestOutputs, or an exception to raise
     task: asyncio.Task | None = None
     arrival: float = field(default_factory=time.monotonic)
     scheduled: float = field(default_factory=time.monotonic)  # when add_request took it
@@ -102,7 +103,7 @@ class FakeEngine:
             self._stats.refusals["no_kv_blocks"] = self._stats.refusals.get("no_kv_blocks", 0) + 1
             raise RequestRefusedError("no_kv_blocks", "not enough KV cache blocks free; retry later")
         self._free -= blocks
-        req = _Req(request_id, ids, params, slo, blocks)
+        req = _Req(request_id, ids, params, slo, blocks, RequestStream(request_id, asyncio.get_running_loop()))
         if arrival_time is not None:  # like the real engine: times and deadlines count from it
             req.arrival = arrival_time
         self.arrivals[request_id] = req.arrival
@@ -110,16 +111,7 @@ class FakeEngine:
         self.slos[request_id] = slo
         self._stats.prompt_tokens_total += len(ids)
         req.task = asyncio.create_task(self._run(req))
-        return self._iterate(req)
-
-    async def _iterate(self, req: _Req) -> AsyncIterator[RequestOutput]:
-        while True:
-            out = await req.queue.get()
-            if isinstance(out, BaseException):
-                raise out
-            yield out
-            if out.finished:
-                return
+        return req.stream
 
     async def _run(self, req: _Req) -> None:
         """Produce the request's outputs; an exception goes to its stream instead of vanishing."""
@@ -130,7 +122,7 @@ class FakeEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, who raises it
             if self.reqs.pop(req.id, None) is not None:
                 self._free += req.blocks
-            req.queue.put_nowait(exc)
+            req.stream.put(exc)
 
     async def _produce(self, req: _Req) -> None:
         failure = self.late_failures.get(self.tokenizer.decode(req.prompt))
@@ -138,7 +130,7 @@ class FakeEngine:
             await asyncio.sleep(self.step_s)
             self.reqs.pop(req.id, None)
             self._free += req.blocks
-            req.queue.put_nowait(RequestOutput(req.id, [], "", True, "error", failure[1], len(req.prompt),
+            req.stream.put(RequestOutput(req.id, [], "", True, "error", failure[1], len(req.prompt),
                                             refusal_reason=failure[0]))
             return
         base = sum(req.prompt)
@@ -155,14 +147,14 @@ class FakeEngine:
             if i == req.params.max_tokens - 1:
                 self._finish(req, "length", i + 1, first, [tok])
                 return
-            req.queue.put_nowait(RequestOutput(req.id, [tok], chr(tok), False))
+            req.stream.put(RequestOutput(req.id, [tok], chr(tok), False))
 
     def _finish(self, req: _Req, reason: str, n: int, first: float | None, last: list[int]) -> None:
         if self.reqs.pop(req.id, None) is None:
             return
         self._free += req.blocks
         self._stats.requests_finished_total += 1
-        req.queue.put_nowait(RequestOutput(
+        req.stream.put(RequestOutput(
             req.id, last, "".join(chr(t) for t in last), True, reason, None, len(req.prompt), n, 0,
             req.arrival, req.scheduled, first, time.monotonic()))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from sloserve.config import ServerConfig, SloserveConfig
 from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.stream import RequestStream
 from sloserve.frontend import (
     Failure,
     FailureCode,
@@ -81,9 +83,9 @@ class _ErrorEngine(FakeEngine):
         self.out = out
 
     def add_request(self, request_id, prompt, params, slo=None, arrival_time=None):
-        async def stream():
-            yield self.out
-        return stream()
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream.put(self.out)
+        return stream
 
 
 @pytest.mark.parametrize(("out", "code", "reason"), [

@@ -1,4 +1,4 @@
-"""Text prompts are tokenized once, in a worker thread: the event loop keeps serving meanwhile."""
+"""Text prompts are tokenized once, a long one in a worker thread: the event loop keeps serving meanwhile."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import threading
 
 import grpc
 import pytest
+from sloserve.frontend.frontend import INLINE_TOKENIZE_CHARS
 from sloserve.frontend.limits import MAX_CHARS_PER_TOKEN
 from sloserve.pb import serving_pb2 as pb
 
@@ -13,6 +14,10 @@ from tests.service.fake_engine import ByteTokenizer, FakeEngine
 from tests.service.helpers import Transcript, cancel, gen, live_server, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
+
+SLOW = "tokenize me " * 30  # longer than INLINE_TOKENIZE_CHARS: tokenized in a worker thread
+NEVER = "never runs " * 30
+assert len(SLOW) > INLINE_TOKENIZE_CHARS and len(NEVER) > INLINE_TOKENIZE_CHARS
 
 
 class GatedTokenizer(ByteTokenizer):
@@ -44,7 +49,7 @@ class RecordingEngine(FakeEngine):
 
 @pytest.fixture
 def gated():
-    engine = RecordingEngine(step_s=0.002)
+    engine = RecordingEngine(step_s=0.002, max_model_len=1024)
     engine.tokenizer = tok = GatedTokenizer()
     yield engine, tok
     tok.gate.set()  # never leave a worker thread blocked
@@ -54,7 +59,7 @@ async def test_the_loop_keeps_serving_while_a_prompt_is_tokenized(gated):
     engine, tok = gated
     async with live_server(engine) as (_, stub, _):
         call = stub.Stream()
-        await call.write(gen("slow", text="tokenize me", max_tokens=3))
+        await call.write(gen("slow", text=SLOW, max_tokens=3))
         await wait_for(tok.entered.is_set)
         # encode() is blocked, yet other calls are answered and the stream reader still reads
         assert (await stub.Info(pb.InfoRequest())).max_model_len == engine.max_model_len
@@ -69,9 +74,9 @@ async def test_the_loop_keeps_serving_while_a_prompt_is_tokenized(gated):
         await call.done_writing()
         final = transcript.terminal("slow").final
         assert (final.finish_reason, final.prompt_tokens, final.completion_tokens) == (
-            pb.FINISH_REASON_LENGTH, len("tokenize me"), 3)
+            pb.FINISH_REASON_LENGTH, len(SLOW), 3)
         assert "".join(c.text for c in transcript.chunks("slow")) == "".join(map(chr, transcript.tokens("slow")))
-    assert engine.prompts == {"slow": list(b"tokenize me")}  # the engine got token ids: no second encode
+    assert engine.prompts == {"slow": list(SLOW.encode())}  # the engine got token ids: no second encode
     assert len(tok.threads) == 1
 
 
@@ -79,7 +84,7 @@ async def test_cancel_while_tokenizing_ends_with_cancelled_and_never_reaches_the
     engine, tok = gated
     async with live_server(engine) as (server, stub, _):
         call = stub.Stream()
-        await call.write(gen("c", text="never runs", max_tokens=5))
+        await call.write(gen("c", text=NEVER, max_tokens=5))
         await wait_for(tok.entered.is_set)
         await call.write(cancel("c"))
         await call.write(cancel("nobody"))  # answered in order: once this reply is here, "c" was cancelled
@@ -87,7 +92,7 @@ async def test_cancel_while_tokenizing_ends_with_cancelled_and_never_reaches_the
         tok.gate.set()
         final = (await call.read()).final
         assert (final.request_id, final.finish_reason, final.prompt_tokens, final.completion_tokens) == (
-            "c", pb.FINISH_REASON_CANCELLED, len("never runs"), 0)
+            "c", pb.FINISH_REASON_CANCELLED, len(NEVER), 0)
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
         assert engine.prompts == {} and server.frontend.inflight == 0
@@ -122,3 +127,12 @@ async def test_a_text_far_over_the_context_is_refused_before_tokenizing(gated):
         assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and f"limit of {limit}" in err.message
         await call.done_writing()
     assert tok.threads == [] and engine.prompts == {}
+
+
+async def test_a_short_prompt_is_tokenized_inline(gated):
+    engine, tok = gated
+    tok.gate.set()
+    async with live_server(engine) as (_, stub, _):
+        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="s", text="short", max_tokens=2))]
+        assert msgs[-1].final.prompt_tokens == len("short")
+    assert tok.threads == [threading.get_ident()]  # the event loop's thread: no hand-off for 5 characters
