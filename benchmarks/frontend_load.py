@@ -67,7 +67,7 @@ async def _phase(target: str, items: list[WorkloadItem], args, flood_rate: float
 def run_arm(arm: str, args) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", args.model, "--device", "cpu",
-           "--port", str(port), "--metrics-port", "off", "--max-model-len", "512"]
+           "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--max-model-len", "512"]
     if arm == "thread":
         cmd.append("--no-engine-process")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -54,6 +54,20 @@ def _slo(ttft: float | None, tpot: float | None, e2e: float | None) -> SLO | Non
     return None if ttft is None and tpot is None and e2e is None else SLO(ttft, tpot, e2e)
 
 
+async def _run_http(url: str, items: list, specs: list[LoadSpec], connect_timeout: float,
+                    ready_timeout: float, progress) -> tuple[dict, list[RunResult]]:
+    from sloserve.bench import http_client
+
+    async with http_client.open_client(url, specs[0].auth_token, connect_timeout) as client:
+        await http_client.wait_ready(client, ready_timeout)
+        info = await http_client.fetch_info(client)
+        results = []
+        for i, spec in enumerate(specs):
+            results.append(await http_client.run_load(client, items, spec, progress, id_prefix=f"bench{i}",
+                                                      model=info.get("model")))
+        return info, results
+
+
 async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout: float,
                ready_timeout: float, progress) -> tuple[dict, list[RunResult]]:
     channel = await connect(server, connect_timeout)
@@ -70,6 +84,8 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
 
 @click.command("bench", cls=_OneLineCommand)
 @click.option("--server", default="127.0.0.1:50051", show_default=True, help="HOST:PORT of a running sloserve.")
+@click.option("--url", default=None,
+              help="Drive the OpenAI-compatible HTTP API at this base URL (http://HOST:PORT) instead of gRPC.")
 @click.option("--workload", default=None,
               help="arc:DIR, jsonl:FILE, synthetic-arc or fixed:PROMPT_TOKENS,OUTPUT_TOKENS "
                    "[default: the ARC-AGI-2 trace if present, else synthetic-arc]")
@@ -99,11 +115,13 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
               help="Write the report as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write latency CDFs (and, for a sweep, attainment and P99 vs rate) as a PNG.")
-def bench(server, workload, attempts, max_tokens, num_requests, duration, rate, concurrency, streams, seed,
+def bench(server, url, workload, attempts, max_tokens, num_requests, duration, rate, concurrency, streams, seed,
           slo_ttft, slo_tpot, slo_e2e, temperature, ignore_eos, request_timeout, connect_timeout,
           ready_timeout, auth_token, json_path, plot_path) -> None:
     """Send a workload to a running server and report latency, throughput, SLO attainment, goodput."""
     rates = parse_rates(rate)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise BenchInputError(f"--url must start with http:// or https://, got {url!r}")
     slo = _slo(slo_ttft, slo_tpot, slo_e2e)
     workload = workload or default_workload()
     if num_requests is None and duration is None:
@@ -133,7 +151,10 @@ def bench(server, workload, attempts, max_tokens, num_requests, duration, rate, 
     try:
         if bar is not None:
             bar.__enter__()
-        info, results = asyncio.run(_run(server, items, specs, connect_timeout, ready_timeout, progress))
+        if url is not None:
+            info, results = asyncio.run(_run_http(url, items, specs, connect_timeout, ready_timeout, progress))
+        else:
+            info, results = asyncio.run(_run(server, items, specs, connect_timeout, ready_timeout, progress))
     except ConnectionError as exc:
         raise BenchInputError(str(exc)) from None
     finally:
@@ -146,8 +167,9 @@ def bench(server, workload, attempts, max_tokens, num_requests, duration, rate, 
               "rates": [rate_label(r) for r in rates], "concurrency": concurrency, "streams": streams,
               "seed": seed, "temperature": temperature, "ignore_eos": ignore_eos,
               "slo": None if slo is None else {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}}
-    report = build_report(server, info, workload, config, runs)
-    click.echo(f"server {server}  model {info.get('model', '?')}  device {info.get('device', '?')}  "
+    target = url or server
+    report = build_report(target, info, workload, config, runs)
+    click.echo(f"server {target}  model {info.get('model', '?')}  device {info.get('device', '?')}  "
                f"workload {workload}")
     click.echo(format_table(runs))
     try:

@@ -1,22 +1,20 @@
-"""Asyncio load generator over sloserve's bidirectional Stream RPC.
+"""Asyncio load generator over sloserve's bidirectional Stream RPC (HTTP: sloserve.bench.http_client).
 
-Requests are spread round-robin over ``streams`` open streams. Arrivals are Poisson at
-``rate`` requests/s (``inf`` sends as fast as allowed); ``concurrency`` caps requests in flight
-(with an infinite rate that is a closed loop). A run ends after ``num_requests`` arrivals or once
-``duration_s`` has passed, and then waits for the requests in flight.
+Requests are spread round-robin over ``streams`` open streams; the arrival process (Poisson or
+closed loop) is sloserve.bench.driver's, shared by both protocols.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-from sloserve.bench.stats import RequestRecord, effective_slo
+from sloserve.bench.driver import drive
+from sloserve.bench.stats import RequestRecord
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
@@ -242,50 +240,5 @@ async def run_load(channel: grpc.aio.Channel, items: list[WorkloadItem], spec: L
         raise ValueError("the workload holds no requests")
     stub = pb_grpc.SloserveStub(channel)
     conns = [_StreamConn(stub, _metadata(spec.auth_token)) for _ in range(spec.streams)]
-    rng = random.Random(spec.seed)
-    limit = spec.num_requests or (None if spec.duration_s else len(items))
-    gate = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
-    result = RunResult(rate=spec.rate)
-    tasks: list[asyncio.Task] = []
-
-    async def one(index: int, conn: _StreamConn, item: WorkloadItem) -> None:
-        slo = effective_slo(item.slo, spec.slo)
-        request_id = f"{id_prefix}-{index}"
-        record = RequestRecord(request_id, 0.0, item.max_tokens, item.expected_output, slo)
-        result.records.append(record)
-        try:
-            done = await conn.send(build_request(request_id, item, spec, slo), record)
-            try:
-                await asyncio.wait_for(asyncio.shield(done), spec.request_timeout_s)
-            except TimeoutError:
-                await conn.give_up(request_id)
-            if on_done is not None:
-                on_done(record)
-        finally:
-            if gate is not None:
-                gate.release()
-
-    start = time.perf_counter()
-    next_arrival = start
-    try:
-        index = 0
-        while limit is None or index < limit:
-            if math.isfinite(spec.rate):
-                next_arrival += rng.expovariate(spec.rate)
-                await asyncio.sleep(max(0.0, next_arrival - time.perf_counter()))
-            if spec.duration_s is not None and time.perf_counter() - start >= spec.duration_s:
-                break
-            if gate is not None:
-                await gate.acquire()
-            tasks.append(asyncio.create_task(
-                one(index, conns[index % len(conns)], items[index % len(items)])))
-            index += 1
-            await asyncio.sleep(0)  # let the request task write before the next arrival
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*(conn.close() for conn in conns), return_exceptions=True)
-    ends = [r.end_time for r in result.records if r.end_time is not None]
-    result.duration_s = (max(ends) if ends else time.perf_counter()) - start
-    return result
+    records, duration_s = await drive(conns, items, spec, build_request, on_done, id_prefix)
+    return RunResult(spec.rate, records, duration_s)

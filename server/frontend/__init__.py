@@ -1,7 +1,7 @@
 """The transport-neutral front end: validation, tokenizing, in-flight accounting, drain, metrics.
 
-Transports (sloserve.grpc) adapt their messages to and from these plain types; nothing here
-imports a transport.
+Transports (sloserve.grpc, sloserve.http) adapt their messages to and from these plain types;
+nothing here imports a transport. lifecycle.py runs the one engine client under both.
 """
 
 from sloserve.frontend.failures import Failure, FailureCode, RequestFailed

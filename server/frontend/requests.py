@@ -17,6 +17,8 @@ class ParsedRequest:
     prompt: str | list[int]
     params: SamplingParams
     slo: SLO | None = None
+    priority: int = 0  # NOTE: carried from the edge; no scheduling policy reads it yet
+    add_special_tokens: bool = True  # False for a chat prompt: its template already wrote them
 
 
 @dataclass(slots=True, frozen=True)

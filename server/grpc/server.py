@@ -1,4 +1,4 @@
-"""The gRPC server around one front end: service, health, reflection, metrics endpoint, drain."""
+"""The gRPC edge around the shared front end: service, health, reflection; an Edge of the Lifecycle."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from sloserve.config import SloserveConfig
 from sloserve.frontend import Frontend, Metrics
+from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.grpc import handlers
 from sloserve.grpc.interceptors import AuthInterceptor, ExceptionInterceptor
 from sloserve.grpc.service import SloserveService
@@ -38,31 +39,51 @@ def read_tls(cert: str, key: str) -> grpc.ServerCredentials:
 
 
 class SloserveServer:
-    """One gRPC server around one engine; readiness follows the engine, SIGTERM drains it.
+    """The gRPC edge over one front end: service, health, reflection; readiness follows the engine.
 
     Health: "" (liveness) is SERVING while the process can make progress; SERVICE_NAME
     (readiness) is SERVING only when the engine is loaded, warmed up, alive (loop not stuck) and
-    the server is not draining. When the engine loop has died, `dead` is set: the caller exits
-    non-zero so an orchestrator restarts it.
+    the server is not draining. The engine's life (load, watchdog, drain, stop) is the
+    `Lifecycle`'s: given one, this server is one of its edges (`sloserve serve` also runs the
+    HTTP edge on it); without one it makes and owns its own, so that start/drain/stop run it all.
     """
 
-    def __init__(self, config: SloserveConfig, engine: Any, *, watchdog_interval_s: float = 0.5) -> None:
+    def __init__(self, config: SloserveConfig, engine: Any, *, watchdog_interval_s: float = 0.5,
+                 lifecycle: Lifecycle | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.watchdog_interval_s = watchdog_interval_s
-        self.metrics = Metrics(engine.stats)
-        self.frontend = Frontend(engine, config, self.metrics)
+        self._owns_lifecycle = lifecycle is None
+        self.lifecycle = lifecycle or Lifecycle(config, engine, watchdog_interval_s=watchdog_interval_s)
+        self.lifecycle.edges.append(self)
         self.service = SloserveService(self.frontend)
         self.health = health_aio.HealthServicer()
-        self.dead = asyncio.Event()
-        self.start_error: BaseException | None = None  # why the engine failed to load, if it did
         self.port = 0
-        self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._stop_grace_s: float | None = None  # drain stops with 0.5 s of grace
+
+    # the shared parts, read through the lifecycle (tests and callers use these names)
+    @property
+    def frontend(self) -> Frontend:
+        return self.lifecycle.frontend
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.lifecycle.metrics
+
+    @property
+    def dead(self) -> asyncio.Event:
+        return self.lifecycle.dead
+
+    @property
+    def start_error(self) -> BaseException | None:
+        return self.lifecycle.start_error
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.lifecycle.metrics_port
 
     async def start(self, *, start_engine: bool = True) -> None:
-        """Bind and start serving now; load the engine in the background (readiness flips later)."""
+        """Bind and start serving now; an owned lifecycle also loads the engine in the background."""
         cfg = self.config.server
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if cfg.auth_token:
@@ -90,89 +111,44 @@ class SloserveServer:
                              "an address of this machine; pick another --port or --host")
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
-        if cfg.metrics_port is not None:
-            try:
-                self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
-            except OSError as exc:
-                raise ValueError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {exc.strerror}; "
-                                 "pick another --metrics-port (or --metrics-port off)") from None
+        self.lifecycle.serve_metrics()
         await server.start()
         self._server = server
+        metrics_port = self.lifecycle.metrics_port
         log.info("listening on %s:%d (%s)%s", cfg.host, self.port, "TLS" if cfg.tls_cert else "plaintext",
-                 f", metrics on http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
-        if start_engine:
-            self._tasks.append(asyncio.create_task(self._start_engine()))
-        self._tasks.append(asyncio.create_task(self._watchdog()))
+                 f", metrics on http://{cfg.host}:{metrics_port}/metrics" if metrics_port else "")
+        if self._owns_lifecycle:
+            self.lifecycle.start(start_engine=start_engine)
 
-    async def _start_engine(self) -> None:
-        try:
-            await self.engine.start()
-        except Exception as exc:  # noqa: BLE001 - a model that cannot load is fatal for this server
-            self.start_error = exc
-            if isinstance(exc, ValueError):  # CheckpointError and friends: the user's to fix, no traceback
-                log.error("cannot load model %r: %s", self.config.model.path, exc)
-            else:
-                log.error("engine failed to start: %s", exc, exc_info=exc)
-            self.dead.set()
-            return
-        info = dict(self.engine.model_info)
-        summary = ", ".join(f"{key}={info[key]}" for key in
-                            ("model", "architecture", "device", "dtype", "attention_backend", "max_model_len")
-                            if key in info)
-        log.info("model loaded and warmed up: %s", summary)
+    # ---- Edge ------------------------------------------------------------------------------
+    async def readiness(self, ready: bool, alive: bool) -> None:
+        await self.health.set(SERVICE_NAME, SERVING if ready else NOT_SERVING)
+        if not alive:
+            await self.health.set("", NOT_SERVING)
 
-    async def _watchdog(self) -> None:
-        """Poll the engine: readiness follows ready/alive; a dead loop sets `dead`."""
-        current = None
-        while True:
-            if self.engine.ready and self.engine.dead_reason is not None:
-                log.error("engine loop died: %s", self.engine.dead_reason)
-                await self.health.set(SERVICE_NAME, NOT_SERVING)
-                await self.health.set("", NOT_SERVING)
-                self.dead.set()
-                return
-            ready = self.engine.ready and self.engine.alive and not self.frontend.draining
-            if ready != current and not self.frontend.draining:
-                if current is None:
-                    log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING until the model is loaded")
-                elif ready:
-                    log.info("readiness: SERVING")
-                else:
-                    log.warning("readiness: NOT_SERVING (the engine loop is stuck or stopped)")
-                await self.health.set(SERVICE_NAME, SERVING if ready else NOT_SERVING)
-                current = ready
-            await asyncio.sleep(self.watchdog_interval_s)
+    async def begin_drain(self) -> None:
+        await self.health.enter_graceful_shutdown()
 
-    async def drain(self, grace_s: float) -> bool:
-        """Stop admitting (UNAVAILABLE), let in-flight requests finish within grace, then stop.
-
-        Once idle, open Streams stay up to STREAM_LINGER_S more (within grace) so that a client
+    async def end_drain(self, linger_s: float) -> None:
+        """Once idle, open Streams stay up to STREAM_LINGER_S more (within grace) so that a client
         writing just after the signal gets UNAVAILABLE instead of a broken stream; the drain goes
         on as soon as every client has closed its stream.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        self.frontend.start_draining()
-        await self.health.enter_graceful_shutdown()
-        log.info("draining: %d request(s) in flight, grace %.1fs", self.frontend.inflight, grace_s)
-        finished = await self.frontend.wait_idle(grace_s)
-        if finished:
-            await self.service.wait_streams_closed(max(0.0, min(STREAM_LINGER_S, deadline - loop.time())))
-        else:
-            log.warning("grace period over: cancelling %d request(s) still running", self.frontend.inflight)
+        if linger_s > 0:
+            await self.service.wait_streams_closed(min(STREAM_LINGER_S, linger_s))
         self.service.close_streams()
-        await self.stop(grace_s=0.5)
-        return finished
+
+    async def drain(self, grace_s: float) -> bool:
+        """Drain the lifecycle (and so every edge on it); see Lifecycle.drain."""
+        self._stop_grace_s = 0.5
+        return await self.lifecycle.drain(grace_s)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stop the gRPC server, the watchdog, the metrics endpoint and the engine."""
-        for task in self._tasks:
-            task.cancel()
+        """Stop the gRPC server; an owned lifecycle also stops the metrics endpoint and the engine."""
+        if grace_s is not None:
+            self._stop_grace_s = grace_s
         if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
-        await asyncio.to_thread(self.metrics.stop)  # HTTP server shutdown blocks up to 0.5 s
-        try:
-            await self.engine.stop()
-        except Exception as exc:  # noqa: BLE001 - stopping a dead engine may fail; we exit anyway
-            log.warning("engine stop: %s", exc)
+            server, self._server = self._server, None
+            await server.stop(self._stop_grace_s)
+        if self._owns_lifecycle:
+            await self.lifecycle.stop()

@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([*CLI, "serve", "--model", "default", "--device", "cpu", "--port", str(port),
-                                 "--metrics-port", "off", "--grace", "1"], stdout=out, stderr=subprocess.STDOUT)
+                                 "--metrics-port", "off", "--http-port", "off", "--grace", "1"], stdout=out, stderr=subprocess.STDOUT)
     yield f"127.0.0.1:{port}"
     proc.terminate()
     try:

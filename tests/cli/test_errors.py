@@ -38,7 +38,7 @@ CASES = [
     (["info", "--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
     (["serve", "--model", "{file}"], "is a file: give the checkpoint folder"),
     (["serve", "--model", "{ckpt}"], "is not a Hugging Face checkpoint folder: missing *.safetensors"),
-    (["serve", "--model", "{broken}", "--port", "0", "--metrics-port", "off"], "cannot load model '{broken}': "),
+    (["serve", "--model", "{broken}", "--port", "0", "--metrics-port", "off", "--http-port", "off"], "cannot load model '{broken}': "),
     (["serve", "--kv-pool-size", "lots"], "--kv-pool-size: cannot read size 'lots'"),
     (["serve", "--kv-pool-size", "0"], "--kv-pool-size: size must be > 0"),
     (["serve", "--max-batch", "0"], "--max-batch: max batch must be >= 1"),

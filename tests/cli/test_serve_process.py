@@ -29,7 +29,7 @@ async def start_server(model: str, *extra: str) -> tuple[asyncio.subprocess.Proc
     """Start `sloserve serve` on free ports; return (process, port, metrics port, logs so far)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sloserve.cli.main", "serve", "--model", model, "--port", "0",
-        "--metrics-port", "0", "--device", "cpu", "--log-format", "json", "--kv-pool-size", "16MiB", *extra,
+        "--metrics-port", "0", "--http-port", "off", "--device", "cpu", "--log-format", "json", "--kv-pool-size", "16MiB", *extra,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     logs: list[dict] = []
     while True:

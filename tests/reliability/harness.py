@@ -56,9 +56,9 @@ class ServerProcess:
 
     @classmethod
     def cli(cls, model: Path | str, *extra: str, **kw) -> ServerProcess:
-        """The real `sloserve serve` on a free port, no metrics port, JSON logs."""
+        """The real `sloserve serve` on a free port, no metrics or HTTP port, JSON logs."""
         return cls(["serve", "--model", str(model), "--device", "cpu", "--port", "0",
-                    "--metrics-port", "off", "--log-format", "json", *extra], **kw)
+                    "--metrics-port", "off", "--http-port", "off", "--log-format", "json", *extra], **kw)
 
     def _read(self) -> None:
         assert self.proc.stderr is not None

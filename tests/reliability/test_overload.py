@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 POOL_BYTES = 1024 * 8192  # 1,024 KV pages of the tiny llama (8 MiB); the swap pool is at most as big
 FIXED_OVERHEAD = 256 * 2**20  # allocator slack, gRPC buffers, Python objects of queued requests
 TTFT_SLO_S = 1.0
+REFUSAL_P99_S = 0.1
 DURATION_S = count(15, 60)
 STREAMS = 4
 CONCURRENCY = 32  # closed-loop clients while measuring capacity (half of --max-batch 64)
@@ -150,22 +151,16 @@ async def test_overload_excess_is_refused_fast_and_nothing_is_lost(server, run):
     assert server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
 
 
-# NOTE: not strict (this and the next): whether they fail depends on the offered rate, i.e. on this machine's
-# measured capacity (p99 43 ms at 139 req/s offered, 0.6-5.8 s at 300-860 req/s).
-@pytest.mark.xfail(strict=False, reason="service/engine: at a few hundred requests/s offered the server's event "
-                   "loop (parsing, admission under the engine lock, per-token chunk messages, all sharing the "
-                   "GIL with the engine thread) falls behind, so the refusal p99 exceeds 1 s")
 async def test_overload_refusals_are_fast(run):
+    """The engine runs in its own process, so refusing the excess never waits for a step's GIL."""
     refusal_s = [r.done_at - r.sent_at for r in run.refused]
-    assert quantile(refusal_s, .99) < TTFT_SLO_S, "refusals must come well before the SLO would have passed"
+    assert quantile(refusal_s, .99) < REFUSAL_P99_S, (
+        f"refusal p99 {quantile(refusal_s, .99) * 1e3:.0f} ms: refusals must come long before the SLO would pass")
 
 
-@pytest.mark.xfail(strict=False, reason="service/engine: congestion collapse -- at 500-860 requests/s offered the "
-                   "engine step time grows ~10x (front-end work takes the GIL) and completions fall to 17-21% of "
-                   "the sustainable rate (67% at 300 req/s)")
 async def test_overload_keeps_doing_useful_work(run):
     goodput = len(run.completed) / DURATION_S
-    assert goodput >= 0.5 * run.sustainable, f"{goodput:.1f} req/s completed vs {run.sustainable:.1f} sustainable"
+    assert goodput >= 0.8 * run.sustainable, f"{goodput:.1f} req/s completed vs {run.sustainable:.1f} sustainable"
 
 
 async def test_overload_memory_stays_bounded(run):
@@ -173,8 +168,5 @@ async def test_overload_memory_stays_bounded(run):
     assert run.rss_peak <= run.rss_before + 2 * POOL_BYTES + FIXED_OVERHEAD, (run.rss_before, run.rss_peak)
 
 
-@pytest.mark.xfail(strict=False, reason="admission (engine/admission.py): with 1533bb1 attainment at 10x load "
-                   "varies around the bound on this box (93.0% in one 15 s run, under 90% in the next; 44-67% "
-                   "before it), so it is not yet reliably >= 90%")
 async def test_overload_admitted_requests_keep_their_slo(run):
-    assert run.attainment >= 0.9, f"admitted requests met their TTFT SLO only {run.attainment:.1%} of the time"
+    assert run.attainment >= 0.95, f"admitted requests met their TTFT SLO only {run.attainment:.1%} of the time"

@@ -1,0 +1,151 @@
+"""The OpenAI-compatible routes (Starlette): /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics, /version -- a thin adapter over the front end."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sloserve import __version__
+from sloserve.frontend import Failure, FailureCode, RequestHandle, ServerState
+from sloserve.frontend.chat import NO_TEMPLATE, ChatTemplate
+from sloserve.frontend.lifecycle import Lifecycle
+from sloserve.http.auth import BearerAuth
+from sloserve.http.completions import Completions
+from sloserve.http.config import HttpConfig
+from sloserve.http.errors import HttpError, error_response, failure_response, http_error_response
+from sloserve.http.responses import Shape
+from sloserve.http.schemas import parse_chat, parse_completion
+from sloserve.http.slo import slo_from_wire
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+
+class HttpApi:
+    """The routes over one Lifecycle's front end; `app` is the ASGI application."""
+
+    def __init__(self, lifecycle: Lifecycle, http: HttpConfig) -> None:
+        self.lifecycle = lifecycle
+        self.frontend = lifecycle.frontend
+        self.config = lifecycle.config
+        self.model = http.model_name or self.config.model.path
+        self.auth = BearerAuth(self.config.server.auth_token)
+        self.completions = Completions(self.frontend)
+        self.created = int(time.time())
+        # --chat-template is read (and must compile) at start-up; the checkpoint's once it is loaded
+        self._override = ChatTemplate.from_file(http.chat_template) if http.chat_template else None
+        self._template: ChatTemplate | None = None
+        self._template_resolved = False
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.create_completion, methods=["POST"]),
+            Route("/v1/chat/completions", self.create_chat_completion, methods=["POST"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+        ], exception_handlers={404: _not_found, 405: _not_allowed})
+
+    # ---- generation ------------------------------------------------------------------------
+    async def create_completion(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def create_chat_completion(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        arrival = time.monotonic()  # the one arrival stamp: every time of the request counts from here
+        frontend = self.frontend
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            body = await self._json(request)
+            frontend.check_open()  # 503 while loading or draining, whatever the body says
+            slo = slo_from_wire(request.headers, body)
+            common = {"model": self.model, "default_max_tokens": frontend.default_max_tokens, "slo": slo}
+            req = (parse_chat(body, self._render, **common) if chat else parse_completion(body, **common))
+            frontend.check(req.parsed)
+        except HttpError as exc:
+            if exc.status == 400:
+                frontend.count_failure(Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc)))
+            return http_error_response(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            return failure_response(frontend.failure(exc))
+        engine_id = f"http-{uuid.uuid4().hex}"
+        if client_id := request.headers.get("x-request-id"):  # the caller's id, for logs and tracing
+            engine_id += f":{client_id[:128]}"
+        handle = RequestHandle(engine_id, arrival)
+        return await self.completions.respond(request, handle, req, Shape(chat, self.model, req.return_token_ids))
+
+    def _render(self, messages: list[dict]) -> str:
+        template = self._chat_template()
+        if template is None:
+            raise HttpError(400, NO_TEMPLATE, param="messages", code="no_chat_template")
+        return template.render(messages)
+
+    def _chat_template(self) -> ChatTemplate | None:
+        """--chat-template, else the checkpoint's; resolved once the model (its folder) is loaded."""
+        if not self._template_resolved:
+            folder = self.frontend.engine.model_info.get("model")
+            if self._override is not None:
+                if folder:
+                    self._override = ChatTemplate.from_file(self._override.origin, folder)
+                self._template = self._override
+            elif folder:
+                self._template = ChatTemplate.from_checkpoint(str(folder))
+            self._template_resolved = bool(folder)
+        return self._template
+
+    async def _json(self, request: Request) -> Any:
+        limit = self.config.server.max_message_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"the request body has {declared} bytes, over this server's limit of {limit}")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise HttpError(413, f"the request body has {len(raw)} bytes, over this server's limit of {limit}")
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
+
+    # ---- the rest --------------------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except HttpError as exc:
+            return http_error_response(exc)
+        max_len = int(self.frontend.engine.model_info.get("max_model_len") or 0) or None
+        model = {"id": self.model, "object": "model", "created": self.created, "owned_by": "sloserve",
+                 "max_model_len": max_len}
+        return _json({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        """Readiness: 200 while serving; 503 while loading, draining, stuck or dead."""
+        state = self.frontend.state
+        if self.lifecycle.ready and state == ServerState.SERVING:
+            return _json({"status": "serving"})
+        reason = "stuck" if state == ServerState.SERVING else state.value
+        return error_response(503, f"not ready: {reason}", code=reason)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.lifecycle.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, request: Request) -> Response:
+        return _json({"version": __version__})
+
+
+def _json(payload: dict) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json")
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, f"no route {request.url.path}: this server answers /v1/completions, "
+                          "/v1/chat/completions, /v1/models, /health, /metrics and /version")
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"{request.method} is not allowed on {request.url.path}")

@@ -1,0 +1,53 @@
+"""FailureCode -> HTTP status, and OpenAI's JSON error shape (the one place both are decided)."""
+
+from __future__ import annotations
+
+import orjson
+from sloserve.frontend import Failure, FailureCode
+from starlette.responses import Response
+
+STATUS = {  # the one place a front-end failure becomes an HTTP status
+    FailureCode.INVALID_ARGUMENT: 400,
+    FailureCode.RESOURCE_EXHAUSTED: 429,
+    FailureCode.DEADLINE_EXCEEDED: 504,
+    FailureCode.UNAVAILABLE: 503,
+    FailureCode.INTERNAL: 500,
+}
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
+
+RETRY_AFTER_S = 1  # a refusal for load: the queue turns over in about a second on any device
+
+
+class HttpError(Exception):
+    """An error answered before a request reached the front end (auth, JSON, a bad field)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """{"error": {message, type, param, code}} as the OpenAI API answers."""
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return Response(orjson.dumps(error_body(status, message, param=param, code=code)), status_code=status,
+                    headers=headers, media_type="application/json")
+
+
+def failure_response(failure: Failure, param: str | None = None) -> Response:
+    """The response for a front-end Failure; its reason (e.g. the refusal reason) is the error code."""
+    return error_response(STATUS[failure.code], failure.message, param=param, code=failure.reason)
+
+
+def http_error_response(exc: HttpError) -> Response:
+    return error_response(exc.status, str(exc), param=exc.param, code=exc.code)

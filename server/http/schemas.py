@@ -1,0 +1,214 @@
+"""OpenAI request JSON -> the front end's ParsedRequest; every known field checked, unknown ones ignored.
+
+A field with a bad value raises HttpError 400 naming the field and what to change. Fields this
+server cannot honour (n > 1, logprobs, min_tokens > 0, penalties) are 400 too, saying so,
+rather than silently ignored; their neutral values are accepted (routers send them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sloserve.errors import InvalidRequestError
+from sloserve.frontend import ParsedRequest
+from sloserve.http.errors import HttpError
+from sloserve.sampling_params import SLO, SamplingParams
+
+_MISSING = object()
+
+# known OpenAI / vLLM fields this server cannot honour: accepted only with their neutral value
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (lambda v: v in (None, 0, 0.0), "presence penalties are not implemented"),
+    "frequency_penalty": (lambda v: v in (None, 0, 0.0), "frequency penalties are not implemented"),
+    "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition penalties are not implemented"),
+    "logit_bias": (lambda v: not v, "logit_bias is not implemented"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not implemented; send separate requests"),
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not implemented"),
+    "echo": (lambda v: v in (None, False), "echo is not implemented; the prompt is the client's to prepend"),
+    "tools": (lambda v: not v, "tool calling is not implemented"),
+    "response_format": (lambda v: v in (None, {}) or (isinstance(v, dict) and v.get("type") == "text"),
+                        "structured output (response_format other than text) is not implemented"),
+}
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """One /v1/completions or /v1/chat/completions request as the edge runs it."""
+
+    parsed: ParsedRequest
+    model: str
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+
+
+def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
+    """A /v1/completions body: `prompt` is a string, token ids, or a list of one of either."""
+    body = _object(body)
+    prompt = body.get("prompt", _MISSING)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if prompt is _MISSING or prompt is None:
+        raise _bad("prompt", "is required: a string or a list of token ids")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, str | list) for p in prompt):
+            raise _bad("prompt", f"holds {len(prompt)} prompts; this server takes one per request "
+                       "(send them as separate requests)")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise _bad("prompt", "must be a string or a list of non-negative integer token ids")
+    elif not isinstance(prompt, str):
+        raise _bad("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    if body.get("logprobs") is not None:
+        raise _bad("logprobs", "log probabilities are not implemented by this server; omit logprobs")
+    return _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
+
+
+def parse_chat(body: Any, render: Callable[[list[dict]], str], *, model: str, default_max_tokens: int,
+               slo: SLO | None) -> CompletionRequest:
+    """A /v1/chat/completions body: `messages` rendered to one prompt by `render` (the chat template)."""
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "is required: a non-empty list of {role, content} objects")
+    clean = [_message(i, m) for i, m in enumerate(messages)]
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise _bad("logprobs", "log probabilities are not implemented by this server; omit logprobs")
+    _check_type(body, "add_generation_prompt", bool)
+    try:
+        prompt = render(clean)
+    except InvalidRequestError as exc:
+        raise HttpError(400, str(exc), param="messages") from None
+    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
+    request.parsed.add_special_tokens = False
+    return request
+
+
+def _message(index: int, message: Any) -> dict:
+    field = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise _bad(field, f"must be an object with role and content, got {_kind(message)}")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise _bad(f"{field}.role", "must be a non-empty string such as 'system', 'user' or 'assistant'")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # content parts: only text can be rendered
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{field}.content[{j}]", "must be {\"type\": \"text\", \"text\": ...}; "
+                           "this server takes text only")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise _bad(f"{field}.content", f"must be a string or a list of text parts, got {_kind(content)}")
+    out = {"role": role, "content": content}
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int,
+             slo: SLO | None) -> CompletionRequest:
+    for name, (neutral, why) in _NEUTRAL.items():
+        if not neutral(body.get(name)):
+            raise _bad(name, f"{why}; omit it")
+    requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise _bad("model", f"must be a string, got {_kind(requested)}")
+    if requested and requested != model:
+        raise HttpError(404, f"model {requested!r} is not served here; this server serves {model!r} "
+                        "(see GET /v1/models)", param="model", code="model_not_found")
+    n = _int(body, "n", 1, minimum=1)
+    if n != 1:
+        raise _bad("n", f"is {n}; this server returns one choice per request (n=1): send {n} requests")
+    min_tokens = _int(body, "min_tokens", 0, minimum=0)
+    if min_tokens:
+        raise _bad("min_tokens", "is not supported: the engine cannot suppress end-of-sequence yet; "
+                   "use ignore_eos with max_tokens for a fixed length")
+    max_tokens = _int(body, "max_completion_tokens", None, minimum=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", default_max_tokens, minimum=1)
+    top_k = _int(body, "top_k", 0, minimum=-1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("stop", "must be a non-empty string or a list of non-empty strings")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise _bad("stop_token_ids", "must be a list of integer token ids")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {_kind(options)}")
+    include_usage = _bool(options or {}, "include_usage", False, field="stream_options.include_usage")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_int(body, "seed", None),
+            stop_token_ids=stop_ids, stop=stop, ignore_eos=_bool(body, "ignore_eos", False))
+    except InvalidRequestError as exc:
+        raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    priority = _int(body, "priority", 0)
+    return CompletionRequest(ParsedRequest(prompt, params, slo, priority=priority), model, stream,
+                             include_usage and stream, _bool(body, "return_token_ids", False))
+
+
+# ---- field readers: None (or absent) means the default -----------------------------------
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise HttpError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def _int(body: dict, name: str, default: Any, *, minimum: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(name, f"must be an integer, got {_kind(value)}")
+    if minimum is not None and value < minimum:
+        raise _bad(name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {_kind(value)}")
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool, *, field: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(field or name, f"must be true or false, got {_kind(value)}")
+    return value
+
+
+def _check_type(body: dict, name: str, kind: type) -> None:
+    if body.get(name) is not None and not isinstance(body[name], kind):
+        raise _bad(name, f"must be a {kind.__name__}, got {_kind(body[name])}")
+
+
+def _bad(field: str, why: str) -> HttpError:
+    return HttpError(400, f"{field} {why}", param=field)
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return f"{names.get(type(value), type(value).__name__)} ({str(value)[:40]!r})"
