@@ -52,7 +52,7 @@ class SloserveService(pb_grpc.SloserveServicer):
         self._no_streams.clear()
         reader = asyncio.create_task(session.read(request_iterator))
         try:
-            while (msg := await session.out.get()) is not None:
+            while (msg := await session.next_message()) is not None:
                 if isinstance(msg, Failure):  # the stream itself is broken: end every request, then it
                     for error in session.fail_live(Failure(msg.code, msg.reason, "this request was ended "
                                                            f"because its stream broke: {msg.message}")):

@@ -44,6 +44,10 @@ class StreamSession:
     request id is live from the moment its GenerateRequest is read (so a reused id is refused at
     once), although its text prompt is tokenized in a worker thread before it reaches the engine.
     Its arrival is stamped when its message is read; all its times count from that stamp.
+
+    At most one TokenChunk per request waits on `out`: tokens that arrive while the stream is
+    still writing earlier messages join that waiting chunk (its time_s stays the first token's),
+    so a slow client or a flood costs fewer, larger writes instead of an ever longer queue.
     """
 
     def __init__(self, frontend: Frontend, context: grpc.aio.ServicerContext) -> None:
@@ -51,6 +55,7 @@ class StreamSession:
         self.context = context
         self.prefix = uuid.uuid4().hex
         self.out: asyncio.Queue[pb.ServerMessage | Failure | None] = asyncio.Queue()
+        self._waiting_chunks: dict[str, pb.ServerMessage] = {}  # client id -> its chunk queued on `out`
         self.live: dict[str, _Live] = {}  # client id -> its state
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -120,7 +125,7 @@ class StreamSession:
             async with contextlib.aclosing(self.frontend.run(entry.handle, parsed)) as events:
                 async for event in events:
                     if isinstance(event, Tokens):
-                        self.out.put_nowait(chunk_pb(request_id, event))
+                        self._put_tokens(request_id, event)
                     elif isinstance(event, Failure):
                         terminal = error_pb(request_id, event)
                     else:
@@ -131,8 +136,28 @@ class StreamSession:
             self.recent[request_id] = None
             if len(self.recent) > _RECENT_IDS:
                 self.recent.popitem(last=False)
+            self._waiting_chunks.pop(request_id, None)  # a reused id must not join this chunk
             if terminal is not None:
                 self.out.put_nowait(terminal)
+
+    def _put_tokens(self, request_id: str, tokens: Tokens) -> None:
+        waiting = self._waiting_chunks.get(request_id)
+        if waiting is not None:
+            waiting.chunk.token_ids.extend(tokens.token_ids)
+            waiting.chunk.text += tokens.text
+            return
+        msg = chunk_pb(request_id, tokens)
+        self._waiting_chunks[request_id] = msg
+        self.out.put_nowait(msg)
+
+    async def next_message(self) -> pb.ServerMessage | Failure | None:
+        """The next message to write (a chunk taken here no longer accepts tokens)."""
+        msg = await self.out.get()
+        if isinstance(msg, pb.ServerMessage) and msg.HasField("chunk"):
+            rid = msg.chunk.request_id
+            if self._waiting_chunks.get(rid) is msg:
+                del self._waiting_chunks[rid]
+        return msg
 
     def fail_live(self, failure: Failure) -> list[pb.ServerMessage]:
         """Stop every live request (the stream broke, or shutdown); returns one RequestError for each."""
