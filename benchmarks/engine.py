@@ -7,10 +7,10 @@ trace is absent) at a Poisson rate into two AsyncEngines that share one loaded M
   full   the defaults: SLO urgency + aging, adaptive batching, chunked prefill, prefix reuse,
          swap preemption, admission control
 
-Outputs follow the trace (max_tokens = expected output length, EOS ignored, since the built-in
-models have random weights). Writes benchmarks/results/engine.json (or --out).
+Outputs follow the trace (max_tokens = expected output length, EOS ignored, so that both arms
+do the same work whatever the model). Writes benchmarks/results/engine.json (or --out).
 
-Model choice on a 2-core CPU: the built-in 40M 'default' model is compute-bound even when
+Model choice on a 2-core CPU: the built-in 40M 'default-random' model is compute-bound even when
 decoding (a 16-sequence decode step costs ~11x a 1-sequence step), so batching cannot help it
 there and one naive ARC request takes ~8 s; the default here is 'small' (3.9M parameters, same
 byte tokenizer), where a step still has a fixed cost worth sharing, as on a GPU. ARC prompts
@@ -191,7 +191,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small", help="'small', 'tiny', 'default', 'default-moe' or a checkpoint folder")
+    ap.add_argument("--model", default="small", help="'small', 'tiny', 'default', 'default-random', 'default-moe' or a folder")
     ap.add_argument("--workload", default=None, help="a sloserve.bench workload spec (default: the ARC trace)")
     ap.add_argument("--num-requests", type=int, default=120)
     ap.add_argument("--max-prompt-chars", type=int, default=600, help="skip longer ARC prompts (CPU time)")

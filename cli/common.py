@@ -10,10 +10,11 @@ import grpc
 from click.exceptions import NoArgsIsHelpError
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+RANDOM_MODELS = ("default-random", "default-moe")
 RANDOM_WEIGHTS_NOTE = (
     "note: the built-in '{model}' model has random weights, so its text is gibberish; it exercises "
-    "the server, not the answers. Serve a trained Hugging Face folder (config.json, *.safetensors, "
-    "tokenizer.json) with --model /path/to/folder."
+    "the server, not the answers. --model default is trained on ARC grids; serve any other Hugging Face "
+    "folder (config.json, *.safetensors, tokenizer.json) with --model /path/to/folder."
 )
 
 
@@ -61,7 +62,7 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
 
 def check_model(model: str) -> None:
     """Fail fast, with a clear line, when --model is neither built in nor a checkpoint folder."""
-    if model in ("default", "default-moe"):
+    if model in ("default", *RANDOM_MODELS):
         return
     path = Path(model)
     if not path.exists():

@@ -1,9 +1,9 @@
 """`make demo`: start `sloserve serve` on the built-in model, stream a short burst, stop it with SIGTERM.
 
 Steps: pick free ports, start the server as a subprocess, wait for its readiness health check,
-show several requests multiplexed on ONE bidirectional stream (with one cancelled mid-way),
-run a short `sloserve bench` burst, print a few Prometheus counters, send SIGTERM and check the
-server drains and exits 0.
+show several requests multiplexed on ONE bidirectional stream (small ARC puzzles, answered with
+greedy decoding until end-of-sequence, and one cancelled mid-way), run a short `sloserve bench`
+burst, print a few Prometheus counters, send SIGTERM and check the server drains and exits 0.
 """
 
 from __future__ import annotations
@@ -24,11 +24,22 @@ from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
 SERVICE = "sloserve.v1.Sloserve"
-PROMPTS = {  # ARC-style grids, one token per digit with the default model's byte tokenizer
-    "grid-a": "input:\n012\n340\n000\noutput:\n",
-    "grid-b": "input:\n5550\n0505\noutput:\n",
-    "grid-c": "input:\n77\n07\noutput:\n",
-    "cancel-me": "input:\n123456789\noutput:\n",
+
+def _task(*grids: str) -> str:
+    """An ARC prompt in the workload's format from 'rows/rows' grids: (input, output) pairs, then a test input."""
+    def text(grid: str) -> str:
+        return "".join(row + "\n" for row in grid.split("/"))
+
+    *pairs, test = grids
+    shots = "".join(f"Input:\n{text(i)}Output:\n{text(o)}\n" for i, o in zip(pairs[::2], pairs[1::2], strict=True))
+    return f"{shots}Input:\n{text(test)}Output:\n"
+
+
+PROMPTS = {  # small ARC-style puzzles, one token per digit with the default model's byte tokenizer
+    "mirror": _task("120/300", "021/003", "4005/0600", "5004/0060", "780/090/001"),
+    "recolor": _task("110/010", "220/020", "0101/1100", "0202/2200", "1001/0110/1000"),
+    "copy": _task("35/00", "35/00", "060/606", "060/606", "0770/7007/0770"),
+    "cancel-me": _task("123456789", "987654321", "123456789"),
 }
 
 
@@ -62,22 +73,28 @@ async def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen) -
 
 
 async def multiplexed(address: str, max_tokens: int) -> None:
-    """Send every prompt on one stream, cancel one after its first tokens, print what arrives."""
+    """Send every prompt on one stream, cancel one after its first tokens, print what arrives.
+
+    The puzzles decode greedily until end-of-sequence (or max_tokens); the cancelled one ignores EOS.
+    """
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.SloserveStub(channel).Stream()
         start = time.monotonic()
         for rid, text in PROMPTS.items():
+            cancel = rid == "cancel-me"
             await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
-                request_id=rid, text=text, max_tokens=max_tokens * (4 if rid == "cancel-me" else 1),
-                sampling=pb.SamplingParams(ignore_eos=True), slo=pb.Slo(ttft_s=1.0))))
+                request_id=rid, text=text, max_tokens=max_tokens * (16 if cancel else 4),
+                sampling=pb.SamplingParams(ignore_eos=cancel), slo=pb.Slo(ttft_s=5.0))))
         pending, order, cancelled = set(PROMPTS), [], False
         tokens = dict.fromkeys(PROMPTS, 0)
+        texts = dict.fromkeys(PROMPTS, "")
         while pending:
             msg = await call.read()
             kind = msg.WhichOneof("kind")
             body = getattr(msg, kind)
             if kind == "chunk":
                 tokens[body.request_id] += len(body.token_ids)
+                texts[body.request_id] += body.text
                 if not order or order[-1] != body.request_id:
                     order.append(body.request_id)
                 if body.request_id == "cancel-me" and not cancelled:
@@ -95,6 +112,21 @@ async def multiplexed(address: str, max_tokens: int) -> None:
         await call.done_writing()
         click.echo(f"  {len(PROMPTS)} requests on one stream in {time.monotonic() - start:.2f} s; the "
                    f"stream switched between requests {len(order) - 1} times (interleaved chunks)")
+    for rid in PROMPTS:
+        if rid != "cancel-me":
+            show_answer(rid, PROMPTS[rid], texts[rid])
+
+
+def show_answer(rid: str, prompt: str, answer: str) -> None:
+    """The puzzle's test input beside the model's answer, one grid row per line."""
+    test = prompt.rsplit("Input:\n", 1)[1].removesuffix("Output:\n").splitlines()
+    rows = answer.splitlines() or [""]
+    width = max(len(row) for row in test)
+    click.echo(f"\n  {rid}: test input -> model's answer")
+    for k in range(max(len(test), len(rows))):
+        left = test[k] if k < len(test) else ""
+        right = repr(rows[k])[1:-1] if k < len(rows) else ""
+        click.echo(f"    {left:<{width}}   {'->' if k == 0 else '  '}   {right}")
 
 
 async def drain_under_load(address: str, proc: subprocess.Popen, max_tokens: int) -> None:
@@ -104,7 +136,7 @@ async def drain_under_load(address: str, proc: subprocess.Popen, max_tokens: int
         ids = ["drain-1", "drain-2", "drain-3"]
         for rid in ids:
             await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
-                request_id=rid, text=PROMPTS["grid-a"], max_tokens=max_tokens,
+                request_id=rid, text=PROMPTS["mirror"], max_tokens=max_tokens,
                 sampling=pb.SamplingParams(ignore_eos=True))))
         streaming: set[str] = set()
         endings: dict[str, str] = {}
@@ -151,7 +183,7 @@ def demo(model: str, num_requests: int, workload: str, max_tokens: int, ready_ti
     port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", model, "--port", str(port),
-               "--metrics-port", str(metrics_port), "--grace", "30"]
+               "--metrics-port", str(metrics_port), "--http-port", "off", "--grace", "30"]
     click.echo(f"$ sloserve serve --model {model} --port {port} --metrics-port {metrics_port}")
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     relay = threading.Thread(target=_relay, args=(proc.stderr, "  [server] "), daemon=True)

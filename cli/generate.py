@@ -10,6 +10,7 @@ import click
 import grpc
 import orjson
 from sloserve.cli.common import (
+    RANDOM_MODELS,
     RANDOM_WEIGHTS_NOTE,
     CliError,
     OneLineCommand,
@@ -78,7 +79,7 @@ def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, 
     else:
         check_model(engine_opts["model"])
         config = build_config(engine_opts)
-        if not as_json and config.model.path in ("default", "default-moe"):
+        if not as_json and config.model.path in RANDOM_MODELS:
             click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
         result = asyncio.run(with_engine(config, lambda engine: _local(engine, prompt, params, not as_json)))
     if as_json:
@@ -136,7 +137,8 @@ async def _local(engine, prompt: str, params: SamplingParams, echo: bool) -> Com
     result = Completion()
     start = time.monotonic()
     try:
-        async for out in engine.generate("cli", prompt, params, None):
+        token_ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
+        async for out in engine.generate("cli", token_ids, params, None):
             result.add(out.new_token_ids, out.new_text, echo)
             if result.ttft_s is None and out.new_token_ids:
                 result.ttft_s = time.monotonic() - start

@@ -12,6 +12,7 @@ import grpc
 import orjson
 from sloserve import __version__
 from sloserve.cli.common import (
+    RANDOM_MODELS,
     RANDOM_WEIGHTS_NOTE,
     CliError,
     OneLineCommand,
@@ -43,6 +44,18 @@ def cli() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _http_port(text: str) -> int | None:
+    """--http-port: a port, 'auto' (the OS picks a free one: 0 internally), or 'off'/'0' (no HTTP)."""
+    lowered = text.lower()
+    if lowered in ("off", "0"):
+        return None
+    if lowered == "auto":
+        return 0
+    if not text.isdigit() or int(text) > 65535:
+        raise CliError(f"--http-port must be a port in 1..65535, 'auto' or 'off' (or 0), got {text!r}")
+    return int(text)
+
+
 def _metrics_port(text: str) -> int | None:
     if text.lower() == "off":
         return None
@@ -56,6 +69,11 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
 @click.option("--port", default=50051, show_default=True, type=int, help="gRPC port (0 picks a free one).")
 @click.option("--metrics-port", default="9464", show_default=True, help="Prometheus port, or 'off'.")
+@click.option("--http-port", default="8000", show_default=True,
+              help="OpenAI-compatible HTTP API port; 'auto' picks a free one; 'off' or 0 serves gRPC only.")
+@click.option("--chat-template", default=None, metavar="FILE",
+              help="Jinja chat template for /v1/chat/completions [default: the checkpoint's tokenizer_config.json].")
+@click.option("--served-model-name", default=None, help="Model id of the HTTP API [default: --model].")
 @click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
               help="Require 'authorization: Bearer TOKEN' on every call.")
 @click.option("--auth-token-file", default=None, help="Read the bearer token from this file.")
@@ -66,11 +84,13 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
+@click.option("--engine-process/--no-engine-process", default=True, show_default=True,
+              help="Run the engine in a process of its own (off: a thread of the server process).")
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
                    "(see sloserve.faults) [default: off].")
 def serve(**kwargs) -> None:
-    """Serve a model over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
+    """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
     engine_opts = pop_engine_options(kwargs)
     check_model(engine_opts["model"])
     token = read_token(kwargs["auth_token"], kwargs["auth_token_file"])
@@ -83,7 +103,7 @@ def serve(**kwargs) -> None:
             host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
-            grace_s=kwargs["grace"], log_format=kwargs["log_format"])
+            grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"])
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:
@@ -91,17 +111,32 @@ def serve(**kwargs) -> None:
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
     config = build_config(engine_opts, server, faults=kwargs["inject_faults"])
+    http = _http_config(kwargs)
     click.echo(f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
-               f" ({'TLS' if server.tls_cert else 'plaintext'}, auth {'on' if token else 'off'})", err=True)
-    if config.model.path in ("default", "default-moe"):
+               f" ({'TLS' if server.tls_cert else 'plaintext'}, auth {'on' if token else 'off'})"
+               + (f", HTTP on {server.host}:{http.port or 'auto'}" if http else ", HTTP off"), err=True)
+    if config.model.path in RANDOM_MODELS:
         click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
     from sloserve.serve import main as serve_main
 
     try:
-        code = serve_main(config)
+        code = serve_main(config, http=http)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     sys.exit(code)
+
+
+def _http_config(kwargs: dict):
+    """The HTTP edge's settings, or None for --http-port off."""
+    from sloserve.http.config import HttpConfig
+
+    port = _http_port(kwargs["http_port"])
+    template = kwargs["chat_template"]
+    if template is not None and not Path(template).is_file():
+        raise CliError(f"--chat-template {template!r} is not a readable file")
+    if port is None:
+        return None
+    return HttpConfig(port=port, chat_template=template, model_name=kwargs["served_model_name"])
 
 
 INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", "max_model_len",
@@ -116,7 +151,7 @@ INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", 
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(server, auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
-    """Model, limits and live engine statistics (KV blocks, queue, prefix hits)."""
+    """Server state (loading, serving, draining, engine_dead), model, limits and live engine statistics."""
     engine_opts = pop_engine_options(kwargs)
     if server is not None:
         data = asyncio.run(_remote_info(parse_server(server), auth_token, tls_ca, timeout))
@@ -143,7 +178,8 @@ async def _remote_info(server: str, token: str | None, tls_ca: str | None, timeo
         raise rpc_error(exc, server) from None
     finally:
         await channel.close()
-    data = {key: getattr(reply, key) for key in INFO_KEYS}
+    data = {"state": pb.ServerState.Name(reply.state).removeprefix("SERVER_STATE_").lower()}
+    data.update((key, getattr(reply, key)) for key in INFO_KEYS)
     stats = MessageToDict(reply.stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
     for key, value in stats.items():  # uint64 fields arrive as strings in proto JSON
         data[key] = int(value) if isinstance(value, str) and value.isdigit() else value
@@ -154,7 +190,8 @@ async def _local_info(engine) -> dict:
     from dataclasses import asdict
 
     model_info = dict(engine.model_info)
-    data = {key: model_info.get(key) for key in INFO_KEYS if key in model_info}
+    data: dict = {"state": "serving" if engine.ready else "loading"}
+    data.update((key, model_info.get(key)) for key in INFO_KEYS if key in model_info)
     data["model"] = model_info.get("model", data.get("model"))
     data["version"] = __version__
     stats = engine.stats()

@@ -35,6 +35,15 @@ def test_wheel_carries_compiled_extensions_and_no_sources(wheel):
     assert any(n.startswith("sloserve/hotpath/") and n.endswith(".so") for n in names)
 
 
+def test_wheel_ships_the_trained_default_model(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    folder = "sloserve/models/weights/default/"
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert folder + name in names, name
+    assert zipfile.ZipFile(wheel).getinfo(folder + "model.safetensors").file_size <= 25 * 2**20
+
+
 def test_build_outputs_are_not_tracked():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     if not tracked:

@@ -31,6 +31,16 @@ def grid_text(grid: Grid) -> str:
     return "".join("".join(str(cell) for cell in row) + "\n" for row in grid)
 
 
+def parse_grid_text(text: str) -> Grid | None:
+    """The grid a model wrote (rows of digits, each ending in a newline, all one width), else None."""
+    if not text.endswith("\n"):
+        return None
+    rows = text[:-1].split("\n")
+    if not rows[0] or any(len(row) != len(rows[0]) or not row.isdigit() or not row.isascii() for row in rows):
+        return None
+    return [[int(c) for c in row] for row in rows]
+
+
 def check_grid(grid: object, where: str) -> Grid:
     """Return grid if it is a non-empty rectangular list of digit rows, else raise ValueError."""
     ok = isinstance(grid, list) and bool(grid) and all(

@@ -5,7 +5,9 @@ JSON schema (``schema_version`` 1): top level ``server``, ``server_info``, ``wor
 unpaced), ``completed``, ``refused``, ``duration_s``, ``request_throughput``,
 ``output_token_throughput``, ``prompt_tokens``, ``prefix_hit_tokens``, ``slo_attainment``,
 ``goodput``, and ``ttft_s``, ``tpot_s``, ``itl_s``, ``e2e_s`` each with ``mean``, ``p50``,
-``p90``, ``p99`` (seconds; null when there is nothing to measure).
+``p90``, ``p99`` (seconds; null when there is nothing to measure); ``output_tokens_per_request``
+(the same plus ``min`` and ``max``, in tokens) and ``finish_reasons`` (completed requests per
+reason: ``stop`` for end-of-sequence or a stop string, ``length`` for max_tokens).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def _num(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+def _lengths(stats: dict | None) -> str:
+    if not stats or stats.get("max") is None:
+        return "-"
+    return f"{stats['p50']:.0f}/{stats['p90']:.0f}/{stats['max']}"
+
+
 def rate_label(rate: float | None) -> str:
     return "inf" if rate is None or not math.isfinite(rate) else f"{rate:g}/s"
 
@@ -53,6 +61,9 @@ def format_table(runs: list[dict]) -> str:
         ("requests/s", [_num(r["request_throughput"]) for r in runs]),
         ("output tokens/s", [_num(r["output_token_throughput"], digits=1) for r in runs]),
         ("prompt tokens", [str(r["prompt_tokens"]) for r in runs]),
+        ("output tokens p50/p90/max", [_lengths(r.get("output_tokens_per_request")) for r in runs]),
+        ("stopped: EOS / max_tokens", [f"{r.get('finish_reasons', {}).get('stop', 0)}/"
+                                       f"{r.get('finish_reasons', {}).get('length', 0)}" for r in runs]),
         ("prefix-hit tokens", [str(r["prefix_hit_tokens"]) for r in runs]),
         ("SLO attainment %", [_num(r["slo_attainment"], 100.0, 1) for r in runs]),
         ("goodput (req/s)", [_num(r["goodput"]) for r in runs]),

@@ -113,6 +113,11 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
     matched = sum(normalise_output(r.text) == normalise_output(r.expected_output or "") for r in graded)
     seconds = duration_s if duration_s > 0 else math.nan
     output_tokens = sum(r.output_tokens for r in done)
+    finish_reasons: dict[str, int] = {}
+    for r in done:
+        reason = r.finish_reason or "unspecified"
+        finish_reasons[reason] = finish_reasons.get(reason, 0) + 1
+    lengths = [r.output_tokens for r in done]
     return {
         "rate": rate if rate is not None and math.isfinite(rate) else None,
         "requests": len(records),
@@ -125,6 +130,9 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
         "output_token_throughput": _finite(output_tokens / seconds),
         "prompt_tokens": sum(r.prompt_tokens for r in done),
         "output_tokens": output_tokens,
+        "output_tokens_per_request": {**summary(lengths), "min": min(lengths, default=None),
+                                      "max": max(lengths, default=None)},
+        "finish_reasons": finish_reasons,  # 'stop': end-of-sequence or a stop string; 'length': max_tokens
         "prefix_hit_tokens": sum(r.cached_tokens for r in done),
         "slo_attainment": good / len(records) if records else None,
         "goodput": _finite(good / seconds),

@@ -1,6 +1,9 @@
 """Workloads for the load generator: ARC-AGI-2 folders, JSONL traces, synthetic ARC, fixed sizes.
 
 Specs: ``arc:DIR``, ``jsonl:FILE``, ``synthetic-arc``, ``fixed:PROMPT_TOKENS,OUTPUT_TOKENS``.
+A request with an expected output may generate that many tokens plus one, room for the
+end-of-sequence after a complete answer (as vLLM's ``bench serve`` caps at the reference length);
+a model stops earlier or later than the reference, so lengths are not known in advance.
 Items that share a prefix (the test inputs and attempts of one ARC task) carry the same
 ``group`` and stay adjacent; groups are shuffled with ``seed``. When more requests are asked
 for than the workload holds, it repeats from the start.
@@ -21,6 +24,11 @@ ARC_TRACE = (Path(__file__).resolve().parents[3]  # the checkout's ../shared
 DEFAULT_MAX_TOKENS = 128  # for JSONL lines with neither max_tokens nor expected_output
 SYNTHETIC_TASKS = 1000  # synthetic-arc size when num_requests is not given (ARC-AGI-2 training)
 FIXED_REQUESTS = 256  # fixed:P,O size when num_requests is not given
+
+
+def answer_budget(expected: str) -> int:
+    """max_tokens for a request whose reference answer is `expected`: its tokens and an EOS."""
+    return len(expected) + 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,7 +91,7 @@ def _shuffle_groups(items: list[WorkloadItem], rng: random.Random) -> list[Workl
 
 def _arc_items(task_id: str, task: object, attempts: int, where: str) -> list[WorkloadItem]:
     return [
-        WorkloadItem(prompt, len(expected) if expected else DEFAULT_MAX_TOKENS, expected, task_id)
+        WorkloadItem(prompt, answer_budget(expected) if expected else DEFAULT_MAX_TOKENS, expected, task_id)
         for prompt, expected in task_prompts(task, where)
         for _ in range(attempts)
     ]
@@ -133,7 +141,7 @@ def _jsonl_item(line: object, where: str) -> WorkloadItem:
         raise ValueError(f"{where}: 'expected_output' must be a string")
     max_tokens = line.get("max_tokens")
     if max_tokens is None:
-        max_tokens = max(1, len(expected)) if expected else DEFAULT_MAX_TOKENS
+        max_tokens = answer_budget(expected) if expected else DEFAULT_MAX_TOKENS
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1, got {max_tokens!r}")
     group = line.get("task_id", line.get("group"))

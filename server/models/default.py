@@ -1,9 +1,12 @@
-"""Built-in models: deterministic random-weight checkpoints built on first use, no download needed.
+"""Built-in models, no download needed: one trained checkpoint that ships, and random-weight ones.
 
-'default' is a ~40M-parameter Llama (hidden 512, 8 layers, GQA 8/2); 'default-moe' a small Mixtral
-(8 experts, top-2). Both use the byte-level tokenizer (one token per byte, so one per ARC digit).
-Folders are cached under $XDG_CACHE_HOME/sloserve (or ~/.cache/sloserve) and written atomically:
-built in a temporary folder beside the target, then renamed into place.
+'default' is a 3.1M-parameter Llama trained on ARC-AGI-2 grids (``tools/train_default.py``); its
+folder ships inside the package (``weights/default``). 'default-random' is a ~40M-parameter Llama
+(hidden 512, 8 layers, GQA 8/2) and 'default-moe' a small Mixtral (8 experts, top-2), both with
+deterministic random weights: pure architectures for tests and benchmarks. All use the byte-level
+tokenizer (one token per byte, so one per ARC digit). Random folders are built on first use,
+cached under $XDG_CACHE_HOME/sloserve (or ~/.cache/sloserve) and written atomically: built in a
+temporary folder beside the target, then renamed into place.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from safetensors.torch import save_file
 from sloserve.tokenizer import save_byte_level_tokenizer
 
 _VERSION = "v1"
+TRAINED = "default"
+TRAINED_DIR = Path(__file__).resolve().parent / "weights" / TRAINED
 _COMMON = {
     "vocab_size": 264, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
     "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "max_position_embeddings": 16384, "initializer_range": 0.02, "torch_dtype": "float32",
 }
-MODELS: dict[str, dict] = {
-    "default": {
+MODELS: dict[str, dict] = {  # the random-weight models
+    "default-random": {
         **_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 512, "intermediate_size": 2816, "num_hidden_layers": 8,
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
@@ -45,10 +50,18 @@ def cache_root() -> Path:
     return Path(base) / "sloserve"
 
 
+BUILTIN_MODELS = (TRAINED, "default-moe", "default-random")
+
+
 def ensure_default_model(name: str = "default", cache_dir: Path | None = None) -> Path:
-    """The folder of built-in model `name`, building it once (atomically) if it is not cached."""
+    """The folder of built-in model `name`: the shipped one, or a random one built once (atomically)."""
+    if name == TRAINED:
+        if not (TRAINED_DIR / "model.safetensors").is_file():
+            raise FileNotFoundError(f"the trained default model is missing from {TRAINED_DIR}: reinstall "
+                                    "sloserve, or run tools/train_default.py in a checkout")
+        return TRAINED_DIR
     if name not in MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; choose one of {', '.join(MODELS)}")
+        raise ValueError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     folder = root / f"{name}-{_VERSION}"
     if (folder / "config.json").is_file():
@@ -102,6 +115,11 @@ def _write(folder: Path, cfg: dict, seed: int) -> None:
             tensors[name] = torch.empty(shape).normal_(0.0, cfg["initializer_range"], generator=gen)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer_files(folder, cfg)
+
+
+def write_tokenizer_files(folder: Path, cfg: dict) -> None:
+    """generation_config.json and the byte-level tokenizer files for a built-in model's folder."""
     generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
                   "pad_token_id": cfg["pad_token_id"]}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -12,17 +12,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from sloserve.errors import CheckpointError
+from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.models.spec import ModelSpec, load_spec, read_json
 from sloserve.models.weights import LayerWeights, ModelWeights
 
-BUILTIN_MODELS = ("default", "default-moe")
-
 
 def resolve_model_path(path: str | Path) -> Path:
-    """'default' / 'default-moe' -> the cached built-in folder; a folder -> itself; else CheckpointError."""
+    """A built-in name (see BUILTIN_MODELS) -> its folder; a folder -> itself; else CheckpointError."""
     if str(path) in BUILTIN_MODELS:
-        from sloserve.models.default import ensure_default_model
-
         return ensure_default_model(str(path))
     folder = Path(path).expanduser()
     if not folder.is_dir():

@@ -62,9 +62,10 @@ def test_effective_slo_prefers_the_request_fields():
 
 def test_summarise_counts_attainment_goodput_and_throughput():
     good = record(0.0, [(0.2, 1), (0.4, 2)], 0.5, prompt_tokens=10, cached_tokens=4,
-                  expected_output="12\n", text="12\n\nInput:")
-    slow = record(0.0, [(1.5, 1), (1.6, 1)], 1.7, prompt_tokens=20, expected_output="3\n", text="4\n")
-    single = record(1.0, [(1.1, 1)], 1.2, prompt_tokens=5)
+                  expected_output="12\n", text="12\n\nInput:", finish_reason="length")
+    slow = record(0.0, [(1.5, 1), (1.6, 1)], 1.7, prompt_tokens=20, expected_output="3\n", text="4\n",
+                  finish_reason="stop")
+    single = record(1.0, [(1.1, 1)], 1.2, prompt_tokens=5, finish_reason="stop")
     refused = record(1.0, [], 1.05, status="refused", error_code="RESOURCE_EXHAUSTED",
                      error_reason="queue_full")
     failed = record(1.0, [], 1.3, status="failed", error_code="UNAVAILABLE")
@@ -82,6 +83,9 @@ def test_summarise_counts_attainment_goodput_and_throughput():
     assert out["itl_s"]["mean"] == pytest.approx((0.2 + 0.1) / 2)
     assert out["tpot_s"]["p50"] == pytest.approx((0.3 / 2 + 0.2) / 2)
     assert out["e2e_s"]["p50"] == pytest.approx(0.5)
+    lengths = out["output_tokens_per_request"]
+    assert (lengths["min"], lengths["p50"], lengths["max"]) == (1, 2, 3)
+    assert out["finish_reasons"] == {"stop": 2, "length": 1}
 
 
 def test_summarise_per_request_slo_and_infinite_rate():

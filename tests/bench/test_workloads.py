@@ -27,7 +27,7 @@ def test_arc_folder_serialises_as_the_trace(arc_dir):
     assert [i.prompt for i in items] == [SHARED + "Input:\n12\nOutput:\n"] * 2 + \
         [SHARED + "Input:\n3\n8\nOutput:\n"] * 2
     assert [i.expected_output for i in items] == ["121\n", "121\n", None, None]
-    assert items[0].max_tokens == 4 and all(i.group == "abc123" for i in items)
+    assert items[0].max_tokens == 4 + 1 and all(i.group == "abc123" for i in items)  # the answer and EOS
 
 
 def test_attempts_and_num_requests_cycle(arc_dir):
@@ -51,7 +51,7 @@ def test_jsonl_fields_and_defaults(tmp_path):
              {"prompt": "c", "slo_e2e_s": 2}]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     items = sorted(load_workload(f"jsonl:{path}"), key=lambda i: i.prompt)
-    assert [i.max_tokens for i in items] == [3, 9, 128]
+    assert [i.max_tokens for i in items] == [3 + 1, 9, 128]
     assert items[0].slo is None and items[1].slo.ttft_s == 0.5 and items[2].slo.e2e_s == 2.0
 
 

@@ -19,7 +19,8 @@ def test_demo_runs_end_to_end(tiny_llama):
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "server ready (health SERVING)" in out
-    assert "cancel-me  cancelled" in out and out.count(" length ") >= 3
+    assert "cancel-me  cancelled" in out and len(re.findall(r"  (length|stop) ", out)) >= 3
+    assert "mirror: test input -> model's answer" in out
     assert re.search(r"completed / sent +4/4", out), out
     assert 'sloserve_requests_total{outcome="length"}' in out
     for rid in ("drain-1", "drain-2", "drain-3"):
