@@ -2,13 +2,15 @@
 
 For batch 1, 8, 32 and 64 it times (in the same run, same shapes):
   engine       ModelRunner.execute() decode steps (inputs, attention over paged KV, sampling, all)
-  kernels      only the model's matrix products, back to back, on preallocated inputs
+  forward      the same forward the engine runs (compiled or eager, as configured) on inputs
+               prepared once: no scheduler output, no input building, no sampling
+  matmuls      only the model's matrix products, back to back, on preallocated inputs
 in alternating rounds (the best round of each counts, so a busy machine skews neither side)
-and the fp32 GEMM peak of this machine, then prints tok/s and the fractions engine/kernels and
-achieved/peak FLOP rate. Also times single-request greedy generation against transformers'
+and the fp32 GEMM peak of this machine, then prints tok/s and the fractions engine/forward
+(the issue's "kernels-only"), engine/matmuls and achieved/peak FLOP rate, and the start-up time. Also times single-request greedy generation against transformers'
 `generate` on the same checkpoint (skipped when transformers is not installed).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/executor.py [--threads 2] [--out benchmarks/results/executor.json]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/executor.py [--threads 2] [--compile] [--out ...json]
 
 On a shared, oversubscribed CPU set OMP_WAIT_POLICY=PASSIVE: spinning OpenMP workers otherwise
 steal the core the Python thread needs between kernels (measured here: batch-1 decode step 441 ms
@@ -18,6 +20,7 @@ active vs 97 ms passive, kernels-only 68 vs 71 ms). The policy in effect is reco
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -70,6 +73,37 @@ class KernelsOnly:
             torch.mm(x, w.t(), out=o)
 
 
+class ForwardOnly:
+    """The engine's forward (DecodeStep or the general forward) on one decode step's inputs, prepared once."""
+
+    def __init__(self, runner: ModelRunner, engine: EngineDecode) -> None:
+        self.runner = runner
+        seqs = [ScheduledSequence(f"r{i}", [engine.last[i]], engine.pos, engine.tables[i], True, GREEDY)
+                for i in range(engine.batch)]
+        if hasattr(runner, "prepare"):
+            self.inputs = _own_copy(runner.prepare(SchedulerOutput(seqs)))  # engine steps reuse the pool buffers
+            self.forward = runner.forward
+        else:  # a runner from before prepare/forward/sample (for before/after runs of this benchmark)
+            self.inputs = _own_copy(runner.inputs.build(seqs))
+            self.forward = lambda s: runner.model.forward(s.input_ids, s.positions, s.meta, runner.kv, s.sample_idx)
+        self.step()
+
+    def step(self) -> None:
+        self.forward(self.inputs)
+
+
+def _own_copy(inputs):
+    """A dataclass of step inputs whose tensors (nested ones too) are clones."""
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, **{f.name: copy(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value) if f.init})
+        return value
+    return copy(inputs)
+
+
 class EngineDecode:
     """Decode steps of `batch` sequences through ModelRunner.execute, each holding `context` tokens of KV."""
 
@@ -95,15 +129,15 @@ class EngineDecode:
         self.runner.execute(SchedulerOutput(finished_req_ids=[f"r{i}" for i in range(self.batch)]))
 
 
-def interleaved(a, b, steps: int, rounds: int) -> dict[str, float]:
-    """Best wall and CPU seconds per step of a.step and b.step, timed in alternating rounds.
+def interleaved(timed: dict, steps: int, rounds: int) -> dict[str, float]:
+    """Best wall and CPU seconds per step of each timed[name].step(), timed in alternating rounds.
 
     Alternating rounds and keeping the best of each make the comparison fair on a busy machine;
     CPU time (process_time) also excludes the time this process waited for a core.
     """
-    best = {"a_wall": float("inf"), "b_wall": float("inf"), "a_cpu": float("inf"), "b_cpu": float("inf")}
+    best = {f"{name}_{kind}": float("inf") for name in timed for kind in ("wall", "cpu")}
     for _ in range(rounds):
-        for name, which in (("a", a), ("b", b)):
+        for name, which in timed.items():
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 which.step()
@@ -149,41 +183,52 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (eager otherwise)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "executor.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = ensure_default_model("default")
+    folder = ensure_default_model("default-random")  # the 40M architecture these figures describe
     config = SloserveConfig(
-        model=ModelConfig(path=str(folder), device="cpu", attention_backend=args.backend, max_model_len=1024),
+        model=ModelConfig(path=str(folder), device="cpu", attention_backend=args.backend, max_model_len=1024,
+                          **({"enforce_eager": False} if args.compile else {})),
         cache=CacheConfig(kv_pool_bytes=64 * 1024 * 1024 * 4, swap_bytes=0),
         scheduler=SchedulerConfig(max_batch=max(BATCHES), max_batched_tokens=1024),
     )
+    started = time.perf_counter()
     runner = ModelRunner(config)
     runner.warmup()
+    startup = time.perf_counter() - started
+    decode_step = runner.info().get("decode_step", "eager")
     weights = matmul_weights(runner)
     flops_per_token = 2 * sum(w.numel() for w in weights)
     peak = gemm_peak()
     rows = []
-    print(f"model {runner.info()['parameters'] / 1e6:.1f}M params, {runner.backend.name} attention, "
+    print(f"model {runner.info()['parameters'] / 1e6:.1f}M params, {runner.backend.name} attention, {decode_step} "
+          f"decode step, start-up {startup:.1f}s (warm-up {runner.info().get('warmup_time_s', 0):.1f}s), "
           f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}), "
           f"fp32 GEMM peak {peak:.1f} GFLOP/s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5} {'engine tok/s':>13} {'kernels tok/s':>14} {'engine/kernels':>15} {'engine/peak':>12}"
-          f" {'(by CPU time)':>16}")
+    print(f"{'batch':>5} {'engine tok/s':>13} {'forward tok/s':>14} {'matmuls tok/s':>14} {'engine/forward':>15}"
+          f" {'engine/matmuls':>15} {'engine/peak':>12} {'(by CPU time)':>14}")
     for batch in BATCHES:
         engine = EngineDecode(runner, batch, args.context, args.steps * args.rounds + 2)
-        t = interleaved(engine, KernelsOnly(weights, batch), args.steps, args.rounds)
+        timed = {"engine": engine, "forward": ForwardOnly(runner, engine), "matmuls": KernelsOnly(weights, batch)}
+        t = interleaved(timed, args.steps, args.rounds)
         engine.close()
-        engine_tps, kernel_tps = batch / t["a_wall"], batch / t["b_wall"]
-        frac_peak = engine_tps * flops_per_token / 1e9 / peak
-        rows.append({"batch": batch, "engine_tok_s": round(engine_tps, 1), "kernels_tok_s": round(kernel_tps, 1),
-                     "engine_over_kernels": round(engine_tps / kernel_tps, 3), "engine_over_peak": round(frac_peak, 3),
-                     "engine_step_ms": round(t["a_wall"] * 1e3, 3), "kernels_step_ms": round(t["b_wall"] * 1e3, 3),
-                     "engine_cpu_ms": round(t["a_cpu"] * 1e3, 3), "kernels_cpu_ms": round(t["b_cpu"] * 1e3, 3),
-                     "engine_over_kernels_cpu": round(t["b_cpu"] / t["a_cpu"], 3)})
+        tps = {name: batch / t[f"{name}_wall"] for name in timed}
+        frac_peak = tps["engine"] * flops_per_token / 1e9 / peak
+        rows.append({"batch": batch, "engine_tok_s": round(tps["engine"], 1), "forward_tok_s": round(tps["forward"], 1),
+                     "kernels_tok_s": round(tps["matmuls"], 1),
+                     "engine_over_forward": round(tps["engine"] / tps["forward"], 3),
+                     "engine_over_kernels": round(tps["engine"] / tps["matmuls"], 3),
+                     "engine_over_peak": round(frac_peak, 3),
+                     **{f"{name}_step_ms": round(t[f"{name}_wall"] * 1e3, 3) for name in timed},
+                     **{f"{name}_cpu_ms": round(t[f"{name}_cpu"] * 1e3, 3) for name in timed},
+                     "engine_over_forward_cpu": round(t["forward_cpu"] / t["engine_cpu"], 3)})
         r = rows[-1]
-        print(f"{batch:>5} {r['engine_tok_s']:>13.1f} {r['kernels_tok_s']:>14.1f} "
-              f"{r['engine_over_kernels']:>15.1%} {r['engine_over_peak']:>12.1%} {r['engine_over_kernels_cpu']:>16.1%}")
+        print(f"{batch:>5} {r['engine_tok_s']:>13.1f} {r['forward_tok_s']:>14.1f} {r['kernels_tok_s']:>14.1f} "
+              f"{r['engine_over_forward']:>15.1%} {r['engine_over_kernels']:>15.1%} {r['engine_over_peak']:>12.1%} "
+              f"{r['engine_over_forward_cpu']:>14.1%}")
     peak_after = gemm_peak()
     if peak_after > peak:  # the machine was busier at the start: rescale the fractions to the better peak
         for r in rows:
@@ -198,7 +243,8 @@ def main() -> None:
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "model": runner.info()["parameters"], "context": args.context,
               "steps": args.steps, "rounds": args.rounds, "gemm_peak_gflops": round(peak, 1), "flops_per_token": flops_per_token,
-              "decode": rows, "single_request": single, "attention_backend": runner.backend.name}
+              "decode": rows, "single_request": single, "attention_backend": runner.backend.name,
+              "decode_step": decode_step, "startup_s": round(startup, 2)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

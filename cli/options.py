@@ -35,6 +35,9 @@ def engine_options(fn: Callable) -> Callable:
                      type=click.Choice(["auto", "reference", "sdpa", "flash", "triton"]),
                      help="Attention kernel (auto picks the best available)."),
         click.option("--max-model-len", type=int, default=None, help="Context length [default: the checkpoint's]."),
+        click.option("--enforce-eager/--compile", "enforce_eager", default=None,
+                     help="Run the decode step eagerly, or torch.compile it (warmed up at start) "
+                          "[default: eager on a CPU]."),
         click.option("--kv-pool-size", default=None, help="Bytes for the KV cache pool, e.g. 512MiB or 2GiB "
                      "[default: suits the device]."),
         click.option("--block-size", default=None, type=int,
@@ -61,7 +64,8 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
     try:
         return SloserveConfig(
             model=ModelConfig(path=opts["model"], device=opts["device"], dtype=opts["dtype"],
-                              attention_backend=opts["attention_backend"], max_model_len=opts["max_model_len"]),
+                              attention_backend=opts["attention_backend"], max_model_len=opts["max_model_len"],
+                              enforce_eager=opts.get("enforce_eager")),
             cache=CacheConfig(block_size=opts["block_size"], kv_pool_bytes=pool, prefix_cache=opts["prefix_cache"]),
             scheduler=SchedulerConfig(policy=opts["policy"], max_batch=opts["max_batch"],
                                       chunked_prefill=opts["chunked_prefill"]),
@@ -89,7 +93,7 @@ def with_flag(message: str) -> str:
 def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Remove the engine flags from a command's kwargs and return them."""
     names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
-             "prefix_cache", "policy", "max_batch", "chunked_prefill")
+             "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager")
     return {name: kwargs.pop(name) for name in names}
 
 

@@ -29,6 +29,18 @@ _BUFFERS = {  # name -> (dtype, length kind)
 
 
 @dataclass(slots=True)
+class DecodeInputs:
+    """A decode-only step, padded to a batch bucket (padding rows write and read the null page 0)."""
+
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    num_seqs: int  # the real rows, first; B - num_seqs rows are padding
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -71,6 +83,67 @@ class InputBuilder:
                 self._host[name] = self._staging[name].numpy()
             else:  # CPU: write straight into the pool buffer
                 self._host[name] = self._dev[name].numpy()
+        # the block table each row of block_tables holds at width max_blocks (build_decode), or None
+        self._rows: list[list[int] | None] = [None] * max_seqs
+
+    def build_decode(self, seqs: list[ScheduledSequence], padded: int) -> DecodeInputs:
+        """Inputs of a decode-only step (one token per sequence), `padded` rows long.
+
+        The persistent batch: buffers keep last step's rows, and a row whose request and block
+        count are unchanged keeps its block table (the usual decode step rewrites none); tokens,
+        positions, lengths and slots are a few vectorised writes, then one copy to the device.
+        """
+        num_seqs = len(seqs)
+        if num_seqs > padded or padded > self.max_seqs:
+            raise ValueError(f"decode step of {num_seqs} sequences padded to {padded} exceeds the executor's "
+                             f"buffers ({self.max_seqs}): the scheduler must respect max_batch")
+        host, width, page = self._host, self.max_blocks, self.block_size
+        tables = host["block_tables"][: padded * width].reshape(padded, width)
+        rows = self._rows
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            if rows[i] != table:  # C-level list compare: a new request in this row, or a new block
+                n = len(table)
+                if n > width:
+                    raise ValueError(f"request {seq.req_id!r} has {n} KV blocks, beyond the {width} of "
+                                     f"max_model_len {self.max_model_len}")
+                blocks = np.asarray(table, dtype=np.int32)
+                if n and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_pages):
+                    raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
+                                     f"{int(blocks.min())}..{int(blocks.max())}")
+                tables[i, :n] = blocks
+                rows[i] = list(table)
+        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
+        tokens = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=num_seqs)
+        if num_seqs and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ValueError(self._bad_token_message(seqs, tokens))
+        if num_seqs and (int(pos.max()) >= self.max_model_len or int(pos.min()) < 0):
+            raise ValueError(f"decode positions must be in [0, {self.max_model_len}) (max_model_len), got "
+                             f"{int(pos.min())}..{int(pos.max())}")
+        counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
+        if num_seqs and np.any(pos // page >= counts):
+            bad = int(np.argmax(pos // page >= counts))
+            raise ValueError(f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
+                             f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}")
+        slots = tables[np.arange(num_seqs), pos // page].astype(np.int64) * page + pos % page
+        for name, value, pad in (("token_ids", tokens, 0), ("positions", pos, 0), ("slot_mapping", slots, 0),
+                                 ("seq_lens", pos + 1, 1)):
+            buf = host[name]
+            buf[:num_seqs] = value
+            buf[num_seqs:padded] = pad  # padding: token 0 at position 0, written to slot 0 (null page)
+        for i in range(num_seqs, padded):
+            if rows[i] is not None:  # a padding row reads page 0 only
+                tables[i, 0] = 0
+                rows[i] = None
+        views = {}
+        for name in ("token_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
+            n = padded * width if name == "block_tables" else padded
+            dev = self._dev[name][:n]
+            if self._staging:
+                dev.copy_(self._staging[name][:n], non_blocking=True)
+            views[name] = dev
+        return DecodeInputs(views["token_ids"], views["positions"], views["slot_mapping"],
+                            views["block_tables"].view(padded, width), views["seq_lens"], num_seqs)
 
     def _bad_token_message(self, seqs: list[ScheduledSequence], tokens: np.ndarray) -> str:
         """Which id is out of range, in which request, and the vocabulary size."""
@@ -115,6 +188,7 @@ class InputBuilder:
             "cu_seqlens": arrays.cu_seqlens_q, "seq_lens": arrays.seq_lens, "start_pos": arrays.start_pos,
             "sample_idx": sample_idx, "block_tables": arrays.block_tables.reshape(-1),
         }
+        self._rows[:num_seqs] = [None] * num_seqs  # the rows are rewritten below, at another width
         views = {}
         for name, value in values.items():
             n = value.shape[0]

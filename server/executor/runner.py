@@ -9,7 +9,8 @@ import time
 import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.executor.inputs import InputBuilder
+from sloserve.executor.compiled import DecodeStep, decode_path_reason
+from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import select_backend
@@ -107,6 +108,15 @@ class ModelRunner:
         self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
                                   self.device, self.dtype)
         self.sampler = Sampler(self.device)
+        # Decode-only steps of a dense float32 model on a CPU take the in-place fast path; compiled
+        # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
+        why_not = decode_path_reason(self.model, self.kv)
+        compiled = mc.enforce_eager is False
+        if compiled and why_not:
+            raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
+                             "drop --compile (or pass --enforce-eager)")
+        self.decode_step = None if why_not else DecodeStep(self.model, self.kv, plan.max_seqs, compiled)
+        self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
         log.info("loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs", self.model_path,
                  spec.architecture, self.device, self.dtype, plan.num_pages, self.block_size, self.backend.name,
@@ -118,6 +128,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Swap blocks, run one forward over every scheduled sequence, sample where asked."""
+        step = self.prepare(out)
+        if step is None:
+            return []
+        return self.sample(out, step, self.forward(step))
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | None:
+        """Swaps, dropped requests, and the step's inputs: the decode fast path's when it applies (None: no work)."""
         if out.swap_out or out.swap_in:
             if self.host_kv is None:
                 raise ValueError("swap requested but the runner has no host swap pool (swap_bytes is 0)")
@@ -125,11 +142,25 @@ class ModelRunner:
             copy_blocks(self.host_kv, self.kv, out.swap_in)
         if out.finished_req_ids:
             self.sampler.drop(out.finished_req_ids)
-        if not out.sequences:
-            return []
-        step = self.inputs.build(out.sequences)
-        logits = self.model.forward(step.input_ids, step.positions, step.meta, self.kv, step.sample_idx)
         seqs = out.sequences
+        if not seqs:
+            return None
+        decode = self.decode_step
+        if decode is not None and all(len(s.token_ids) == 1 and s.sample for s in seqs):
+            return self.inputs.build_decode(seqs, decode.bucket(len(seqs)))
+        return self.inputs.build(seqs)
+
+    def forward(self, step: StepInputs | DecodeInputs) -> torch.Tensor:
+        """Logits [S', V] of the step's sampled rows (a decode step: of every row, padding included)."""
+        if isinstance(step, DecodeInputs):
+            return self.decode_step(step)
+        return self.model.forward(step.input_ids, step.positions, step.meta, self.kv, step.sample_idx)
+
+    def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs, logits: torch.Tensor) -> list[int]:
+        """One token id per sampled sequence, in the order of out.sequences."""
+        seqs = out.sequences
+        if isinstance(step, DecodeInputs):
+            return self.sampler.sample(logits[: step.num_seqs], [s.sampling for s in seqs], [s.req_id for s in seqs])
         return self.sampler.sample(logits, [seqs[i].sampling for i in step.sampled],
                                    [seqs[i].req_id for i in step.sampled])
 
@@ -142,6 +173,9 @@ class ModelRunner:
         batch = min(self.inputs.max_seqs, 8)
         seqs = [ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy) for i in range(batch)]
         self.execute(SchedulerOutput(seqs))
+        if self.decode_step is not None:
+            null = [ScheduledSequence("warmup", [0], 0, [0], True, greedy)]
+            self.warmup_time_s = self.decode_step.warm_up(lambda n: self.inputs.build_decode(null, n))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -167,6 +201,9 @@ class ModelRunner:
             "kv_page_bytes": self.page_bytes,
             "pool": self.pool.report(),
             "load_time_s": round(self.load_time_s, 3),
+            "decode_step": "none" if self.decode_step is None else
+            "compiled" if self.decode_step.compiled else "eager",
+            "warmup_time_s": round(self.warmup_time_s, 3),
         }
         if self.experts is not None:
             info["experts"] = self.experts.stats()

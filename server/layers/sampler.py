@@ -1,8 +1,10 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
 
-Greedy rows take one argmax over the whole batch. Sampled rows are filtered together (one sort),
-then each draws from its own torch.Generator: a seeded request's tokens depend only on its seed
-and its own logits, never on what it was batched with.
+Greedy rows take one argmax over the whole batch. Sampled rows are filtered together (one sort,
+only when a row asks for top-k or top-p). Rows without a seed draw together in one batched
+`multinomial` from the shared generator; a seeded row draws from its own torch.Generator, so its
+tokens depend only on its seed and its own logits, never on what it was batched with. Only the
+seeded rows loop in Python.
 """
 
 from __future__ import annotations
@@ -51,12 +53,21 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return tokens.tolist()
-        rows = torch.tensor(sampled, device=logits.device)
-        probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled])
+        if len(sampled) == len(params):
+            probs = filtered_probs(logits, params)
+        else:
+            rows = torch.tensor(sampled, device=logits.device)
+            probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled])
+        shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
+        if shared:  # one draw for every unseeded row
+            picked = probs if len(shared) == len(sampled) else probs[shared]
+            draws = torch.multinomial(picked, 1, generator=self._shared).squeeze(1)
+            tokens[[sampled[j] for j in shared]] = draws
         out = tokens.tolist()
         for j, i in enumerate(sampled):
-            gen = self._generator(req_ids[i], params[i])
-            out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+            if params[i].seed is not None:
+                gen = self._generator(req_ids[i], params[i])
+                out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
         return out
 
 

@@ -7,13 +7,20 @@ Per layer (as transformers computes it)::
                                                           (+ sigmoid-gated shared expert: Qwen2-MoE)
 
 Only the rows that are sampled go through the final norm and the LM head.
+
+`decode` is the decode-only step of a dense model on the in-place paged kernel: plain tensors in
+(no metadata object, no Python lists), one function that reads the same eager or under
+torch.compile (the runner compiles it with the kernel as one opaque custom operator).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from sloserve.layers.attention import AttentionBackend, AttentionMetadata, write_kv
+from sloserve.layers.attention.paged import write_and_attend
 from sloserve.layers.moe import ExpertStore, moe_forward
 from sloserve.layers.norm import rms_norm
 from sloserve.layers.rope import apply_rope, rope_tables
@@ -73,6 +80,34 @@ class DecoderModel:
             h = h + (self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
         h = rms_norm(h.index_select(0, sample_idx), w.norm, spec.rms_norm_eps)
         return F.linear(h, w.lm_head).float()
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,  # [B] int64, one token per sequence
+        positions: torch.Tensor,  # [B] int64
+        slot_mapping: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, W] int32
+        seq_lens: torch.Tensor,  # [B] int32, positions + 1
+        kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
+        attend: Callable[..., torch.Tensor] = write_and_attend,
+    ) -> torch.Tensor:  # [B, V] float32
+        """A decode step of a dense model: every row is sampled; attention reads the pages in place."""
+        spec, w = self.spec, self.weights
+        batch = input_ids.shape[0]
+        heads = spec.num_heads + spec.num_kv_heads
+        h = F.embedding(input_ids, w.embed)  # [B, H]
+        cos = self.cos.index_select(0, positions)  # [B, D]
+        sin = self.sin.index_select(0, positions)
+        for i, layer in enumerate(w.layers):
+            x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
+            qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
+            qk = apply_rope(qk.view(batch, heads, spec.head_dim), cos, sin)
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            v = v.reshape(batch, spec.num_kv_heads, spec.head_dim)
+            attn = attend(q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale)
+            h = h + F.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b)
+            h = h + _mlp(layer, rms_norm(h, layer.ln2, spec.rms_norm_eps))
+        return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
 
     def _moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, layer.router_w)  # [T, E]

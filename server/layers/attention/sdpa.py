@@ -7,15 +7,17 @@ sees keys 0 .. start_pos[i] + j.
 
 Two ways to run it: one batched call over every sequence padded to the longest query chunk and
 context (the default on GPUs, where it needs no host sync and one launch), or split (the default
-on CPU): every decode token (query length 1) in one batched call padded to the longest decode
-context, gathered in cache layout, then one unpadded SDPA call per prefill chunk, where the
-maths outweighs the Python loop.
+on CPU): every decode token (query length 1) in one call, then one unpadded SDPA call per prefill
+chunk, where the maths outweighs the Python loop. On a CPU with float32 caches the decode tokens
+go to the in-place paged kernel (`paged.py`: pages read where they lie, no gather, no masks);
+elsewhere they are gathered in cache layout and padded to the longest decode context.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from sloserve.layers.attention import paged
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 _HAS_ENABLE_GQA = torch.__version__ >= "2.5"
@@ -35,12 +37,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 class SdpaBackend:
-    """PyTorch SDPA over pages gathered per step; runs on every device and dtype."""
+    """PyTorch SDPA over pages gathered per step (decode tokens in place on a CPU); runs on every device and dtype."""
 
     name = "sdpa"
 
-    def __init__(self, batched: bool | None = None) -> None:
+    def __init__(self, batched: bool | None = None, inplace: bool | None = None) -> None:
         self.batched = batched  # None: batched on CUDA, split on CPU
+        self.inplace = inplace  # decode with the in-place paged kernel; None: wherever it can run
 
     @staticmethod
     def unavailable_reason(
@@ -74,14 +77,28 @@ class SdpaBackend:
         page = k_cache.shape[1]
         out = torch.empty_like(q)
         cu = meta.cu_seqlens_q_list
+        inplace = paged.supports(q, k_cache) if self.inplace is None else self.inplace
+        if inplace and meta.decode_only:  # the common step: nothing to split
+            return paged.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         split = meta.memo.get("sdpa.split")
         if split is None:  # the same for every layer of the step
             decodes = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
             prefills = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1]
-            split = (prefills, _decode_inputs(decodes, meta, page, q.device) if decodes else None)
+            if not decodes:
+                decode_inputs = None
+            elif inplace:
+                seqs = torch.tensor(decodes, dtype=torch.long, device=q.device)
+                tokens = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=q.device)
+                decode_inputs = (tokens, meta.block_tables[seqs], meta.seq_lens[seqs])
+            else:
+                decode_inputs = _decode_inputs(decodes, meta, page, q.device)
+            split = (prefills, decode_inputs)
             meta.memo["sdpa.split"] = split
         prefills, decode_inputs = split
-        if decode_inputs is not None:
+        if decode_inputs is not None and inplace:
+            tokens, tables, lens = decode_inputs
+            out[tokens] = paged.paged_decode(q[tokens], k_cache, v_cache, tables, lens, scale)
+        elif decode_inputs is not None:
             tokens, pages, outside, outside_rows = decode_inputs
             out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, outside_rows, scale)
         for i in prefills:

@@ -1,0 +1,20 @@
+"""Type stubs for the compiled `_paged_attention` module (its pure-torch twin is the gather path in sdpa.py)."""
+
+def paged_decode(
+    q: int,
+    k_cache: int,
+    v_cache: int,
+    block_tables: int,
+    seq_lens: int,
+    out: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page: int,
+    num_pages: int,
+    table_width: int,
+    scale: float,
+    num_threads: int,
+) -> None:
+    """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place (data pointers)."""

@@ -1,0 +1,90 @@
+# cython: language_level=3
+# distutils: extra_compile_args = -fopenmp
+# distutils: extra_link_args = -fopenmp
+# distutils: include_dirs = hotpath
+"""Paged decode attention on the CPU, reading K/V pages in place (no gather, no mask tensors).
+
+One query token per sequence attends to positions 0 .. seq_len-1 of its own pages::
+
+    k_cache, v_cache  [P, page, Hkv, D] float32, contiguous (one layer of the pool)
+    q, out            [S, Hq, D] float32, contiguous; query head h reads KV head h // (Hq / Hkv)
+    block_tables      [S, W] int32; position p of sequence s lives in page block_tables[s, p // page]
+    seq_lens          [S] int32
+
+Work items are (sequence, KV head) pairs, spread over OpenMP threads (`prange`, nogil). Each
+item (`_paged_attention_item.h`, C built for several instruction sets) scores its group of query
+heads against every key it owns (one pass over K), softmaxes in float32 with the running maximum
+subtracted, and accumulates V (one pass over V). Slots past seq_len are never read, so whatever
+the pool holds there (NaN included) cannot leak in.
+
+The pure-torch twin is `SdpaBackend`'s gather path; SLOSERVE_NO_EXTENSIONS=1 selects it.
+"""
+
+from cython.parallel cimport prange
+from libc.stdint cimport int32_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+
+# Multiply-adds below which one thread runs the whole call (~20 us of arithmetic).
+cdef enum:
+    _SERIAL_WORK = 1 << 18
+
+
+cdef extern from "_paged_attention_item.h" nogil:
+    int sloserve_paged_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
+                            Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t group, Py_ssize_t hkv,
+                            Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale, float* scores,
+                            float* out)
+
+
+def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,
+                 uintptr_t out, Py_ssize_t num_seqs, Py_ssize_t num_heads, Py_ssize_t num_kv_heads,
+                 Py_ssize_t head_dim, Py_ssize_t page, Py_ssize_t num_pages, Py_ssize_t table_width,
+                 float scale, int num_threads):
+    """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place.
+
+    Arguments are data pointers of contiguous CPU tensors (the caller checks dtypes, shapes and
+    contiguity; see sloserve.layers.attention.paged). ValueError when a sequence's length needs
+    more pages than its table row holds or names a page outside the pool; then `out` is undefined.
+    """
+    if num_seqs <= 0:
+        return
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads or head_dim <= 0 or page <= 0:
+        raise ValueError(f"bad shapes: {num_heads} query heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
+                         f"page {page}")
+    cdef const float* qp = <const float*> q
+    cdef const float* kp = <const float*> k_cache
+    cdef const float* vp = <const float*> v_cache
+    cdef const int32_t* tp = <const int32_t*> block_tables
+    cdef const int32_t* lp = <const int32_t*> seq_lens
+    cdef float* op = <float*> out
+    cdef Py_ssize_t group = num_heads // num_kv_heads
+    cdef Py_ssize_t longest = 0, i, s, h, seq_len
+    cdef Py_ssize_t items = num_seqs * num_kv_heads
+    cdef int bad = 0
+    cdef float* scores
+    for s in range(num_seqs):
+        seq_len = lp[s]
+        if seq_len < 1 or seq_len > table_width * page:
+            raise ValueError(f"sequence {s} has length {seq_len}, outside 1..{table_width * page} "
+                             f"(its block table holds {table_width} pages of {page})")
+        if seq_len > longest:
+            longest = seq_len
+    if num_threads < 1 or items * longest * group * head_dim < _SERIAL_WORK:
+        num_threads = 1  # waking a sleeping OpenMP team costs more than a small step's arithmetic
+    with nogil:
+        for i in prange(items, num_threads=num_threads, schedule="dynamic"):
+            scores = <float*> malloc(group * longest * sizeof(float))
+            if scores == NULL:
+                bad |= 2  # a reduction: the only way a prange body may write a shared variable
+            else:
+                s = i // num_kv_heads
+                h = i % num_kv_heads
+                bad |= -sloserve_paged_item(qp + (s * num_heads + h * group) * head_dim, kp, vp,
+                                            tp + s * table_width, lp[s], h, group, num_kv_heads, head_dim, page,
+                                            num_pages, scale, scores, op + (s * num_heads + h * group) * head_dim)
+                free(scores)
+    if bad & 2:
+        raise MemoryError("paged_decode: cannot allocate the scores buffer")
+    if bad & 1:
+        raise ValueError(f"a block table names a page outside [0, {num_pages})")

@@ -1,0 +1,96 @@
+"""The decode step of a dense model on the in-place paged kernel, eager or under torch.compile.
+
+A decode-only step (one token per sequence, every sequence sampled) skips the general path's
+attention metadata: `InputBuilder.build_decode` fills persistent buffers padded to a batch
+bucket, and `DecoderModel.decode` runs on them. Compiled, Inductor fuses the elementwise work
+between the matmuls (norms, rope, SwiGLU, residuals) into generated C++ and the kernel stays one
+opaque custom operator; the batch dimension is dynamic, so one graph (plus batch 1, which
+torch specialises) covers every bucket, and `warm_up` compiles both at start-up.
+
+NOTE: on a CPU, compiling takes ~30 s per graph and pays only at small batches (where Python
+dispatch outweighs the matmuls); eager stays the default there (ModelConfig.enforce_eager).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from sloserve.executor.inputs import DecodeInputs
+from sloserve.layers.attention import paged
+from sloserve.layers.attention.sdpa import SdpaBackend
+from sloserve.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_seqs: int) -> list[int]:
+    """1, 2, 4, ... up to max_seqs (which is always the last bucket)."""
+    buckets = [1]
+    while buckets[-1] * 2 < max_seqs:
+        buckets.append(buckets[-1] * 2)
+    if buckets[-1] != max_seqs:
+        buckets.append(max_seqs)
+    return buckets
+
+
+def decode_path_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
+    """Why decode steps cannot take the fast path (None when they can)."""
+    if model.spec.moe_layers:
+        return "MoE layers route tokens through the expert store"
+    if not isinstance(model.backend, SdpaBackend) or model.backend.inplace is False:
+        return f"the {model.backend.name} backend is named"
+    if not paged.AVAILABLE:
+        return "the paged kernel extension is not built"
+    if kv.device.type != "cpu" or kv.dtype != torch.float32:
+        return f"the in-place kernel runs float32 on a CPU, not {kv.dtype} on {kv.device.type}"
+    return None
+
+
+class DecodeStep:
+    """Runs `DecoderModel.decode` on bucket-padded inputs, compiled or eager."""
+
+    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, compiled: bool) -> None:
+        self.model, self.kv = model, kv
+        self.buckets = batch_buckets(max_seqs)
+        self.compiled = compiled
+        self._fn: Callable[..., torch.Tensor] = model.decode
+        if compiled:
+            # NOTE: KV and the step inputs are views of one uint8 pool buffer. Inputs that share a
+            # storage make AOTAutograd merge them into views of one base (refused when one is
+            # mutated and their dtypes differ; measured here: wrong logits when none is). The graph
+            # gets the same memory under storages of its own: CPU aliases through numpy, no copy
+            # (the compiled path is CPU-only).
+            self.kv = torch.from_numpy(kv.numpy())
+            # NOTE: dynamic batch: one graph for every bucket > 1 (batch 1 is specialised by torch).
+            self._fn = torch.compile(functools.partial(model.decode, attend=paged.paged_write_and_attend),
+                                     dynamic=True, fullgraph=True)
+
+    def bucket(self, num_seqs: int) -> int:
+        """The smallest bucket holding num_seqs rows (eager runs unpadded)."""
+        if not self.compiled:
+            return num_seqs
+        for size in self.buckets:
+            if size >= num_seqs:
+                return size
+        raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}")
+
+    def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32
+        with torch.inference_mode():
+            args = (step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens)
+            if self.compiled:  # the inputs share the pool's storage too: same memory, storages of their own
+                args = tuple(torch.from_numpy(a.numpy()) for a in args)
+            return self._fn(*args, self.kv)
+
+    def warm_up(self, build: Callable[[int], DecodeInputs]) -> float:
+        """Run (and, compiled, compile) every shape once on the null page; seconds taken."""
+        started = time.monotonic()
+        for size in (1, self.buckets[-1]) if self.compiled else (1,):
+            self(build(size))
+        seconds = time.monotonic() - started
+        if self.compiled:
+            log.info("compiled the decode step for batch buckets %s in %.1fs", self.buckets, seconds)
+        return seconds
