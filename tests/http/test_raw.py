@@ -135,12 +135,7 @@ def _stats(server):
     return server.info(metadata=META).stats
 
 
-@pytest.mark.parametrize("stream", [
-    pytest.param(True, marks=pytest.mark.xfail(strict=False, reason=(
-        "http/ (open): on one busy core a streamed request was sometimes already finished (cancelled) a few "
-        "ms after its first token, while its client was still connected; after its own disconnect every "
-        "block is free either way. Full streams were never cut short (10 of 10 under taskset -c 0)"))),
-    False], ids=["streamed", "not-streamed"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
 def test_a_client_that_disconnects_frees_every_kv_block(http_server, stream):
     """240 tokens at >= 10 ms a step take >= 2.4 s: the client leaves long before that."""
     before = _stats(http_server)
@@ -150,8 +145,12 @@ def test_a_client_that_disconnects_frees_every_kv_block(http_server, stream):
         with httpx.Client(base_url=http_server.url, headers=headers, timeout=60) as c:
             with c.stream("POST", "/v1/completions", json=body) as reply:
                 assert reply.status_code == 200
-                next(reply.iter_raw())  # the first token is out: the request holds KV blocks
+                # NOTE: keep the iterator: a dropped one is closed at once, and closing it closes the
+                # connection, so the request was cancelled before the check below (flaky on a busy core).
+                chunks = reply.iter_raw()
+                next(chunks)  # the first token is out: the request holds KV blocks
                 assert _stats(http_server).kv_blocks_free < before.kv_blocks_total
+                del chunks
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{http_server.url}/v1/completions", json=body, headers=headers, timeout=0.3)
