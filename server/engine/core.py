@@ -8,6 +8,7 @@ nothing of threads, event loops, processes or transports: the offline `LLM` call
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -23,6 +24,9 @@ from sloserve.faults import FaultPlan, FaultyRunner
 from sloserve.sampling_params import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
+
+MEAN_OVER_STEPS = 64  # stats' mean step time and tokens per step
+PERCENTILE_EVERY = 64  # steps between re-sorts for the step-time percentiles
 
 
 class EngineCore:
@@ -48,8 +52,11 @@ class EngineCore:
             config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
             eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
-        self._steps: deque[tuple[float, int]] = deque(maxlen=64)  # (seconds, tokens) of recent steps
-        self._step_times: deque[float] = deque(maxlen=512)  # for the p50 / p99 in stats()
+        self._steps: deque[tuple[float, int]] = deque(maxlen=512)  # (seconds, tokens) of recent steps
+        # NOTE: stats() runs after every step in the engine process: the percentiles are re-sorted
+        # only every PERCENTILE_EVERY steps (and when idle), not on each call.
+        self._percentiles = (0.0, 0.0)  # step time p50, p99
+        self._steps_since_percentiles = 0
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -99,7 +106,7 @@ class EngineCore:
         if out.sequences:
             self.scheduler.admission.speed.observe(out.num_tokens, seconds)
             self._steps.append((seconds, out.num_tokens))
-            self._step_times.append(seconds)
+            self._steps_since_percentiles += 1
         return outputs
 
     def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:
@@ -136,15 +143,19 @@ class EngineCore:
 
     # ---- inspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """Scheduler stats plus step times: mean of the last 64 steps, p50/p99 of the last 512."""
         stats = self.scheduler.stats()
-        steps = list(self._steps)
-        if steps:
-            stats.step_time_s = sum(s for s, _ in steps) / len(steps)
-            stats.tokens_per_step = sum(n for _, n in steps) / len(steps)
-        if self._step_times:
-            ordered = sorted(self._step_times)
-            stats.step_time_p50_s = ordered[(len(ordered) - 1) // 2]
-            stats.step_time_p99_s = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        recent = list(itertools.islice(reversed(self._steps), MEAN_OVER_STEPS))
+        if recent:
+            stats.step_time_s = sum(s for s, _ in recent) / len(recent)
+            stats.tokens_per_step = sum(n for _, n in recent) / len(recent)
+        pending = self._steps_since_percentiles
+        if pending and (pending >= PERCENTILE_EVERY or not self.scheduler.has_work()):
+            ordered = sorted(s for s, _ in self._steps)
+            self._percentiles = (ordered[(len(ordered) - 1) // 2],
+                                 ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)])
+            self._steps_since_percentiles = 0
+        stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
         return stats
 
     @property
