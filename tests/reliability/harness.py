@@ -6,6 +6,7 @@ and the shutdown messages can be read back; RSS comes from /proc. Every wait is 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -211,6 +212,20 @@ class ServerProcess:
                 self.kill()
                 raise
         return self.proc.returncode
+
+
+def watch_health(channel: grpc.aio.Channel, service: str, statuses: list[int]) -> asyncio.Task:
+    """A task appending every status the health Watch stream reports for `service` until it ends."""
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+
+    async def follow() -> None:
+        try:
+            async for reply in watch:
+                statuses.append(reply.status)
+        except grpc.aio.AioRpcError:
+            pass
+
+    return asyncio.create_task(follow())
 
 
 def quiescent(stats: pb.EngineStats) -> bool:

@@ -10,14 +10,14 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from sloserve.config import CacheConfig, ModelConfig, SloserveConfig
 from sloserve.llm import LLM
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
 
 from tests.reliability.client import StreamClient, generate
-from tests.reliability.harness import SERVICE_NAME, ServerProcess
+from tests.reliability.harness import SERVICE_NAME, ServerProcess, watch_health
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,16 +73,7 @@ async def test_a_killed_engine_process_ends_every_request_within_a_second_and_he
         assert engine_pid in server.pids()[1:]
         statuses: list[int] = []
         async with server.aio_channel() as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-
-            async def follow() -> None:
-                try:
-                    async for reply in watch:
-                        statuses.append(reply.status)
-                except grpc.aio.AioRpcError:
-                    pass
-
-            watcher = asyncio.create_task(follow())
+            watcher = watch_health(channel, SERVICE_NAME, statuses)
             client = StreamClient(pb_grpc.SloserveStub(channel))
             ids = [f"r{i}-hold" for i in range(6)]  # held: 200 tokens take >= 4 s, far past the kill
             for rid in ids:

@@ -8,11 +8,11 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
 from tests.reliability.client import StreamClient, generate
-from tests.reliability.harness import SERVICE_NAME, ServerProcess, describe, quiescent
+from tests.reliability.harness import SERVICE_NAME, ServerProcess, describe, quiescent, watch_health
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,17 +98,7 @@ async def test_bad_requests_batched_alone_are_not_taken_for_a_broken_runner(faul
 async def test_a_dead_engine_loop_turns_health_off_and_exits_non_zero(fault_server):
     statuses: list[int] = []
     async with fault_server.aio_channel() as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
-
-        async def follow() -> None:
-            try:
-                async for reply in watch:
-                    statuses.append(reply.status)
-            except grpc.aio.AioRpcError:
-                pass
-
-        watcher = asyncio.create_task(follow())
+        watcher = watch_health(channel, "", statuses)
         client = StreamClient(pb_grpc.SloserveStub(channel))
         healthy = await _start_normal(client, 4, max_tokens=200)
         started = time.monotonic()
