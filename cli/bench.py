@@ -118,7 +118,11 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
 def bench(server, url, workload, attempts, max_tokens, num_requests, duration, rate, concurrency, streams, seed,
           slo_ttft, slo_tpot, slo_e2e, temperature, ignore_eos, request_timeout, connect_timeout,
           ready_timeout, auth_token, json_path, plot_path) -> None:
-    """Send a workload to a running server and report latency, throughput, SLO attainment, goodput."""
+    """Send a workload to a running server and report latency, throughput, SLO attainment, goodput.
+
+    Requests are also grouped by SLO class (a JSONL line's `class`, else its objectives), with
+    attainment and goodput per class.
+    """
     rates = parse_rates(rate)
     if url is not None and not url.startswith(("http://", "https://")):
         raise BenchInputError(f"--url must start with http:// or https://, got {url!r}")

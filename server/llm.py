@@ -71,8 +71,12 @@ class LLM:
         return self._core.tokenizer
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """One CompletionOutput per prompt, in order; a prompt is a string or a list of token ids."""
+                 params: SamplingParams | list[SamplingParams] | None = None, *,
+                 priority: int | list[int] = 0) -> list[CompletionOutput]:
+        """One CompletionOutput per prompt, in order; a prompt is a string or a list of token ids.
+
+        `priority` (one for all, or one per prompt): lower runs first under policy='priority'.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -83,10 +87,17 @@ class LLM:
             per_prompt = params
         else:
             per_prompt = [params or SamplingParams()] * len(prompts)
+        if isinstance(priority, list):
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            priorities = priority
+        else:
+            priorities = [priority] * len(prompts)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(ids, per_prompt)
+        return self._run(ids, per_prompt, priorities)
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[CompletionOutput]:
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams],
+             priorities: list[int]) -> list[CompletionOutput]:
         """Feed the prompts (never more than the queue cap at once) and step until all finish."""
         core, cap = self._core, self.config.scheduler.max_waiting
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
@@ -97,7 +108,7 @@ class LLM:
         live = 0
         while True:
             while live < cap and (i := next(pending, None)) is not None:
-                core.add(request_ids[i], prompts[i], params[i])
+                core.add(request_ids[i], prompts[i], params[i], priority=priorities[i])
                 live += 1
             if not live:
                 break

@@ -175,6 +175,8 @@ def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec,
         for name in ("ttft_s", "tpot_s", "e2e_s"):
             if (value := getattr(slo, name)) is not None:
                 setattr(message.slo, name, value)
+    if item.priority is not None:
+        message.priority = item.priority
     return message
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from sloserve.bench.stats import RequestRecord, effective_slo
+from sloserve.bench.stats import RequestRecord, effective_slo, slo_class_name
 from sloserve.bench.workloads import WorkloadItem
 
 
@@ -44,7 +44,8 @@ async def drive(conns: Sequence[Conn], items: list[WorkloadItem], spec: Any, bui
     async def one(index: int, conn: Conn, item: WorkloadItem) -> None:
         slo = effective_slo(item.slo, spec.slo)
         request_id = f"{id_prefix}-{index}"
-        record = RequestRecord(request_id, 0.0, item.max_tokens, item.expected_output, slo)
+        record = RequestRecord(request_id, 0.0, item.max_tokens, item.expected_output, slo,
+                               slo_class=item.slo_class or slo_class_name(slo))
         records.append(record)
         try:
             done = await conn.send(build(request_id, item, spec, slo), record)

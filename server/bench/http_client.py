@@ -73,6 +73,8 @@ def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec, slo: SLO 
     body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": spec.temperature,
             "ignore_eos": item.ignore_eos or spec.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if item.priority is not None:
+        body["priority"] = item.priority
     headers = {"x-request-id": request_id}
     if slo is not None:
         for name, header in (("ttft_s", "x-slo-ttft-ms"), ("tpot_s", "x-slo-tpot-ms"), ("e2e_s", "x-slo-e2e-ms")):

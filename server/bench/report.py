@@ -7,7 +7,13 @@ unpaced), ``completed``, ``refused``, ``duration_s``, ``request_throughput``,
 ``goodput``, and ``ttft_s``, ``tpot_s``, ``itl_s``, ``e2e_s`` each with ``mean``, ``p50``,
 ``p90``, ``p99`` (seconds; null when there is nothing to measure); ``output_tokens_per_request``
 (the same plus ``min`` and ``max``, in tokens) and ``finish_reasons`` (completed requests per
-reason: ``stop`` for end-of-sequence or a stop string, ``length`` for max_tokens).
+reason: ``stop`` for end-of-sequence or a stop string, ``length`` for max_tokens); ``classes``,
+one entry per SLO class (a workload line's ``class``, else a name derived from its effective
+objectives such as ``ttft<=0.3s tpot<=30ms e2e<=2s``, or ``no objective``) holding
+``requests``, ``completed``, ``refused``, ``failed``, ``slo_attainment`` (met / requests of the
+class), ``goodput`` (met per second of the whole run) and ``ttft_s``, ``tpot_s``, ``e2e_s``
+summaries. The text table shows a per-class table after the run table when a run holds more than
+one class.
 """
 
 from __future__ import annotations
@@ -80,6 +86,33 @@ def format_table(runs: list[dict]) -> str:
     cols = [max(len(row[1][i]) for row in rows) for i in range(len(runs))]
     lines = [f"{name:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols, strict=True))
              for name, values in rows]
+    rule = "-" * len(lines[0])
+    table = "\n".join([rule, lines[0], rule, *lines[1:], rule])
+    classes = format_class_table(runs)
+    return f"{table}\n\n{classes}" if classes else table
+
+
+_CLASS_HEADER = ("rate", "SLO class", "completed / sent", "refused", "failed", "attainment %",
+                 "goodput (req/s)", "TTFT p50/p90 (ms)", "TPOT p50/p90 (ms)", "E2E p50/p90 (ms)")
+
+
+def _pair(stats: dict) -> str:
+    return f"{_num(stats['p50'], 1000.0, 1)}/{_num(stats['p90'], 1000.0, 1)}"
+
+
+def format_class_table(runs: list[dict]) -> str:
+    """One row per run and SLO class; empty when no run holds more than one class."""
+    if not any(len(r.get("classes") or {}) > 1 for r in runs):
+        return ""
+    rows = [_CLASS_HEADER]
+    for run in runs:
+        for name, c in (run.get("classes") or {}).items():
+            rows.append((rate_label(run["rate"]), name, f"{c['completed']}/{c['requests']}", str(c["refused"]),
+                         str(c["failed"]), _num(c["slo_attainment"], 100.0, 1), _num(c["goodput"]),
+                         _pair(c["ttft_s"]), _pair(c["tpot_s"]), _pair(c["e2e_s"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_CLASS_HEADER))]
+    lines = ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
     rule = "-" * len(lines[0])
     return "\n".join([rule, lines[0], rule, *lines[1:], rule])
 

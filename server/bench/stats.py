@@ -10,7 +10,10 @@ message arrives at t_end (all client clock):
 
 A request meets its SLO when it completed and every objective given holds (TTFT, TPOT, E2E);
 SLO attainment is that count over every request sent (refused and failed ones miss), and
-goodput is that count per second of the run (the DistServe / vLLM definition).
+goodput is that count per second of the run (the DistServe / vLLM definition). Each request
+also belongs to an SLO class, its workload's explicit ``class`` or a name derived from its
+effective objectives (``slo_class_name``), and the run's figures are repeated per class (goodput
+per class still divides by the whole run's span).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    slo_class: str = ""  # the report's class; "": named after its objectives by summarise()
 
     @property
     def ttft(self) -> float | None:
@@ -83,6 +87,17 @@ def effective_slo(own: SLO | None, run: SLO | None) -> SLO | None:
         (own.ttft_s, run.ttft_s), (own.tpot_s, run.tpot_s), (own.e2e_s, run.e2e_s))))
 
 
+def slo_class_name(slo: SLO | None) -> str:
+    """A class name from objectives, e.g. 'ttft<=0.3s tpot<=30ms e2e<=2s', or 'no objective'."""
+    if slo is None:
+        return "no objective"
+    parts = [f"{name}<={value * scale:g}{unit}"
+             for name, value, scale, unit in (("ttft", slo.ttft_s, 1.0, "s"), ("tpot", slo.tpot_s, 1e3, "ms"),
+                                               ("e2e", slo.e2e_s, 1.0, "s"))
+             if value is not None]
+    return " ".join(parts) or "no objective"
+
+
 def meets_slo(record: RequestRecord, slo: SLO | None) -> bool:
     """Completed, and every objective given holds (a one-token request has TPOT 0)."""
     if record.status != "ok":
@@ -108,7 +123,8 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
         if r.status in ("refused", "failed"):
             key = f"{r.error_code}:{r.error_reason}" if r.error_reason else str(r.error_code)
             refusals[key] = refusals.get(key, 0) + 1
-    good = sum(meets_slo(r, effective_slo(r.slo, slo)) for r in records)
+    met = [meets_slo(r, effective_slo(r.slo, slo)) for r in records]
+    good = sum(met)
     graded = [r for r in done if r.expected_output is not None]
     matched = sum(normalise_output(r.text) == normalise_output(r.expected_output or "") for r in graded)
     seconds = duration_s if duration_s > 0 else math.nan
@@ -141,7 +157,34 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
         "tpot_s": summary([r.tpot for r in done if r.tpot is not None]),
         "itl_s": summary([gap for r in done for gap in r.itl]),
         "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
+        "classes": _classes(records, met, slo, seconds),
     }
+
+
+def _classes(records: list[RequestRecord], met: list[bool], slo: SLO | None, seconds: float) -> dict:
+    """The run's figures per SLO class (sorted by name); goodput divides by the whole run's span."""
+    groups: dict[str, list[tuple[RequestRecord, bool]]] = {}
+    for r, ok in zip(records, met, strict=True):
+        name = r.slo_class or slo_class_name(effective_slo(r.slo, slo))
+        groups.setdefault(name, []).append((r, ok))
+    classes = {}
+    for name in sorted(groups):
+        members = [r for r, _ in groups[name]]
+        good = sum(ok for _, ok in groups[name])
+        done = [r for r in members if r.status == "ok"]
+        refused = sum(r.status == "refused" for r in members)
+        classes[name] = {
+            "requests": len(members),
+            "completed": len(done),
+            "refused": refused,
+            "failed": len(members) - len(done) - refused,
+            "slo_attainment": good / len(members),
+            "goodput": _finite(good / seconds),
+            "ttft_s": summary([r.ttft for r in done if r.ttft is not None]),
+            "tpot_s": summary([r.tpot for r in done if r.tpot is not None]),
+            "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
+        }
+    return classes
 
 
 def _finite(value: float) -> float | None:

@@ -1,6 +1,10 @@
 """Workloads for the load generator: ARC-AGI-2 folders, JSONL traces, synthetic ARC, fixed sizes.
 
 Specs: ``arc:DIR``, ``jsonl:FILE``, ``synthetic-arc``, ``fixed:PROMPT_TOKENS,OUTPUT_TOKENS``.
+A JSONL line holds ``prompt`` and optionally ``expected_output``, ``max_tokens``, ``task_id`` (or
+``group``), objectives (``slo: {ttft_s, tpot_s, e2e_s}`` or flat ``slo_ttft_s`` ...), ``class``
+(the SLO class the report groups it under; by default a name derived from its objectives) and
+``priority`` (an integer sent with the request; lower runs first under the priority policy).
 A request with an expected output may generate that many tokens plus one, room for the
 end-of-sequence after a complete answer (as vLLM's ``bench serve`` caps at the reference length);
 a model stops earlier or later than the reference, so lengths are not known in advance.
@@ -24,6 +28,7 @@ ARC_TRACE = (Path(__file__).resolve().parents[3]  # the checkout's ../shared
 DEFAULT_MAX_TOKENS = 128  # for JSONL lines with neither max_tokens nor expected_output
 SYNTHETIC_TASKS = 1000  # synthetic-arc size when num_requests is not given (ARC-AGI-2 training)
 FIXED_REQUESTS = 256  # fixed:P,O size when num_requests is not given
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # the wire's int32
 
 
 def answer_budget(expected: str) -> int:
@@ -41,6 +46,8 @@ class WorkloadItem:
     group: str | None = None  # items of one group share a prompt prefix
     slo: SLO | None = None  # per-request objectives (JSONL); None: the run's SLO
     ignore_eos: bool = False  # generate exactly max_tokens (fixed workloads)
+    slo_class: str | None = None  # the report's class (JSONL 'class'); None: named after its objectives
+    priority: int | None = None  # sent with the request when set (JSONL 'priority')
 
 
 def default_workload() -> str:
@@ -145,8 +152,17 @@ def _jsonl_item(line: object, where: str) -> WorkloadItem:
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1, got {max_tokens!r}")
     group = line.get("task_id", line.get("group"))
-    return WorkloadItem(line["prompt"], max_tokens, expected,
-                        None if group is None else str(group), _slo_from(line, where))
+    slo_class = line.get("class")
+    if slo_class is not None and (not isinstance(slo_class, str) or not slo_class.strip()):
+        raise ValueError(f"{where}: 'class' must be a non-empty string naming the SLO class, got {slo_class!r}")
+    priority = line.get("priority")
+    low, high = PRIORITY_RANGE
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not low <= priority <= high):
+        raise ValueError(f"{where}: 'priority' must be an integer in [{low}, {high}] (lower runs first), "
+                         f"got {priority!r}")
+    return WorkloadItem(line["prompt"], max_tokens, expected, None if group is None else str(group),
+                        _slo_from(line, where), slo_class=slo_class, priority=priority)
 
 
 def _jsonl(path: Path) -> list[WorkloadItem]:

@@ -97,21 +97,22 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None) -> RequestStream:
+                    slo: SLO | None = None, arrival_time: float | None = None, *,
+                    priority: int = 0) -> RequestStream:
         """Queue a request; raises InvalidRequestError / RequestRefusedError / EngineDeadError now."""
         self._check_running()
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
             self._check_running()
-            self._core.add(request_id, token_ids, params, slo, arrival_time)
+            self._core.add(request_id, token_ids, params, slo, arrival_time, priority)
             self._streams[request_id] = stream
         self._wake.set()
         return stream
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       slo: SLO | None = None) -> AsyncIterator[RequestOutput]:
+                       slo: SLO | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; leaving early (break, cancellation) aborts the request."""
-        stream = self.add_request(request_id, token_ids, params, slo)
+        stream = self.add_request(request_id, token_ids, params, slo, priority=priority)
         try:
             async for out in stream:
                 yield out

@@ -173,17 +173,20 @@ class MPEngineClient:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None) -> RequestStream:
+                    slo: SLO | None = None, arrival_time: float | None = None, *,
+                    priority: int = 0) -> RequestStream:
         """Send a request; refusals come back on the stream as a final 'error' output (error_kind)."""
         self._check_running()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be a 64-bit integer (msgpack), got {priority!r}")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self._streams[request_id] = stream
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._pending.adds.append(wire.AddRequest(request_id, list(token_ids), params, slo, arrival))
+        self._pending.adds.append(wire.AddRequest(request_id, list(token_ids), params, slo, arrival, priority))
         self._schedule_flush()
         return stream
 

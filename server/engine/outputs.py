@@ -52,6 +52,10 @@ class EngineStats:
     requests_finished_total: int = 0
     step_time_p50_s: float = 0.0  # over the last 512 steps
     step_time_p99_s: float = 0.0
+    kv_blocks_peak: int = 0  # most KV blocks in use at once since start
+    ttft_predictions: int = 0  # admitted requests whose predicted first-token time has happened
+    ttft_prediction_error_p50_s: float = 0.0  # predicted minus actual TTFT, over recent requests
+    ttft_prediction_error_p90_s: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -132,7 +132,7 @@ class EngineLoop:
     def _add(self, add: wire.AddRequest) -> RequestOutput | None:
         """Queue one request; what add() would raise in-process comes back as a final error output."""
         try:
-            self.core.add(add.request_id, add.token_ids, add.params, add.slo, add.arrival_time)
+            self.core.add(add.request_id, add.token_ids, add.params, add.slo, add.arrival_time, add.priority)
             return None
         except RequestRefusedError as exc:
             return _error_output(add, str(exc), "refused", exc.reason)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sloserve.config import SloserveConfig
+from sloserve.errors import InvalidRequestError
 from sloserve.frontend.failures import (
     Failure,
     FailureCode,
@@ -26,6 +27,7 @@ from sloserve.frontend.requests import DEFAULT_MAX_TOKENS, Event, Finished, Pars
 log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_CHARS = 256  # up to this long, encoding (~15 us) is cheaper than a thread hand-off (~90 us)
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # the proto's int32: both edges take the same priorities
 
 
 class ServerState(enum.Enum):
@@ -111,20 +113,25 @@ class Frontend:
         """Every check that needs no tokenizer: the server is open, the request within limits."""
         self.check_open()
         self.limits.check_request(parsed, int(self.engine.model_info.get("max_model_len") or 0))
+        low, high = PRIORITY_RANGE
+        if not low <= parsed.priority <= high:
+            raise InvalidRequestError(f"priority {parsed.priority} is outside [{low}, {high}]; lower runs first")
 
-    def failure(self, exc: BaseException, reason: str | None = None) -> Failure:
-        """The Failure for `exc` (reason overridden if given), logged if internal and counted."""
+    def failure(self, exc: BaseException, reason: str | None = None,
+                request: ParsedRequest | None = None) -> Failure:
+        """The Failure for `exc` (reason overridden if given), logged if internal and counted
+        (under `request`'s SLO class when the front end ran it)."""
         failure = failure_from_exception(exc)
         if reason is not None:
             failure.reason = reason
         if failure.code == FailureCode.INTERNAL:
             log.error("request failed: %s", failure.message, exc_info=exc)
-        self.count_failure(failure)
+        self.count_failure(failure, request)
         return failure
 
-    def count_failure(self, failure: Failure) -> None:
+    def count_failure(self, failure: Failure, request: ParsedRequest | None = None) -> None:
         if self.metrics is not None:
-            self.metrics.request_failed(failure.code, failure.reason)
+            self.metrics.request_failed(failure.code, failure.reason, request)
 
     # ---- one request -----------------------------------------------------------------------
     def cancel(self, handle: RequestHandle) -> None:
@@ -151,12 +158,12 @@ class Frontend:
             if handle.cancelled:  # cancelled while tokenizing: it never reaches the engine
                 finished = True
                 done = Finished("cancelled", len(token_ids), 0, 0, None, None, _since(handle.arrival))
-                self._count_done(done)
+                self._count_done(done, parsed)
                 yield done
                 return
             self.check_open()  # again: draining may have begun while the prompt was tokenized
             stream = self.engine.add_request(handle.engine_id, token_ids, parsed.params, parsed.slo,
-                                             arrival_time=handle.arrival)
+                                             arrival_time=handle.arrival, priority=parsed.priority)
             handle.admitted = True
             self._inflight += 1
             self._idle.clear()
@@ -171,22 +178,23 @@ class Frontend:
                     yield Tokens(list(out.new_token_ids), out.new_text or "", now)
                 if out.finished:
                     finished = True
-                    yield self._outcome(out, handle.arrival, first, now)
+                    yield self._outcome(out, handle.arrival, first, now, parsed)
                     return
             finished = True
-            yield self.failure(RuntimeError("the engine ended the request without a finish reason"))
+            yield self.failure(RuntimeError("the engine ended the request without a finish reason"),
+                               request=parsed)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a Failure event
             if not finished:
                 finished = True
-                yield self.failure(exc)
+                yield self.failure(exc, request=parsed)
         finally:
             if handle.admitted:
                 if not finished:  # abandoned (client gone, call cancelled, shutdown): free its blocks now
                     self.engine.abort(handle.engine_id)
                     if not handle.stopped and self.metrics is not None:
-                        self.metrics.request_done("cancelled")
+                        self.metrics.request_done("cancelled", request=parsed)
                 self._release()
 
     async def _tokens(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -202,24 +210,25 @@ class Frontend:
         self.limits.check_tokens(len(ids))
         return ids
 
-    def _outcome(self, out: Any, arrival: float, first: float | None, now: float) -> Finished | Failure:
+    def _outcome(self, out: Any, arrival: float, first: float | None, now: float,
+                 parsed: ParsedRequest) -> Finished | Failure:
         if out.finish_reason == "error":
             failure = failure_from_output(out)
             if failure.code == FailureCode.INTERNAL:
                 log.error("request %s failed: %s", out.request_id, failure.message)
-            self.count_failure(failure)
+            self.count_failure(failure, parsed)
             return failure
         queue_s = None
         if out.first_scheduled_time is not None:
             queue_s = min(max(0.0, out.first_scheduled_time - arrival), first if first is not None else now)
         done = Finished(out.finish_reason or "unknown", out.num_prompt_tokens or 0, out.num_output_tokens or 0,
                         out.num_cached_tokens or 0, queue_s, first, now)
-        self._count_done(done)
+        self._count_done(done, parsed)
         return done
 
-    def _count_done(self, done: Finished) -> None:
+    def _count_done(self, done: Finished, parsed: ParsedRequest) -> None:
         if self.metrics is not None:
-            self.metrics.request_done(done.finish_reason, done)
+            self.metrics.request_done(done.finish_reason, done, parsed)
 
     def _release(self) -> None:
         self._inflight -= 1

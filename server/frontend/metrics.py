@@ -1,4 +1,20 @@
-"""Prometheus metrics of one server: its own CollectorRegistry, served on the metrics port."""
+"""Prometheus metrics of one server: its own CollectorRegistry, served on the metrics port.
+
+Besides outcomes, latencies and engine gauges:
+
+- ``sloserve_slo_requests_total{slo_class, outcome}``: every request the front end ran, by the
+  class of its objectives (``interactive``: a TTFT or TPOT objective; ``batch``: only an
+  end-to-end one, which a gRPC deadline or HTTP timeout also sets; ``none``) and by outcome:
+  ``met`` (it finished and every objective held, judged from the server's own timings, counted
+  from arrival), ``missed`` (it finished late, or was cancelled before it finished), ``refused``
+  (admission refused it for load or because its deadline passed) or ``failed`` (any other
+  failure). Attainment of a class is met / all. Requests an edge rejected before running them
+  (bad input, draining, not ready) are counted only in ``sloserve_requests``.
+- ``sloserve_ttft_prediction_error_seconds{quantile="0.5"|"0.9"}``: admission's predicted minus
+  actual time to first token over recent requests (positive: the token came sooner than
+  predicted), and ``sloserve_ttft_predictions``, the admitted requests whose prediction could
+  be checked.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +26,35 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sloserve.frontend.failures import FailureCode
-from sloserve.frontend.requests import Finished
+from sloserve.frontend.requests import Finished, ParsedRequest
+from sloserve.sampling_params import SLO
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+SLO_CLASSES = ("interactive", "batch", "none")
+SLO_OUTCOMES = ("met", "missed", "refused", "failed")
+_REFUSED = (FailureCode.RESOURCE_EXHAUSTED, FailureCode.DEADLINE_EXCEEDED)  # admission's refusal codes
+
+
+def slo_class(slo: SLO | None) -> str:
+    """The bounded label of a request's objectives: interactive, batch or none."""
+    if slo is None or (slo.ttft_s is None and slo.tpot_s is None and slo.e2e_s is None):
+        return "none"
+    return "interactive" if slo.ttft_s is not None or slo.tpot_s is not None else "batch"
+
+
+def slo_outcome(slo: SLO | None, finished: Finished) -> str:
+    """met or missed: a request that ran to 'stop' or 'length', judged by its server-side timings."""
+    if finished.finish_reason not in ("stop", "length"):
+        return "missed"  # cancelled: it never completed
+    if slo is None:
+        return "met"
+    tpot = 0.0  # one token (or none): no time per token to judge
+    if finished.ttft_s is not None and finished.completion_tokens > 1:
+        tpot = max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1)
+    checks = ((slo.ttft_s, finished.ttft_s), (slo.tpot_s, tpot), (slo.e2e_s, finished.e2e_s))
+    met = all(limit is None or (value is not None and value <= limit) for limit, value in checks)
+    return "met" if met else "missed"
 
 
 class Metrics:
@@ -29,14 +70,28 @@ class Metrics:
                               buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("sloserve_e2e_seconds", "Time from arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.slo_requests = Counter("sloserve_slo_requests", "Requests the front end ran, by the class of "
+                                    "their objectives (interactive, batch, none) and outcome "
+                                    "(met, missed, refused, failed).", ["slo_class", "outcome"],
+                                    registry=self.registry)
+        for label in SLO_CLASSES:  # every series from the start, so rates need no first sample
+            for outcome in SLO_OUTCOMES:
+                self.slo_requests.labels(slo_class=label, outcome=outcome)
         self.service_refusals: collections.Counter[str] = collections.Counter()
         if engine_stats is not None:
             self.registry.register(_EngineCollector(engine_stats, self.service_refusals))
         self._http: Any = None
 
-    def request_done(self, outcome: str, finished: Finished | None = None) -> None:
-        """Count a request that ended; observe its latencies (from its arrival stamp) when it ran."""
+    def request_done(self, outcome: str, finished: Finished | None = None,
+                     request: ParsedRequest | None = None) -> None:
+        """Count a request that ended; observe its latencies (from its arrival stamp) when it ran.
+
+        `request`: the request the front end ran, whose objectives class it in sloserve_slo_requests.
+        """
         self.requests.labels(outcome=outcome).inc()
+        if request is not None:
+            judged = slo_outcome(request.slo, finished) if finished is not None else "missed"
+            self.slo_requests.labels(slo_class=slo_class(request.slo), outcome=judged).inc()
         if finished is None:
             return
         if finished.ttft_s is not None:
@@ -45,9 +100,15 @@ class Metrics:
                 self.tpot.observe(max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1))
         self.e2e.observe(finished.e2e_s)
 
-    def request_failed(self, code: FailureCode, reason: str) -> None:
-        """Count a request that failed; refusals for the server's state are also counted by reason."""
+    def request_failed(self, code: FailureCode, reason: str, request: ParsedRequest | None = None) -> None:
+        """Count a request that failed; refusals for the server's state are also counted by reason.
+
+        `request`: the request the front end ran, whose objectives class it in sloserve_slo_requests.
+        """
         self.requests.labels(outcome=code.value).inc()
+        if request is not None:
+            self.slo_requests.labels(slo_class=slo_class(request.slo),
+                                     outcome="refused" if code in _REFUSED else "failed").inc()
         if code == FailureCode.UNAVAILABLE and reason in ("draining", "not_ready"):
             self.service_refusals[reason] += 1
 
@@ -101,3 +162,12 @@ class _EngineCollector(Collector):
         yield refusals
         yield GaugeMetricFamily("sloserve_step_time_seconds", "Mean engine step time over recent steps.",
                                 value=s.step_time_s)
+        error = GaugeMetricFamily("sloserve_ttft_prediction_error_seconds",
+                                  "Admission's predicted minus actual time to first token, over recent requests.",
+                                  labels=["quantile"])
+        error.add_metric(["0.5"], getattr(s, "ttft_prediction_error_p50_s", 0.0))
+        error.add_metric(["0.9"], getattr(s, "ttft_prediction_error_p90_s", 0.0))
+        yield error
+        yield CounterMetricFamily("sloserve_ttft_predictions",
+                                  "Admitted requests whose predicted time to first token was checked.",
+                                  value=getattr(s, "ttft_predictions", 0))

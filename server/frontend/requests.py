@@ -17,7 +17,7 @@ class ParsedRequest:
     prompt: str | list[int]
     params: SamplingParams
     slo: SLO | None = None
-    priority: int = 0  # NOTE: carried from the edge; no scheduling policy reads it yet
+    priority: int = 0  # NOTE: lower runs first under the `priority` policy; other policies ignore it
     add_special_tokens: bool = True  # False for a chat prompt: its template already wrote them
 
 

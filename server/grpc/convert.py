@@ -43,7 +43,8 @@ _STATS_FIELDS = (
     "waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached",
     "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total",
     "generated_tokens_total", "preemptions_total", "step_time_s", "tokens_per_step",
-    "requests_finished_total", "step_time_p50_s", "step_time_p99_s",
+    "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak",
+    "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s",
 )
 
 
@@ -68,7 +69,7 @@ def from_pb(req: pb.GenerateRequest, *, default_max_tokens: int,
         stop=list(s.stop),
         ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else False,
     )
-    return ParsedRequest(prompt, params, slo_from_pb(req.slo, time_remaining))
+    return ParsedRequest(prompt, params, slo_from_pb(req.slo, time_remaining), priority=req.priority)
 
 
 def slo_from_pb(slo: pb.Slo, time_remaining: float | None) -> SLO | None:
@@ -124,4 +125,5 @@ def info_pb(model: str, model_info: dict, stats: Any, state: ServerState, *, ver
         max_tokens_limit=max_tokens_limit, block_size=int(model_info.get("block_size") or 0),
         device=str(model_info.get("device", "")),
         attention_backend=str(model_info.get("attention_backend", "")),
+        kv_block_bytes=int(model_info.get("kv_block_bytes") or 0),
         stats=stats_pb(stats), state=_STATE[state])

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sloserve/pb/serving.proto\x12\x0bsloserve.v1\"\xe0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"c\n\x03Slo\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_s\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.sloserve.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.sloserve.v1.SamplingParams\x12\x1d\n\x03slo\x18\x06 \x01(\x0b\x32\x10.sloserve.v1.SloB\x08\n\x06promptB\r\n\x0b_max_tokens\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"w\n\rClientMessage\x12\x30\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.sloserve.v1.GenerateRequestH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.sloserve.v1.CancelRequestH\x00\x42\x06\n\x04kind\"Q\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\"\xcd\x01\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.sloserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\"Q\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x92\x01\n\rServerMessage\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.sloserve.v1.TokenChunkH\x00\x12#\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x12.sloserve.v1.FinalH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.sloserve.v1.RequestErrorH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\x94\x04\n\x0b\x45ngineStats\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x19\n\x11swap_blocks_total\x18\x06 \x01(\r\x12\x18\n\x10swap_blocks_free\x18\x07 \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\x08 \x01(\x04\x12\x1f\n\x17prefix_hit_tokens_total\x18\t \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\n \x01(\x04\x12\x19\n\x11preemptions_total\x18\x0b \x01(\x04\x12\x38\n\x08refusals\x18\x0c \x03(\x0b\x32&.sloserve.v1.EngineStats.RefusalsEntry\x12\x13\n\x0bstep_time_s\x18\r \x01(\x01\x12\x17\n\x0ftokens_per_step\x18\x0e \x01(\x01\x12\x1f\n\x17requests_finished_total\x18\x0f \x01(\x04\x12\x17\n\x0fstep_time_p50_s\x18\x10 \x01(\x01\x12\x17\n\x0fstep_time_p99_s\x18\x11 \x01(\x01\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xa1\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\'\n\x05stats\x18\n \x01(\x0b\x32\x18.sloserve.v1.EngineStats\x12\'\n\x05state\x18\x0b \x01(\x0e\x32\x18.sloserve.v1.ServerState*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x98\x01\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SERVER_STATE_LOADING\x10\x01\x12\x18\n\x14SERVER_STATE_SERVING\x10\x02\x12\x19\n\x15SERVER_STATE_DRAINING\x10\x03\x12\x1c\n\x18SERVER_STATE_ENGINE_DEAD\x10\x04\x32\xd5\x01\n\x08Sloserve\x12\x44\n\x06Stream\x12\x1a.sloserve.v1.ClientMessage\x1a\x1a.sloserve.v1.ServerMessage(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.sloserve.v1.GenerateRequest\x1a\x1a.sloserve.v1.ServerMessage0\x01\x12;\n\x04Info\x12\x18.sloserve.v1.InfoRequest\x1a\x19.sloserve.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sloserve/pb/serving.proto\x12\x0bsloserve.v1\"\xe0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"c\n\x03Slo\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_s\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.sloserve.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.sloserve.v1.SamplingParams\x12\x1d\n\x03slo\x18\x06 \x01(\x0b\x32\x10.sloserve.v1.Slo\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0b\n\t_priority\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"w\n\rClientMessage\x12\x30\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.sloserve.v1.GenerateRequestH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.sloserve.v1.CancelRequestH\x00\x42\x06\n\x04kind\"Q\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\"\xcd\x01\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.sloserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\"Q\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x92\x01\n\rServerMessage\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.sloserve.v1.TokenChunkH\x00\x12#\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x12.sloserve.v1.FinalH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.sloserve.v1.RequestErrorH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\x90\x05\n\x0b\x45ngineStats\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x19\n\x11swap_blocks_total\x18\x06 \x01(\r\x12\x18\n\x10swap_blocks_free\x18\x07 \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\x08 \x01(\x04\x12\x1f\n\x17prefix_hit_tokens_total\x18\t \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\n \x01(\x04\x12\x19\n\x11preemptions_total\x18\x0b \x01(\x04\x12\x38\n\x08refusals\x18\x0c \x03(\x0b\x32&.sloserve.v1.EngineStats.RefusalsEntry\x12\x13\n\x0bstep_time_s\x18\r \x01(\x01\x12\x17\n\x0ftokens_per_step\x18\x0e \x01(\x01\x12\x1f\n\x17requests_finished_total\x18\x0f \x01(\x04\x12\x17\n\x0fstep_time_p50_s\x18\x10 \x01(\x01\x12\x17\n\x0fstep_time_p99_s\x18\x11 \x01(\x01\x12\x16\n\x0ekv_blocks_peak\x18\x12 \x01(\r\x12\x18\n\x10ttft_predictions\x18\x13 \x01(\x04\x12#\n\x1bttft_prediction_error_p50_s\x18\x14 \x01(\x01\x12#\n\x1bttft_prediction_error_p90_s\x18\x15 \x01(\x01\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb9\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\'\n\x05stats\x18\n \x01(\x0b\x32\x18.sloserve.v1.EngineStats\x12\'\n\x05state\x18\x0b \x01(\x0e\x32\x18.sloserve.v1.ServerState\x12\x16\n\x0ekv_block_bytes\x18\x0c \x01(\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x98\x01\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SERVER_STATE_LOADING\x10\x01\x12\x18\n\x14SERVER_STATE_SERVING\x10\x02\x12\x19\n\x15SERVER_STATE_DRAINING\x10\x03\x12\x1c\n\x18SERVER_STATE_ENGINE_DEAD\x10\x04\x32\xd5\x01\n\x08Sloserve\x12\x44\n\x06Stream\x12\x1a.sloserve.v1.ClientMessage\x1a\x1a.sloserve.v1.ServerMessage(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.sloserve.v1.GenerateRequest\x1a\x1a.sloserve.v1.ServerMessage0\x01\x12;\n\x04Info\x12\x18.sloserve.v1.InfoRequest\x1a\x19.sloserve.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINESTATS_REFUSALSENTRY']._loaded_options = None
   _globals['_ENGINESTATS_REFUSALSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2146
-  _globals['_FINISHREASON']._serialized_end=2270
-  _globals['_SERVERSTATE']._serialized_start=2273
-  _globals['_SERVERSTATE']._serialized_end=2425
+  _globals['_FINISHREASON']._serialized_start=2330
+  _globals['_FINISHREASON']._serialized_end=2454
+  _globals['_SERVERSTATE']._serialized_start=2457
+  _globals['_SERVERSTATE']._serialized_end=2609
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=267
   _globals['_SLO']._serialized_start=269
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=370
   _globals['_TOKENIDS']._serialized_end=393
   _globals['_GENERATEREQUEST']._serialized_start=396
-  _globals['_GENERATEREQUEST']._serialized_end=621
-  _globals['_CANCELREQUEST']._serialized_start=623
-  _globals['_CANCELREQUEST']._serialized_end=658
-  _globals['_CLIENTMESSAGE']._serialized_start=660
-  _globals['_CLIENTMESSAGE']._serialized_end=779
-  _globals['_TOKENCHUNK']._serialized_start=781
-  _globals['_TOKENCHUNK']._serialized_end=862
-  _globals['_FINAL']._serialized_start=865
-  _globals['_FINAL']._serialized_end=1070
-  _globals['_REQUESTERROR']._serialized_start=1072
-  _globals['_REQUESTERROR']._serialized_end=1153
-  _globals['_SERVERMESSAGE']._serialized_start=1156
-  _globals['_SERVERMESSAGE']._serialized_end=1302
-  _globals['_INFOREQUEST']._serialized_start=1304
-  _globals['_INFOREQUEST']._serialized_end=1317
-  _globals['_ENGINESTATS']._serialized_start=1320
-  _globals['_ENGINESTATS']._serialized_end=1852
-  _globals['_ENGINESTATS_REFUSALSENTRY']._serialized_start=1805
-  _globals['_ENGINESTATS_REFUSALSENTRY']._serialized_end=1852
-  _globals['_INFORESPONSE']._serialized_start=1855
-  _globals['_INFORESPONSE']._serialized_end=2144
-  _globals['_SLOSERVE']._serialized_start=2428
-  _globals['_SLOSERVE']._serialized_end=2641
+  _globals['_GENERATEREQUEST']._serialized_end=657
+  _globals['_CANCELREQUEST']._serialized_start=659
+  _globals['_CANCELREQUEST']._serialized_end=694
+  _globals['_CLIENTMESSAGE']._serialized_start=696
+  _globals['_CLIENTMESSAGE']._serialized_end=815
+  _globals['_TOKENCHUNK']._serialized_start=817
+  _globals['_TOKENCHUNK']._serialized_end=898
+  _globals['_FINAL']._serialized_start=901
+  _globals['_FINAL']._serialized_end=1106
+  _globals['_REQUESTERROR']._serialized_start=1108
+  _globals['_REQUESTERROR']._serialized_end=1189
+  _globals['_SERVERMESSAGE']._serialized_start=1192
+  _globals['_SERVERMESSAGE']._serialized_end=1338
+  _globals['_INFOREQUEST']._serialized_start=1340
+  _globals['_INFOREQUEST']._serialized_end=1353
+  _globals['_ENGINESTATS']._serialized_start=1356
+  _globals['_ENGINESTATS']._serialized_end=2012
+  _globals['_ENGINESTATS_REFUSALSENTRY']._serialized_start=1965
+  _globals['_ENGINESTATS_REFUSALSENTRY']._serialized_end=2012
+  _globals['_INFORESPONSE']._serialized_start=2015
+  _globals['_INFORESPONSE']._serialized_end=2328
+  _globals['_SLOSERVE']._serialized_start=2612
+  _globals['_SLOSERVE']._serialized_end=2825
 # @@protoc_insertion_point(module_scope)

@@ -66,20 +66,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "slo")
+    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "slo", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     max_tokens: int
     sampling: SamplingParams
     slo: Slo
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -154,7 +156,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s")
+    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,10 @@ class EngineStats(_message.Message):
     REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_P50_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_P99_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_PEAK_FIELD_NUMBER: _ClassVar[int]
+    TTFT_PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_PREDICTION_ERROR_P50_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_PREDICTION_ERROR_P90_S_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_total: int
@@ -196,10 +202,14 @@ class EngineStats(_message.Message):
     requests_finished_total: int
     step_time_p50_s: float
     step_time_p99_s: float
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_peak: int
+    ttft_predictions: int
+    ttft_prediction_error_p50_s: float
+    ttft_prediction_error_p90_s: float
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state")
+    __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +221,7 @@ class InfoResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     version: str
@@ -222,4 +233,5 @@ class InfoResponse(_message.Message):
     attention_backend: str
     stats: EngineStats
     state: ServerState
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ...) -> None: ...
+    kv_block_bytes: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...

@@ -88,3 +88,29 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
+
+
+def test_per_class_table_and_json(fake_target, tmp_path):
+    workload, out_json = tmp_path / "mixed.jsonl", tmp_path / "m.json"
+    workload.write_text("\n".join(orjson.dumps(line).decode() for line in [
+        {"prompt": "a", "max_tokens": 3, "class": "interactive", "priority": 0, "slo": {"ttft_s": 5}},
+        {"prompt": "b", "max_tokens": 3, "priority": 1},
+    ]))
+    result = CliRunner().invoke(bench, [
+        "--server", fake_target, "--workload", f"jsonl:{workload}", "--num-requests", "6",
+        "--slo-e2e", "30", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    assert "SLO class" in result.output and "interactive" in result.output and "e2e<=30s" in result.output
+    (run,) = orjson.loads(out_json.read_bytes())["runs"]
+    assert {name: c["requests"] for name, c in run["classes"].items()} == {"interactive": 3, "e2e<=30s": 3}
+    assert all(c["slo_attainment"] == 1.0 for c in run["classes"].values())
+
+
+def test_one_class_prints_no_class_table(fake_target, tmp_path):
+    out_json = tmp_path / "one.json"
+    result = CliRunner().invoke(bench, [
+        "--server", fake_target, "--workload", "fixed:4,2", "--num-requests", "3", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    assert "SLO class" not in result.output
+    (run,) = orjson.loads(out_json.read_bytes())["runs"]
+    assert list(run["classes"]) == ["no objective"]

@@ -32,6 +32,25 @@ def test_more_prompts_than_the_queue_cap_all_complete():
         assert len(outs) == 30 and all(len(o.token_ids) == 2 for o in outs)
 
 
+def test_generate_passes_each_prompts_priority_to_the_engine():
+    runner = FakeRunner(num_blocks=64, block_size=4)
+    with LLM(runner=runner, policy="priority") as llm:
+        seen: list[int] = []
+        add = llm.engine.add
+
+        def spy(*args, **kw):
+            add(*args, **kw)
+            seen.append(llm.engine.scheduler.requests[args[0]].priority)
+
+        llm.engine.add = spy
+        outs = llm.generate(["ab", "cd", "ef"], SamplingParams(max_tokens=2), priority=[2, -1, 0])
+        assert seen == [2, -1, 0] and all(len(o.token_ids) == 2 for o in outs)
+        llm.generate("gh", SamplingParams(max_tokens=1), priority=7)
+        assert seen[-1] == 7
+        with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+            llm.generate(["a"], priority=[1, 2])
+
+
 def test_options_map_onto_config_fields():
     config = build_config("some/folder", max_batch=3, prefix_cache=False, swap_bytes="1MiB", device="cpu")
     assert config.model.path == "some/folder" and config.model.device == "cpu"

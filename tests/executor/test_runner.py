@@ -33,6 +33,14 @@ def test_info_reports_model_and_pool(runner):
     assert runner.tokenizer.decode(runner.tokenizer.encode("12\n")) == "12\n"
 
 
+def test_info_reports_the_bytes_of_one_kv_block(runner):
+    info = runner.info()
+    # 2 layers x (K, V) x 4 tokens x 2 KV heads x head dim 16 x 4 bytes (float32)
+    assert info["kv_block_bytes"] == 2 * 2 * 4 * 2 * 16 * 4 == runner.kv[:, :, 1].nbytes
+    assert info["kv_block_bytes"] * runner.num_kv_blocks == runner.kv.nbytes
+    assert info["kv_block_bytes"] == info["kv_page_bytes"]  # what the memory plan sized the pool by
+
+
 def test_step_inputs_are_views_into_the_pool(runner):
     step = runner.inputs.build([_seq("a", PROMPT, 0, [1, 2, 3]), _seq("b", [5], 7, [4, 5])])
     base = runner.pool._buffer.untyped_storage().data_ptr()

@@ -66,6 +66,7 @@ class FakeEngine:
         self.reqs: dict[str, _Req] = {}
         self.slos: dict[str, SLO | None] = {}  # every request's SLO as received (for deadline tests)
         self.arrivals: dict[str, float] = {}  # every request's arrival_time as received
+        self.priorities: dict[str, int] = {}  # every request's priority as received
         # prompt text -> (refusal reason or None, error): such requests fail after they were queued
         self.late_failures: dict[str, tuple[str | None, str]] = {}
         self._free = num_blocks
@@ -83,7 +84,8 @@ class FakeEngine:
             self.abort(rid)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                    slo: SLO | None = None, arrival_time: float | None = None, *,
+                    priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None or self.stopped:
             raise EngineDeadError(self.dead_reason or "engine stopped")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -107,6 +109,7 @@ class FakeEngine:
         if arrival_time is not None:  # like the real engine: times and deadlines count from it
             req.arrival = arrival_time
         self.arrivals[request_id] = req.arrival
+        self.priorities[request_id] = priority
         self.reqs[request_id] = req
         self.slos[request_id] = slo
         self._stats.prompt_tokens_total += len(ids)
