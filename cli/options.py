@@ -10,6 +10,7 @@ from typing import Any
 import click
 from sloserve.cli.common import CliError
 from sloserve.config import (
+    POLICIES,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -44,8 +45,9 @@ def engine_options(fn: Callable) -> Callable:
                      help="Tokens per KV page [default: what the attention backend wants: 256 for flash-attn, else 16]."),
         click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
                      help="Reuse the KV of prompt prefixes already computed."),
-        click.option("--policy", default="slo", show_default=True, type=click.Choice(["slo", "fifo"]),
-                     help="Who runs next: SLO urgency with aging, or arrival order."),
+        click.option("--policy", default="slo", show_default=True, type=click.Choice(list(POLICIES)),
+                     help="Who runs next: slo (steps composed from deadlines), priority (the request's "
+                          "integer priority, lower first, then arrival) or fifo (arrival order)."),
         click.option("--max-batch", default=64, show_default=True, type=int, help="Most requests running at once."),
         click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True,
                      help="Split long prompts across steps so decodes keep flowing."),

@@ -78,9 +78,16 @@ class CacheConfig:
                  f"expert slots per layer must be <= {MAX_EXPERT_ENTRIES}, got {self.expert_slots_per_layer}")
 
 
+POLICIES = ("slo", "priority", "fifo")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    policy: str = "slo"  # 'slo' (urgency + aging) or 'fifo' (arrival order)
+    policy: str = "slo"  # 'slo' (deadlines), 'priority' (integer priority, then arrival) or 'fifo'
+    # slo policy only: compose each step from deadlines (who decodes, how big a prefill chunk)
+    # and preempt the running request with the most slack; off = urgency order, least urgent victim
+    deadline_steps: bool = True
+    slack_preemption: bool = True
     max_batch: int = 64  # most requests running at once
     max_batched_tokens: int = 2048  # token budget of one step
     chunked_prefill: bool = True
@@ -97,7 +104,7 @@ class SchedulerConfig:
     admission_control: bool = True  # refuse requests whose SLO cannot be met
 
     def __post_init__(self) -> None:
-        _require(self.policy in ("slo", "fifo"), f"policy must be 'slo' or 'fifo', got {self.policy!r}")
+        _require(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         _require(self.max_batch >= 1, f"max batch must be >= 1, got {self.max_batch}")
         _require(self.max_batched_tokens >= 1, "max batched tokens must be >= 1")
         _require(self.prefill_chunk >= 1, "prefill chunk must be >= 1")

@@ -33,7 +33,7 @@ def test_parse_size_rejects_with_the_accepted_forms(text):
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
-        (lambda: SchedulerConfig(policy="lifo"), "policy must be 'slo' or 'fifo'"),
+        (lambda: SchedulerConfig(policy="lifo"), "policy must be one of slo, priority, fifo"),
         (lambda: SchedulerConfig(max_batch=0), "max batch must be >= 1"),
         (lambda: SchedulerConfig(batch_decay=1.0), r"batch decay must be in \(0, 1\)"),
         (lambda: SchedulerConfig(preemption_mode="drop"), "preemption mode"),

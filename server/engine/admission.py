@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sloserve.config import SchedulerConfig
+from sloserve.engine.deadlines import StepPrice
 from sloserve.engine.request import Request
 from sloserve.errors import RequestRefusedError
 
@@ -105,7 +106,7 @@ class Backlog:
     prefill_steps: set[int] = field(default_factory=set)  # steps that run someone's prefill chunk
     occupants: int = 0  # running + queued requests in it
     queued: int = 0
-    last_deadline: float = float("-inf")  # latest deadline among the queued
+    last_key: tuple = ()  # the policy's queue key of the last queued request (() sorts first)
 
 
 class AdmissionControl:
@@ -119,7 +120,7 @@ class AdmissionControl:
 
     def __init__(self, config: SchedulerConfig, max_model_len: int | None = None) -> None:
         self.enabled = config.admission_control
-        self.fifo = config.policy == "fifo"
+        self.policy = config.policy
         self.max_waiting = config.max_waiting
         self.queue_timeout_s = config.queue_timeout_s
         self.max_wait_s = config.max_wait_s
@@ -137,6 +138,8 @@ class AdmissionControl:
         self.refusals: Counter[str] = Counter()
         self._backlog: Backlog | None = None
         self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
+        self._compute_s = 0.0  # compute time of the last step (on_compute)
+        self.gap_s = 0.0  # EWMA of schedule-to-schedule time minus compute: output delivery, IPC
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
@@ -149,12 +152,29 @@ class AdmissionControl:
         if self._step is not None:
             began, n, kind = self._step
             self.cycles[kind].observe(n, now - began)
+            self.gap_s = 0.9 * self.gap_s + 0.1 * max(0.0, now - began - self._compute_s)
         self._step = (now, seqs, prefill) if seqs > 0 else None
         self._backlog = None
 
+    def on_compute(self, tokens: int, seconds: float) -> None:
+        """The runner computed a step of `tokens` tokens in `seconds` (priming steps too)."""
+        self.speed.observe(tokens, seconds)
+        self._compute_s = seconds
+
     def on_idle(self) -> None:
-        """No live requests: the gap before the next step is no step time."""
+        """No live requests: the gap before the next step is no step time, and the cycle times
+        of the load that just ended are forgotten -- the next load re-learns them within a few
+        steps, priced meanwhile by the compute-time model (no estimate carried over from an overload)."""
         self._step = None
+        self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
+        self.gap_s = 0.0
+
+    def step_price(self) -> StepPrice | None:
+        """The deadline plan's step price: compute time (overhead + per token) plus the mean gap."""
+        fit = self.speed.fit()
+        if fit is None:
+            return None
+        return StepPrice(fit[0] + self.gap_s, fit[1])
 
     def forget(self) -> None:
         """The running set or the queue changed other than by queued(): rebuild the Backlog."""
@@ -163,7 +183,7 @@ class AdmissionControl:
     def queued(self, req: Request) -> None:
         """`req` joined the end of the waiting queue."""
         b = self._backlog
-        if b is not None and (self.fifo or req.deadline >= b.last_deadline):
+        if b is not None and self._key(req) >= b.last_key:
             self._take_slot(b, req)
         else:
             self._backlog = None
@@ -178,35 +198,58 @@ class AdmissionControl:
         if num_waiting >= self.max_waiting:
             raise self.refuse("queue_full", f"the waiting queue is full ({self.max_waiting} requests); "
                               "retry later or raise max_waiting")
-        if not self.enabled or not req.has_explicit_slo:
+        if not self.enabled:
             return
-        left = req.deadline - now
-        if left <= 0:
-            raise self.refuse("deadline_passed", f"the first-token deadline passed {-left:.3f}s ago")
-        cost = self.step_costs()
-        if cost is None:
+        due = req.ttft_deadline if req.ttft_deadline is not None else req.e2e_deadline
+        if due is not None and due <= now:
+            raise self.refuse("deadline_passed", f"the first-token deadline passed {now - due:.3f}s ago")
+        est = self._first_token(req, now, running, waiting, batch_cap, cached_tokens)
+        if est is None:
             return
-        b = self._backlog
-        if b is None or b.cap != batch_cap:
-            b = self._backlog = self.backlog(running, waiting, batch_cap)
-        if not self.fifo and req.deadline < b.last_deadline:
-            # More urgent than some queued requests: it starts before those -- unless they wait
-            # past the starvation guard before its first token and then go first.
-            ahead = [r for r in waiting if r.deadline <= req.deadline]
-            b = self.backlog(running, ahead, batch_cap)
-            est = self._price(b, req, cached_tokens, cost, now)
-            starve_by = now + est.seconds - self.max_wait_s
-            starving = [r for r in waiting if r.deadline > req.deadline and r.arrival_time < starve_by]
-            if starving:
-                b = self.backlog(running, starving + ahead, batch_cap)
-        est = self._price(b, req, cached_tokens, cost, now)
-        if est.seconds > SLO_MARGIN * left:
+        req.predicted_ttft_s = now - req.arrival_time + est.seconds
+        if due is None:
+            return  # no objective: never refused for time
+        left = due - now
+        # A TTFT objective keeps a margin for the estimate's error; an end-to-end-only one is
+        # refused only when even its first token would come after the deadline.
+        if est.seconds > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
             wait = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
             raise self.refuse(
                 "slo_unattainable",
                 f"first token expected in ~{est.seconds:.2f}s ({wait}{est.steps} steps in all, "
                 f"{len(running)} running and {est.ahead} waiting ahead) but the SLO allows "
                 f"{left:.2f}s; relax the SLO or retry later")
+
+    def _first_token(self, req: Request, now: float, running: Sequence[Request], waiting: Iterable[Request],
+                     batch_cap: int, cached_tokens: int) -> FirstTokenEstimate | None:
+        """When `req`'s first token comes, queued by the policy's order; None before steps were timed."""
+        cost = self.step_costs()
+        if cost is None:
+            return None
+        b = self._backlog
+        if b is None or b.cap != batch_cap:
+            b = self._backlog = self.backlog(running, waiting, batch_cap)
+        key = self._key(req)
+        if key < b.last_key:
+            # Ahead of some queued requests: it starts before those -- unless (slo) they wait
+            # past the starvation guard before its first token and then go first.
+            ahead = [r for r in waiting if self._key(r) <= key]
+            b = self.backlog(running, ahead, batch_cap)
+            if self.policy == "slo":
+                est = self._price(b, req, cached_tokens, cost, now)
+                starve_by = now + est.seconds - self.max_wait_s
+                starving = [r for r in waiting if self._key(r) > key and r.arrival_time < starve_by]
+                if starving:
+                    b = self.backlog(running, starving + ahead, batch_cap)
+        return self._price(b, req, cached_tokens, cost, now)
+
+    def _key(self, r: Request) -> tuple:
+        """The waiting order of the policy (fifo: arrival, so a newcomer is always last)."""
+        if self.policy == "slo":
+            return (r.deadline,)
+        if self.policy == "priority":
+            return (r.priority, r.arrival_time)
+        return (r.arrival_time,)
 
     def estimate(self, req: Request, running: Sequence[Request], ahead: Iterable[Request],
                  batch_cap: int, cached_tokens: int = 0, now: float | None = None) -> FirstTokenEstimate | None:
@@ -248,7 +291,7 @@ class AdmissionControl:
         b.pending += pending
         b.occupants += 1
         b.queued += 1
-        b.last_deadline = max(b.last_deadline, r.deadline)
+        b.last_key = max(b.last_key, self._key(r))
 
     def _price(self, b: Backlog, req: Request, cached_tokens: int,
                costs: tuple[tuple[float, float], tuple[float, float]], now: float | None) -> FirstTokenEstimate:

@@ -18,6 +18,7 @@ from typing import Any
 from sloserve.batch import SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.priming import prime
 from sloserve.engine.scheduler import Scheduler
 from sloserve.errors import InvalidRequestError
 from sloserve.faults import FaultPlan, FaultyRunner
@@ -52,6 +53,9 @@ class EngineCore:
             config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
             eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
+        if config.scheduler.admission_control or config.scheduler.policy == "slo":
+            # NOTE: before ready, so a flood right after start-up is priced, not let in blindly
+            prime(runner, self.scheduler.admission, config.scheduler, self.scheduler.max_model_len)
         self._steps: deque[tuple[float, int]] = deque(maxlen=512)  # (seconds, tokens) of recent steps
         # NOTE: stats() runs after every step in the engine process: the percentiles are re-sorted
         # only every PERCENTILE_EVERY steps (and when idle), not on each call.
@@ -60,8 +64,9 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
-            slo: SLO | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request; raises InvalidRequestError / RequestRefusedError now."""
+            slo: SLO | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request (lower `priority` runs first under the priority policy); raises
+        InvalidRequestError / RequestRefusedError now."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(token_ids, list | tuple) or not all(isinstance(t, int) for t in token_ids):
@@ -70,7 +75,9 @@ class EngineCore:
         bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        self.scheduler.add_request(request_id, list(token_ids), params, slo, arrival_time)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}")
+        self.scheduler.add_request(request_id, list(token_ids), params, slo, arrival_time, priority=priority)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a live request as 'cancelled' and free its blocks now; None if it is not live."""
@@ -104,7 +111,7 @@ class EngineCore:
                seconds: float) -> list[RequestOutput]:
         outputs = self.scheduler.update(out, sampled, errors)
         if out.sequences:
-            self.scheduler.admission.speed.observe(out.num_tokens, seconds)
+            self.scheduler.admission.on_compute(out.num_tokens, seconds)
             self._steps.append((seconds, out.num_tokens))
             self._steps_since_percentiles += 1
         return outputs

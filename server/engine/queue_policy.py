@@ -1,16 +1,17 @@
-"""Waiting-queue policies behind one tiny interface: `slo` (urgency + aging) and `fifo`."""
+"""Waiting-queue policies behind one tiny interface: `slo` (urgency + aging), `priority`, `fifo`."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from sloserve.config import SchedulerConfig
+from sloserve.config import POLICIES, SchedulerConfig
 from sloserve.engine.request import Request
 from sloserve.hotpath import RequestQueue
 
-POLICIES = ("slo", "fifo")
+__all__ = ["POLICIES", "WaitingQueue", "make_queue"]
 
 
 class WaitingQueue(Protocol):
@@ -111,10 +112,64 @@ class FifoQueue:
         return iter(list(self._queue))
 
 
+class PriorityQueue:
+    """vLLM's priority scheme: lower `priority` first, then arrival (FCFS within a priority).
+
+    Kept sorted by (priority, arrival, handle); a preempted request goes back to its place.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._keys: list[tuple[int, float, int]] = []
+        self._reqs: dict[int, Request] = {}
+
+    @staticmethod
+    def key(req: Request) -> tuple[int, float, int]:
+        return req.priority, req.arrival_time, req.handle
+
+    def add(self, req: Request, now: float) -> None:
+        bisect.insort(self._keys, self.key(req))
+        self._reqs[req.handle] = req
+
+    def requeue(self, req: Request) -> None:
+        self.add(req, req.arrival_time)
+
+    def peek(self) -> Request:
+        if not self._keys:
+            raise IndexError("peek from an empty queue")
+        return self._reqs[self._keys[0][2]]
+
+    def pop(self) -> Request:
+        if not self._keys:
+            raise IndexError("pop from an empty queue")
+        return self._reqs.pop(self._keys.pop(0)[2])
+
+    def remove(self, req: Request) -> None:
+        key = self.key(req)
+        i = bisect.bisect_left(self._keys, key)
+        if i == len(self._keys) or self._keys[i] != key:
+            raise KeyError(req.request_id)
+        del self._keys[i]
+        del self._reqs[req.handle]
+
+    def rekey(self, now: float) -> None:
+        pass
+
+    def in_order(self) -> list[Request]:
+        return [self._reqs[h] for _, _, h in self._keys]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._reqs.values()))
+
+
 def make_queue(config: SchedulerConfig) -> WaitingQueue:
     """The waiting queue for `config.policy`; ValueError names the known policies."""
     if config.policy == "slo":
         return SloQueue(config)
     if config.policy == "fifo":
         return FifoQueue(config)
+    if config.policy == "priority":
+        return PriorityQueue(config)
     raise ValueError(f"unknown scheduling policy {config.policy!r}: use one of {', '.join(POLICIES)}")

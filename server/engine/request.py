@@ -50,7 +50,8 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
         "finish_time", "error", "refusal_reason", "detokenizer", "output_text", "sent_text_len",
-        "sent_token_len", "ever_scheduled",
+        "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
+        "last_scheduled_time", "predicted_ttft_s",
     )
 
     def __init__(
@@ -62,6 +63,7 @@ class Request:
         slo: SLO | None = None,
         arrival_time: float | None = None,
         default_ttft_s: float = 2.0,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.handle = handle
@@ -72,7 +74,15 @@ class Request:
         self.slo = slo
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.has_explicit_slo = slo is not None and (slo.ttft_s is not None or slo.e2e_s is not None)
+        self.priority = priority  # lower runs first under the 'priority' policy
+        # Objectives as absolute times (None: not given). `deadline` orders the waiting queue:
+        # the tighter of TTFT and end-to-end, else default_ttft_s -- an ordering key only: a
+        # request is judged and refused by the objectives it gave, never by this default.
+        self.ttft_deadline = None if slo is None or slo.ttft_s is None else self.arrival_time + slo.ttft_s
+        self.e2e_deadline = None if slo is None or slo.e2e_s is None else self.arrival_time + slo.e2e_s
         self.deadline = self.arrival_time + _first_token_budget(slo, default_ttft_s)
+        self.last_scheduled_time: float | None = None  # when a step last computed any of its tokens
+        self.predicted_ttft_s: float | None = None  # admission's first-token estimate, from arrival
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -107,6 +117,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def tpot_s(self) -> float | None:
+        return None if self.slo is None else self.slo.tpot_s
 
     @property
     def is_swapped(self) -> bool:

@@ -9,6 +9,7 @@ with chunked prefill while the running set is below the (adaptive) batch target.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.engine.admission import AdmissionControl
 from sloserve.engine.block_manager import BlockManager
+from sloserve.engine.deadlines import MIN_CHUNK, DeadlinePlan
 from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.output_processor import process_token, take_output
 from sloserve.engine.outputs import EngineStats, RequestOutput
@@ -26,6 +28,8 @@ from sloserve.errors import InvalidRequestError
 from sloserve.faults import FaultPlan
 from sloserve.hotpath import target_batch_size
 from sloserve.sampling_params import SLO, SamplingParams
+
+PREDICTION_ERRORS_KEPT = 512
 
 
 class Scheduler:
@@ -62,10 +66,14 @@ class Scheduler:
         self.generated_tokens_total = 0
         self.preemptions_total = 0
         self.requests_finished_total = 0
+        self.kv_blocks_peak = 0  # most blocks held by requests at once
+        self._step_tokens = 0  # tokens scheduled so far in the step being composed
+        # predicted minus actual TTFT of recent requests that had a prediction (seconds)
+        self.ttft_errors: deque[float] = deque(maxlen=PREDICTION_ERRORS_KEPT)
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None) -> Request:
+                    slo: SLO | None = None, arrival_time: float | None = None, priority: int = 0) -> Request:
         """Validate and queue a request; InvalidRequestError / RequestRefusedError say why not."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -77,9 +85,10 @@ class Scheduler:
                 f"{self.max_model_len - 1} (room is needed for one output token); shorten it")
         now = self.clock()
         req = Request(request_id, next(self._handles), prompt_token_ids, sampling, slo,
-                      arrival_time if arrival_time is not None else now, self.config.default_ttft_s)
+                      arrival_time if arrival_time is not None else now, self.config.default_ttft_s,
+                      priority)
         cached = 0
-        if self.admission.enabled and req.has_explicit_slo:
+        if self.admission.enabled:
             cached = len(self.block_manager.find_prefix(req.all_token_ids)[0]) * self.block_size
         self.admission.check_new(req, now, self.running, self.waiting, len(self.waiting),
                                  self._batch_target(extra=1), cached)
@@ -113,18 +122,23 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         self._swapped = []
+        self._step_tokens = 0
         self._expire(now)
         self.waiting.rekey(now)
+        plan = self._deadline_plan(now)
         budget = self.config.max_batched_tokens
         preempted = False
-        pending = deque(sorted(self.running, key=self._urgency))
+        by_slack = plan is not None and self.config.slack_preemption
+        pending = deque(plan.order(self.running) if by_slack else sorted(self.running, key=self._urgency))
         while pending and budget > 0:
             req = pending.popleft()
             n = self._chunk(req, budget, first=not out.sequences)
+            if plan is not None:
+                n = self._fit(plan, req, n, self._step_tokens)
             if n == 0:
                 continue
             while req is not None and not self.block_manager.allocate(req, req.num_computed_tokens + n):
-                victim = self._pick_victim(pending, req)
+                victim = self._pick_victim(pending, req, plan)
                 if victim is not req:
                     pending.remove(victim)
                 self._preempt(victim, out)
@@ -135,21 +149,29 @@ class Scheduler:
                 self._schedule_chunk(req, n, out, now)
                 budget -= n
         if not preempted:
-            self._admit_waiting(out, budget, now)
+            self._admit_waiting(out, budget, now, plan)
         prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
         self.admission.on_step(now, len(out.sequences), prefill)
+        bm = self.block_manager
+        self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, plan: DeadlinePlan | None) -> None:
         bm = self.block_manager
         target = self._batch_target()
         for req in self.waiting.in_order() if self.waiting else ():
-            if budget <= 0 or len(self.running) >= target:
+            if budget <= 0:
+                return
+            if plan is not None and not plan.must_run(req) and plan.room(self._step_tokens) < MIN_CHUNK:
+                continue  # optional, and the step has no room under the cap: look for a must-run one
+            if len(self.running) >= target and not self._free_slot(req, plan, out):
                 return
             if req.is_swapped:
                 n = self._chunk(req, budget, first=not out.sequences)
+                if plan is not None:
+                    n = self._fit(plan, req, n, self._step_tokens)
                 extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
-                if out.swap_out or bm.num_free < len(req.host_table) + extra:
+                if n == 0 or out.swap_out or bm.num_free < len(req.host_table) + extra:
                     return
                 out.swap_in.extend(bm.swap_in(req))
                 self._swapped.append(req)
@@ -159,7 +181,11 @@ class Scheduler:
                     continue  # its next block is being computed right now: hit it next step
                 cached = len(blocks) * self.block_size
                 n = self._chunk(req, budget, first=not out.sequences, computed=cached)
+                if plan is not None:
+                    n = self._fit(plan, req, n, self._step_tokens)
                 if n == 0:
+                    if plan is not None:
+                        continue
                     return
                 bm.acquire_prefix(req, blocks, hashes)
                 if not bm.allocate(req, cached + n):
@@ -179,6 +205,41 @@ class Scheduler:
             self.running.append(req)
             self._schedule_chunk(req, n, out, now)
             budget -= n
+
+    def _deadline_plan(self, now: float) -> DeadlinePlan | None:
+        """This step's deadline view (the slo policy with deadline_steps), once steps have been priced."""
+        sc = self.config
+        if sc.policy != "slo" or not sc.deadline_steps:
+            return None
+        price = self.admission.step_price()
+        if price is None:
+            return None
+        chunk = min(sc.prefill_chunk, sc.max_batched_tokens) if sc.chunked_prefill else sc.max_batched_tokens
+        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s)
+
+    def _fit(self, plan: DeadlinePlan, req: Request, n: int, tokens: int) -> int:
+        """`n` cut to the room under the step cap: 0 skips an optional request this step; a
+        must-run decode always computes, a must-run prefill as DeadlinePlan.overdraw allows."""
+        if n <= 1:
+            return n if plan.must_run(req) or plan.room(tokens) >= 1 else 0
+        floor = min(n, MIN_CHUNK)
+        fit = min(n, plan.room(tokens))
+        if fit >= floor:
+            return fit
+        return floor if plan.overdraw(req) else 0
+
+    def _free_slot(self, req: Request, plan: DeadlinePlan | None, out: SchedulerOutput) -> bool:
+        """The batch is full: preempt the running request with the most slack for `req`, when `req`
+        must run now, the victim need not, and the victim did not run in this step."""
+        if plan is None or not self.config.slack_preemption or not plan.must_run(req) or out.swap_out:
+            return False
+        scheduled = {r.request_id for r, _ in self._scheduled}
+        candidates = [r for r in self.running if r.request_id not in scheduled
+                      and r.resumed_step is None and not plan.must_run(r)]
+        if not candidates:
+            return False
+        self._preempt(max(candidates, key=lambda r: (plan.slack(r), r.arrival_time)), out)
+        return True
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
                errors: dict[str, str] | None = None) -> list[RequestOutput]:
@@ -215,6 +276,8 @@ class Scheduler:
                     req.resumed_step = None
                 if req.first_token_time is None:
                     req.first_token_time = now
+                    if req.predicted_ttft_s is not None:
+                        self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
                 if self.faults is not None:
                     self.faults.check("fail-postprocess", (req.request_id,))
                 process_token(req, token, self.eos_token_ids, self.max_model_len)
@@ -253,9 +316,12 @@ class Scheduler:
         return moved
 
     # ---- helpers -----------------------------------------------------------------------
-    def _urgency(self, req: Request) -> tuple[float, int]:
+    def _urgency(self, req: Request) -> tuple:
+        """The running set's order without a deadline plan (smaller runs first)."""
         if self.config.policy == "slo":
             return req.deadline, req.handle
+        if self.config.policy == "priority":
+            return req.priority, req.arrival_time, req.handle
         return req.arrival_time, req.handle
 
     def _batch_target(self, extra: int = 0) -> int:
@@ -276,15 +342,19 @@ class Scheduler:
         # Without chunking a prompt runs whole; one longer than the budget may run alone.
         return remaining if remaining <= budget or first else 0
 
-    def _pick_victim(self, pending: deque[Request], current: Request) -> Request:
-        """The least urgent unscheduled running request, sparing those just resumed (no thrashing)."""
-        def protected(r: Request) -> bool:
-            return r.resumed_step is not None
-
-        for r in reversed(pending):
-            if not protected(r) and (r.block_table or r.num_computed_tokens):
-                return r
-        if not protected(current) or not pending:
+    def _pick_victim(self, pending: deque[Request], current: Request, plan: DeadlinePlan | None) -> Request:
+        """Who gives up its blocks: among the running requests not yet scheduled in this step,
+        the one with the most slack (slo with slack_preemption), else the least urgent by the
+        policy's key; those just resumed are spared (no thrashing)."""
+        if plan is not None and self.config.slack_preemption:
+            def key(r: Request) -> tuple:
+                return plan.slack(r), r.arrival_time
+        else:
+            key = self._urgency
+        candidates = [r for r in pending if r.resumed_step is None and (r.block_table or r.num_computed_tokens)]
+        if candidates:
+            return max(candidates, key=key)
+        if current.resumed_step is None or not pending:
             return current
         return pending[-1]
 
@@ -316,6 +386,8 @@ class Scheduler:
             sample=end == req.num_tokens, sampling=req.sampling, num_generated=req.num_output_tokens))
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+        req.last_scheduled_time = now
+        self._step_tokens += n
         req.ever_scheduled = True
         self._scheduled.append((req, n))
 
@@ -353,4 +425,14 @@ class Scheduler:
             prefix_hit_tokens_total=self.prefix_hit_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             preemptions_total=self.preemptions_total, refusals=dict(self.admission.refusals),
-            requests_finished_total=self.requests_finished_total)
+            requests_finished_total=self.requests_finished_total, kv_blocks_peak=self.kv_blocks_peak,
+            **self._prediction_errors())
+
+    def _prediction_errors(self) -> dict:
+        """TTFT prediction error (predicted minus actual) p50 / p90 over the recent requests."""
+        errors = sorted(self.ttft_errors)
+        if not errors:
+            return {}
+        return {"ttft_predictions": len(errors),
+                "ttft_prediction_error_p50_s": errors[(len(errors) - 1) // 2],
+                "ttft_prediction_error_p90_s": errors[min(len(errors) - 1, math.ceil(0.9 * len(errors)) - 1)]}

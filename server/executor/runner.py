@@ -81,6 +81,8 @@ class ModelRunner:
         kv_shape = (spec.num_layers, 2, plan.num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = self.pool.carve("kv", kv_shape, self.dtype)
         self.num_kv_blocks = plan.num_pages
+        layers, kv, _, *page = self.kv.shape  # one block: every dim but the pages one, K and V
+        self.kv_block_bytes = layers * kv * math.prod(page) * self.kv.element_size()
         self._num_params = weights.num_parameters()
         self.experts = None
         if spec.moe_layers:
@@ -179,6 +181,39 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, float]]:
+        """(tokens, seconds) of steps of the given (sequences, tokens each) shapes, on an empty pool.
+
+        Each shape runs `rounds` times; its time is the fastest run after the first (the first
+        may allocate or compile; the minimum ignores a busy machine's stalls). Each sequence
+        writes pages of its own (as real ones do: many writes to one page serialise), so this
+        must run before any request holds a page.
+        """
+        greedy = SamplingParams(max_tokens=1)
+        timings = []
+        for seqs, tokens in shapes:
+            seqs = min(seqs, self.inputs.max_seqs)
+            tokens = min(tokens, self.inputs.max_tokens, self.max_model_len - 1)
+            # decode at a short context, as long as every sequence gets pages of its own
+            pages = max(1, min(4, (self.num_kv_blocks - 1) // seqs))
+            start = 0 if tokens > 1 else min(pages * self.block_size, self.max_model_len) - 1
+            n = math.ceil((start + tokens) / self.block_size)
+            if seqs * n > self.num_kv_blocks - 1:
+                continue  # a pool too small for this shape: it is not timed
+            out = SchedulerOutput([
+                ScheduledSequence(f"prime{i}", [0] * tokens, start, list(range(1 + i * n, 1 + (i + 1) * n)),
+                                  True, greedy)
+                for i in range(seqs)])
+            times = []
+            for _ in range(rounds):
+                began = time.perf_counter()
+                self.execute(out)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - began)
+            timings.append((seqs * tokens, min(times[1:] or times)))
+        return timings
+
     def probe(self) -> None:
         """One greedy decode token on the null page: raises only when the runner itself is broken."""
         seq = ScheduledSequence("__probe__", [0], 0, [0], True, SamplingParams(max_tokens=1))
@@ -199,6 +234,7 @@ class ModelRunner:
             "num_kv_blocks": self.num_kv_blocks,
             "num_host_blocks": self.num_host_blocks,
             "kv_page_bytes": self.page_bytes,
+            "kv_block_bytes": self.kv_block_bytes,  # one block, all layers, K and V (InfoResponse)
             "pool": self.pool.report(),
             "load_time_s": round(self.load_time_s, 3),
             "decode_step": "none" if self.decode_step is None else

@@ -162,7 +162,6 @@ def test_steps_with_a_prefill_chunk_are_priced_apart_from_decode_steps():
         t += 0.04
         adm.on_step(t, 4, True)
         t += 0.3
-    adm.on_idle()
     req = s.add_request("probe", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0))
     est = adm.estimate(req, s.running, [], 4)
     assert (est.slot_steps, est.steps) == (8, 9)

@@ -115,5 +115,5 @@ def test_running_requests_are_scheduled_before_waiting_ones():
 def test_queue_factory_rejects_unknown_policy():
     config = SchedulerConfig()
     object.__setattr__(config, "policy", "lifo")
-    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'.*slo, fifo"):
+    with pytest.raises(ValueError, match="unknown scheduling policy .lifo.*slo, priority, fifo"):
         make_queue(config)

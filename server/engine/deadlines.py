@@ -1,0 +1,135 @@
+"""Deadline step composition (the `slo` policy): who computes in this step, and how much.
+
+Each request's *slack* is how long it can still wait before a step must compute it, priced
+with the measured step-cost model (seconds = overhead + per_token * tokens):
+
+- still prefilling, with a TTFT objective: the TTFT deadline minus the time its remaining
+  prompt takes;
+- decoding, with a TPOT objective: when its next token is due to keep its mean TPOT on pace,
+  ``first_token_time + tpot * outputs_so_far``, minus one step;
+- with an end-to-end objective: the deadline minus its remaining outputs at one step each
+  (``max_tokens`` is an upper bound, so this errs early);
+- the smallest of those; infinite with no objective.
+
+A request whose slack is under the *horizon* (two full decode steps: after skipping one step
+it still has one) must run; so must one that has not been computed for ``max_wait_s`` (since
+its arrival if never). That is the starvation bound: a running request is computed at least
+once every ``max_wait_s`` plus one step, and a waiting one is offered a chunk as soon as it has
+waited ``max_wait_s`` (it still needs a free slot, blocks and token budget, in queue order). The others are optional: they run only while the step still ends before the earliest
+TPOT due time of the must-run requests (the step *cap*), and a prefill chunk is cut to what fits
+under the cap -- Sarathi-Serve's stall-free token budget, derived from deadlines instead of
+fixed. A must-run prefill makes at least MIN_CHUNK tokens even past the cap (one starving
+request per step, every urgent one). With no TPOT objective running, the cap is infinite and
+every request runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sloserve.engine.request import Request
+
+MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
+HORIZON_STEPS = 2.0  # slack under this many full decode steps: the request must run now
+
+
+@dataclass(frozen=True, slots=True)
+class StepPrice:
+    """Step time = overhead_s + per_token_s * tokens (a decode sequence computes one token)."""
+
+    overhead_s: float
+    per_token_s: float
+
+    def seconds(self, tokens: int) -> float:
+        return self.overhead_s + self.per_token_s * tokens
+
+    def tokens_within(self, seconds: float) -> int:
+        """Most tokens a step of at most `seconds` computes (0 when even the overhead does not fit)."""
+        if seconds < self.overhead_s:
+            return 0
+        if self.per_token_s <= 0:
+            return 1 << 30
+        return int((seconds - self.overhead_s) / self.per_token_s)
+
+
+class DeadlinePlan:
+    """One step's view of every candidate's slack, the horizon and the step cap."""
+
+    def __init__(self, price: StepPrice, running: Iterable[Request], now: float, chunk: int,
+                 max_wait_s: float) -> None:
+        self.price = price
+        self.now = now
+        self.chunk = chunk
+        self.max_wait_s = max_wait_s
+        running = list(running)
+        self.full_step_s = price.seconds(max(1, len(running)))
+        self.horizon_s = HORIZON_STEPS * self.full_step_s
+        self._slack: dict[int, float] = {}
+        self.cap_s = math.inf  # the step must end this long after `now`
+        self._overdrawn = False  # a starving request's chunk already went past the cap this step
+        for r in running:
+            if self.must_run(r) and r.tpot_s is not None and r.first_token_time is not None \
+                    and r.num_tokens - r.num_computed_tokens <= 1:
+                self.cap_s = min(self.cap_s, self.next_token_due(r) - now)
+
+    @staticmethod
+    def next_token_due(r: Request) -> float:
+        """When r's next token must come for its mean TPOT so far to stay within the objective."""
+        assert r.first_token_time is not None and r.tpot_s is not None
+        return r.first_token_time + r.tpot_s * max(1, r.num_output_tokens)
+
+    def slack(self, r: Request) -> float:
+        """Seconds r can still wait before a step must compute it (see the module docstring)."""
+        cached = self._slack.get(r.handle)
+        if cached is not None:
+            return cached
+        now, price = self.now, self.price
+        pending = r.num_tokens - r.num_computed_tokens
+        slack = math.inf
+        if r.first_token_time is None:
+            prefill = price.per_token_s * pending + -(-pending // self.chunk) * price.overhead_s
+            if r.ttft_deadline is not None:
+                slack = r.ttft_deadline - now - prefill
+        else:
+            prefill = 0.0
+            if r.tpot_s is not None and pending <= 1:
+                slack = self.next_token_due(r) - now - self.full_step_s
+        if r.e2e_deadline is not None:
+            outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
+            slack = min(slack, r.e2e_deadline - now - prefill - outputs * self.full_step_s)
+        self._slack[r.handle] = slack
+        return slack
+
+    def urgent(self, r: Request) -> bool:
+        """Its slack is under the horizon: skipping it would put its objective at risk."""
+        return self.slack(r) < self.horizon_s
+
+    def starving(self, r: Request) -> bool:
+        """Not computed for max_wait_s (since its arrival if never)."""
+        since = r.last_scheduled_time if r.last_scheduled_time is not None else r.arrival_time
+        return self.now - since >= self.max_wait_s
+
+    def must_run(self, r: Request) -> bool:
+        return self.urgent(r) or self.starving(r)
+
+    def overdraw(self, r: Request) -> bool:
+        """May r's prefill chunk go past the cap? Always when urgent; for one starving request a
+        step (so a queue of starving requests cannot flood a step and break every TPOT)."""
+        if self.urgent(r):
+            return True
+        if self.starving(r) and not self._overdrawn:
+            self._overdrawn = True
+            return True
+        return False
+
+    def room(self, tokens: int) -> int:
+        """Tokens that still fit under the cap in a step that already computes `tokens`."""
+        if math.isinf(self.cap_s):
+            return 1 << 30
+        return max(0, self.price.tokens_within(self.cap_s) - tokens)
+
+    def order(self, reqs: Iterable[Request]) -> list[Request]:
+        """Least slack first (ties: earlier arrival)."""
+        return sorted(reqs, key=lambda r: (self.slack(r), r.arrival_time, r.handle))

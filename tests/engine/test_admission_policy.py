@@ -1,0 +1,127 @@
+"""Admission refuses only what would miss; priming and recovery of its cost model; the priority policy."""
+
+from __future__ import annotations
+
+import pytest
+from sloserve.config import SchedulerConfig
+from sloserve.engine.priming import prime, priming_shapes
+from sloserve.errors import RequestRefusedError
+from sloserve.sampling_params import SLO, SamplingParams
+
+from tests.engine.fakes import FakeRunner
+from tests.engine.helpers import drain, make_scheduler, step
+
+OVERHEAD_S, PER_TOKEN_S = 0.01, 0.001
+
+
+def _busy(s, r, n: int = 4, max_tokens: int = 300) -> None:
+    """A full batch of long decodes and a step-cost model that knows steps of 10 ms + 1 ms/token."""
+    for tokens in (1, 2, 500, 3, 1000, 1):
+        s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
+    for i in range(n):
+        s.add_request(f"run{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    step(s, r)
+    step(s, r)
+
+
+def _scheduler(**sched):
+    return make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False,
+                          **sched)
+
+
+def test_a_request_without_objectives_is_never_refused_for_time():
+    s, r, _ = _scheduler()
+    _busy(s, r)
+    s.add_request("patient", [98] * 6, SamplingParams(max_tokens=4))  # its first token is ~4 s away
+    assert s.requests["patient"].predicted_ttft_s > 2.0  # ... and predicted so (the default 2 s is no objective)
+
+
+def test_an_end_to_end_objective_is_refused_only_when_even_the_first_token_is_late():
+    s, r, _ = _scheduler()
+    _busy(s, r)
+    # ~4.2 s to a free slot: a 5 s end-to-end objective may still be met (no margin taken), a 4 s one cannot.
+    s.add_request("fits", [98] * 6, SamplingParams(max_tokens=4), SLO(e2e_s=5.0))
+    with pytest.raises(RequestRefusedError, match="first token expected"):
+        s.add_request("late", [99] * 6, SamplingParams(max_tokens=4), SLO(e2e_s=4.0))
+
+
+def test_the_ttft_prediction_error_is_measured_when_first_tokens_come():
+    s, r, clock = _scheduler()
+    for tokens in (1, 2, 500, 3, 1000, 1):
+        s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
+    s.add_request("a", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=5.0))
+    predicted = s.requests["a"].predicted_ttft_s
+    clock.t += 0.25
+    drain(s, r)
+    stats = s.stats()
+    assert stats.ttft_predictions == 1
+    assert stats.ttft_prediction_error_p50_s == pytest.approx(predicted - 0.25)
+
+
+def test_cycle_times_of_an_overload_are_forgotten_when_the_engine_goes_idle():
+    s, r, clock = _scheduler()
+    adm = s.admission
+    for tokens in (1, 2, 500, 3, 1000, 1):
+        adm.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
+    for _ in range(20):  # overload: each 4-sequence decode cycle took 1 s (a contended GIL)
+        adm.on_step(clock.t, 4, False)
+        clock.t += 1.0
+    assert adm.step_costs()[0][0] + 4 * adm.step_costs()[0][1] > 0.5
+    adm.on_idle()
+    (overhead, per_seq), _ = adm.step_costs()
+    assert overhead + 4 * per_seq < 0.05  # back to the compute-time model: ~14 ms
+    s.add_request("light", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))  # not refused
+
+
+class _TimedRunner(FakeRunner):
+    """A fake runner whose steps take 2 ms + 0.5 ms per token, reported by time_steps."""
+
+    def time_steps(self, shapes):
+        return [(seqs * tokens, 0.002 + 0.0005 * seqs * tokens) for seqs, tokens in shapes]
+
+
+def test_priming_prices_steps_before_any_request_ran():
+    s, r, _ = make_scheduler(_TimedRunner())
+    assert s.admission.step_costs() is None  # a fresh model admits blindly
+    fed = prime(r, s.admission, s.config, s.max_model_len)
+    assert fed == len(priming_shapes(s.config, s.max_model_len)) >= 5
+    overhead, per_token = s.admission.speed.fit()
+    assert overhead == pytest.approx(0.002, abs=1e-4) and per_token == pytest.approx(0.0005, rel=0.01)
+
+
+def test_priming_shapes_span_decode_batches_and_prefill_chunks():
+    shapes = priming_shapes(SchedulerConfig(max_batch=64, prefill_chunk=512), 4096)
+    assert (1, 1) in shapes and (64, 1) in shapes and (1, 512) in shapes and (1, 128) in shapes
+    assert all(seqs == 1 or tokens == 1 for seqs, tokens in shapes)
+
+
+# ---- the priority policy -----------------------------------------------------------------
+
+def test_priority_runs_lower_values_first_and_fifo_within_a_priority():
+    s, r, _ = make_scheduler(FakeRunner(num_blocks=512), policy="priority", max_batch=1, adaptive_batch=False,
+                             admission_control=False)
+    for name, prio in (("b1", 1), ("a0", 0), ("c1", 1), ("d0", 0)):
+        s.add_request(name, [97] * 4, SamplingParams(max_tokens=1), priority=prio)
+    order = []
+    for _ in range(20):
+        out, outputs = step(s, r)
+        order += [o.request_id for o in outputs if o.finished]
+    assert order == ["a0", "d0", "b1", "c1"]
+
+
+def test_priority_preempts_the_highest_value_then_the_latest_arrival():
+    s, r, clock = make_scheduler(FakeRunner(num_blocks=10, num_host_blocks=0, max_model_len=256),
+                                 policy="priority", preemption_mode="recompute", adaptive_batch=False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    s.add_request("urgent", [97] * 6, params, priority=0)
+    clock.t += 1
+    s.add_request("old-low", [98] * 6, params, priority=2)
+    clock.t += 1
+    s.add_request("new-mid", [99] * 6, params, priority=1)
+    for _ in range(40):
+        step(s, r)
+        preempted = [q.request_id for q in s.requests.values() if q.num_preemptions]
+        if preempted:
+            assert preempted == ["old-low"]
+            return
+    raise AssertionError("the pool never ran out")

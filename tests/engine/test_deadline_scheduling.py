@@ -1,0 +1,129 @@
+"""Deadline step composition (slo policy), slack preemption and the starvation bound: torch-free.
+
+The fake runner computes the tokens; a simulated clock advances each step by the priced step
+time (overhead + per token), and the same times feed the scheduler's cost model, as the engine
+loop does. Each property is also shown to fail with the mechanism switched off, so the tests
+measure the mechanism rather than a lucky workload.
+"""
+
+from __future__ import annotations
+
+from sloserve.engine.request import RequestStatus
+from sloserve.sampling_params import SLO, SamplingParams
+
+from tests.engine.fakes import FakeRunner
+from tests.engine.helpers import make_scheduler
+
+OVERHEAD_S, PER_TOKEN_S = 0.005, 0.0001  # a 512-token chunk: 56 ms; a decode of 4: 5.4 ms
+
+
+def price(tokens: int) -> float:
+    return OVERHEAD_S + PER_TOKEN_S * tokens
+
+
+def _scheduler(runner: FakeRunner | None = None, **sched):
+    s, r, clock = make_scheduler(runner or FakeRunner(num_blocks=2048, max_model_len=4096), **sched)
+    for tokens in (1, 4, 64, 256, 512, 16):  # priming: what the engine does before ready
+        s.admission.on_compute(tokens, price(tokens))
+    return s, r, clock
+
+
+def _run(s, r, clock, steps: int, arrivals: dict | None = None) -> dict[str, list[float]]:
+    """Step `steps` times; returns each request's token times (simulated clock)."""
+    times: dict[str, list[float]] = {}
+    for i in range(steps):
+        if arrivals and i in arrivals:
+            arrivals[i]()
+        out = s.schedule()
+        sampled = r.execute(out)
+        dt = price(out.num_tokens) if out.sequences else 0.001
+        clock.t += dt
+        s.admission.on_compute(out.num_tokens, dt)
+        for o in s.update(out, sampled):
+            times.setdefault(o.request_id, []).extend([clock.t] * len(o.new_token_ids))
+    return times
+
+
+def _mean_tpot(token_times: list[float]) -> float:
+    return (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
+
+def _tight_tpot_with_long_prefill(**sched) -> float:
+    s, r, clock = _scheduler(**sched)
+    s.add_request("tight", [97] * 8, SamplingParams(max_tokens=20, ignore_eos=True), SLO(tpot_s=0.012))
+    long_prompt = [98 + i % 20 for i in range(3000)]
+    arrivals = {3: lambda: s.add_request("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                                         SLO(e2e_s=30.0))}
+    times = _run(s, r, clock, 80, arrivals)
+    assert len(times["tight"]) == 20
+    assert len(times.get("long", [])) >= 1, "the long prompt must still be prefilled"
+    return _mean_tpot(times["tight"])
+
+
+def test_a_tight_tpot_request_keeps_its_tpot_while_a_long_prefill_arrives():
+    # Its chunks are cut to what fits before the tight request's next token is due.
+    assert _tight_tpot_with_long_prefill() <= 0.012
+
+
+def test_without_deadline_steps_the_long_prefill_breaks_the_tpot():
+    # Fixed 512-token chunks make 56 ms steps: the same workload misses the 12 ms TPOT.
+    assert _tight_tpot_with_long_prefill(deadline_steps=False) > 0.012
+
+
+def _victim(**sched) -> str:
+    # 4-token blocks; three requests grow until the pool runs out and one must give way.
+    s, r, clock = _scheduler(FakeRunner(num_blocks=14, num_host_blocks=0, max_model_len=256),
+                             preemption_mode="recompute", **sched)
+    s.add_request("tight", [97] * 6, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=0.05))
+    # roomy: an early deadline but a short answer; crowded: a later deadline but many tokens.
+    s.add_request("roomy", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True), SLO(e2e_s=5.0))
+    s.add_request("crowded", [99] * 6, SamplingParams(max_tokens=400, ignore_eos=True), SLO(e2e_s=6.0))
+    for _ in range(40):
+        _run(s, r, clock, 1)
+        preempted = [q.request_id for q in s.requests.values() if q.num_preemptions]
+        if preempted:
+            return preempted[0]
+    raise AssertionError("the pool never ran out")
+
+
+def test_the_request_with_the_most_slack_is_preempted():
+    # roomy: 5 s - 12 steps of ~5 ms = 4.9 s; crowded: 6 s - 400 steps = 3.9 s of slack.
+    assert _victim() == "roomy"
+
+
+def test_without_slack_preemption_the_latest_deadline_is_preempted():
+    assert _victim(slack_preemption=False) == "crowded"
+
+
+def test_no_admitted_request_goes_longer_than_max_wait_without_a_step():
+    """The starvation bound: a request is computed at least once every max_wait_s plus one step.
+
+    Eight 5.5 ms-TPOT requests keep every step past its cap (8 decodes take 5.8 ms), so a request without objectives is
+    optional in each step -- and still runs once it has waited max_wait_s.
+    """
+    max_wait_s = 0.2
+    s, r, clock = _scheduler(max_wait_s=max_wait_s, adaptive_batch=False)
+    for i in range(8):
+        s.add_request(f"tight{i}", [97 + i] * 6, SamplingParams(max_tokens=400, ignore_eos=True),
+                      SLO(tpot_s=0.0055))
+    s.add_request("background", [120] * 6, SamplingParams(max_tokens=400, ignore_eos=True))
+    times = _run(s, r, clock, 400)
+    background = times["background"]
+    gaps = [b - a for a, b in zip(background, background[1:], strict=False)]
+    longest_step = price(9)
+    assert len(background) >= 5
+    assert max(gaps) > 3 * longest_step, "the background request was never skipped: the test proves nothing"
+    assert max(gaps) <= max_wait_s + 2 * longest_step
+    first_wait = background[0] - 1000.0
+    assert first_wait <= max_wait_s + 2 * longest_step
+
+
+def test_a_skipped_request_stays_running_and_keeps_its_blocks():
+    s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
+    for i in range(8):
+        s.add_request(f"tight{i}", [97 + i] * 6, SamplingParams(max_tokens=50, ignore_eos=True),
+                      SLO(tpot_s=0.0055))
+    s.add_request("background", [120] * 6, SamplingParams(max_tokens=50, ignore_eos=True))
+    _run(s, r, clock, 20)
+    bg = s.requests["background"]
+    assert bg.status == RequestStatus.RUNNING and bg.block_table
