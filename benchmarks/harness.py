@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import platform
 import shutil
@@ -13,30 +15,56 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import grpc
 import orjson
 from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_load, wait_ready
 from sloserve.bench.workloads import WorkloadItem, default_workload, load_workload
+from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SloserveConfig
+from sloserve.pb import serving_pb2 as pb
+from sloserve.pb import serving_pb2_grpc as pb_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOGS = Path(tempfile.gettempdir())  # server logs of benchmark runs
 
 # A server process built from the typed config (so the benchmark does not depend on CLI flags).
 _LAUNCH = """
-import sys
-from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SloserveConfig
+import json, sys
+sys.path.insert(0, sys.argv[5])
+from harness import launch_config
 from sloserve.serve import main
-mode, model, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-server = ServerConfig(host="127.0.0.1", port=port, metrics_port=None, grace_s=1.0)
-if mode == "naive":
-    config = SloserveConfig.naive(path=model)
-    config.server = server
-else:
-    config = SloserveConfig(model=ModelConfig(path=model), server=server)
-sys.exit(main(config))
+sys.exit(main(launch_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
 """
+OVERRIDE_SECTIONS = ("scheduler", "cache")
+
+
+def launch_config(mode: str, model: str, port: int, overrides: dict | None = None) -> SloserveConfig:
+    """The config of a benchmark server: naive or full, then the overrides applied
+    ({"scheduler": {field: value}, "cache": {field: value}}, validated by the dataclasses)."""
+    config = SloserveConfig.naive(path=model) if mode == "naive" else SloserveConfig(model=ModelConfig(path=model))
+    config.server = ServerConfig(host="127.0.0.1", port=port, metrics_port=None, grace_s=1.0)
+    for section, values in (overrides or {}).items():
+        setattr(config, section, replace(getattr(config, section), **values))
+    return config
+
+
+def check_overrides(overrides: dict | None) -> dict:
+    """Validate {"scheduler": {...}, "cache": {...}} against this build's config classes.
+
+    ValueError names an unknown section or field (a switch this build does not have yet) or a bad
+    value, before a server is launched.
+    """
+    classes = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+    for section, values in (overrides or {}).items():
+        if section not in classes:
+            raise ValueError(f"override section must be one of {', '.join(OVERRIDE_SECTIONS)}, got {section!r}")
+        known = {f.name for f in fields(classes[section])}
+        if unknown := sorted(set(values) - known):
+            raise ValueError(f"{section} config of this build has no field {', '.join(unknown)}")
+        classes[section](**values)  # the dataclass validates the values
+    return dict(overrides or {})
 
 
 def free_port() -> int:
@@ -55,16 +83,20 @@ def machine() -> dict:
 
 
 class ServerProcess:
-    """A `sloserve` server in a child process: naive ('before') or full ('after') configuration."""
+    """A `sloserve` server in a child process: naive ('before') or full ('after') configuration,
+    with optional config overrides (see check_overrides), so any arm or ablation is one launch."""
 
-    def __init__(self, mode: str, model: str = "default", log_path: Path | None = None) -> None:
+    def __init__(self, mode: str, model: str = "default", log_path: Path | None = None,
+                 overrides: dict | None = None) -> None:
         if mode not in ("naive", "full"):
             raise ValueError(f"mode must be 'naive' or 'full', got {mode!r}")
+        self.overrides = check_overrides(overrides)
         self.mode, self.port = mode, free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, mode, model, str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, mode, model, str(self.port),
+                                      json.dumps(self.overrides), str(Path(__file__).resolve().parent)],
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self._gpu_peak: int | None = None
         self._sampling = threading.Event()
@@ -106,14 +138,10 @@ class ServerProcess:
                     raise
 
     def peak_rss_bytes(self) -> int | None:
-        """Peak resident set size of the server process so far (VmHWM)."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        """Peak resident set size (VmHWM) of the server process plus its descendants (the engine
+        process): the sum of each one's own peak, an upper bound on the tree's peak at one moment."""
+        peaks = [hwm for pid in _process_tree(self.proc.pid) if (hwm := _vm_hwm(pid)) is not None]
+        return sum(peaks) if peaks else None
 
     def stop(self) -> None:
         self._sampling.set()
@@ -151,25 +179,142 @@ async def send(target: str, items: list[WorkloadItem], spec: LoadSpec) -> RunRes
         await channel.close()
 
 
-def arc_items(num_requests: int, seed: int, max_prompt_chars: int, max_tokens: int,
-              workload: str | None = None) -> tuple[str, list[WorkloadItem]]:
-    """The ARC trace (or synthetic ARC) sized for a CPU: short-enough prompts, capped outputs.
+def _process_tree(root: int) -> list[int]:
+    """root and every descendant process, read from /proc (Linux; [root] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            after_name = stat.read_text().rpartition(")")[2].split()  # state, ppid, ...
+        except OSError:
+            continue
+        children.setdefault(int(after_name[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
 
-    Items are drawn in the workload's seeded order; those whose prompt is longer than
-    max_prompt_chars are skipped (the byte-level default model has one token per character).
-    """
+
+def _vm_hwm(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def message_dict(message) -> dict:
+    """Every field of a protobuf message by name (maps as dicts, enums by name). A field this
+    build's stubs lack is simply absent, so `.get(name)` is None until it lands."""
+    out = {}
+    for f in message.DESCRIPTOR.fields:
+        value = getattr(message, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value = dict(value)
+        elif f.message_type is not None:
+            value = message_dict(value)
+        elif f.enum_type is not None:
+            value = f.enum_type.values_by_number[value].name if value in f.enum_type.values_by_number else value
+        elif not isinstance(value, int | float | str | bool | bytes):
+            value = list(value)  # a repeated scalar
+        out[f.name] = value
+    return out
+
+
+async def engine_info(target: str) -> dict:
+    """The server's InfoResponse with its engine counters (`stats`), as message_dict gives it."""
+    channel = await connect(target)
+    try:
+        return message_dict(await pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), timeout=10.0))
+    finally:
+        await channel.close()
+
+
+@dataclass(slots=True)
+class Peaks:
+    """What an Info poller saw during a run (sampled, so a lower bound on the true peaks)."""
+
+    running: int = 0  # most requests running at once
+    blocks_in_use: int = 0  # most KV blocks in use at once: total - free (cached free blocks are free)
+    samples: int = 0
+
+
+async def _poll(target: str, peaks: Peaks, every_s: float, stop: asyncio.Event) -> None:
+    channel = await connect(target)
+    stub = pb_grpc.SloserveStub(channel)
+    try:
+        while not stop.is_set():
+            try:
+                stats = (await stub.Info(pb.InfoRequest(), timeout=5.0)).stats
+            except grpc.aio.AioRpcError:
+                pass
+            else:
+                peaks.samples += 1
+                peaks.running = max(peaks.running, stats.running)
+                peaks.blocks_in_use = max(peaks.blocks_in_use, stats.kv_blocks_total - stats.kv_blocks_free)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+    finally:
+        await channel.close()
+
+
+async def send_sampled(target: str, items: list[WorkloadItem], spec: LoadSpec,
+                       every_s: float = 0.1) -> tuple[RunResult, Peaks]:
+    """send(), polling the server's Info every every_s seconds for the peak batch and KV use."""
+    peaks, stop = Peaks(), asyncio.Event()
+    poller = asyncio.create_task(_poll(target, peaks, every_s, stop))
+    try:
+        return await send(target, items, spec), peaks
+    finally:
+        stop.set()
+        await poller
+
+
+def arc_pool(seed: int, max_prompt_chars: int, max_tokens: int,
+             workload: str | None = None) -> tuple[str, list[WorkloadItem]]:
+    """The ARC trace (or synthetic ARC) sized for a CPU, each request once: prompts of at most
+    max_prompt_chars (one token per character with the byte-level default model), outputs the
+    trace's answer lengths capped at max_tokens, in the workload's seeded order."""
     spec = workload or default_workload()
     items = [i for i in load_workload(spec, seed=seed) if len(i.prompt) <= max_prompt_chars]
     if not items:
         raise ValueError(f"no request of {spec} has a prompt of at most {max_prompt_chars} characters")
-    items = [replace(i, max_tokens=min(i.max_tokens, max_tokens)) for i in items]
+    return spec, [replace(i, max_tokens=min(i.max_tokens, max_tokens)) for i in items]
+
+
+def arc_items(num_requests: int, seed: int, max_prompt_chars: int, max_tokens: int,
+              workload: str | None = None) -> tuple[str, list[WorkloadItem]]:
+    """arc_pool's requests, repeated from the start when more are asked for than it holds."""
+    spec, items = arc_pool(seed, max_prompt_chars, max_tokens, workload)
     return spec, [items[k % len(items)] for k in range(num_requests)]
+
+
+def fresh_slices(pool_len: int, sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, epoch) of one slice of the pool per size, each after the last, so no two points
+    on one server share a prompt (nor its prefix cache). A slice that would run past the pool's
+    end starts a new epoch, meaning a fresh server, from the pool's start."""
+    out, start, epoch = [], 0, 0
+    for n in sizes:
+        if start and start + n > pool_len:
+            start, epoch = 0, epoch + 1
+        out.append((start, epoch))
+        start += n
+    return out
+
+
+def take(pool: list[WorkloadItem], start: int, n: int) -> list[WorkloadItem]:
+    """n requests from pool[start:] (repeating from the start only when n exceeds the pool)."""
+    return [pool[(start + k) % len(pool)] for k in range(n)]
 
 
 def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+                                            | orjson.OPT_NON_STR_KEYS))
     return path
 
 

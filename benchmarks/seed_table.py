@@ -1,43 +1,52 @@
-"""The write-up's before/after table, measured on this machine with one build, trace and seed.
+"""The write-up's before/after table, measured on this machine: 3 seeds, fresh requests, ARC answers.
 
 before = naive (fifo, max batch 1, no prefix cache, no chunked prefill); after = the full server.
-Rows: QPS at 95% SLO attainment (Poisson rate sweep), P99 end-to-end latency at one common rate,
-peak server memory (process RSS on CPU; device memory, sampled with nvidia-smi, on a GPU).
-The SLO is scaled to this machine: by default TTFT <= --ttft-factor x and end-to-end <=
---e2e-factor x the naive server's unloaded p90 (measured first, printed), so the table compares
-scheduling, not the speed of the CPU. An ARC attempt's answer is used whole, hence TTFT and
-end-to-end objectives; TPOT is reported, and becomes an objective with --tpot-factor. Tight
-factors (2x) make a short run measure sustained capacity rather than how big a burst the
-objective can absorb.
+Method (issue 12):
+- each seed shuffles the ARC trace (or synthetic ARC) its own way; prompts of <= --max-prompt-chars,
+  outputs the trace's answer lengths capped at --max-tokens (the cap that keeps a run <= 15 min);
+- the SLO is scaled to this machine: TTFT <= --ttft-factor x and end-to-end <= --e2e-factor x the
+  naive server's unloaded p90 (16 requests one at a time, seed 0), the same for every seed;
+- a Poisson sweep per seed and mode over multiples of the naive unloaded capacity, upward until
+  attainment falls below 95% (seeds after the first start just below the first seed's crossing),
+  --requests-per-rate fresh requests per point: no point on one server reuses a prompt of an
+  earlier one (a new server when the prompts run out);
+- rows (median [min-max] over seeds): QPS at 95% attainment (interpolated); P99 end-to-end at
+  the naive QPS@95% (the median over seeds), one more point per seed and mode on a fresh server;
+  peak KV in use = peak blocks in use (the engine's kv_blocks_peak, else Info sampled every
+  0.1 s) x kv_block_bytes, next to contiguous caches of the maximum length = peak running
+  requests (sampled) x max_model_len x bytes per token (kv_block_bytes / block_size); peak RSS of
+  the server process and its engine process (the sum of their VmHWM).
 
-    python benchmarks/seed_table.py            # ~5 min on a 2-core CPU with the default model
+    python benchmarks/seed_table.py     # the estimate is printed after calibration (~12 min quiet)
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
+import _goodput_arms as ga
 import harness
 from sloserve.bench.client import LoadSpec
-from sloserve.bench.report import format_table
 from sloserve.bench.stats import rate_at_attainment, summarise
 from sloserve.sampling_params import SLO
 
 WRITE_UP = {"qps": (3.2, 10.1), "p99_ms": (1842.0, 623.0), "memory_gb": (78.0, 64.0)}
-GRID = (0.5, 0.8, 1.25, 2.0, 3.2, 5.0, 8.0, 12.5)  # multiples of the naive capacity estimate
+GRID = (0.5, 0.8, 1.25, 2.0, 3.2, 5.0, 8.0, 12.5)  # multiples of the naive unloaded capacity
 TARGET = 0.95
+MODES = ("naive", "full")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--workload", default=None, help="default: the ARC trace if present, else synthetic-arc")
-    p.add_argument("--requests-per-rate", type=int, default=10)
-    p.add_argument("--max-prompt-chars", type=int, default=400)
-    p.add_argument("--max-tokens", type=int, default=8, help="cap on each request's output tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests-per-rate", type=int, default=100)
+    p.add_argument("--max-prompt-chars", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's answer lengths (1%% longer)")
+    p.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2])
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--ttft-factor", type=float, default=2.0)
     p.add_argument("--e2e-factor", type=float, default=2.0)
@@ -45,158 +54,229 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-e2e", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
-    p.add_argument("--budget-s", type=float, default=140.0, help="most seconds of sweep per mode")
-    return p.parse_args(argv)
+    p.add_argument("--budget-s", type=float, default=120.0, help="most seconds of one sweep (mode, seed)")
+    p.add_argument("--name", default="seed_table", help="results/NAME.json and NAME.txt")
+    args = p.parse_args(argv)
+    if args.requests_per_rate < 1 or not args.seeds:
+        p.error("--requests-per-rate must be >= 1 and --seeds non-empty")
+    return args
 
 
-def calibrate(target: str, items: list, seed: int) -> dict:
-    """Unloaded latencies: one request at a time through the naive server."""
-    result = harness.run(harness.send(target, items[:8], LoadSpec(concurrency=1, seed=seed)))
-    figures = summarise(result.records, result.duration_s, None, None)
-    if figures["completed"] < len(result.records):
-        raise SystemExit(f"calibration failed: {figures['refusals']}")
-    return figures
+class Served:
+    """One mode's servers for one seed: a fresh slice of the pool per point, a new server when the
+    pool runs out; keeps the peaks (running, KV blocks, RSS) over all of them."""
+
+    def __init__(self, mode: str, args: argparse.Namespace, pool: list, seed: int) -> None:
+        self.mode, self.args, self.pool, self.seed = mode, args, pool, seed
+        self.server: harness.ServerProcess | None = None
+        self.start, self.info = 0, {}
+        self.peak = {"running": 0, "blocks_sampled": 0, "blocks_counter": None, "rss_bytes": None}
+
+    def run(self, rate: float, slo: SLO, index: int) -> dict:
+        n = self.args.requests_per_rate
+        if self.server is None or (self.start and self.start + n > len(self.pool)):
+            self.close()
+            self.server = harness.ServerProcess(self.mode, self.args.model,
+                                                harness.LOGS / f"seed_table_{self.mode}_server.log")
+            self.server.wait_ready()
+            self.start = 0
+        items = harness.take(self.pool, self.start, n)
+        self.start += n
+        spec = LoadSpec(rate=rate, num_requests=n, streams=self.args.streams, seed=self.seed * 1000 + index, slo=slo)
+        result, peaks = harness.run(harness.send_sampled(self.server.target, items, spec))
+        self.peak["running"] = max(self.peak["running"], peaks.running)
+        self.peak["blocks_sampled"] = max(self.peak["blocks_sampled"], peaks.blocks_in_use)
+        return summarise(result.records, result.duration_s, slo, rate)
+
+    def close(self) -> None:
+        if self.server is None:
+            return
+        try:
+            self.info = harness.run(harness.engine_info(self.server.target))
+            counter = self.info.get("stats", {}).get("kv_blocks_peak")
+            if counter is not None:
+                self.peak["blocks_counter"] = max(self.peak["blocks_counter"] or 0, counter)
+            rss = self.server.peak_rss_bytes()
+            if rss is not None:
+                self.peak["rss_bytes"] = max(self.peak["rss_bytes"] or 0, rss)
+        finally:
+            self.server.stop()
+            self.server = None
+
+    def kv(self) -> dict:
+        """Peak KV bytes in use and what contiguous max-length caches for the peak batch need."""
+        block_bytes, block_size = self.info.get("kv_block_bytes"), self.info.get("block_size")
+        blocks = self.peak["blocks_counter"] if self.peak["blocks_counter"] is not None else self.peak["blocks_sampled"]
+        if not block_bytes or not block_size:
+            return {"paged_bytes": None, "contiguous_bytes": None, "blocks": blocks, "source": "n/a"}
+        return {"paged_bytes": blocks * block_bytes, "blocks": blocks,
+                "source": "kv_blocks_peak" if self.peak["blocks_counter"] is not None else "sampled",
+                "contiguous_bytes": self.peak["running"] * self.info["max_model_len"] * block_bytes // block_size}
 
 
-def batch(pool: list, n: int, i: int) -> list:
-    """The i-th slice of n fresh requests (slice 0 calibrates): no rate point reuses the prompts,
-    and so the prefix cache, of an earlier one; both modes see the same slices."""
-    return [pool[k % len(pool)] for k in range(n * (i + 1), n * (i + 2))]
-
-
-def sweep(target: str, pool: list, rates: list[float], slo: SLO, args, budget_s: float) -> list[dict]:
-    """Run rates upward until attainment falls below the target; if the first rate already
-    misses, probe downward (rates / 1.6 each) until one meets it. Both stop at the budget."""
+def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: float) -> list[dict]:
+    """Rates upward from rates[first] until attainment falls below the target; if the first rate
+    already misses, rates below it (then /1.6 each, each on a fresh server) until one meets it.
+    Both stop at the budget."""
     runs: list[dict] = []
-    start = time.monotonic()
-    n = args.requests_per_rate
+    began, n = time.monotonic(), served.args.requests_per_rate
 
-    def one(i: int, rate: float) -> dict | None:
-        items = batch(pool, n, i)
-        if runs and time.monotonic() - start + len(items) / rate > budget_s:
-            print(f"  rate {rate:7.3f}/s  skipped: over the --budget-s of this mode")
+    def one(index: int, rate: float) -> dict | None:
+        if runs and time.monotonic() - began + n / rate > budget_s:
+            print(f"    rate {rate:7.3f}/s  skipped: over the --budget-s of this sweep", flush=True)
             return None
-        spec = LoadSpec(rate=rate, num_requests=len(items), streams=args.streams, seed=args.seed + i, slo=slo)
-        result = harness.run(harness.send(target, items, spec))
-        run = summarise(result.records, result.duration_s, slo, rate)
+        run = served.run(rate, slo, index)
         runs.append(run)
-        print(f"  rate {rate:7.3f}/s  attainment {100 * run['slo_attainment']:5.1f}%  "
-              f"p99 e2e {1000 * (run['e2e_s']['p99'] or 0):8.1f} ms", flush=True)
+        print(f"    rate {rate:7.3f}/s  attainment {100 * run['slo_attainment']:5.1f}%  refused {run['refused']:3}  "
+              f"p99 e2e {1000 * (run['e2e_s']['p99'] or 0):8.1f} ms  ({run['duration_s']:.0f} s)", flush=True)
         return run
 
-    for i, rate in enumerate(rates):
-        run = one(i, rate)
-        if run is None or run["slo_attainment"] < TARGET:
+    for i in range(first, len(rates)):
+        if (run := one(i, rates[i])) is None or run["slo_attainment"] < TARGET:
             break
-    if runs and runs[0]["slo_attainment"] < TARGET:
-        rate = rates[0]
-        for i in range(1, 4):
-            rate = round(rate / 1.6, 3)
-            run = one(len(rates) + i, rate)
-            if run is None or run["slo_attainment"] >= TARGET:
-                break
+    lower = [rates[i] for i in range(first - 1, -1, -1)] + [round(rates[0] / 1.6**k, 3) for k in (1, 2)]
+    for k, rate in enumerate(lower):
+        if any(r["slo_attainment"] >= TARGET for r in runs):
+            break
+        served.close()  # a fresh server: no admission estimate carried over from the overload above
+        if one(len(rates) + k, rate) is None:
+            break
     return sorted(runs, key=lambda r: r["rate"])
 
 
-def slo_text(slo: SLO) -> str:
-    parts = [f"{name} <= {value} s" for name, value in
-             (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s), ("E2E", slo.e2e_s)) if value is not None]
-    return " and ".join(parts)
+def calibrate(args: argparse.Namespace, pool: list) -> tuple[SLO, float, dict]:
+    """Unloaded latencies (16 requests one at a time through the naive server) -> SLO, capacity."""
+    with harness.ServerProcess("naive", args.model, harness.LOGS / "seed_table_naive_server.log") as server:
+        server.wait_ready()
+        result = harness.run(harness.send(server.target, pool[:16], LoadSpec(concurrency=1)))
+    unloaded = summarise(result.records, result.duration_s, None, None)
+    if unloaded["completed"] < len(result.records):
+        raise SystemExit(f"calibration failed: {unloaded['refusals']}")
+    tpot = args.slo_tpot or (round(args.tpot_factor * (unloaded["tpot_s"]["p90"] or 0.01), 4) if args.tpot_factor else None)
+    slo = SLO(ttft_s=args.slo_ttft or round(args.ttft_factor * unloaded["ttft_s"]["p90"], 3), tpot_s=tpot,
+              e2e_s=args.slo_e2e or round(args.e2e_factor * unloaded["e2e_s"]["p90"], 3))
+    return slo, 1.0 / unloaded["e2e_s"]["mean"], unloaded
 
 
-def change(before: float | None, after: float | None, kind: str) -> str:
-    if not before or after is None:
-        return "n/a"
-    return f"x{after / before:.2f}" if kind == "ratio" else f"{100 * (after - before) / before:+.0f}%"
+def estimate_s(n: int, capacity: float, seeds: int, budget_s: float) -> float:
+    """Rough wall time: naive crossing near its unloaded capacity (points at 0.5x, 0.8x and 1.25x,
+    the last served at capacity), full near 5x, each sweep at most the budget and a point; the
+    two P99 points near 1x; 3 s per server start. Later seeds start nearer the crossing."""
+    naive = sum(n / (g * capacity) for g in (0.5, 0.8)) + n / capacity
+    full = sum(n / (g * capacity) for g in GRID if g <= 5.0)
+    cap = budget_s + n / capacity
+    return 16 / capacity + seeds * (min(naive, cap) + min(full, cap) + 2 * n / capacity + 6 * 3.0)
+
+
+def ratio_row(label: str, before: dict | None, after: dict | None, scale: float, digits: int, goal: float,
+              at_least: bool, write_up: str, bounds: tuple[bool, bool] = (True, True)) -> list[str]:
+    """A table row: before, after, after/before on medians, the goal's verdict. bounds says whether
+    each side was measured (False: only a lower bound, a sweep that never fell below 95%); used
+    with at_least goals."""
+    ratio = None if before is None or after is None or not before["median"] else after["median"] / before["median"]
+    verdict = "n/a" if ratio is None else "PASS" if (ratio >= goal if at_least else ratio <= goal) else "FAIL"
+    if ratio is not None and not all(bounds):  # the ratio is a bound: only one verdict can hold
+        ratio_is_lower_bound, ratio_is_upper_bound = bounds == (True, False), bounds == (False, True)
+        holds = (ratio_is_lower_bound and verdict == "PASS") or (ratio_is_upper_bound and verdict == "FAIL")
+        verdict = verdict if holds else "n/a (not crossed)"
+    return [label, ">= " * (not bounds[0]) + ga.cell(before, scale, digits),
+            ">= " * (not bounds[1]) + ga.cell(after, scale, digits),
+            "n/a" if ratio is None else f"x{ratio:.2f}", f"{'>=' if at_least else '<='} x{goal:.2f} {verdict}", write_up]
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    n = args.requests_per_rate
-    spec, pool = harness.arc_items(n * (len(GRID) + 6), args.seed, args.max_prompt_chars,
-                                   args.max_tokens, args.workload)
-    items = pool[:n]  # calibration
-    print(f"workload {spec}: {n} fresh requests per rate, prompts <= {args.max_prompt_chars} chars, "
-          f"outputs <= {args.max_tokens} tokens, seed {args.seed}")
-    results: dict[str, dict] = {}
-    slo = rates = None
-    for mode in ("naive", "full"):
-        print(f"[{mode}] starting server ...", flush=True)
-        with harness.ServerProcess(mode, args.model,
-                                   harness.LOGS / f"seed_table_{mode}_server.log") as server:
-            info = server.wait_ready()
-            if slo is None:  # the naive server sets the SLO and the rate grid for both
-                unloaded = calibrate(server.target, items, args.seed)
-                tpot = args.slo_tpot or (round(args.tpot_factor * (unloaded["tpot_s"]["p90"] or 0.01), 4)
-                                         if args.tpot_factor else None)
-                slo = SLO(ttft_s=args.slo_ttft or round(args.ttft_factor * unloaded["ttft_s"]["p90"], 3),
-                          tpot_s=tpot,
-                          e2e_s=args.slo_e2e or round(args.e2e_factor * unloaded["e2e_s"]["p90"], 3))
-                capacity = 1.0 / unloaded["e2e_s"]["mean"]
-                rates = [round(capacity * g, 3) for g in GRID]
-                print(f"  unloaded: TTFT p90 {1000 * unloaded['ttft_s']['p90']:.1f} ms, TPOT p90 "
-                      f"{1000 * (unloaded['tpot_s']['p90'] or 0):.1f} ms, e2e mean "
-                      f"{1000 * unloaded['e2e_s']['mean']:.1f} ms (p90 {1000 * unloaded['e2e_s']['p90']:.1f}) "
-                      f"-> SLO {slo_text(slo)}", flush=True)
-            runs = sweep(server.target, pool, rates, slo, args, args.budget_s)
-            results[mode] = {"info": info, "runs": runs, "peak_rss_bytes": server.peak_rss_bytes(),
-                             "peak_device_bytes": server.peak_device_bytes()}
-    naive = results["naive"]
-    qps = {m: rate_at_attainment([(r["rate"], r["slo_attainment"]) for r in results[m]["runs"]], TARGET)
-           for m in results}
-    # a sweep that never fell below the target only gives a lower bound
-    bounded = {m: any(r["slo_attainment"] < TARGET for r in results[m]["runs"]) for m in results}
-    # the common rate: the highest the naive server sustains, preferring one both sweeps measured
-    passing = [r["rate"] for r in naive["runs"] if r["slo_attainment"] >= TARGET]
-    both = set(passing) & {r["rate"] for r in results["full"]["runs"]}
-    common = max(both) if both else max(passing) if passing else rates[0]
-    p99 = {}
-    for mode in results:
-        at = [r for r in results[mode]["runs"] if r["rate"] == common]
-        if not at:  # the full sweep stopped earlier: measure the common rate explicitly
-            with harness.ServerProcess(mode, args.model) as server:
-                server.wait_ready()
-                result = harness.run(harness.send(server.target, batch(pool, n, len(GRID) + 4), LoadSpec(
-                    rate=common, streams=args.streams, seed=args.seed, slo=slo)))
-            at = [summarise(result.records, result.duration_s, slo, common)]
-        p99[mode] = at[0]["e2e_s"]["p99"]
-    on_device = all(results[m]["peak_device_bytes"] for m in results)
-    memory_key = "peak_device_bytes" if on_device else "peak_rss_bytes"
-    mem = {m: results[m][memory_key] for m in results}
-    wq, wp, wm = WRITE_UP["qps"], WRITE_UP["p99_ms"], WRITE_UP["memory_gb"]
-
-    def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
-        return "n/a" if v is None else f"{v * scale:.{digits}f}"
-
+    began, n = time.monotonic(), args.requests_per_rate
+    pools = {s: harness.arc_pool(s, args.max_prompt_chars, args.max_tokens, args.workload) for s in args.seeds}
+    spec, pool0 = pools[args.seeds[0]]
+    print(f"workload {spec}: {len(pool0)} requests with prompts <= {args.max_prompt_chars} chars, answers <= "
+          f"{args.max_tokens} tokens; {n} fresh requests per rate point; seeds {args.seeds}", flush=True)
+    slo, capacity, unloaded = calibrate(args, pool0)
+    rates = [round(capacity * g, 3) for g in GRID]
+    estimate = estimate_s(n, capacity, len(args.seeds), args.budget_s)
+    print(f"unloaded naive: TTFT p90 {1000 * unloaded['ttft_s']['p90']:.1f} ms, e2e mean "
+          f"{1000 * unloaded['e2e_s']['mean']:.1f} ms (p90 {1000 * unloaded['e2e_s']['p90']:.1f}), "
+          f"{unloaded['output_tokens_per_request']['mean']:.0f} tokens/request -> SLO {slo_text(slo)}; "
+          f"estimated {estimate / 60:.1f} min", flush=True)
+    runs = {m: {} for m in MODES}
+    peaks = {m: {} for m in MODES}
+    for seed in args.seeds:
+        for mode in MODES:
+            print(f"[{mode} seed {seed}] ({(time.monotonic() - began) / 60:.1f} min elapsed)", flush=True)
+            first = 0
+            if runs[mode]:  # start just below the first seed's crossing
+                passed = [rates.index(r["rate"]) for r in runs[mode][args.seeds[0]]
+                          if r["rate"] in rates and r["slo_attainment"] >= TARGET]
+                first = max(0, max(passed, default=0) - 1)
+            served = Served(mode, args, pools[seed][1], seed)
+            try:
+                runs[mode][seed] = sweep(served, rates, slo, first, args.budget_s)
+            finally:
+                served.close()
+            peaks[mode][seed] = {**served.kv(), "running": served.peak["running"], "rss_bytes": served.peak["rss_bytes"]}
+    # 0: even the lowest rate probed missed the target
+    qps = {m: {s: rate_at_attainment([(r["rate"], r["slo_attainment"]) for r in runs[m][s]], TARGET) or 0.0
+               for s in args.seeds} for m in MODES}
+    crossed = {m: all(any(r["slo_attainment"] < TARGET for r in runs[m][s]) for s in args.seeds) for m in MODES}
+    common_rate = statistics.median(qps["naive"].values())
+    if not common_rate:
+        common_rate = min(r["rate"] for s in args.seeds for r in runs["naive"][s])
+        print("naive missed 95% at every rate probed: P99 at the lowest rate probed instead", flush=True)
+    print(f"[P99 at the naive QPS@95% {common_rate:.3f} req/s]", flush=True)
+    p99 = {m: {} for m in MODES}
+    for seed in args.seeds:
+        for mode in MODES:
+            served = Served(mode, args, pools[seed][1], seed)
+            try:
+                run = served.run(common_rate, slo, 900)
+            finally:
+                served.close()
+            p99[mode][seed] = run["e2e_s"]["p99"]
+            print(f"    {mode} seed {seed}: p99 e2e {1000 * (run['e2e_s']['p99'] or 0):.1f} ms, attainment "
+                  f"{100 * run['slo_attainment']:.1f}%", flush=True)
+    mr = {m: {"qps": ga.median_range(list(qps[m].values())), "p99": ga.median_range(list(p99[m].values())),
+              "paged": ga.median_range([p["paged_bytes"] for p in peaks[m].values()]),
+              "contiguous": ga.median_range([p["contiguous_bytes"] for p in peaks[m].values()]),
+              "rss": ga.median_range([p["rss_bytes"] for p in peaks[m].values()])} for m in MODES}
+    wq, wp, wm, mib = WRITE_UP["qps"], WRITE_UP["p99_ms"], WRITE_UP["memory_gb"], 2.0**-20
     rows = [
-        ("QPS at 95% SLO attainment", (">= " * (not bounded["naive"])) + fmt(qps["naive"]),
-         (">= " * (not bounded["full"])) + fmt(qps["full"]),
-         change(qps["naive"], qps["full"], "ratio") if all(bounded.values()) else "n/a (not crossed)",
-         f"x{wq[1] / wq[0]:.2f} ({wq[0]} -> {wq[1]})"),
-        (f"P99 e2e at {common:g} req/s (ms)", fmt(p99["naive"], 1000, 1), fmt(p99["full"], 1000, 1),
-         change(p99["naive"], p99["full"], "pct"), f"{100 * (wp[1] - wp[0]) / wp[0]:+.0f}% ({wp[0]:g} -> {wp[1]:g} ms)"),
-        ("peak memory, server " + ("device" if on_device else "RSS") + " (MiB)", fmt(mem["naive"], 2**-20, 0), fmt(mem["full"], 2**-20, 0),
-         change(mem["naive"], mem["full"], "pct"), f"{100 * (wm[1] - wm[0]) / wm[0]:+.0f}% ({wm[0]:g} -> {wm[1]:g} GB)"),
+        ratio_row("QPS at 95% SLO attainment", mr["naive"]["qps"], mr["full"]["qps"], 1, 2, wq[1] / wq[0], True,
+                  f"{wq[0]} -> {wq[1]}", (crossed["naive"], crossed["full"])),
+        ratio_row(f"P99 e2e at {common_rate:.3g} req/s (ms)", mr["naive"]["p99"], mr["full"]["p99"], 1000, 0,
+                  wp[1] / wp[0], False, f"{wp[0]:g} -> {wp[1]:g} ms"),
+        ratio_row("peak KV of full (MiB): contiguous -> paged", mr["full"]["contiguous"], mr["full"]["paged"], mib, 1,
+                  wm[1] / wm[0], False, f"memory {wm[0]:g} -> {wm[1]:g} GB"),
+        ["peak KV in use, paged (MiB)", ga.cell(mr["naive"]["paged"], mib), ga.cell(mr["full"]["paged"], mib), "", "", ""],
+        ["peak RSS, server + engine (MiB)", ga.cell(mr["naive"]["rss"], mib, 0), ga.cell(mr["full"]["rss"], mib, 0),
+         "", "", f"{wm[0]:g} -> {wm[1]:g} GB"],
     ]
-    header = ("", "before (naive)", "after (full)", "change", "write-up")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
-    print()
-    print(f"SLO: {slo_text(slo)}; model {naive['info'].get('model')} "
-          f"on {naive['info'].get('device')}")
-    for row in [header, *rows]:
-        print("  ".join(f"{str(c):<{w}}" if i == 0 else f"{str(c):>{w}}" for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-    for mode in results:
-        print(f"\n{mode} sweep:")
-        print(format_table(results[mode]["runs"]))
-    path = harness.save("seed_table", {
-        "machine": harness.machine(), "workload": spec, "seed": args.seed, "args": vars(args),
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}, "common_rate": common,
-        "qps_at_95": qps, "qps_crossed_target": bounded, "p99_e2e_s": p99, "peak_memory": {"kind": memory_key, **mem},
-        "peak_rss_bytes": {m: results[m]["peak_rss_bytes"] for m in results}, "write_up": WRITE_UP,
-        "sweeps": {m: results[m]["runs"] for m in results},
-        "server_info": {m: results[m]["info"] for m in results}})
-    print(f"\nwrote {path}")
+    info = next(iter(peaks["full"].values()))
+    lines = [f"SLO {slo_text(slo)}; {len(args.seeds)} seeds, {n} fresh requests per rate; median [min-max] over seeds",
+             "", ga.table(["", "before (naive)", "after (full)", "change", "goal", "write-up"], rows), "",
+             f"KV: paged = peak blocks in use ({info['source']}) x kv_block_bytes; contiguous = peak running requests "
+             f"(sampled; full: {', '.join(str(p['running']) for p in peaks['full'].values())}) x max_model_len x "
+             "bytes per token (kv_block_bytes / block_size), one max-length cache per running request."]
+    for mode in MODES:
+        for seed in args.seeds:
+            lines.append(f"{mode} seed {seed}: QPS@95 {qps[mode][seed]:.3f}; " + ", ".join(
+                f"{r['rate']:g}/s {100 * r['slo_attainment']:.0f}%" for r in runs[mode][seed]))
+    lines.append(f"\ntotal {(time.monotonic() - began) / 60:.1f} min (estimated {estimate / 60:.1f})")
+    text = "\n".join(lines)
+    print("\n" + text)
+    path = harness.save(args.name, {
+        "machine": harness.machine(), "workload": spec, "args": vars(args), "unloaded": unloaded,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}, "rates": rates,
+        "qps_at_95": qps, "qps_crossed_target": crossed, "common_rate": common_rate, "p99_e2e_s": p99,
+        "peaks": peaks, "summary": mr, "write_up": WRITE_UP, "sweeps": runs,
+        "elapsed_s": time.monotonic() - began})
+    (harness.RESULTS / f"{args.name}.txt").write_text(text + "\n")
+    print(f"wrote {path} and {args.name}.txt")
     return 0
+
+
+def slo_text(slo: SLO) -> str:
+    return " and ".join(f"{name} <= {value} s" for name, value in
+                        (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s), ("E2E", slo.e2e_s)) if value is not None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,267 @@
+"""Goodput on mixed objectives: the slo policy against priority, fifo and the naive server (issue 12).
+
+ARC-like prompts (the ARC trace when present, else synthetic ARC) with Poisson arrivals; a share
+of the requests is interactive (TTFT, TPOT and end-to-end objectives, priority 0), the rest batch
+(an end-to-end objective only, priority 1). Capacity is measured first: a closed loop of
+--concurrency requests on the slo arm, completed requests per second between its first completion
+and its last send. Then each arm serves --requests Poisson arrivals at each multiple of that
+capacity: one server per arm and seed, a fresh slice of the prompts per point (a new server when
+the prompts run out), the same slices and classes for every arm. Figures are medians over seeds
+with the range in brackets. Then the ablation: the slo arm at --ablation-multiple x capacity with
+each mechanism switched off in turn, each on a fresh server. Requests still open after
+--request-timeout are cancelled and count as misses, which bounds an overloaded point's length.
+
+    python benchmarks/goodput.py                     # the full run: time estimate printed first
+    python benchmarks/goodput.py --requests 12 --seeds 0 --multiples 1 --arms slo,fifo \\
+        --no-ablation --capacity-requests 20         # a smoke run, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import _goodput_arms as ga
+import harness
+from sloserve.bench.client import LoadSpec
+from sloserve.bench.stats import summarise
+from sloserve.sampling_params import SLO
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def names(choices):
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if bad := [x for x in out if x not in choices]:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}: choose from {', '.join(choices)}")
+        return out
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--workload", default=None, help="default: the ARC trace if present, else synthetic-arc")
+    p.add_argument("--max-prompt-chars", type=int, default=1000, help="longest prompt (the trace holds 1,094 of <= 1000)")
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on the trace's answer lengths")
+    p.add_argument("--interactive-share", type=float, default=0.3)
+    p.add_argument("--ttft", type=float, default=0.3, help="interactive TTFT objective, s")
+    p.add_argument("--tpot", type=float, default=0.03, help="interactive TPOT objective, s")
+    p.add_argument("--e2e", type=float, default=2.0, help="interactive end-to-end objective, s")
+    p.add_argument("--batch-e2e", type=float, default=30.0, help="batch end-to-end objective, s")
+    p.add_argument("--arms", type=names(tuple(ga.ARMS)), default=list(ga.ARMS))
+    p.add_argument("--multiples", type=floats, default=[0.5, 1.0, 1.5, 2.0, 3.0], help="of capacity")
+    p.add_argument("--requests", type=int, default=200, help="Poisson arrivals per point")
+    p.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    p.add_argument("--concurrency", type=int, default=32, help="closed loop of the capacity run")
+    p.add_argument("--capacity-requests", type=int, default=100)
+    p.add_argument("--capacity", type=float, default=None, help="req/s: skip the capacity run")
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--request-timeout", type=float, default=None, help="s; default 2x --batch-e2e")
+    p.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ablation-multiple", type=float, default=1.5)
+    p.add_argument("--name", default="goodput", help="results/NAME.json and NAME.txt")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.interactive_share <= 1.0:
+        p.error(f"--interactive-share must be in [0, 1], got {args.interactive_share}")
+    if not args.multiples or min(args.multiples) <= 0:
+        p.error("--multiples must be numbers > 0, e.g. 0.5,1,1.5,2,3")
+    if not args.seeds or args.requests < 1 or args.capacity_requests < 1 or args.concurrency < 1:
+        p.error("--seeds, --requests, --capacity-requests and --concurrency must be non-empty / >= 1")
+    if args.capacity is not None and args.capacity <= 0:
+        p.error("--capacity must be > 0 req/s")
+    args.request_timeout = args.request_timeout or 2 * args.batch_e2e
+    return args
+
+
+class Runner:
+    """Runs points, keeps the results and prints one progress line per point with an ETA."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.capacity = args, 0.0
+        self.estimate_s = self.estimated_done = 0.0  # of the sweeps and ablation; of the points run
+        self.sweeps_start = 0.0
+        self.interactive = SLO(ttft_s=args.ttft, tpot_s=args.tpot, e2e_s=args.e2e)
+        self.batch = SLO(e2e_s=args.batch_e2e)
+        self.start, self.points, self.ablation = time.monotonic(), [], []
+        self.pools = {seed: harness.arc_pool(seed, args.max_prompt_chars, args.max_tokens, args.workload)[1]
+                      for seed in args.seeds}
+
+    def load(self, seed: int, start: int, n: int, tag: int) -> tuple[list, list[str]]:
+        """n fresh requests from the seed's pool, with their classes (the same for every arm)."""
+        labels = ga.classes_of(n, self.args.interactive_share, seed * 1000 + tag)
+        return ga.mix(harness.take(self.pools[seed], start, n), labels, self.interactive, self.batch), labels
+
+    def measure(self, server: harness.ServerProcess, items: list, labels: list[str], spec: LoadSpec,
+                **where) -> dict:
+        began = time.monotonic()
+        result = harness.run(harness.send(server.target, items, spec))
+        figures = summarise(result.records, result.duration_s, None, spec.rate)
+        p = ga.point(figures, ga.class_figures(figures, result.records, labels), **where,
+                     wall_s=time.monotonic() - began)
+        if spec.concurrency:  # a closed loop: its throughput before the drain
+            p["steady_rps"] = ga.steady_throughput(result.records)
+        elapsed = time.monotonic() - self.start
+        left = f", ~{self.eta(where, len(items), spec.rate) / 60:.1f} min left" if self.capacity else ""
+        label = " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in where.items())
+        print(f"  [{label}] goodput {p['goodput']:.2f} req/s, attainment {pct(p['attainment'])} "
+              f"(interactive {pct(p['interactive'])}, batch {pct(p['batch'])}), refused {p['refused']}, "
+              f"failed {p['failed']}; {p['wall_s']:.0f} s (elapsed {elapsed / 60:.1f} min{left})", flush=True)
+        return p
+
+    def eta(self, where: dict, n: int, rate: float) -> float:
+        """Seconds left: the estimate of the points not run yet, scaled by actual / estimated so far."""
+        a = self.args
+        start_s = 4.0 / len(a.multiples) if "arm" in where else 4.0  # a server start, spread over its points
+        self.estimated_done += start_s + ga.point_s(n, self.capacity, rate / self.capacity, where.get("arm", "slo"),
+                                                    a.request_timeout)
+        spent = time.monotonic() - self.sweeps_start
+        return max(0.0, self.estimate_s - self.estimated_done) * spent / self.estimated_done
+
+    def server(self, mode: str, overrides: dict, label: str) -> harness.ServerProcess:
+        server = harness.ServerProcess(mode, self.args.model, harness.LOGS / f"goodput_{label}_server.log",
+                                       overrides=overrides)
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def measure_capacity(self) -> float:
+        a = self.args
+        items, labels = self.load(a.seeds[0], 0, a.capacity_requests, 999)
+        with self.server("full", {}, "capacity") as server:
+            p = self.measure(server, items, labels, LoadSpec(concurrency=a.concurrency, seed=a.seeds[0],
+                             streams=a.streams, request_timeout_s=a.request_timeout), closed_loop=a.concurrency)
+        return p["steady_rps"] or p["completed"] / p["duration_s"]
+
+    def sweep(self, seed: int, arm: str) -> None:
+        a, capacity = self.args, self.capacity
+        mode, overrides = ga.ARMS[arm]
+        slices = harness.fresh_slices(len(self.pools[seed]), [a.requests] * len(a.multiples))
+        server, epoch = None, -1
+        try:
+            for i, (m, (start, ep)) in enumerate(zip(a.multiples, slices, strict=True)):
+                if ep != epoch:  # the pool ran out: a fresh server, whose cache holds no earlier prompt
+                    if server is not None:
+                        server.stop()
+                    server, epoch = self.server(mode, overrides, arm), ep
+                items, labels = self.load(seed, start, a.requests, i)
+                spec = LoadSpec(rate=m * capacity, num_requests=a.requests, streams=a.streams,
+                                seed=seed * 1000 + i, request_timeout_s=a.request_timeout)
+                self.points.append(self.measure(server, items, labels, spec, arm=arm, seed=seed,
+                                                multiple=m, rate=round(m * capacity, 3)))
+                self.save(partial=True)
+        finally:
+            if server is not None:
+                server.stop()
+
+    def ablate(self, seed: int, config: str, overrides: dict) -> None:
+        a, capacity = self.args, self.capacity
+        items, labels = self.load(seed, 0, a.requests, 500)
+        spec = LoadSpec(rate=a.ablation_multiple * capacity, num_requests=a.requests, streams=a.streams,
+                        seed=seed * 1000 + 500, request_timeout_s=a.request_timeout)
+        with self.server("full", overrides, f"ablation_{config}") as server:
+            self.ablation.append(self.measure(server, items, labels, spec, config=config, seed=seed,
+                                              multiple=a.ablation_multiple))
+        self.save(partial=True)
+
+    def save(self, partial: bool = False, extra: dict | None = None) -> None:
+        a = self.args
+        harness.save(a.name, {"partial": partial, "args": vars(a), "capacity_rps": self.capacity,
+                              "machine": harness.machine(), "elapsed_s": time.monotonic() - self.start,
+                              "objectives": {"interactive": {"ttft_s": a.ttft, "tpot_s": a.tpot, "e2e_s": a.e2e},
+                                             "batch": {"e2e_s": a.batch_e2e}},
+                              "points": self.points, "ablation": self.ablation, **(extra or {})})
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def report(runner: Runner, capacity: float) -> str:
+    """The tables and goal lines (printed and saved as text)."""
+    a, lines = runner.args, []
+    agg = ga.aggregate(runner.points, "arm")
+    rows = [[arm, f"{m:g}x", f"{m * capacity:.2f}", ga.cell(agg[(arm, m)]["goodput"], digits=2),
+             ga.cell(agg[(arm, m)]["attainment"], 100), ga.cell(agg[(arm, m)]["interactive"], 100),
+             ga.cell(agg[(arm, m)]["batch"], 100), ga.cell(agg[(arm, m)]["refused"], digits=0)]
+            for arm in a.arms for m in a.multiples if (arm, m) in agg]
+    lines += [f"capacity {capacity:.2f} req/s; {a.requests} requests per point, seeds "
+              f"{','.join(map(str, a.seeds))}; median [min-max] over seeds", "",
+              ga.table(["arm", "load", "req/s", "goodput", "attain %", "interactive %", "batch %", "refused"], rows),
+              "", "goals (medians over seeds):"]
+    lines += [f"  {'n/a ' if ok is None else 'PASS' if ok else 'FAIL'}  {text}: {detail}"
+              for text, ok, detail in ga.goals(agg, a.multiples)]
+    if runner.ablation:
+        abl = ga.aggregate(runner.ablation, "config")
+        rows = [[f"{'full' if c == 'full' else 'no ' + c}", ga.cell(abl[(c, a.ablation_multiple)]["goodput"], digits=2),
+                 ga.cell(abl[(c, a.ablation_multiple)]["interactive"], 100),
+                 ga.cell(abl[(c, a.ablation_multiple)]["attainment"], 100)]
+                for c in ga.ABLATIONS if (c, a.ablation_multiple) in abl]
+        lines += ["", f"ablation at {a.ablation_multiple:g}x capacity ({a.ablation_multiple * capacity:.2f} req/s):",
+                  ga.table(["slo arm", "goodput", "interactive %", "attain %"], rows)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    ablations, skipped = {}, {}
+    if a.ablation:
+        for config, overrides in ga.ABLATIONS.items():
+            try:
+                ablations[config] = harness.check_overrides(overrides)
+            except ValueError as exc:
+                skipped[config] = str(exc)
+                print(f"ablation '{config}' skipped: {exc}")
+    for arm in a.arms:  # fail now, not an hour in, on a policy this build lacks
+        try:
+            harness.check_overrides(ga.ARMS[arm][1])
+        except ValueError as exc:
+            raise SystemExit(f"arm {arm}: {exc}") from None
+    if "priority" not in ga.ITEM_FIELDS:
+        print("note: WorkloadItem has no 'priority' field in this build: the priority arm gets no priorities")
+    runner = Runner(a)
+    pool = len(runner.pools[a.seeds[0]])
+    print(f"workload: {len(a.seeds)} seed(s), {pool} prompts of <= {a.max_prompt_chars} chars, outputs <= "
+          f"{a.max_tokens} tokens; {100 * a.interactive_share:g}% interactive (TTFT {a.ttft:g} s, TPOT "
+          f"{1000 * a.tpot:g} ms, e2e {a.e2e:g} s), batch e2e {a.batch_e2e:g} s", flush=True)
+    capacity = a.capacity
+    if capacity is None:
+        print(f"capacity: closed loop of {a.concurrency} on the slo arm, {a.capacity_requests} requests", flush=True)
+        capacity = runner.measure_capacity()
+    estimate = ga.estimate_s(a.requests, capacity, a.multiples, a.arms, len(a.seeds), len(ablations),
+                             a.ablation_multiple, a.request_timeout)
+    runner.capacity, runner.estimate_s, runner.sweeps_start = capacity, estimate, time.monotonic()
+    print(f"capacity {capacity:.2f} req/s; points {len(a.arms)} arms x {len(a.multiples)} multiples x "
+          f"{len(a.seeds)} seeds + {len(ablations)} ablation configs x {len(a.seeds)} seeds; "
+          f"estimated {estimate / 60:.1f} min more", flush=True)
+    for seed in a.seeds:
+        for arm in a.arms:
+            runner.sweep(seed, arm)
+    for seed in a.seeds:
+        for config, overrides in ablations.items():
+            runner.ablate(seed, config, overrides)
+    text = report(runner, capacity)
+    elapsed = time.monotonic() - runner.start
+    text += f"\n\ntotal {elapsed / 60:.1f} min (sweeps and ablation estimated {estimate / 60:.1f})"
+    print("\n" + text)
+    verdicts = ga.goals(ga.aggregate(runner.points, "arm"), a.multiples)
+    runner.save(extra={"ablation_skipped": skipped,
+                       "goals": [{"goal": t, "passed": ok, "detail": d} for t, ok, d in verdicts]})
+    (harness.RESULTS / f"{a.name}.txt").write_text(text + "\n")
+    print(f"wrote {harness.RESULTS / a.name}.json and .txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
