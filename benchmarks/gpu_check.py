@@ -12,6 +12,9 @@ Sections:
   decode_latency         ModelRunner decode step latency at batch 1/32/128 (eager), and
                          torch.cuda.memory_stats() deltas over 50 steady steps
   expert_cache           hit rates, bytes copied and MoE layer time, partial vs all resident
+                         (one matmul per expert in both), and the grouped-GEMM all-resident layer
+  moe_offload            benchmarks/moe_offload.py's comparison on default-moe: tok/s at 25/50/100%
+                         of the experts resident, preloading on and off, hit rate, prefetch accuracy
 """
 
 from __future__ import annotations
@@ -283,7 +286,10 @@ def expert_cache(device: torch.device, gpu: bool) -> dict:
     bias = torch.linspace(2.0, -1.5, experts)  # skewed routing: low expert ids are hot
     batches = [(torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype),
                 (torch.randn(tokens, experts, generator=gen) + bias).to(device)) for _ in range(steps)]
-    full = ExpertStore(weights, device=device, dtype=dtype)
+    # NOTE: one matmul per expert everywhere, so partial and all-resident outputs compare bitwise;
+    # the grouped GEMMs (the CUDA default) are timed apart below.
+    full = ExpertStore(weights, device=device, dtype=dtype, grouped=False)
+    grouped = ExpertStore(weights, device=device, dtype=dtype)
 
     def run(store: ExpertStore) -> torch.Tensor:
         out = None
@@ -295,12 +301,16 @@ def expert_cache(device: torch.device, gpu: bool) -> dict:
     result: dict = {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden,
                     "intermediate": inter, "tokens_per_step": tokens, "steps": steps,
                     "dtype": str(dtype).removeprefix("torch."),
-                    "all_resident_layer_ms": clock.time(lambda: run(full), 1, warmup=1) * 1e3 / (steps * layers)}
+                    "all_resident_layer_ms": clock.time(lambda: run(full), 1, warmup=1) * 1e3 / (steps * layers),
+                    "grouped_gemms": grouped.grouped}
     expected = run(full)
+    if grouped.grouped:
+        result["all_resident_grouped_layer_ms"] = clock.time(lambda: run(grouped), 1, warmup=1) * 1e3 / (steps * layers)
+        result["grouped_max_abs_diff"] = float((run(grouped).float() - expected.float()).abs().max())
     for slots, preload in ((4, 0), (4, 2), (6, 3)):
         key = f"slots{slots}_preload{preload}"
         try:
-            store = ExpertStore(weights, device=device, dtype=dtype, slots_per_layer=slots)
+            store = ExpertStore(weights, device=device, dtype=dtype, slots_per_layer=slots, grouped=False)
             run(store)  # routing statistics for preload
             store.preload(preload)
             store.reset_stats()
@@ -319,6 +329,26 @@ def expert_cache(device: torch.device, gpu: bool) -> dict:
         }
         print(f"  experts {key}: hit rate {store.stats()['hit_rate']:.2f}", flush=True)
     return result
+
+
+def moe_offload(device: torch.device, gpu: bool) -> dict:
+    """benchmarks/moe_offload.py's arms on default-moe (reduced: 6 requests, 32 output tokens each)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from moe_offload import compare
+    from sloserve.bench.workloads import default_workload, load_workload
+    from sloserve.models.loader import resolve_model_path
+    from sloserve.tokenizer import Tokenizer
+
+    spec = default_workload()
+    items = [it for it in load_workload(spec, seed=0, attempts=2) if len(it.prompt) <= 1200][:6 if gpu else 2]
+    tokenizer = Tokenizer.from_pretrained(resolve_model_path("default-moe"))
+    prompts = [tokenizer.encode(it.prompt) for it in items]
+    budgets = [min(it.max_tokens, 32 if gpu else 4) for it in items]
+    runs = []
+    for concurrency in (1, 6) if gpu else (2,):
+        runs += compare("default-moe", str(device), prompts, budgets, concurrency, [25, 50, 100], [True, False],
+                        2048, 2 if gpu else 1, log=lambda line: print(line, flush=True))
+    return {"workload": spec, "requests": len(items), "runs": runs}
 
 
 def main() -> int:
@@ -342,7 +372,8 @@ def main() -> int:
     sections = [("attention_correctness", lambda: attention_correctness(device, gpu)),
                 ("attention_kernels", lambda: attention_kernels(device, gpu)),
                 ("decode_latency", lambda: decode_latency(device, gpu, started + args.budget_s)),
-                ("expert_cache", lambda: expert_cache(device, gpu))]
+                ("expert_cache", lambda: expert_cache(device, gpu)),
+                ("moe_offload", lambda: moe_offload(device, gpu))]
     for name, section in sections:
         print(f"[{time.monotonic() - started:6.1f}s] {name}", flush=True)
         try:

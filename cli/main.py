@@ -140,7 +140,8 @@ def _http_config(kwargs: dict):
 
 
 INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", "max_model_len",
-             "max_prompt_tokens", "max_tokens_limit", "block_size")
+             "max_prompt_tokens", "max_tokens_limit", "block_size", "expert_residency", "num_experts",
+             "expert_slots_per_layer", "expert_device_bytes")
 
 
 @cli.command(cls=OneLineCommand)

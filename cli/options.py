@@ -45,6 +45,18 @@ def engine_options(fn: Callable) -> Callable:
                      help="Tokens per KV page [default: what the attention backend wants: 256 for flash-attn, else 16]."),
         click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
                      help="Reuse the KV of prompt prefixes already computed."),
+        click.option("--memory-budget", default=None,
+                     help="Device bytes for MoE experts + KV pool + workspaces, e.g. 40GiB [default: on a GPU "
+                          "the memory fraction of what is free after the dense weights; on a CPU no limit]. "
+                          "When all experts and the minimum KV pool do not fit, only some experts stay resident."),
+        click.option("--expert-slots-per-layer", default=None, type=int,
+                     help="MoE: routed experts per layer kept on the device (the rest in host memory, copied "
+                          "in when routed to) [default: all, or what --memory-budget allows]."),
+        click.option("--expert-memory", default=None,
+                     help="MoE: device bytes for resident experts, e.g. 8GiB (instead of --expert-slots-per-layer)."),
+        click.option("--expert-preload/--no-expert-preload", default=True, show_default=True,
+                     help="MoE with partial residency: pin the most routed experts and prefetch each layer's "
+                          "predicted experts (off: load experts only when routed to)."),
         click.option("--policy", default="slo", show_default=True, type=click.Choice(list(POLICIES)),
                      help="Who runs next: slo (steps composed from deadlines), priority (the request's "
                           "integer priority, lower first, then arrival) or fifo (arrival order)."),
@@ -59,16 +71,23 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
     """SloserveConfig from the engine flags; every ValueError becomes a one-line CliError."""
     if not _DEVICE_RE.match(opts["device"]):
         raise CliError(f"--device must be auto, cpu, cuda or cuda:N, got {opts['device']!r}")
-    try:
-        pool = parse_size(opts["kv_pool_size"]) if opts["kv_pool_size"] is not None else None
-    except ValueError as exc:
-        raise CliError(f"--kv-pool-size: {exc}") from None
+    sizes = {}
+    for key, flag in (("kv_pool_size", "--kv-pool-size"), ("memory_budget", "--memory-budget"),
+                      ("expert_memory", "--expert-memory")):
+        try:
+            sizes[key] = parse_size(opts[key]) if opts.get(key) is not None else None
+        except ValueError as exc:
+            raise CliError(f"{flag}: {exc}") from None
     try:
         return SloserveConfig(
             model=ModelConfig(path=opts["model"], device=opts["device"], dtype=opts["dtype"],
                               attention_backend=opts["attention_backend"], max_model_len=opts["max_model_len"],
                               enforce_eager=opts.get("enforce_eager")),
-            cache=CacheConfig(block_size=opts["block_size"], kv_pool_bytes=pool, prefix_cache=opts["prefix_cache"]),
+            cache=CacheConfig(block_size=opts["block_size"], kv_pool_bytes=sizes["kv_pool_size"],
+                              prefix_cache=opts["prefix_cache"], memory_budget_bytes=sizes["memory_budget"],
+                              expert_slots_per_layer=opts.get("expert_slots_per_layer"),
+                              expert_memory_bytes=sizes["expert_memory"],
+                              expert_preload=opts.get("expert_preload", True)),
             scheduler=SchedulerConfig(policy=opts["policy"], max_batch=opts["max_batch"],
                                       chunked_prefill=opts["chunked_prefill"]),
             server=server or ServerConfig(),
@@ -81,7 +100,8 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
 _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_model_len", "--max-model-len"),
           ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
           ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"),
-          ("fault rule", "--inject-faults"))
+          ("fault rule", "--inject-faults"), ("expert slots", "--expert-slots-per-layer"), ("expert memory", "--expert-memory"),
+          ("memory budget", "--memory-budget"))
 
 
 def with_flag(message: str) -> str:
@@ -95,7 +115,8 @@ def with_flag(message: str) -> str:
 def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Remove the engine flags from a command's kwargs and return them."""
     names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
-             "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager")
+             "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager", "memory_budget",
+             "expert_slots_per_layer", "expert_memory", "expert_preload")
     return {name: kwargs.pop(name) for name in names}
 
 

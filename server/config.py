@@ -66,7 +66,14 @@ class CacheConfig:
     arena_bytes: int | None = None  # None: 256 MiB on GPU, 16 MiB on CPU
     swap_bytes: int = 256 * 1024**2  # host pool for swap preemption (pinned on CUDA)
     prefix_cache: bool = True
-    expert_slots_per_layer: int | None = None  # MoE resident experts per layer; None = all
+    # MoE expert residency (see executor/residency.py). At most one of the two explicit settings:
+    expert_slots_per_layer: int | None = None  # routed experts resident per MoE layer; None: automatic
+    expert_memory_bytes: int | None = None  # device bytes for expert slots (-> slots per layer); None: automatic
+    # Device bytes for experts + KV pool + workspaces (dense weights not included). None: on a GPU,
+    # gpu_memory_fraction of the memory free after the dense weights; on a CPU, no limit. When all
+    # experts plus the minimum KV pool do not fit, only some experts per layer stay resident.
+    memory_budget_bytes: int | None = None
+    expert_preload: bool = True  # partial residency: pin the most routed experts, prefetch predicted ones
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -74,8 +81,14 @@ class CacheConfig:
         _require(self.kv_pool_bytes is None or self.kv_pool_bytes > 0, "kv pool size must be > 0 bytes")
         _require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu memory fraction must be in (0, 1]")
         _require(self.swap_bytes >= 0, "swap space must be >= 0 bytes")
-        _require(self.expert_slots_per_layer is None or self.expert_slots_per_layer <= MAX_EXPERT_ENTRIES,
-                 f"expert slots per layer must be <= {MAX_EXPERT_ENTRIES}, got {self.expert_slots_per_layer}")
+        slots = self.expert_slots_per_layer
+        _require(slots is None or slots <= MAX_EXPERT_ENTRIES,
+                 f"expert slots per layer must be <= {MAX_EXPERT_ENTRIES}, got {slots}")
+        _require(slots is None or slots >= 1, f"expert slots per layer must be >= 1, got {slots}")
+        _require(self.expert_memory_bytes is None or self.expert_memory_bytes > 0, "expert memory must be > 0 bytes")
+        _require(slots is None or self.expert_memory_bytes is None,
+                 "expert slots per layer and expert memory both set residency: give only one")
+        _require(self.memory_budget_bytes is None or self.memory_budget_bytes > 0, "memory budget must be > 0 bytes")
 
 
 POLICIES = ("slo", "priority", "fifo")

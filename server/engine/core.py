@@ -163,6 +163,10 @@ class EngineCore:
                                  ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)])
             self._steps_since_percentiles = 0
         stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
+        expert_stats = getattr(self.runner, "expert_stats", None)  # MoE runners: host counters, no device read
+        if expert_stats is not None:
+            for name, value in expert_stats().items():
+                setattr(stats, name, value)
         return stats
 
     @property

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import torch
 from sloserve.config import SloserveConfig
 from sloserve.executor.inputs import workspace_bytes
+from sloserve.executor.residency import Residency, choose_residency, slot_pool_bytes
 from sloserve.hotpath import MAX_BLOCKS
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import CPU_DEFAULT_POOL_BYTES, default_arena_bytes, default_pool_bytes
 from sloserve.models.spec import ModelSpec
+
+POOL_ROUNDING = 256  # DevicePool rounds its size up to a multiple of this: a budget keeps room for it
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,17 +26,27 @@ class MemoryPlan:
     num_pages: int  # KV pages incl. the null page 0
     expert_slots: int | None  # resident experts per MoE layer when partial, else None
     workspace_bytes: int
-    expert_bytes: int
+    expert_bytes: int  # pool bytes of the expert slots (partial residency), alignment included; else 0
     moe_workspace_rows: int  # (token, expert) pairs of one MoE layer's step workspace; 0 without MoE
     moe_workspace_bytes: int  # that workspace plus the alignment holes its four carves may leave
     arena_bytes: int
     num_host_pages: int
+    residency: Residency | None = None  # None for a dense model
+    budget_bytes: int | None = None  # the device budget for experts + pool (None: unbounded)
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Input and MoE workspaces, two arenas of slack for boundary alignment, the pool's own rounding."""
+        return overhead(self.workspace_bytes, self.moe_workspace_bytes, self.arena_bytes)
 
     @property
     def pool_bytes(self) -> int:
-        """KV + expert slots + input and MoE workspaces, plus two arenas of slack for boundary alignment."""
-        kv = self.num_pages * self.page_bytes
-        return kv + self.expert_bytes + self.workspace_bytes + self.moe_workspace_bytes + 2 * self.arena_bytes
+        """KV + expert slots + the workspaces and arena slack (the pool rounds this up to its alignment)."""
+        return self.num_pages * self.page_bytes + self.expert_bytes + self.overhead_bytes - POOL_ROUNDING
+
+
+def overhead(workspace: int, moe_workspace: int, arena: int) -> int:
+    return workspace + moe_workspace + 2 * arena + POOL_ROUNDING
 
 
 def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
@@ -49,10 +62,6 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
     page_bytes = token_bytes * block
-    slots = cc.expert_slots_per_layer
-    partial = bool(spec.moe_layers) and slots is not None and slots < spec.num_experts
-    expert_bytes = len(spec.moe_layers) * slots * 3 * spec.moe_intermediate_size * spec.hidden_size * itemsize \
-        if partial else 0
     ws_bytes = workspace_bytes(max_tokens, sc.max_batch, max_blocks)
     arena = cc.arena_bytes or default_arena_bytes(device)
     moe_rows = max_tokens * spec.top_k if spec.moe_layers else 0
@@ -61,19 +70,32 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
         moe_bytes = ExpertStore.workspace_bytes(moe_rows, spec.hidden_size, spec.moe_intermediate_size, dtype)
         # A carve skips at most min(its size, one arena) to respect arena boundaries; four carves.
         moe_bytes += min(moe_bytes, 4 * arena)
+    fixed = overhead(ws_bytes, moe_bytes, arena)
+    budget = cc.memory_budget_bytes
+    if budget is None and device.type == "cuda":  # measured after the dense weights (experts wait on the host)
+        budget = default_pool_bytes(device, cc.gpu_memory_fraction)
+    residency = None
+    expert_device = slot_bytes = 0
+    if spec.moe_layers:
+        min_kv = cc.kv_pool_bytes if cc.kv_pool_bytes is not None else (max_blocks + 1) * page_bytes
+        residency = choose_residency(cc, spec, itemsize, budget, min_kv, fixed, arena)
+        expert_device = residency.device_bytes
+        if residency.partial:
+            expert_device = slot_bytes = slot_pool_bytes(residency.device_bytes, arena)
     kv_bytes = cc.kv_pool_bytes
     if kv_bytes is None:
-        if device.type == "cuda":
-            kv_bytes = default_pool_bytes(device, cc.gpu_memory_fraction) - ws_bytes - expert_bytes - moe_bytes \
-                - 2 * arena
-        else:  # enough for max_batch full-length sequences, capped
-            kv_bytes = min(CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes)
+        if device.type == "cuda" or budget is not None:
+            kv_bytes = budget - expert_device - fixed
+        if device.type != "cuda":  # enough for max_batch full-length sequences, capped
+            cpu = min(CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes)
+            kv_bytes = cpu if kv_bytes is None else min(cpu, kv_bytes)
     num_pages = max(kv_bytes, 0) // page_bytes
     if num_pages - 1 < max_blocks:
         raise ValueError(
             f"the KV pool holds {max(num_pages - 1, 0)} pages of {block} tokens, fewer than one "
-            f"{max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool-size) "
-            "or lower max_model_len"
+            f"{max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool-size)"
+            + (" or the memory budget (--memory-budget)" if cc.memory_budget_bytes is not None else "")
+            + " or lower max_model_len"
         )
     if num_pages > MAX_BLOCKS:
         raise ValueError(
@@ -81,7 +103,7 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
             f"limit of {MAX_BLOCKS}; lower kv_pool_bytes (--kv-pool-size) or raise the block size")
     return MemoryPlan(
         max_tokens=max_tokens, max_seqs=sc.max_batch, max_blocks=max_blocks, page_bytes=page_bytes,
-        num_pages=num_pages, expert_slots=slots if partial else None, workspace_bytes=ws_bytes,
-        expert_bytes=expert_bytes, moe_workspace_rows=moe_rows, moe_workspace_bytes=moe_bytes, arena_bytes=arena,
-        num_host_pages=min(cc.swap_bytes // page_bytes, num_pages),
+        num_pages=num_pages, expert_slots=residency.slots if residency else None, workspace_bytes=ws_bytes,
+        expert_bytes=slot_bytes, moe_workspace_rows=moe_rows, moe_workspace_bytes=moe_bytes, arena_bytes=arena,
+        num_host_pages=min(cc.swap_bytes // page_bytes, num_pages), residency=residency, budget_bytes=budget,
     )

@@ -54,9 +54,9 @@ class ModelRunner:
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.model_path = resolve_model_path(mc.path)
-        # NOTE: with partial expert residency the loader leaves routed experts on the host.
-        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype,
-                                             expert_slots=config.cache.expert_slots_per_layer)
+        # NOTE: routed experts stay on the host until the residency is decided, which needs the device
+        # budget left after the dense weights (executor/residency.py); the ExpertStore then places them.
+        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype, experts_on_host=True)
         spec = self.spec
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         limit = spec.context_limit
@@ -85,15 +85,22 @@ class ModelRunner:
         self.kv_block_bytes = layers * kv * math.prod(page) * self.kv.element_size()
         self._num_params = weights.num_parameters()
         self.experts = None
+        self.prefetcher = None
+        self.residency = plan.residency
         if spec.moe_layers:
+            from sloserve.executor.experts import ExpertPrefetcher
             from sloserve.layers.moe import ExpertStore
 
+            automatic = config.cache.expert_slots_per_layer is None and config.cache.expert_memory_bytes is None
+            (log.warning if plan.residency.partial and automatic else log.info)("experts: %s", plan.residency.reason)
             # The pool backs the slots and the per-layer workspace (reused by every MoE layer of a
-            # step); all-resident experts keep the tensors the loader already put on the device.
+            # step); all-resident experts are moved to the device as tensors of their own.
             self.experts = ExpertStore(weights.experts, device=self.device, dtype=self.dtype,
                                        slots_per_layer=plan.expert_slots, pool=self.pool,
-                                       workspace_rows=plan.moe_workspace_rows, resident_in_pool=False)
+                                       workspace_rows=plan.moe_workspace_rows, resident_in_pool=False,
+                                       max_seqs=plan.max_seqs)
             weights.experts.clear()  # the store holds its own (resident or host) copies
+            self.prefetcher = ExpertPrefetcher(self.experts, config.cache.expert_preload)
         staging = None
         if self.device.type == "cuda":
             staging = DevicePool(plan.workspace_bytes, None, "cpu", pin_memory=True)
@@ -133,7 +140,16 @@ class ModelRunner:
         step = self.prepare(out)
         if step is None:
             return []
-        return self.sample(out, step, self.forward(step))
+        if self.prefetcher is None:
+            return self.sample(out, step, self.forward(step))
+        sampled, rows = [], None
+        if isinstance(step, StepInputs):
+            sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx
+        self.prefetcher.begin([s.req_id for s in out.sequences], sampled, rows)
+        try:
+            return self.sample(out, step, self.forward(step))
+        finally:
+            self.prefetcher.end(sampled)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | None:
         """Swaps, dropped requests, and the step's inputs: the decode fast path's when it applies (None: no work)."""
@@ -144,6 +160,8 @@ class ModelRunner:
             copy_blocks(self.host_kv, self.kv, out.swap_in)
         if out.finished_req_ids:
             self.sampler.drop(out.finished_req_ids)
+            if self.prefetcher is not None:
+                self.prefetcher.forget(out.finished_req_ids)
         seqs = out.sequences
         if not seqs:
             return None
@@ -180,6 +198,8 @@ class ModelRunner:
             self.warmup_time_s = self.decode_step.warm_up(lambda n: self.inputs.build_decode(null, n))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
 
     def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, float]]:
         """(tokens, seconds) of steps of the given (sequences, tokens each) shapes, on an empty pool.
@@ -212,12 +232,16 @@ class ModelRunner:
                     torch.cuda.synchronize(self.device)
                 times.append(time.perf_counter() - began)
             timings.append((seqs * tokens, min(times[1:] or times)))
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
         return timings
 
     def probe(self) -> None:
         """One greedy decode token on the null page: raises only when the runner itself is broken."""
         seq = ScheduledSequence("__probe__", [0], 0, [0], True, SamplingParams(max_tokens=1))
         self.execute(SchedulerOutput([seq]))
+        if self.prefetcher is not None:
+            self.prefetcher.forget([seq.req_id])
 
     def info(self) -> dict:
         """What is loaded and how memory is laid out."""
@@ -241,6 +265,29 @@ class ModelRunner:
             "compiled" if self.decode_step.compiled else "eager",
             "warmup_time_s": round(self.warmup_time_s, 3),
         }
+        info.update(self.expert_info())
         if self.experts is not None:
             info["experts"] = self.experts.stats()
         return info
+
+    def expert_info(self) -> dict:
+        """What stays fixed about the experts (InfoResponse): residency, experts, slots, device bytes."""
+        store = self.experts
+        if store is None:
+            return {"expert_residency": "none", "num_experts": 0, "expert_slots_per_layer": 0,
+                    "expert_device_bytes": 0}
+        return {"expert_residency": "partial" if store.partial else "all", "num_experts": store.num_experts,
+                "expert_slots_per_layer": store.slots_per_layer, "expert_device_bytes": store.device_bytes}
+
+    def expert_stats(self) -> dict:
+        """The EngineStats expert fields (cheap: host counters only, no device read)."""
+        store = self.experts
+        if store is None:
+            return {}
+        c = store.counters.as_dict()
+        return {"expert_resident_per_layer": store.resident(), "expert_hits_total": c["hits"],
+                "expert_misses_total": c["misses"], "expert_hit_rate": c["hit_rate"],
+                "expert_prefetches_total": c["prefetches"], "expert_prefetch_accuracy": c["prefetch_accuracy"],
+                "expert_prediction_recall": c["prediction_recall"],
+                "expert_bytes_copied_total": c["bytes_copied"] + c["preload_bytes"],
+                "expert_bytes_per_step": c["bytes_per_step"], "expert_miss_stall_s_total": c["miss_stall_s"]}

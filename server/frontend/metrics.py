@@ -14,6 +14,11 @@ Besides outcomes, latencies and engine gauges:
   actual time to first token over recent requests (positive: the token came sooner than
   predicted), and ``sloserve_ttft_predictions``, the admitted requests whose prediction could
   be checked.
+- Mixture-of-experts models only: ``sloserve_expert_resident{moe_layer}`` (experts on the device
+  per MoE layer), ``sloserve_expert_hits_total`` / ``_misses_total`` and ``sloserve_expert_hit_rate``,
+  ``sloserve_expert_prefetches_total``, ``sloserve_expert_prefetch_accuracy`` and
+  ``sloserve_expert_prediction_recall``, ``sloserve_expert_copied_bytes_total`` and
+  ``sloserve_expert_copied_bytes_per_step``, ``sloserve_expert_miss_stall_seconds_total``.
 """
 
 from __future__ import annotations
@@ -171,3 +176,36 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("sloserve_ttft_predictions",
                                   "Admitted requests whose predicted time to first token was checked.",
                                   value=getattr(s, "ttft_predictions", 0))
+        yield from _expert_metrics(s)
+
+
+def _expert_metrics(s: Any) -> Iterator[Any]:
+    """The expert cache's gauges and counters; nothing for a dense model."""
+    resident_per_layer = getattr(s, "expert_resident_per_layer", None)
+    if not resident_per_layer:
+        return
+    resident = GaugeMetricFamily("sloserve_expert_resident", "Routed experts on the device, per MoE layer.",
+                                 labels=["moe_layer"])
+    for layer, count in enumerate(resident_per_layer):
+        resident.add_metric([str(layer)], count)
+    yield resident
+    yield CounterMetricFamily("sloserve_expert_hits", "Expert uses (one expert, one MoE layer, one step) "
+                              "whose weights were already on the device.", value=s.expert_hits_total)
+    yield CounterMetricFamily("sloserve_expert_misses", "Expert uses that waited for a copy from host memory.",
+                              value=s.expert_misses_total)
+    yield GaugeMetricFamily("sloserve_expert_hit_rate", "Expert hits / (hits + misses) since warm-up.",
+                            value=s.expert_hit_rate)
+    yield CounterMetricFamily("sloserve_expert_prefetches", "Experts copied in ahead of their layer.",
+                              value=s.expert_prefetches_total)
+    yield GaugeMetricFamily("sloserve_expert_prefetch_accuracy", "Share of prefetched experts their layer used.",
+                            value=s.expert_prefetch_accuracy)
+    yield GaugeMetricFamily("sloserve_expert_prediction_recall",
+                            "Share of the experts layers used that the prediction named.",
+                            value=s.expert_prediction_recall)
+    yield CounterMetricFamily("sloserve_expert_copied_bytes", "Expert bytes copied from host to device memory.",
+                              value=s.expert_bytes_copied_total)
+    yield GaugeMetricFamily("sloserve_expert_copied_bytes_per_step",
+                            "Expert bytes copied per engine step (mean of the last 64 steps).",
+                            value=s.expert_bytes_per_step)
+    yield CounterMetricFamily("sloserve_expert_miss_stall_seconds", "Time spent waiting for expert copies on misses.",
+                              value=s.expert_miss_stall_s_total)

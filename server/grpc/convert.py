@@ -45,6 +45,9 @@ _STATS_FIELDS = (
     "generated_tokens_total", "preemptions_total", "step_time_s", "tokens_per_step",
     "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak",
     "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s",
+    "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total",
+    "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total",
+    "expert_bytes_per_step", "expert_miss_stall_s_total",
 )
 
 
@@ -112,6 +115,7 @@ def stats_pb(stats: Any) -> pb.EngineStats:
     """EngineStats dataclass -> proto (same field names)."""
     msg = pb.EngineStats(**{name: getattr(stats, name) for name in _STATS_FIELDS})
     msg.refusals.update({str(k): int(v) for k, v in (stats.refusals or {}).items()})
+    msg.expert_resident_per_layer.extend(int(n) for n in getattr(stats, "expert_resident_per_layer", ()) or ())
     return msg
 
 
@@ -126,4 +130,8 @@ def info_pb(model: str, model_info: dict, stats: Any, state: ServerState, *, ver
         device=str(model_info.get("device", "")),
         attention_backend=str(model_info.get("attention_backend", "")),
         kv_block_bytes=int(model_info.get("kv_block_bytes") or 0),
+        expert_residency=str(model_info.get("expert_residency") or ""),
+        num_experts=int(model_info.get("num_experts") or 0),
+        expert_slots_per_layer=int(model_info.get("expert_slots_per_layer") or 0),
+        expert_device_bytes=int(model_info.get("expert_device_bytes") or 0),
         stats=stats_pb(stats), state=_STATE[state])

@@ -10,6 +10,12 @@ One step's MoE layer, for T tokens choosing k of E experts::
 
 The ascending-expert sum is the order transformers' per-expert loop accumulates in, so the
 result matches it to rounding of the per-expert matmuls.
+
+Two ways to compute: with grouped GEMMs (`store.grouped`, on CUDA when torch has them) every
+active expert runs in one `torch._grouped_mm` per projection, its slice bounds a device cumsum:
+with every expert resident the layer makes no host sync at all. Otherwise (and with partial
+residency, which must learn the active experts on the host to serve misses) the counts are read
+back once per layer and each expert runs one matmul on its slice. Both give the same rows.
 """
 
 from __future__ import annotations
@@ -54,17 +60,24 @@ def moe_forward(
         raise ValueError(f"hidden size {hidden_size} does not match the experts' {store.hidden_size}")
     if num_tokens == 0:
         return hidden.new_zeros(0, hidden_size)
+    store.before_layer(layer)  # the next MoE layer's predicted experts start copying now
     weights, ids = route(router_logits, top_k, renormalize)
     # Each token's k choices in ascending expert order: the order its contributions are added in.
     ids, perm = ids.sort(dim=1)
     weights = weights.gather(1, perm)
     flat_ids = ids.reshape(-1)  # [N = T*k]
     order = torch.argsort(flat_ids, stable=True)  # pair positions grouped by expert
-    counts = torch.bincount(flat_ids, minlength=store.num_experts)
-    store.record_counts(layer, counts)
+    counts = _count(flat_ids, store.num_experts)  # [E] pairs per expert
+    store.record_routing(layer, ids, counts)
     ws = store.reserve_workspace(flat_ids.numel())
     try:
-        contrib = _grouped_experts(hidden, order, counts, store, layer, top_k, ws)  # [N, H], (t, j) order
+        contrib = None  # [N, H], (t, j) order
+        counts_list = None
+        if store.grouped:
+            counts_list = None if not store.partial else counts.tolist()  # partial: the one host sync
+            contrib = _grouped_gemm_experts(hidden, flat_ids, order, counts, counts_list, store, layer, top_k, ws)
+        if contrib is None:
+            contrib = _sliced_experts(hidden, order, counts, counts_list, store, layer, top_k, ws)
         # Scale by the routing weight (in float32, like transformers), in place.
         contrib = contrib.view(num_tokens, top_k, hidden_size).mul_(weights.unsqueeze(-1))
         out = contrib[:, 0].clone()
@@ -75,10 +88,58 @@ def moe_forward(
     return out
 
 
-def _grouped_experts(
+def _count(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Occurrences of each of 0..n-1 in `ids` (int64 [n]); unlike bincount, no host sync on CUDA."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+def _grouped_gemm_experts(
+    hidden: torch.Tensor,
+    flat_ids: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    counts_list: list[int] | None,
+    store: ExpertStore,
+    layer: int,
+    top_k: int,
+    ws: MoeWorkspace | None,
+) -> torch.Tensor | None:
+    """Every active expert in two grouped GEMMs over stacked resident weights; None: not possible here.
+
+    All resident: offsets from a device cumsum, no host sync. Partial residency: the active experts
+    (`counts_list`, read back once) are held resident together (None when they do not all fit)
+    and the pairs re-grouped by slot, so the GEMMs run over the slot stack.
+    """
+    held = active = None
+    if counts_list is not None:
+        active = [e for e, c in enumerate(counts_list) if c]
+        held = store.hold(layer, active)
+        if held is None:
+            return None
+        w13, w2, slot_of = held
+        slot_ids = torch.tensor(slot_of, device=flat_ids.device).index_select(0, flat_ids)
+        order = torch.argsort(slot_ids, stable=True)  # pair positions grouped by slot
+        counts = _count(slot_ids, w13.shape[0])
+    else:
+        w13, w2 = store.stacked(layer, counts)
+    try:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = torch.index_select(hidden, 0, order // top_k, out=ws.rows if ws is not None else None)  # [N, H]
+        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [N, I] each
+        act = torch.mul(F.silu(gate, inplace=True), up, out=ws.act if ws is not None else None)
+        out_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [N, H], grouped order
+        # The gathered inputs are dead: their rows take the outputs back in (t, j) order.
+        return rows.index_copy_(0, order, out_sorted)
+    finally:
+        if held is not None:
+            store.release(layer, active, held[2])
+
+
+def _sliced_experts(
     hidden: torch.Tensor,
     order: torch.Tensor,
     counts: torch.Tensor,
+    counts_list: list[int] | None,
     store: ExpertStore,
     layer: int,
     top_k: int,
@@ -95,7 +156,8 @@ def _grouped_experts(
     else:
         rows = torch.index_select(hidden, 0, order // top_k, out=ws.rows)
         out_sorted = ws.out
-    counts_list = counts.tolist()  # the one host sync: slice bounds per expert
+    if counts_list is None:
+        counts_list = counts.tolist()  # the one host sync: slice bounds per expert
     starts = [0] * store.num_experts
     total = 0
     for e, c in enumerate(counts_list):

@@ -1,21 +1,17 @@
 """Where MoE expert weights live: all resident on the device, or a cache of resident slots.
 
 Each MoE layer's routed experts are stacked as ``w13[E, 2I, H]`` (gate rows, then up rows) and
-``w2[E, H, I]``. With ``slots_per_layer`` set, only that many experts per layer sit in device
-slots carved from the pool; the rest live in host memory (pinned only when CUDA exists) and are
-copied into a slot when a step routes tokens to them. The hot path's ``ExpertAllocator`` decides
-which slot an expert gets (LRU over unpinned slots, hit/miss counters) and, with
-``workspace_rows`` set, hands out rows of the per-layer MoE workspace carved once at start-up.
+``w2[E, H, I]``. With ``slots_per_layer`` set below E, only that many experts per layer sit in
+device slots carved from the pool; the rest live in host memory and are copied into a slot when
+a step routes tokens to them or a prediction names them (`ExpertSlots`, memory/expert_slots.py,
+holds the invariants). With ``workspace_rows`` set, the hot path's `ExpertAllocator` also hands
+out rows of the per-layer MoE workspace carved once at start-up.
 
-Invariants of the partial mode (read before changing `experts`):
-
-* An expert is pinned in the allocator from the moment it is acquired for a step until the
-  caller has finished with its weights, so no later acquire in the same chunk evicts it. Chunks
-  hold at most ``slots_per_layer - len(preloaded)`` experts, so a free-able slot always exists.
-* On CUDA, copies run on a side stream that first waits for all work already queued on the
-  current stream (earlier readers of the slot being overwritten); the current stream waits on
-  each copy's event before the expert's weights are read. Copies of one chunk therefore overlap
-  the compute of the experts ahead of them.
+A step (`begin_step` ... `end_step`, driven by the runner) may carry a prediction: the experts
+each MoE layer will likely route to. Entering layer i (`before_layer`) prefetches layer i+1's
+predicted experts. Routing statistics (memory/expert_stats.py) stay on the device; pinning the
+hottest (`pin_hottest`: by the EMA of each expert's share; `preload`: by cumulative counts)
+reads them once.
 """
 
 from __future__ import annotations
@@ -25,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from sloserve.memory.expert_slots import ExpertSlots
+from sloserve.memory.expert_stats import ExpertCounters, RoutingStats
 
 Weights = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +50,8 @@ class ExpertStore:
         pool: Any | None = None,
         workspace_rows: int = 0,
         resident_in_pool: bool = True,  # False: all-resident experts keep the (device) tensors given
+        max_seqs: int = 0,  # sequences per step whose routing is captured for the next step's prediction
+        grouped: bool | None = None,  # two grouped GEMMs per layer (None: on CUDA when torch has them)
     ) -> None:
         items = dict(weights) if isinstance(weights, Mapping) else dict(enumerate(weights))
         if not items:
@@ -71,14 +71,10 @@ class ExpertStore:
             raise ValueError(f"expert slots per layer must be >= 1 (or None for all), got {slots_per_layer}")
         self.partial = slots_per_layer is not None and slots_per_layer < self.num_experts
         self.slots_per_layer = slots_per_layer if self.partial else self.num_experts
-        self._cuda = self.device.type == "cuda"
-        self.hits = 0
-        self.misses = 0
-        self.bytes_copied = 0
-        self.preload_bytes = 0
         num_layers = len(self.layers)
-        self._counts = torch.zeros(num_layers, self.num_experts, dtype=torch.int64, device=self.device)
-        self._pinned: list[set[int]] = [set() for _ in range(num_layers)]
+        self.counters = ExpertCounters()
+        self.routing = RoutingStats(num_layers, self.num_experts, self.device, max_seqs)
+        self._predicted: list[list[int]] = [[] for _ in range(num_layers)]  # this step's, per layer
         shape13 = (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
         shape2 = (self.num_experts, self.hidden_size, self.intermediate_size)
         from sloserve.hotpath import ExpertAllocator
@@ -93,21 +89,19 @@ class ExpertStore:
             self._workspace = MoeWorkspace(*(self._carve(f"moe_workspace.{name}", (workspace_rows, width))
                                              for name, width in (("rows", h), ("gate_up", 2 * i), ("act", i),
                                                                  ("out", h))))
+        self._slots: ExpertSlots | None = None
         if not self.partial:
             self._w13 = [self._place(f"experts.{layer}.w13", shape13, items[layer][0]) for layer in self.layers]
             self._w2 = [self._place(f"experts.{layer}.w2", shape2, items[layer][1]) for layer in self.layers]
-            return
-        # Partial residency: host copies + device slots chosen by the hot path's allocator.
-        pin = self._cuda and torch.cuda.is_available()
-        self._host_w13 = [_host_copy(items[layer][0], self.dtype, pin) for layer in self.layers]
-        self._host_w2 = [_host_copy(items[layer][1], self.dtype, pin) for layer in self.layers]
-        slots = self.slots_per_layer
-        self._slot_w13 = self._carve("expert_slots.w13", (num_layers, slots, *shape13[1:]))
-        self._slot_w2 = self._carve("expert_slots.w2", (num_layers, slots, *shape2[1:]))
-        self._expert_bytes = (shape13[1] * shape13[2] + shape2[1] * shape2[2]) * self._slot_w13.element_size()
-        if self._cuda:
-            self._stream = torch.cuda.Stream(device=self.device)
-            self._events = [[torch.cuda.Event() for _ in range(slots)] for _ in range(num_layers)]
+        else:  # partial residency: host copies + device slots chosen by the hot path's allocator
+            self._slots = ExpertSlots([items[layer] for layer in self.layers], self.slots_per_layer, self._alloc,
+                                      self.counters, self._carve, self.device, self.dtype)
+        self.grouped = self._grouped_works() if grouped is None and self.device.type == "cuda" else bool(grouped)
+        # All resident + grouped GEMMs: the layers never learn their active experts on the host, so
+        # uses are counted on the device and folded into the hits when the step ends.
+        self._device_uses = None
+        if self.grouped and self._slots is None:
+            self._device_uses = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # -- placement -------------------------------------------------------------------------
 
@@ -122,6 +116,41 @@ class ExpertStore:
         out = self._pool.carve(name, shape, self.dtype)
         out.copy_(source)
         return out
+
+    def _grouped_works(self) -> bool:
+        """Whether torch's grouped GEMM runs here on weights laid out like ours (a tiny probe)."""
+        if not hasattr(torch, "_grouped_mm"):
+            return False
+        h, i = self.hidden_size, self.intermediate_size
+        try:
+            w = torch.zeros(2, 2 * i, h, dtype=self.dtype, device=self.device)
+            torch._grouped_mm(torch.zeros(2, h, dtype=self.dtype, device=self.device), w.transpose(1, 2),
+                              offs=torch.tensor([1, 2], dtype=torch.int32, device=self.device))
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
+
+    def stacked(self, layer: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-resident weights of a layer, w13 [E, 2I, H] and w2 [E, H, I], for grouped GEMMs over
+        `counts` [E] tokens per expert (its active experts are counted as hits on the device)."""
+        if self._slots is not None:
+            raise ValueError("partial residency has no stack of every expert; hold() the active ones")
+        li = self.layer_index(layer)
+        if self._device_uses is not None:
+            self._device_uses += (counts > 0).sum()
+        return self._w13[li], self._w2[li]
+
+    def hold(self, layer: int, active: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """Partial residency: every active expert resident at once, (slot weights, slot per expert); or None."""
+        li = self.layer_index(layer)
+        held = self._slots.hold(li, active) if self._slots is not None else None
+        if held is not None:
+            self._score(li, active)
+        return held
+
+    def release(self, layer: int, active: Sequence[int], slot_of: list[int]) -> None:
+        """End a hold() once the layer's compute is queued."""
+        self._slots.release(self.layer_index(layer), active, slot_of)
 
     @staticmethod
     def workspace_bytes(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) -> int:
@@ -153,9 +182,53 @@ class ExpertStore:
         except KeyError:
             raise ValueError(f"layer {layer} has no routed experts (MoE layers: {list(self.layers)})") from None
 
+    def record_routing(self, layer: int, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """One layer's routing: expert ids [T, k] and tokens per expert [E] into the statistics (no host sync)."""
+        li = self.layer_index(layer)
+        self.routing.record(li, counts, ids.numel())
+        self.routing.capture(li, ids)
+
     def record_counts(self, layer: int, counts: torch.Tensor) -> None:
-        """Add one step's tokens-per-expert counts [E] to the routing statistics (no host sync)."""
-        self._counts[self.layer_index(layer)] += counts
+        """Add one step's tokens-per-expert counts [E] to the cumulative statistics (no host sync)."""
+        self.routing.counts[self.layer_index(layer)] += counts
+
+    # -- steps and prefetching ---------------------------------------------------------------
+
+    def begin_step(self, predicted: list[list[int]] | None = None, capture_rows: torch.Tensor | None = None) -> None:
+        """Start a step: each MoE layer's predicted experts (dense index order) and the rows to capture.
+
+        The first MoE layer's prediction is prefetched now; layer i+1's when layer i begins.
+        """
+        for li in range(len(self.layers)):
+            self._predicted[li] = list(predicted[li]) if predicted else []
+            if self._slots is not None:
+                self._slots.prefetched[li].clear()
+        self.routing.capture_rows(capture_rows)
+        if self._slots is not None and self._predicted[0]:
+            self._slots.prefetch(0, self._predicted[0])
+
+    def before_layer(self, layer: int) -> None:
+        """Layer `layer` starts: prefetch the next MoE layer's predicted experts (they overlap its compute)."""
+        li = self.layer_index(layer) + 1
+        if self._slots is not None and li < len(self.layers) and self._predicted[li]:
+            self._slots.prefetch(li, self._predicted[li])
+
+    def end_step(self) -> list[list[list[int]]] | None:
+        """Close the step's counters; returns the captured routing [sequence][layer][k] (one device read)."""
+        if self._slots is not None:
+            self._slots.end_step()
+        if self._device_uses is not None:
+            self.counters.hits += int(self._device_uses)  # after sampling: the stream has synchronised
+            self._device_uses.zero_()
+        self.counters.end_step()
+        captured = self.routing.captured()
+        self.routing.capture_rows(None)
+        return captured
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Copy `experts` of `layer` (most wanted first) into unpinned slots ahead of use; returns copies made."""
+        li = self.layer_index(layer)
+        return 0 if self._slots is None else self._slots.prefetch(li, experts)
 
     def experts(self, layer: int, active: Sequence[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (expert, w13[2I, H], w2[H, I]) for each expert in `active`, making it resident first.
@@ -163,116 +236,97 @@ class ExpertStore:
         The weights a step receives stay valid until the generator advances past them.
         """
         li = self.layer_index(layer)
-        if not self.partial:
-            self.hits += len(active)
-            for e in active:
-                yield e, self._w13[li][e], self._w2[li][e]
+        self._score(li, active)
+        if self._slots is not None:
+            yield from self._slots.use(li, active)
             return
-        pinned = self._pinned[li]
-        # Resident experts first: they are used before the misses of this step can evict them
-        # (ascending order would make LRU evict exactly the experts needed next step).
-        cold = sorted((e for e in active if e not in pinned), key=lambda e: self._alloc.slot_of(li, e) < 0)
+        self.counters.hits += len(active)
         for e in active:
-            if e in pinned:
-                slot, hit = self._alloc.acquire(li, e)
-                assert hit, "a preloaded expert must stay resident"
-                self.hits += 1
-                yield e, self._slot_w13[li, slot], self._slot_w2[li, slot]
-        capacity = self.slots_per_layer - len(pinned)
-        for start in range(0, len(cold), capacity):
-            yield from self._chunk(li, cold[start : start + capacity])
+            yield e, self._w13[li][e], self._w2[li][e]
 
-    def _chunk(self, li: int, chunk: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        ready: list[tuple[int, int, bool]] = []
-        if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            for e in chunk:
-                slot, hit = self._alloc.acquire(li, e)
-                self._alloc.pin(li, e)
-                ready.append((e, slot, hit))
-                if hit:
-                    self.hits += 1
-                else:
-                    self.misses += 1
-                    self._copy_in(li, e, slot)
-            for e, slot, hit in ready:
-                if self._cuda and not hit:
-                    torch.cuda.current_stream(self.device).wait_event(self._events[li][slot])
-                yield e, self._slot_w13[li, slot], self._slot_w2[li, slot]
-        finally:
-            for e, _, _ in ready:
-                self._alloc.unpin(li, e)
+    def _score(self, li: int, active: Sequence[int]) -> None:
+        """Count how the step's prediction and prefetches for this layer fared."""
+        predicted = self._predicted[li]
+        if predicted:
+            named = set(predicted)
+            self.counters.predicted += sum(1 for e in active if e in named)
+            self.counters.predicted_active += len(active)
+        prefetched = self._slots.prefetched[li] if self._slots is not None else None
+        if prefetched:
+            self.counters.prefetches_used += sum(1 for e in active if e in prefetched)
+            prefetched.clear()
 
-    def _copy_in(self, li: int, expert: int, slot: int) -> None:
-        """Copy one expert from host memory into its slot (side stream + event on CUDA)."""
-        if self._cuda:
-            with torch.cuda.stream(self._stream):
-                self._slot_w13[li, slot].copy_(self._host_w13[li][expert], non_blocking=True)
-                self._slot_w2[li, slot].copy_(self._host_w2[li][expert], non_blocking=True)
-                self._events[li][slot].record(self._stream)
-        else:
-            self._slot_w13[li, slot].copy_(self._host_w13[li][expert])
-            self._slot_w2[li, slot].copy_(self._host_w2[li][expert])
-        self.bytes_copied += self._expert_bytes
-
-    # -- statistics --------------------------------------------------------------------------
+    # -- residency and statistics -------------------------------------------------------------
 
     def routing_counts(self) -> torch.Tensor:
         """Tokens routed to each expert so far, [num MoE layers, E] (a host copy)."""
-        return self._counts.cpu()
+        return self.routing.counts.cpu()
 
     def preload(self, top_k: int) -> list[list[int]]:
-        """Make each layer's `top_k` most-routed experts resident and pin them; returns them per layer."""
-        if not self.partial:
+        """Make each layer's `top_k` most-routed experts (cumulative counts) resident and pin them."""
+        counts = self.routing_counts().tolist()
+        return self._pin([sorted(range(self.num_experts), key=lambda e, c=row: (-c[e], e)) for row in counts], top_k)
+
+    def pin_hottest(self, top_k: int) -> list[list[int]]:
+        """Pin each layer's `top_k` experts with the largest EMA routing share (re-pinning as it drifts)."""
+        return self._pin(self.routing.hottest(self.num_experts), top_k)
+
+    def _pin(self, order: list[list[int]], top_k: int) -> list[list[int]]:
+        if self._slots is None:
             return [sorted(range(self.num_experts)) for _ in self.layers]
-        if not 0 <= top_k < self.slots_per_layer:
-            raise ValueError(
-                f"preload top_k must be in 0..{self.slots_per_layer - 1} (one slot per layer stays "
-                f"free for the other experts), got {top_k}"
-            )
-        counts = self.routing_counts()
-        chosen: list[list[int]] = []
-        if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        for li in range(len(self.layers)):
-            for e in self._pinned[li]:
-                self._alloc.unpin(li, e)
-            self._pinned[li].clear()
-            # NOTE: stable order: most tokens first, then the lower expert id.
-            hottest = sorted(range(self.num_experts), key=lambda e, c=counts[li]: (-int(c[e]), e))[:top_k]
-            for e in hottest:
-                slot, hit = self._alloc.acquire(li, e)
-                self._alloc.pin(li, e)
-                self._pinned[li].add(e)
-                if not hit:
-                    self._copy_in(li, e, slot)
-                    self.bytes_copied -= self._expert_bytes
-                    self.preload_bytes += self._expert_bytes
-            chosen.append(sorted(hottest))
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        return chosen
+        return self._slots.pin(order, top_k)
+
+    def resident(self) -> list[int]:
+        """Experts whose weights sit on the device, per MoE layer."""
+        return [self.num_experts] * len(self.layers) if self._slots is None else self._slots.resident()
+
+    def pinned(self) -> list[list[int]]:
+        """Pinned (preloaded) experts per MoE layer."""
+        return [[] for _ in self.layers] if self._slots is None else self._slots.pinned()
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the experts take: every expert when all resident, else the slots."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.layers) * self.slots_per_layer * 3 * self.intermediate_size * self.hidden_size * itemsize
+
+    @property
+    def hits(self) -> int:
+        return self.counters.hits
+
+    @property
+    def misses(self) -> int:
+        return self.counters.misses
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.counters.bytes_copied
+
+    @property
+    def preload_bytes(self) -> int:
+        return self.counters.preload_bytes
 
     def stats(self) -> dict[str, Any]:
-        """Hits, misses, hit rate and bytes copied by steps (preloads counted apart)."""
-        total = self.hits + self.misses
+        """Residency, hits, misses, prefetch and prediction outcomes, bytes copied (preloads apart), stalls."""
         return {
             "resident": "partial" if self.partial else "all",
             "moe_layers": len(self.layers),
             "num_experts": self.num_experts,
             "slots_per_layer": self.slots_per_layer,
-            "hits": self.hits,
-            "misses": self.misses,
-            "hit_rate": self.hits / total if total else 1.0,
-            "bytes_copied": self.bytes_copied,
-            "preload_bytes": self.preload_bytes,
-            "host_pinned": self.partial and self._host_w13[0].is_pinned(),
+            "resident_per_layer": self.resident(),
+            "pinned_per_layer": [len(p) for p in self.pinned()],
+            "device_bytes": self.device_bytes,
+            "host_pinned": self._slots is not None and self._slots.host_pinned,
+            **self.counters.as_dict(),
         }
 
-    def reset_stats(self) -> None:
-        """Zero the hit/miss/byte counters (routing statistics are kept)."""
-        self.hits = self.misses = self.bytes_copied = self.preload_bytes = 0
+    def reset_stats(self, routing: bool = False) -> None:
+        """Zero the counters (and with `routing`, the EMA too; cumulative counts are kept)."""
+        self.counters.reset()
+        if self._device_uses is not None:
+            self._device_uses.zero_()
+        if routing:
+            self.routing.reset()
 
 
 def _check_shapes(layer: int, w13: torch.Tensor, w2: torch.Tensor, e: int, h: int, i: int) -> None:
@@ -281,9 +335,3 @@ def _check_shapes(layer: int, w13: torch.Tensor, w2: torch.Tensor, e: int, h: in
             f"MoE layer {layer}: expected w13 {(e, 2 * i, h)} and w2 {(e, h, i)} "
             f"(experts stacked, gate rows then up rows), got {tuple(w13.shape)} and {tuple(w2.shape)}"
         )
-
-
-def _host_copy(source: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A contiguous host copy; page-locked only when CUDA can use it."""
-    host = source.detach().to(device="cpu", dtype=dtype).contiguous()
-    return host.pin_memory() if pin else host

@@ -82,18 +82,21 @@ class TensorSource:
 
 
 def load_checkpoint(
-    folder: Path, device: torch.device, dtype: torch.dtype, *, expert_slots: int | None = None
+    folder: Path, device: torch.device, dtype: torch.dtype, *, expert_slots: int | None = None,
+    experts_on_host: bool = False,
 ) -> tuple[ModelSpec, ModelWeights]:
     """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`.
 
-    With `expert_slots` fewer than the checkpoint's experts (partial expert residency), the routed
-    experts stay in host memory: the ExpertStore copies them into device slots as steps need them,
-    so they never all sit on the device at once.
+    With `expert_slots` fewer than the checkpoint's experts (partial expert residency), or with
+    `experts_on_host` (residency not decided yet: the runner measures the device budget after the
+    dense weights), the routed experts stay in host memory: the ExpertStore moves them to the
+    device, all at once or into slots as steps need them, so they never all sit on the device
+    unless they fit.
     """
     spec = load_spec(folder)
     src = TensorSource(folder)
     partial = bool(spec.moe_layers) and expert_slots is not None and expert_slots < spec.num_experts
-    expert_device = torch.device("cpu") if partial else device
+    expert_device = torch.device("cpu") if partial or experts_on_host else device
 
     def get(name: str, *shape: int, on: torch.device = device) -> torch.Tensor:
         return src.get(name, shape).to(device=on, dtype=dtype)

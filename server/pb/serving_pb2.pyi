@@ -156,7 +156,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s")
+    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s", "expert_resident_per_layer", "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total", "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total", "expert_bytes_per_step", "expert_miss_stall_s_total")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,16 @@ class EngineStats(_message.Message):
     TTFT_PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     TTFT_PREDICTION_ERROR_P50_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_PREDICTION_ERROR_P90_S_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RESIDENT_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MISSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PREFETCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PREFETCH_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PREDICTION_RECALL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_COPIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MISS_STALL_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_total: int
@@ -206,10 +216,20 @@ class EngineStats(_message.Message):
     ttft_predictions: int
     ttft_prediction_error_p50_s: float
     ttft_prediction_error_p90_s: float
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ...) -> None: ...
+    expert_resident_per_layer: _containers.RepeatedScalarFieldContainer[int]
+    expert_hits_total: int
+    expert_misses_total: int
+    expert_hit_rate: float
+    expert_prefetches_total: int
+    expert_prefetch_accuracy: float
+    expert_prediction_recall: float
+    expert_bytes_copied_total: int
+    expert_bytes_per_step: float
+    expert_miss_stall_s_total: float
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ..., expert_resident_per_layer: _Optional[_Iterable[int]] = ..., expert_hits_total: _Optional[int] = ..., expert_misses_total: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., expert_prefetches_total: _Optional[int] = ..., expert_prefetch_accuracy: _Optional[float] = ..., expert_prediction_recall: _Optional[float] = ..., expert_bytes_copied_total: _Optional[int] = ..., expert_bytes_per_step: _Optional[float] = ..., expert_miss_stall_s_total: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes")
+    __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes", "expert_residency", "num_experts", "expert_slots_per_layer", "expert_device_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +242,10 @@ class InfoResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SLOTS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     version: str
@@ -234,4 +258,8 @@ class InfoResponse(_message.Message):
     stats: EngineStats
     state: ServerState
     kv_block_bytes: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
+    expert_residency: str
+    num_experts: int
+    expert_slots_per_layer: int
+    expert_device_bytes: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ..., kv_block_bytes: _Optional[int] = ..., expert_residency: _Optional[str] = ..., num_experts: _Optional[int] = ..., expert_slots_per_layer: _Optional[int] = ..., expert_device_bytes: _Optional[int] = ...) -> None: ...

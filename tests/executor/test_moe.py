@@ -261,8 +261,9 @@ def test_partial_residency_on_cuda_matches_all_resident(dtype):
     """Side-stream copies from pinned host memory + events give the same outputs as resident experts."""
     block = mixtral_block(num_experts=8, top_k=2, seed=11)
     weights = [(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())]
-    full = ExpertStore(weights, device="cuda", dtype=dtype)
-    partial = ExpertStore(weights, device="cuda", dtype=dtype, slots_per_layer=3)
+    # NOTE: one matmul per expert in both (grouped GEMMs, the CUDA default, round differently).
+    full = ExpertStore(weights, device="cuda", dtype=dtype, grouped=False)
+    partial = ExpertStore(weights, device="cuda", dtype=dtype, slots_per_layer=3, grouped=False)
     assert partial.stats()["host_pinned"] is True
     gen = torch.Generator().manual_seed(0)
     for _ in range(6):

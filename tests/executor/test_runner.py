@@ -161,7 +161,7 @@ def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkey
     real_load, real_store = runner_module.load_checkpoint, moe.ExpertStore
 
     def spy_load(*args, **kw):
-        loads.append(kw.get("expert_slots"))
+        loads.append(kw.get("experts_on_host"))
         return real_load(*args, **kw)
 
     def spy_store(weights, **kw):
@@ -171,8 +171,9 @@ def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkey
     monkeypatch.setattr(runner_module, "load_checkpoint", spy_load)
     monkeypatch.setattr(moe, "ExpertStore", spy_store)
     partial = ModelRunner(cfg)
-    # The loader is told to keep experts on the host (test_loader checks it does), and the store gets host tensors.
-    assert loads == [2] and given and set(given) == {"cpu"}
+    # The loader is told to keep experts on the host until residency is decided (test_loader checks it
+    # does), and the store gets host tensors.
+    assert loads == [True] and given and set(given) == {"cpu"}
     assert generate(partial, [PROMPT, PROMPT[:3]], 5) == full
     stats = partial.info()["experts"]
     assert stats["resident"] == "partial" and stats["misses"] > 0 and stats["bytes_copied"] > 0
