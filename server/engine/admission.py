@@ -121,6 +121,9 @@ class AdmissionControl:
     def __init__(self, config: SchedulerConfig, max_model_len: int | None = None) -> None:
         self.enabled = config.admission_control
         self.policy = config.policy
+        # slo with deadline steps starts the least slack first: no starvation guard jumps ahead
+        self.deadline_order = config.policy == "slo" and config.deadline_steps
+        self.slot_preemption = self.deadline_order and config.slack_preemption
         self.max_waiting = config.max_waiting
         self.queue_timeout_s = config.queue_timeout_s
         self.max_wait_s = config.max_wait_s
@@ -139,6 +142,7 @@ class AdmissionControl:
         self._backlog: Backlog | None = None
         self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
         self._compute_s = 0.0  # compute time of the last step (on_compute)
+        self._step_tokens = 0  # tokens of the step in flight
         self.gap_s = 0.0  # EWMA of schedule-to-schedule time minus compute: output delivery, IPC
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
@@ -147,8 +151,10 @@ class AdmissionControl:
         return RequestRefusedError(reason, message)
 
     # ---- what the scheduler reports --------------------------------------------------------
-    def on_step(self, now: float, seqs: int, prefill: bool) -> None:
-        """A step of `seqs` sequences (0: nothing ran), with a prefill chunk or not, was scheduled at `now`."""
+    def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0) -> None:
+        """A step of `seqs` sequences and `tokens` tokens (0: nothing ran), with a prefill chunk or
+        not, was scheduled at `now`."""
+        self._step_tokens = tokens
         if self._step is not None:
             began, n, kind = self._step
             self.cycles[kind].observe(n, now - began)
@@ -234,8 +240,8 @@ class AdmissionControl:
             # Ahead of some queued requests: it starts before those -- unless (slo) they wait
             # past the starvation guard before its first token and then go first.
             ahead = [r for r in waiting if self._key(r) <= key]
-            b = self.backlog(running, ahead, batch_cap)
-            if self.policy == "slo":
+            b = self.backlog(running, ahead, batch_cap, key)
+            if self.policy == "slo" and not self.deadline_order:
                 est = self._price(b, req, cached_tokens, cost, now)
                 starve_by = now + est.seconds - self.max_wait_s
                 starving = [r for r in waiting if self._key(r) > key and r.arrival_time < starve_by]
@@ -270,15 +276,26 @@ class AdmissionControl:
             return None
         return decode or prefill, prefill or decode
 
-    def backlog(self, running: Sequence[Request], ahead: Iterable[Request], batch_cap: int) -> Backlog:
-        """The slots after `running` and then `ahead` (in start order) took theirs."""
+    def backlog(self, running: Sequence[Request], ahead: Iterable[Request], batch_cap: int,
+                key: tuple | None = None) -> Backlog:
+        """The slots after `running` and then `ahead` (in start order) took theirs.
+
+        `key`: the newcomer's place in deadline order; running requests after it (more slack)
+        compute only their next token before its first one, not the rest of their prompts.
+        """
         cap = max(1, batch_cap)
-        steps = sorted(self._work(r)[1] for r in running)
+        # NOTE: with slack preemption an urgent newcomer takes the slot of a running request that
+        # has no TTFT or TPOT objective (the scheduler's _free_slot): those hold no slot here.
+        holders = [r for r in running if not self.slot_preemption or r.tpot_s is not None
+                   or r.ttft_deadline is not None]
+        steps = sorted(self._work(r)[1] for r in holders)
         # Slot i frees when the (len(running) - cap + 1 + i)-th running request finishes.
+        first = [r for r in running if key is None or not self.deadline_order or self._key(r) <= key]
         b = Backlog(slots=([0] * max(0, cap - len(steps)) + steps)[-cap:], cap=batch_cap,
-                    pending=sum(max(1, r.num_tokens - r.num_computed_tokens) for r in running),
+                    pending=len(running) - len(first) + sum(max(1, r.num_tokens - r.num_computed_tokens)
+                                                            for r in first),
                     occupants=len(steps))
-        for r in running:
+        for r in first:
             b.prefill_steps.update(self._prefill_range(r.num_tokens - r.num_computed_tokens, 0))
         for r in ahead:
             self._take_slot(b, r)
@@ -312,6 +329,14 @@ class AdmissionControl:
         extra = max(0, -(-tokens // self.step_tokens) - steps)
         steps += extra
         mixed = min(steps, mixed + extra)
+        price = self.step_price() if self.deadline_order else None
+        if price is not None:
+            # Deadline steps run the urgent first and cut optional work to the pace, so a step
+            # costs what it computes for those ahead: priced by tokens, not by past step times.
+            seconds = steps * price.overhead_s + price.per_token_s * tokens
+            if self._step is not None and now is not None:
+                seconds += max(0.0, price.seconds(self._step_tokens) - (now - self._step[0]))
+            return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
         (d_over, d_seq), (p_over, p_seq) = costs
         seqs = min(b.cap, b.occupants + 1)
         fit = self.speed.fit()  # prompt tokens on top of the per-sequence cost, at compute speed

@@ -11,16 +11,20 @@ with the measured step-cost model (seconds = overhead + per_token * tokens):
   (``max_tokens`` is an upper bound, so this errs early);
 - the smallest of those; infinite with no objective.
 
-A request whose slack is under the *horizon* (two full decode steps: after skipping one step
-it still has one) must run; so must one that has not been computed for ``max_wait_s`` (since
+A request whose slack is under the *horizon* (two steps of the full token budget: after
+skipping one step it still has one) must run; so must one that has not been computed for ``max_wait_s`` (since
 its arrival if never). That is the starvation bound: a running request is computed at least
 once every ``max_wait_s`` plus one step, and a waiting one is offered a chunk as soon as it has
-waited ``max_wait_s`` (it still needs a free slot, blocks and token budget, in queue order). The others are optional: they run only while the step still ends before the earliest
-TPOT due time of the must-run requests (the step *cap*), and a prefill chunk is cut to what fits
-under the cap -- Sarathi-Serve's stall-free token budget, derived from deadlines instead of
-fixed. A must-run prefill makes at least MIN_CHUNK tokens even past the cap (one starving
-request per step, every urgent one). With no TPOT objective running, the cap is infinite and
-every request runs.
+waited ``max_wait_s`` (it still needs a free slot, blocks and token budget).
+
+The step *cap* is the tightest *pace* among the must-run decodes: the seconds per step that
+still meet a request's mean TPOT and end-to-end deadline if each step from now computes one of
+its remaining outputs. A request that cannot keep its pace even in a step of the must-run
+decodes alone does not cap the others: it is lost for this step. Optional requests run only while the step
+still ends within the cap, and a prefill chunk is cut to what fits under it -- Sarathi-Serve's
+stall-free token budget, derived from deadlines instead of fixed. A must-run prefill makes at
+least MIN_CHUNK tokens even past the cap (every urgent one; one starving request per step).
+With no paced request running, the cap is infinite and every request runs.
 """
 
 from __future__ import annotations
@@ -58,27 +62,50 @@ class DeadlinePlan:
     """One step's view of every candidate's slack, the horizon and the step cap."""
 
     def __init__(self, price: StepPrice, running: Iterable[Request], now: float, chunk: int,
-                 max_wait_s: float) -> None:
+                 max_wait_s: float, step_tokens: int) -> None:
         self.price = price
         self.now = now
         self.chunk = chunk
         self.max_wait_s = max_wait_s
         running = list(running)
         self.full_step_s = price.seconds(max(1, len(running)))
-        self.horizon_s = HORIZON_STEPS * self.full_step_s
+        # NOTE: a request that waits also waits for the step in flight, which may be a full one
+        self.horizon_s = HORIZON_STEPS * max(self.full_step_s, price.seconds(step_tokens))
         self._slack: dict[int, float] = {}
         self.cap_s = math.inf  # the step must end this long after `now`
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
-        for r in running:
-            if self.must_run(r) and r.tpot_s is not None and r.first_token_time is not None \
-                    and r.num_tokens - r.num_computed_tokens <= 1:
-                self.cap_s = min(self.cap_s, self.next_token_due(r) - now)
+        paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
+                 and (r.tpot_s is not None or r.e2e_deadline is not None) and self.must_run(r)]
+        floor_s = price.seconds(len(paced))  # the step of the must-run decodes alone
+        for r in paced:
+            pace = self.pace(r, now)
+            if pace >= floor_s:
+                self.cap_s = min(self.cap_s, pace)
+
+    def paced_prefill(self, r: Request, n: int, tokens: int) -> None:
+        """An urgent prompt got a chunk of `n` (the step now computes `tokens`): cap the step at its
+        TTFT pace -- the time left over the steps its prompt still needs, this one included --
+        unless this step already runs past that (then it is lost for this step)."""
+        if r.ttft_deadline is None or not self.urgent(r):
+            return
+        left = r.num_tokens - r.num_computed_tokens - n  # prompt tokens after this chunk
+        pace = (r.ttft_deadline - self.now) / (1 + -(-left // self.chunk))
+        if pace >= self.price.seconds(tokens):
+            self.cap_s = min(self.cap_s, pace)
 
     @staticmethod
-    def next_token_due(r: Request) -> float:
-        """When r's next token must come for its mean TPOT so far to stay within the objective."""
-        assert r.first_token_time is not None and r.tpot_s is not None
-        return r.first_token_time + r.tpot_s * max(1, r.num_output_tokens)
+    def pace(r: Request, now: float) -> float:
+        """Seconds per step that still meets r's objectives if every step from now computes one of
+        its remaining outputs (max_tokens bounds them): its mean TPOT over the whole answer, and
+        its last token by the end-to-end deadline. Slack banked by fast steps is spread evenly."""
+        outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
+        pace = math.inf
+        if r.tpot_s is not None and r.first_token_time is not None:
+            last_due = r.first_token_time + r.tpot_s * (r.num_output_tokens + outputs - 1)
+            pace = (last_due - now) / outputs
+        if r.e2e_deadline is not None:
+            pace = min(pace, (r.e2e_deadline - now) / outputs)
+        return pace
 
     def slack(self, r: Request) -> float:
         """Seconds r can still wait before a step must compute it (see the module docstring)."""
@@ -95,7 +122,7 @@ class DeadlinePlan:
         else:
             prefill = 0.0
             if r.tpot_s is not None and pending <= 1:
-                slack = self.next_token_due(r) - now - self.full_step_s
+                slack = r.first_token_time + r.tpot_s * max(1, r.num_output_tokens) - now - self.full_step_s
         if r.e2e_deadline is not None:
             outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
             slack = min(slack, r.e2e_deadline - now - prefill - outputs * self.full_step_s)

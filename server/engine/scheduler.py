@@ -127,10 +127,34 @@ class Scheduler:
         self.waiting.rekey(now)
         plan = self._deadline_plan(now)
         budget = self.config.max_batched_tokens
-        preempted = False
         by_slack = plan is not None and self.config.slack_preemption
         pending = deque(plan.order(self.running) if by_slack else sorted(self.running, key=self._urgency))
+        if plan is None:
+            budget, preempted = self._run(pending, out, budget, now, None)
+        else:
+            # Must-run requests first, running or waiting, then the optional ones under the cap.
+            pending = deque(sorted(pending, key=lambda r: not plan.must_run(r)))  # stable
+            budget, preempted = self._run(pending, out, budget, now, plan, must_only=True)
+            if not preempted:
+                budget = self._admit_waiting(out, budget, now, plan, urgent_only=True)
+            budget, again = self._run(pending, out, budget, now, plan)
+            preempted = preempted or again
+        if not preempted:
+            self._admit_waiting(out, budget, now, plan)
+        prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
+        self.admission.on_step(now, len(out.sequences), prefill, self._step_tokens)
+        bm = self.block_manager
+        self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
+        return out
+
+    def _run(self, pending: deque[Request], out: SchedulerOutput, budget: int, now: float,
+             plan: DeadlinePlan | None, must_only: bool = False) -> tuple[int, bool]:
+        """Schedule running requests from the front of `pending` (only must-run ones if
+        `must_only`), preempting from its back when blocks run out; (budget left, preempted)."""
+        preempted = False
         while pending and budget > 0:
+            if must_only and not plan.must_run(pending[0]):
+                break
             req = pending.popleft()
             n = self._chunk(req, budget, first=not out.sequences)
             if plan is not None:
@@ -146,33 +170,36 @@ class Scheduler:
                 if victim is req:
                     req = None
             if req is not None:
-                self._schedule_chunk(req, n, out, now)
+                self._schedule_chunk(req, n, out, now, plan)
                 budget -= n
-        if not preempted:
-            self._admit_waiting(out, budget, now, plan)
-        prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
-        self.admission.on_step(now, len(out.sequences), prefill)
-        bm = self.block_manager
-        self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
-        return out
+        return budget, preempted
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, plan: DeadlinePlan | None) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, plan: DeadlinePlan | None,
+                       urgent_only: bool = False) -> int:
+        """Start waiting requests in order while budget, slots and blocks allow; the budget left."""
         bm = self.block_manager
         target = self._batch_target()
-        for req in self.waiting.in_order() if self.waiting else ():
+        # With a deadline plan the least slack starts first: the queue's urgency key ages per step
+        # (at ~100 steps/s, 0.95^steps ranks a 30 s batch request above a 0.3 s interactive one
+        # within a second) and its 200 ms guard puts every old request ahead; a starving request
+        # is still offered its chunk by the plan (must_run).
+        queue = plan.order(self.waiting) if plan is not None else self.waiting.in_order()
+        for req in queue if self.waiting else ():
             if budget <= 0:
-                return
+                return budget
+            if urgent_only and not plan.urgent(req):
+                return budget  # the queue is in slack order: no urgent one follows
             if plan is not None and not plan.must_run(req) and plan.room(self._step_tokens) < MIN_CHUNK:
                 continue  # optional, and the step has no room under the cap: look for a must-run one
             if len(self.running) >= target and not self._free_slot(req, plan, out):
-                return
+                return budget
             if req.is_swapped:
                 n = self._chunk(req, budget, first=not out.sequences)
                 if plan is not None:
                     n = self._fit(plan, req, n, self._step_tokens)
                 extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
                 if n == 0 or out.swap_out or bm.num_free < len(req.host_table) + extra:
-                    return
+                    return budget
                 out.swap_in.extend(bm.swap_in(req))
                 self._swapped.append(req)
             else:
@@ -186,11 +213,11 @@ class Scheduler:
                 if n == 0:
                     if plan is not None:
                         continue
-                    return
+                    return budget
                 bm.acquire_prefix(req, blocks, hashes)
                 if not bm.allocate(req, cached + n):
                     bm.free(req)
-                    return
+                    return budget
                 req.num_computed_tokens = cached
                 if not req.ever_scheduled:
                     req.num_cached_tokens = cached
@@ -203,8 +230,9 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._schedule_chunk(req, n, out, now)
+            self._schedule_chunk(req, n, out, now, plan)
             budget -= n
+        return budget
 
     def _deadline_plan(self, now: float) -> DeadlinePlan | None:
         """This step's deadline view (the slo policy with deadline_steps), once steps have been priced."""
@@ -215,7 +243,7 @@ class Scheduler:
         if price is None:
             return None
         chunk = min(sc.prefill_chunk, sc.max_batched_tokens) if sc.chunked_prefill else sc.max_batched_tokens
-        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s)
+        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens)
 
     def _fit(self, plan: DeadlinePlan, req: Request, n: int, tokens: int) -> int:
         """`n` cut to the room under the step cap: 0 skips an optional request this step; a
@@ -230,8 +258,10 @@ class Scheduler:
 
     def _free_slot(self, req: Request, plan: DeadlinePlan | None, out: SchedulerOutput) -> bool:
         """The batch is full: preempt the running request with the most slack for `req`, when `req`
-        must run now, the victim need not, and the victim did not run in this step."""
-        if plan is None or not self.config.slack_preemption or not plan.must_run(req) or out.swap_out:
+        has a TTFT objective at risk (urgent; a request merely starving preempts nobody, or the
+        preempted would preempt back), the victim need not run, and did not run in this step."""
+        if plan is None or not self.config.slack_preemption or req.ttft_deadline is None \
+                or not plan.urgent(req) or out.swap_out:
             return False
         scheduled = {r.request_id for r, _ in self._scheduled}
         candidates = [r for r in self.running if r.request_id not in scheduled
@@ -376,7 +406,8 @@ class Scheduler:
         self.preemptions_total += 1
         self.waiting.requeue(req)
 
-    def _schedule_chunk(self, req: Request, n: int, out: SchedulerOutput, now: float) -> None:
+    def _schedule_chunk(self, req: Request, n: int, out: SchedulerOutput, now: float,
+                        plan: DeadlinePlan | None = None) -> None:
         start = req.num_computed_tokens
         end = start + n
         self.block_manager.mark_pending(req, end)
@@ -388,6 +419,8 @@ class Scheduler:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
         self._step_tokens += n
+        if plan is not None and req.first_token_time is None:
+            plan.paced_prefill(req, n, self._step_tokens)
         req.ever_scheduled = True
         self._scheduled.append((req, n))
 

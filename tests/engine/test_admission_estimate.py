@@ -7,7 +7,8 @@ from sloserve.errors import RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
 
 from tests.engine.fakes import FakeRunner
-from tests.engine.helpers import assert_all_free, drain, make_scheduler, step
+from tests.engine.helpers import assert_all_free, drain, step
+from tests.engine.helpers import make_scheduler as _make_scheduler
 
 OVERHEAD_S, PER_TOKEN_S = 0.01, 0.001
 
@@ -25,6 +26,13 @@ def _fill(s, r, n: int, max_tokens: int, prefix: str = "run") -> None:
     step(s, r)
     step(s, r)
     assert len(s.running) == n and all(q.num_output_tokens == 2 for q in s.running)
+
+
+def make_scheduler(*args, **kw):
+    """Slot waits as they are priced without slack preemption: running requests without objectives
+    hold their slots (with it, an urgent newcomer takes theirs: test_admission_policy)."""
+    kw.setdefault("slack_preemption", False)
+    return _make_scheduler(*args, **kw)
 
 
 def _runner() -> FakeRunner:
@@ -46,13 +54,17 @@ def test_a_full_batch_of_long_decodes_refuses_a_tight_slo():
     assert_all_free(s)
 
 
-def test_an_empty_batch_admits_the_same_request():
-    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
+@pytest.mark.parametrize("deadline_steps", [False, True])
+def test_an_empty_batch_admits_the_same_request(deadline_steps):
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps)
     _teach_speed(s)
     s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
     est = s.admission.estimate(s.requests["tight"], [], [], 4)
     assert est is not None and est.slot_steps == 0 and est.steps == 1 and est.tokens == 6
-    assert est.seconds == pytest.approx(OVERHEAD_S + PER_TOKEN_S + 6 * PER_TOKEN_S)  # 1 sequence, 6 prompt tokens
+    if deadline_steps:  # a step priced by the tokens it computes
+        assert est.seconds == pytest.approx(OVERHEAD_S + 6 * PER_TOKEN_S)
+    else:  # by past step times: one sequence, then its prompt tokens
+        assert est.seconds == pytest.approx(OVERHEAD_S + PER_TOKEN_S + 6 * PER_TOKEN_S)
     drain(s, r)
     assert_all_free(s)
 
@@ -112,7 +124,9 @@ def test_the_estimate_errs_late_but_close_on_a_priced_clock():
 
 @pytest.mark.parametrize("waited_s, refused", [(0.0, False), (0.5, True)])
 def test_a_looser_request_past_the_starvation_guard_counts_as_ahead(waited_s, refused):
-    s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2)
+    """The queue's order without deadline steps: a request past the 200 ms guard goes first."""
+    s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2,
+                                 deadline_steps=False)
     s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
     step(s, r)
     s.add_request("old", [98] * 6, SamplingParams(max_tokens=100, ignore_eos=True), SLO(ttft_s=10.0),
@@ -126,6 +140,22 @@ def test_a_looser_request_past_the_starvation_guard_counts_as_ahead(waited_s, re
     else:
         s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
     drain(s, r)
+    assert_all_free(s)
+
+
+def test_with_deadline_steps_the_least_slack_goes_first_despite_the_guard():
+    s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2)
+    s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    step(s, r)
+    s.add_request("old", [98] * 6, SamplingParams(max_tokens=100, ignore_eos=True), SLO(ttft_s=10.0),
+                  arrival_time=clock.t - 0.5)
+    _teach_speed(s)
+    s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))  # admitted
+    first = []
+    while s.has_work():
+        _, outputs = step(s, r)
+        first += [o.request_id for o in outputs if o.request_id not in first and o.new_token_ids]
+    assert first.index("tight") < first.index("old")
     assert_all_free(s)
 
 

@@ -25,8 +25,9 @@ def _busy(s, r, n: int = 4, max_tokens: int = 300) -> None:
 
 
 def _scheduler(**sched):
+    # NOTE: without slack preemption, so the running requests hold their slots
     return make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False,
-                          **sched)
+                          slack_preemption=False, **sched)
 
 
 def test_a_request_without_objectives_is_never_refused_for_time():
@@ -78,6 +79,17 @@ class _TimedRunner(FakeRunner):
 
     def time_steps(self, shapes):
         return [(seqs * tokens, 0.002 + 0.0005 * seqs * tokens) for seqs, tokens in shapes]
+
+
+def test_with_slack_preemption_an_urgent_newcomer_waits_for_no_slot_of_a_request_without_objectives():
+    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False)
+    _busy(s, r)
+    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))  # not refused
+    assert s.requests["tight"].predicted_ttft_s < 0.1
+    for _ in range(3):
+        step(s, r)
+    assert s.requests["tight"].num_output_tokens >= 1
+    assert s.preemptions_total == 1
 
 
 def test_priming_prices_steps_before_any_request_ran():
