@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from sloserve.engine.request import Request
 
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
-HORIZON_STEPS = 2.0  # slack under this many full decode steps: the request must run now
+HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
+TTFT_SAFETY = 0.5  # an urgent prompt is paced to be done in this share of its time left
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,18 @@ class DeadlinePlan:
             pace = self.pace(r, now)
             if pace >= floor_s:
                 self.cap_s = min(self.cap_s, pace)
+
+    def min_chunk(self, r: Request, n: int) -> int:
+        """The least of `n` prompt tokens an urgent r must compute now: MIN_CHUNK, or for a TTFT
+        objective what keeps its prompt done by half the time left in steps of the cap (a
+        chunk past the cap slows the paced decodes a little; one below it misses the TTFT)."""
+        floor = min(n, MIN_CHUNK)
+        if r.ttft_deadline is None or r.first_token_time is not None:
+            return floor
+        step = self.cap_s if not math.isinf(self.cap_s) else self.full_step_s
+        steps = max(1, int(TTFT_SAFETY * (r.ttft_deadline - self.now) / max(step, self.price.seconds(1))))
+        pending = r.num_tokens - r.num_computed_tokens
+        return min(n, max(floor, -(-pending // steps)))
 
     def paced_prefill(self, r: Request, n: int, tokens: int) -> None:
         """An urgent prompt got a chunk of `n` (the step now computes `tokens`): cap the step at its

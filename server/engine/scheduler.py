@@ -157,6 +157,8 @@ class Scheduler:
                 break
             req = pending.popleft()
             n = self._chunk(req, budget, first=not out.sequences)
+            if must_only and not plan.urgent(req):
+                n = min(n, MIN_CHUNK)  # starving, not urgent: progress now, the rest when there is room
             if plan is not None:
                 n = self._fit(plan, req, n, self._step_tokens)
             if n == 0:
@@ -250,11 +252,12 @@ class Scheduler:
         must-run decode always computes, a must-run prefill as DeadlinePlan.overdraw allows."""
         if n <= 1:
             return n if plan.must_run(req) or plan.room(tokens) >= 1 else 0
-        floor = min(n, MIN_CHUNK)
         fit = min(n, plan.room(tokens))
-        if fit >= floor:
+        if plan.urgent(req):
+            return max(fit, plan.min_chunk(req, n))
+        if fit >= min(n, MIN_CHUNK):
             return fit
-        return floor if plan.overdraw(req) else 0
+        return min(n, MIN_CHUNK) if plan.overdraw(req) else 0
 
     def _free_slot(self, req: Request, plan: DeadlinePlan | None, out: SchedulerOutput) -> bool:
         """The batch is full: preempt the running request with the most slack for `req`, when `req`
