@@ -107,7 +107,7 @@ class SchedulerConfig:
     prefill_chunk: int = 512  # longest prefill chunk of one request in one step
     preemption_mode: str = "swap"  # 'swap' (falls back to recompute) or 'recompute'
     batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
-    adaptive_batch: bool = True
+    adaptive_batch: bool = False  # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
     aging: float = 0.95  # key multiplier per step waited
     max_wait_s: float = 0.2  # starvation guard
     length_weight_s: float = 1e-4  # seconds of urgency per prompt token

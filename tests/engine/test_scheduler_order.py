@@ -94,7 +94,7 @@ def test_adaptive_batch_target_limits_admission_by_queue_depth():
     # max_batch 8, decay 0.5: depth 1 -> ceil(8 * 0.5) = 4, depth 6 -> 8; with decay 0.99 and
     # 6 requests the target is ceil(8 * (1 - 0.99**6)) = 1.
     for decay, expected in [(0.5, 6), (0.99, 1)]:
-        s, r, _ = make_scheduler(max_batch=8, batch_decay=decay, max_batched_tokens=512)
+        s, r, _ = make_scheduler(max_batch=8, batch_decay=decay, max_batched_tokens=512, adaptive_batch=True)
         for i in range(6):
             s.add_request(f"r{i}", _prompt(chr(97 + i)), SamplingParams(max_tokens=2))
         out, _ = step(s, r)
