@@ -63,6 +63,14 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--max-batch", default=64, show_default=True, type=int, help="Most requests running at once."),
         click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True,
                      help="Split long prompts across steps so decodes keep flowing."),
+        click.option("--deadline-steps/--no-deadline-steps", default=True, show_default=True,
+                     help="slo policy: compose each step from deadlines (who decodes, how big a prefill chunk)."),
+        click.option("--slack-preemption/--no-slack-preemption", default=True, show_default=True,
+                     help="slo policy: preempt the running request with the most slack (off: the least urgent)."),
+        click.option("--admission-control/--no-admission-control", default=True, show_default=True,
+                     help="Refuse early a request whose objectives cannot be met."),
+        click.option("--max-wait", "max_wait_s", default=0.2, show_default=True, type=float,
+                     help="Starvation bound, seconds: every request is offered a step after waiting this long."),
     ]
     return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
 
@@ -89,7 +97,11 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
                               expert_memory_bytes=sizes["expert_memory"],
                               expert_preload=opts.get("expert_preload", True)),
             scheduler=SchedulerConfig(policy=opts["policy"], max_batch=opts["max_batch"],
-                                      chunked_prefill=opts["chunked_prefill"]),
+                                      chunked_prefill=opts["chunked_prefill"],
+                                      deadline_steps=opts["deadline_steps"],
+                                      slack_preemption=opts["slack_preemption"],
+                                      admission_control=opts["admission_control"],
+                                      max_wait_s=opts["max_wait_s"]),
             server=server or ServerConfig(),
             faults=faults,
         )
@@ -101,7 +113,7 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
           ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"),
           ("fault rule", "--inject-faults"), ("expert slots", "--expert-slots-per-layer"), ("expert memory", "--expert-memory"),
-          ("memory budget", "--memory-budget"))
+          ("memory budget", "--memory-budget"), ("max wait", "--max-wait"))
 
 
 def with_flag(message: str) -> str:
@@ -116,7 +128,8 @@ def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Remove the engine flags from a command's kwargs and return them."""
     names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
              "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager", "memory_budget",
-             "expert_slots_per_layer", "expert_memory", "expert_preload")
+             "expert_slots_per_layer", "expert_memory", "expert_preload", "deadline_steps", "slack_preemption",
+             "admission_control", "max_wait_s")
     return {name: kwargs.pop(name) for name in names}
 
 

@@ -43,6 +43,7 @@ CASES = [
     (["serve", "--kv-pool-size", "0"], "--kv-pool-size: size must be > 0"),
     (["serve", "--max-batch", "0"], "--max-batch: max batch must be >= 1"),
     (["serve", "--max-batch", "x"], "Invalid value for '--max-batch'"),
+    (["serve", "--max-wait", "0"], "--max-wait: max wait must be > 0 seconds"),
     (["serve", "--block-size", "12"], "--block-size: block_size must be a power of two"),
     (["serve", "--policy", "lifo"], "Invalid value for '--policy'"),
     (["serve", "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),

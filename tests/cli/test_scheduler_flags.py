@@ -1,0 +1,33 @@
+"""The scheduler switches reach SchedulerConfig from the command line."""
+
+from __future__ import annotations
+
+import click
+from click.testing import CliRunner
+from sloserve.cli.options import build_config, engine_options, pop_engine_options
+
+
+def _config(*args: str):
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def command(**kwargs) -> None:
+        seen["config"] = build_config(pop_engine_options(kwargs))
+
+    result = CliRunner().invoke(command, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return seen["config"].scheduler
+
+
+def test_the_defaults_are_the_slo_policy_with_every_mechanism_but_the_adaptive_batch():
+    sc = _config()
+    assert (sc.policy, sc.deadline_steps, sc.slack_preemption, sc.admission_control, sc.max_wait_s,
+            sc.adaptive_batch) == ("slo", True, True, True, 0.2, False)
+
+
+def test_each_switch_turns_its_mechanism_off():
+    sc = _config("--policy", "priority", "--no-deadline-steps", "--no-slack-preemption",
+                 "--no-admission-control", "--max-wait", "1.5")
+    assert (sc.policy, sc.deadline_steps, sc.slack_preemption, sc.admission_control, sc.max_wait_s) == (
+        "priority", False, False, False, 1.5)
