@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from typing import Any
 
 from sloserve.batch import SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
 from sloserve.engine.priming import prime
 from sloserve.engine.scheduler import Scheduler
 from sloserve.errors import InvalidRequestError
@@ -159,8 +158,7 @@ class EngineCore:
         pending = self._steps_since_percentiles
         if pending and (pending >= PERCENTILE_EVERY or not self.scheduler.has_work()):
             ordered = sorted(s for s, _ in self._steps)
-            self._percentiles = (ordered[(len(ordered) - 1) // 2],
-                                 ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)])
+            self._percentiles = (nearest_rank(ordered, 0.5), nearest_rank(ordered, 0.99))
             self._steps_since_percentiles = 0
         stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
         expert_stats = getattr(self.runner, "expert_stats", None)  # MoE runners: host counters, no device read

@@ -75,6 +75,7 @@ class DeadlinePlan:
         self._slack: dict[int, float] = {}
         self.cap_s = math.inf  # the step must end this long after `now`
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
+        self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
         paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
                  and (r.tpot_s is not None or r.e2e_deadline is not None) and self.must_run(r)]
         floor_s = price.seconds(len(paced))  # the step of the must-run decodes alone
@@ -170,6 +171,13 @@ class DeadlinePlan:
             return 1 << 30
         return max(0, self.price.tokens_within(self.cap_s) - tokens)
 
-    def order(self, reqs: Iterable[Request]) -> list[Request]:
+    def sort_key(self, r: Request) -> tuple[float, float, int]:
         """Least slack first (ties: earlier arrival)."""
-        return sorted(reqs, key=lambda r: (self.slack(r), r.arrival_time, r.handle))
+        return self.slack(r), r.arrival_time, r.handle
+
+    def waiting_order(self, waiting: Iterable[Request]) -> list[Request]:
+        """The waiting queue in slack order, as it stood at the step's first call (sorted once per
+        step; a request preempted later in the step is not started again in it)."""
+        if self._waiting is None:
+            self._waiting = sorted(waiting, key=self.sort_key)
+        return self._waiting

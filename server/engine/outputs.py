@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,11 @@ class RequestOutput:
     # 'refused' (admission, see refusal_reason) or None (the engine failed it: INTERNAL). An engine
     # in another process reports what add_request would have raised this way.
     error_kind: str | None = None
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile (0 < q <= 1) of an ascending, non-empty list by the nearest-rank method."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ class Request:
 
     __slots__ = (
         "request_id", "handle", "prompt_token_ids", "output_token_ids", "all_token_ids",
-        "sampling", "slo", "arrival_time", "deadline", "has_explicit_slo", "status",
+        "sampling", "slo", "arrival_time", "deadline", "status",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
         "finish_time", "error", "refusal_reason", "detokenizer", "output_text", "sent_text_len",
@@ -73,7 +73,6 @@ class Request:
         self.sampling = sampling
         self.slo = slo
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.has_explicit_slo = slo is not None and (slo.ttft_s is not None or slo.e2e_s is not None)
         self.priority = priority  # lower runs first under the 'priority' policy
         # Objectives as absolute times (None: not given). `deadline` orders the waiting queue:
         # the tighter of TTFT and end-to-end, else default_ttft_s -- an ordering key only: a

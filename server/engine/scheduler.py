@@ -9,7 +9,6 @@ with chunked prefill while the running set is below the (adaptive) batch target.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ from sloserve.engine.block_manager import BlockManager
 from sloserve.engine.deadlines import MIN_CHUNK, DeadlinePlan
 from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.output_processor import process_token, take_output
-from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
 from sloserve.engine.queue_policy import make_queue
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.errors import InvalidRequestError
@@ -70,6 +69,7 @@ class Scheduler:
         self._step_tokens = 0  # tokens scheduled so far in the step being composed
         # predicted minus actual TTFT of recent requests that had a prediction (seconds)
         self.ttft_errors: deque[float] = deque(maxlen=PREDICTION_ERRORS_KEPT)
+        self._error_quantiles: dict = {}  # stats() runs every step: re-sorted only after new errors
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -124,16 +124,17 @@ class Scheduler:
         self._swapped = []
         self._step_tokens = 0
         self._expire(now)
-        self.waiting.rekey(now)
         plan = self._deadline_plan(now)
         budget = self.config.max_batched_tokens
-        by_slack = plan is not None and self.config.slack_preemption
-        pending = deque(plan.order(self.running) if by_slack else sorted(self.running, key=self._urgency))
         if plan is None:
+            self.waiting.rekey(now)  # the aged urgency key orders the queue only without a plan
+            pending = deque(sorted(self.running, key=self._urgency))
             budget, preempted = self._run(pending, out, budget, now, None)
         else:
-            # Must-run requests first, running or waiting, then the optional ones under the cap.
-            pending = deque(sorted(pending, key=lambda r: not plan.must_run(r)))  # stable
+            # Must-run requests first, running or waiting, then the optional ones under the cap;
+            # each group least slack first (with slack preemption), else by the policy's key.
+            order = plan.sort_key if self.config.slack_preemption else self._urgency
+            pending = deque(sorted(self.running, key=lambda r: (not plan.must_run(r), order(r))))
             budget, preempted = self._run(pending, out, budget, now, plan, must_only=True)
             if not preempted:
                 budget = self._admit_waiting(out, budget, now, plan, urgent_only=True)
@@ -185,8 +186,10 @@ class Scheduler:
         # (at ~100 steps/s, 0.95^steps ranks a 30 s batch request above a 0.3 s interactive one
         # within a second) and its 200 ms guard puts every old request ahead; a starving request
         # is still offered its chunk by the plan (must_run).
-        queue = plan.order(self.waiting) if plan is not None else self.waiting.in_order()
+        queue = plan.waiting_order(self.waiting) if plan is not None else self.waiting.in_order()
         for req in queue if self.waiting else ():
+            if req.status == RequestStatus.RUNNING:
+                continue  # started by this step's urgent pass
             if budget <= 0:
                 return budget
             if urgent_only and not plan.urgent(req):
@@ -271,7 +274,7 @@ class Scheduler:
                       and r.resumed_step is None and not plan.must_run(r)]
         if not candidates:
             return False
-        self._preempt(max(candidates, key=lambda r: (plan.slack(r), r.arrival_time)), out)
+        self._preempt(max(candidates, key=plan.sort_key), out)
         return True
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
@@ -311,6 +314,7 @@ class Scheduler:
                     req.first_token_time = now
                     if req.predicted_ttft_s is not None:
                         self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
+                        self._error_quantiles = {}
                 if self.faults is not None:
                     self.faults.check("fail-postprocess", (req.request_id,))
                 process_token(req, token, self.eos_token_ids, self.max_model_len)
@@ -380,8 +384,7 @@ class Scheduler:
         the one with the most slack (slo with slack_preemption), else the least urgent by the
         policy's key; those just resumed are spared (no thrashing)."""
         if plan is not None and self.config.slack_preemption:
-            def key(r: Request) -> tuple:
-                return plan.slack(r), r.arrival_time
+            key = plan.sort_key
         else:
             key = self._urgency
         candidates = [r for r in pending if r.resumed_step is None and (r.block_table or r.num_computed_tokens)]
@@ -466,9 +469,9 @@ class Scheduler:
 
     def _prediction_errors(self) -> dict:
         """TTFT prediction error (predicted minus actual) p50 / p90 over the recent requests."""
-        errors = sorted(self.ttft_errors)
-        if not errors:
-            return {}
-        return {"ttft_predictions": len(errors),
-                "ttft_prediction_error_p50_s": errors[(len(errors) - 1) // 2],
-                "ttft_prediction_error_p90_s": errors[min(len(errors) - 1, math.ceil(0.9 * len(errors)) - 1)]}
+        if self.ttft_errors and not self._error_quantiles:
+            errors = sorted(self.ttft_errors)
+            self._error_quantiles = {"ttft_predictions": len(errors),
+                                     "ttft_prediction_error_p50_s": nearest_rank(errors, 0.5),
+                                     "ttft_prediction_error_p90_s": nearest_rank(errors, 0.9)}
+        return self._error_quantiles
