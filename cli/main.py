@@ -111,6 +111,8 @@ def serve(**kwargs) -> None:
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
     config = build_config(engine_opts, server, faults=kwargs["inject_faults"])
+    if config.parallel.node_rank > 0:
+        sys.exit(_serve_node(config))
     http = _http_config(kwargs)
     click.echo(f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
                f" ({'TLS' if server.tls_cert else 'plaintext'}, auth {'on' if token else 'off'})"
@@ -124,6 +126,21 @@ def serve(**kwargs) -> None:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     sys.exit(code)
+
+
+def _serve_node(config) -> int:
+    """--node-rank K > 0: this machine only runs its tensor-parallel ranks (node 0 serves)."""
+    from sloserve.parallel.node import node_ranks, serve_node
+
+    pc = config.parallel
+    ranks = node_ranks(config)
+    click.echo(f"sloserve {__version__}: node {pc.node_rank} of {pc.nnodes} runs tensor-parallel ranks "
+               f"{ranks.start}-{ranks.stop - 1} of {pc.tensor_parallel_size}, meeting node 0 at "
+               f"{pc.master_addr}:{pc.master_port}", err=True)
+    try:
+        return serve_node(config)
+    except ValueError as exc:
+        raise CliError(f"cannot load model {config.model.path!r}: {exc}") from None
 
 
 def _http_config(kwargs: dict):

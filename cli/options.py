@@ -13,6 +13,7 @@ from sloserve.config import (
     POLICIES,
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SloserveConfig,
@@ -71,6 +72,16 @@ def engine_options(fn: Callable) -> Callable:
                      help="Refuse early a request whose objectives cannot be met."),
         click.option("--max-wait", "max_wait_s", default=0.2, show_default=True, type=float,
                      help="Starvation bound, seconds: every request is offered a step after waiting this long."),
+        click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=int,
+                     help="Ranks the model is split over (one process each; gloo on a CPU, NCCL on GPUs)."),
+        click.option("--nnodes", default=1, show_default=True, type=int,
+                     help="Machines the tensor-parallel ranks span (torchrun's convention)."),
+        click.option("--node-rank", default=0, show_default=True, type=int,
+                     help="This machine's index among --nnodes: 0 serves; the others only run their ranks."),
+        click.option("--master-addr", default="127.0.0.1", show_default=True,
+                     help="Address of node 0, where the ranks meet (bind address on node 0)."),
+        click.option("--master-port", default=None, type=int,
+                     help="Port on node 0 where the ranks meet [default: a free one; required with --nnodes > 1]."),
     ]
     return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
 
@@ -103,6 +114,10 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
                                       admission_control=opts["admission_control"],
                                       max_wait_s=opts["max_wait_s"]),
             server=server or ServerConfig(),
+            parallel=ParallelConfig(tensor_parallel_size=opts.get("tensor_parallel_size", 1),
+                                    nnodes=opts.get("nnodes", 1), node_rank=opts.get("node_rank", 0),
+                                    master_addr=opts.get("master_addr", "127.0.0.1"),
+                                    master_port=opts.get("master_port")),
             faults=faults,
         )
     except ValueError as exc:
@@ -113,7 +128,9 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
           ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"),
           ("fault rule", "--inject-faults"), ("expert slots", "--expert-slots-per-layer"), ("expert memory", "--expert-memory"),
-          ("memory budget", "--memory-budget"), ("max wait", "--max-wait"))
+          ("memory budget", "--memory-budget"), ("max wait", "--max-wait"),
+          ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
+          ("master port", "--master-port"))
 
 
 def with_flag(message: str) -> str:
@@ -129,7 +146,8 @@ def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
              "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager", "memory_budget",
              "expert_slots_per_layer", "expert_memory", "expert_preload", "deadline_steps", "slack_preemption",
-             "admission_control", "max_wait_s")
+             "admission_control", "max_wait_s", "tensor_parallel_size", "nnodes", "node_rank", "master_addr",
+             "master_port")
     return {name: kwargs.pop(name) for name in names}
 
 

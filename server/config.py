@@ -157,11 +157,43 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    """Tensor parallelism: one worker process per rank, ranks spread evenly over `nnodes` machines.
+
+    The rendezvous follows torchrun's conventions: every node names node 0's address and port;
+    node 0 runs rank 0 (the engine) and its local ranks, node k runs ranks k*per_node.. only.
+    """
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, f"tensor parallel size must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
+        _require(self.tensor_parallel_size % self.nnodes == 0,
+                 f"tensor parallel size {self.tensor_parallel_size} must be a multiple of nnodes {self.nnodes} "
+                 "(every node runs the same number of ranks)")
+        _require(0 <= self.node_rank < self.nnodes, f"node rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        _require(self.master_port is None or 0 < self.master_port < 65536,
+                 f"master port must be in 1..65535, got {self.master_port}")
+        _require(self.nnodes == 1 or self.master_port is not None,
+                 "master port must be given when tensor parallelism spans nodes (--master-port)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(slots=True)
 class SloserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     faults: str = ""  # fault injection for tests (sloserve.faults); empty = off
 
     def __post_init__(self) -> None:

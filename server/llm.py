@@ -9,6 +9,7 @@ from typing import Any
 from sloserve.config import (
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SloserveConfig,
@@ -17,7 +18,8 @@ from sloserve.config import (
 from sloserve.engine.core import EngineCore
 from sloserve.sampling_params import SamplingParams
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
+             "parallel": ParallelConfig}
 
 
 @dataclass(slots=True)
@@ -126,9 +128,10 @@ class LLM:
         return results
 
     def close(self) -> None:
-        """Abort anything left (there is no thread or loop to stop)."""
+        """Abort anything left and stop tensor-parallel workers (there is no thread or loop to stop)."""
         for request_id in list(self._core.scheduler.requests):
             self._core.abort(request_id)
+        self._core.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -67,6 +67,7 @@ class AsyncEngine:
                     out = self._core.abort(request_id)
                     if out is not None:
                         self._deliver([out])
+            self._core.close()
         self.ready = False
 
     @property
@@ -154,6 +155,7 @@ class AsyncEngine:
                 if work:
                     self._step()
                 else:
+                    self._core.check_health()
                     self._wake.wait(0.5)
         except BaseException as exc:  # noqa: BLE001 - the loop's own death must be reported
             self._die(f"{type(exc).__name__}: {exc}")

@@ -38,9 +38,7 @@ class EngineCore:
         touches it, for a caller that runs add/abort concurrently with execute (AsyncEngine)."""
         self._lock = lock if lock is not None else contextlib.nullcontext()
         if runner is None:
-            from sloserve.executor import ModelRunner  # NOTE: lazy, so the engine imports no torch
-
-            runner = ModelRunner(config)
+            runner = _load_runner(config)
         plan = FaultPlan.parse(config.faults)
         if plan:
             log.warning("fault injection is ON (%s): for tests only", config.faults)
@@ -147,6 +145,19 @@ class EngineCore:
                 raise exc from probe_exc
         return sampled, errors
 
+    # ---- supervision -------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise when the runner can no longer run steps (a tensor-parallel rank died); cheap, call when idle."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     # ---- inspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Scheduler stats plus step times: mean of the last 64 steps, p50/p99 of the last 512."""
@@ -179,3 +190,15 @@ class EngineCore:
         info["block_size"] = self.runner.block_size
         info.setdefault("vocab_size", getattr(self.runner, "vocab_size", None))
         return info
+
+
+def _load_runner(config: SloserveConfig) -> Any:
+    """The runner the config asks for: one ModelRunner, or rank 0 of a tensor-parallel group."""
+    # NOTE: lazy imports, so the engine imports no torch until it loads a model
+    if config.parallel.tensor_parallel_size > 1:
+        from sloserve.parallel.runner import TensorParallelRunner
+
+        return TensorParallelRunner(config)
+    from sloserve.executor import ModelRunner
+
+    return ModelRunner(config)

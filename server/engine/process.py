@@ -73,6 +73,7 @@ def run_engine(config: SloserveConfig, inputs_addr: str, outputs_addr: str, pare
             reason = f"{type(exc).__name__}: {exc}"
             log.error("engine step loop failed: %s", reason, exc_info=exc)
             push.send(wire.encode(wire.Died(reason)))
+            core.close()
             raise SystemExit(1) from None
     finally:
         push.close()
@@ -100,9 +101,11 @@ class EngineLoop:
                     return
                 if outputs or not self.core.has_work():
                     self._send(outputs)  # refusals and aborts go out before the next step
-            elif not busy and os.getppid() != self.parent_pid:
-                log.error("the front-end process is gone: engine exiting")
-                return
+            elif not busy:
+                if os.getppid() != self.parent_pid:
+                    log.error("the front-end process is gone: engine exiting")
+                    return
+                self.core.check_health()  # a tensor-parallel rank that died ends the loop, with its reason
             if self.core.has_work():
                 outputs = self.core.step()
                 now = time.monotonic()
@@ -149,6 +152,7 @@ class EngineLoop:
             if out is not None:
                 outputs.append(out)
         self._send(outputs, final=True)
+        self.core.close()
 
 
 def _error_output(add: wire.AddRequest, message: str, kind: str, refusal: str | None) -> RequestOutput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
@@ -18,6 +19,7 @@ from sloserve.layers.sampler import Sampler
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
+from sloserve.models.shard import Shard
 from sloserve.sampling_params import SamplingParams
 from sloserve.tokenizer import Tokenizer
 
@@ -48,7 +50,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """Executes one SchedulerOutput per call: swaps, one batched forward, sampling."""
 
-    def __init__(self, config: SloserveConfig) -> None:
+    def __init__(self, config: SloserveConfig, shard: Shard = Shard(),
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Load and carve. A tensor-parallel rank passes its `shard` and the all-reduce that completes
+        its partial sums (sloserve.parallel builds both); the default is the whole model."""
         mc = config.model
         started = time.monotonic()
         self.device = resolve_device(mc.device)
@@ -56,7 +61,9 @@ class ModelRunner:
         self.model_path = resolve_model_path(mc.path)
         # NOTE: routed experts stay on the host until the residency is decided, which needs the device
         # budget left after the dense weights (executor/residency.py); the ExpertStore then places them.
-        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype, experts_on_host=True)
+        self.spec, weights = load_checkpoint(self.model_path, self.device, self.dtype, experts_on_host=True,
+                                             shard=shard)
+        self.shard = shard
         spec = self.spec
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         limit = spec.context_limit
@@ -115,12 +122,15 @@ class ModelRunner:
             self.host_kv = self.host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), self.dtype)
         self.num_host_blocks = host_pages
         self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
-                                  self.device, self.dtype)
+                                  self.device, self.dtype, reduce)
         self.sampler = Sampler(self.device)
         # Decode-only steps of a dense float32 model on a CPU take the in-place fast path; compiled
         # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
         why_not = decode_path_reason(self.model, self.kv)
         compiled = mc.enforce_eager is False
+        if compiled and shard.size > 1:
+            raise ValueError("the compiled decode step (--compile) does not run with tensor parallelism yet: "
+                             "drop --compile (or pass --enforce-eager)")
         if compiled and why_not:
             raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
                              "drop --compile (or pass --enforce-eager)")

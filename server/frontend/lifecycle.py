@@ -83,7 +83,8 @@ class Lifecycle:
             return
         info = dict(self.engine.model_info)
         summary = ", ".join(f"{key}={info[key]}" for key in
-                            ("model", "architecture", "device", "dtype", "attention_backend", "max_model_len")
+                            ("model", "architecture", "device", "dtype", "attention_backend", "max_model_len",
+                             "tensor_parallel_size", "tensor_parallel_devices")
                             if key in info)
         log.info("model loaded and warmed up: %s", summary)
 

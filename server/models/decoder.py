@@ -40,7 +40,10 @@ class DecoderModel:
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """`reduce` completes a tensor-parallel rank's partial sums (an all-reduce after the o and
+        down projections, see models/shard.py); None on a single rank."""
         if spec.moe_layers and experts is None:
             raise ValueError(f"{spec.architecture} has MoE layers: an ExpertStore is required")
         self.spec = spec
@@ -50,6 +53,7 @@ class DecoderModel:
         self.scale = spec.head_dim**-0.5
         self.cos, self.sin = rope_tables(spec.rope, spec.head_dim, max_positions, device, dtype)
         self._split = [spec.q_size + spec.kv_size, spec.kv_size]
+        self.reduce = reduce or _whole
 
     @torch.inference_mode()
     def forward(
@@ -75,9 +79,9 @@ class DecoderModel:
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            h = h + F.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b)
+            h = h + self.reduce(F.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b))
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + (self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
+            h = h + self.reduce(self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
         h = rms_norm(h.index_select(0, sample_idx), w.norm, spec.rms_norm_eps)
         return F.linear(h, w.lm_head).float()
 
@@ -105,8 +109,8 @@ class DecoderModel:
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(batch, spec.num_kv_heads, spec.head_dim)
             attn = attend(q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale)
-            h = h + F.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b)
-            h = h + _mlp(layer, rms_norm(h, layer.ln2, spec.rms_norm_eps))
+            h = h + self.reduce(F.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b))
+            h = h + self.reduce(_mlp(layer, rms_norm(h, layer.ln2, spec.rms_norm_eps)))
         return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
 
     def _moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +119,11 @@ class DecoderModel:
         if layer.shared_gate_w is not None:
             out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(layer, x)
         return out
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """One rank holds the whole model: its sums are complete."""
+    return x
 
 
 def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

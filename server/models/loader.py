@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from sloserve.errors import CheckpointError
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
+from sloserve.models.shard import Shard, local_spec
 from sloserve.models.spec import ModelSpec, load_spec, read_json
 from sloserve.models.weights import LayerWeights, ModelWeights
 
@@ -66,24 +67,36 @@ class TensorSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name` (on the CPU), checked against the shape the config implies."""
+    def get(self, name: str, shape: tuple[int, ...], part: tuple[int, slice] | None = None) -> torch.Tensor:
+        """The tensor `name` (on the CPU), checked against the shape the config implies.
+
+        With `part` = (dim, slice), only that slice along that dimension is read from the file
+        (a tensor-parallel rank's share; the rest of the tensor is never loaded).
+        """
         file = self._where.get(name)
         if file is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
         try:
-            tensor = self._open(file).get_tensor(name)
+            if part is None:
+                tensor = self._open(file).get_tensor(name)
+                found = tuple(tensor.shape)
+            else:
+                view = self._open(file).get_slice(name)
+                found = tuple(view.get_shape())
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
-        if tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+        if found != tuple(shape):
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {found}, "
                                   f"but config.json implies {tuple(shape)}")
+        if part is not None:
+            dim, sl = part
+            tensor = view[(slice(None),) * dim + (sl,)]
         return tensor
 
 
 def load_checkpoint(
     folder: Path, device: torch.device, dtype: torch.dtype, *, expert_slots: int | None = None,
-    experts_on_host: bool = False,
+    experts_on_host: bool = False, shard: Shard = Shard(),
 ) -> tuple[ModelSpec, ModelWeights]:
     """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`.
 
@@ -92,17 +105,24 @@ def load_checkpoint(
     dense weights), the routed experts stay in host memory: the ExpertStore moves them to the
     device, all at once or into slots as steps need them, so they never all sit on the device
     unless they fit.
+
+    With `shard` (a tensor-parallel rank), only that rank's part of each split weight is read
+    (see models/shard.py) and the spec returned is the rank's local one.
     """
-    spec = load_spec(folder)
+    full = load_spec(folder)
+    spec = local_spec(full, shard.size)
     src = TensorSource(folder)
     partial = bool(spec.moe_layers) and expert_slots is not None and expert_slots < spec.num_experts
     expert_device = torch.device("cpu") if partial or experts_on_host else device
 
-    def get(name: str, *shape: int, on: torch.device = device) -> torch.Tensor:
-        return src.get(name, shape).to(device=on, dtype=dtype)
+    def get(name: str, *shape: int, on: torch.device = device, part: tuple[int, slice] | None = None) -> torch.Tensor:
+        return src.get(name, shape, part).to(device=on, dtype=dtype)
 
-    def cat(names: list[str], shapes: list[tuple[int, ...]], on: torch.device = device) -> torch.Tensor:
-        return torch.cat([src.get(n, s).to(device=on, dtype=dtype) for n, s in zip(names, shapes, strict=True)])
+    def cat(names: list[str], shapes: list[tuple[int, ...]], on: torch.device = device,
+            parts: list[tuple[int, slice] | None] | None = None) -> torch.Tensor:
+        parts = parts or [None] * len(names)
+        return torch.cat([src.get(n, s, p).to(device=on, dtype=dtype)
+                          for n, s, p in zip(names, shapes, parts, strict=True)])
 
     h, v = spec.hidden_size, spec.vocab_size
     embed = get("model.embed_tokens.weight", v, h)
@@ -114,7 +134,7 @@ def load_checkpoint(
         lm_head = get("lm_head.weight", v, h)
     layers, experts = [], {}
     for i in range(spec.num_layers):
-        layer, routed = _load_layer(spec, i, get, cat, src, expert_device)
+        layer, routed = _load_layer(full, shard, i, get, cat, src, expert_device)
         layers.append(layer)
         if routed is not None:
             experts[i] = routed
@@ -125,51 +145,71 @@ def load_checkpoint(
 Getter = Callable[..., torch.Tensor]
 
 
-def _load_layer(spec: ModelSpec, i: int, get: Getter, cat: Callable, src: TensorSource, expert_device: torch.device):
+def _load_layer(spec: ModelSpec, shard: Shard, i: int, get: Getter, cat: Callable, src: TensorSource,
+                expert_device: torch.device):
+    """Layer i's fused weights (this rank's part of them), checked against the full `spec`'s shapes."""
     h, d = spec.hidden_size, spec.head_dim
     p = f"model.layers.{i}."
     q, kv = spec.q_size, spec.kv_size
     attn = p + "self_attn."
+    qh, kvh = shard.q_heads(spec), shard.kv_heads(spec)
+    rows = [(0, slice(qh.start * d, qh.stop * d))] + [(0, slice(kvh.start * d, kvh.stop * d))] * 2
+    whole = shard.size == 1
     qkv_names = [attn + f"{n}_proj.weight" for n in "qkv"]
     layer = LayerWeights(
         ln1=get(p + "input_layernorm.weight", h),
         ln2=get(p + "post_attention_layernorm.weight", h),
-        qkv_w=cat(qkv_names, [(q, h), (kv, h), (kv, h)]),
-        qkv_b=cat([attn + f"{n}_proj.bias" for n in "qkv"], [(q,), (kv,), (kv,)]) if spec.qkv_bias else None,
-        o_w=get(attn + "o_proj.weight", h, spec.num_heads * d),
-        o_b=get(attn + "o_proj.bias", h) if spec.o_bias else None,
+        qkv_w=cat(qkv_names, [(q, h), (kv, h), (kv, h)], parts=None if whole else rows),
+        qkv_b=cat([attn + f"{n}_proj.bias" for n in "qkv"], [(q,), (kv,), (kv,)], parts=None if whole else rows)
+        if spec.qkv_bias else None,
+        o_w=get(attn + "o_proj.weight", h, spec.num_heads * d,
+                part=None if whole else (1, slice(qh.start * d, qh.stop * d))),
+        o_b=get(attn + "o_proj.bias", h) if spec.o_bias and shard.owns_bias else None,
     )
+
+    def split(n: int, dim: int) -> tuple[int, slice] | None:
+        return None if whole else (dim, shard.split(n))
+
     if i not in spec.moe_layers:
         mlp, inter = p + "mlp.", spec.intermediate_size
-        layer.gate_up_w = cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)])
-        layer.down_w = get(mlp + "down_proj.weight", h, inter)
+        up_rows = [split(inter, 0)] * 2
+        layer.gate_up_w = cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)],
+                              parts=up_rows)
+        layer.down_w = get(mlp + "down_proj.weight", h, inter, part=split(inter, 1))
         if spec.mlp_bias:
-            layer.gate_up_b = cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)])
-            layer.down_b = get(mlp + "down_proj.bias", h)
+            layer.gate_up_b = cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], parts=up_rows)
+            layer.down_b = get(mlp + "down_proj.bias", h) if shard.owns_bias else None
         return layer, None
     e, inter = spec.num_experts, spec.moe_intermediate_size
     if spec.family == "mixtral" and not src.has(p + "mlp.experts.gate_up_proj"):
         moe = p + "block_sparse_moe."
         layer.router_w = get(moe + "gate.weight", e, h)
         names = [moe + f"experts.{x}.w{{}}.weight" for x in range(e)]  # w1 gate, w3 up, w2 down
-        w13 = torch.stack([cat([n.format(1), n.format(3)], [(inter, h), (inter, h)], on=expert_device)
-                           for n in names])
-        w2 = torch.stack([get(n.format(2), h, inter, on=expert_device) for n in names])
+        w13 = torch.stack([cat([n.format(1), n.format(3)], [(inter, h), (inter, h)], on=expert_device,
+                               parts=[split(inter, 0)] * 2) for n in names])
+        w2 = torch.stack([get(n.format(2), h, inter, on=expert_device, part=split(inter, 1)) for n in names])
         return layer, (w13, w2)
     moe = p + "mlp."
     layer.router_w = get(moe + "gate.weight", e, h)
     if src.has(moe + "experts.gate_up_proj"):  # transformers 5's fused in-memory layout
-        w13 = get(moe + "experts.gate_up_proj", e, 2 * inter, h, on=expert_device)
-        w2 = get(moe + "experts.down_proj", e, h, inter, on=expert_device)
+        fused = moe + "experts.gate_up_proj"
+        if whole:
+            w13 = get(fused, e, 2 * inter, h, on=expert_device)
+        else:  # gate rows [0, I) and up rows [I, 2I): this rank's part of each
+            part = shard.split(inter)
+            up = slice(inter + part.start, inter + part.stop)
+            w13 = torch.cat([get(fused, e, 2 * inter, h, on=expert_device, part=(1, part)),
+                             get(fused, e, 2 * inter, h, on=expert_device, part=(1, up))], dim=1)
+        w2 = get(moe + "experts.down_proj", e, h, inter, on=expert_device, part=split(inter, 2))
     else:
         names = [moe + f"experts.{x}.{{}}_proj.weight" for x in range(e)]
-        w13 = torch.stack([cat([n.format("gate"), n.format("up")], [(inter, h), (inter, h)], on=expert_device)
-                           for n in names])
-        w2 = torch.stack([get(n.format("down"), h, inter, on=expert_device) for n in names])
+        w13 = torch.stack([cat([n.format("gate"), n.format("up")], [(inter, h), (inter, h)], on=expert_device,
+                               parts=[split(inter, 0)] * 2) for n in names])
+        w2 = torch.stack([get(n.format("down"), h, inter, on=expert_device, part=split(inter, 1)) for n in names])
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
-        layer.gate_up_w = cat([shared + "gate_proj.weight", shared + "up_proj.weight"], [(s, h), (s, h)])
-        layer.down_w = get(shared + "down_proj.weight", h, s)
+        layer.gate_up_w = cat([shared + "gate_proj.weight", shared + "up_proj.weight"], [(s, h), (s, h)],
+                              parts=[split(s, 0)] * 2)
+        layer.down_w = get(shared + "down_proj.weight", h, s, part=split(s, 1))
         layer.shared_gate_w = get(moe + "shared_expert_gate.weight", 1, h)
     return layer, (w13, w2)
-

@@ -1,0 +1,125 @@
+"""Two gloo ranks on a CPU: greedy tokens equal transformers' (and one rank's), offline and served.
+
+Each test starts real worker processes (`python -m sloserve.parallel.worker`); rank 0 runs here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from sloserve.config import ParallelConfig
+from sloserve.llm import LLM
+from sloserve.parallel.runner import TensorParallelRunner
+from sloserve.sampling_params import SamplingParams
+
+from tests.checkpoints import hf_greedy, load_hf_model
+from tests.executor.conftest import runner_config
+from tests.executor.driver import generate
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(69)]]
+NEW_TOKENS = 6
+
+
+@pytest.mark.parametrize(("arch", "overrides", "runner_kw"), [
+    ("llama", {}, {}),  # GQA: 4 query heads over 2 KV heads, one KV head per rank
+    ("llama", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8}, {}),  # the KV head replicated
+    ("llama", {"attention_bias": True, "mlp_bias": True}, {}),  # row-parallel biases added once
+    ("qwen2", {}, {}),
+    ("mixtral", {}, {}),
+    ("mixtral", {}, {"expert_slots_per_layer": 2}),  # experts offloaded: each rank caches its slices
+    ("qwen2_moe", {}, {}),
+], ids=["llama-gqa", "llama-kv1", "llama-bias", "qwen2", "mixtral", "mixtral-offload", "qwen2_moe"])
+def test_two_ranks_match_transformers(make_checkpoint, arch, overrides, runner_kw):
+    """Batched, chunked, staggered steps over shuffled pages: the executor equality test, on two ranks."""
+    folder = make_checkpoint(arch, **overrides)
+    expected = hf_greedy(load_hf_model(folder), PROMPTS, NEW_TOKENS)
+    runner = _tp_runner_with(folder, **runner_kw)
+    try:
+        assert generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=3) == expected
+        info = runner.info()
+        assert info["tensor_parallel_size"] == 2 and info["all_reduce_calls"] > 0
+        assert info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0  # two per layer per forward
+    finally:
+        runner.close()
+    assert all(proc.poll() == 0 for proc in runner.workers.values())  # "stop" ends every worker cleanly
+
+
+def _tp_runner_with(folder, expert_slots_per_layer: int | None = None) -> TensorParallelRunner:
+    config = runner_config(folder)
+    if expert_slots_per_layer is not None:
+        config = dataclasses.replace(config, cache=dataclasses.replace(
+            config.cache, expert_slots_per_layer=expert_slots_per_layer))
+    return TensorParallelRunner(dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2)))
+
+
+def test_llm_two_ranks_equal_one_with_prefix_reuse(tiny_llama):
+    """The offline API end to end: shared prefixes hit the prefix cache on the second pass."""
+    prefix = [256] + [(i * 11) % 250 for i in range(40)]
+    prompts = [prefix + [7, 8], prefix + [9], prefix + [10, 11, 12]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    results = {}
+    for size in (1, 2):
+        with LLM(str(tiny_llama), device="cpu", tensor_parallel_size=size, max_model_len=256) as llm:
+            first = llm.generate(prompts, params)
+            second = llm.generate(prompts, params)
+            assert [o.token_ids for o in first] == [o.token_ids for o in second]
+            assert all(o.num_cached_tokens >= 32 for o in second)
+            results[size] = [o.token_ids for o in first]
+    assert results[2] == results[1]
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(tiny_llama):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="tensor parallel size 3 does not divide num_attention_heads 4"):
+        LLM(str(tiny_llama), device="cpu", tensor_parallel_size=3)
+    assert time.monotonic() - started < 5
+
+
+def test_compile_with_tensor_parallelism_is_refused(tiny_llama):
+    with pytest.raises(RuntimeError, match="rank 0 failed to start: ValueError: the compiled decode step"):
+        LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, enforce_eager=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback(tiny_qwen2):
+    """torchrun's conventions: node 1 runs `sloserve serve --node-rank 1`, node 0 the engine."""
+    port = _free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", str(tiny_qwen2), "--device", "cpu",
+         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        with LLM(str(tiny_qwen2), device="cpu", max_model_len=256) as llm:
+            expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        with LLM(str(tiny_qwen2), device="cpu", max_model_len=256, tensor_parallel_size=2, nnodes=2,
+                 master_port=port) as llm:
+            assert llm.engine.runner.workers == {}  # this node runs rank 0 only
+            assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+        assert node1.wait(timeout=30) == 0  # rank 0's "stop" ends node 1's ranks, and node 1 with them
+        assert "node 1 of 2 runs tensor-parallel ranks 1-1 of 2" in node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_node_rank_needs_a_master_port(tiny_llama):
+    from click.testing import CliRunner
+    from sloserve.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["serve", "--model", str(tiny_llama), "-tp", "2", "--nnodes", "2",
+                                      "--node-rank", "1"])
+    assert result.exit_code != 0
+    assert "--master-port" in result.output
