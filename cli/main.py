@@ -158,7 +158,7 @@ def _http_config(kwargs: dict):
 
 INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", "max_model_len",
              "max_prompt_tokens", "max_tokens_limit", "block_size", "expert_residency", "num_experts",
-             "expert_slots_per_layer", "expert_device_bytes")
+             "expert_slots_per_layer", "expert_device_bytes", "tensor_parallel_size", "tensor_parallel_devices")
 
 
 @cli.command(cls=OneLineCommand)
@@ -198,6 +198,7 @@ async def _remote_info(server: str, token: str | None, tls_ca: str | None, timeo
         await channel.close()
     data = {"state": pb.ServerState.Name(reply.state).removeprefix("SERVER_STATE_").lower()}
     data.update((key, getattr(reply, key)) for key in INFO_KEYS)
+    data["tensor_parallel_devices"] = list(reply.tensor_parallel_devices)
     stats = MessageToDict(reply.stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
     for key, value in stats.items():  # uint64 fields arrive as strings in proto JSON
         data[key] = int(value) if isinstance(value, str) and value.isdigit() else value

@@ -134,4 +134,6 @@ def info_pb(model: str, model_info: dict, stats: Any, state: ServerState, *, ver
         num_experts=int(model_info.get("num_experts") or 0),
         expert_slots_per_layer=int(model_info.get("expert_slots_per_layer") or 0),
         expert_device_bytes=int(model_info.get("expert_device_bytes") or 0),
+        tensor_parallel_size=int(model_info.get("tensor_parallel_size") or 1),
+        tensor_parallel_devices=[str(d) for d in model_info.get("tensor_parallel_devices") or ()],
         stats=stats_pb(stats), state=_STATE[state])

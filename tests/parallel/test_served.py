@@ -46,6 +46,8 @@ def test_served_tokens_with_two_ranks_equal_one_rank(tiny_mixtral):
         server.wait_ready()
         assert len(_worker_pids(server)) == 1
         assert any("tensor_parallel_size=2" in m for m in server.messages())
+        info = server.info()
+        assert info.tensor_parallel_size == 2 and list(info.tensor_parallel_devices) == ["cpu", "cpu"]
         with server.sync_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)
             got = []

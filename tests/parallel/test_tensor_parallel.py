@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from sloserve.config import ParallelConfig
@@ -123,3 +124,22 @@ def test_node_rank_needs_a_master_port(tiny_llama):
                                       "--node-rank", "1"])
     assert result.exit_code != 0
     assert "--master-port" in result.output
+
+
+def test_tp_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/tp.py end to end at toy sizes: both sizes run and produce the same tokens."""
+    import orjson
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tp
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setitem(tp.MODELS, "small", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2))
+    out = tmp_path / "tp.json"
+    assert tp.main(["--models", "small", "--decode-tokens", "4", "--prefill-tokens", "32", "--out", str(out)]) == 0
+    report = orjson.loads(out.read_bytes())["models"]["small"]
+    assert report["1"]["decode_c1"]["all_reduce_ms_per_forward"] == 0.0
+    for phase in ("decode_c1", "decode_c8", "prefill"):
+        two = report["2"][phase]
+        assert two["tokens_equal_base"] and two["forwards"] > 0 and two["all_reduce_ms_per_forward"] > 0
