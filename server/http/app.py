@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes (Starlette): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, /version -- a thin adapter over the front end."""
+/metrics, /version, and the /server_info and /model_info a router reads -- a thin adapter over the front end."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
         ], exception_handlers={404: _not_found, 405: _not_allowed})
 
     # ---- generation ------------------------------------------------------------------------
@@ -137,14 +139,61 @@ class HttpApi:
     async def version(self, request: Request) -> Response:
         return _json({"version": __version__})
 
+    # ---- what a router reads when it registers this server as a worker -----------------------
+    # NOTE: SGLang Model Gateway (smg) reads these at registration, by SGLang's field names: the
+    # model id it routes by is served_model_name (else model_path), and it loads its own tokenizer
+    # from tokenizer_path (else model_path) when that folder exists where the router runs. Only
+    # what this server really has is answered; a 404 or a missing field leaves the router's default.
+    async def server_info(self, request: Request) -> Response:
+        """The served model and the limits of this replica (SGLang's /server_info field names)."""
+        info, failure = self._loaded_info(request)
+        if failure is not None:
+            return failure
+        blocks, block = info.get("num_kv_blocks"), info.get("block_size")
+        return _json(_present({
+            "model_path": info.get("model"), "tokenizer_path": info.get("model"),
+            "served_model_name": self.model, "version": __version__,
+            "context_length": info.get("max_model_len"),
+            "max_total_tokens": blocks * block if blocks and block else None,  # the KV pool, in tokens
+            "max_running_requests": self.config.scheduler.max_batch,
+            "tp_size": self.config.parallel.tensor_parallel_size,
+        }))
+
+    async def model_info(self, request: Request) -> Response:
+        """The loaded checkpoint (SGLang's /model_info field names)."""
+        info, failure = self._loaded_info(request)
+        if failure is not None:
+            return failure
+        architecture = info.get("architecture")
+        return _json(_present({
+            "model_path": info.get("model"), "tokenizer_path": info.get("model"), "is_generation": True,
+            "architectures": [architecture] if architecture else None,
+        }))
+
+    def _loaded_info(self, request: Request) -> tuple[dict, Response | None]:
+        """The engine's model_info, or the error to answer: 401 without the token, 503 before loading."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except HttpError as exc:
+            return {}, http_error_response(exc)
+        if not self.frontend.engine.ready:
+            return {}, error_response(503, "the model is still loading; retry when /health says 200",
+                                      code="not_ready")
+        return dict(self.frontend.engine.model_info), None
+
 
 def _json(payload: dict) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json")
 
 
+def _present(fields: dict) -> dict:
+    """The fields that have a value (an unknown one is left out, not guessed)."""
+    return {key: value for key, value in fields.items() if value is not None}
+
+
 async def _not_found(request: Request, exc: Exception) -> Response:
     return error_response(404, f"no route {request.url.path}: this server answers /v1/completions, "
-                          "/v1/chat/completions, /v1/models, /health, /metrics and /version")
+                          "/v1/chat/completions, /v1/models, /health, /metrics, /version, /server_info and /model_info")
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
