@@ -6,7 +6,8 @@ For each model and size, the offline `LLM` runs three phases (greedy, EOS ignore
   decode c=8   eight such prompts at once: output tok/s
   prefill      one --prefill-tokens prompt, one new token: seconds
 
-and reads rank 0's all-reduce counters around each phase: the all-reduce time per forward (two
+each phase three times (the median run is reported, with the prefix cache off so every run
+computes its prompts), and reads rank 0's all-reduce counters around each phase: the all-reduce time per forward (two
 all-reduces per layer) and its share of the phase's wall time. On a CPU the two ranks share the
 machine's cores (each rank gets cores / ranks threads), so two ranks are expected to be slower:
 what they buy is a model that fits, not speed. On a machine with several GPUs the same script
@@ -55,13 +56,18 @@ def _reduce_counters(llm: LLM) -> tuple[int, float, int]:
     return info.get("all_reduce_calls", 0), info.get("all_reduce_seconds", 0.0), info.get("all_reduce_bytes", 0)
 
 
-def run_phase(llm: LLM, prompts: list[list[int]], new_tokens: int, layers: int) -> dict:
+def run_phase(llm: LLM, prompts: list[list[int]], new_tokens: int, layers: int, repeats: int) -> dict:
+    """The phase `repeats` times: the median run's wall time and all-reduce counters."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    calls0, secs0, bytes0 = _reduce_counters(llm)
-    began = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - began
-    calls1, secs1, bytes1 = _reduce_counters(llm)
+    runs = []
+    for _ in range(repeats):
+        before = _reduce_counters(llm)
+        began = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - began
+        runs.append((wall, before, _reduce_counters(llm), outs))
+    runs.sort(key=lambda run: run[0])
+    wall, (calls0, secs0, bytes0), (calls1, secs1, bytes1), outs = runs[len(runs) // 2]
     tokens = sum(len(o.token_ids) for o in outs)
     forwards = (calls1 - calls0) // (2 * layers)
     return {
@@ -80,12 +86,12 @@ def run_size(model: str, size: int, args: argparse.Namespace) -> dict:
     batch = [[256] + [(i * 31 + j) % 250 for i in range(63)] for j in range(8)]
     long = [256] + [(i * 13) % 250 for i in range(args.prefill_tokens - 1)]
     with LLM(model, device=args.device, tensor_parallel_size=size, max_model_len=args.prefill_tokens + 128,
-             max_batch=8) as llm:
+             max_batch=8, prefix_cache=False) as llm:
         llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
         phases = {
-            "decode_c1": run_phase(llm, [prompt], args.decode_tokens, layers),
-            "decode_c8": run_phase(llm, batch, args.decode_tokens, layers),
-            "prefill": run_phase(llm, [long], 1, layers),
+            "decode_c1": run_phase(llm, [prompt], args.decode_tokens, layers, args.repeats),
+            "decode_c8": run_phase(llm, batch, args.decode_tokens, layers, args.repeats),
+            "prefill": run_phase(llm, [long], 1, layers, args.repeats),
         }
     return phases
 
@@ -97,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per phase; the median is reported")
     parser.add_argument("--out", default=str(RESULTS / "tp.json"))
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     report = {"host": platform.node(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "device": args.device,
-              "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens, "models": {}}
+              "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens, "repeats": args.repeats,
+              "models": {}}
     for name in args.models.split(","):
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")

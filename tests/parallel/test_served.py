@@ -35,13 +35,15 @@ def _worker_pids(server: ServerProcess) -> list[int]:
     return found
 
 
-def test_served_tokens_with_two_ranks_equal_one_rank(tiny_mixtral):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
+def test_served_tokens_with_two_ranks_equal_one_rank(make_checkpoint, arch):
+    model = make_checkpoint(arch)
     prompts = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(4)]
-    config = SloserveConfig(model=ModelConfig(path=str(tiny_mixtral), device="cpu", max_model_len=256),
+    config = SloserveConfig(model=ModelConfig(path=str(model), device="cpu", max_model_len=256),
                             cache=CacheConfig(kv_pool_bytes=256 * 8192))
     with LLM(config=config) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
-    server = ServerProcess.cli(tiny_mixtral, "--max-model-len", "256", "--tensor-parallel-size", "2")
+    server = ServerProcess.cli(model, "--max-model-len", "256", "--tensor-parallel-size", "2")
     try:
         server.wait_ready()
         assert len(_worker_pids(server)) == 1

@@ -137,7 +137,7 @@ def test_tp_benchmark_smoke(tmp_path, monkeypatch):
     monkeypatch.setitem(tp.MODELS, "small", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                  num_attention_heads=4, num_key_value_heads=2))
     out = tmp_path / "tp.json"
-    assert tp.main(["--models", "small", "--decode-tokens", "4", "--prefill-tokens", "32", "--out", str(out)]) == 0
+    assert tp.main(["--models", "small", "--decode-tokens", "4", "--prefill-tokens", "32", "--repeats", "1", "--out", str(out)]) == 0
     report = orjson.loads(out.read_bytes())["models"]["small"]
     assert report["1"]["decode_c1"]["all_reduce_ms_per_forward"] == 0.0
     for phase in ("decode_c1", "decode_c8", "prefill"):
