@@ -70,7 +70,7 @@ def engine_options(fn: Callable) -> Callable:
                      help="slo policy: preempt the running request with the most slack (off: the least urgent)."),
         click.option("--admission-control/--no-admission-control", default=True, show_default=True,
                      help="Refuse early a request whose objectives cannot be met."),
-        click.option("--max-wait", "max_wait_s", default=0.2, show_default=True, type=float,
+        click.option("--max-wait", "max_wait_s", default=2.0, show_default=True, type=float,
                      help="Starvation bound, seconds: every request is offered a step after waiting this long."),
         click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=int,
                      help="Ranks the model is split over (one process each; gloo on a CPU, NCCL on GPUs)."),

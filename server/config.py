@@ -109,7 +109,7 @@ class SchedulerConfig:
     batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
     adaptive_batch: bool = False  # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
     aging: float = 0.95  # key multiplier per step waited
-    max_wait_s: float = 0.2  # starvation guard
+    max_wait_s: float = 2.0  # starvation bound (the write-up's 200 ms costs goodput and interactive attainment: README)
     length_weight_s: float = 1e-4  # seconds of urgency per prompt token
     default_ttft_s: float = 2.0  # first-token objective when a request gives none
     max_waiting: int = 1024  # admission: queue cap

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sloserve.config import SchedulerConfig
 from sloserve.engine.deadlines import StepPrice
 from sloserve.engine.request import Request
+from sloserve.engine.step_model import MixedStepModel
 from sloserve.errors import RequestRefusedError
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 SLO_MARGIN = 0.75  # admit only when the first-token estimate fits in this share of the time left
+CALIBRATION_KEPT = 64  # recent first tokens whose actual / predicted TTFT correct the estimate
+CALIBRATION_QUANTILE = 0.8
+MAX_CORRECTION = 4.0
 
 
 class StepCostModel:
@@ -132,6 +136,7 @@ class AdmissionControl:
         self.chunk = min(config.prefill_chunk, config.max_batched_tokens) if config.chunked_prefill else 1 << 30
         self.max_model_len = max_model_len
         self.speed = StepCostModel()  # step compute time, fed by the engine loop
+        self.mix = MixedStepModel()  # the same, per prompt token and per decoding sequence
         # Schedule-to-schedule time of busy steps against their number of sequences (on_step):
         # what a queued request really waits per step -- compute plus output delivery, lock and
         # GIL contention. Kept apart for decode-only steps and steps with a prefill chunk: a
@@ -142,8 +147,10 @@ class AdmissionControl:
         self._backlog: Backlog | None = None
         self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
         self._compute_s = 0.0  # compute time of the last step (on_compute)
-        self._step_tokens = 0  # tokens of the step in flight
+        self._step_load = (0, 0)  # (prompt tokens, decoding sequences) of the step in flight
         self.gap_s = 0.0  # EWMA of schedule-to-schedule time minus compute: output delivery, IPC
+        self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / predicted TTFT
+        self._correction: float | None = 1.0  # None: recompute from _ratios
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
@@ -151,10 +158,10 @@ class AdmissionControl:
         return RequestRefusedError(reason, message)
 
     # ---- what the scheduler reports --------------------------------------------------------
-    def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0) -> None:
-        """A step of `seqs` sequences and `tokens` tokens (0: nothing ran), with a prefill chunk or
-        not, was scheduled at `now`."""
-        self._step_tokens = tokens
+    def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0, decodes: int = 0) -> None:
+        """A step of `seqs` sequences and `tokens` tokens (0: nothing ran; `decodes` of them one
+        decoding sequence each), with a prefill chunk or not, was scheduled at `now`."""
+        self._step_load = (tokens - decodes, decodes)
         if self._step is not None:
             began, n, kind = self._step
             self.cycles[kind].observe(n, now - began)
@@ -162,10 +169,29 @@ class AdmissionControl:
         self._step = (now, seqs, prefill) if seqs > 0 else None
         self._backlog = None
 
-    def on_compute(self, tokens: int, seconds: float) -> None:
-        """The runner computed a step of `tokens` tokens in `seconds` (priming steps too)."""
+    def on_compute(self, tokens: int, seconds: float, decodes: int = 0) -> None:
+        """The runner computed a step of `tokens` tokens, `decodes` of them one decoding sequence
+        each, in `seconds` (priming steps too)."""
         self.speed.observe(tokens, seconds)
+        self.mix.observe(tokens - decodes, decodes, seconds)
         self._compute_s = seconds
+
+    def on_first_token(self, predicted_s: float, actual_s: float) -> None:
+        """A request's first token came `actual_s` after its arrival; admission had predicted `predicted_s`."""
+        if predicted_s > 0.005:
+            self._ratios.append(actual_s / predicted_s)
+            self._correction = None
+
+    def correction(self) -> float:
+        """What first-token estimates are multiplied by: how much later than predicted recent first
+        tokens came (the CALIBRATION_QUANTILE of actual / predicted), never below 1. The step-cost
+        model prices the engine's steps; this catches what it cannot see, such as a front end
+        falling behind a flood or a machine slowed by other work."""
+        if self._correction is None:
+            ratios = sorted(self._ratios)
+            q = ratios[min(len(ratios) - 1, int(CALIBRATION_QUANTILE * len(ratios)))]
+            self._correction = min(MAX_CORRECTION, max(1.0, q))
+        return self._correction
 
     def on_idle(self) -> None:
         """No live requests: the gap before the next step is no step time, and the cycle times
@@ -174,9 +200,15 @@ class AdmissionControl:
         self._step = None
         self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
         self.gap_s = 0.0
+        self._ratios.clear()
+        self._correction = 1.0
 
     def step_price(self) -> StepPrice | None:
-        """The deadline plan's step price: compute time (overhead + per token) plus the mean gap."""
+        """The deadline plan's step price: compute time (overhead, per prompt token, per decoding
+        sequence; one slope for all tokens until the mix tells them apart) plus the mean gap."""
+        mixed = self.mix.fit()
+        if mixed is not None:
+            return StepPrice(mixed[0] + self.gap_s, mixed[1], mixed[2], self.mix.margin())
         fit = self.speed.fit()
         if fit is None:
             return None
@@ -212,17 +244,18 @@ class AdmissionControl:
         est = self._first_token(req, now, running, waiting, batch_cap, cached_tokens)
         if est is None:
             return
-        req.predicted_ttft_s = now - req.arrival_time + est.seconds
+        seconds = est.seconds * self.correction()
+        req.predicted_ttft_s = now - req.arrival_time + seconds
         if due is None:
             return  # no objective: never refused for time
         left = due - now
         # A TTFT objective keeps a margin for the estimate's error; an end-to-end-only one is
         # refused only when even its first token would come after the deadline.
-        if est.seconds > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
+        if seconds > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
             wait = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
             raise self.refuse(
                 "slo_unattainable",
-                f"first token expected in ~{est.seconds:.2f}s ({wait}{est.steps} steps in all, "
+                f"first token expected in ~{seconds:.2f}s ({wait}{est.steps} steps in all, "
                 f"{len(running)} running and {est.ahead} waiting ahead) but the SLO allows "
                 f"{left:.2f}s; relax the SLO or retry later")
 
@@ -284,14 +317,19 @@ class AdmissionControl:
         compute only their next token before its first one, not the rest of their prompts.
         """
         cap = max(1, batch_cap)
-        # NOTE: with slack preemption an urgent newcomer takes the slot of a running request that
-        # has no TTFT or TPOT objective (the scheduler's _free_slot): those hold no slot here.
+        # NOTE: with slack preemption a newcomer takes the slot of a running request that has no
+        # TTFT or TPOT objective and no token out yet (the scheduler's _free_slot): those hold no
+        # slot here.
         holders = [r for r in running if not self.slot_preemption or r.tpot_s is not None
-                   or r.ttft_deadline is not None]
+                   or r.ttft_deadline is not None or r.first_token_time is not None]
         steps = sorted(self._work(r)[1] for r in holders)
-        # Slot i frees when the (len(running) - cap + 1 + i)-th running request finishes.
+        # Slot i frees when the (len(running) - cap + 1 + i)-th running request finishes. A slot
+        # taken from a request without objectives frees only when the scheduler preempts it, one
+        # per step: the k-th such slot is free at step k.
+        free = [0] * max(0, cap - len(running))
+        taken = list(range(1, len(running) - len(holders) + 1))
         first = [r for r in running if key is None or not self.deadline_order or self._key(r) <= key]
-        b = Backlog(slots=([0] * max(0, cap - len(steps)) + steps)[-cap:], cap=batch_cap,
+        b = Backlog(slots=sorted(free + taken + steps)[-cap:], cap=batch_cap,
                     pending=len(running) - len(first) + sum(max(1, r.num_tokens - r.num_computed_tokens)
                                                             for r in first),
                     occupants=len(steps))
@@ -333,9 +371,10 @@ class AdmissionControl:
         if price is not None:
             # Deadline steps run the urgent first and cut optional work to the pace, so a step
             # costs what it computes for those ahead: priced by tokens, not by past step times.
-            seconds = steps * price.overhead_s + price.per_token_s * tokens
+            decodes = steps * busy  # one token per occupant per step
+            seconds = steps * price.overhead_s + price.per_token_s * (tokens - decodes) + price.decode_s * decodes
             if self._step is not None and now is not None:
-                seconds += max(0.0, price.seconds(self._step_tokens) - (now - self._step[0]))
+                seconds += max(0.0, price.step_seconds(*self._step_load) - (now - self._step[0]))
             return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
         (d_over, d_seq), (p_over, p_seq) = costs
         seqs = min(b.cap, b.occupants + 1)

@@ -108,7 +108,8 @@ class EngineCore:
                seconds: float) -> list[RequestOutput]:
         outputs = self.scheduler.update(out, sampled, errors)
         if out.sequences:
-            self.scheduler.admission.on_compute(out.num_tokens, seconds)
+            decodes = sum(1 for seq in out.sequences if len(seq.token_ids) == 1)
+            self.scheduler.admission.on_compute(out.num_tokens, seconds, decodes)
             self._steps.append((seconds, out.num_tokens))
             self._steps_since_percentiles += 1
         return outputs

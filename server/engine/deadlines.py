@@ -42,16 +42,30 @@ TTFT_SAFETY = 0.5  # an urgent prompt is paced to be done in this share of its t
 
 @dataclass(frozen=True, slots=True)
 class StepPrice:
-    """Step time = overhead_s + per_token_s * tokens (a decode sequence computes one token)."""
+    """Step time = overhead_s + per_token_s * prompt tokens + per_decode_s * decoding sequences.
+
+    Without a per-decode slope (None) a decoding sequence is priced as one token.
+    """
 
     overhead_s: float
     per_token_s: float
+    per_decode_s: float | None = None
+    margin_s: float = 0.0  # how much a step may overrun its price (DeadlinePlan leaves it free)
+
+    @property
+    def decode_s(self) -> float:
+        return self.per_token_s if self.per_decode_s is None else self.per_decode_s
 
     def seconds(self, tokens: int) -> float:
+        """A step of `tokens` prompt tokens."""
         return self.overhead_s + self.per_token_s * tokens
 
+    def step_seconds(self, prompt_tokens: int, decodes: int) -> float:
+        """A step of `prompt_tokens` prompt tokens and `decodes` decoding sequences."""
+        return self.overhead_s + self.per_token_s * prompt_tokens + self.decode_s * decodes
+
     def tokens_within(self, seconds: float) -> int:
-        """Most tokens a step of at most `seconds` computes (0 when even the overhead does not fit)."""
+        """Most prompt tokens a step of at most `seconds` computes (0 when even the overhead does not fit)."""
         if seconds < self.overhead_s:
             return 0
         if self.per_token_s <= 0:
@@ -69,7 +83,7 @@ class DeadlinePlan:
         self.chunk = chunk
         self.max_wait_s = max_wait_s
         running = list(running)
-        self.full_step_s = price.seconds(max(1, len(running)))
+        self.full_step_s = price.step_seconds(0, max(1, len(running)))
         # NOTE: a request that waits also waits for the step in flight, which may be a full one
         self.horizon_s = HORIZON_STEPS * max(self.full_step_s, price.seconds(step_tokens))
         self._slack: dict[int, float] = {}
@@ -78,7 +92,7 @@ class DeadlinePlan:
         self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
         paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
                  and (r.tpot_s is not None or r.e2e_deadline is not None) and self.must_run(r)]
-        floor_s = price.seconds(len(paced))  # the step of the must-run decodes alone
+        floor_s = price.step_seconds(0, len(paced))  # the step of the must-run decodes alone
         for r in paced:
             pace = self.pace(r, now)
             if pace >= floor_s:
@@ -96,15 +110,16 @@ class DeadlinePlan:
         pending = r.num_tokens - r.num_computed_tokens
         return min(n, max(floor, -(-pending // steps)))
 
-    def paced_prefill(self, r: Request, n: int, tokens: int) -> None:
-        """An urgent prompt got a chunk of `n` (the step now computes `tokens`): cap the step at its
+    def paced_prefill(self, r: Request, n: int, prompt: int, decodes: int) -> None:
+        """An urgent prompt got a chunk of `n` (the step now computes `prompt` prompt tokens and
+        `decodes` decoding sequences): cap the step at its
         TTFT pace -- the time left over the steps its prompt still needs, this one included --
         unless this step already runs past that (then it is lost for this step)."""
         if r.ttft_deadline is None or not self.urgent(r):
             return
         left = r.num_tokens - r.num_computed_tokens - n  # prompt tokens after this chunk
         pace = (r.ttft_deadline - self.now) / (1 + -(-left // self.chunk))
-        if pace >= self.price.seconds(tokens):
+        if pace >= self.price.step_seconds(prompt, decodes):
             self.cap_s = min(self.cap_s, pace)
 
     @staticmethod
@@ -165,11 +180,19 @@ class DeadlinePlan:
             return True
         return False
 
-    def room(self, tokens: int) -> int:
-        """Tokens that still fit under the cap in a step that already computes `tokens`."""
+    def room(self, prompt: int, decodes: int) -> int:
+        """Prompt tokens that still fit under the cap in a step that already computes `prompt`
+        prompt tokens and `decodes` decoding sequences."""
         if math.isinf(self.cap_s):
             return 1 << 30
-        return max(0, self.price.tokens_within(self.cap_s) - tokens)
+        left = self.cap_s - self.price.margin_s - self.price.step_seconds(prompt, decodes)
+        if left < 0:
+            return 0
+        return int(left / self.price.per_token_s + 1e-6) if self.price.per_token_s > 0 else 1 << 30
+
+    def decode_fits(self, prompt: int, decodes: int) -> bool:
+        """Does one more decoding sequence keep the step under the cap?"""
+        return math.isinf(self.cap_s) or self.price.step_seconds(prompt, decodes + 1) + self.price.margin_s <= self.cap_s
 
     def sort_key(self, r: Request) -> tuple[float, float, int]:
         """Least slack first (ties: earlier arrival)."""

@@ -34,6 +34,6 @@ def prime(runner: Any, admission: AdmissionControl, config: SchedulerConfig, max
     if time_steps is None:
         return 0
     timings = time_steps(priming_shapes(config, max_model_len))
-    for tokens, seconds in timings:
-        admission.on_compute(tokens, seconds)
+    for seqs, each, seconds in timings:
+        admission.on_compute(seqs * each, seconds, decodes=seqs if each == 1 else 0)
     return len(timings)

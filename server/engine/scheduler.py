@@ -67,6 +67,7 @@ class Scheduler:
         self.requests_finished_total = 0
         self.kv_blocks_peak = 0  # most blocks held by requests at once
         self._step_tokens = 0  # tokens scheduled so far in the step being composed
+        self._step_decodes = 0  # of which one-token chunks (decoding sequences)
         # predicted minus actual TTFT of recent requests that had a prediction (seconds)
         self.ttft_errors: deque[float] = deque(maxlen=PREDICTION_ERRORS_KEPT)
         self._error_quantiles: dict = {}  # stats() runs every step: re-sorted only after new errors
@@ -123,6 +124,7 @@ class Scheduler:
         self._finished_ids = []
         self._swapped = []
         self._step_tokens = 0
+        self._step_decodes = 0
         self._expire(now)
         plan = self._deadline_plan(now)
         budget = self.config.max_batched_tokens
@@ -143,7 +145,7 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(out, budget, now, plan)
         prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
-        self.admission.on_step(now, len(out.sequences), prefill, self._step_tokens)
+        self.admission.on_step(now, len(out.sequences), prefill, self._step_tokens, self._step_decodes)
         bm = self.block_manager
         self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
         return out
@@ -161,7 +163,7 @@ class Scheduler:
             if must_only and not plan.urgent(req):
                 n = min(n, MIN_CHUNK)  # starving, not urgent: progress now, the rest when there is room
             if plan is not None:
-                n = self._fit(plan, req, n, self._step_tokens)
+                n = self._fit(plan, req, n)
             if n == 0:
                 continue
             while req is not None and not self.block_manager.allocate(req, req.num_computed_tokens + n):
@@ -194,14 +196,14 @@ class Scheduler:
                 return budget
             if urgent_only and not plan.urgent(req):
                 return budget  # the queue is in slack order: no urgent one follows
-            if plan is not None and not plan.must_run(req) and plan.room(self._step_tokens) < MIN_CHUNK:
+            if plan is not None and not plan.must_run(req) and plan.room(*self._step_load()) < MIN_CHUNK:
                 continue  # optional, and the step has no room under the cap: look for a must-run one
             if len(self.running) >= target and not self._free_slot(req, plan, out):
                 return budget
             if req.is_swapped:
                 n = self._chunk(req, budget, first=not out.sequences)
                 if plan is not None:
-                    n = self._fit(plan, req, n, self._step_tokens)
+                    n = self._fit(plan, req, n)
                 extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
                 if n == 0 or out.swap_out or bm.num_free < len(req.host_table) + extra:
                     return budget
@@ -214,7 +216,7 @@ class Scheduler:
                 cached = len(blocks) * self.block_size
                 n = self._chunk(req, budget, first=not out.sequences, computed=cached)
                 if plan is not None:
-                    n = self._fit(plan, req, n, self._step_tokens)
+                    n = self._fit(plan, req, n)
                 if n == 0:
                     if plan is not None:
                         continue
@@ -250,12 +252,17 @@ class Scheduler:
         chunk = min(sc.prefill_chunk, sc.max_batched_tokens) if sc.chunked_prefill else sc.max_batched_tokens
         return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens)
 
-    def _fit(self, plan: DeadlinePlan, req: Request, n: int, tokens: int) -> int:
+    def _step_load(self) -> tuple[int, int]:
+        """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""
+        return self._step_tokens - self._step_decodes, self._step_decodes
+
+    def _fit(self, plan: DeadlinePlan, req: Request, n: int) -> int:
         """`n` cut to the room under the step cap: 0 skips an optional request this step; a
         must-run decode always computes, a must-run prefill as DeadlinePlan.overdraw allows."""
+        load = self._step_load()
         if n <= 1:
-            return n if plan.must_run(req) or plan.room(tokens) >= 1 else 0
-        fit = min(n, plan.room(tokens))
+            return n if plan.must_run(req) or plan.decode_fits(*load) else 0
+        fit = min(n, plan.room(*load))
         if plan.urgent(req):
             return max(fit, plan.min_chunk(req, n))
         if fit >= min(n, MIN_CHUNK):
@@ -264,17 +271,25 @@ class Scheduler:
 
     def _free_slot(self, req: Request, plan: DeadlinePlan | None, out: SchedulerOutput) -> bool:
         """The batch is full: preempt the running request with the most slack for `req`, when `req`
-        has a TTFT objective at risk (urgent; a request merely starving preempts nobody, or the
-        preempted would preempt back), the victim need not run, and did not run in this step."""
+        waits for its first token under a TTFT objective (a request merely starving preempts
+        nobody, or the preempted would preempt back), the victim need not run, did not run in this
+        step, has no token out yet (a decoding request frees its slot soon enough by finishing;
+        preempting it only churns), and has more slack than `req` by a horizon. One slot per step (admission's estimate
+        counts on that pace): as soon as a newcomer is queued, not once it is urgent -- a flood
+        of newcomers that all turn urgent together would otherwise wait a step each, past their
+        deadlines."""
         if plan is None or not self.config.slack_preemption or req.ttft_deadline is None \
-                or not plan.urgent(req) or out.swap_out:
+                or req.first_token_time is not None or out.swap_out:
             return False
         scheduled = {r.request_id for r, _ in self._scheduled}
-        candidates = [r for r in self.running if r.request_id not in scheduled
+        candidates = [r for r in self.running if r.request_id not in scheduled and r.first_token_time is None
                       and r.resumed_step is None and not plan.must_run(r)]
         if not candidates:
             return False
-        self._preempt(max(candidates, key=plan.sort_key), out)
+        victim = max(candidates, key=plan.sort_key)
+        if plan.slack(victim) <= plan.slack(req) + plan.horizon_s:
+            return False
+        self._preempt(victim, out)
         return True
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
@@ -315,6 +330,7 @@ class Scheduler:
                     if req.predicted_ttft_s is not None:
                         self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
                         self._error_quantiles = {}
+                        self.admission.on_first_token(req.predicted_ttft_s, now - req.arrival_time)
                 if self.faults is not None:
                     self.faults.check("fail-postprocess", (req.request_id,))
                 process_token(req, token, self.eos_token_ids, self.max_model_len)
@@ -425,8 +441,10 @@ class Scheduler:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
         self._step_tokens += n
+        if n == 1:  # priced as a decoding sequence (a prompt's last token costs about the same)
+            self._step_decodes += 1
         if plan is not None and req.first_token_time is None:
-            plan.paced_prefill(req, n, self._step_tokens)
+            plan.paced_prefill(req, n, *self._step_load())
         req.ever_scheduled = True
         self._scheduled.append((req, n))
 

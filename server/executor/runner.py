@@ -211,8 +211,9 @@ class ModelRunner:
         if self.prefetcher is not None:
             self.prefetcher.reset()
 
-    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, float]]:
-        """(tokens, seconds) of steps of the given (sequences, tokens each) shapes, on an empty pool.
+    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, int, float]]:
+        """(sequences, tokens each, seconds) of steps of the given (sequences, tokens each) shapes,
+        each capped to what a step holds, on an empty pool.
 
         Each shape runs `rounds` times; its time is the fastest run after the first (the first
         may allocate or compile; the minimum ignores a busy machine's stalls). Each sequence
@@ -241,7 +242,7 @@ class ModelRunner:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 times.append(time.perf_counter() - began)
-            timings.append((seqs * tokens, min(times[1:] or times)))
+            timings.append((seqs, tokens, min(times[1:] or times)))
         if self.prefetcher is not None:
             self.prefetcher.reset()
         return timings

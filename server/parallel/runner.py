@@ -85,7 +85,7 @@ class TensorParallelRunner:
     def warmup(self) -> None:
         self._everywhere("warmup")
 
-    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, float]]:
+    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, int, float]]:
         return self._everywhere("time_steps", shapes, rounds)
 
     def probe(self) -> None:

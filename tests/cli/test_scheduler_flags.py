@@ -23,7 +23,7 @@ def _config(*args: str):
 def test_the_defaults_are_the_slo_policy_with_every_mechanism_but_the_adaptive_batch():
     sc = _config()
     assert (sc.policy, sc.deadline_steps, sc.slack_preemption, sc.admission_control, sc.max_wait_s,
-            sc.adaptive_batch) == ("slo", True, True, True, 0.2, False)
+            sc.adaptive_batch) == ("slo", True, True, True, 2.0, False)
 
 
 def test_each_switch_turns_its_mechanism_off():

@@ -78,18 +78,33 @@ class _TimedRunner(FakeRunner):
     """A fake runner whose steps take 2 ms + 0.5 ms per token, reported by time_steps."""
 
     def time_steps(self, shapes):
-        return [(seqs * tokens, 0.002 + 0.0005 * seqs * tokens) for seqs, tokens in shapes]
+        return [(seqs, tokens, 0.002 + 0.0005 * seqs * tokens) for seqs, tokens in shapes]
 
 
-def test_with_slack_preemption_an_urgent_newcomer_waits_for_no_slot_of_a_request_without_objectives():
-    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False)
-    _busy(s, r)
-    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))  # not refused
-    assert s.requests["tight"].predicted_ttft_s < 0.1
+def test_with_slack_preemption_a_newcomer_waits_for_no_slot_of_a_prompt_without_objectives():
+    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False,
+                             prefill_chunk=16)
+    for tokens in (1, 2, 500, 3, 1000, 1):
+        s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
+    for i in range(4):  # long prompts without objectives, still prefilling: no token out yet
+        s.add_request(f"long{i}", [97 + i] * 96, SamplingParams(max_tokens=8))
+    step(s, r)
+    assert all(s.requests[f"long{i}"].first_token_time is None for i in range(4))
+    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=1.0))  # not refused
     for _ in range(3):
         step(s, r)
     assert s.requests["tight"].num_output_tokens >= 1
     assert s.preemptions_total == 1
+
+
+def test_a_decoding_request_keeps_its_slot_and_the_newcomer_is_priced_behind_it():
+    """Decodes free their slots by finishing: preempting one for a newcomer only churns, so
+    admission prices the wait for their slots (here: past the TTFT, so it refuses)."""
+    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False)
+    _busy(s, r)
+    with pytest.raises(RequestRefusedError, match="steps for a slot in the full batch of 4"):
+        s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+    assert s.preemptions_total == 0
 
 
 def test_priming_prices_steps_before_any_request_ran():
@@ -137,3 +152,21 @@ def test_priority_preempts_the_highest_value_then_the_latest_arrival():
             assert preempted == ["old-low"]
             return
     raise AssertionError("the pool never ran out")
+
+
+def test_first_tokens_later_than_predicted_scale_the_estimate_until_the_load_ends():
+    adm = make_scheduler(FakeRunner())[0].admission
+    assert adm.correction() == 1.0
+    for _ in range(10):
+        adm.on_first_token(predicted_s=0.1, actual_s=0.2)  # every first token came twice as late
+    assert adm.correction() == pytest.approx(2.0)
+    adm.on_first_token(predicted_s=0.1, actual_s=5.0)
+    assert adm.correction() == pytest.approx(2.0)  # one outlier does not move the 80th percentile
+    for _ in range(64):  # the last 64 are kept
+        adm.on_first_token(predicted_s=0.1, actual_s=0.05)  # early: never below 1
+    assert adm.correction() == 1.0
+    for _ in range(64):
+        adm.on_first_token(predicted_s=0.01, actual_s=1.0)
+    assert adm.correction() == 4.0  # capped
+    adm.on_idle()
+    assert adm.correction() == 1.0  # the next load starts from the step-cost model alone

@@ -186,7 +186,7 @@ def test_abort_frees_blocks_at_once_and_mid_step_results_are_dropped():
 @pytest.mark.parametrize("policy", ["slo", "fifo"])
 def test_a_preempted_request_keeps_its_place_in_the_queue(policy):
     runner = FakeRunner(num_blocks=8, block_size=4, num_host_blocks=16)
-    s, r, clock = make_scheduler(runner, policy=policy, max_batch=3, adaptive_batch=False)
+    s, r, clock = make_scheduler(runner, policy=policy, max_batch=3, adaptive_batch=False, max_wait_s=0.2)
     for name, c, ttft in (("tight", "a", 0.5), ("mid", "b", 1.0), ("loose", "c", 5.0)):
         s.add_request(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
     step(s, r)
