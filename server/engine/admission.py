@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -15,9 +15,6 @@ from sloserve.errors import RequestRefusedError
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 SLO_MARGIN = 0.75  # admit only when the first-token estimate fits in this share of the time left
-CALIBRATION_KEPT = 64  # recent first tokens whose actual / predicted TTFT correct the estimate
-CALIBRATION_QUANTILE = 0.8
-MAX_CORRECTION = 4.0
 
 
 class StepCostModel:
@@ -149,8 +146,6 @@ class AdmissionControl:
         self._compute_s = 0.0  # compute time of the last step (on_compute)
         self._step_load = (0, 0)  # (prompt tokens, decoding sequences) of the step in flight
         self.gap_s = 0.0  # EWMA of schedule-to-schedule time minus compute: output delivery, IPC
-        self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / predicted TTFT
-        self._correction: float | None = 1.0  # None: recompute from _ratios
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
@@ -176,23 +171,6 @@ class AdmissionControl:
         self.mix.observe(tokens - decodes, decodes, seconds)
         self._compute_s = seconds
 
-    def on_first_token(self, predicted_s: float, actual_s: float) -> None:
-        """A request's first token came `actual_s` after its arrival; admission had predicted `predicted_s`."""
-        if predicted_s > 0.005:
-            self._ratios.append(actual_s / predicted_s)
-            self._correction = None
-
-    def correction(self) -> float:
-        """What first-token estimates are multiplied by: how much later than predicted recent first
-        tokens came (the CALIBRATION_QUANTILE of actual / predicted), never below 1. The step-cost
-        model prices the engine's steps; this catches what it cannot see, such as a front end
-        falling behind a flood or a machine slowed by other work."""
-        if self._correction is None:
-            ratios = sorted(self._ratios)
-            q = ratios[min(len(ratios) - 1, int(CALIBRATION_QUANTILE * len(ratios)))]
-            self._correction = min(MAX_CORRECTION, max(1.0, q))
-        return self._correction
-
     def on_idle(self) -> None:
         """No live requests: the gap before the next step is no step time, and the cycle times
         of the load that just ended are forgotten -- the next load re-learns them within a few
@@ -200,8 +178,6 @@ class AdmissionControl:
         self._step = None
         self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
         self.gap_s = 0.0
-        self._ratios.clear()
-        self._correction = 1.0
 
     def step_price(self) -> StepPrice | None:
         """The deadline plan's step price: compute time (overhead, per prompt token, per decoding
@@ -244,7 +220,7 @@ class AdmissionControl:
         est = self._first_token(req, now, running, waiting, batch_cap, cached_tokens)
         if est is None:
             return
-        seconds = est.seconds * self.correction()
+        seconds = est.seconds
         req.predicted_ttft_s = now - req.arrival_time + seconds
         if due is None:
             return  # no objective: never refused for time

@@ -330,7 +330,6 @@ class Scheduler:
                     if req.predicted_ttft_s is not None:
                         self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
                         self._error_quantiles = {}
-                        self.admission.on_first_token(req.predicted_ttft_s, now - req.arrival_time)
                 if self.faults is not None:
                     self.faults.check("fail-postprocess", (req.request_id,))
                 process_token(req, token, self.eos_token_ids, self.max_model_len)

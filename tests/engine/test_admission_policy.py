@@ -153,20 +153,3 @@ def test_priority_preempts_the_highest_value_then_the_latest_arrival():
             return
     raise AssertionError("the pool never ran out")
 
-
-def test_first_tokens_later_than_predicted_scale_the_estimate_until_the_load_ends():
-    adm = make_scheduler(FakeRunner())[0].admission
-    assert adm.correction() == 1.0
-    for _ in range(10):
-        adm.on_first_token(predicted_s=0.1, actual_s=0.2)  # every first token came twice as late
-    assert adm.correction() == pytest.approx(2.0)
-    adm.on_first_token(predicted_s=0.1, actual_s=5.0)
-    assert adm.correction() == pytest.approx(2.0)  # one outlier does not move the 80th percentile
-    for _ in range(64):  # the last 64 are kept
-        adm.on_first_token(predicted_s=0.1, actual_s=0.05)  # early: never below 1
-    assert adm.correction() == 1.0
-    for _ in range(64):
-        adm.on_first_token(predicted_s=0.01, actual_s=1.0)
-    assert adm.correction() == 4.0  # capped
-    adm.on_idle()
-    assert adm.correction() == 1.0  # the next load starts from the step-cost model alone
