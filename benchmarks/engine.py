@@ -54,12 +54,17 @@ BENCH_MODELS = {
 
 
 def bench_model(name: str) -> str:
-    """A random-weight Llama (byte tokenizer) from BENCH_MODELS, built once with the test checkpoint builder."""
+    """A random-weight Llama from BENCH_MODELS (see random_llama)."""
+    return random_llama(**BENCH_MODELS[name])
+
+
+def random_llama(**shape) -> str:
+    """A random-weight Llama of `shape` (byte tokenizer), built once with the test checkpoint builder."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.checkpoints import tiny_checkpoint
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sloserve" / "bench"
-    return str(tiny_checkpoint("llama", cache, max_position_embeddings=8192, **BENCH_MODELS[name]))
+    return str(tiny_checkpoint("llama", cache, max_position_embeddings=8192, **shape))
 
 
 def pick_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:

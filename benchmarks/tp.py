@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import orjson
+from engine import BENCH_MODELS, random_llama  # NOTE: the scripts import each other by name
 from sloserve.llm import LLM
 from sloserve.sampling_params import SamplingParams
 
@@ -34,21 +35,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 MODELS = {
     # 3.9M parameters: per-step fixed costs (Python, the command broadcast) dominate
-    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=2),
+    "small": BENCH_MODELS["small"],
     # 113M parameters: matmuls dominate, the regime tensor parallelism is for
     "medium": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
                    num_key_value_heads=4),
 }
-
-
-def bench_model(name: str) -> str:
-    """A random-weight Llama from MODELS, built once with the test checkpoint builder."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.checkpoints import tiny_checkpoint
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sloserve" / "bench"
-    return str(tiny_checkpoint("llama", cache, max_position_embeddings=4096, vocab_size=260, **MODELS[name]))
 
 
 def _reduce_counters(llm: LLM) -> tuple[int, float, int]:
@@ -114,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
         args.model_name = name
-        model = bench_model(name)
+        model = random_llama(**MODELS[name])
         results = {size: run_size(model, size, args) for size in sizes}
         base = results[sizes[0]]
         print(f"\n{name} ({MODELS[name]['hidden_size']} hidden, {MODELS[name]['num_hidden_layers']} layers), "

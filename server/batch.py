@@ -37,5 +37,10 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.sequences)
 
     @property
+    def num_decodes(self) -> int:
+        """Sequences that compute one token (priced as decoding sequences, see engine/step_model.py)."""
+        return sum(1 for s in self.sequences if len(s.token_ids) == 1)
+
+    @property
     def is_empty(self) -> bool:
         return not self.sequences and not self.swap_out and not self.swap_in

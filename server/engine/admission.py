@@ -220,18 +220,17 @@ class AdmissionControl:
         est = self._first_token(req, now, running, waiting, batch_cap, cached_tokens)
         if est is None:
             return
-        seconds = est.seconds
-        req.predicted_ttft_s = now - req.arrival_time + seconds
+        req.predicted_ttft_s = now - req.arrival_time + est.seconds
         if due is None:
             return  # no objective: never refused for time
         left = due - now
         # A TTFT objective keeps a margin for the estimate's error; an end-to-end-only one is
         # refused only when even its first token would come after the deadline.
-        if seconds > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
+        if est.seconds > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
             wait = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
             raise self.refuse(
                 "slo_unattainable",
-                f"first token expected in ~{seconds:.2f}s ({wait}{est.steps} steps in all, "
+                f"first token expected in ~{est.seconds:.2f}s ({wait}{est.steps} steps in all, "
                 f"{len(running)} running and {est.ahead} waiting ahead) but the SLO allows "
                 f"{left:.2f}s; relax the SLO or retry later")
 

@@ -108,9 +108,9 @@ class EngineCore:
                seconds: float) -> list[RequestOutput]:
         outputs = self.scheduler.update(out, sampled, errors)
         if out.sequences:
-            decodes = sum(1 for seq in out.sequences if len(seq.token_ids) == 1)
-            self.scheduler.admission.on_compute(out.num_tokens, seconds, decodes)
-            self._steps.append((seconds, out.num_tokens))
+            tokens = out.num_tokens
+            self.scheduler.admission.on_compute(tokens, seconds, out.num_decodes)
+            self._steps.append((seconds, tokens))
             self._steps_since_percentiles += 1
         return outputs
 

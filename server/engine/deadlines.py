@@ -56,21 +56,9 @@ class StepPrice:
     def decode_s(self) -> float:
         return self.per_token_s if self.per_decode_s is None else self.per_decode_s
 
-    def seconds(self, tokens: int) -> float:
-        """A step of `tokens` prompt tokens."""
-        return self.overhead_s + self.per_token_s * tokens
-
     def step_seconds(self, prompt_tokens: int, decodes: int) -> float:
         """A step of `prompt_tokens` prompt tokens and `decodes` decoding sequences."""
         return self.overhead_s + self.per_token_s * prompt_tokens + self.decode_s * decodes
-
-    def tokens_within(self, seconds: float) -> int:
-        """Most prompt tokens a step of at most `seconds` computes (0 when even the overhead does not fit)."""
-        if seconds < self.overhead_s:
-            return 0
-        if self.per_token_s <= 0:
-            return 1 << 30
-        return int((seconds - self.overhead_s) / self.per_token_s)
 
 
 class DeadlinePlan:
@@ -85,7 +73,7 @@ class DeadlinePlan:
         running = list(running)
         self.full_step_s = price.step_seconds(0, max(1, len(running)))
         # NOTE: a request that waits also waits for the step in flight, which may be a full one
-        self.horizon_s = HORIZON_STEPS * max(self.full_step_s, price.seconds(step_tokens))
+        self.horizon_s = HORIZON_STEPS * max(self.full_step_s, price.step_seconds(step_tokens, 0))
         self._slack: dict[int, float] = {}
         self.cap_s = math.inf  # the step must end this long after `now`
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
@@ -106,7 +94,7 @@ class DeadlinePlan:
         if r.ttft_deadline is None or r.first_token_time is not None:
             return floor
         step = self.cap_s if not math.isinf(self.cap_s) else self.full_step_s
-        steps = max(1, int(TTFT_SAFETY * (r.ttft_deadline - self.now) / max(step, self.price.seconds(1))))
+        steps = max(1, int(TTFT_SAFETY * (r.ttft_deadline - self.now) / max(step, self.price.step_seconds(1, 0))))
         pending = r.num_tokens - r.num_computed_tokens
         return min(n, max(floor, -(-pending // steps)))
 

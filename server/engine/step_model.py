@@ -23,6 +23,7 @@ MIN_DECODE_SPREAD = 1.0  # sequences: the same for decoding sequences
 MAX_CORRELATION = 0.97  # above this the two kinds moved together: their slopes are not separable
 MARGIN_QUANTILE = 0.8  # a step is filled to the cap less this quantile of the fit's recent errors
 MARGIN_STEPS = 256  # recent errors kept
+MARGIN_EVERY = 16  # new errors between re-sorts of the margin (the deadline plan reads it every step)
 
 
 class MixedStepModel:
@@ -33,24 +34,32 @@ class MixedStepModel:
         self.steps = 0
         # weighted sums: w, p, d, y, pp, dd, pd, py, dy
         self._s = [0.0] * 9
+        self._fit: tuple[float, float, float] | None = None  # the fit of the sums as they stand
         self._errors: deque[float] = deque(maxlen=MARGIN_STEPS)  # seconds taken minus predicted
+        self._new_errors = 0  # since the margin was last sorted
         self._margin: float | None = 0.0  # None: recompute from _errors
 
     def observe(self, prompt_tokens: int, decodes: int, seconds: float) -> None:
         if prompt_tokens + decodes <= 0 or seconds <= 0:
             return
-        fit = self.fit()
+        fit = self._fit
         if fit is not None:
             self._errors.append(seconds - (fit[0] + fit[1] * prompt_tokens + fit[2] * decodes))
-            self._margin = None
+            self._new_errors += 1
+            if self._new_errors >= MARGIN_EVERY:
+                self._margin, self._new_errors = None, 0
         p, d, y, k = float(prompt_tokens), float(decodes), seconds, self.decay
         s = self._s
         for i, v in enumerate((1.0, p, d, y, p * p, d * d, p * d, p * y, d * y)):
             s[i] = s[i] * k + v
         self.steps += 1
+        self._fit = self._solve()
 
     def fit(self) -> tuple[float, float, float] | None:
         """(overhead_s, per_prompt_token_s, per_decode_s), or None while the slopes cannot be told apart."""
+        return self._fit
+
+    def _solve(self) -> tuple[float, float, float] | None:
         w, p, d, y, pp, dd, pd, py, dy = self._s
         if self.steps < 3 or w <= 0:
             return None
@@ -70,7 +79,8 @@ class MixedStepModel:
 
     def margin(self) -> float:
         """Seconds by which a step overruns its prediction at the MARGIN_QUANTILE of recent steps
-        (0 when it mostly does not): what a step filled to a deadline should leave free."""
+        (0 when it mostly does not; re-sorted every MARGIN_EVERY steps): what a step filled to a
+        deadline should leave free."""
         if self._margin is None:
             errors = sorted(self._errors)
             self._margin = max(0.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))])

@@ -116,15 +116,19 @@ def test_two_nodes_on_loopback(tiny_qwen2):
             node1.kill()
 
 
-def test_node_rank_needs_a_master_port(tiny_llama):
+@pytest.mark.parametrize(("flags", "message"), [
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "--master-port: master port must be given"),
+    (["-tp", "3", "--nnodes", "2", "--master-port", "29500"], "--tensor-parallel-size: tensor parallel size 3 must be a multiple of nnodes 2"),
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank: node rank must be in 0..1, got 2"),
+    (["-tp", "0"], "--tensor-parallel-size: tensor parallel size must be >= 1, got 0"),
+])
+def test_bad_parallel_flags_are_refused_naming_the_flag(tiny_llama, flags, message):
     from click.testing import CliRunner
     from sloserve.cli.main import cli
 
-    result = CliRunner().invoke(cli, ["serve", "--model", str(tiny_llama), "-tp", "2", "--nnodes", "2",
-                                      "--node-rank", "1"])
+    result = CliRunner().invoke(cli, ["serve", "--model", str(tiny_llama), *flags])
     assert result.exit_code != 0
-    assert "--master-port" in result.output
-
+    assert message in result.output
 
 def test_tp_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/tp.py end to end at toy sizes: both sizes run and produce the same tokens."""
