@@ -23,6 +23,7 @@ ABLATIONS: dict[str, dict] = {
     "full": {},
     "deadline_steps": {"scheduler": {"deadline_steps": False}},
     "slack_preemption": {"scheduler": {"slack_preemption": False}},
+    "finish_margin": {"scheduler": {"finish_margin": 0.0}},
     "admission_control": {"scheduler": {"admission_control": False}},
     "adaptive_batch": {"scheduler": {"adaptive_batch": False}},
     "aging+guard": {"scheduler": {"aging": 1.0, "max_wait_s": 1e9}},

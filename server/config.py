@@ -101,6 +101,9 @@ class SchedulerConfig:
     # and preempt the running request with the most slack; off = urgency order, least urgent victim
     deadline_steps: bool = True
     slack_preemption: bool = True
+    # slo policy: aim each end-to-end deadline this share of its objective early (what the client
+    # counts beyond the engine's clock: the trip in, the last token's way out, a late step's jitter)
+    finish_margin: float = 0.05
     max_batch: int = 64  # most requests running at once
     max_batched_tokens: int = 2048  # token budget of one step
     chunked_prefill: bool = True
@@ -118,6 +121,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _require(0.0 <= self.finish_margin < 1.0, f"finish margin must be in [0, 1), got {self.finish_margin}")
         _require(self.max_batch >= 1, f"max batch must be >= 1, got {self.max_batch}")
         _require(self.max_batched_tokens >= 1, "max batched tokens must be >= 1")
         _require(self.prefill_chunk >= 1, "prefill chunk must be >= 1")

@@ -250,7 +250,7 @@ class Scheduler:
         if price is None:
             return None
         chunk = min(sc.prefill_chunk, sc.max_batched_tokens) if sc.chunked_prefill else sc.max_batched_tokens
-        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens)
+        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens, sc.finish_margin)
 
     def _step_load(self) -> tuple[int, int]:
         """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""

@@ -127,3 +127,25 @@ def test_a_skipped_request_stays_running_and_keeps_its_blocks():
     _run(s, r, clock, 20)
     bg = s.requests["background"]
     assert bg.status == RequestStatus.RUNNING and bg.block_table
+
+
+def _paced_finish(finish_margin: float) -> float:
+    """Seconds from arrival to the last token of a 1 s end-to-end request whose steps are filled
+    with a bulk prefill up to its pace (the bulk has no objective: optional work)."""
+    s, r, clock = _scheduler(finish_margin=finish_margin, adaptive_batch=False)
+    s.add_request("paced", [97] * 8, SamplingParams(max_tokens=30, ignore_eos=True), SLO(e2e_s=1.0))
+    for i in range(8):
+        s.add_request(f"bulk{i}", [98 + (i + j) % 20 for j in range(3000)],
+                      SamplingParams(max_tokens=1, ignore_eos=True))
+    times = _run(s, r, clock, 400)
+    assert len(times["paced"]) == 30
+    assert any(len(times.get(f"bulk{i}", [])) for i in range(8)), "the bulk must fill the steps"
+    return times["paced"][-1] - 1000.0
+
+
+def test_an_end_to_end_deadline_is_aimed_at_the_finish_margin_early():
+    """The plan paces a request to finish `finish_margin` of its objective early (the client also
+    counts the trip in and the last token's way out); without the margin it rides the deadline."""
+    without, with_margin = _paced_finish(0.0), _paced_finish(0.1)
+    assert 0.97 < without <= 1.0 + 1e-9, without
+    assert 0.85 < with_margin <= 0.9 + 1e-9, with_margin
