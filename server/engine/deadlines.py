@@ -11,6 +11,13 @@ with the measured step-cost model (seconds = overhead + per_token * tokens):
   (``max_tokens`` is an upper bound, so this errs early);
 - the smallest of those; infinite with no objective.
 
+A request that has already missed an objective for good (its TTFT deadline passed without a
+first token, or its end-to-end deadline passed) has infinite slack and no pace: under overload
+the lost requests would otherwise stay the most urgent of all and run every step, ahead of the
+ones that can still make it. Measured served at 3x capacity (9 paired runs): 30.3 of 60
+interactive requests met their objectives against 28.6 without, 6 pairs won and 3 lost; at 2x,
+no difference (45.0 against 44.6).
+
 A request whose slack is under the *horizon* (two steps of the full token budget: after
 skipping one step it still has one) must run; so must one that has not been computed for ``max_wait_s`` (since
 its arrival if never). That is the starvation bound: a running request is computed at least
@@ -132,6 +139,8 @@ class DeadlinePlan:
         its last token by finish_by. Slack banked by fast steps is spread evenly."""
         outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
         pace = math.inf
+        if self.missed(r):
+            return pace
         if r.tpot_s is not None and r.first_token_time is not None:
             last_due = r.first_token_time + r.tpot_s * (r.num_output_tokens + outputs - 1)
             pace = (last_due - now) / outputs
@@ -148,7 +157,9 @@ class DeadlinePlan:
         now, price = self.now, self.price
         pending = r.num_tokens - r.num_computed_tokens
         slack = math.inf
-        if r.first_token_time is None:
+        if self.missed(r):
+            pass  # no objective left to keep: served like a request without objectives
+        elif r.first_token_time is None:
             prefill = price.per_token_s * pending + -(-pending // self.chunk) * price.overhead_s
             if r.ttft_deadline is not None:
                 slack = r.ttft_deadline - now - prefill
@@ -157,11 +168,20 @@ class DeadlinePlan:
             if r.tpot_s is not None and pending <= 1:
                 slack = r.first_token_time + r.tpot_s * max(1, r.num_output_tokens) - now - self.full_step_s
         finish_by = self.finish_by(r)
-        if finish_by is not None:
+        if finish_by is not None and not self.missed(r):
             outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
             slack = min(slack, finish_by - now - prefill - outputs * self.full_step_s)
         self._slack[r.handle] = slack
         return slack
+
+    def missed(self, r: Request) -> bool:
+        """Has r already missed an objective for good: its TTFT deadline passed without a first
+        token, or its end-to-end deadline passed? Then it has no objective left to keep and is
+        served like a request without objectives (optional, under the starvation bound): run
+        ahead of the others it would only make them miss theirs too."""
+        now = self.now
+        return ((r.ttft_deadline is not None and r.first_token_time is None and now > r.ttft_deadline)
+                or (r.e2e_deadline is not None and now > r.e2e_deadline))
 
     def urgent(self, r: Request) -> bool:
         """Its slack is under the horizon: skipping it would put its objective at risk."""

@@ -149,3 +149,27 @@ def test_an_end_to_end_deadline_is_aimed_at_the_finish_margin_early():
     without, with_margin = _paced_finish(0.0), _paced_finish(0.1)
     assert 0.97 < without <= 1.0 + 1e-9, without
     assert 0.85 < with_margin <= 0.9 + 1e-9, with_margin
+
+
+def _tight_tpot_among_lost_requests(monkeypatch=None) -> float:
+    """Eight requests that missed their 10 ms end-to-end objective at once, beside one whose 5.85 ms
+    TPOT leaves no room for them (a step of all nine decodes takes 5.9 ms). Admission is off: it
+    would refuse the 10 ms requests outright."""
+    s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False, admission_control=False)
+    for i in range(8):
+        s.add_request(f"lost{i}", [97 + i] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(e2e_s=0.01))
+    s.add_request("tight", [120] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.00585))
+    times = _run(s, r, clock, 400)
+    assert all(len(times[f"lost{i}"]) > 10 for i in range(8)), "the lost requests are still served"
+    return _mean_tpot(times["tight"])
+
+
+def test_requests_that_missed_their_objectives_stop_running_ahead_of_live_ones():
+    assert _tight_tpot_among_lost_requests() <= 0.00585
+
+
+def test_without_the_demotion_lost_requests_break_a_live_tpot(monkeypatch):
+    from sloserve.engine.deadlines import DeadlinePlan
+
+    monkeypatch.setattr(DeadlinePlan, "missed", lambda self, r: False)
+    assert _tight_tpot_among_lost_requests() > 0.00585
