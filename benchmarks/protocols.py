@@ -4,7 +4,9 @@ One `sloserve serve` (both edges on one front end and engine) is started; for ea
 concurrency the same fixed workload is sent over the bidirectional gRPC Stream and over the
 OpenAI-compatible HTTP API (streamed /v1/completions), alternating protocols over --rounds
 rounds so that drift on a shared machine hits both alike; the median round is reported.
-Goal (issue 13): HTTP's TTFT p50 and output throughput within 10% of gRPC's.
+Goal (issue 13): HTTP's TTFT p50 and output throughput within 10% of gRPC's. At concurrency 1 it
+also times HTTP with a bare asyncio client, to tell the server's share of HTTP's TTFT from the
+load generator's (aiohttp).
 
     python benchmarks/protocols.py [--model default] [--workload fixed:64,32] [--requests 64] [--rounds 5]
 """
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import orjson
 from harness import free_port, machine, save
 from sloserve.bench import http_client
 from sloserve.bench.client import LoadSpec, connect, run_load, wait_ready
@@ -41,6 +44,32 @@ async def _http(url: str, items, spec: LoadSpec) -> dict:
         model = (await http_client.fetch_info(client)).get("model")
         result = await http_client.run_load(client, items, spec, id_prefix=f"h{time.monotonic_ns()}", model=model)
     return summarise(result.records, result.duration_s, None, None)
+
+
+async def _bare_http(port: int, items) -> float:
+    """TTFT p50 (ms) of `items` sent one at a time over one keep-alive connection by a bare
+    asyncio client (no aiohttp): the server's own share of HTTP's TTFT at concurrency 1."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    ttfts = []
+    try:
+        for item in items:
+            body = orjson.dumps({"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0,
+                                 "ignore_eos": True, "stream": True})
+            head = f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n" \
+                   f"content-length: {len(body)}\r\n\r\n"
+            sent, first, seen = time.perf_counter(), None, b""
+            writer.write(head.encode() + body)
+            while not seen.endswith(b"0\r\n\r\n"):  # the SSE body is chunked: its last chunk is empty
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection mid-response")
+                seen += data
+                if first is None and b"data: {" in seen:
+                    first = time.perf_counter() - sent
+            ttfts.append(first)
+    finally:
+        writer.close()
+    return statistics.median(ttfts) * 1e3
 
 
 def _figures(run: dict) -> dict:
@@ -78,9 +107,12 @@ def main() -> None:
             asyncio.run(_grpc(target, items, spec))  # warm-up: compile, caches, connections
             asyncio.run(_http(url, items, spec))
             runs: dict[str, list[dict]] = {"grpc": [], "http": []}
+            bare: list[float] = []
             for _ in range(args.rounds):
                 runs["grpc"].append(_figures(asyncio.run(_grpc(target, items, spec))))
                 runs["http"].append(_figures(asyncio.run(_http(url, items, spec))))
+                if concurrency == 1:
+                    bare.append(asyncio.run(_bare_http(http_port, items)))
             grpc_m, http_m = _median(runs["grpc"]), _median(runs["http"])
             ratio = {"ttft_p50": http_m["ttft_p50_ms"] / grpc_m["ttft_p50_ms"],
                      "output_tok_s": http_m["output_tok_s"] / grpc_m["output_tok_s"]}
@@ -88,6 +120,8 @@ def main() -> None:
             spread = {p: {k: (min(r[k] for r in runs[p]), max(r[k] for r in runs[p]))
                           for k in ("ttft_p50_ms", "output_tok_s")} for p in runs}
             results[f"c{concurrency}"]["spread"] = spread
+            if bare:
+                results[f"c{concurrency}"]["bare_http_ttft_p50_ms"] = {"median": statistics.median(bare), "rounds": bare}
             print(f"concurrency {concurrency:>2}: TTFT p50 gRPC {grpc_m['ttft_p50_ms']:.1f} ms, HTTP "
                   f"{http_m['ttft_p50_ms']:.1f} ms (x{ratio['ttft_p50']:.2f}); output tok/s gRPC "
                   f"{grpc_m['output_tok_s']:.0f}, HTTP {http_m['output_tok_s']:.0f} (x{ratio['output_tok_s']:.2f}); "
@@ -96,6 +130,9 @@ def main() -> None:
                 f"{p} TTFT p50 {lo:.1f}-{hi:.1f} ms, tok/s {tlo:.0f}-{thi:.0f}"
                 for p, ((lo, hi), (tlo, thi)) in ((p, (v["ttft_p50_ms"], v["output_tok_s"])) for p, v in spread.items())),
                 flush=True)
+            if bare:
+                print(f"    HTTP TTFT p50 with a bare asyncio client instead of aiohttp: {statistics.median(bare):.1f} ms "
+                      f"(x{statistics.median(bare) / grpc_m['ttft_p50_ms']:.2f} of gRPC)", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
