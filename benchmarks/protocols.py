@@ -64,6 +64,9 @@ async def _bare_http(port: int, items) -> float:
                 if not data:
                     raise ConnectionError("the server closed the connection mid-response")
                 seen += data
+                if not seen.startswith(b"HTTP/1.1 200") and len(seen) >= 12:
+                    status = seen.split(b"\r\n", 1)[0].decode(errors="replace")
+                    raise RuntimeError(f"the server answered {status!r}")
                 if first is None and b"data: {" in seen:
                     first = time.perf_counter() - sent
             ttfts.append(first)

@@ -115,7 +115,7 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
                                       slack_preemption=opts["slack_preemption"],
                                       admission_control=opts["admission_control"],
                                       max_wait_s=opts["max_wait_s"],
-                                      finish_margin=opts.get("finish_margin", 0.05)),
+                                      finish_margin=opts["finish_margin"]),
             server=server or ServerConfig(),
             parallel=ParallelConfig(tensor_parallel_size=opts.get("tensor_parallel_size", 1),
                                     nnodes=opts.get("nnodes", 1), node_rank=opts.get("node_rank", 0),

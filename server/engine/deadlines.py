@@ -178,8 +178,8 @@ class DeadlinePlan:
     def missed(self, r: Request) -> bool:
         """Has r already missed an objective for good: its TTFT deadline passed without a first
         token, or its end-to-end deadline passed? Then it has no objective left to keep and is
-        served like a request without objectives (optional, under the starvation bound): run
-        ahead of the others it would only make them miss theirs too."""
+        served like a request without objectives (optional, under the starvation bound): running
+        it ahead of the others would only make them miss theirs too."""
         now = self.now
         return ((r.ttft_deadline is not None and r.first_token_time is None and now > r.ttft_deadline)
                 or (r.e2e_deadline is not None and now > r.e2e_deadline))

@@ -8,6 +8,7 @@ measure the mechanism rather than a lucky workload.
 
 from __future__ import annotations
 
+from sloserve.engine.deadlines import DeadlinePlan
 from sloserve.engine.request import RequestStatus
 from sloserve.sampling_params import SLO, SamplingParams
 
@@ -151,7 +152,7 @@ def test_an_end_to_end_deadline_is_aimed_at_the_finish_margin_early():
     assert 0.85 < with_margin <= 0.9 + 1e-9, with_margin
 
 
-def _tight_tpot_among_lost_requests(monkeypatch=None) -> float:
+def _tight_tpot_among_lost_requests() -> float:
     """Eight requests that missed their 10 ms end-to-end objective at once, beside one whose 5.85 ms
     TPOT leaves no room for them (a step of all nine decodes takes 5.9 ms). Admission is off: it
     would refuse the 10 ms requests outright."""
@@ -169,7 +170,5 @@ def test_requests_that_missed_their_objectives_stop_running_ahead_of_live_ones()
 
 
 def test_without_the_demotion_lost_requests_break_a_live_tpot(monkeypatch):
-    from sloserve.engine.deadlines import DeadlinePlan
-
     monkeypatch.setattr(DeadlinePlan, "missed", lambda self, r: False)
     assert _tight_tpot_among_lost_requests() > 0.00585
