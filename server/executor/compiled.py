@@ -1,4 +1,4 @@
-"""The decode step of a dense model on the in-place paged kernel, eager or under torch.compile.
+"""The decode step on the in-place paged kernel, eager or under torch.compile.
 
 A decode-only step (one token per sequence, every sequence sampled) skips the general path's
 attention metadata: `InputBuilder.build_decode` fills persistent buffers padded to a batch
@@ -6,6 +6,10 @@ bucket, and `DecoderModel.decode` runs on them. Compiled, Inductor fuses the ele
 between the matmuls (norms, rope, SwiGLU, residuals) into generated C++ and the kernel stays one
 opaque custom operator; the batch dimension is dynamic, so one graph (plus batch 1, which
 torch specialises) covers every bucket, and `warm_up` compiles both at start-up.
+
+MoE models take the same path: their MoE layers run eagerly between compiled regions (a graph
+break per MoE layer; routing sets the shapes and which experts are resident), and their
+batches are not padded: a padding row would be routed and count as expert traffic.
 
 NOTE: on a CPU, compiling takes ~30 s per graph and pays only at small batches (where Python
 dispatch outweighs the matmuls); eager stays the default there (ModelConfig.enforce_eager).
@@ -39,8 +43,6 @@ def batch_buckets(max_seqs: int) -> list[int]:
 
 def decode_path_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     """Why decode steps cannot take the fast path (None when they can)."""
-    if model.spec.moe_layers:
-        return "MoE layers route tokens through the expert store"
     if not isinstance(model.backend, SdpaBackend) or model.backend.inplace is False:
         return f"the {model.backend.name} backend is named"
     if not paged.AVAILABLE:
@@ -57,6 +59,7 @@ class DecodeStep:
         self.model, self.kv = model, kv
         self.buckets = batch_buckets(max_seqs)
         self.compiled = compiled
+        self.pads = compiled and not model.spec.moe_layers
         self._fn: Callable[..., torch.Tensor] = model.decode
         if compiled:
             # NOTE: KV and the step inputs are views of one uint8 pool buffer. Inputs that share a
@@ -67,11 +70,11 @@ class DecodeStep:
             self.kv = torch.from_numpy(kv.numpy())
             # NOTE: dynamic batch: one graph for every bucket > 1 (batch 1 is specialised by torch).
             self._fn = torch.compile(functools.partial(model.decode, attend=paged.paged_write_and_attend),
-                                     dynamic=True, fullgraph=True)
+                                     dynamic=True, fullgraph=not model.spec.moe_layers)
 
     def bucket(self, num_seqs: int) -> int:
-        """The smallest bucket holding num_seqs rows (eager runs unpadded)."""
-        if not self.compiled:
+        """The smallest bucket holding num_seqs rows (eager and MoE run unpadded)."""
+        if not self.pads:
             return num_seqs
         for size in self.buckets:
             if size >= num_seqs:

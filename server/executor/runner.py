@@ -124,7 +124,7 @@ class ModelRunner:
         self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
                                   self.device, self.dtype, reduce)
         self.sampler = Sampler(self.device)
-        # Decode-only steps of a dense float32 model on a CPU take the in-place fast path; compiled
+        # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
         # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
         why_not = decode_path_reason(self.model, self.kv)
         compiled = mc.enforce_eager is False
@@ -152,9 +152,11 @@ class ModelRunner:
             return []
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step))
-        sampled, rows = [], None
         if isinstance(step, StepInputs):
             sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx
+        else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
+            sampled = [s.req_id for s in out.sequences]
+            rows = torch.arange(step.num_seqs, device=self.device)
         self.prefetcher.begin([s.req_id for s in out.sequences], sampled, rows)
         try:
             return self.sample(out, step, self.forward(step))

@@ -95,7 +95,11 @@ class DecoderModel:
         kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
         attend: Callable[..., torch.Tensor] = write_and_attend,
     ) -> torch.Tensor:  # [B, V] float32
-        """A decode step of a dense model: every row is sampled; attention reads the pages in place."""
+        """A decode step: every row is sampled; attention reads the pages in place.
+
+        MoE layers route through the expert store as in `forward` (under torch.compile they run
+        eagerly between the compiled regions: routing decides shapes and residency on the host).
+        """
         spec, w = self.spec, self.weights
         batch = input_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
@@ -110,8 +114,14 @@ class DecoderModel:
             v = v.reshape(batch, spec.num_kv_heads, spec.head_dim)
             attn = attend(q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale)
             h = h + self.reduce(F.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b))
-            h = h + self.reduce(_mlp(layer, rms_norm(h, layer.ln2, spec.rms_norm_eps)))
+            x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
+            h = h + self.reduce(self._eager_moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
         return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
+
+    @torch.compiler.disable
+    def _eager_moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """`_moe`, never traced: a compiled decode step breaks its graph here."""
+        return self._moe(i, layer, x)
 
     def _moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, layer.router_w)  # [T, E]

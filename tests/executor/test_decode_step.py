@@ -1,8 +1,9 @@
 """The decode fast path: persistent, bucket-padded inputs, eager and compiled, against the general path.
 
 Compiling costs tens of seconds on a CPU, so one module fixture compiles one tiny Llama once
-(batch buckets 1, 2, 4) and every compiled check reuses it; one more test compiles Qwen2 (biases).
-MoE models never take this path (their experts are routed eagerly through the expert store).
+(batch buckets 1, 2, 4) and every compiled check reuses it; one more test compiles each other
+family: Qwen2 (biases), Mixtral and Qwen2-MoE (their MoE layers run eagerly between compiled
+regions, and their batches are not padded), Mixtral also with only some experts resident.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ def test_buckets_are_powers_of_two_up_to_max_batch():
     assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def test_dense_cpu_runners_take_the_fast_path_and_others_do_not(eager, tiny_llama, tiny_mixtral, make_runner):
+def test_cpu_runners_take_the_fast_path_unless_a_backend_is_named(eager, tiny_llama, tiny_mixtral, make_runner):
     assert eager.info()["decode_step"] == "eager"
     step = eager.prepare(SchedulerOutput([ScheduledSequence("a", [5], 3, [1], True, GREEDY)]))
     assert isinstance(step, DecodeInputs)
+    assert make_runner(tiny_mixtral).decode_step is not None
     assert make_runner(tiny_llama, backend="reference").decode_step is None
-    assert make_runner(tiny_mixtral).decode_step is None
     with pytest.raises(ValueError, match="compiled decode step"):
-        make_runner(tiny_mixtral, enforce_eager=False)
+        make_runner(tiny_llama, backend="reference", enforce_eager=False)
 
 
 def test_persistent_block_tables_follow_content_not_just_request_ids(eager):
@@ -103,3 +104,21 @@ def test_compiled_qwen2_greedy_matches_transformers(tiny_qwen2, make_runner):
     runner.warmup()
     expected = hf_greedy(load_hf_model(tiny_qwen2), PROMPTS, NEW_TOKENS)
     assert generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=4) == expected
+
+
+@pytest.mark.parametrize("family, runner_kw", [
+    ("tiny_mixtral", {}),
+    ("tiny_qwen2_moe", {}),
+    ("tiny_mixtral", {"expert_slots_per_layer": 2}),
+], ids=["mixtral", "qwen2_moe", "mixtral-2-slots"])
+def test_compiled_moe_greedy_matches_transformers_and_eager(family, runner_kw, make_runner, request):
+    """Decode steps of MoE models: compiled and eager both equal transformers, batched and staggered."""
+    folder = request.getfixturevalue(family)
+    compiled = make_runner(folder, max_batch=4, enforce_eager=False, **runner_kw)
+    compiled.warmup()
+    eager = make_runner(folder, max_batch=4, **runner_kw)
+    assert compiled.info()["decode_step"] == "compiled" and eager.info()["decode_step"] == "eager"
+    assert compiled.decode_step.bucket(3) == 3  # a padding row would be routed to experts
+    expected = hf_greedy(load_hf_model(folder), PROMPTS, NEW_TOKENS)
+    assert generate(compiled, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=5) == expected
+    assert generate(eager, PROMPTS, NEW_TOKENS, seed=6) == expected
