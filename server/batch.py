@@ -5,6 +5,11 @@ One engine step = one SchedulerOutput. For each scheduled sequence the executor 
 the slots named by ``block_table`` (slot of position p = block_table[p // block_size] * block_size
 + p % block_size), attending causally to everything before them in the same block table, and,
 when ``sample`` is set, samples one next token from the logits of the last position.
+
+The one exception to writing: the first ``kv_present`` tokens already have their K/V in the
+block table (a prefix-cache hit on a block other requests share). They are computed for their
+logits only, and their K/V is written nowhere (to the null page), so a shared block is never
+modified.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class ScheduledSequence:
     sample: bool  # True when this chunk ends at the last known token: sample the next one
     sampling: SamplingParams
     num_generated: int = 0  # output tokens produced so far (for repetition-free bookkeeping/seeds)
+    kv_present: int = 0  # leading tokens whose K/V the block table already holds: not written (see above)
 
 
 @dataclass(slots=True)

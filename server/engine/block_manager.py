@@ -5,12 +5,18 @@ Prefix reuse: full block i of a request is identified by the chained hash
 prefix up to the end of its block. The allocator maps hash -> block id; a hit is only taken
 when the stored tokens of that block equal the request's tokens (a hash collision is a miss).
 Shared blocks are reference counted by the allocator; a freed hashed block stays cached
-(evictable, LRU) until its memory is needed. A hit never covers the last token of a request,
-so at least one token is computed and its logits can be sampled::
+(evictable, LRU) until its memory is needed. At least one token of a request is computed, so
+its logits can be sampled::
 
     tokens:  |-- block 0 --|-- block 1 --|-- block 2 --|-- partial --|
-    hit:     |<===== cached (full blocks) =====>|       (capped at (num_tokens - 1) // block_size)
+    hit:     |<===== cached (full blocks) =====>|       (at most num_tokens // block_size blocks)
     compute:                                    |<-- chunked prefill -->|
+
+When the hit covers every token (a block-aligned prompt seen before: repeated attempts at one
+ARC task), only the last token is computed again, for its logits: `hit_tokens` is then
+num_tokens - 1 and the scheduler marks that token `kv_present` (its K/V stays as the shared block
+holds it; nothing is written there). Recomputing the whole last block instead would cost a
+block of prefill per repeated prompt.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class BlockManager:
         blocks: list[int] = []
         hashes: list[int] = []
         parent = _ROOT_HASH
-        for i in range((len(tokens) - 1) // bs):
+        for i in range(len(tokens) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(parent, chunk)
             block = alloc.lookup(h)
@@ -81,12 +87,16 @@ class BlockManager:
             parent = h
         return blocks, hashes, None
 
+    def hit_tokens(self, blocks: Sequence[int], num_tokens: int) -> int:
+        """Tokens a hit of `blocks` spares computing: all of them but the request's last token."""
+        return min(len(blocks) * self.block_size, num_tokens - 1)
+
     def is_pending(self, block_hash: int | None) -> bool:
         """True when a scheduled (not yet finished) step is computing the block with this hash."""
         return block_hash is not None and block_hash in self._pending
 
     def acquire_prefix(self, req: Request, blocks: list[int], hashes: list[int]) -> int:
-        """Give a request with no blocks the hit blocks; returns the number of cached tokens."""
+        """Give a request with no blocks the hit blocks; returns the number of tokens not to compute."""
         assert not req.block_table, "prefix hits are taken before any block is allocated"
         alloc = self.allocator
         for block in blocks:
@@ -97,11 +107,11 @@ class BlockManager:
         if self.prefix_cache:
             for _ in blocks:
                 alloc.record_lookup(True)
-            if len(blocks) < (req.num_tokens - 1) // self.block_size:
+            if len(blocks) < req.num_tokens // self.block_size:
                 alloc.record_lookup(False)
         req.block_table = list(blocks)
         req.block_hashes = list(hashes)
-        return len(blocks) * self.block_size
+        return self.hit_tokens(blocks, req.num_tokens)
 
     def mark_pending(self, req: Request, end: int) -> None:
         """Record the full blocks this step will finish for `req` (tokens [0, end) computed)."""

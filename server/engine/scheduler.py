@@ -90,7 +90,8 @@ class Scheduler:
                       priority)
         cached = 0
         if self.admission.enabled:
-            cached = len(self.block_manager.find_prefix(req.all_token_ids)[0]) * self.block_size
+            cached = self.block_manager.hit_tokens(self.block_manager.find_prefix(req.all_token_ids)[0],
+                                                   req.num_tokens)
         self.admission.check_new(req, now, self.running, self.waiting, len(self.waiting),
                                  self._batch_target(extra=1), cached)
         if self.decode is not None:
@@ -213,7 +214,7 @@ class Scheduler:
                 blocks, hashes, next_hash = bm.find_prefix(req.all_token_ids)
                 if bm.is_pending(next_hash):
                     continue  # its next block is being computed right now: hit it next step
-                cached = len(blocks) * self.block_size
+                cached = bm.hit_tokens(blocks, req.num_tokens)
                 n = self._chunk(req, budget, first=not out.sequences, computed=cached)
                 if plan is not None:
                     n = self._fit(plan, req, n)
@@ -431,11 +432,14 @@ class Scheduler:
                         plan: DeadlinePlan | None = None) -> None:
         start = req.num_computed_tokens
         end = start + n
-        self.block_manager.mark_pending(req, end)
+        bm = self.block_manager
+        bm.mark_pending(req, end)
+        # Hashed blocks hold computed K/V; past `start` only when a hit covered the last token.
+        kv_present = max(0, len(req.block_hashes) * self.block_size - start)
         out.sequences.append(ScheduledSequence(
             req_id=req.request_id, token_ids=req.all_token_ids[start:end], start_pos=start,
-            block_table=req.block_table[:self.block_manager.blocks_for(end)],
-            sample=end == req.num_tokens, sampling=req.sampling, num_generated=req.num_output_tokens))
+            block_table=req.block_table[:bm.blocks_for(end)], sample=end == req.num_tokens,
+            sampling=req.sampling, num_generated=req.num_output_tokens, kv_present=kv_present))
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.last_scheduled_time = now

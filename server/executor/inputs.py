@@ -126,6 +126,9 @@ class InputBuilder:
             raise ValueError(f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
                              f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}")
         slots = tables[np.arange(num_seqs), pos // page].astype(np.int64) * page + pos % page
+        for i, seq in enumerate(seqs):
+            if seq.kv_present:  # its K/V is in a shared block already: write to the null page
+                slots[i] = 0
         for name, value, pad in (("token_ids", tokens, 0), ("positions", pos, 0), ("slot_mapping", slots, 0),
                                  ("seq_lens", pos + 1, 1)):
             buf = host[name]
@@ -181,6 +184,10 @@ class InputBuilder:
         if int(arrays.block_tables.max()) >= self.num_pages or int(arrays.block_tables.min()) < 0:
             raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
                              f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}")
+        for i, seq in enumerate(seqs):
+            if seq.kv_present:  # K/V already in a shared block: write these tokens to the null page
+                first = int(arrays.cu_seqlens_q[i])
+                arrays.slot_mapping[first:first + seq.kv_present] = 0
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
         values = {

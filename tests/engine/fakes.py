@@ -91,7 +91,13 @@ class FakeRunner:
             for i, token in enumerate(seq.token_ids):
                 pos = seq.start_pos + i
                 state = _mix(state, token, pos)
-                self.kv[self._slot(seq.block_table, pos)] = state
+                slot = self._slot(seq.block_table, pos)
+                if i < seq.kv_present:  # a shared block holds it: never written, and it must be right
+                    if self.kv[slot] != state:
+                        raise AssertionError(f"{seq.req_id}: position {pos} is marked kv_present but its slot "
+                                             f"holds {self.kv[slot]}, not {state}")
+                    continue
+                self.kv[slot] = state
             if seq.sample:
                 sampled.append(self.next_token(state))
         return sampled

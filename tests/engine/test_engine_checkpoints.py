@@ -11,7 +11,7 @@ from sloserve import LLM, SamplingParams
 from sloserve.engine import AsyncEngine
 from sloserve.llm import build_config
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 4
@@ -57,6 +57,34 @@ def test_a_prefix_hit_gives_the_tokens_of_a_cold_run(checkpoint):
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 40 and other.num_cached_tokens == 40
     assert warm.token_ids == cold.token_ids
     assert other.token_ids == _solo(checkpoint, [shared[:40] + [1, 2]], [params])[0]
+
+
+def test_repeated_block_aligned_prompts_compute_one_token_and_keep_the_shared_blocks_intact(checkpoint):
+    """Attempts at one prompt of exactly 10 blocks: the warm ones compute only the last token (its
+    K/V stays in the shared block), batched or alone, and give the cold run's tokens; a prompt
+    that extends the prefix afterwards still gets the tokens of a run alone, so nothing wrote
+    into the shared blocks."""
+    prompt = _prompts(1, seed=4)[0] * 3
+    prompt = (prompt * 2)[:10 * BLOCK]
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    with LLM(checkpoint, device="cpu", max_model_len=128, block_size=BLOCK, max_batch=8) as llm:
+        cold = llm.generate([prompt], params)[0]
+        runner, bm = llm.engine.runner, llm.engine.scheduler.block_manager
+        shared = bm.find_prefix(prompt)[0]
+        kv_before = runner.kv[:, :, shared].clone()
+        alone = llm.generate([prompt], params)[0]
+        assert torch.equal(runner.kv[:, :, shared], kv_before)
+        # beside a fresh prompt's prefill: a mixed step, the general path (alone: the decode path)
+        batched = llm.generate([prompt] * 4 + [[5, 6, 7]],
+                               [SamplingParams(max_tokens=5 + i, ignore_eos=True) for i in range(5)])[:4]
+        assert torch.equal(runner.kv[:, :, shared], kv_before)
+        longer = llm.generate([prompt + [1, 2]], params)[0]
+    assert cold.num_cached_tokens == 0 and alone.num_cached_tokens == len(prompt) - 1
+    assert {o.num_cached_tokens for o in batched} == {len(prompt) - 1}
+    assert alone.token_ids == cold.token_ids == _solo(checkpoint, [prompt], [params])[0]
+    assert [o.token_ids for o in batched] == [cold.token_ids[:5 + i] for i in range(4)]
+    assert longer.num_cached_tokens == len(prompt)
+    assert longer.token_ids == _solo(checkpoint, [prompt + [1, 2]], [params])[0]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

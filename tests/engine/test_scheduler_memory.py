@@ -120,19 +120,42 @@ def test_tight_memory_gives_the_same_tokens_as_running_alone(mode, policy, prefi
 
 def test_prefix_hit_serves_full_blocks_and_computes_at_least_the_last_token():
     s, r, _ = make_scheduler(max_batch=8, adaptive_batch=False)
-    prompt = [ord(c) for c in "abcdefghijkl"]  # exactly 3 blocks of 4
+    prompt = [ord(c) for c in "abcdefghijk"]  # 2 full blocks of 4 and 3 tokens
     s.add_request("cold", prompt, SamplingParams(max_tokens=4))
     cold = tokens_of(drain(s, r)["cold"])
     s.add_request("warm", prompt, SamplingParams(max_tokens=4))
     out = s.schedule()
     seq = out.sequences[0]
-    assert (seq.start_pos, seq.token_ids) == (8, prompt[8:])  # 2 blocks hit, the last block computed
-    outputs = s.update(out, r.execute(out))
-    outputs += drain(s, r)["warm"]
+    assert (seq.start_pos, seq.token_ids, seq.kv_present) == (8, prompt[8:], 0)  # the partial block computed
+    outputs = s.update(out, r.execute(out)) + drain(s, r)["warm"]
     assert tokens_of(outputs) == cold == reference_tokens(r, prompt, 4)
     assert outputs[-1].num_cached_tokens == 8
-    assert s.prefix_hit_tokens_total == 8 and s.prompt_tokens_total == 24
-    assert s.computed_prompt_tokens_total == 16
+    assert_all_free(s)
+
+
+def test_a_block_aligned_prompt_seen_before_computes_only_its_last_token_and_writes_no_shared_block():
+    """Repeated attempts at one prompt: the hit covers every token, so only the last one is
+    computed again (for its logits), marked kv_present: the fake runner checks that its shared
+    slot already holds what computing it gives, and writes nothing there."""
+    s, r, _ = make_scheduler(max_batch=8, adaptive_batch=False)
+    prompt = [ord(c) for c in "abcdefghijkl"]  # exactly 3 blocks of 4
+    s.add_request("cold", prompt, SamplingParams(max_tokens=4))
+    cold = tokens_of(drain(s, r)["cold"])
+    shared = list(s.block_manager.find_prefix(prompt)[0])
+    assert len(shared) == 3
+    before = r.kv[:]
+    s.add_request("warm", prompt, SamplingParams(max_tokens=4))
+    out = s.schedule()
+    seq = out.sequences[0]
+    assert (seq.start_pos, seq.token_ids, seq.kv_present) == (11, prompt[11:], 1)
+    assert seq.block_table == shared
+    outputs = s.update(out, r.execute(out))
+    assert r.kv == before  # the shared blocks are untouched
+    outputs += drain(s, r)["warm"]
+    assert tokens_of(outputs) == cold == reference_tokens(r, prompt, 4)
+    assert outputs[-1].num_cached_tokens == 11
+    assert s.prefix_hit_tokens_total == 11 and s.prompt_tokens_total == 24
+    assert s.computed_prompt_tokens_total == 13
     assert_all_free(s)
     assert s.block_manager.num_cached > 0
 
