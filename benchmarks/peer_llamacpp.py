@@ -1,0 +1,160 @@
+"""sloserve vs llama.cpp's `llama-server` on one checkpoint, side by side: per-token cost (issue 14).
+
+The workload of issue 14's table: a hidden-256 Llama (4 layers, 4 heads, 2 KV heads, FFN 704,
+byte-level tokenizer, float32), 48 ARC requests with prompts of at most 1,500 characters, exactly
+48 output tokens each (EOS ignored), closed loop at concurrency 1, 4 and 16. Both servers run
+on the same CPUs, one at a time, each started fresh for every run (so neither keeps a prompt
+cache from the run before); the two alternate, and the first to run switches every round.
+
+    python benchmarks/peer_llamacpp.py [--rounds 2] [--concurrency 1 4 16]
+
+The peer must be built once (`../shared/peer/llamacpp/build.sh`, see its README; ~10 min). This
+script makes the checkpoint with the peer's `make_checkpoint.py` and converts it to GGUF with its
+`convert.py` (once, under PEER_DIR/models), proves the two serve the same model with its
+`check_equal.py`, then drives llama-server with its `bench_client.py` and sloserve with
+`sloserve bench`. Both clients report the same fields; output tokens per second is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import ServerProcess, arc_pool, free_port, machine, save
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_SCRIPTS = ROOT.parent / "shared" / "peer" / "llamacpp"
+PEER_DIR = Path(os.environ.get("PEER_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "sloserve-peer" / "llamacpp")
+SLOSERVE = Path(sys.executable).with_name("sloserve")
+
+
+def ensure_checkpoint() -> tuple[Path, Path]:
+    """The Hugging Face folder and its GGUF, made (and converted) when the folder is missing."""
+    folder, gguf = PEER_DIR / "models" / "small", PEER_DIR / "models" / "small-f32.gguf"
+    if not (folder / "config.json").is_file() or not gguf.is_file():
+        subprocess.run([sys.executable, PEER_SCRIPTS / "make_checkpoint.py", folder], check=True)
+        subprocess.run([PEER_DIR / "venv" / "bin" / "python", PEER_SCRIPTS / "convert.py", folder, gguf,
+                        "--llama-cpp", PEER_DIR / "llama.cpp"], check=True)
+    return folder, gguf
+
+
+def write_workload(path: Path, num_requests: int, max_chars: int, max_tokens: int) -> str:
+    """num_requests ARC prompts of at most max_chars, each asking for exactly max_tokens."""
+    spec, items = arc_pool(0, max_chars, max_tokens)
+    if len(items) < num_requests:
+        raise SystemExit(f"{spec} has only {len(items)} prompts of at most {max_chars} characters")
+    with path.open("w") as f:
+        for item in items[:num_requests]:
+            f.write(json.dumps({"prompt": item.prompt, "max_tokens": max_tokens}) + "\n")
+    return spec
+
+
+class Peer:
+    """llama-server through the peer's serve.sh (16 slots, float32 KV, no flash attention)."""
+
+    def __init__(self, gguf: Path) -> None:
+        self.gguf, self.port = gguf, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Peer:
+        env = {**os.environ, "PORT": str(self.port), "PEER_DIR": str(PEER_DIR)}
+        subprocess.run(["bash", PEER_SCRIPTS / "serve.sh", self.gguf], check=True, env=env, stdout=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["bash", PEER_SCRIPTS / "serve.sh", "stop"], check=False,
+                       env={**os.environ, "PEER_DIR": str(PEER_DIR)})
+
+
+def bench_peer(gguf: Path, workload: Path, concurrency: int, max_tokens: int) -> dict:
+    with Peer(gguf) as peer:
+        out = subprocess.run([PEER_DIR / "venv" / "bin" / "python", PEER_SCRIPTS / "bench_client.py", workload,
+                              "--url", peer.url, "--concurrency", str(concurrency), "--max-tokens", str(max_tokens)],
+                             check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: int) -> dict:
+    with ServerProcess("full", str(folder), log_path=Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log") \
+            as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
+        server.wait_ready()
+        subprocess.run([SLOSERVE, "bench", "--server", server.target, "--workload", f"jsonl:{workload}",
+                        "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos",
+                        "--json", report.name], check=True, stdout=subprocess.DEVNULL)
+        return json.loads(Path(report.name).read_text())["runs"][0]  # one unpaced run
+
+
+def check_same_model(folder: Path, gguf: Path, workload: Path) -> str:
+    """The peer's check_equal.py: identical token ids, greedy tokens and log-probabilities."""
+    with Peer(gguf) as peer:
+        done = subprocess.run([PEER_DIR / "venv" / "bin" / "python", PEER_SCRIPTS / "check_equal.py", folder,
+                               "--url", peer.url, "--workload", workload], capture_output=True, text=True)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+    if done.returncode != 0:
+        raise SystemExit(f"llama-server does not serve the same model: {summary}")
+    return summary
+
+
+def _p50(report: dict, key: str) -> float | None:
+    value = report.get(key)
+    return value.get("p50") if isinstance(value, dict) else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side per concurrency")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-prompt-chars", type=int, default=1500)
+    args = parser.parse_args()
+    if not (PEER_DIR / "build" / "bin" / "llama-server").is_file():
+        raise SystemExit(f"llama-server is not built under {PEER_DIR}: run `bash {PEER_SCRIPTS / 'build.sh'}` once "
+                         "(see its README), or set PEER_DIR")
+    print(f"load average {os.getloadavg()[0]:.2f} (measure on a quiet machine)")
+    folder, gguf = ensure_checkpoint()
+    workload = PEER_DIR / "peer_workload.jsonl"
+    spec = write_workload(workload, args.requests, args.max_prompt_chars, args.max_tokens)
+    same = check_same_model(folder, gguf, workload)
+    print(f"same model: {same}")
+    runs: dict[int, dict[str, list[dict]]] = {}
+    started = time.monotonic()
+    for c in args.concurrency:
+        sides: dict[str, list[dict]] = {"sloserve": [], "llama-server": []}
+        for r in range(args.rounds):
+            order = ("sloserve", "llama-server") if r % 2 == 0 else ("llama-server", "sloserve")
+            for side in order:
+                bench = bench_sloserve if side == "sloserve" else bench_peer
+                report = bench(folder if side == "sloserve" else gguf, workload, c, args.max_tokens)
+                sides[side].append(report)
+                print(f"  c={c:<3} round {r} {side:<12} {report['output_token_throughput']:7.0f} output tok/s, "
+                      f"TTFT p50 {(_p50(report, 'ttft_s') or 0) * 1e3:6.1f} ms", flush=True)
+        runs[c] = sides
+    print(f"\n{'concurrency':>11} {'sloserve tok/s':>16} {'llama-server tok/s':>19} {'ratio':>7}   (median of "
+          f"{args.rounds} fresh runs each; {time.monotonic() - started:.0f} s)")
+    rows = []
+    for c, sides in runs.items():
+        ours = statistics.median(r["output_token_throughput"] for r in sides["sloserve"])
+        theirs = statistics.median(r["output_token_throughput"] for r in sides["llama-server"])
+        rows.append({"concurrency": c, "sloserve_tok_s": ours, "llama_server_tok_s": theirs, "ratio": ours / theirs,
+                     "sloserve_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0 for r in sides["sloserve"]),
+                     "llama_server_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0
+                                                                  for r in sides["llama-server"])})
+        print(f"{c:>11} {ours:>16.0f} {theirs:>19.0f} {ours / theirs:>6.2f}x")
+    path = save("peer_llamacpp", {"benchmark": "peer_llamacpp", "workload": spec, "requests": args.requests,
+                                  "max_tokens": args.max_tokens, "max_prompt_chars": args.max_prompt_chars,
+                                  "same_model": same, "machine": machine(), "load_average": os.getloadavg(),
+                                  "rows": rows, "runs": {str(c): s for c, s in runs.items()}})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
