@@ -62,9 +62,13 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
     const ptrdiff_t stride = hkv * dim; /* floats between consecutive positions of one page */
     for (ptrdiff_t b = 0; b < (seq_len + page - 1) / page; b++)
         if (table[b] < 0 || table[b] >= num_pages) return -1;
-    for (ptrdiff_t p = 0; p < seq_len; p++) { /* one pass over K: every query head of the group */
-        const float *row = k_cache + ((ptrdiff_t)table[p / page] * page + p % page) * stride + kv_head * dim;
-        for (ptrdiff_t g = 0; g < group; g++) scores[g * seq_len + p] = sloserve_dot(q + g * dim, row, dim) * scale;
+    const ptrdiff_t num_blocks = (seq_len + page - 1) / page;
+    for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
+        const float *rows = k_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
+        const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
+        for (ptrdiff_t j = 0; j < n; j++)
+            for (ptrdiff_t g = 0; g < group; g++)
+                scores[g * seq_len + first + j] = sloserve_dot(q + g * dim, rows + j * stride, dim) * scale;
     }
     for (ptrdiff_t g = 0; g < group; g++) { /* softmax, running maximum subtracted */
         float *s = scores + g * seq_len, m = s[0], acc[SLOSERVE_LANES] = {0};
@@ -80,13 +84,15 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
         for (ptrdiff_t p = 0; p < seq_len; p++) s[p] *= inv;
         for (ptrdiff_t d = 0; d < dim; d++) out[g * dim + d] = 0.0f;
     }
-    for (ptrdiff_t p = 0; p < seq_len; p++) { /* one pass over V */
-        const float *row = v_cache + ((ptrdiff_t)table[p / page] * page + p % page) * stride + kv_head * dim;
-        for (ptrdiff_t g = 0; g < group; g++) {
-            const float w = scores[g * seq_len + p];
-            float *o = out + g * dim;
-            for (ptrdiff_t d = 0; d < dim; d++) o[d] += w * row[d];
-        }
+    for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over V, in the same position order */
+        const float *rows = v_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
+        const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
+        for (ptrdiff_t j = 0; j < n; j++)
+            for (ptrdiff_t g = 0; g < group; g++) {
+                const float w = scores[g * seq_len + first + j], *row = rows + j * stride;
+                float *o = out + g * dim;
+                for (ptrdiff_t d = 0; d < dim; d++) o[d] += w * row[d];
+            }
     }
     return 0;
 }
