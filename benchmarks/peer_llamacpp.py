@@ -1,7 +1,7 @@
 """sloserve vs llama.cpp's `llama-server` on one checkpoint, side by side: per-token cost (issue 14).
 
 The workload of issue 14's table: a hidden-256 Llama (4 layers, 4 heads, 2 KV heads, FFN 704,
-byte-level tokenizer, float32), 48 ARC requests with prompts of at most 1,500 characters, exactly
+byte-level tokenizer, float32), 48 distinct ARC prompts of at most 1,500 characters, exactly
 48 output tokens each (EOS ignored), closed loop at concurrency 1, 4 and 16. Both servers run
 on the same CPUs, one at a time, each started fresh for every run (so neither keeps a prompt
 cache from the run before); the two alternate, and the first to run switches every round.
@@ -47,13 +47,17 @@ def ensure_checkpoint() -> tuple[Path, Path]:
 
 
 def write_workload(path: Path, num_requests: int, max_chars: int, max_tokens: int) -> str:
-    """num_requests ARC prompts of at most max_chars, each asking for exactly max_tokens."""
+    """num_requests distinct ARC prompts of at most max_chars, each asking for exactly max_tokens.
+
+    Distinct: the trace lists two attempts per test input, and a repeated prompt is a prefix-cache
+    hit for both servers, which would measure the caches instead of the per-token cost."""
     spec, items = arc_pool(0, max_chars, max_tokens)
-    if len(items) < num_requests:
-        raise SystemExit(f"{spec} has only {len(items)} prompts of at most {max_chars} characters")
+    prompts = list(dict.fromkeys(item.prompt for item in items))
+    if len(prompts) < num_requests:
+        raise SystemExit(f"{spec} has only {len(prompts)} distinct prompts of at most {max_chars} characters")
     with path.open("w") as f:
-        for item in items[:num_requests]:
-            f.write(json.dumps({"prompt": item.prompt, "max_tokens": max_tokens}) + "\n")
+        for prompt in prompts[:num_requests]:
+            f.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
     return spec
 
 
@@ -87,6 +91,7 @@ def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: i
             as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
         server.wait_ready()
         subprocess.run([SLOSERVE, "bench", "--server", server.target, "--workload", f"jsonl:{workload}",
+                        "--num-requests", str(sum(1 for _ in workload.open())),  # each line once (not 200)
                         "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos",
                         "--json", report.name], check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(report.name).read_text())["runs"][0]  # one unpaced run
