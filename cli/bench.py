@@ -128,11 +128,18 @@ def bench(server, url, workload, attempts, max_tokens, num_requests, duration, r
         raise BenchInputError(f"--url must start with http:// or https://, got {url!r}")
     slo = _slo(slo_ttft, slo_tpot, slo_e2e)
     workload = workload or default_workload()
-    if num_requests is None and duration is None:
+    defaulted = num_requests is None and duration is None
+    if defaulted:
         num_requests = DEFAULT_REQUESTS
     try:
         items = load_workload(workload, seed=seed, attempts=attempts,
                               num_requests=None if duration is not None else num_requests)
+        if defaulted and workload.startswith(("jsonl:", "arc:")):  # read from a file: repeated to fill
+            held = len(load_workload(workload, seed=seed, attempts=attempts))
+            if held < num_requests:
+                click.echo(f"note: {workload} holds {held} requests, so the default {num_requests} repeat them "
+                           f"(a repeated prompt can hit the prefix cache); --num-requests {held} sends each once",
+                           err=True)
         if max_tokens is not None:
             if max_tokens < 1:
                 raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")

@@ -114,3 +114,17 @@ def test_one_class_prints_no_class_table(fake_target, tmp_path):
     assert "SLO class" not in result.output
     (run,) = orjson.loads(out_json.read_bytes())["runs"]
     assert list(run["classes"]) == ["no objective"]
+
+
+def test_a_file_workload_repeated_to_the_default_count_says_so(fake_target, tmp_path):
+    """A 3-line JSONL under the default 200 requests is sent ~67 times over: the user is told, once."""
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(orjson.dumps({"prompt": f"p{i}", "max_tokens": 2}).decode() + "\n" for i in range(3)))
+    noted = CliRunner().invoke(bench, ["--server", fake_target, "--workload", f"jsonl:{path}",
+                                                      "--concurrency", "8"])
+    assert noted.exit_code == 0, noted.output
+    assert "holds 3 requests, so the default 200 repeat them" in noted.stderr
+    assert "--num-requests 3 sends each once" in noted.stderr
+    once = CliRunner().invoke(bench, ["--server", fake_target, "--workload", f"jsonl:{path}",
+                                                     "--num-requests", "3"])
+    assert once.exit_code == 0 and "repeat" not in once.stderr
