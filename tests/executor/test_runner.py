@@ -200,3 +200,22 @@ def test_staged_inputs_equal_direct_inputs(runner):
         assert x.tolist() == y.tolist()
     assert b.input_ids.data_ptr() != staged._staging["token_ids"].data_ptr()
     assert a.sampled == b.sampled == [0, 1]
+
+
+def test_small_cpu_steps_run_on_one_thread_and_large_ones_on_all(tiny_llama, make_runner, monkeypatch):
+    """Steps under SERIAL_STEP_MACS (tokens x parameters) switch torch to one thread, larger ones
+    back to the start-up count; the tokens do not depend on it."""
+    from sloserve.executor import runner as runner_module
+
+    threads = torch.get_num_threads()
+    r = make_runner(tiny_llama)
+    r._cpu_threads = r._threads_now = 2  # as on a 2-core machine, whatever this one has
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(runner_module, "SERIAL_STEP_MACS", 8 * r._num_params)  # at most 8 tokens: one thread
+    greedy = SamplingParams(max_tokens=1)
+    r.execute(SchedulerOutput([ScheduledSequence("a", [5], 3, [1], True, greedy)]))
+    r.execute(SchedulerOutput([ScheduledSequence("b", list(range(1, 13)), 0, [2, 3, 4], True, greedy)]))
+    r.execute(SchedulerOutput([ScheduledSequence("c", [6], 3, [5], True, greedy)]))
+    assert calls == [1, 2, 1]
+    assert torch.get_num_threads() == threads  # set_num_threads was only recorded here
