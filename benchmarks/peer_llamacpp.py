@@ -11,8 +11,9 @@ cache from the run before); the two alternate, and the first to run switches eve
 The peer must be built once (`../shared/peer/llamacpp/build.sh`, see its README; ~10 min). This
 script makes the checkpoint with the peer's `make_checkpoint.py` and converts it to GGUF with its
 `convert.py` (once, under PEER_DIR/models), proves the two serve the same model with its
-`check_equal.py`, then drives llama-server with its `bench_client.py` and sloserve with
-`sloserve bench`. Both clients report the same fields; output tokens per second is compared.
+`check_equal.py`, then drives llama-server with its `bench_client.py` and sloserve (started
+with `sloserve serve` and its defaults, as a user would) with `sloserve bench`. Both clients
+report the same fields; output tokens per second is compared.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import ServerProcess, arc_pool, free_port, machine, save
+from harness import arc_pool, free_port, machine, ready_info, run, save
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPTS = ROOT.parent / "shared" / "peer" / "llamacpp"
@@ -86,10 +88,28 @@ def bench_peer(gguf: Path, workload: Path, concurrency: int, max_tokens: int) ->
     return json.loads(out.strip().splitlines()[-1])
 
 
+class Sloserve:
+    """`sloserve serve` with its defaults, exactly as a user starts it (the CLI's OpenMP settings too)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.target = f"127.0.0.1:{free_port()}"
+        self.log = open(Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([SLOSERVE, "serve", "--model", folder, "--device", "cpu", "--port",
+                                      self.target.rsplit(":", 1)[1], "--metrics-port", "off", "--http-port", "off"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> Sloserve:
+        run(ready_info(self.target, 300.0))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+        self.log.close()
+
+
 def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: int) -> dict:
-    with ServerProcess("full", str(folder), log_path=Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log") \
-            as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
-        server.wait_ready()
+    with Sloserve(folder) as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
         subprocess.run([SLOSERVE, "bench", "--server", server.target, "--workload", f"jsonl:{workload}",
                         "--num-requests", str(sum(1 for _ in workload.open())),  # each line once (not 200)
                         "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos",
