@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -32,7 +31,7 @@ log = logging.getLogger(__name__)
 # cores, PASSIVE, 800-token contexts: a 3M-parameter Llama's decode step of 4 sequences took
 # 2.4 ms on one thread against 3.9 ms on two (equal at 1 and 16 sequences); a 40M one's of 1 and 4
 # sequences 11.3 / 19.9 ms against 11.5 / 22.9 ms.
-SERIAL_STEP_MACS = int(os.environ.get("SLOSERVE_SERIAL_MACS", 1 << 28))
+SERIAL_STEP_MACS = 1 << 28
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
