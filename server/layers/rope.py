@@ -10,6 +10,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+from sloserve.hotpath import USING_EXTENSIONS
+
+try:
+    if not USING_EXTENSIONS:
+        raise ImportError("SLOSERVE_NO_EXTENSIONS forces the torch ops")
+    from sloserve.hotpath._cpu_ops import rope as _kernel
+except ImportError:  # not built, or forced off: the torch ops in apply_rope
+    _kernel = None
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -56,7 +64,26 @@ def rope_tables(rope: RopeSpec, head_dim: int, max_positions: int, device, dtype
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x[T, H, D] rotated by cos/sin [T, D]: x * cos + rotate_half(x) * sin."""
+    """x[T, H, D] rotated by cos/sin [T, D]: x * cos + rotate_half(x) * sin.
+
+    float32 on a CPU takes the one-call kernel (`sloserve.hotpath._cpu_ops`, the same bits);
+    everything else, and anything torch.compile traces, the torch ops below.
+    """
+    if _kernel is not None and _fits(x, cos, sin):
+        tokens, heads, dim = x.shape
+        out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+        _kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, dim)
+        return out
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernel can run these tensors: heads contiguous within each token's row."""
+    if x.device.type != "cpu" or x.dim() != 3 or torch.compiler.is_compiling():
+        return False
+    tokens, heads, dim = x.shape
+    return (x.dtype == cos.dtype == sin.dtype == torch.float32 and dim % 2 == 0 and x.stride(2) == 1
+            and x.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == sin.shape == (tokens, dim))

@@ -1,0 +1,59 @@
+"""The CPU RMSNorm and rotary kernels (`sloserve.hotpath._cpu_ops`) against their torch twins."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from sloserve.layers import norm, rope  # noqa: E402
+
+pytestmark = pytest.mark.skipif(norm._kernel is None or rope._kernel is None,
+                                reason="the compiled extensions are not built (or SLOSERVE_NO_EXTENSIONS)")
+
+
+def torch_rms_norm(x, weight, eps):
+    xf = x.double()
+    return (weight.double() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).float()
+
+
+def torch_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 256), (3, 7), (64, 704), (5, 8), (2, 1)])
+def test_rms_norm_matches_float64_within_float32_rounding(rows, dim):
+    gen = torch.Generator().manual_seed(rows * 1000 + dim)
+    x = torch.randn(rows, dim, generator=gen) * 3
+    weight = torch.randn(dim, generator=gen)
+    got = norm.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-5), rtol=2e-6, atol=2e-6)
+    traced = norm.rms_norm(x.t().contiguous().t(), weight, 1e-5) if rows > 1 else got  # strided: torch ops
+    torch.testing.assert_close(traced, got, rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_of_a_zero_row_is_zero_and_large_rows_stay_finite():
+    x = torch.zeros(2, 16)
+    x[1] = 1e18
+    out = norm.rms_norm(x, torch.ones(16), 1e-6)
+    assert torch.equal(out[0], torch.zeros(16)) and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("tokens, heads, dim", [(1, 6, 64), (7, 3, 16), (32, 2, 128), (2, 1, 2)])
+def test_rope_equals_the_torch_formula_bit_for_bit_on_strided_rows(tokens, heads, dim):
+    """The decoder's input is a view of the fused qkv projection: rows strided past V."""
+    gen = torch.Generator().manual_seed(tokens + heads + dim)
+    fused = torch.randn(tokens, (heads + 2) * dim, generator=gen)
+    x = fused[:, : heads * dim].view(tokens, heads, dim)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 50
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    got = rope.apply_rope(x, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, torch_rope(x, cos, sin))
+
+
+def test_other_layouts_and_dtypes_take_the_torch_ops():
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    cos, sin = torch.ones(4, 8, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.float64)
+    assert not rope._fits(x, cos, sin) and torch.equal(rope.apply_rope(x, cos, sin), x)
+    assert not norm._fits(torch.randn(4, 8).t(), torch.ones(4))
