@@ -126,9 +126,7 @@ class InputBuilder:
             raise ValueError(f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
                              f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}")
         slots = tables[np.arange(num_seqs), pos // page].astype(np.int64) * page + pos % page
-        for i, seq in enumerate(seqs):
-            if seq.kv_present:  # its K/V is in a shared block already: write to the null page
-                slots[i] = 0
+        _write_present_to_null(seqs, slots, range(num_seqs))
         for name, value, pad in (("token_ids", tokens, 0), ("positions", pos, 0), ("slot_mapping", slots, 0),
                                  ("seq_lens", pos + 1, 1)):
             buf = host[name]
@@ -184,10 +182,7 @@ class InputBuilder:
         if int(arrays.block_tables.max()) >= self.num_pages or int(arrays.block_tables.min()) < 0:
             raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
                              f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}")
-        for i, seq in enumerate(seqs):
-            if seq.kv_present:  # K/V already in a shared block: write these tokens to the null page
-                first = int(arrays.cu_seqlens_q[i])
-                arrays.slot_mapping[first:first + seq.kv_present] = 0
+        _write_present_to_null(seqs, arrays.slot_mapping, arrays.cu_seqlens_q.tolist())
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
         values = {
@@ -219,3 +214,11 @@ class InputBuilder:
             block_size=self.block_size,
         )
         return StepInputs(views["token_ids"], views["positions"], meta, views["sample_idx"], sampled)
+
+
+def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:
+    """Point the slots of each sequence's kv_present leading tokens (starting at flat row
+    firsts[i]) at the null page: a shared block already holds their K/V (see sloserve.batch)."""
+    for seq, first in zip(seqs, firsts, strict=False):  # cu_seqlens has one more entry
+        if seq.kv_present:
+            slot_mapping[first:first + seq.kv_present] = 0
