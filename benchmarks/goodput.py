@@ -188,17 +188,30 @@ def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def interactive_misses(points: list[dict], arm: str, multiple: float) -> str:
+    """Completed interactive requests that missed their TTFT / TPOT / end-to-end objective, summed
+    over seeds (one request may miss several): which objective the schedule loses."""
+    totals = {"ttft": 0, "tpot": 0, "e2e": 0}
+    for p in points:
+        if p["arm"] == arm and p["multiple"] == multiple:
+            for objective, n in (p["classes"]["interactive"].get("missed") or {}).items():
+                totals[objective] += n
+    return "/".join(str(totals[k]) for k in ("ttft", "tpot", "e2e"))
+
+
 def report(runner: Runner, capacity: float) -> str:
     """The tables and goal lines (printed and saved as text)."""
     a, lines = runner.args, []
     agg = ga.aggregate(runner.points, "arm")
     rows = [[arm, f"{m:g}x", f"{m * capacity:.2f}", ga.cell(agg[(arm, m)]["goodput"], digits=2),
              ga.cell(agg[(arm, m)]["attainment"], 100), ga.cell(agg[(arm, m)]["interactive"], 100),
-             ga.cell(agg[(arm, m)]["batch"], 100), ga.cell(agg[(arm, m)]["refused"], digits=0)]
+             ga.cell(agg[(arm, m)]["batch"], 100), ga.cell(agg[(arm, m)]["refused"], digits=0),
+             interactive_misses(runner.points, arm, m)]
             for arm in a.arms for m in a.multiples if (arm, m) in agg]
     lines += [f"capacity {capacity:.2f} req/s; {a.requests} requests per point, seeds "
               f"{','.join(map(str, a.seeds))}; median [min-max] over seeds", "",
-              ga.table(["arm", "load", "req/s", "goodput", "attain %", "interactive %", "batch %", "refused"], rows),
+              ga.table(["arm", "load", "req/s", "goodput", "attain %", "interactive %", "batch %", "refused",
+                        "interactive missed ttft/tpot/e2e"], rows),
               "", "goals (medians over seeds):"]
     lines += [f"  {'n/a ' if ok is None else 'PASS' if ok else 'FAIL'}  {text}: {detail}"
               for text, ok, detail in ga.goals(agg, a.multiples)]

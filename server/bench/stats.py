@@ -100,12 +100,19 @@ def slo_class_name(slo: SLO | None) -> str:
 
 def meets_slo(record: RequestRecord, slo: SLO | None) -> bool:
     """Completed, and every objective given holds (a one-token request has TPOT 0)."""
-    if record.status != "ok":
-        return False
+    return record.status == "ok" and not missed_objectives(record, slo)
+
+
+def missed_objectives(record: RequestRecord, slo: SLO | None) -> list[str]:
+    """Which of 'ttft', 'tpot', 'e2e' a completed request missed (all of its objectives if it did
+    not complete)."""
     if slo is None:
-        return True
-    checks = ((slo.ttft_s, record.ttft), (slo.tpot_s, record.tpot or 0.0), (slo.e2e_s, record.e2e))
-    return all(limit is None or (value is not None and value <= limit) for limit, value in checks)
+        return []
+    checks = (("ttft", slo.ttft_s, record.ttft), ("tpot", slo.tpot_s, record.tpot or 0.0),
+              ("e2e", slo.e2e_s, record.e2e))
+    done = record.status == "ok"
+    return [name for name, limit, value in checks
+            if limit is not None and (not done or value is None or value > limit)]
 
 
 def normalise_output(text: str) -> str:
@@ -173,6 +180,10 @@ def _classes(records: list[RequestRecord], met: list[bool], slo: SLO | None, sec
         good = sum(ok for _, ok in groups[name])
         done = [r for r in members if r.status == "ok"]
         refused = sum(r.status == "refused" for r in members)
+        missed = {"ttft": 0, "tpot": 0, "e2e": 0}
+        for r in done:
+            for objective in missed_objectives(r, effective_slo(r.slo, slo)):
+                missed[objective] += 1
         classes[name] = {
             "requests": len(members),
             "completed": len(done),
@@ -183,6 +194,7 @@ def _classes(records: list[RequestRecord], met: list[bool], slo: SLO | None, sec
             "ttft_s": summary([r.ttft for r in done if r.ttft is not None]),
             "tpot_s": summary([r.tpot for r in done if r.tpot is not None]),
             "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
+            "missed": missed,  # completed requests that missed each objective (one may miss several)
         }
     return classes
 

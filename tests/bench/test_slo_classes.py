@@ -8,7 +8,7 @@ import pytest
 from sloserve.bench import http_client
 from sloserve.bench.client import LoadSpec, build_request, connect, run_load
 from sloserve.bench.report import format_class_table, format_table
-from sloserve.bench.stats import RequestRecord, slo_class_name, summarise
+from sloserve.bench.stats import RequestRecord, missed_objectives, slo_class_name, summarise
 from sloserve.bench.workloads import WorkloadItem, load_workload
 from sloserve.sampling_params import SLO
 
@@ -59,7 +59,17 @@ def test_summarise_groups_mixed_classes():
     assert (batch["requests"], batch["completed"], batch["failed"]) == (2, 1, 1)
     assert batch["slo_attainment"] == pytest.approx(0.5) and batch["goodput"] == pytest.approx(0.25)
     assert set(batch) == {"requests", "completed", "refused", "failed", "slo_attainment", "goodput",
-                          "ttft_s", "tpot_s", "e2e_s"}
+                          "ttft_s", "tpot_s", "e2e_s", "missed"}
+    assert interactive["missed"] == {"ttft": 1, "tpot": 1, "e2e": 0}  # completed ones only (late: TPOT 50 ms)
+    assert batch["missed"] == {"ttft": 0, "tpot": 0, "e2e": 0}
+
+
+def test_missed_objectives_names_each_objective_missed():
+    assert missed_objectives(record(0.1, 0.15), INTERACTIVE) == []
+    assert missed_objectives(record(0.5, 3.0, tokens=11), INTERACTIVE) == ["ttft", "tpot", "e2e"]  # TPOT 250 ms
+    assert missed_objectives(record(0.1, 2.5, tokens=100), INTERACTIVE) == ["e2e"]  # TPOT 24.2 ms
+    assert missed_objectives(record(0.0, 0.1, status="refused"), BATCH) == ["e2e"]
+    assert missed_objectives(record(0.1, 99.0), None) == []
 
 
 def test_summarise_explicit_class_and_run_objectives():
