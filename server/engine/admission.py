@@ -15,6 +15,8 @@ from sloserve.errors import RequestRefusedError
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 SLO_MARGIN = 0.75  # admit only when the first-token estimate fits in this share of the time left
+LONG_DECAY = 0.995  # the long window of step cycle times (a weight of 1/e after 200 steps)
+LONG_WAIT_STEPS = 20  # waits of at least this many steps are also priced by the long window
 
 
 class StepCostModel:
@@ -140,6 +142,10 @@ class AdmissionControl:
         # backend may run the two very differently (batched decode, but a per-sequence loop
         # once any prompt is in), and the per-sequence cost is what a full batch pays.
         self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
+        # The same cycle times over a longer window (~200 steps): a wait of hundreds of steps is
+        # priced at the slower of the two, so a lull of a few dozen fast steps on a contended
+        # machine does not admit a queue that the usual step time cannot serve in time.
+        self.long_cycles = StepCostModel(decay=LONG_DECAY)
         self.refusals: Counter[str] = Counter()
         self._backlog: Backlog | None = None
         self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
@@ -156,11 +162,12 @@ class AdmissionControl:
     def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0, decodes: int = 0) -> None:
         """A step of `seqs` sequences and `tokens` tokens (0: nothing ran; `decodes` of them one
         decoding sequence each), with a prefill chunk or not, was scheduled at `now`."""
-        self._step_load = (tokens - decodes, decodes)
         if self._step is not None:
             began, n, kind = self._step
             self.cycles[kind].observe(n, now - began)
+            self.long_cycles.observe(sum(self._step_load), now - began)
             self.gap_s = 0.9 * self.gap_s + 0.1 * max(0.0, now - began - self._compute_s)
+        self._step_load = (tokens - decodes, decodes)
         self._step = (now, seqs, prefill) if seqs > 0 else None
         self._backlog = None
 
@@ -177,6 +184,7 @@ class AdmissionControl:
         steps, priced meanwhile by the compute-time model (no estimate carried over from an overload)."""
         self._step = None
         self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
+        self.long_cycles = StepCostModel(decay=LONG_DECAY)
         self.gap_s = 0.0
 
     def step_price(self) -> StepPrice | None:
@@ -350,6 +358,7 @@ class AdmissionControl:
             seconds = steps * price.overhead_s + price.per_token_s * (tokens - decodes) + price.decode_s * decodes
             if self._step is not None and now is not None:
                 seconds += max(0.0, price.step_seconds(*self._step_load) - (now - self._step[0]))
+            seconds = max(seconds, self._long_run_seconds(steps, tokens))
             return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
         (d_over, d_seq), (p_over, p_seq) = costs
         seqs = min(b.cap, b.occupants + 1)
@@ -360,7 +369,18 @@ class AdmissionControl:
             began, in_flight, kind = self._step
             over, per_seq = costs[kind]
             seconds += max(0.0, over + in_flight * per_seq - (now - began))
+        seconds = max(seconds, self._long_run_seconds(steps, tokens))
         return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
+
+    def _long_run_seconds(self, steps: int, tokens: int) -> float:
+        """`steps` steps computing `tokens` tokens at the long window's cycle times (0 before it has
+        any). A wait longer than the short window is more likely to see the longer run's step time
+        than the last few dozen steps' (on a shared machine they swing by several times within a
+        second); a short wait keeps the short window's price, which is never lowered by this."""
+        if steps < LONG_WAIT_STEPS:
+            return 0.0
+        cost = self.long_cycles.step_cost()
+        return 0.0 if cost is None else steps * cost[0] + tokens * cost[1]
 
     def _prefill_range(self, pending: int, start: int) -> range:
         """The steps from `start` that run prefill chunks of `pending` tokens (none for one token)."""

@@ -74,6 +74,23 @@ def test_cycle_times_of_an_overload_are_forgotten_when_the_engine_goes_idle():
     s.add_request("light", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))  # not refused
 
 
+def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
+    """On a contended machine step times swing by several times within a second: a request that
+    waits hundreds of steps is priced at the long window's cycle time, not the last few dozen
+    fast steps' (issue 12: a flood admitted during a lull missed its TTFT)."""
+    s, r, clock = _scheduler()
+    _busy(s, r)  # a newcomer waits ~300 decode steps for a slot
+    adm = s.admission
+    for seconds in [0.030] * 300 + [0.012] * 40:  # contended 30 ms cycles, then a lull of 12 ms
+        adm.on_step(clock.t, 4, False, tokens=4, decodes=4)
+        adm.on_compute(4, 0.011, decodes=4)
+        clock.t += seconds
+    s.add_request("patient", [98] * 6, SamplingParams(max_tokens=4))
+    predicted = s.requests["patient"].predicted_ttft_s
+    assert predicted > 290 * 0.025  # the lull alone would say ~300 x 12 ms = 3.6 s
+    s.add_request("soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))  # still admitted
+
+
 class _TimedRunner(FakeRunner):
     """A fake runner whose steps take 2 ms + 0.5 ms per token, reported by time_steps."""
 
