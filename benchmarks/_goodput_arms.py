@@ -6,7 +6,7 @@ import dataclasses
 import random
 import statistics
 
-from sloserve.bench.stats import RequestRecord, meets_slo, missed_objectives
+from sloserve.bench.stats import RequestRecord, meets_slo, missed_counts
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.sampling_params import SLO
 
@@ -67,14 +67,10 @@ def class_figures(figures: dict, records: list[RequestRecord], labels: list[str]
     for name in CLASSES:
         members = [r for r in records if labels[int(r.request_id.rsplit("-", 1)[1])] == name]
         good = sum(meets_slo(r, r.slo) for r in members)
-        missed = {"ttft": 0, "tpot": 0, "e2e": 0}
-        for r in members:
-            if r.status == "ok":
-                for objective in missed_objectives(r, r.slo):
-                    missed[objective] += 1
         out[name] = {"requests": len(members), "slo_attainment": good / len(members) if members else None,
                      "goodput": good / seconds if seconds > 0 else None,
-                     "refused": sum(r.status == "refused" for r in members), "missed": missed}
+                     "refused": sum(r.status == "refused" for r in members),
+                     "missed": missed_counts((r, r.slo) for r in members)}
     return out
 
 

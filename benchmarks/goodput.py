@@ -25,7 +25,7 @@ import time
 import _goodput_arms as ga
 import harness
 from sloserve.bench.client import LoadSpec
-from sloserve.bench.stats import summarise
+from sloserve.bench.stats import OBJECTIVES, summarise
 from sloserve.sampling_params import SLO
 
 
@@ -191,12 +191,12 @@ def pct(x: float | None) -> str:
 def interactive_misses(points: list[dict], arm: str, multiple: float) -> str:
     """Completed interactive requests that missed their TTFT / TPOT / end-to-end objective, summed
     over seeds (one request may miss several): which objective the schedule loses."""
-    totals = {"ttft": 0, "tpot": 0, "e2e": 0}
+    totals = dict.fromkeys(OBJECTIVES, 0)
     for p in points:
         if p["arm"] == arm and p["multiple"] == multiple:
             for objective, n in (p["classes"]["interactive"].get("missed") or {}).items():
                 totals[objective] += n
-    return "/".join(str(totals[k]) for k in ("ttft", "tpot", "e2e"))
+    return "/".join(str(totals[k]) for k in OBJECTIVES)
 
 
 def report(runner: Runner, capacity: float) -> str:

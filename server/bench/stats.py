@@ -19,12 +19,14 @@ per class still divides by the whole run's span).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 from sloserve.sampling_params import SLO
 
 PERCENTILES = (50, 90, 99)
+OBJECTIVES = ("ttft", "tpot", "e2e")  # the names missed_objectives reports
 
 
 @dataclass(slots=True)
@@ -103,13 +105,24 @@ def meets_slo(record: RequestRecord, slo: SLO | None) -> bool:
     return record.status == "ok" and not missed_objectives(record, slo)
 
 
+def missed_counts(checked: Iterable[tuple[RequestRecord, SLO | None]]) -> dict[str, int]:
+    """Completed requests that missed each of OBJECTIVES, from (record, its objectives) pairs
+    (one request may miss several)."""
+    counts = dict.fromkeys(OBJECTIVES, 0)
+    for record, slo in checked:
+        if record.status == "ok":
+            for objective in missed_objectives(record, slo):
+                counts[objective] += 1
+    return counts
+
+
 def missed_objectives(record: RequestRecord, slo: SLO | None) -> list[str]:
     """Which of 'ttft', 'tpot', 'e2e' a completed request missed (all of its objectives if it did
     not complete)."""
     if slo is None:
         return []
-    checks = (("ttft", slo.ttft_s, record.ttft), ("tpot", slo.tpot_s, record.tpot or 0.0),
-              ("e2e", slo.e2e_s, record.e2e))
+    checks = zip(OBJECTIVES, (slo.ttft_s, slo.tpot_s, slo.e2e_s), (record.ttft, record.tpot or 0.0, record.e2e),
+                 strict=True)
     done = record.status == "ok"
     return [name for name, limit, value in checks
             if limit is not None and (not done or value is None or value > limit)]
@@ -180,10 +193,6 @@ def _classes(records: list[RequestRecord], met: list[bool], slo: SLO | None, sec
         good = sum(ok for _, ok in groups[name])
         done = [r for r in members if r.status == "ok"]
         refused = sum(r.status == "refused" for r in members)
-        missed = {"ttft": 0, "tpot": 0, "e2e": 0}
-        for r in done:
-            for objective in missed_objectives(r, effective_slo(r.slo, slo)):
-                missed[objective] += 1
         classes[name] = {
             "requests": len(members),
             "completed": len(done),
@@ -194,7 +203,7 @@ def _classes(records: list[RequestRecord], met: list[bool], slo: SLO | None, sec
             "ttft_s": summary([r.ttft for r in done if r.ttft is not None]),
             "tpot_s": summary([r.tpot for r in done if r.tpot is not None]),
             "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
-            "missed": missed,  # completed requests that missed each objective (one may miss several)
+            "missed": missed_counts((r, effective_slo(r.slo, slo)) for r in done),
         }
     return classes
 
