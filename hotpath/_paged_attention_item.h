@@ -1,7 +1,7 @@
 /* One (sequence, KV head) work item of the in-place paged decode kernel (_paged_attention.pyx).
  *
  * Plain C so that GCC can build it for several instruction sets (target_clones: AVX-512, AVX2,
- * baseline x86-64) and pick one at load time: the wheel stays portable, a modern CPU gets wide
+ * AVX, baseline x86-64) and pick one at load time: the wheel stays portable, a modern CPU gets wide
  * vectors. The loops are written with LANES independent accumulators, so they vectorise without
  * reassociation flags and give the same sums on every instruction set and thread count.
  */
@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define SLOSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define SLOSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "avx", "default")))
 #else
 #define SLOSERVE_CLONES
 #endif

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from sloserve.executor.fused import FusedDecode, fused_reason
 from sloserve.executor.inputs import DecodeInputs
 from sloserve.layers.attention import paged
 from sloserve.layers.attention.sdpa import SdpaBackend
@@ -61,6 +62,8 @@ class DecodeStep:
         self.compiled = compiled
         self.pads = compiled and not model.spec.moe_layers
         self._fn: Callable[..., torch.Tensor] = model.decode
+        # Eager small batches run as one C call when the model allows (see executor/fused.py).
+        self.fused = FusedDecode(model, kv) if not compiled and fused_reason(model, kv) is None else None
         if compiled:
             # NOTE: KV and the step inputs are views of one uint8 pool buffer. Inputs that share a
             # storage make AOTAutograd merge them into views of one base (refused when one is
@@ -82,6 +85,8 @@ class DecodeStep:
         raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}")
 
     def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32
+        if self.fused is not None and self.fused.takes(step):
+            return self.fused(step)
         with torch.inference_mode():
             args = (step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens)
             if self.compiled:  # the inputs share the pool's storage too: same memory, storages of their own

@@ -54,6 +54,7 @@ class DecoderModel:
         self.cos, self.sin = rope_tables(spec.rope, spec.head_dim, max_positions, device, dtype)
         self._split = [spec.q_size + spec.kv_size, spec.kv_size]
         self.reduce = reduce or _whole
+        self.sharded = reduce is not None
 
     @torch.inference_mode()
     def forward(

@@ -1,0 +1,212 @@
+/* A whole decode step of a dense decoder in one call (_decode_step.pyx): no per-op dispatch.
+ *
+ * A small batch's decode step spends more time dispatching ~20 torch ops per layer than doing
+ * their arithmetic (a 3M-parameter model: ~0.8 ms per step, ~0.3 ms of it matmuls). Here the
+ * same step is plain C inside one OpenMP parallel region: matrix-vector products split by output
+ * rows (`omp for`, an implicit barrier after each), the small per-row work (norms, rotary, KV
+ * writes) on one thread, attention per (sequence, KV head) item as in _paged_attention.pyx.
+ *
+ * Per layer, exactly as DecoderModel.decode computes it (its pure-torch twin):
+ *     x = rms_norm(h, ln1);  qkv = x W_qkv^T + b;  q, k = rope(q, k);  cache[slot] = k, v
+ *     h = h + (attend(q, cache) W_o^T + b_o)
+ *     x = rms_norm(h, ln2);  h = h + ((silu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d)
+ * then logits = rms_norm(h, norm) W_lm^T. Norms and rotary round as _cpu_ops does; the dot
+ * products sum in SLOSERVE_GEMV_LANES independent lanes, so they differ from a BLAS in the last
+ * bits (as any two BLAS do) but not between thread counts or instruction sets.
+ */
+#ifndef SLOSERVE_DECODE_STEP_H
+#define SLOSERVE_DECODE_STEP_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_paged_attention_item.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#define SLOSERVE_THREAD_NUM() omp_get_thread_num()
+#else
+#define SLOSERVE_THREAD_NUM() 0
+#endif
+
+#define SLOSERVE_GEMV_LANES 32 /* four AVX registers of partial sums: enough in flight to stream W */
+#define SLOSERVE_ROWS_PER_CHUNK 16 /* output rows per `omp for` iteration */
+
+typedef struct {
+    const float *ln1, *ln2;          /* [H] */
+    const float *qkv_w, *qkv_b;      /* [(Hq + 2 Hkv) D, H], bias or NULL */
+    const float *o_w, *o_b;          /* [H, Hq D] */
+    const float *gate_up_w, *gate_up_b; /* [2I, H]: gate rows, then up rows */
+    const float *down_w, *down_b;    /* [H, I] */
+    float *k_cache, *v_cache;        /* [P, page, Hkv, D] */
+} sloserve_layer;
+
+typedef struct {
+    ptrdiff_t hidden, heads, kv_heads, head_dim, inter, vocab, num_layers, page, num_pages;
+    float eps, scale;
+    const float *embed;   /* [V, H] */
+    const float *norm;    /* [H] */
+    const float *lm_head; /* [V, H] */
+    const float *cos, *sin; /* [max positions, D] */
+    const sloserve_layer *layers;
+} sloserve_decoder;
+
+/* Floats of workspace a step of `batch` sequences, the longest `max_len` long, needs on `threads` threads. */
+static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t batch, ptrdiff_t max_len,
+                                           int threads) {
+    const ptrdiff_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    const ptrdiff_t group = m->heads / m->kv_heads;
+    return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) + (ptrdiff_t)threads * group * max_len;
+}
+
+static inline float sloserve_gemv_dot(const float *a, const float *b, ptrdiff_t n) {
+    float acc[SLOSERVE_GEMV_LANES] = {0};
+    ptrdiff_t d = 0;
+    for (; d + SLOSERVE_GEMV_LANES <= n; d += SLOSERVE_GEMV_LANES)
+        for (int j = 0; j < SLOSERVE_GEMV_LANES; j++) acc[j] += a[d + j] * b[d + j];
+    for (; d < n; d++) acc[0] += a[d] * b[d];
+    for (int width = SLOSERVE_GEMV_LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) acc[j] += acc[j + width];
+    return acc[0];
+}
+
+/* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) and every b
+ * (x: [batch, k] contiguous; y: row stride ldy). Each weight row is read once for the whole batch. */
+SLOSERVE_CLONES
+static void sloserve_gemv_rows(const float *w, const float *bias, const float *x, ptrdiff_t batch, ptrdiff_t k,
+                               ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
+    for (ptrdiff_t j = j0; j < j1; j++) {
+        const float *row = w + j * k;
+        for (ptrdiff_t b = 0; b < batch; b++) {
+            float v = sloserve_gemv_dot(x + b * k, row, k);
+            if (bias) v = v + bias[j];
+            y[b * ldy + j] = accumulate ? y[b * ldy + j] + v : v;
+        }
+    }
+}
+
+/* act[b, j] = silu(x[b] . w[j] + bg[j]) * (x[b] . w[inter + j] + bu[j]) for j in [j0, j1). */
+SLOSERVE_CLONES
+static void sloserve_swiglu_rows(const float *w, const float *bias, const float *x, ptrdiff_t batch, ptrdiff_t k,
+                                 ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+    for (ptrdiff_t j = j0; j < j1; j++) {
+        const float *gate_row = w + j * k, *up_row = w + (inter + j) * k;
+        for (ptrdiff_t b = 0; b < batch; b++) {
+            float gate = sloserve_gemv_dot(x + b * k, gate_row, k);
+            float up = sloserve_gemv_dot(x + b * k, up_row, k);
+            if (bias) {
+                gate = gate + bias[j];
+                up = up + bias[inter + j];
+            }
+            act[b * inter + j] = (gate / (1.0f + expf(-gate))) * up;
+        }
+    }
+}
+
+/* out[b] = weight * (x[b] * (1 / sqrt(mean(x[b]^2) + eps))), summed in 8 lanes as _cpu_ops.rms_norm. */
+static void sloserve_rms_norm_rows(const float *x, const float *weight, ptrdiff_t rows, ptrdiff_t dim, float eps,
+                                   float *out) {
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const float *row = x + r * dim;
+        float acc[8] = {0};
+        ptrdiff_t d = 0;
+        for (; d + 8 <= dim; d += 8)
+            for (int j = 0; j < 8; j++) acc[j] += row[d + j] * row[d + j];
+        for (; d < dim; d++) acc[0] += row[d] * row[d];
+        for (int width = 4; width > 0; width /= 2)
+            for (int j = 0; j < width; j++) acc[j] += acc[j + width];
+        const float inv = 1.0f / sqrtf(acc[0] / dim + eps);
+        for (d = 0; d < dim; d++) out[r * dim + d] = weight[d] * (row[d] * inv);
+    }
+}
+
+/* v = v * cos + rotate_half(v) * sin for one head of `dim` floats, in place (as _cpu_ops.rope). */
+static void sloserve_rope_head(float *v, const float *cos, const float *sin, ptrdiff_t dim) {
+    float tmp[dim];
+    const ptrdiff_t half = dim / 2;
+    for (ptrdiff_t d = 0; d < half; d++) tmp[d] = v[d] * cos[d] + (-v[d + half]) * sin[d];
+    for (ptrdiff_t d = half; d < dim; d++) tmp[d] = v[d] * cos[d] + v[d - half] * sin[d];
+    memcpy(v, tmp, dim * sizeof(float));
+}
+
+static inline ptrdiff_t sloserve_chunks(ptrdiff_t rows) {
+    return (rows + SLOSERVE_ROWS_PER_CHUNK - 1) / SLOSERVE_ROWS_PER_CHUNK;
+}
+
+static inline ptrdiff_t sloserve_chunk_end(ptrdiff_t c, ptrdiff_t rows) {
+    const ptrdiff_t end = (c + 1) * SLOSERVE_ROWS_PER_CHUNK;
+    return end < rows ? end : rows;
+}
+
+/* One decode step of `batch` sequences: ids, positions, KV slots [batch] int64; tables [batch, width]
+ * int32; lens [batch] int32 (position + 1, at most max_len); logits [batch, V] out. `work` holds
+ * sloserve_decode_workspace(m, batch, max_len, threads) floats. Returns 0, or -1 when a block
+ * table names a page outside the pool (then the logits are undefined). */
+static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, const int64_t *positions,
+                                const int64_t *slots, const int32_t *tables, ptrdiff_t width, const int32_t *lens,
+                                ptrdiff_t batch, ptrdiff_t max_len, int threads, float *work, float *logits) {
+    const ptrdiff_t H = m->hidden, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, I = m->inter;
+    const ptrdiff_t group = Hq / Hkv, q_size = Hq * D, qkv_size = (Hq + 2 * Hkv) * D, row_kv = Hkv * D;
+    float *h = work, *x = h + batch * H, *qkv = x + batch * H, *attn = qkv + batch * qkv_size;
+    float *act = attn + batch * q_size, *scores = act + batch * I;
+    int bad = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *my_scores = scores + (ptrdiff_t)SLOSERVE_THREAD_NUM() * group * max_len;
+#pragma omp single
+        for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
+        for (ptrdiff_t l = 0; l < m->num_layers; l++) {
+            const sloserve_layer *L = m->layers + l;
+#pragma omp single
+            sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
+#pragma omp for schedule(static)
+            for (ptrdiff_t c = 0; c < sloserve_chunks(qkv_size); c++)
+                sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, c * SLOSERVE_ROWS_PER_CHUNK,
+                                   sloserve_chunk_end(c, qkv_size), qkv, qkv_size, 0);
+#pragma omp single
+            for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
+                float *row = qkv + b * qkv_size;
+                const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
+                for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
+                memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
+                memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
+            }
+#pragma omp for schedule(dynamic)
+            for (ptrdiff_t item = 0; item < batch * Hkv; item++) {
+                const ptrdiff_t b = item / Hkv, kv_head = item % Hkv;
+                if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
+                                        tables + b * width, lens[b], kv_head, group, Hkv, D, m->page,
+                                        m->num_pages, m->scale, my_scores,
+                                        attn + b * q_size + kv_head * group * D)) {
+#pragma omp atomic write
+                    bad = 1;
+                }
+            }
+#pragma omp for schedule(static)
+            for (ptrdiff_t c = 0; c < sloserve_chunks(H); c++)
+                sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, c * SLOSERVE_ROWS_PER_CHUNK,
+                                   sloserve_chunk_end(c, H), h, H, 1);
+#pragma omp single
+            sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
+#pragma omp for schedule(static)
+            for (ptrdiff_t c = 0; c < sloserve_chunks(I); c++)
+                sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, c * SLOSERVE_ROWS_PER_CHUNK,
+                                     sloserve_chunk_end(c, I), act);
+#pragma omp for schedule(static)
+            for (ptrdiff_t c = 0; c < sloserve_chunks(H); c++)
+                sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, c * SLOSERVE_ROWS_PER_CHUNK,
+                                   sloserve_chunk_end(c, H), h, H, 1);
+        }
+#pragma omp single
+        sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
+#pragma omp for schedule(static)
+        for (ptrdiff_t c = 0; c < sloserve_chunks(m->vocab); c++)
+            sloserve_gemv_rows(m->lm_head, NULL, x, batch, H, c * SLOSERVE_ROWS_PER_CHUNK,
+                               sloserve_chunk_end(c, m->vocab), logits, m->vocab, 0);
+    }
+    return bad ? -1 : 0;
+}
+
+#endif

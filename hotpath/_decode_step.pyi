@@ -1,0 +1,10 @@
+"""Type stubs for the compiled `_decode_step` module (its pure-torch twin is DecoderModel.decode)."""
+
+class DecodeKernel:
+    """A dense decoder's whole decode step in one nogil call; addresses of its weights and cache set once."""
+
+    def __init__(self, dims: dict[str, int | float], embed: int, norm: int, lm_head: int, cos: int, sin: int,
+                 layers: list[dict[str, int | None]]) -> None: ...
+    def __call__(self, input_ids: int, positions: int, slots: int, block_tables: int, table_width: int,
+                 seq_lens: int, batch: int, logits: int, num_threads: int) -> None:
+        """logits[batch, V] of one decode step (data pointers; ValueError on out-of-range inputs)."""

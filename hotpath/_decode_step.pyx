@@ -1,0 +1,155 @@
+# cython: language_level=3
+# distutils: extra_compile_args = -fopenmp
+# distutils: extra_link_args = -fopenmp
+# distutils: include_dirs = hotpath
+"""A dense decoder's whole decode step in one nogil call (the C is in `_decode_step.h`).
+
+`DecodeKernel` holds the model's weight and cache addresses, set once; each call passes the
+step's input addresses and writes the logits. Its pure-torch twin is `DecoderModel.decode`;
+`sloserve.executor.fused` checks shapes, dtypes and contiguity and keeps the tensors alive.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdlib cimport free, malloc, realloc
+
+
+cdef extern from "_decode_step.h" nogil:
+    ctypedef struct sloserve_layer:
+        const float* ln1
+        const float* ln2
+        const float* qkv_w
+        const float* qkv_b
+        const float* o_w
+        const float* o_b
+        const float* gate_up_w
+        const float* gate_up_b
+        const float* down_w
+        const float* down_b
+        float* k_cache
+        float* v_cache
+
+    ctypedef struct sloserve_decoder:
+        Py_ssize_t hidden, heads, kv_heads, head_dim, inter, vocab, num_layers, page, num_pages
+        float eps, scale
+        const float* embed
+        const float* norm
+        const float* lm_head
+        const float* cos
+        const float* sin
+        const sloserve_layer* layers
+
+    Py_ssize_t sloserve_decode_workspace(const sloserve_decoder* m, Py_ssize_t batch, Py_ssize_t max_len,
+                                         int threads)
+    int sloserve_decode_step(const sloserve_decoder* m, const int64_t* ids, const int64_t* positions,
+                             const int64_t* slots, const int32_t* tables, Py_ssize_t width, const int32_t* lens,
+                             Py_ssize_t batch, Py_ssize_t max_len, int threads, float* work, float* logits)
+
+
+cdef const float* _ptr(object address):
+    return <const float*> <uintptr_t> (0 if address is None else address)
+
+
+cdef class DecodeKernel:
+    """The decode step of one model: `dims` are its shapes, `layers` one dict of addresses each."""
+
+    cdef sloserve_decoder model
+    cdef sloserve_layer* layers
+    cdef float* work
+    cdef Py_ssize_t work_floats
+    cdef Py_ssize_t max_positions
+    cdef bint busy
+
+    def __init__(self, dict dims, uintptr_t embed, uintptr_t norm, uintptr_t lm_head, uintptr_t cos, uintptr_t sin,
+                 list layers):
+        """dims: hidden, heads, kv_heads, head_dim, inter, vocab, page, num_pages, max_positions, eps,
+        scale. layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w,
+        down_b, k_cache, v_cache (addresses; a missing bias is None)."""
+        cdef Py_ssize_t i
+        if self.layers != NULL:
+            raise RuntimeError("DecodeKernel is set once")
+        for key in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "page", "num_pages", "max_positions"):
+            if int(dims[key]) <= 0:
+                raise ValueError(f"{key} must be positive, got {dims[key]}")
+        if dims["heads"] % dims["kv_heads"] or dims["head_dim"] % 2:
+            raise ValueError(f"{dims['heads']} query heads need a multiple of {dims['kv_heads']} KV heads, "
+                             f"and head_dim {dims['head_dim']} must be even")
+        if not layers:
+            raise ValueError("a decoder has at least one layer")
+        self.layers = <sloserve_layer*> malloc(len(layers) * sizeof(sloserve_layer))
+        if self.layers == NULL:
+            raise MemoryError()
+        for i, layer in enumerate(layers):
+            self.layers[i].ln1 = _ptr(layer["ln1"])
+            self.layers[i].ln2 = _ptr(layer["ln2"])
+            self.layers[i].qkv_w = _ptr(layer["qkv_w"])
+            self.layers[i].qkv_b = _ptr(layer["qkv_b"])
+            self.layers[i].o_w = _ptr(layer["o_w"])
+            self.layers[i].o_b = _ptr(layer["o_b"])
+            self.layers[i].gate_up_w = _ptr(layer["gate_up_w"])
+            self.layers[i].gate_up_b = _ptr(layer["gate_up_b"])
+            self.layers[i].down_w = _ptr(layer["down_w"])
+            self.layers[i].down_b = _ptr(layer["down_b"])
+            self.layers[i].k_cache = <float*> _ptr(layer["k_cache"])
+            self.layers[i].v_cache = <float*> _ptr(layer["v_cache"])
+        m = &self.model
+        m.hidden, m.heads, m.kv_heads = dims["hidden"], dims["heads"], dims["kv_heads"]
+        m.head_dim, m.inter, m.vocab = dims["head_dim"], dims["inter"], dims["vocab"]
+        m.num_layers, m.page, m.num_pages = len(layers), dims["page"], dims["num_pages"]
+        m.eps, m.scale = dims["eps"], dims["scale"]
+        m.embed, m.norm, m.lm_head = _ptr(embed), _ptr(norm), _ptr(lm_head)
+        m.cos, m.sin = _ptr(cos), _ptr(sin)
+        m.layers = self.layers
+        self.max_positions = dims["max_positions"]
+
+    def __dealloc__(self):
+        free(self.layers)
+        free(self.work)
+
+    def __call__(self, uintptr_t input_ids, uintptr_t positions, uintptr_t slots, uintptr_t block_tables,
+                 Py_ssize_t table_width, uintptr_t seq_lens, Py_ssize_t batch, uintptr_t logits, int num_threads):
+        """logits[batch, V] of one decode step (input ids, positions, slots int64; tables, lengths int32).
+
+        ValueError when a token id, KV slot or length is out of range, a position is not length - 1,
+        or a block table names a page outside the pool (then the logits are undefined).
+        """
+        cdef const int64_t* pos = <const int64_t*> positions
+        cdef const int32_t* lens = <const int32_t*> seq_lens
+        cdef const int64_t* ids = <const int64_t*> input_ids
+        cdef const int64_t* slot = <const int64_t*> slots
+        cdef Py_ssize_t b, need, longest = 1
+        cdef int rc
+        cdef float* grown
+        if self.layers == NULL:
+            raise RuntimeError("DecodeKernel was never set")
+        if batch <= 0:
+            return
+        if self.busy:
+            raise RuntimeError("DecodeKernel is not reentrant: one step at a time")
+        num_threads = max(1, num_threads)
+        for b in range(batch):
+            if lens[b] < 1 or lens[b] > table_width * self.model.page or pos[b] != lens[b] - 1 \
+                    or pos[b] >= self.max_positions:
+                raise ValueError(f"sequence {b}: length {lens[b]} at position {pos[b]} is outside 1.."
+                                 f"{min(table_width * self.model.page, self.max_positions)} or not position + 1")
+            if ids[b] < 0 or ids[b] >= self.model.vocab:
+                raise ValueError(f"sequence {b}: token id {ids[b]} is outside [0, {self.model.vocab})")
+            if slot[b] < 0 or slot[b] >= self.model.num_pages * self.model.page:
+                raise ValueError(f"sequence {b}: KV slot {slot[b]} is outside the pool's "
+                                 f"{self.model.num_pages * self.model.page}")
+            longest = max(longest, lens[b])
+        need = sloserve_decode_workspace(&self.model, batch, longest, num_threads)
+        if need > self.work_floats:
+            grown = <float*> realloc(self.work, need * sizeof(float))
+            if grown == NULL:
+                raise MemoryError("DecodeKernel: cannot grow the workspace")
+            self.work, self.work_floats = grown, need
+        self.busy = True
+        try:
+            with nogil:
+                rc = sloserve_decode_step(&self.model, ids, pos, slot,
+                                          <const int32_t*> block_tables, table_width, lens, batch, longest,
+                                          num_threads, self.work, <float*> logits)
+        finally:
+            self.busy = False
+        if rc:
+            raise ValueError(f"a block table names a page outside [0, {self.model.num_pages})")

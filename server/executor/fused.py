@@ -1,0 +1,88 @@
+"""The decode step of a small batch as one C call (`sloserve.hotpath._decode_step`).
+
+At a few sequences a decode step's arithmetic is matrix-vector products that stream the weights
+once; eager torch spends longer than that dispatching the ~20 ops per layer around them (a
+3M-parameter model: ~0.8 ms per step, of which ~0.3 ms is matmuls). The kernel runs the same
+step, layer by layer, in one nogil call over the weights and the paged KV cache in place.
+
+It serves dense float32 models on a CPU, one rank, batches up to FUSED_MAX_BATCH (beyond that a
+BLAS GEMM reads the weights as rarely and computes faster). Its pure-torch twin is
+`DecoderModel.decode` (eager), which runs everything else, and SLOSERVE_NO_EXTENSIONS=1.
+Tokens equal the twin's except where two logits tie to the last bits (the dot products sum in
+another order than the BLAS); tests hold it to transformers' greedy tokens like every path.
+"""
+
+from __future__ import annotations
+
+import torch
+from sloserve.executor.inputs import DecodeInputs
+from sloserve.hotpath import USING_EXTENSIONS
+from sloserve.models.decoder import DecoderModel
+
+try:
+    if not USING_EXTENSIONS:
+        raise ImportError("SLOSERVE_NO_EXTENSIONS forces the torch path")
+    from sloserve.hotpath._decode_step import DecodeKernel
+except ImportError:  # not built, or forced off: DecoderModel.decode runs every step
+    DecodeKernel = None
+
+# Largest decode batch the kernel takes. Measured on 2 cores (benchmarks/step_breakdown.py):
+# see the README's "Per-token cost" section for the crossover with the BLAS path.
+FUSED_MAX_BATCH = 8
+
+_LAYER_FIELDS = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b")
+
+
+def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
+    """Why this model's decode steps cannot take the kernel (None when they can)."""
+    spec, w = model.spec, model.weights
+    if DecodeKernel is None:
+        return "the fused decode extension is not built (or SLOSERVE_NO_EXTENSIONS is set)"
+    if spec.moe_layers:
+        return "MoE layers route on the host"
+    if model.sharded:
+        return "tensor parallelism splits the layers"
+    if kv.device.type != "cpu" or kv.dtype != torch.float32 or not kv.is_contiguous():
+        return "the kernel runs a contiguous float32 cache on a CPU"
+    tensors = [w.embed, w.norm, w.lm_head, model.cos, model.sin]
+    tensors += [getattr(layer, f) for layer in w.layers for f in _LAYER_FIELDS if getattr(layer, f) is not None]
+    if any(layer.gate_up_w is None or layer.down_w is None for layer in w.layers):
+        return "a layer has no dense MLP"
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return "the kernel reads contiguous float32 weights on a CPU"
+    return None
+
+
+class FusedDecode:
+    """Runs decode steps of up to FUSED_MAX_BATCH sequences through the kernel."""
+
+    def __init__(self, model: DecoderModel, kv: torch.Tensor) -> None:
+        why_not = fused_reason(model, kv)
+        if why_not:
+            raise ValueError(f"the fused decode step cannot run this model: {why_not}")
+        spec, w = model.spec, model.weights
+        self.model, self.kv = model, kv  # the kernel holds their addresses: keep them alive
+        dims = {"hidden": spec.hidden_size, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
+                "head_dim": spec.head_dim, "inter": w.layers[0].down_w.shape[1], "vocab": w.lm_head.shape[0],
+                "page": kv.shape[3], "num_pages": kv.shape[2], "max_positions": model.cos.shape[0],
+                "eps": spec.rms_norm_eps, "scale": model.scale}
+        layers = []
+        for i, layer in enumerate(w.layers):
+            ptrs = {f: None if getattr(layer, f) is None else getattr(layer, f).data_ptr() for f in _LAYER_FIELDS}
+            ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
+            layers.append(ptrs)
+        self.kernel = DecodeKernel(dims, w.embed.data_ptr(), w.norm.data_ptr(), w.lm_head.data_ptr(),
+                                   model.cos.data_ptr(), model.sin.data_ptr(), layers)
+        self.vocab = dims["vocab"]
+
+    def takes(self, step: DecodeInputs) -> bool:
+        return step.input_ids.shape[0] <= FUSED_MAX_BATCH
+
+    def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32
+        batch = step.input_ids.shape[0]
+        logits = torch.empty((batch, self.vocab), dtype=torch.float32)
+        tables = step.block_tables
+        self.kernel(step.input_ids.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
+                    tables.data_ptr(), tables.shape[1], step.seq_lens.data_ptr(), batch, logits.data_ptr(),
+                    torch.get_num_threads())
+        return logits

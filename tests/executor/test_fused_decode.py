@@ -1,0 +1,124 @@
+"""The fused decode step (one C call per step) against its pure-torch twin and transformers.
+
+Its twin is `DecoderModel.decode`, eager; the kernel must give the twin's logits to float32
+rounding at every batch size it takes and at the page-edge lengths the paged kernel is tested
+at, the same bits on one thread and two, transformers' greedy tokens through the runner, and a
+clear ValueError (with the next step unharmed) for inputs it cannot run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.executor import fused
+from sloserve.executor.inputs import DecodeInputs
+from sloserve.sampling_params import SamplingParams
+
+from tests.checkpoints import hf_greedy, load_hf_model
+from tests.executor.driver import generate
+
+pytestmark = pytest.mark.skipif(fused.DecodeKernel is None, reason="the fused decode extension is not built")
+
+GREEDY = SamplingParams(max_tokens=8)
+PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(37)]]
+LENGTHS = (1, 3, 4, 5, 8, 9, 33, 40)  # block size 4: inside, at and past page edges
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
+def runner(request, make_runner):
+    """A runner of a dense family (Qwen2: q/k/v biases), its KV pool filled with random values."""
+    runner = make_runner(request.getfixturevalue(request.param), max_batch=12, kv_pool_bytes=4 * 2**20)
+    torch.manual_seed(0)
+    runner.kv.normal_()
+    return runner
+
+
+def _step(runner, lengths: list[int]) -> DecodeInputs:
+    """A decode step of one sequence per length, each on pages of its own."""
+    seqs, next_page = [], 1
+    for i, n in enumerate(lengths):
+        pages = -(-n // runner.block_size)
+        seqs.append(ScheduledSequence(f"s{i}", [40 + 7 * i], n - 1, list(range(next_page, next_page + pages)),
+                                      True, GREEDY))
+        next_page += pages
+    return runner.inputs.build_decode(seqs, len(seqs))
+
+
+def _twin(runner, step: DecodeInputs) -> torch.Tensor:
+    with torch.inference_mode():
+        return runner.model.decode(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                                   step.seq_lens, runner.kv)
+
+
+def test_dense_cpu_float32_models_take_the_kernel_and_moe_models_do_not(runner, tiny_mixtral, make_runner):
+    assert runner.decode_step.fused is not None
+    assert fused.fused_reason(runner.model, runner.kv) is None
+    moe = make_runner(tiny_mixtral)
+    assert moe.decode_step.fused is None and "MoE" in fused.fused_reason(moe.model, moe.kv)
+    step = _step(runner, [5] * (fused.FUSED_MAX_BATCH + 1))
+    assert not runner.decode_step.fused.takes(step)  # larger batches stay on the BLAS path
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_logits_match_the_torch_twin_at_page_edges(runner, batch):
+    for first in range(0, len(LENGTHS), batch):
+        lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
+        step = _step(runner, lengths)
+        want = _twin(runner, step)  # writes the step's K/V first; the kernel rewrites the same slots
+        got = runner.decode_step.fused(step)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"lengths {lengths}")
+
+
+def test_one_thread_and_two_give_the_same_bits(runner):
+    step = _step(runner, [33, 9, 4, 40, 1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = runner.decode_step.fused(step)
+        torch.set_num_threads(2)
+        two = runner.decode_step.fused(step)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+class _Counting:
+    """The runner's FusedDecode, counting the steps it runs."""
+
+    def __init__(self, inner: fused.FusedDecode) -> None:
+        self.inner, self.calls = inner, 0
+
+    def takes(self, step: DecodeInputs) -> bool:
+        return self.inner.takes(step)
+
+    def __call__(self, step: DecodeInputs) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(step)
+
+
+def test_greedy_tokens_equal_transformers_through_the_runner(runner, monkeypatch):
+    counting = _Counting(runner.decode_step.fused)
+    monkeypatch.setattr(runner.decode_step, "fused", counting)
+    expected = hf_greedy(load_hf_model(runner.model_path), PROMPTS, 6)
+    assert generate(runner, PROMPTS, 6, chunk=7, stagger=True, seed=1) == expected
+    assert counting.calls, "no decode step ran through the kernel"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("input_ids", 10_000, "token id"),
+    ("slot_mapping", 1 << 40, "KV slot"),
+    ("seq_lens", 0, "length"),
+    ("block_tables", 1 << 30, "outside"),
+])
+def test_inputs_it_cannot_run_are_refused_and_the_next_step_is_unharmed(runner, field, value, message):
+    good = _step(runner, [9, 5])
+    want = runner.decode_step.fused(good).clone()
+    bad = _step(runner, [9, 5])
+    cell = getattr(bad, field).view(-1)
+    kept = cell[0].item()
+    cell[0] = value
+    with pytest.raises(ValueError, match=message):
+        runner.decode_step.fused(bad)
+    cell[0] = kept  # the persistent batch keeps an unchanged block table: put the real one back
+    torch.testing.assert_close(runner.decode_step.fused(_step(runner, [9, 5])), want, rtol=0, atol=0)
