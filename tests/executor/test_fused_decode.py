@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
+from sloserve.batch import ScheduledSequence
 from sloserve.executor import fused
 from sloserve.executor.inputs import DecodeInputs
 from sloserve.sampling_params import SamplingParams
