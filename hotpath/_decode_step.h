@@ -11,8 +11,8 @@
  *     h = h + (attend(q, cache) W_o^T + b_o)
  *     x = rms_norm(h, ln2);  h = h + ((silu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d)
  * then logits = rms_norm(h, norm) W_lm^T. Norms and rotary round as _cpu_ops does; the dot
- * products sum in SLOSERVE_GEMV_LANES independent lanes, so they differ from a BLAS in the last
- * bits (as any two BLAS do) but not between thread counts or instruction sets.
+ * products sum in 8 independent lanes (four weight rows per load of x), so they differ from a
+ * BLAS in the last bits (as any two BLAS do) but not between thread counts or instruction sets.
  */
 #ifndef SLOSERVE_DECODE_STEP_H
 #define SLOSERVE_DECODE_STEP_H
@@ -24,6 +24,8 @@
 
 #include "_paged_attention_item.h"
 
+#define SLOSERVE_MAX_BATCH 64 /* sequences per call, at most (the caller checks) */
+
 #ifdef _OPENMP
 #include <omp.h>
 #define SLOSERVE_THREAD_NUM() omp_get_thread_num()
@@ -31,8 +33,7 @@
 #define SLOSERVE_THREAD_NUM() 0
 #endif
 
-#define SLOSERVE_GEMV_LANES 32 /* four AVX registers of partial sums: enough in flight to stream W */
-#define SLOSERVE_ROWS_PER_CHUNK 16 /* output rows per `omp for` iteration */
+#define SLOSERVE_ROWS_PER_CHUNK 16 /* output rows per `omp for` iteration (a multiple of 4) */
 
 typedef struct {
     const float *ln1, *ln2;          /* [H] */
@@ -61,29 +62,103 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
     return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) + (ptrdiff_t)threads * group * max_len;
 }
 
-static inline float sloserve_gemv_dot(const float *a, const float *b, ptrdiff_t n) {
-    float acc[SLOSERVE_GEMV_LANES] = {0};
+/* The matrix-vector products. Every value is summed as sloserve_dot sums it (lane i adds the
+ * products at d = i mod 8 in order, the tail past the last multiple of 8 goes to lane 0, then
+ * the lanes fold), whichever kernel below computes it: a row's result does not depend on the
+ * batch it is in, the rows beside it, the thread or the instruction set. */
+
+SLOSERVE_INLINE sloserve_v8 sloserve_tail(sloserve_v8 acc, const float *w, const float *x, ptrdiff_t d, ptrdiff_t k) {
+    for (; d < k; d++) acc[0] += w[d] * x[d];
+    return acc;
+}
+
+SLOSERVE_INLINE float sloserve_dot1(const float *w, const float *x, ptrdiff_t k) {
+    sloserve_v8 acc = {0};
     ptrdiff_t d = 0;
-    for (; d + SLOSERVE_GEMV_LANES <= n; d += SLOSERVE_GEMV_LANES)
-        for (int j = 0; j < SLOSERVE_GEMV_LANES; j++) acc[j] += a[d + j] * b[d + j];
-    for (; d < n; d++) acc[0] += a[d] * b[d];
-    for (int width = SLOSERVE_GEMV_LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) acc[j] += acc[j + width];
-    return acc[0];
+    for (; d + 8 <= k; d += 8) acc += sloserve_load8(w + d) * sloserve_load8(x + d);
+    acc = sloserve_tail(acc, w, x, d, k);
+    const sloserve_v8 zero = {0};
+    return sloserve_fold4(acc, zero, zero, zero)[0];
+}
+
+/* Four weight rows (w, w + k, ...) against one x: one load of x serves four rows. */
+SLOSERVE_INLINE sloserve_v4 sloserve_dot4(const float *w, const float *x, ptrdiff_t k) {
+    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    ptrdiff_t d = 0;
+    for (; d + 8 <= k; d += 8) {
+        const sloserve_v8 xv = sloserve_load8(x + d);
+        a0 += sloserve_load8(w + d) * xv;
+        a1 += sloserve_load8(w + k + d) * xv;
+        a2 += sloserve_load8(w + 2 * k + d) * xv;
+        a3 += sloserve_load8(w + 3 * k + d) * xv;
+    }
+    return sloserve_fold4(sloserve_tail(a0, w, x, d, k), sloserve_tail(a1, w + k, x, d, k),
+                          sloserve_tail(a2, w + 2 * k, x, d, k), sloserve_tail(a3, w + 3 * k, x, d, k));
+}
+
+/* Four weight rows against two x rows: each weight load serves two sequences. */
+SLOSERVE_INLINE void sloserve_dot4x2(const float *w, const float *x0, const float *x1, ptrdiff_t k, sloserve_v4 *out0,
+                                     sloserve_v4 *out1) {
+    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    ptrdiff_t d = 0;
+    for (; d + 8 <= k; d += 8) {
+        const sloserve_v8 u = sloserve_load8(x0 + d), v = sloserve_load8(x1 + d);
+        sloserve_v8 r = sloserve_load8(w + d);
+        a0 += r * u;
+        b0 += r * v;
+        r = sloserve_load8(w + k + d);
+        a1 += r * u;
+        b1 += r * v;
+        r = sloserve_load8(w + 2 * k + d);
+        a2 += r * u;
+        b2 += r * v;
+        r = sloserve_load8(w + 3 * k + d);
+        a3 += r * u;
+        b3 += r * v;
+    }
+    *out0 = sloserve_fold4(sloserve_tail(a0, w, x0, d, k), sloserve_tail(a1, w + k, x0, d, k),
+                           sloserve_tail(a2, w + 2 * k, x0, d, k), sloserve_tail(a3, w + 3 * k, x0, d, k));
+    *out1 = sloserve_fold4(sloserve_tail(b0, w, x1, d, k), sloserve_tail(b1, w + k, x1, d, k),
+                           sloserve_tail(b2, w + 2 * k, x1, d, k), sloserve_tail(b3, w + 3 * k, x1, d, k));
+}
+
+/* dots[4 b + r] = x[b] . w[j + r] for r < n (n <= 4) and every b. */
+SLOSERVE_INLINE void sloserve_dots(const float *w, const float *x, ptrdiff_t batch, ptrdiff_t k, ptrdiff_t j,
+                                   ptrdiff_t n, float *dots) {
+    const float *rows = w + j * k;
+    if (n < 4) {
+        for (ptrdiff_t b = 0; b < batch; b++)
+            for (ptrdiff_t r = 0; r < n; r++) dots[4 * b + r] = sloserve_dot1(rows + r * k, x + b * k, k);
+        return;
+    }
+    ptrdiff_t b = 0;
+    for (; b + 2 <= batch; b += 2) {
+        sloserve_v4 s0, s1;
+        sloserve_dot4x2(rows, x + b * k, x + (b + 1) * k, k, &s0, &s1);
+        memcpy(dots + 4 * b, &s0, sizeof s0);
+        memcpy(dots + 4 * (b + 1), &s1, sizeof s1);
+    }
+    if (b < batch) {
+        const sloserve_v4 s0 = sloserve_dot4(rows, x + b * k, k);
+        memcpy(dots + 4 * b, &s0, sizeof s0);
+    }
 }
 
 /* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) and every b
- * (x: [batch, k] contiguous; y: row stride ldy). Each weight row is read once for the whole batch. */
+ * (x: [batch, k] contiguous, batch <= SLOSERVE_MAX_BATCH; y: row stride ldy). */
 SLOSERVE_CLONES
 static void sloserve_gemv_rows(const float *w, const float *bias, const float *x, ptrdiff_t batch, ptrdiff_t k,
                                ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    for (ptrdiff_t j = j0; j < j1; j++) {
-        const float *row = w + j * k;
-        for (ptrdiff_t b = 0; b < batch; b++) {
-            float v = sloserve_gemv_dot(x + b * k, row, k);
-            if (bias) v = v + bias[j];
-            y[b * ldy + j] = accumulate ? y[b * ldy + j] + v : v;
-        }
+    float dots[4 * SLOSERVE_MAX_BATCH];
+    for (ptrdiff_t j = j0; j < j1; j += 4) {
+        const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
+        sloserve_dots(w, x, batch, k, j, n, dots);
+        for (ptrdiff_t b = 0; b < batch; b++)
+            for (ptrdiff_t r = 0; r < n; r++) {
+                float v = dots[4 * b + r];
+                if (bias) v = v + bias[j + r];
+                y[b * ldy + j + r] = accumulate ? y[b * ldy + j + r] + v : v;
+            }
     }
 }
 
@@ -91,17 +166,20 @@ static void sloserve_gemv_rows(const float *w, const float *bias, const float *x
 SLOSERVE_CLONES
 static void sloserve_swiglu_rows(const float *w, const float *bias, const float *x, ptrdiff_t batch, ptrdiff_t k,
                                  ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    for (ptrdiff_t j = j0; j < j1; j++) {
-        const float *gate_row = w + j * k, *up_row = w + (inter + j) * k;
-        for (ptrdiff_t b = 0; b < batch; b++) {
-            float gate = sloserve_gemv_dot(x + b * k, gate_row, k);
-            float up = sloserve_gemv_dot(x + b * k, up_row, k);
-            if (bias) {
-                gate = gate + bias[j];
-                up = up + bias[inter + j];
+    float gates[4 * SLOSERVE_MAX_BATCH], ups[4 * SLOSERVE_MAX_BATCH];
+    for (ptrdiff_t j = j0; j < j1; j += 4) {
+        const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
+        sloserve_dots(w, x, batch, k, j, n, gates);
+        sloserve_dots(w, x, batch, k, inter + j, n, ups);
+        for (ptrdiff_t b = 0; b < batch; b++)
+            for (ptrdiff_t r = 0; r < n; r++) {
+                float gate = gates[4 * b + r], up = ups[4 * b + r];
+                if (bias) {
+                    gate = gate + bias[j + r];
+                    up = up + bias[inter + j + r];
+                }
+                act[b * inter + j + r] = (gate / (1.0f + expf(-gate))) * up;
             }
-            act[b * inter + j] = (gate / (1.0f + expf(-gate))) * up;
-        }
     }
 }
 

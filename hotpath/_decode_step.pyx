@@ -14,6 +14,8 @@ from libc.stdlib cimport free, malloc, realloc
 
 
 cdef extern from "_decode_step.h" nogil:
+    enum: SLOSERVE_MAX_BATCH
+
     ctypedef struct sloserve_layer:
         const float* ln1
         const float* ln2
@@ -123,6 +125,8 @@ cdef class DecodeKernel:
             raise RuntimeError("DecodeKernel was never set")
         if batch <= 0:
             return
+        if batch > SLOSERVE_MAX_BATCH:
+            raise ValueError(f"{batch} sequences exceed the kernel's {SLOSERVE_MAX_BATCH} per step")
         if self.busy:
             raise RuntimeError("DecodeKernel is not reentrant: one step at a time")
         num_threads = max(1, num_threads)

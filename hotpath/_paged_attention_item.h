@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define SLOSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "avx", "default")))
@@ -19,6 +20,18 @@
 #endif
 
 #define SLOSERVE_LANES 8
+
+/* Helpers of the cloned kernels are always inlined, so each clone compiles them for its instruction set. */
+#define SLOSERVE_INLINE static inline __attribute__((always_inline))
+
+/* Eight float lanes as a GCC vector (one AVX register, two SSE ones on the baseline clone), and
+ * four. Vector arithmetic rounds lane by lane, so every clone gives the same sums. */
+#pragma GCC diagnostic ignored "-Wpsabi" /* inlined helpers: no vector crosses a call boundary */
+typedef float sloserve_v8 __attribute__((vector_size(32)));
+typedef float sloserve_v8u __attribute__((vector_size(32), aligned(4)));
+typedef float sloserve_v4 __attribute__((vector_size(16)));
+
+SLOSERVE_INLINE sloserve_v8 sloserve_load8(const float *p) { return *(const sloserve_v8u *)p; }
 
 static inline float sloserve_dot(const float *a, const float *b, ptrdiff_t n) {
     float acc[SLOSERVE_LANES] = {0};
@@ -29,6 +42,33 @@ static inline float sloserve_dot(const float *a, const float *b, ptrdiff_t n) {
     for (int width = SLOSERVE_LANES / 2; width > 0; width /= 2)
         for (int j = 0; j < width; j++) acc[j] += acc[j + width];
     return acc[0];
+}
+
+/* The four sums sloserve_dot's fold gives of four 8-lane accumulators, in one vector:
+ * lanes i + (i + 4) first, then (0 + 2) + (1 + 3), computed for the four at once by a transpose. */
+SLOSERVE_INLINE sloserve_v4 sloserve_fold4(sloserve_v8 a0, sloserve_v8 a1, sloserve_v8 a2, sloserve_v8 a3) {
+    const sloserve_v4 t0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
+    const sloserve_v4 t1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7);
+    const sloserve_v4 t2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7);
+    const sloserve_v4 t3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7);
+    const sloserve_v4 x0 = __builtin_shufflevector(t0, t1, 0, 4, 1, 5), x1 = __builtin_shufflevector(t0, t1, 2, 6, 3, 7);
+    const sloserve_v4 y0 = __builtin_shufflevector(t2, t3, 0, 4, 1, 5), y1 = __builtin_shufflevector(t2, t3, 2, 6, 3, 7);
+    const sloserve_v4 lane0 = __builtin_shufflevector(x0, y0, 0, 1, 4, 5), lane1 = __builtin_shufflevector(x0, y0, 2, 3, 6, 7);
+    const sloserve_v4 lane2 = __builtin_shufflevector(x1, y1, 0, 1, 4, 5), lane3 = __builtin_shufflevector(x1, y1, 2, 3, 6, 7);
+    return (lane0 + lane2) + (lane1 + lane3);
+}
+
+/* out[r] = sloserve_dot(q, rows + r * stride, dim) for r < 4, the same bits; dim a multiple of 8. */
+SLOSERVE_INLINE sloserve_v4 sloserve_dot4_strided(const float *q, const float *rows, ptrdiff_t stride, ptrdiff_t dim) {
+    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (ptrdiff_t d = 0; d < dim; d += 8) {
+        const sloserve_v8 qv = sloserve_load8(q + d);
+        a0 += sloserve_load8(rows + d) * qv;
+        a1 += sloserve_load8(rows + stride + d) * qv;
+        a2 += sloserve_load8(rows + 2 * stride + d) * qv;
+        a3 += sloserve_load8(rows + 3 * stride + d) * qv;
+    }
+    return sloserve_fold4(a0, a1, a2, a3);
 }
 
 /* exp(x) for x <= 0 (a softmax of scores minus their maximum), in plain float arithmetic that
@@ -66,7 +106,14 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
         const float *rows = k_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
         const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
-        for (ptrdiff_t j = 0; j < n; j++)
+        ptrdiff_t j = 0;
+        if (dim % 8 == 0) /* four positions at a time, the same sums as one at a time */
+            for (; j + 4 <= n; j += 4)
+                for (ptrdiff_t g = 0; g < group; g++) {
+                    const sloserve_v4 s = sloserve_dot4_strided(q + g * dim, rows + j * stride, stride, dim) * scale;
+                    memcpy(scores + g * seq_len + first + j, &s, sizeof s);
+                }
+        for (; j < n; j++)
             for (ptrdiff_t g = 0; g < group; g++)
                 scores[g * seq_len + first + j] = sloserve_dot(q + g * dim, rows + j * stride, dim) * scale;
     }
