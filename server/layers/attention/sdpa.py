@@ -23,17 +23,33 @@ from sloserve.layers.attention.metadata import AttentionMetadata
 _HAS_ENABLE_GQA = torch.__version__ >= "2.5"
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """SDPA over [..., H, L, D] with GQA (Hq a multiple of Hkv) and an optional boolean keep-mask."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., H, L, D] with GQA (Hq a multiple of Hkv) and a boolean keep-mask or `causal`
+    (top-left aligned: for a chunk with no cached context before it).
+
+    On a CPU the inputs go in 4-D with K/V repeated per query head: torch's CPU flash kernel
+    takes only those (3-D inputs or enable_gqa fall to the math path: measured 17 ms against
+    6.9 ms with a mask and 4.6 ms causal, one layer of 900 tokens, 4 query / 2 KV heads).
+    """
     hq, hkv = q.shape[-3], k.shape[-3]
+    if q.device.type == "cpu":
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=-3)
+            v = v.repeat_interleave(hq // hkv, dim=-3)
+        if q.dim() == 3:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                                  is_causal=causal)[0]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
     if hq == hkv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
     if _HAS_ENABLE_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
+                                              enable_gqa=True)
     group = hq // hkv
     k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
 
 
 class SdpaBackend:
@@ -108,6 +124,9 @@ class SdpaBackend:
             blocks = meta.block_tables[i, : -(-seq_len // page)].to(torch.long)
             k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
             v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+            if n == seq_len:  # no cached context: plain causal, no mask tensor
+                out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, None, scale, causal=True).transpose(0, 1)
+                continue
             keys = torch.arange(seq_len, device=q.device)
             rows = torch.arange(n, device=q.device) + (seq_len - n)
             mask = keys[None, :] <= rows[:, None]  # [n, L], bottom-right causal
