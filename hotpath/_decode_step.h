@@ -3,8 +3,9 @@
  * A small batch's decode step spends more time dispatching ~20 torch ops per layer than doing
  * their arithmetic (a 3M-parameter model: ~0.8 ms per step, ~0.3 ms of it matmuls). Here the
  * same step is plain C inside one OpenMP parallel region: matrix-vector products split by output
- * rows (`omp for`, an implicit barrier after each), the small per-row work (norms, rotary, KV
- * writes) on one thread, attention per (sequence, KV head) item as in _paged_attention.pyx.
+ * rows between the threads, the small per-row work (norms, rotary, KV writes) on one thread,
+ * attention per (sequence, KV head) item as in _paged_attention.pyx, a spinning barrier between
+ * stages (sloserve_barrier_wait).
  *
  * Per layer, exactly as DecoderModel.decode computes it (its pure-torch twin):
  *     x = rms_norm(h, ln1);  qkv = x W_qkv^T + b;  q, k = rope(q, k);  cache[slot] = k, v
@@ -20,6 +21,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sched.h>
 #include <string.h>
 
 #include "_paged_attention_item.h"
@@ -33,7 +35,6 @@
 #define SLOSERVE_THREAD_NUM() 0
 #endif
 
-#define SLOSERVE_ROWS_PER_CHUNK 16 /* output rows per `omp for` iteration (a multiple of 4) */
 
 typedef struct {
     const float *ln1, *ln2;          /* [H] */
@@ -209,19 +210,49 @@ static void sloserve_rope_head(float *v, const float *cos, const float *sin, ptr
     memcpy(v, tmp, dim * sizeof(float));
 }
 
-static inline ptrdiff_t sloserve_chunks(ptrdiff_t rows) {
-    return (rows + SLOSERVE_ROWS_PER_CHUNK - 1) / SLOSERVE_ROWS_PER_CHUNK;
+/* A barrier between the threads of one step. Waiting threads spin (then yield) instead of
+ * sleeping: an OpenMP barrier under OMP_WAIT_POLICY=PASSIVE (the CLI's default) sleeps in the
+ * kernel and costs ~40 us to wake, and a step has ~8 barriers per layer. Phases count up; the
+ * last thread to arrive resets the count before it publishes the next phase. */
+typedef struct {
+    int arrived, phase;
+} sloserve_barrier;
+
+#define SLOSERVE_SPINS_BEFORE_YIELD 4000 /* ~0.1 ms of pause instructions */
+
+static void sloserve_barrier_wait(sloserve_barrier *bar, int threads, int *phase) {
+    if (threads == 1) return;
+    const int next = ++*phase;
+    if (__atomic_add_fetch(&bar->arrived, 1, __ATOMIC_ACQ_REL) == threads) {
+        __atomic_store_n(&bar->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&bar->phase, next, __ATOMIC_RELEASE);
+        return;
+    }
+    for (long spins = 0; __atomic_load_n(&bar->phase, __ATOMIC_ACQUIRE) != next; spins++) {
+        if (spins >= SLOSERVE_SPINS_BEFORE_YIELD) sched_yield();
+#if defined(__x86_64__) || defined(__i386__)
+        else __builtin_ia32_pause();
+#endif
+    }
 }
 
-static inline ptrdiff_t sloserve_chunk_end(ptrdiff_t c, ptrdiff_t rows) {
-    const ptrdiff_t end = (c + 1) * SLOSERVE_ROWS_PER_CHUNK;
-    return end < rows ? end : rows;
+/* Rows [first, last) of `rows` split evenly between `threads`: this thread's share, in chunks of 4. */
+static inline void sloserve_share(ptrdiff_t rows, int thread, int threads, ptrdiff_t *first, ptrdiff_t *last) {
+    const ptrdiff_t quads = (rows + 3) / 4, per = quads / threads, extra = quads % threads;
+    const ptrdiff_t begin = thread * per + (thread < extra ? thread : extra);
+    const ptrdiff_t end = begin + per + (thread < extra);
+    *first = begin * 4 < rows ? begin * 4 : rows;
+    *last = end * 4 < rows ? end * 4 : rows;
 }
 
 /* One decode step of `batch` sequences: ids, positions, KV slots [batch] int64; tables [batch, width]
  * int32; lens [batch] int32 (position + 1, at most max_len); logits [batch, V] out. `work` holds
  * sloserve_decode_workspace(m, batch, max_len, threads) floats. Returns 0, or -1 when a block
- * table names a page outside the pool (then the logits are undefined). */
+ * table names a page outside the pool (then the logits are undefined).
+ *
+ * One parallel region: each matrix-vector product is split by output rows (thread t takes the
+ * t-th share), thread 0 does the per-row work (norms, rotary, KV writes), attention items go
+ * round-robin by (sequence, KV head); a barrier separates every stage from the next. */
 static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, const int64_t *positions,
                                 const int64_t *slots, const int32_t *tables, ptrdiff_t width, const int32_t *lens,
                                 ptrdiff_t batch, ptrdiff_t max_len, int threads, float *work, float *logits) {
@@ -229,60 +260,61 @@ static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, c
     const ptrdiff_t group = Hq / Hkv, q_size = Hq * D, qkv_size = (Hq + 2 * Hkv) * D, row_kv = Hkv * D;
     float *h = work, *x = h + batch * H, *qkv = x + batch * H, *attn = qkv + batch * qkv_size;
     float *act = attn + batch * q_size, *scores = act + batch * I;
+    sloserve_barrier bar = {0, 0};
     int bad = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *my_scores = scores + (ptrdiff_t)SLOSERVE_THREAD_NUM() * group * max_len;
-#pragma omp single
-        for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
+        const int me = SLOSERVE_THREAD_NUM();
+#ifdef _OPENMP
+        const int team = omp_get_num_threads(); /* may be fewer than asked */
+#else
+        const int team = 1;
+#endif
+        int phase = 0;
+        ptrdiff_t first, last;
+        float *my_scores = scores + (ptrdiff_t)me * group * max_len;
+        if (me == 0)
+            for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
         for (ptrdiff_t l = 0; l < m->num_layers; l++) {
             const sloserve_layer *L = m->layers + l;
-#pragma omp single
-            sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
-#pragma omp for schedule(static)
-            for (ptrdiff_t c = 0; c < sloserve_chunks(qkv_size); c++)
-                sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, c * SLOSERVE_ROWS_PER_CHUNK,
-                                   sloserve_chunk_end(c, qkv_size), qkv, qkv_size, 0);
-#pragma omp single
-            for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
-                float *row = qkv + b * qkv_size;
-                const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
-                for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
-                memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
-                memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
-            }
-#pragma omp for schedule(dynamic)
-            for (ptrdiff_t item = 0; item < batch * Hkv; item++) {
+            if (me == 0) sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
+            sloserve_barrier_wait(&bar, team, &phase);
+            sloserve_share(qkv_size, me, team, &first, &last);
+            sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, first, last, qkv, qkv_size, 0);
+            sloserve_barrier_wait(&bar, team, &phase);
+            if (me == 0)
+                for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
+                    float *row = qkv + b * qkv_size;
+                    const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
+                    for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
+                    memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
+                    memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
+                }
+            sloserve_barrier_wait(&bar, team, &phase);
+            for (ptrdiff_t item = me; item < batch * Hkv; item += team) {
                 const ptrdiff_t b = item / Hkv, kv_head = item % Hkv;
                 if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
                                         tables + b * width, lens[b], kv_head, group, Hkv, D, m->page,
-                                        m->num_pages, m->scale, my_scores,
-                                        attn + b * q_size + kv_head * group * D)) {
-#pragma omp atomic write
-                    bad = 1;
-                }
+                                        m->num_pages, m->scale, my_scores, attn + b * q_size + kv_head * group * D))
+                    __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
             }
-#pragma omp for schedule(static)
-            for (ptrdiff_t c = 0; c < sloserve_chunks(H); c++)
-                sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, c * SLOSERVE_ROWS_PER_CHUNK,
-                                   sloserve_chunk_end(c, H), h, H, 1);
-#pragma omp single
-            sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
-#pragma omp for schedule(static)
-            for (ptrdiff_t c = 0; c < sloserve_chunks(I); c++)
-                sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, c * SLOSERVE_ROWS_PER_CHUNK,
-                                     sloserve_chunk_end(c, I), act);
-#pragma omp for schedule(static)
-            for (ptrdiff_t c = 0; c < sloserve_chunks(H); c++)
-                sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, c * SLOSERVE_ROWS_PER_CHUNK,
-                                   sloserve_chunk_end(c, H), h, H, 1);
+            sloserve_barrier_wait(&bar, team, &phase);
+            sloserve_share(H, me, team, &first, &last);
+            sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, first, last, h, H, 1);
+            sloserve_barrier_wait(&bar, team, &phase);
+            if (me == 0) sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
+            sloserve_barrier_wait(&bar, team, &phase);
+            sloserve_share(I, me, team, &first, &last);
+            sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, first, last, act);
+            sloserve_barrier_wait(&bar, team, &phase);
+            sloserve_share(H, me, team, &first, &last);
+            sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
+            sloserve_barrier_wait(&bar, team, &phase);
         }
-#pragma omp single
-        sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
-#pragma omp for schedule(static)
-        for (ptrdiff_t c = 0; c < sloserve_chunks(m->vocab); c++)
-            sloserve_gemv_rows(m->lm_head, NULL, x, batch, H, c * SLOSERVE_ROWS_PER_CHUNK,
-                               sloserve_chunk_end(c, m->vocab), logits, m->vocab, 0);
+        if (me == 0) sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
+        sloserve_barrier_wait(&bar, team, &phase);
+        sloserve_share(m->vocab, me, team, &first, &last);
+        sloserve_gemv_rows(m->lm_head, NULL, x, batch, H, first, last, logits, m->vocab, 0);
     }
     return bad ? -1 : 0;
 }

@@ -56,14 +56,14 @@ def decode_path_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
 class DecodeStep:
     """Runs `DecoderModel.decode` on bucket-padded inputs, compiled or eager."""
 
-    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, compiled: bool) -> None:
+    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, compiled: bool, threads: int = 1) -> None:
         self.model, self.kv = model, kv
         self.buckets = batch_buckets(max_seqs)
         self.compiled = compiled
         self.pads = compiled and not model.spec.moe_layers
         self._fn: Callable[..., torch.Tensor] = model.decode
         # Eager small batches run as one C call when the model allows (see executor/fused.py).
-        self.fused = FusedDecode(model, kv) if not compiled and fused_reason(model, kv) is None else None
+        self.fused = FusedDecode(model, kv, threads) if not compiled and fused_reason(model, kv) is None else None
         if compiled:
             # NOTE: KV and the step inputs are views of one uint8 pool buffer. Inputs that share a
             # storage make AOTAutograd merge them into views of one base (refused when one is

@@ -5,8 +5,10 @@ once; eager torch spends longer than that dispatching the ~20 ops per layer arou
 3M-parameter model: ~0.8 ms per step, of which ~0.3 ms is matmuls). The kernel runs the same
 step, layer by layer, in one nogil call over the weights and the paged KV cache in place.
 
-It serves dense float32 models on a CPU, one rank, batches up to FUSED_MAX_BATCH (beyond that a
-BLAS GEMM reads the weights as rarely and computes faster). Its pure-torch twin is
+It serves dense float32 models on a CPU, one rank, batches up to FUSED_MAX_BATCH. Its
+matrix-vector products read each weight row once per two sequences and need no FMA to run at
+the core's multiply-add rate, so on the CPUs measured it beat the torch path up to the largest
+batch it takes. Its pure-torch twin is
 `DecoderModel.decode` (eager), which runs everything else, and SLOSERVE_NO_EXTENSIONS=1.
 Tokens equal the twin's except where two logits tie to the last bits (the dot products sum in
 another order than the BLAS); tests hold it to transformers' greedy tokens like every path.
@@ -26,9 +28,11 @@ try:
 except ImportError:  # not built, or forced off: DecoderModel.decode runs every step
     DecodeKernel = None
 
-# Largest decode batch the kernel takes. Measured on 2 cores (benchmarks/step_breakdown.py):
-# see the README's "Per-token cost" section for the crossover with the BLAS path.
-FUSED_MAX_BATCH = 8
+# Largest decode batch the kernel takes (its workspace limit, SLOSERVE_MAX_BATCH). Measured on 2
+# cores (benchmarks/decode_kernel.py, 800-token contexts): the kernel took x0.25 of the torch
+# path's time at batch 1 and x0.60 at batch 64 on a 3M-parameter Llama; x0.58 and x0.72 (128
+# tokens) on the 40M one. A larger batch runs the torch path.
+FUSED_MAX_BATCH = 64
 
 _LAYER_FIELDS = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b")
 
@@ -56,7 +60,9 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
 class FusedDecode:
     """Runs decode steps of up to FUSED_MAX_BATCH sequences through the kernel."""
 
-    def __init__(self, model: DecoderModel, kv: torch.Tensor) -> None:
+    def __init__(self, model: DecoderModel, kv: torch.Tensor, threads: int) -> None:
+        """threads: the step's team, whatever the batch (its barriers spin, see _decode_step.h,
+        so a second thread pays from one sequence of a 3M-parameter model up)."""
         why_not = fused_reason(model, kv)
         if why_not:
             raise ValueError(f"the fused decode step cannot run this model: {why_not}")
@@ -74,6 +80,7 @@ class FusedDecode:
         self.kernel = DecodeKernel(dims, w.embed.data_ptr(), w.norm.data_ptr(), w.lm_head.data_ptr(),
                                    model.cos.data_ptr(), model.sin.data_ptr(), layers)
         self.vocab = dims["vocab"]
+        self.threads = max(1, threads)
 
     def takes(self, step: DecodeInputs) -> bool:
         return step.input_ids.shape[0] <= FUSED_MAX_BATCH
@@ -84,5 +91,5 @@ class FusedDecode:
         tables = step.block_tables
         self.kernel(step.input_ids.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
                     tables.data_ptr(), tables.shape[1], step.seq_lens.data_ptr(), batch, logits.data_ptr(),
-                    torch.get_num_threads())
+                    self.threads)
         return logits

@@ -145,7 +145,8 @@ class ModelRunner:
         if compiled and why_not:
             raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
                              "drop --compile (or pass --enforce-eager)")
-        self.decode_step = None if why_not else DecodeStep(self.model, self.kv, plan.max_seqs, compiled)
+        self.decode_step = None if why_not else DecodeStep(self.model, self.kv, plan.max_seqs, compiled,
+                                                           threads=max(1, self._cpu_threads))
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
         log.info("loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs", self.model_path,
