@@ -161,9 +161,8 @@ def point_s(n: int, capacity: float, m: float, arm: str, timeout_s: float) -> fl
 
 def estimate_s(n: int, capacity: float, multiples: list[float], arms: list[str], seeds: int,
                ablations: int, ablation_multiple: float, timeout_s: float, start_s: float = 4.0) -> float:
-    """Rough wall time of the sweeps and the ablation (point_s each) with a server start per arm
-    and seed and per ablation config and seed."""
-    sweeps = seeds * sum(start_s + sum(point_s(n, capacity, m, arm, timeout_s) for m in multiples) for arm in arms)
+    """Rough wall time of the sweeps and the ablation (point_s each) with a server start per point."""
+    sweeps = seeds * sum(start_s + point_s(n, capacity, m, arm, timeout_s) for m in multiples for arm in arms)
     return sweeps + seeds * ablations * (start_s + point_s(n, capacity, ablation_multiple, "slo", timeout_s))
 
 

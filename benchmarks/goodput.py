@@ -5,8 +5,9 @@ of the requests is interactive (TTFT, TPOT and end-to-end objectives, priority 0
 (an end-to-end objective only, priority 1). Capacity is measured first: a closed loop of
 --concurrency requests on the slo arm, completed requests per second between its first completion
 and its last send. Then each arm serves --requests Poisson arrivals at each multiple of that
-capacity: one server per arm and seed, a fresh slice of the prompts per point (a new server when
-the prompts run out), the same slices and classes for every arm. Figures are medians over seeds
+capacity: every point on a fresh server, the arms of a point one after another in an order that
+rotates from point to point (so a drift of the machine's speed moves the arms of a point alike),
+the same prompts and classes for every arm. Figures are medians over seeds
 with the range in brackets. Then the ablation: the slo arm at --ablation-multiple x capacity with
 each mechanism switched off in turn, each on a fresh server. Requests still open after
 --request-timeout are cancelled and count as misses, which bounds an overloaded point's length.
@@ -120,7 +121,7 @@ class Runner:
     def eta(self, where: dict, n: int, rate: float) -> float:
         """Seconds left: the estimate of the points not run yet, scaled by actual / estimated so far."""
         a = self.args
-        start_s = 4.0 / len(a.multiples) if "arm" in where else 4.0  # a server start, spread over its points
+        start_s = 4.0  # a server start per point
         self.estimated_done += start_s + ga.point_s(n, self.capacity, rate / self.capacity, where.get("arm", "slo"),
                                                     a.request_timeout)
         spent = time.monotonic() - self.sweeps_start
@@ -144,26 +145,20 @@ class Runner:
                              streams=a.streams, request_timeout_s=a.request_timeout), closed_loop=a.concurrency)
         return p["steady_rps"] or p["completed"] / p["duration_s"]
 
-    def sweep(self, seed: int, arm: str) -> None:
-        a, capacity = self.args, self.capacity
-        mode, overrides = ga.ARMS[arm]
-        slices = harness.fresh_slices(len(self.pools[seed]), [a.requests] * len(a.multiples))
-        server, epoch = None, -1
-        try:
-            for i, (m, (start, ep)) in enumerate(zip(a.multiples, slices, strict=True)):
-                if ep != epoch:  # the pool ran out: a fresh server, whose cache holds no earlier prompt
-                    if server is not None:
-                        server.stop()
-                    server, epoch = self.server(mode, overrides, arm), ep
-                items, labels = self.load(seed, start, a.requests, i)
-                spec = LoadSpec(rate=m * capacity, num_requests=a.requests, streams=a.streams,
-                                seed=seed * 1000 + i, request_timeout_s=a.request_timeout)
-                self.points.append(self.measure(server, items, labels, spec, arm=arm, seed=seed,
-                                                multiple=m, rate=round(m * capacity, 3)))
-                self.save(partial=True)
-        finally:
-            if server is not None:
-                server.stop()
+    def point(self, seed: int, i: int, arms: list[str]) -> None:
+        """Load point i (multiples[i]) of one seed on every arm, one after another, each on a fresh
+        server: the arms of a point run minutes apart at most, so a drift of the machine's speed
+        (±30% within half an hour here) moves every arm of the point alike."""
+        a, capacity, m = self.args, self.capacity, self.args.multiples[i]
+        items, labels = self.load(seed, i * a.requests, a.requests, i)
+        spec = LoadSpec(rate=m * capacity, num_requests=a.requests, streams=a.streams, seed=seed * 1000 + i,
+                        request_timeout_s=a.request_timeout)
+        for arm in arms:
+            mode, overrides = ga.ARMS[arm]
+            with self.server(mode, overrides, arm) as server:
+                self.points.append(self.measure(server, items, labels, spec, arm=arm, seed=seed, multiple=m,
+                                                rate=round(m * capacity, 3)))
+            self.save(partial=True)
 
     def ablate(self, seed: int, config: str, overrides: dict) -> None:
         a, capacity = self.args, self.capacity
@@ -259,8 +254,9 @@ def main(argv: list[str]) -> int:
           f"{len(a.seeds)} seeds + {len(ablations)} ablation configs x {len(a.seeds)} seeds; "
           f"estimated {estimate / 60:.1f} min more", flush=True)
     for seed in a.seeds:
-        for arm in a.arms:
-            runner.sweep(seed, arm)
+        for i in range(len(a.multiples)):  # arms interleaved per point, their order rotating
+            turn = (seed + i) % len(a.arms)
+            runner.point(seed, i, a.arms[turn:] + a.arms[:turn])
     for seed in a.seeds:
         for config, overrides in ablations.items():
             runner.ablate(seed, config, overrides)
