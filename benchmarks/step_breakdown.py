@@ -9,7 +9,9 @@ then times `steps` decode steps, each split into the five phases of EngineCore.s
   sampling   ModelRunner.sample(): logits -> token ids
   outputs    EngineCore.update(): tokens into requests, stop checks, detokenisation
 
-Medians of each phase are printed per batch size (mean and p90 are in the JSON).
+Medians of each phase are printed per batch size (mean and p90 are in the JSON). The decode
+path is the fused kernel where the model takes it (executor/fused.py); `--compare-torch` also
+times each batch with it off (its torch twin, the path before it), right after.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/step_breakdown.py [--batches 1 64] [--steps 40]
 
@@ -107,6 +109,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (eager otherwise)")
+    parser.add_argument("--compare-torch", action="store_true",
+                        help="also time each batch with the fused decode kernel off (its torch twin), alternating")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_breakdown.json")
     args = parser.parse_args()
     if args.threads:
@@ -130,12 +134,21 @@ def main() -> None:
           f"{info.get('decode_step', 'eager')} decode, {torch.get_num_threads()} threads "
           f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}), start-up {startup:.1f}s, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5} " + " ".join(f"{p:>9}" for p in (*PHASES, "total")) + "   (median ms per decode step)")
+    print(f"{'batch':>5} {'path':>6} " + " ".join(f"{p:>9}" for p in (*PHASES, "total"))
+          + "   (median ms per decode step)")
     rows = []
+    decode_step = core.runner.decode_step
+    fused = getattr(decode_step, "fused", None)
+    paths = [("fused" if fused else "torch", fused)] + ([("torch", None)] if args.compare_torch and fused else [])
     for batch in args.batches:
-        row = breakdown(core, batch, args.steps, args.prompt_len)
-        rows.append(row)
-        print(f"{batch:>5} " + " ".join(f"{row[p]['median_ms']:>9.2f}" for p in (*PHASES, "total")))
+        for name, kernel in paths:
+            if decode_step is not None:
+                decode_step.fused = kernel
+            row = breakdown(core, batch, args.steps, args.prompt_len) | {"path": name}
+            rows.append(row)
+            print(f"{batch:>5} {name:>6} " + " ".join(f"{row[p]['median_ms']:>9.2f}" for p in (*PHASES, "total")))
+    if decode_step is not None:
+        decode_step.fused = fused
     report = {"benchmark": "step_breakdown", "model": path, "startup_s": round(startup, 2), "info": {
         k: info.get(k) for k in ("architecture", "parameters", "attention_backend", "decode_step", "warmup_time_s")},
         "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
