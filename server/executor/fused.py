@@ -29,9 +29,9 @@ except ImportError:  # not built, or forced off: DecoderModel.decode runs every 
     DecodeKernel = None
 
 # Largest decode batch the kernel takes (its workspace limit, SLOSERVE_MAX_BATCH). Measured on 2
-# cores (benchmarks/decode_kernel.py, 800-token contexts): the kernel took x0.25 of the torch
-# path's time at batch 1 and x0.60 at batch 64 on a 3M-parameter Llama; x0.58 and x0.72 (128
-# tokens) on the 40M one. A larger batch runs the torch path.
+# cores (benchmarks/results/decode_kernel*.json): the kernel took x0.27 of the torch path's time
+# at batch 1 and x0.59 at batch 64 on the 3M `default` (800-token contexts); x0.46 and x0.78 on
+# the 40M `default-random` (128 tokens). A larger batch runs the torch path.
 FUSED_MAX_BATCH = 64
 
 _LAYER_FIELDS = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b")
