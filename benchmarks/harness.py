@@ -292,19 +292,6 @@ def arc_items(num_requests: int, seed: int, max_prompt_chars: int, max_tokens: i
     return spec, [items[k % len(items)] for k in range(num_requests)]
 
 
-def fresh_slices(pool_len: int, sizes: list[int]) -> list[tuple[int, int]]:
-    """(start, epoch) of one slice of the pool per size, each after the last, so no two points
-    on one server share a prompt (nor its prefix cache). A slice that would run past the pool's
-    end starts a new epoch, meaning a fresh server, from the pool's start."""
-    out, start, epoch = [], 0, 0
-    for n in sizes:
-        if start and start + n > pool_len:
-            start, epoch = 0, epoch + 1
-        out.append((start, epoch))
-        start += n
-    return out
-
-
 def take(pool: list[WorkloadItem], start: int, n: int) -> list[WorkloadItem]:
     """n requests from pool[start:] (repeating from the start only when n exceeds the pool)."""
     return [pool[(start + k) % len(pool)] for k in range(n)]

@@ -184,20 +184,14 @@ static void sloserve_swiglu_rows(const float *w, const float *bias, const float 
     }
 }
 
-/* out[b] = weight * (x[b] * (1 / sqrt(mean(x[b]^2) + eps))), summed in 8 lanes as _cpu_ops.rms_norm. */
+/* out[b] = weight * (x[b] * (1 / sqrt(mean(x[b]^2) + eps))); the sum of squares in 8 lanes, the
+ * order _cpu_ops.rms_norm sums in. */
 static void sloserve_rms_norm_rows(const float *x, const float *weight, ptrdiff_t rows, ptrdiff_t dim, float eps,
                                    float *out) {
     for (ptrdiff_t r = 0; r < rows; r++) {
         const float *row = x + r * dim;
-        float acc[8] = {0};
-        ptrdiff_t d = 0;
-        for (; d + 8 <= dim; d += 8)
-            for (int j = 0; j < 8; j++) acc[j] += row[d + j] * row[d + j];
-        for (; d < dim; d++) acc[0] += row[d] * row[d];
-        for (int width = 4; width > 0; width /= 2)
-            for (int j = 0; j < width; j++) acc[j] += acc[j + width];
-        const float inv = 1.0f / sqrtf(acc[0] / dim + eps);
-        for (d = 0; d < dim; d++) out[r * dim + d] = weight[d] * (row[d] * inv);
+        const float inv = 1.0f / sqrtf(sloserve_dot(row, row, dim) / dim + eps);
+        for (ptrdiff_t d = 0; d < dim; d++) out[r * dim + d] = weight[d] * (row[d] * inv);
     }
 }
 

@@ -48,10 +48,10 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "tensor parallelism splits the layers"
     if kv.device.type != "cpu" or kv.dtype != torch.float32 or not kv.is_contiguous():
         return "the kernel runs a contiguous float32 cache on a CPU"
-    tensors = [w.embed, w.norm, w.lm_head, model.cos, model.sin]
-    tensors += [getattr(layer, f) for layer in w.layers for f in _LAYER_FIELDS if getattr(layer, f) is not None]
     if any(layer.gate_up_w is None or layer.down_w is None for layer in w.layers):
         return "a layer has no dense MLP"
+    tensors = [w.embed, w.norm, w.lm_head, model.cos, model.sin]
+    tensors += [getattr(layer, f) for layer in w.layers for f in _LAYER_FIELDS if getattr(layer, f) is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
         return "the kernel reads contiguous float32 weights on a CPU"
     return None

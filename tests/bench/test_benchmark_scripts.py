@@ -59,15 +59,7 @@ def test_every_arm_and_ablation_names_real_config_fields():
         harness.check_overrides(overrides)
 
 
-def test_fresh_slices_never_reuse_a_prompt_on_one_server():
-    slices = harness.fresh_slices(1000, [80, 200, 200, 200, 200, 200])
-    assert slices == [(0, 0), (80, 0), (280, 0), (480, 0), (680, 0), (0, 1)]
-    seen: dict[int, set[int]] = {}
-    for (start, epoch), n in zip(slices, [80, 200, 200, 200, 200, 200], strict=True):
-        used = set(range(start, start + n))
-        assert not used & seen.get(epoch, set())
-        seen.setdefault(epoch, set()).update(used)
-    assert harness.fresh_slices(10, [30, 30]) == [(0, 0), (0, 1)]  # a point larger than the pool
+def test_take_wraps_around_the_pool():
     pool = [WorkloadItem(str(i), 1) for i in range(5)]
     assert [i.prompt for i in harness.take(pool, 3, 4)] == ["3", "4", "0", "1"]
 
