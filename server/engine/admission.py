@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,9 +14,12 @@ from sloserve.engine.step_model import MixedStepModel
 from sloserve.errors import RequestRefusedError
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
-SLO_MARGIN = 0.75  # admit only when the first-token estimate fits in this share of the time left
+SLO_MARGIN = 0.6  # admit only when the first-token estimate fits in this share of the time left
 LONG_DECAY = 0.995  # the long window of step cycle times (a weight of 1/e after 200 steps)
 LONG_WAIT_STEPS = 20  # waits of at least this many steps are also priced by the long window
+CALIBRATION_KEPT = 32  # first tokens whose actual / estimated TTFT ratio calibrates the estimate
+CALIBRATION_QUANTILE = 0.9
+CALIBRATION_MIN_S = 0.05  # shorter estimates are mostly fixed delays: their ratios say little
 
 
 class StepCostModel:
@@ -152,6 +155,9 @@ class AdmissionControl:
         self._compute_s = 0.0  # compute time of the last step (on_compute)
         self._step_load = (0, 0)  # (prompt tokens, decoding sequences) of the step in flight
         self.gap_s = 0.0  # EWMA of schedule-to-schedule time minus compute: output delivery, IPC
+        self._delivery = (0.0, 0.0)  # (lag_s, reported at): see report_delivery_lag
+        self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / model TTFT, recent
+        self.calibration = 1.0  # estimates are multiplied by this (>= 1): see on_first_token
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
@@ -178,6 +184,39 @@ class AdmissionControl:
         self.mix.observe(tokens - decodes, decodes, seconds)
         self._compute_s = seconds
 
+    def report_delivery_lag(self, lag_s: float, now: float) -> None:
+        """The front end handed a first token to its client `lag_s` after the engine produced it.
+
+        The engine's steps are not all a first token waits for: a front end that falls behind on
+        delivering outputs (a flood of streams on a small machine) adds its backlog to every TTFT.
+        """
+        self._delivery = (max(lag_s, self.delivery_lag(now)), now)
+
+    def delivery_lag(self, now: float) -> float:
+        """The largest reported backlog, less the time since it was reported: a backlog drains in
+        real time when nothing is added to it. A smaller report does not lower it at once (the
+        backlog swings within a burst of outputs, and a first token is delivered behind the
+        backlog of its own time, not of now); a stale report from an overload fades within its
+        own length, so it never refuses light load for long."""
+        lag, at = self._delivery
+        return max(0.0, lag - max(0.0, now - at))
+
+    def on_first_token(self, req: Request, ttft_s: float) -> None:
+        """`req` got its first token `ttft_s` after arrival: calibrate the estimate by it.
+
+        The step-cost model prices the steps a newcomer waits for, not everything a real queue
+        does to it (a deadline schedule that leaves requests without a TPOT objective a step now
+        and then holds their slots longer; steps of a contended machine). The calibration is the
+        CALIBRATION_QUANTILE of recent actual / estimated ratios, never below 1 (an estimate that
+        errs late refuses a little early, which the margin already does), and forgotten when the
+        engine goes idle like the cycle times.
+        """
+        if req.model_ttft_s is None or req.model_ttft_s < CALIBRATION_MIN_S:
+            return
+        self._ratios.append(ttft_s / req.model_ttft_s)
+        ordered = sorted(self._ratios)
+        self.calibration = max(1.0, ordered[min(len(ordered) - 1, int(CALIBRATION_QUANTILE * len(ordered)))])
+
     def on_idle(self) -> None:
         """No live requests: the gap before the next step is no step time, and the cycle times
         of the load that just ended are forgotten -- the next load re-learns them within a few
@@ -186,6 +225,9 @@ class AdmissionControl:
         self.cycles = (StepCostModel(decay=0.95), StepCostModel(decay=0.95))
         self.long_cycles = StepCostModel(decay=LONG_DECAY)
         self.gap_s = 0.0
+        self._delivery = (0.0, 0.0)
+        self._ratios.clear()
+        self.calibration = 1.0
 
     def step_price(self) -> StepPrice | None:
         """The deadline plan's step price: compute time (overhead, per prompt token, per decoding
@@ -228,18 +270,22 @@ class AdmissionControl:
         est = self._first_token(req, now, running, waiting, batch_cap, cached_tokens)
         if est is None:
             return
-        req.predicted_ttft_s = now - req.arrival_time + est.seconds
+        req.model_ttft_s = now - req.arrival_time + est.seconds
+        wait = est.seconds * self.calibration
+        req.predicted_ttft_s = now - req.arrival_time + wait
         if due is None:
             return  # no objective: never refused for time
         left = due - now
+        lag = self.delivery_lag(now)
         # A TTFT objective keeps a margin for the estimate's error; an end-to-end-only one is
         # refused only when even its first token would come after the deadline.
-        if est.seconds > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
-            wait = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
+        if wait + lag > (SLO_MARGIN if req.ttft_deadline is not None else 1.0) * left:
+            slot = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
+            behind = f" + {lag:.2f}s of output backlog in the front end" if lag > 0 else ""
             raise self.refuse(
                 "slo_unattainable",
-                f"first token expected in ~{est.seconds:.2f}s ({wait}{est.steps} steps in all, "
-                f"{len(running)} running and {est.ahead} waiting ahead) but the SLO allows "
+                f"first token expected in ~{wait + lag:.2f}s ({slot}{est.steps} steps in all, "
+                f"{len(running)} running and {est.ahead} waiting ahead{behind}) but the SLO allows "
                 f"{left:.2f}s; relax the SLO or retry later")
 
     def _first_token(self, req: Request, now: float, running: Sequence[Request], waiting: Iterable[Request],

@@ -121,6 +121,11 @@ class AsyncEngine:
             if not stream.finished:
                 self.abort(request_id)
 
+    def report_delivery_lag(self, lag_s: float) -> None:
+        """The front end handed a first token to its client `lag_s` after the engine made it."""
+        if self._core is not None:  # NOTE: no lock: admission stores one tuple, read whole
+            self._core.report_delivery_lag(lag_s)
+
     def abort(self, request_id: str) -> bool:
         """Cancel a live request and free its blocks now; its stream ends with 'cancelled'."""
         if self._core is None:

@@ -76,6 +76,10 @@ class EngineCore:
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}")
         self.scheduler.add_request(request_id, list(token_ids), params, slo, arrival_time, priority=priority)
 
+    def report_delivery_lag(self, lag_s: float) -> None:
+        """The front end's delay in handing a first token to its client (admission prices it)."""
+        self.scheduler.admission.report_delivery_lag(lag_s, time.monotonic())
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a live request as 'cancelled' and free its blocks now; None if it is not live."""
         return self.scheduler.abort(request_id)

@@ -190,6 +190,11 @@ class MPEngineClient:
         self._schedule_flush()
         return stream
 
+    def report_delivery_lag(self, lag_s: float) -> None:
+        """The front end handed a first token to its client `lag_s` after the engine made it: sent
+        with the next message (the adds it prices), never a message of its own."""
+        self._pending.delivery_lag_s = lag_s
+
     def abort(self, request_id: str) -> bool:
         """Ask the engine to cancel a live request (its stream then ends with 'cancelled')."""
         if request_id not in self._streams or self._dead_reason is not None:

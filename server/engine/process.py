@@ -122,6 +122,8 @@ class EngineLoop:
             except zmq.Again:
                 return outputs, shutdown
             msg = wire.decode_inputs(data)
+            if msg.delivery_lag_s is not None:  # before the adds: they are priced with it
+                self.core.report_delivery_lag(msg.delivery_lag_s)
             for add in msg.adds:
                 refused = self._add(add)
                 if refused is not None:

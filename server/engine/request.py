@@ -51,7 +51,7 @@ class Request:
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
         "finish_time", "error", "refusal_reason", "detokenizer", "output_text", "sent_text_len",
         "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
-        "last_scheduled_time", "predicted_ttft_s",
+        "last_scheduled_time", "predicted_ttft_s", "model_ttft_s",
     )
 
     def __init__(
@@ -82,6 +82,7 @@ class Request:
         self.deadline = self.arrival_time + _first_token_budget(slo, default_ttft_s)
         self.last_scheduled_time: float | None = None  # when a step last computed any of its tokens
         self.predicted_ttft_s: float | None = None  # admission's first-token estimate, from arrival
+        self.model_ttft_s: float | None = None  # the same before calibration (admission.calibration)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

@@ -330,6 +330,7 @@ class Scheduler:
                     req.first_token_time = now
                     if req.predicted_ttft_s is not None:
                         self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
+                        self.admission.on_first_token(req, now - req.arrival_time)
                         self._error_quantiles = {}
                 if self.faults is not None:
                     self.faults.check("fail-postprocess", (req.request_id,))

@@ -26,6 +26,7 @@ class Inputs(msgspec.Struct, tag="inputs", array_like=True):
     adds: list[AddRequest] = []
     aborts: list[str] = []
     shutdown: bool = False  # abort what is left, send the final outputs, then exit
+    delivery_lag_s: float | None = None  # the front end's latest first-token delivery lag, if new
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -174,7 +174,10 @@ class Frontend:
                 if behind:
                     out = _merge(out, behind)
                 if out.new_token_ids or out.new_text:
-                    first = now if first is None else first
+                    if first is None:
+                        first = now
+                        if out.first_token_time is not None:  # admission prices this backlog
+                            self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)
                     yield Tokens(list(out.new_token_ids), out.new_text or "", now)
                 if out.finished:
                     finished = True

@@ -91,6 +91,41 @@ def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
     s.add_request("soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))  # still admitted
 
 
+def test_the_front_ends_output_backlog_is_priced_and_fades_in_real_time():
+    """A front end that hands first tokens out late adds its backlog to every TTFT (issue 12: a
+    cold flood's admitted requests missed a 1 s TTFT by the front end's delay, not the engine's)."""
+    s, r, clock = _scheduler()
+    _busy(s, r)  # a newcomer's first token is ~4.2 s away
+    adm = s.admission
+    s.add_request("fits", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
+    adm.report_delivery_lag(1.0, clock.t)
+    adm.report_delivery_lag(0.2, clock.t)  # a smaller report does not lower the backlog at once
+    with pytest.raises(RequestRefusedError, match="output backlog in the front end"):
+        s.add_request("behind", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
+    clock.t += 1.0  # nothing new reported: the backlog has drained
+    assert adm.delivery_lag(clock.t) == 0.0
+    s.add_request("later", [100] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
+
+
+def test_estimates_are_calibrated_by_how_late_first_tokens_came_and_forgotten_when_idle():
+    s, r, _ = _scheduler()
+    _busy(s, r)
+    adm = s.admission
+    for i in range(8):
+        s.add_request(f"q{i}", [98] * 6, SamplingParams(max_tokens=4))
+    for i in range(8):  # their first tokens came twice as late as the model said
+        req = s.requests[f"q{i}"]
+        adm.on_first_token(req, 2.0 * req.model_ttft_s)
+    assert adm.calibration == pytest.approx(2.0)
+    s.add_request("new", [99] * 6, SamplingParams(max_tokens=4))
+    new = s.requests["new"]
+    assert new.predicted_ttft_s == pytest.approx(2.0 * new.model_ttft_s, rel=1e-3)
+    adm.on_first_token(new, 0.5 * new.model_ttft_s)  # early ones never lower it below 1
+    assert adm.calibration >= 1.0
+    adm.on_idle()
+    assert adm.calibration == 1.0
+
+
 class _TimedRunner(FakeRunner):
     """A fake runner whose steps take 2 ms + 0.5 ms per token, reported by time_steps."""
 
