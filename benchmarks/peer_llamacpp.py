@@ -7,6 +7,10 @@ on the same CPUs, one at a time, each started fresh for every run (so neither ke
 cache from the run before); the two alternate, and the first to run switches every round.
 
     python benchmarks/peer_llamacpp.py [--rounds 2] [--concurrency 1 4 16]
+        [--sloserve-args "" "--num-scheduler-steps 1"]
+
+`--sloserve-args` runs one sloserve arm per string (extra `sloserve serve` flags; "" is its
+defaults) beside the peer, all rotating through each round.
 
 The peer must be built once (`../shared/peer/llamacpp/build.sh`, see its README; ~10 min). This
 script makes the checkpoint with the peer's `make_checkpoint.py` and converts it to GGUF with its
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -91,11 +96,12 @@ def bench_peer(gguf: Path, workload: Path, concurrency: int, max_tokens: int) ->
 class Sloserve:
     """`sloserve serve` with its defaults, exactly as a user starts it (the CLI's OpenMP settings too)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, extra: str = "") -> None:
         self.target = f"127.0.0.1:{free_port()}"
         self.log = open(Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen([SLOSERVE, "serve", "--model", folder, "--device", "cpu", "--port",
-                                      self.target.rsplit(":", 1)[1], "--metrics-port", "off", "--http-port", "off"],
+                                      self.target.rsplit(":", 1)[1], "--metrics-port", "off", "--http-port", "off",
+                                      *shlex.split(extra)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> Sloserve:
@@ -108,8 +114,8 @@ class Sloserve:
         self.log.close()
 
 
-def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: int) -> dict:
-    with Sloserve(folder) as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
+def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: int, extra: str = "") -> dict:
+    with Sloserve(folder, extra) as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
         subprocess.run([SLOSERVE, "bench", "--server", server.target, "--workload", f"jsonl:{workload}",
                         "--num-requests", str(len(workload.read_text().splitlines())),  # each line once
                         "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos",
@@ -140,7 +146,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-prompt-chars", type=int, default=1500)
+    parser.add_argument("--sloserve-args", nargs="+", default=[""],
+                        help="one sloserve arm per string of extra `sloserve serve` flags (\"\": its defaults)")
     args = parser.parse_args()
+    arms = {("sloserve " + a).strip(): a for a in args.sloserve_args}
     if not (PEER_DIR / "build" / "bin" / "llama-server").is_file():
         raise SystemExit(f"llama-server is not built under {PEER_DIR}: run `bash {PEER_SCRIPTS / 'build.sh'}` once "
                          "(see its README), or set PEER_DIR")
@@ -152,28 +161,31 @@ def main() -> None:
     print(f"same model: {same}")
     runs: dict[int, dict[str, list[dict]]] = {}
     started = time.monotonic()
+    names = [*arms, "llama-server"]
     for c in args.concurrency:
-        sides: dict[str, list[dict]] = {"sloserve": [], "llama-server": []}
+        sides: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
-            order = ("sloserve", "llama-server") if r % 2 == 0 else ("llama-server", "sloserve")
-            for side in order:
-                bench = bench_sloserve if side == "sloserve" else bench_peer
-                report = bench(folder if side == "sloserve" else gguf, workload, c, args.max_tokens)
+            for side in names[r % len(names):] + names[:r % len(names)]:  # the first to run rotates
+                if side == "llama-server":
+                    report = bench_peer(gguf, workload, c, args.max_tokens)
+                else:
+                    report = bench_sloserve(folder, workload, c, args.max_tokens, arms[side])
                 sides[side].append(report)
                 print(f"  c={c:<3} round {r} {side:<12} {report['output_token_throughput']:7.0f} output tok/s, "
                       f"TTFT p50 {(_p50(report, 'ttft_s') or 0) * 1e3:6.1f} ms", flush=True)
         runs[c] = sides
-    print(f"\n{'concurrency':>11} {'sloserve tok/s':>16} {'llama-server tok/s':>19} {'ratio':>7}   (median of "
-          f"{args.rounds} fresh runs each; {time.monotonic() - started:.0f} s)")
+    print(f"\n(median of {args.rounds} fresh runs each; {time.monotonic() - started:.0f} s)")
     rows = []
     for c, sides in runs.items():
-        ours = statistics.median(r["output_token_throughput"] for r in sides["sloserve"])
         theirs = statistics.median(r["output_token_throughput"] for r in sides["llama-server"])
-        rows.append({"concurrency": c, "sloserve_tok_s": ours, "llama_server_tok_s": theirs, "ratio": ours / theirs,
-                     "sloserve_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0 for r in sides["sloserve"]),
-                     "llama_server_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0
-                                                                  for r in sides["llama-server"])})
-        print(f"{c:>11} {ours:>16.0f} {theirs:>19.0f} {ours / theirs:>6.2f}x")
+        for arm in arms:
+            ours = statistics.median(r["output_token_throughput"] for r in sides[arm])
+            rows.append({"concurrency": c, "arm": arm, "sloserve_tok_s": ours, "llama_server_tok_s": theirs,
+                         "ratio": ours / theirs,
+                         "sloserve_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0 for r in sides[arm]),
+                         "llama_server_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0
+                                                                      for r in sides["llama-server"])})
+            print(f"c={c:<3} {arm:<40} {ours:>7.0f} tok/s   llama-server {theirs:>7.0f}   x{ours / theirs:.2f}")
     path = save("peer_llamacpp", {"benchmark": "peer_llamacpp", "workload": spec, "requests": args.requests,
                                   "max_tokens": args.max_tokens, "max_prompt_chars": args.max_prompt_chars,
                                   "same_model": same, "machine": machine(), "load_average": os.getloadavg(),

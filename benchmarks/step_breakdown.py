@@ -124,7 +124,7 @@ def main() -> None:
         model=ModelConfig(**model_kw),
         cache=CacheConfig(kv_pool_bytes=256 * 1024**2, swap_bytes=0, prefix_cache=False),
         scheduler=SchedulerConfig(max_batch=max(args.batches), max_batched_tokens=2048, adaptive_batch=False,
-                                  admission_control=False),
+                                  admission_control=False, num_scheduler_steps=1),  # one step at a time
     )
     started = time.perf_counter()
     core = EngineCore(config)

@@ -10,6 +10,7 @@ from typing import Any
 import click
 from sloserve.cli.common import CliError
 from sloserve.config import (
+    DEFAULT_SCHEDULER_STEPS,
     POLICIES,
     CacheConfig,
     ModelConfig,
@@ -74,6 +75,10 @@ def engine_options(fn: Callable) -> Callable:
                      help="Starvation bound, seconds: every request is offered a step after waiting this long."),
         click.option("--finish-margin", default=0.05, show_default=True, type=float,
                      help="slo policy: aim each end-to-end deadline this share of its objective early."),
+        click.option("--num-scheduler-steps", default=DEFAULT_SCHEDULER_STEPS, show_default=True,
+                     type=int, help="Decode steps run back to back per schedule while every running request "
+                                    "decodes and none waits (the per-step scheduling and output work is paid "
+                                    "once per run; tokens stream in runs of this many)."),
         click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=int,
                      help="Ranks the model is split over (one process each; gloo on a CPU, NCCL on GPUs)."),
         click.option("--nnodes", default=1, show_default=True, type=int,
@@ -115,7 +120,9 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
                                       slack_preemption=opts["slack_preemption"],
                                       admission_control=opts["admission_control"],
                                       max_wait_s=opts["max_wait_s"],
-                                      finish_margin=opts["finish_margin"]),
+                                      finish_margin=opts["finish_margin"],
+                                      num_scheduler_steps=opts.get("num_scheduler_steps",
+                                                                   DEFAULT_SCHEDULER_STEPS)),
             server=server or ServerConfig(),
             parallel=ParallelConfig(tensor_parallel_size=opts.get("tensor_parallel_size", 1),
                                     nnodes=opts.get("nnodes", 1), node_rank=opts.get("node_rank", 0),
@@ -132,6 +139,7 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"),
           ("fault rule", "--inject-faults"), ("expert slots", "--expert-slots-per-layer"), ("expert memory", "--expert-memory"),
           ("memory budget", "--memory-budget"), ("max wait", "--max-wait"), ("finish margin", "--finish-margin"),
+          ("num scheduler steps", "--num-scheduler-steps"),
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
           ("master port", "--master-port"))
 
@@ -149,7 +157,7 @@ def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
              "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager", "memory_budget",
              "expert_slots_per_layer", "expert_memory", "expert_preload", "deadline_steps", "slack_preemption",
-             "admission_control", "max_wait_s", "finish_margin", "tensor_parallel_size", "nnodes", "node_rank", "master_addr",
+             "admission_control", "max_wait_s", "finish_margin", "num_scheduler_steps", "tensor_parallel_size", "nnodes", "node_rank", "master_addr",
              "master_port")
     return {name: kwargs.pop(name) for name in names}
 

@@ -37,6 +37,10 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), before forward
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), before forward
     finished_req_ids: list[str] = field(default_factory=list)  # executor may drop per-request state
+    # Decode steps to run back to back (> 1 only when every sequence decodes one token and samples):
+    # step i computes each sequence's token sampled by step i - 1 at start_pos + i. The block
+    # tables cover all of them; the executor returns each sequence's run of sampled tokens.
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:

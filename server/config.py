@@ -92,6 +92,8 @@ class CacheConfig:
 
 
 POLICIES = ("slo", "priority", "fifo")
+MAX_SCHEDULER_STEPS = 64  # a longer run would hold a newcomer back for too many steps
+DEFAULT_SCHEDULER_STEPS = 4  # benchmarks/peer_llamacpp.py: TPOT at concurrency 1 (README)
 
 
 @dataclass(slots=True)
@@ -118,11 +120,16 @@ class SchedulerConfig:
     max_waiting: int = 1024  # admission: queue cap
     queue_timeout_s: float = 30.0  # admission: longest wait before refusal
     admission_control: bool = True  # refuse requests whose SLO cannot be met
+    # Decode steps run back to back per schedule when every running request decodes and none
+    # waits (Scheduler._run_length): the scheduler, output and IPC work is paid once per run.
+    num_scheduler_steps: int = DEFAULT_SCHEDULER_STEPS
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         _require(0.0 <= self.finish_margin < 1.0, f"finish margin must be in [0, 1), got {self.finish_margin}")
         _require(self.max_batch >= 1, f"max batch must be >= 1, got {self.max_batch}")
+        _require(1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS,
+                 f"num scheduler steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}")
         _require(self.max_batched_tokens >= 1, "max batched tokens must be >= 1")
         _require(self.prefill_chunk >= 1, "prefill chunk must be >= 1")
         _require(self.preemption_mode in ("swap", "recompute"),

@@ -154,6 +154,7 @@ class AdmissionControl:
         self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
         self._compute_s = 0.0  # compute time of the last step (on_compute)
         self._step_load = (0, 0)  # (prompt tokens, decoding sequences) of the step in flight
+        self._steps = 1  # steps in the run in flight
         self.gap_s = 0.0  # EWMA of schedule-to-schedule time minus compute: output delivery, IPC
         self._delivery = (0.0, 0.0)  # (lag_s, reported at): see report_delivery_lag
         self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / model TTFT, recent
@@ -165,16 +166,20 @@ class AdmissionControl:
         return RequestRefusedError(reason, message)
 
     # ---- what the scheduler reports --------------------------------------------------------
-    def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0, decodes: int = 0) -> None:
+    def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0, decodes: int = 0,
+                steps: int = 1) -> None:
         """A step of `seqs` sequences and `tokens` tokens (0: nothing ran; `decodes` of them one
-        decoding sequence each), with a prefill chunk or not, was scheduled at `now`."""
+        decoding sequence each), with a prefill chunk or not, was scheduled at `now`; `steps` > 1:
+        a run of that many such decode steps (its cycle is priced per step)."""
         if self._step is not None:
             began, n, kind = self._step
-            self.cycles[kind].observe(n, now - began)
-            self.long_cycles.observe(sum(self._step_load), now - began)
-            self.gap_s = 0.9 * self.gap_s + 0.1 * max(0.0, now - began - self._compute_s)
+            cycle = (now - began) / self._steps
+            self.cycles[kind].observe(n, cycle)
+            self.long_cycles.observe(sum(self._step_load), cycle)
+            self.gap_s = 0.9 * self.gap_s + 0.1 * max(0.0, cycle - self._compute_s)
         self._step_load = (tokens - decodes, decodes)
         self._step = (now, seqs, prefill) if seqs > 0 else None
+        self._steps = steps
         self._backlog = None
 
     def on_compute(self, tokens: int, seconds: float, decodes: int = 0) -> None:
@@ -403,7 +408,7 @@ class AdmissionControl:
             decodes = steps * busy  # one token per occupant per step
             seconds = steps * price.overhead_s + price.per_token_s * (tokens - decodes) + price.decode_s * decodes
             if self._step is not None and now is not None:
-                seconds += max(0.0, price.step_seconds(*self._step_load) - (now - self._step[0]))
+                seconds += max(0.0, self._steps * price.step_seconds(*self._step_load) - (now - self._step[0]))
             seconds = max(seconds, self._long_run_seconds(steps, tokens))
             return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
         (d_over, d_seq), (p_over, p_seq) = costs
@@ -414,7 +419,7 @@ class AdmissionControl:
         if self._step is not None and now is not None:
             began, in_flight, kind = self._step
             over, per_seq = costs[kind]
-            seconds += max(0.0, over + in_flight * per_seq - (now - began))
+            seconds += max(0.0, self._steps * (over + in_flight * per_seq) - (now - began))
         seconds = max(seconds, self._long_run_seconds(steps, tokens))
         return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
 

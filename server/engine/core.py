@@ -50,6 +50,8 @@ class EngineCore:
             config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
             eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
+        if not getattr(runner, "runs_steps", False):  # a runner that runs one step per call
+            self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
             # NOTE: before ready, so a flood right after start-up is priced, not let in blindly
             prime(runner, self.scheduler.admission, config.scheduler, self.scheduler.max_model_len)
@@ -112,10 +114,11 @@ class EngineCore:
                seconds: float) -> list[RequestOutput]:
         outputs = self.scheduler.update(out, sampled, errors)
         if out.sequences:
-            tokens = out.num_tokens
-            self.scheduler.admission.on_compute(tokens, seconds, out.num_decodes)
-            self._steps.append((seconds, tokens))
-            self._steps_since_percentiles += 1
+            tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
+            for _ in range(out.num_steps):
+                self.scheduler.admission.on_compute(tokens, each, out.num_decodes)
+                self._steps.append((each, tokens))
+            self._steps_since_percentiles += out.num_steps
         return outputs
 
     def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:

@@ -29,6 +29,9 @@ from sloserve.hotpath import target_batch_size
 from sloserve.sampling_params import SLO, SamplingParams
 
 PREDICTION_ERRORS_KEPT = 512
+# Longest run of decode steps (num_scheduler_steps) at the priced step time: what a newcomer may
+# wait for it, far under any TTFT objective (a tiny model's run of 4 steps takes ~2.5 ms)
+MAX_RUN_S = 0.010
 
 
 class Scheduler:
@@ -68,6 +71,8 @@ class Scheduler:
         self.kv_blocks_peak = 0  # most blocks held by requests at once
         self._step_tokens = 0  # tokens scheduled so far in the step being composed
         self._step_decodes = 0  # of which one-token chunks (decoding sequences)
+        # Most decode steps per schedule (the core lowers it to 1 for a runner that cannot run them)
+        self.max_steps = self.config.num_scheduler_steps
         # predicted minus actual TTFT of recent requests that had a prediction (seconds)
         self.ttft_errors: deque[float] = deque(maxlen=PREDICTION_ERRORS_KEPT)
         self._error_quantiles: dict = {}  # stats() runs every step: re-sorted only after new errors
@@ -145,8 +150,10 @@ class Scheduler:
             preempted = preempted or again
         if not preempted:
             self._admit_waiting(out, budget, now, plan)
+        out.num_steps = self._run_length(out)
         prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
-        self.admission.on_step(now, len(out.sequences), prefill, self._step_tokens, self._step_decodes)
+        self.admission.on_step(now, len(out.sequences), prefill, self._step_tokens, self._step_decodes,
+                               steps=out.num_steps)
         bm = self.block_manager
         self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
         return out
@@ -179,6 +186,40 @@ class Scheduler:
                 self._schedule_chunk(req, n, out, now, plan)
                 budget -= n
         return budget, preempted
+
+    def _run_length(self, out: SchedulerOutput) -> int:
+        """How many decode steps this schedule runs back to back (1: an ordinary step).
+
+        More than one only when nothing else could use them: every running request is in the step,
+        each decoding one token that it samples from, nobody waits and no blocks move. A newcomer
+        waits for the run to end, so a run is also cut to MAX_RUN_S at the priced step time (a
+        large batch's steps run singly). It is cut to the fewest output tokens any request may
+        still produce and to the context length, and its blocks are taken now (a request that
+        stops early in the run leaves the rest of them to be freed with it). A run keeps the order
+        of tokens, their sampling and their stop checks exactly as single steps would.
+        """
+        steps = self.max_steps
+        seqs = out.sequences
+        if steps <= 1 or not seqs or self.waiting or out.swap_in or out.swap_out \
+                or len(seqs) != len(self.running):
+            return 1
+        price = self.admission.step_price()
+        if price is not None:
+            steps = min(steps, int(MAX_RUN_S / max(1e-9, price.step_seconds(0, len(seqs)))))
+        for (req, n), seq in zip(self._scheduled, seqs):
+            if n != 1 or not seq.sample:
+                return 1
+            steps = min(steps, req.sampling.max_tokens - req.num_output_tokens,
+                        self.max_model_len - req.num_tokens)
+        if steps <= 1:
+            return 1
+        bm = self.block_manager
+        for (req, _), seq in zip(self._scheduled, seqs):
+            end = req.num_computed_tokens + steps
+            if not bm.allocate(req, end):
+                return 1  # short of blocks: the ones taken stay with their requests
+            seq.block_table = req.block_table[:bm.blocks_for(end)]
+        return steps
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, plan: DeadlinePlan | None,
                        urgent_only: bool = False) -> int:
@@ -297,8 +338,11 @@ class Scheduler:
                errors: dict[str, str] | None = None) -> list[RequestOutput]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.
 
-        `sampled` has one entry per sequence with sample=True, in order (None: not computed);
-        `errors` names requests whose computation failed -- they alone finish with 'error'.
+        `sampled` has one entry per sequence with sample=True, in order (None: not computed); in a
+        run of steps (out.num_steps > 1) an entry is the sequence's list of tokens, applied one
+        after another as single steps would (a stop ends it; a shorter list, e.g. a sequence
+        re-run alone after a failure, applies what it has). `errors` names requests whose
+        computation failed -- they alone finish with 'error'.
         """
         n_sample = sum(1 for s in out.sequences if s.sample)
         if len(sampled) != n_sample:
@@ -318,27 +362,8 @@ class Scheduler:
             if seq.sample and token is None:
                 continue
             try:
-                start = req.num_computed_tokens
-                req.num_computed_tokens += n
-                self.block_manager.commit(req)
-                self.computed_prompt_tokens_total += max(0, min(start + n, req.num_prompt_tokens) - start)
-                if token is None:
-                    continue
-                if req.resumed_step is not None and self.step_count > req.resumed_step:
-                    req.resumed_step = None
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                    if req.predicted_ttft_s is not None:
-                        self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
-                        self.admission.on_first_token(req, now - req.arrival_time)
-                        self._error_quantiles = {}
-                if self.faults is not None:
-                    self.faults.check("fail-postprocess", (req.request_id,))
-                process_token(req, token, self.eos_token_ids, self.max_model_len)
-                self.generated_tokens_total += 1
-                if req.is_finished:
-                    self._finish(req, req.status)
-                outputs.append(take_output(req))
+                if self._apply(req, n, token if isinstance(token, list) else [token], now):
+                    outputs.append(take_output(req))
             except Exception as exc:  # one request's failure must not fail the batch
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -348,6 +373,33 @@ class Scheduler:
         if not self.requests:
             self.admission.on_idle()
         return outputs
+
+    def _apply(self, req: Request, n: int, run: list[int | None], now: float) -> bool:
+        """Advance `req` by its computed chunk of `n` tokens and then one token per further step of
+        the run, appending each sampled token until one finishes it; False when nothing was sampled."""
+        for i, token in enumerate(run):
+            start = req.num_computed_tokens
+            req.num_computed_tokens += n if i == 0 else 1
+            self.block_manager.commit(req)
+            self.computed_prompt_tokens_total += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - start)
+            if token is None:
+                return False
+            if req.resumed_step is not None and self.step_count > req.resumed_step:
+                req.resumed_step = None
+            if req.first_token_time is None:
+                req.first_token_time = now
+                if req.predicted_ttft_s is not None:
+                    self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
+                    self.admission.on_first_token(req, now - req.arrival_time)
+                    self._error_quantiles = {}
+            if self.faults is not None:
+                self.faults.check("fail-postprocess", (req.request_id,))
+            process_token(req, token, self.eos_token_ids, self.max_model_len)
+            self.generated_tokens_total += 1
+            if req.is_finished:
+                self._finish(req, req.status)
+                break
+        return True
 
     def recover_swaps(self) -> set[str]:
         """After a failed step: requests whose swap may not have happened restart by recompute.

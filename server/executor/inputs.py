@@ -146,6 +146,28 @@ class InputBuilder:
         return DecodeInputs(views["token_ids"], views["positions"], views["slot_mapping"],
                             views["block_tables"].view(padded, width), views["seq_lens"], num_seqs)
 
+    def advance_decode(self, step: DecodeInputs, tokens: list[int]) -> None:
+        """Turn `step` (built by build_decode) into the next decode step of the same sequences: the
+        sampled `tokens` in, every position one further, within the block tables it was built with."""
+        n, page, host = step.num_seqs, self.block_size, self._host
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.shape != (n,) or (n and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size)):
+            raise ValueError(f"a run's next tokens must be {n} ids in [0, {self.vocab_size}), got {tokens!r}")
+        pos = host["positions"][:n]
+        pos += 1
+        counts = np.fromiter((len(self._rows[i]) for i in range(n)), dtype=np.int64, count=n)
+        if n and (int(pos.max()) >= self.max_model_len or np.any(pos // page >= counts)):
+            raise ValueError("a run of decode steps went past its block tables or max_model_len: the scheduler "
+                             "must allocate the whole run")
+        width = self.max_blocks
+        tables = host["block_tables"][: step.input_ids.shape[0] * width].reshape(-1, width)
+        host["token_ids"][:n] = ids
+        host["seq_lens"][:n] = pos + 1
+        host["slot_mapping"][:n] = tables[np.arange(n), pos // page].astype(np.int64) * page + pos % page
+        if self._staging:
+            for name in ("token_ids", "positions", "slot_mapping", "seq_lens"):
+                self._dev[name][:n].copy_(self._staging[name][:n], non_blocking=True)
+
     def _bad_token_message(self, seqs: list[ScheduledSequence], tokens: np.ndarray) -> str:
         """Which id is out of range, in which request, and the vocabulary size."""
         at = int(np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -57,7 +58,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    """Executes one SchedulerOutput per call: swaps, one batched forward, sampling."""
+    """Executes one SchedulerOutput per call: swaps, one batched forward, sampling (or a run of
+    decode steps, each a forward and a sampling)."""
+
+    runs_steps = True  # execute() takes runs of decode steps (out.num_steps > 1)
 
     def __init__(self, config: SloserveConfig, shard: Shard = Shard(),
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -90,6 +94,7 @@ class ModelRunner:
         self.block_size = choice.block_size
         self.eos_token_ids = list(spec.eos_token_ids) or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self._eos = frozenset(self.eos_token_ids)
         plan = plan_memory(config, spec, self.max_model_len, self.device, self.dtype, self.block_size)
         self.page_bytes = plan.page_bytes
         # NOTE: KV first, at offset 0; the small carves follow it, so arena alignment wastes little.
@@ -158,11 +163,17 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Swap blocks, run one forward over every scheduled sequence, sample where asked."""
+    def execute(self, out: SchedulerOutput) -> list[int] | list[list[int]]:
+        """Swap blocks, run one forward over every scheduled sequence, sample where asked (a run
+        of decode steps: each sequence's list of tokens)."""
         step = self.prepare(out)
         if step is None:
             return []
+        if out.num_steps > 1:
+            return self._run_steps(out, step)
+        return self._step(out, step)
+
+    def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs) -> list[int]:
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step))
         if isinstance(step, StepInputs):
@@ -175,6 +186,34 @@ class ModelRunner:
             return self.sample(out, step, self.forward(step))
         finally:
             self.prefetcher.end(sampled)
+
+    def _run_steps(self, out: SchedulerOutput, step: StepInputs | DecodeInputs) -> list[list[int]]:
+        """out.num_steps decode steps back to back, each step's tokens the next one's inputs (the
+        decode fast path advances its buffers in place; another step is rebuilt); stops early once
+        every sequence has sampled a stop token (what follows one is never used)."""
+        if any(len(s.token_ids) != 1 or not s.sample for s in out.sequences):
+            raise ValueError("a run of decode steps needs every sequence to decode one token: the "
+                             "scheduler must not ask for it here")
+        runs: list[list[int]] = [[] for _ in out.sequences]
+        stops = [frozenset(s.sampling.stop_token_ids) | (frozenset() if s.sampling.ignore_eos else self._eos)
+                 for s in out.sequences]
+        stopped = [False] * len(runs)
+        for i in range(out.num_steps):
+            if i and isinstance(step, DecodeInputs):
+                self.inputs.advance_decode(step, tokens)
+            elif i:
+                out = SchedulerOutput(sequences=[
+                    dataclasses.replace(s, token_ids=[t], start_pos=s.start_pos + 1, kv_present=0,
+                                        num_generated=s.num_generated + 1)
+                    for s, t in zip(out.sequences, tokens, strict=True)])
+                step = self.inputs.build(out.sequences)
+            tokens = self._step(out, step)
+            for j, token in enumerate(tokens):
+                runs[j].append(token)
+                stopped[j] = stopped[j] or token in stops[j]
+            if all(stopped):
+                break
+        return runs
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | None:
         """Swaps, dropped requests, and the step's inputs: the decode fast path's when it applies (None: no work)."""

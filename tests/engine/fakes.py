@@ -8,6 +8,8 @@ recompute from the wrong place changes the output (and reading a never-written s
 
 from __future__ import annotations
 
+import dataclasses
+
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
 
@@ -47,6 +49,7 @@ class FakeRunner:
         self.fail_when = None  # callable(seq) -> bool: raise for that sequence
         self.steps: list[SchedulerOutput] = []
         self.warmed_up = False
+        self.runs_steps = True  # execute() takes runs of decode steps (out.num_steps > 1)
 
     def info(self) -> dict:
         return {"model": "fake", "architecture": "FakeForCausalLM", "device": "cpu",
@@ -79,8 +82,22 @@ class FakeRunner:
             self.host[host * bs:(host + 1) * bs] = self.kv[dev * bs:(dev + 1) * bs]
         for host, dev in out.swap_in:
             self.kv[dev * bs:(dev + 1) * bs] = self.host[host * bs:(host + 1) * bs]
+        if out.num_steps == 1:
+            return self._compute(out.sequences)
+        runs: list[list[int]] = [[] for _ in out.sequences]
+        seqs = out.sequences
+        for _ in range(out.num_steps):  # each step's tokens are the next one's inputs
+            tokens = self._compute(seqs)
+            for run, token in zip(runs, tokens, strict=True):
+                run.append(token)
+            seqs = [dataclasses.replace(s, token_ids=[t], start_pos=s.start_pos + len(s.token_ids), kv_present=0,
+                                        num_generated=s.num_generated + 1)
+                    for s, t in zip(seqs, tokens, strict=True)]
+        return runs
+
+    def _compute(self, seqs: list[ScheduledSequence]) -> list[int]:
         sampled = []
-        for seq in out.sequences:
+        for seq in seqs:
             if self.fail_when is not None and self.fail_when(seq):
                 raise RuntimeError(f"injected failure for {seq.req_id}")
             state = 0

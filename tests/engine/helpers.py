@@ -25,6 +25,7 @@ def make_scheduler(runner: FakeRunner | None = None, clock: Clock | None = None,
                    prefix_cache: bool = True, **sched) -> tuple[Scheduler, FakeRunner, Clock]:
     runner = runner or FakeRunner()
     clock = clock or Clock()
+    sched.setdefault("num_scheduler_steps", 1)  # one token per step unless a test runs steps (test_multistep)
     config = SloserveConfig(cache=CacheConfig(prefix_cache=prefix_cache),
                             scheduler=SchedulerConfig(**sched))
     scheduler = Scheduler(config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
