@@ -85,6 +85,7 @@ class InputBuilder:
                 self._host[name] = self._dev[name].numpy()
         # the block table each row of block_tables holds at width max_blocks (build_decode), or None
         self._rows: list[list[int] | None] = [None] * max_seqs
+        self._capacity = np.zeros(0, dtype=np.int64)  # tokens each row's table holds (the last build_decode)
 
     def build_decode(self, seqs: list[ScheduledSequence], padded: int) -> DecodeInputs:
         """Inputs of a decode-only step (one token per sequence), `padded` rows long.
@@ -125,6 +126,7 @@ class InputBuilder:
             bad = int(np.argmax(pos // page >= counts))
             raise ValueError(f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
                              f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}")
+        self._capacity = counts * page  # tokens the block tables hold: advance_decode stays within them
         slots = tables[np.arange(num_seqs), pos // page].astype(np.int64) * page + pos % page
         _write_present_to_null(seqs, slots, range(num_seqs))
         for name, value, pad in (("token_ids", tokens, 0), ("positions", pos, 0), ("slot_mapping", slots, 0),
@@ -155,8 +157,7 @@ class InputBuilder:
             raise ValueError(f"a run's next tokens must be {n} ids in [0, {self.vocab_size}), got {tokens!r}")
         pos = host["positions"][:n]
         pos += 1
-        counts = np.fromiter((len(self._rows[i]) for i in range(n)), dtype=np.int64, count=n)
-        if n and (int(pos.max()) >= self.max_model_len or np.any(pos // page >= counts)):
+        if n and (int(pos.max()) >= self.max_model_len or np.any(pos >= self._capacity)):
             raise ValueError("a run of decode steps went past its block tables or max_model_len: the scheduler "
                              "must allocate the whole run")
         width = self.max_blocks

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve import LLM
+from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
 
 from tests.engine.fakes import FakeRunner, reference_tokens
@@ -77,3 +78,11 @@ def test_runs_of_steps_match_single_steps_on_a_real_model(checkpoint):
     runs, taken = generate(5)
     assert runs == single
     assert not none and taken and max(taken) == 5
+
+
+def test_a_run_past_its_block_tables_is_an_error_not_a_stray_write(make_checkpoint):
+    with LLM(str(make_checkpoint("llama")), device="cpu", max_model_len=64, block_size=4) as llm:
+        # position 3 is the last slot of its one block: the run's second step has nowhere to write
+        seq = ScheduledSequence("x", [97], 3, [1], True, SamplingParams(max_tokens=8))
+        with pytest.raises(ValueError, match="past its block tables"):
+            llm.engine.runner.execute(SchedulerOutput(sequences=[seq], num_steps=3))
