@@ -107,17 +107,20 @@ def test_the_front_ends_output_backlog_is_priced_and_fades_in_real_time():
     s.add_request("later", [100] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
 
 
-def test_estimates_are_calibrated_by_how_late_first_tokens_came_and_forgotten_when_idle():
+def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
     s, r, _ = _scheduler()
     _busy(s, r)
     adm = s.admission
+    s.add_request("no-ttft", [97] * 6, SamplingParams(max_tokens=4))
+    adm.on_first_token(s.requests["no-ttft"], 10 * s.requests["no-ttft"].model_ttft_s)  # overtaken by design: ignored
+    assert adm.calibration == 1.0
     for i in range(8):
-        s.add_request(f"q{i}", [98] * 6, SamplingParams(max_tokens=4))
+        s.add_request(f"q{i}", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
     for i in range(8):  # their first tokens came twice as late as the model said
         req = s.requests[f"q{i}"]
         adm.on_first_token(req, 2.0 * req.model_ttft_s)
     assert adm.calibration == pytest.approx(2.0)
-    s.add_request("new", [99] * 6, SamplingParams(max_tokens=4))
+    s.add_request("new", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
     new = s.requests["new"]
     assert new.predicted_ttft_s == pytest.approx(2.0 * new.model_ttft_s, rel=1e-3)
     adm.on_first_token(new, 0.5 * new.model_ttft_s)  # early ones never lower it below 1

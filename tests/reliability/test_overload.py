@@ -177,8 +177,9 @@ async def test_overload_memory_stays_bounded(run):
     assert run.rss_peak <= run.rss_before + 2 * POOL_BYTES + FIXED_OVERHEAD, (run.rss_before, run.rss_peak)
 
 
-@pytest.mark.xfail(strict=False, reason="admission (engine/admission.py) prices the engine's steps, not the front "
-                   "end's backlog: when the front end falls behind (see above) admitted requests' first tokens "
-                   "reach the client late (86.7% attainment at 5,800 req/s offered)")
+@pytest.mark.xfail(strict=False, reason="admission (engine/admission.py) learns the front end's backlog only from "
+                   "the first tokens the front end hands out; a front end that cannot even parse the flood in time "
+                   "(see above) stamps arrivals late and reports late (86.7% attainment at 5,800 req/s offered "
+                   "once; it passed in the last four suite runs, one of them before the backlog was priced)")
 async def test_overload_admitted_requests_keep_their_slo(run):
     assert run.attainment >= 0.95, f"admitted requests met their TTFT SLO only {run.attainment:.1%} of the time"
