@@ -206,7 +206,7 @@ class Scheduler:
         price = self.admission.step_price()
         if price is not None:
             steps = min(steps, int(MAX_RUN_S / max(1e-9, price.step_seconds(0, len(seqs)))))
-        for (req, n), seq in zip(self._scheduled, seqs):
+        for (req, n), seq in zip(self._scheduled, seqs, strict=True):
             if n != 1 or not seq.sample:
                 return 1
             steps = min(steps, req.sampling.max_tokens - req.num_output_tokens,
@@ -214,7 +214,7 @@ class Scheduler:
         if steps <= 1:
             return 1
         bm = self.block_manager
-        for (req, _), seq in zip(self._scheduled, seqs):
+        for (req, _), seq in zip(self._scheduled, seqs, strict=True):
             end = req.num_computed_tokens + steps
             if not bm.allocate(req, end):
                 return 1  # short of blocks: the ones taken stay with their requests

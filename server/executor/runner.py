@@ -198,6 +198,7 @@ class ModelRunner:
         stops = [frozenset(s.sampling.stop_token_ids) | (frozenset() if s.sampling.ignore_eos else self._eos)
                  for s in out.sequences]
         stopped = [False] * len(runs)
+        tokens: list[int] = []  # the last step's, fed to the next
         for i in range(out.num_steps):
             if i and isinstance(step, DecodeInputs):
                 self.inputs.advance_decode(step, tokens)
