@@ -45,6 +45,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def stops_on(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """Does sampling `token` end the request (EOS unless ignore_eos, or a stop token id)?"""
+        return (token in eos_token_ids and not self.ignore_eos) or token in self.stop_token_ids
+
 
 @dataclass(slots=True)
 class SLO:

@@ -15,7 +15,7 @@ def process_token(req: Request, token: int, eos_token_ids: frozenset[int], max_m
     """
     req.append_token(token)
     params = req.sampling
-    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    if params.stops_on(token, eos_token_ids):
         req.status = RequestStatus.FINISHED_STOPPED
         _flush_text(req)
         return

@@ -195,8 +195,6 @@ class ModelRunner:
             raise ValueError("a run of decode steps needs every sequence to decode one token: the "
                              "scheduler must not ask for it here")
         runs: list[list[int]] = [[] for _ in out.sequences]
-        stops = [frozenset(s.sampling.stop_token_ids) | (frozenset() if s.sampling.ignore_eos else self._eos)
-                 for s in out.sequences]
         stopped = [False] * len(runs)
         tokens: list[int] = []  # the last step's, fed to the next
         for i in range(out.num_steps):
@@ -211,7 +209,7 @@ class ModelRunner:
             tokens = self._step(out, step)
             for j, token in enumerate(tokens):
                 runs[j].append(token)
-                stopped[j] = stopped[j] or token in stops[j]
+                stopped[j] = stopped[j] or out.sequences[j].sampling.stops_on(token, self._eos)
             if all(stopped):
                 break
         return runs

@@ -72,7 +72,6 @@ class FakeEngine:
         self._free = num_blocks
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         self.stopped = False
-        self.delivery_lags: list[float] = []  # what the front end reported, in order
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay_s)
@@ -118,7 +117,7 @@ class FakeEngine:
         return req.stream
 
     def report_delivery_lag(self, lag_s: float) -> None:
-        self.delivery_lags.append(lag_s)
+        """The engine contract's hook for the front end's first-token delay (the fake prices nothing)."""
 
     async def _run(self, req: _Req) -> None:
         """Produce the request's outputs; an exception goes to its stream instead of vanishing."""
