@@ -48,8 +48,14 @@ class ModelConfig:
     # None: the device's default, eager on a CPU (compiling costs ~30 s per shape there and pays
     # only at small batches; see executor/compiled.py)
     enforce_eager: bool | None = None
+    # Dense projections of a float32 model on a CPU: 'auto'/'onednn' pack the weights for oneDNN
+    # (AVX-512 where MKL runs AVX2; the projections are then held twice), 'blas' keeps torch's
+    # F.linear (see layers/linear.py). 'onednn' is an error where it cannot run; 'auto' falls back.
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.cpu_gemm in ("auto", "onednn", "blas"),
+                 f"cpu gemm must be auto, onednn or blas, got {self.cpu_gemm!r}")
         _require(bool(self.path), "model path must not be empty (use 'default' for the built-in model)")
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                  f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

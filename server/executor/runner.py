@@ -16,11 +16,13 @@ from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import select_backend
+from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
 from sloserve.layers.sampler import Sampler
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
 from sloserve.models.shard import Shard
+from sloserve.models.weights import ModelWeights
 from sloserve.sampling_params import SamplingParams
 from sloserve.tokenizer import Tokenizer
 
@@ -36,6 +38,23 @@ log = logging.getLogger(__name__)
 SERIAL_STEP_MACS = 1 << 28
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dense_linear(choice: str, weights: ModelWeights, device: torch.device,
+                  dtype: torch.dtype) -> PackedLinears | None:
+    """The dense projections' oneDNN-packed weights (layers/linear.py), None for torch's F.linear."""
+    why_not = cpu_gemm_reason(choice, device, dtype)
+    if why_not:
+        if choice == "onednn":
+            raise ValueError(f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas")
+        log.debug("dense projections on F.linear: %s", why_not)
+        return None
+    started = time.monotonic()
+    packed = PackedLinears(w for layer in weights.layers
+                           for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w) if w is not None)
+    log.info("dense projections on oneDNN: %d weights packed (%.1f MiB held twice) in %.2fs", len(packed),
+             packed.nbytes() / 2**20, time.monotonic() - started)
+    return packed
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,7 +158,8 @@ class ModelRunner:
             self.host_kv = self.host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), self.dtype)
         self.num_host_blocks = host_pages
         self.model = DecoderModel(spec, weights, self.backend, self.experts, self.max_model_len,
-                                  self.device, self.dtype, reduce)
+                                  self.device, self.dtype, reduce, _dense_linear(mc.cpu_gemm, weights,
+                                                                                 self.device, self.dtype))
         self.sampler = Sampler(self.device)
         # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
         # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).

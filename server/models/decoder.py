@@ -41,9 +41,11 @@ class DecoderModel:
         device: torch.device,
         dtype: torch.dtype,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        linear: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """`reduce` completes a tensor-parallel rank's partial sums (an all-reduce after the o and
-        down projections, see models/shard.py); None on a single rank."""
+        down projections, see models/shard.py); None on a single rank. `linear` runs the dense
+        projections (F.linear's signature; layers/linear.PackedLinears on a CPU), F.linear if None."""
         if spec.moe_layers and experts is None:
             raise ValueError(f"{spec.architecture} has MoE layers: an ExpertStore is required")
         self.spec = spec
@@ -55,6 +57,7 @@ class DecoderModel:
         self._split = [spec.q_size + spec.kv_size, spec.kv_size]
         self.reduce = reduce or _whole
         self.sharded = reduce is not None
+        self.linear = linear or F.linear
 
     @torch.inference_mode()
     def forward(
@@ -73,16 +76,16 @@ class DecoderModel:
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
-            qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
+            qk, v = self.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
             qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)  # q and k rotated together
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            h = h + self.reduce(F.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b))
+            h = h + self.reduce(self.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b))
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
+            h = h + self.reduce(self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x, self.linear))
         h = rms_norm(h.index_select(0, sample_idx), w.norm, spec.rms_norm_eps)
         return F.linear(h, w.lm_head).float()
 
@@ -109,14 +112,14 @@ class DecoderModel:
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
-            qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
+            qk, v = self.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
             qk = apply_rope(qk.view(batch, heads, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(batch, spec.num_kv_heads, spec.head_dim)
             attn = attend(q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale)
-            h = h + self.reduce(F.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b))
+            h = h + self.reduce(self.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b))
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(self._eager_moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x))
+            h = h + self.reduce(self._eager_moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x, self.linear))
         return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
 
     @torch.compiler.disable
@@ -128,7 +131,7 @@ class DecoderModel:
         router_logits = F.linear(x, layer.router_w)  # [T, E]
         out = moe_forward(x, router_logits, self.experts, i, self.spec.top_k, self.spec.renormalize)
         if layer.shared_gate_w is not None:
-            out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(layer, x)
+            out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(layer, x, self.linear)
         return out
 
 
@@ -137,7 +140,7 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+def _mlp(layer: LayerWeights, x: torch.Tensor, linear: Callable[..., torch.Tensor]) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused in one matmul."""
-    gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+    gate, up = linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, layer.down_w, layer.down_b)

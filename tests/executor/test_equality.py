@@ -96,3 +96,10 @@ def test_greedy_matches_transformers_on_gpu(make_checkpoint, make_runner, arch, 
         assert runner.backend.name == backend
     got = generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=len(arch))
     assert got == _expected(folder)
+
+
+@pytest.mark.parametrize("cpu_gemm", ["blas", "onednn"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_whole_prompt_prefill_on_each_cpu_gemm(make_checkpoint, make_runner, arch, cpu_gemm):
+    """Whole prompts (products of 16 rows and more take oneDNN's packed path, layers/linear.py)."""
+    _check(make_checkpoint, make_runner, arch, "auto", chunk=None, block_size=16, runner_kw={"cpu_gemm": cpu_gemm})
