@@ -2,8 +2,8 @@
  *
  * A small batch's decode step spends more time dispatching ~20 torch ops per layer than doing
  * their arithmetic (a 3M-parameter model: ~0.8 ms per step, ~0.3 ms of it matmuls). Here the
- * same step is plain C inside one OpenMP parallel region: matrix-vector products split by output
- * rows between the threads, the small per-row work (norms, rotary, KV writes) on one thread,
+ * same step is plain C run by a persistent team of threads (_team.h): matrix-vector products split
+ * by output rows between the threads, the small per-row work (norms, rotary, KV writes) on one thread,
  * attention per (sequence, KV head) item as in _paged_attention.pyx, a spinning barrier between
  * stages (sloserve_barrier_wait).
  *
@@ -25,15 +25,10 @@
 #include <string.h>
 
 #include "_paged_attention_item.h"
+#include "_team.h"
 
 #define SLOSERVE_MAX_BATCH 64 /* sequences per call, at most (the caller checks) */
 
-#ifdef _OPENMP
-#include <omp.h>
-#define SLOSERVE_THREAD_NUM() omp_get_thread_num()
-#else
-#define SLOSERVE_THREAD_NUM() 0
-#endif
 
 
 typedef struct {
@@ -205,8 +200,8 @@ static void sloserve_rope_head(float *v, const float *cos, const float *sin, ptr
 }
 
 /* A barrier between the threads of one step. Waiting threads spin (then yield) instead of
- * sleeping: an OpenMP barrier under OMP_WAIT_POLICY=PASSIVE (the CLI's default) sleeps in the
- * kernel and costs ~40 us to wake, and a step has ~8 barriers per layer. Phases count up; the
+ * sleeping: a sleeping barrier (OpenMP's under OMP_WAIT_POLICY=PASSIVE, the CLI's default) costs
+ * ~40 us to wake, and a step has ~8 barriers per layer. Phases count up; the
  * last thread to arrive resets the count before it publishes the next phase. */
 typedef struct {
     int arrived, phase;
@@ -239,78 +234,95 @@ static inline void sloserve_share(ptrdiff_t rows, int thread, int threads, ptrdi
     *last = end * 4 < rows ? end * 4 : rows;
 }
 
-/* One decode step of `batch` sequences: ids, positions, KV slots [batch] int64; tables [batch, width]
- * int32; lens [batch] int32 (position + 1, at most max_len); logits [batch, V] out. `work` holds
- * sloserve_decode_workspace(m, batch, max_len, threads) floats. Returns 0, or -1 when a block
- * table names a page outside the pool (then the logits are undefined).
- *
- * One parallel region: each matrix-vector product is split by output rows (thread t takes the
- * t-th share), thread 0 does the per-row work (norms, rotary, KV writes), attention items go
- * round-robin by (sequence, KV head); a barrier separates every stage from the next. */
-static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, const int64_t *positions,
-                                const int64_t *slots, const int32_t *tables, ptrdiff_t width, const int32_t *lens,
-                                ptrdiff_t batch, ptrdiff_t max_len, int threads, float *work, float *logits) {
+/* One decode step's inputs and shared state, for the threads of its team. */
+typedef struct {
+    const sloserve_decoder *m;
+    const int64_t *ids, *positions, *slots;
+    const int32_t *tables, *lens;
+    ptrdiff_t width, batch, max_len;
+    float *work, *logits;
+    sloserve_barrier bar;
+    int bad;
+} sloserve_decode_args;
+
+/* Thread `me` of `team` runs its share of the step (sloserve_job): each matrix-vector product is
+ * split by output rows (thread t takes the t-th share), thread 0 does the per-row work (norms,
+ * rotary, KV writes), attention items go round-robin by (sequence, KV head); a barrier separates
+ * every stage from the next. */
+static void sloserve_decode_job(void *raw, int me, int team) {
+    sloserve_decode_args *a = (sloserve_decode_args *)raw;
+    const sloserve_decoder *m = a->m;
+    const int64_t *ids = a->ids, *positions = a->positions, *slots = a->slots;
+    const int32_t *tables = a->tables, *lens = a->lens;
+    const ptrdiff_t width = a->width, batch = a->batch, max_len = a->max_len;
     const ptrdiff_t H = m->hidden, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, I = m->inter;
     const ptrdiff_t group = Hq / Hkv, q_size = Hq * D, qkv_size = (Hq + 2 * Hkv) * D, row_kv = Hkv * D;
-    float *h = work, *x = h + batch * H, *qkv = x + batch * H, *attn = qkv + batch * qkv_size;
-    float *act = attn + batch * q_size, *scores = act + batch * I;
-    sloserve_barrier bar = {0, 0};
-    int bad = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        const int me = SLOSERVE_THREAD_NUM();
-#ifdef _OPENMP
-        const int team = omp_get_num_threads(); /* may be fewer than asked */
-#else
-        const int team = 1;
-#endif
-        int phase = 0;
-        ptrdiff_t first, last;
-        float *my_scores = scores + (ptrdiff_t)me * group * max_len;
+    float *h = a->work, *x = h + batch * H, *qkv = x + batch * H, *attn = qkv + batch * qkv_size;
+    float *act = attn + batch * q_size, *scores = act + batch * I, *logits = a->logits;
+    sloserve_barrier *bar = &a->bar;
+    int phase = 0;
+    ptrdiff_t first, last;
+    float *my_scores = scores + (ptrdiff_t)me * group * max_len;
+    if (me == 0)
+        for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
+    for (ptrdiff_t l = 0; l < m->num_layers; l++) {
+        const sloserve_layer *L = m->layers + l;
+        if (me == 0) sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
+        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_share(qkv_size, me, team, &first, &last);
+        sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, first, last, qkv, qkv_size, 0);
+        sloserve_barrier_wait(bar, team, &phase);
         if (me == 0)
-            for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
-        for (ptrdiff_t l = 0; l < m->num_layers; l++) {
-            const sloserve_layer *L = m->layers + l;
-            if (me == 0) sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
-            sloserve_barrier_wait(&bar, team, &phase);
-            sloserve_share(qkv_size, me, team, &first, &last);
-            sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, first, last, qkv, qkv_size, 0);
-            sloserve_barrier_wait(&bar, team, &phase);
-            if (me == 0)
-                for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
-                    float *row = qkv + b * qkv_size;
-                    const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
-                    for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
-                    memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
-                    memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
-                }
-            sloserve_barrier_wait(&bar, team, &phase);
-            for (ptrdiff_t item = me; item < batch * Hkv; item += team) {
-                const ptrdiff_t b = item / Hkv, kv_head = item % Hkv;
-                if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
-                                        tables + b * width, lens[b], kv_head, group, Hkv, D, m->page,
-                                        m->num_pages, m->scale, my_scores, attn + b * q_size + kv_head * group * D))
-                    __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
+            for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
+                float *row = qkv + b * qkv_size;
+                const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
+                for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
+                memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
+                memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
             }
-            sloserve_barrier_wait(&bar, team, &phase);
-            sloserve_share(H, me, team, &first, &last);
-            sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, first, last, h, H, 1);
-            sloserve_barrier_wait(&bar, team, &phase);
-            if (me == 0) sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
-            sloserve_barrier_wait(&bar, team, &phase);
-            sloserve_share(I, me, team, &first, &last);
-            sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, first, last, act);
-            sloserve_barrier_wait(&bar, team, &phase);
-            sloserve_share(H, me, team, &first, &last);
-            sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
-            sloserve_barrier_wait(&bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase);
+        for (ptrdiff_t item = me; item < batch * Hkv; item += team) {
+            const ptrdiff_t b = item / Hkv, kv_head = item % Hkv;
+            if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
+                                    tables + b * width, lens[b], kv_head, group, Hkv, D, m->page,
+                                    m->num_pages, m->scale, my_scores, attn + b * q_size + kv_head * group * D))
+                __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
         }
-        if (me == 0) sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
-        sloserve_barrier_wait(&bar, team, &phase);
-        sloserve_share(m->vocab, me, team, &first, &last);
-        sloserve_gemv_rows(m->lm_head, NULL, x, batch, H, first, last, logits, m->vocab, 0);
+        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_share(H, me, team, &first, &last);
+        sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, first, last, h, H, 1);
+        sloserve_barrier_wait(bar, team, &phase);
+        if (me == 0) sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
+        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_share(I, me, team, &first, &last);
+        sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, first, last, act);
+        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_share(H, me, team, &first, &last);
+        sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
+        sloserve_barrier_wait(bar, team, &phase);
     }
-    return bad ? -1 : 0;
+    if (me == 0) sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
+    sloserve_barrier_wait(bar, team, &phase);
+    sloserve_share(m->vocab, me, team, &first, &last);
+    sloserve_gemv_rows(m->lm_head, NULL, x, batch, H, first, last, logits, m->vocab, 0);
+}
+
+/* One decode step of `batch` sequences: ids, positions, KV slots [batch] int64; tables [batch, width]
+ * int32; lens [batch] int32 (position + 1, at most max_len); logits [batch, V] out. `work` holds
+ * sloserve_decode_workspace(m, batch, max_len, threads) floats, threads being the team's size (1
+ * when `team` is NULL: the caller alone). Returns 0, or -1 when a block table names a page outside
+ * the pool (then the logits are undefined). */
+static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, const int64_t *positions,
+                                const int64_t *slots, const int32_t *tables, ptrdiff_t width, const int32_t *lens,
+                                ptrdiff_t batch, ptrdiff_t max_len, sloserve_team *team, float *work,
+                                float *logits) {
+    sloserve_decode_args a = {m, ids, positions, slots, tables, lens, width, batch, max_len, work, logits,
+                              {0, 0}, 0};
+    if (team == NULL || team->size == 1)
+        sloserve_decode_job(&a, 0, 1);
+    else
+        sloserve_team_run(team, sloserve_decode_job, &a);
+    return a.bad ? -1 : 0;
 }
 
 #endif

@@ -1,11 +1,12 @@
 # cython: language_level=3
-# distutils: extra_compile_args = -fopenmp
-# distutils: extra_link_args = -fopenmp
+# distutils: extra_compile_args = -pthread
+# distutils: extra_link_args = -pthread
 # distutils: include_dirs = hotpath
 """A dense decoder's whole decode step in one nogil call (the C is in `_decode_step.h`).
 
-`DecodeKernel` holds the model's weight and cache addresses, set once; each call passes the
-step's input addresses and writes the logits. Its pure-torch twin is `DecoderModel.decode`;
+`DecodeKernel` holds the model's weight and cache addresses, set once, and its team of threads
+(`_team.h`, started at the first call that asks for more than one); each call passes the step's
+input addresses and writes the logits. Its pure-torch twin is `DecoderModel.decode`;
 `sloserve.executor.fused` checks shapes, dtypes and contiguity and keeps the tensors alive.
 """
 
@@ -40,11 +41,17 @@ cdef extern from "_decode_step.h" nogil:
         const float* sin
         const sloserve_layer* layers
 
+    ctypedef struct sloserve_team:
+        int size
+
+    sloserve_team* sloserve_team_start(int size)
+    void sloserve_team_stop(sloserve_team* team)
     Py_ssize_t sloserve_decode_workspace(const sloserve_decoder* m, Py_ssize_t batch, Py_ssize_t max_len,
                                          int threads)
     int sloserve_decode_step(const sloserve_decoder* m, const int64_t* ids, const int64_t* positions,
                              const int64_t* slots, const int32_t* tables, Py_ssize_t width, const int32_t* lens,
-                             Py_ssize_t batch, Py_ssize_t max_len, int threads, float* work, float* logits)
+                             Py_ssize_t batch, Py_ssize_t max_len, sloserve_team* team, float* work,
+                             float* logits)
 
 
 cdef const float* _ptr(object address):
@@ -56,6 +63,7 @@ cdef class DecodeKernel:
 
     cdef sloserve_decoder model
     cdef sloserve_layer* layers
+    cdef sloserve_team* team
     cdef float* work
     cdef Py_ssize_t work_floats
     cdef Py_ssize_t max_positions
@@ -104,8 +112,21 @@ cdef class DecodeKernel:
         self.max_positions = dims["max_positions"]
 
     def __dealloc__(self):
+        sloserve_team_stop(self.team)
         free(self.layers)
         free(self.work)
+
+    cdef int _team_size(self, int num_threads) except -1:
+        """Start (or restart with another size) the team of `num_threads` threads: its size."""
+        if num_threads <= 1:
+            return 1
+        if self.team != NULL and self.team.size == num_threads:
+            return num_threads
+        sloserve_team_stop(self.team)
+        self.team = sloserve_team_start(num_threads)
+        if self.team == NULL:
+            raise RuntimeError(f"DecodeKernel: cannot start {num_threads} threads")
+        return num_threads
 
     def __call__(self, uintptr_t input_ids, uintptr_t positions, uintptr_t slots, uintptr_t block_tables,
                  Py_ssize_t table_width, uintptr_t seq_lens, Py_ssize_t batch, uintptr_t logits, int num_threads):
@@ -119,7 +140,7 @@ cdef class DecodeKernel:
         cdef const int64_t* ids = <const int64_t*> input_ids
         cdef const int64_t* slot = <const int64_t*> slots
         cdef Py_ssize_t b, need, longest = 1
-        cdef int rc
+        cdef int rc, threads
         cdef float* grown
         if self.layers == NULL:
             raise RuntimeError("DecodeKernel was never set")
@@ -141,7 +162,8 @@ cdef class DecodeKernel:
                 raise ValueError(f"sequence {b}: KV slot {slot[b]} is outside the pool's "
                                  f"{self.model.num_pages * self.model.page}")
             longest = max(longest, lens[b])
-        need = sloserve_decode_workspace(&self.model, batch, longest, num_threads)
+        threads = self._team_size(num_threads)
+        need = sloserve_decode_workspace(&self.model, batch, longest, threads)
         if need > self.work_floats:
             grown = <float*> realloc(self.work, need * sizeof(float))
             if grown == NULL:
@@ -152,7 +174,7 @@ cdef class DecodeKernel:
             with nogil:
                 rc = sloserve_decode_step(&self.model, ids, pos, slot,
                                           <const int32_t*> block_tables, table_width, lens, batch, longest,
-                                          num_threads, self.work, <float*> logits)
+                                          self.team if threads > 1 else NULL, self.work, <float*> logits)
         finally:
             self.busy = False
         if rc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from sloserve.executor.inputs import DecodeInputs
 from sloserve.hotpath import USING_EXTENSIONS
+from sloserve.layers.linear import MIN_PACKED_ROWS, PackedLinears
 from sloserve.models.decoder import DecoderModel
 
 try:
@@ -33,6 +34,12 @@ except ImportError:  # not built, or forced off: DecoderModel.decode runs every 
 # at batch 1 and x0.59 at batch 64 on the 3M `default` (800-token contexts); x0.46 and x0.78 on
 # the 40M `default-random` (128 tokens). A larger batch runs the torch path.
 FUSED_MAX_BATCH = 64
+# With the dense projections on oneDNN (layers/linear.py) the torch path's products of 16 rows and
+# more run ~2x faster than on MKL, and it wins from there on larger models: the 40M
+# `default-random` took x0.87 / x0.60 of the kernel's time at batch 16 / 32 (128-token contexts),
+# the 3M `default` x1.34-1.55 of it up to batch 64 at 800 tokens. So a batch of at least
+# MIN_PACKED_ROWS whose arithmetic (sequences x parameters) exceeds this goes to the torch path.
+FUSED_MAX_MACS_PACKED = 1 << 28
 
 _LAYER_FIELDS = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b")
 
@@ -81,9 +88,14 @@ class FusedDecode:
                                    model.cos.data_ptr(), model.sin.data_ptr(), layers)
         self.vocab = dims["vocab"]
         self.threads = max(1, threads)
+        # the largest batch it takes: the torch path's when its products run on oneDNN and win
+        params = w.num_parameters()
+        packed_max = max(MIN_PACKED_ROWS - 1, FUSED_MAX_MACS_PACKED // params)
+        self.max_batch = min(FUSED_MAX_BATCH, packed_max) if isinstance(model.linear, PackedLinears) \
+            else FUSED_MAX_BATCH
 
     def takes(self, step: DecodeInputs) -> bool:
-        return step.input_ids.shape[0] <= FUSED_MAX_BATCH
+        return step.input_ids.shape[0] <= self.max_batch
 
     def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32
         batch = step.input_ids.shape[0]

@@ -60,6 +60,23 @@ def test_dense_cpu_float32_models_take_the_kernel_and_moe_models_do_not(runner, 
     assert not runner.decode_step.fused.takes(too_many)  # larger batches stay on the torch path
 
 
+def test_batches_past_the_onednn_crossover_go_to_the_torch_path(runner, make_checkpoint, make_runner, monkeypatch):
+    """With the projections on oneDNN, a batch of MIN_PACKED_ROWS or more whose sequences x
+    parameters exceed FUSED_MAX_MACS_PACKED runs the torch path; on BLAS the kernel takes up to
+    FUSED_MAX_BATCH."""
+    from sloserve.layers.linear import MIN_PACKED_ROWS, PackedLinears
+
+    params = runner.model.weights.num_parameters()
+    monkeypatch.setattr(fused, "FUSED_MAX_MACS_PACKED", 20 * params)
+    blas = make_runner(make_checkpoint("llama"), cpu_gemm="blas")
+    assert fused.FusedDecode(blas.model, blas.kv, 1).max_batch == fused.FUSED_MAX_BATCH
+    if not isinstance(runner.model.linear, PackedLinears):
+        pytest.skip("this torch build has no oneDNN linear operators")
+    assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == 20
+    monkeypatch.setattr(fused, "FUSED_MAX_MACS_PACKED", params)  # small batches always stay on the kernel
+    assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == MIN_PACKED_ROWS - 1
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3, 8])
 def test_logits_match_the_torch_twin_at_page_edges(runner, batch):
     for first in range(0, len(LENGTHS), batch):
@@ -84,6 +101,26 @@ def test_one_thread_two_and_three_give_the_same_bits(runner, batch):
     finally:
         kernel.threads = before
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+def test_a_team_woken_from_sleep_and_resized_gives_the_same_bits(runner):
+    """The team's workers spin a while after a step, then sleep (hotpath/_team.h): steps after a
+    pause longer than the spin, back-to-back steps and a change of team size all finish with the
+    one-thread kernel's bits."""
+    import time
+
+    step = _step(runner, [33, 9, 4])
+    kernel = runner.decode_step.fused
+    before = kernel.threads
+    try:
+        kernel.threads = 1
+        want = kernel(step)
+        for threads, pause_s in ((2, 0.0), (2, 0.0), (2, 0.003), (2, 0.003), (3, 0.0), (2, 0.002), (1, 0.0)):
+            time.sleep(pause_s)
+            kernel.threads = threads
+            assert torch.equal(kernel(step), want), f"{threads} threads after {pause_s * 1e3:.0f} ms"
+    finally:
+        kernel.threads = before
 
 
 class _Counting:
