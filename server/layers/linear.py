@@ -12,7 +12,10 @@ oneDNN builds (and caches) a primitive for every row count it sees, each holding
 own: products of 16 to 2,048 rows in steps of 7 grew the process by 163 MB for one weight, and
 the soak test caught the server's RSS growing 23%. So a product runs in row tiles of the few
 sizes in TILE_ROWS (the last one padded): the same traffic left 49 MB that stopped growing after
-the first pass, at ~0.8-0.9x the speed of one untiled call (still ~2x MKL's).
+the first pass, at ~0.75-0.9x the speed of one untiled call. Each tile is an OpenMP region, which
+under passive waiting wakes the second thread: on 2 threads the narrow O and QKV projections of
+the 3M `default` ran x0.74-1.04 of MKL's speed at 300-1,000 rows, the MLP's x1.13-1.3; a whole
+prefill x1.07-1.22 (`benchmarks/cpu_gemm.py`).
 
 Numerics: oneDNN sums in another order than MKL, so logits differ in the last bits. A row's
 result does not depend on how many rows share a packed product (measured from 1 to 1024 rows);
