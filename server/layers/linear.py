@@ -1,7 +1,8 @@
 """Dense projections on a CPU through oneDNN, with the weights packed once at load.
 
-torch's CPU `F.linear` calls MKL's sgemm. On the AMD EPYC this project is measured on, MKL runs
-its AVX2 code: ~90 GFLOP/s on one core for a [1000, 256] x [256, 1408] product, where oneDNN
+torch's CPU `F.linear` calls MKL's sgemm. On the AMD EPYC this project is measured on, MKL
+reaches ~90 GFLOP/s on one core for a [1000, 256] x [256, 1408] product, about the AVX2 rate (it
+appears to take its non-Intel path), where oneDNN
 (bundled with torch, dispatched on CPU features, not on the vendor) runs AVX-512 at ~215
 (`benchmarks/cpu_gemm.py`). oneDNN is fastest on weights reordered to its blocked layout, so
 `PackedLinears` holds that copy of every dense projection next to the plain one. The plain
