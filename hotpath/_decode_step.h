@@ -21,7 +21,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <sched.h>
 #include <string.h>
 
 #include "_paged_attention_item.h"
@@ -217,12 +216,8 @@ static void sloserve_barrier_wait(sloserve_barrier *bar, int threads, int *phase
         __atomic_store_n(&bar->phase, next, __ATOMIC_RELEASE);
         return;
     }
-    for (long spins = 0; __atomic_load_n(&bar->phase, __ATOMIC_ACQUIRE) != next; spins++) {
-        if (spins >= SLOSERVE_SPINS_BEFORE_YIELD) sched_yield();
-#if defined(__x86_64__) || defined(__i386__)
-        else __builtin_ia32_pause();
-#endif
-    }
+    for (long spins = 0; __atomic_load_n(&bar->phase, __ATOMIC_ACQUIRE) != next; spins++)
+        sloserve_pause(spins, SLOSERVE_SPINS_BEFORE_YIELD);
 }
 
 /* Rows [first, last) of `rows` split evenly between `threads`: this thread's share, in chunks of 4. */
@@ -318,7 +313,7 @@ static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, c
                                 float *logits) {
     sloserve_decode_args a = {m, ids, positions, slots, tables, lens, width, batch, max_len, work, logits,
                               {0, 0}, 0};
-    if (team == NULL || team->size == 1)
+    if (team == NULL)
         sloserve_decode_job(&a, 0, 1);
     else
         sloserve_team_run(team, sloserve_decode_job, &a);

@@ -52,8 +52,10 @@ struct sloserve_team {
     sloserve_worker_arg *args;
 };
 
-static inline void sloserve_pause(long spins) {
-    if (spins >= SLOSERVE_TEAM_PAUSES) sched_yield();
+/* One wait of a spin loop on its `spins`-th turn: a pause instruction, or sched_yield once the
+ * loop has paused `pauses` times (the step barrier in _decode_step.h waits the same way). */
+static inline void sloserve_pause(long spins, long pauses) {
+    if (spins >= pauses) sched_yield();
 #if defined(__x86_64__) || defined(__i386__)
     else __builtin_ia32_pause();
 #endif
@@ -81,7 +83,7 @@ static void *sloserve_team_worker(void *raw) {
                 deadline = sloserve_now_ns() + SLOSERVE_TEAM_SPIN_NS;
                 spins = 0;
             } else {
-                sloserve_pause(spins);
+                sloserve_pause(spins, SLOSERVE_TEAM_PAUSES);
             }
         }
         seen = gen;
@@ -126,7 +128,8 @@ static void sloserve_team_run(sloserve_team *t, sloserve_job job, void *ctx) {
     if (__atomic_load_n(&t->sleepers, __ATOMIC_SEQ_CST))
         syscall(SYS_futex, &t->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     job(ctx, 0, t->size);
-    for (long spins = 0; __atomic_load_n(&t->done, __ATOMIC_ACQUIRE) != t->size - 1; spins++) sloserve_pause(spins);
+    for (long spins = 0; __atomic_load_n(&t->done, __ATOMIC_ACQUIRE) != t->size - 1; spins++)
+        sloserve_pause(spins, SLOSERVE_TEAM_PAUSES);
 }
 
 /* Stops and joins the workers and frees the team (in a forked child, whose copy has no workers,

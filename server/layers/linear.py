@@ -67,34 +67,32 @@ class PackedLinears:
     """oneDNN-packed copies of dense projection weights, looked up by the plain tensor."""
 
     def __init__(self, weights: Iterable[torch.Tensor]) -> None:
-        self._plain: dict[int, torch.Tensor] = {}  # keeps each key's tensor (and so its id) alive
-        self._packed: dict[int, torch.Tensor] = {}
+        # id(plain) -> (plain, packed): holding the plain tensor keeps its id from being reused
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.inference_mode():
             for w in weights:
                 if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
                     raise ValueError(f"only 2-D float32 CPU weights are packed, got {tuple(w.shape)} {w.dtype} "
                                      f"on {w.device}")
-                self._plain[id(w)] = w
-                self._packed[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
+                self._packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT))
 
     def __len__(self) -> int:
         return len(self._packed)
 
     def nbytes(self) -> int:
         """Bytes of the plain weights the packed copies mirror (the packed ones take about as many)."""
-        return sum(w.numel() * w.element_size() for w in self._plain.values())
+        return sum(w.numel() * w.element_size() for w, _ in self._packed.values())
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, w, b) for a 2-D float32 CPU `x`, through the packed copy of `w` when one exists."""
-        if torch.compiler.is_compiling():  # traced graphs keep torch's own linear
-            return F.linear(x, w, b)
-        if x.dim() != 2 or x.shape[0] < MIN_PACKED_ROWS or id(w) not in self._packed:
+        if (torch.compiler.is_compiling()  # traced graphs keep torch's own linear
+                or x.dim() != 2 or x.shape[0] < MIN_PACKED_ROWS or id(w) not in self._packed):
             return F.linear(x, w, b)
         return self.packed_product(x, w, b)
 
     def packed_product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN's product on the packed copy of `w`, whatever the row count, in tiles of TILE_ROWS."""
-        packed, rows = self._packed[id(w)], x.shape[0]
+        packed, rows = self._packed[id(w)][1], x.shape[0]
         parts = []
         for start, size in row_tiles(rows):
             if start + size <= rows:
