@@ -25,11 +25,15 @@ COMPILE_ARGS = (
     ["-O1", "-g", *SANITIZE, "-ffp-contract=off"] if ASAN else ["-O3", "-ffp-contract=off"]
 )
 LINK_ARGS = SANITIZE if ASAN else []
+# the plain-C kernels the .pyx files include: an edit to one rebuilds the extensions (Cython
+# tracks .pxd/.pxi itself, not C headers)
+C_HEADERS = sorted(str(h) for h in Path("hotpath").glob("*.h"))
 
 extensions = [
     Extension(
         f"sloserve.hotpath.{pyx.stem}",
         [str(pyx)],
+        depends=C_HEADERS,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=LINK_ARGS,
     )

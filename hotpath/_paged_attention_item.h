@@ -71,6 +71,77 @@ SLOSERVE_INLINE sloserve_v4 sloserve_dot4_strided(const float *q, const float *r
     return sloserve_fold4(a0, a1, a2, a3);
 }
 
+/* sloserve_dot4_strided for two queries at once: each row load serves both (eight independent
+ * sums, where one query's four wait on the adder's latency); the same bits as two calls. */
+SLOSERVE_INLINE void sloserve_dot4x2_strided(const float *q0, const float *q1, const float *rows, ptrdiff_t stride,
+                                             ptrdiff_t dim, sloserve_v4 *out0, sloserve_v4 *out1) {
+    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    for (ptrdiff_t d = 0; d < dim; d += 8) {
+        const sloserve_v8 u = sloserve_load8(q0 + d), v = sloserve_load8(q1 + d);
+        sloserve_v8 r = sloserve_load8(rows + d);
+        a0 += r * u;
+        b0 += r * v;
+        r = sloserve_load8(rows + stride + d);
+        a1 += r * u;
+        b1 += r * v;
+        r = sloserve_load8(rows + 2 * stride + d);
+        a2 += r * u;
+        b2 += r * v;
+        r = sloserve_load8(rows + 3 * stride + d);
+        a3 += r * u;
+        b3 += r * v;
+    }
+    *out0 = sloserve_fold4(a0, a1, a2, a3);
+    *out1 = sloserve_fold4(b0, b1, b2, b3);
+}
+
+/* out[0:64] += sum over j < n, in order, of w[j] * rows[j * stride : j * stride + 64]: the output
+ * held in eight registers across the positions instead of loaded and stored at each one; every
+ * element sums in the order the one-position-at-a-time loop gives it. */
+SLOSERVE_INLINE void sloserve_weighted_rows64(const float *w, const float *rows, ptrdiff_t stride, ptrdiff_t n,
+                                              float *out) {
+    sloserve_v8 o0 = sloserve_load8(out), o1 = sloserve_load8(out + 8), o2 = sloserve_load8(out + 16);
+    sloserve_v8 o3 = sloserve_load8(out + 24), o4 = sloserve_load8(out + 32), o5 = sloserve_load8(out + 40);
+    sloserve_v8 o6 = sloserve_load8(out + 48), o7 = sloserve_load8(out + 56);
+    for (ptrdiff_t j = 0; j < n; j++) {
+        const float *row = rows + j * stride, wj = w[j];
+        o0 += wj * sloserve_load8(row);
+        o1 += wj * sloserve_load8(row + 8);
+        o2 += wj * sloserve_load8(row + 16);
+        o3 += wj * sloserve_load8(row + 24);
+        o4 += wj * sloserve_load8(row + 32);
+        o5 += wj * sloserve_load8(row + 40);
+        o6 += wj * sloserve_load8(row + 48);
+        o7 += wj * sloserve_load8(row + 56);
+    }
+    memcpy(out, &o0, sizeof o0);
+    memcpy(out + 8, &o1, sizeof o1);
+    memcpy(out + 16, &o2, sizeof o2);
+    memcpy(out + 24, &o3, sizeof o3);
+    memcpy(out + 32, &o4, sizeof o4);
+    memcpy(out + 40, &o5, sizeof o5);
+    memcpy(out + 48, &o6, sizeof o6);
+    memcpy(out + 56, &o7, sizeof o7);
+}
+
+/* The same for `width` (< 64, a multiple of 8) floats, one vector at a time. */
+SLOSERVE_INLINE void sloserve_weighted_rows8(const float *w, const float *rows, ptrdiff_t stride, ptrdiff_t n,
+                                             ptrdiff_t width, float *out) {
+    for (ptrdiff_t c = 0; c < width; c += 8) {
+        sloserve_v8 o = sloserve_load8(out + c);
+        for (ptrdiff_t j = 0; j < n; j++) o += w[j] * sloserve_load8(rows + j * stride + c);
+        memcpy(out + c, &o, sizeof o);
+    }
+}
+
+/* Ask for the next page's rows of this KV head (n rows of dim floats, stride apart) while this
+ * page computes: pages are scattered through the pool, so the hardware's stream prefetch
+ * starts over at every one of them. */
+SLOSERVE_INLINE void sloserve_prefetch_rows(const float *rows, ptrdiff_t stride, ptrdiff_t n, ptrdiff_t dim) {
+    for (ptrdiff_t j = 0; j < n; j++)
+        for (ptrdiff_t d = 0; d < dim; d += 16) __builtin_prefetch(rows + j * stride + d, 0, 0);
+}
+
 /* exp(x) for x <= 0 (a softmax of scores minus their maximum), in plain float arithmetic that
  * vectorises (libm's expf does not, and dominated the kernel): Cephes' expf reduction and
  * polynomial, ~1 ulp; exp(x) below -87.3 (under 2^-126) is flushed to 0. */
@@ -106,13 +177,26 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
         const float *rows = k_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
         const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
+        if (b + 1 < num_blocks)
+            sloserve_prefetch_rows(k_cache + (ptrdiff_t)table[b + 1] * page * stride + kv_head * dim, stride,
+                                   seq_len - first - n < page ? seq_len - first - n : page, dim);
         ptrdiff_t j = 0;
-        if (dim % 8 == 0) /* four positions at a time, the same sums as one at a time */
-            for (; j + 4 <= n; j += 4)
-                for (ptrdiff_t g = 0; g < group; g++) {
+        if (dim % 8 == 0) /* four positions (of two query heads) at a time, the same sums as one at a time */
+            for (; j + 4 <= n; j += 4) {
+                ptrdiff_t g = 0;
+                for (; g + 2 <= group; g += 2) {
+                    sloserve_v4 s0, s1;
+                    sloserve_dot4x2_strided(q + g * dim, q + (g + 1) * dim, rows + j * stride, stride, dim, &s0, &s1);
+                    s0 *= scale;
+                    s1 *= scale;
+                    memcpy(scores + g * seq_len + first + j, &s0, sizeof s0);
+                    memcpy(scores + (g + 1) * seq_len + first + j, &s1, sizeof s1);
+                }
+                for (; g < group; g++) {
                     const sloserve_v4 s = sloserve_dot4_strided(q + g * dim, rows + j * stride, stride, dim) * scale;
                     memcpy(scores + g * seq_len + first + j, &s, sizeof s);
                 }
+            }
         for (; j < n; j++)
             for (ptrdiff_t g = 0; g < group; g++)
                 scores[g * seq_len + first + j] = sloserve_dot(q + g * dim, rows + j * stride, dim) * scale;
@@ -134,12 +218,20 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over V, in the same position order */
         const float *rows = v_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
         const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
-        for (ptrdiff_t j = 0; j < n; j++)
-            for (ptrdiff_t g = 0; g < group; g++) {
-                const float w = scores[g * seq_len + first + j], *row = rows + j * stride;
-                float *o = out + g * dim;
-                for (ptrdiff_t d = 0; d < dim; d++) o[d] += w * row[d];
-            }
+        if (b + 1 < num_blocks)
+            sloserve_prefetch_rows(v_cache + (ptrdiff_t)table[b + 1] * page * stride + kv_head * dim, stride,
+                                   seq_len - first - n < page ? seq_len - first - n : page, dim);
+        for (ptrdiff_t g = 0; g < group; g++) { /* out[d] sums its positions in order, for every d */
+            const float *w = scores + g * seq_len + first;
+            float *o = out + g * dim;
+            ptrdiff_t c = 0;
+            for (; c + 64 <= dim; c += 64) sloserve_weighted_rows64(w, rows + c, stride, n, o + c);
+            if (dim % 8 == 0)
+                sloserve_weighted_rows8(w, rows + c, stride, n, dim - c, o + c);
+            else
+                for (ptrdiff_t j = 0; j < n; j++)
+                    for (ptrdiff_t d = c; d < dim; d++) o[d] += w[j] * rows[j * stride + d];
+        }
     }
     return 0;
 }
