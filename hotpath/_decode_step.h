@@ -4,7 +4,7 @@
  * their arithmetic (a 3M-parameter model: ~0.8 ms per step, ~0.3 ms of it matmuls). Here the
  * same step is plain C run by a persistent team of threads (_team.h): matrix-vector products split
  * by output rows between the threads, the small per-row work (norms, rotary, KV writes) on one thread,
- * attention per (sequence, KV head) item as in _paged_attention.pyx, a spinning barrier between
+ * attention in work items as in _paged_attention.pyx, a spinning barrier between
  * stages (sloserve_barrier_wait).
  *
  * Per layer, exactly as DecoderModel.decode computes it (its pure-torch twin):
@@ -53,8 +53,7 @@ typedef struct {
 static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t batch, ptrdiff_t max_len,
                                            int threads) {
     const ptrdiff_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    const ptrdiff_t group = m->heads / m->kv_heads;
-    return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) + (ptrdiff_t)threads * group * max_len;
+    return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) + (ptrdiff_t)threads * m->heads * max_len;
 }
 
 /* The matrix-vector products. Every value is summed as sloserve_dot sums it (lane i adds the
@@ -242,7 +241,8 @@ typedef struct {
 
 /* Thread `me` of `team` runs its share of the step (sloserve_job): each matrix-vector product is
  * split by output rows (thread t takes the t-th share), thread 0 does the per-row work (norms,
- * rotary, KV writes), attention items go round-robin by (sequence, KV head); a barrier separates
+ * rotary, KV writes), attention items (a sequence's KV heads, or one of them while the batch is
+ * smaller than two per thread) go round-robin; a barrier separates
  * every stage from the next. */
 static void sloserve_decode_job(void *raw, int me, int team) {
     sloserve_decode_args *a = (sloserve_decode_args *)raw;
@@ -257,7 +257,8 @@ static void sloserve_decode_job(void *raw, int me, int team) {
     sloserve_barrier *bar = &a->bar;
     int phase = 0;
     ptrdiff_t first, last;
-    float *my_scores = scores + (ptrdiff_t)me * group * max_len;
+    float *my_scores = scores + (ptrdiff_t)me * Hq * max_len;
+    const ptrdiff_t per_item = sloserve_item_kv_heads(batch, Hkv, team); /* KV heads per attention item */
     if (me == 0)
         for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
     for (ptrdiff_t l = 0; l < m->num_layers; l++) {
@@ -276,10 +277,10 @@ static void sloserve_decode_job(void *raw, int me, int team) {
                 memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
             }
         sloserve_barrier_wait(bar, team, &phase);
-        for (ptrdiff_t item = me; item < batch * Hkv; item += team) {
-            const ptrdiff_t b = item / Hkv, kv_head = item % Hkv;
+        for (ptrdiff_t item = me; item < batch * (Hkv / per_item); item += team) {
+            const ptrdiff_t b = item * per_item / Hkv, kv_head = item * per_item % Hkv;
             if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
-                                    tables + b * width, lens[b], kv_head, group, Hkv, D, m->page,
+                                    tables + b * width, lens[b], kv_head, per_item, group, Hkv, D, m->page,
                                     m->num_pages, m->scale, my_scores, attn + b * q_size + kv_head * group * D))
                 __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
         }

@@ -11,10 +11,12 @@ One query token per sequence attends to positions 0 .. seq_len-1 of its own page
     block_tables      [S, W] int32; position p of sequence s lives in page block_tables[s, p // page]
     seq_lens          [S] int32
 
-Work items are (sequence, KV head) pairs, spread over OpenMP threads (`prange`, nogil). Each
-item (`_paged_attention_item.h`, C built for several instruction sets) scores its group of query
-heads against every key it owns (one pass over K), softmaxes in float32 with the running maximum
-subtracted, and accumulates V (one pass over V). Slots past seq_len are never read, so whatever
+Work items are sequences (every KV head: whole rows of each page) or, while there are fewer
+than two sequences per thread, (sequence, KV head) pairs, spread over OpenMP threads (`prange`,
+nogil). Each item (`_paged_attention_item.h`, C built for several instruction sets) scores its
+query heads against every key it owns (one pass over K, page by page, the next page
+prefetched), softmaxes in float32 with the running maximum subtracted, and accumulates V (one
+pass over V). A head's result is the same bits whichever items the batch is cut into. Slots past seq_len are never read, so whatever
 the pool holds there (NaN included) cannot leak in.
 
 The pure-torch twin is `SdpaBackend`'s gather path; SLOSERVE_NO_EXTENSIONS=1 selects it.
@@ -32,9 +34,10 @@ cdef enum:
 
 cdef extern from "_paged_attention_item.h" nogil:
     int sloserve_paged_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
-                            Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t group, Py_ssize_t hkv,
-                            Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale, float* scores,
-                            float* out)
+                            Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count, Py_ssize_t group,
+                            Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale,
+                            float* scores, float* out)
+    Py_ssize_t sloserve_item_kv_heads(Py_ssize_t seqs, Py_ssize_t hkv, int threads)
 
 
 def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,
@@ -59,8 +62,7 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
     cdef const int32_t* lp = <const int32_t*> seq_lens
     cdef float* op = <float*> out
     cdef Py_ssize_t group = num_heads // num_kv_heads
-    cdef Py_ssize_t longest = 0, i, s, h, seq_len
-    cdef Py_ssize_t items = num_seqs * num_kv_heads
+    cdef Py_ssize_t longest = 0, i, s, h, seq_len, per_item, items
     cdef int bad = 0
     cdef float* scores
     for s in range(num_seqs):
@@ -70,19 +72,22 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
                              f"(its block table holds {table_width} pages of {page})")
         if seq_len > longest:
             longest = seq_len
-    if num_threads < 1 or items * longest * group * head_dim < _SERIAL_WORK:
+    if num_threads < 1 or num_seqs * num_heads * longest * head_dim < _SERIAL_WORK:
         num_threads = 1  # waking a sleeping OpenMP team costs more than a small step's arithmetic
+    per_item = sloserve_item_kv_heads(num_seqs, num_kv_heads, num_threads)
+    items = num_seqs * (num_kv_heads // per_item)
     with nogil:
         for i in prange(items, num_threads=num_threads, schedule="dynamic"):
-            scores = <float*> malloc(group * longest * sizeof(float))
+            scores = <float*> malloc(per_item * group * longest * sizeof(float))
             if scores == NULL:
                 bad |= 2  # a reduction: the only way a prange body may write a shared variable
             else:
-                s = i // num_kv_heads
-                h = i % num_kv_heads
+                s = (i * per_item) // num_kv_heads
+                h = (i * per_item) % num_kv_heads
                 bad |= -sloserve_paged_item(qp + (s * num_heads + h * group) * head_dim, kp, vp,
-                                            tp + s * table_width, lp[s], h, group, num_kv_heads, head_dim, page,
-                                            num_pages, scale, scores, op + (s * num_heads + h * group) * head_dim)
+                                            tp + s * table_width, lp[s], h, per_item, group, num_kv_heads, head_dim,
+                                            page, num_pages, scale, scores,
+                                            op + (s * num_heads + h * group) * head_dim)
                 free(scores)
     if bad & 2:
         raise MemoryError("paged_decode: cannot allocate the scores buffer")

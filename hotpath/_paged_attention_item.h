@@ -1,4 +1,4 @@
-/* One (sequence, KV head) work item of the in-place paged decode kernel (_paged_attention.pyx).
+/* One work item (a sequence's KV heads, or one of them) of the in-place paged decode kernel (_paged_attention.pyx).
  *
  * Plain C so that GCC can build it for several instruction sets (target_clones: AVX-512, AVX2,
  * AVX, baseline x86-64) and pick one at load time: the wheel stays portable, a modern CPU gets wide
@@ -134,12 +134,19 @@ SLOSERVE_INLINE void sloserve_weighted_rows8(const float *w, const float *rows, 
     }
 }
 
-/* Ask for the next page's rows of this KV head (n rows of dim floats, stride apart) while this
- * page computes: pages are scattered through the pool, so the hardware's stream prefetch
- * starts over at every one of them. */
-SLOSERVE_INLINE void sloserve_prefetch_rows(const float *rows, ptrdiff_t stride, ptrdiff_t n, ptrdiff_t dim) {
+/* Ask for the next page's rows of the item's KV heads (n rows of `width` floats, stride apart)
+ * while this page computes: pages are scattered through the pool, so the hardware's stream
+ * prefetch starts over at every one of them. */
+SLOSERVE_INLINE void sloserve_prefetch_rows(const float *rows, ptrdiff_t stride, ptrdiff_t n, ptrdiff_t width) {
     for (ptrdiff_t j = 0; j < n; j++)
-        for (ptrdiff_t d = 0; d < dim; d += 16) __builtin_prefetch(rows + j * stride + d, 0, 0);
+        for (ptrdiff_t d = 0; d < width; d += 16) __builtin_prefetch(rows + j * stride + d, 0, 0);
+}
+
+/* KV heads per work item for `seqs` sequences on `threads` threads: all of a sequence's (whole
+ * rows, one stream per page) once there are sequences enough to keep every thread busy, else
+ * one (a sequence's heads spread over the threads). */
+static inline ptrdiff_t sloserve_item_kv_heads(ptrdiff_t seqs, ptrdiff_t hkv, int threads) {
+    return seqs >= 2 * (ptrdiff_t)threads ? hkv : 1;
 }
 
 /* exp(x) for x <= 0 (a softmax of scores minus their maximum), in plain float arithmetic that
@@ -164,44 +171,54 @@ static inline float sloserve_exp_nonpositive(float x) {
     return x <= -87.3f ? 0.0f : y * scale.f;
 }
 
-/* q, out: the item's first query head row ([group, dim], contiguous); scores: group * seq_len floats.
+/* One work item: KV heads [kv_head, kv_head + kv_count) of one sequence, page by page (a page's
+ * rows of those heads are adjacent, so an item of every KV head reads whole rows). q, out: the
+ * item's first query head row ([kv_count * group, dim], contiguous); scores: kv_count * group *
+ * seq_len floats. Each query head's result is the same bits whatever kv_count is.
  * Returns 0, or -1 when a block id is outside [0, num_pages) (then nothing is read from it). */
 SLOSERVE_CLONES
 static int sloserve_paged_item(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                               ptrdiff_t seq_len, ptrdiff_t kv_head, ptrdiff_t group, ptrdiff_t hkv, ptrdiff_t dim,
-                               ptrdiff_t page, ptrdiff_t num_pages, float scale, float *scores, float *out) {
+                               ptrdiff_t seq_len, ptrdiff_t kv_head, ptrdiff_t kv_count, ptrdiff_t group,
+                               ptrdiff_t hkv, ptrdiff_t dim, ptrdiff_t page, ptrdiff_t num_pages, float scale,
+                               float *scores, float *out) {
     const ptrdiff_t stride = hkv * dim; /* floats between consecutive positions of one page */
+    const ptrdiff_t heads = kv_count * group, width = kv_count * dim; /* the item's query heads; its row floats */
     for (ptrdiff_t b = 0; b < (seq_len + page - 1) / page; b++)
         if (table[b] < 0 || table[b] >= num_pages) return -1;
     const ptrdiff_t num_blocks = (seq_len + page - 1) / page;
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
-        const float *rows = k_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
+        const float *page_rows = k_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
         const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
         if (b + 1 < num_blocks)
             sloserve_prefetch_rows(k_cache + (ptrdiff_t)table[b + 1] * page * stride + kv_head * dim, stride,
-                                   seq_len - first - n < page ? seq_len - first - n : page, dim);
-        ptrdiff_t j = 0;
-        if (dim % 8 == 0) /* four positions (of two query heads) at a time, the same sums as one at a time */
-            for (; j + 4 <= n; j += 4) {
-                ptrdiff_t g = 0;
-                for (; g + 2 <= group; g += 2) {
-                    sloserve_v4 s0, s1;
-                    sloserve_dot4x2_strided(q + g * dim, q + (g + 1) * dim, rows + j * stride, stride, dim, &s0, &s1);
-                    s0 *= scale;
-                    s1 *= scale;
-                    memcpy(scores + g * seq_len + first + j, &s0, sizeof s0);
-                    memcpy(scores + (g + 1) * seq_len + first + j, &s1, sizeof s1);
+                                   seq_len - first - n < page ? seq_len - first - n : page, width);
+        for (ptrdiff_t kk = 0; kk < kv_count; kk++) {
+            const float *rows = page_rows + kk * dim, *qk = q + kk * group * dim;
+            float *sk = scores + kk * group * seq_len;
+            ptrdiff_t j = 0;
+            if (dim % 8 == 0) /* four positions (of two query heads) at a time, the same sums as one at a time */
+                for (; j + 4 <= n; j += 4) {
+                    ptrdiff_t g = 0;
+                    for (; g + 2 <= group; g += 2) {
+                        sloserve_v4 s0, s1;
+                        sloserve_dot4x2_strided(qk + g * dim, qk + (g + 1) * dim, rows + j * stride, stride, dim,
+                                                &s0, &s1);
+                        s0 *= scale;
+                        s1 *= scale;
+                        memcpy(sk + g * seq_len + first + j, &s0, sizeof s0);
+                        memcpy(sk + (g + 1) * seq_len + first + j, &s1, sizeof s1);
+                    }
+                    for (; g < group; g++) {
+                        const sloserve_v4 s = sloserve_dot4_strided(qk + g * dim, rows + j * stride, stride, dim) * scale;
+                        memcpy(sk + g * seq_len + first + j, &s, sizeof s);
+                    }
                 }
-                for (; g < group; g++) {
-                    const sloserve_v4 s = sloserve_dot4_strided(q + g * dim, rows + j * stride, stride, dim) * scale;
-                    memcpy(scores + g * seq_len + first + j, &s, sizeof s);
-                }
-            }
-        for (; j < n; j++)
-            for (ptrdiff_t g = 0; g < group; g++)
-                scores[g * seq_len + first + j] = sloserve_dot(q + g * dim, rows + j * stride, dim) * scale;
+            for (; j < n; j++)
+                for (ptrdiff_t g = 0; g < group; g++)
+                    sk[g * seq_len + first + j] = sloserve_dot(qk + g * dim, rows + j * stride, dim) * scale;
+        }
     }
-    for (ptrdiff_t g = 0; g < group; g++) { /* softmax, running maximum subtracted */
+    for (ptrdiff_t g = 0; g < heads; g++) { /* softmax, running maximum subtracted */
         float *s = scores + g * seq_len, m = s[0], acc[SLOSERVE_LANES] = {0};
         for (ptrdiff_t p = 1; p < seq_len; p++) m = s[p] > m ? s[p] : m;
         for (ptrdiff_t p = 0; p < seq_len; p++) s[p] = sloserve_exp_nonpositive(s[p] - m);
@@ -209,20 +226,20 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
         for (; p + SLOSERVE_LANES <= seq_len; p += SLOSERVE_LANES)
             for (int j = 0; j < SLOSERVE_LANES; j++) acc[j] += s[p + j];
         for (; p < seq_len; p++) acc[0] += s[p];
-        for (int width = SLOSERVE_LANES / 2; width > 0; width /= 2)
-            for (int j = 0; j < width; j++) acc[j] += acc[j + width];
+        for (int lanes = SLOSERVE_LANES / 2; lanes > 0; lanes /= 2)
+            for (int j = 0; j < lanes; j++) acc[j] += acc[j + lanes];
         const float inv = 1.0f / acc[0];
         for (ptrdiff_t p = 0; p < seq_len; p++) s[p] *= inv;
         for (ptrdiff_t d = 0; d < dim; d++) out[g * dim + d] = 0.0f;
     }
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over V, in the same position order */
-        const float *rows = v_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
+        const float *page_rows = v_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
         const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
         if (b + 1 < num_blocks)
             sloserve_prefetch_rows(v_cache + (ptrdiff_t)table[b + 1] * page * stride + kv_head * dim, stride,
-                                   seq_len - first - n < page ? seq_len - first - n : page, dim);
-        for (ptrdiff_t g = 0; g < group; g++) { /* out[d] sums its positions in order, for every d */
-            const float *w = scores + g * seq_len + first;
+                                   seq_len - first - n < page ? seq_len - first - n : page, width);
+        for (ptrdiff_t g = 0; g < heads; g++) { /* out[d] sums its positions in order, for every d */
+            const float *w = scores + g * seq_len + first, *rows = page_rows + (g / group) * dim;
             float *o = out + g * dim;
             ptrdiff_t c = 0;
             for (; c + 64 <= dim; c += 64) sloserve_weighted_rows64(w, rows + c, stride, n, o + c);
