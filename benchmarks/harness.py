@@ -61,6 +61,8 @@ def check_overrides(overrides: dict | None) -> dict:
     for section, values in (overrides or {}).items():
         if section not in classes:
             raise ValueError(f"override section must be one of {', '.join(OVERRIDE_SECTIONS)}, got {section!r}")
+        if section == "model" and "path" in values:
+            raise ValueError("the model path is the run's own (--model), not an override")
         known = {f.name for f in fields(classes[section])}
         if unknown := sorted(set(values) - known):
             raise ValueError(f"{section} config of this build has no field {', '.join(unknown)}")

@@ -31,7 +31,12 @@ def test_overrides_are_checked_before_a_launch():
     assert harness.check_overrides(None) == {}
     ok = {"scheduler": {"policy": "fifo", "aging": 1.0, "max_wait_s": 1e9}, "cache": {"prefix_cache": False}}
     assert harness.check_overrides(ok) == ok
-    with pytest.raises(ValueError, match="section must be one of scheduler, cache"):
+    with pytest.raises(ValueError, match="section must be one of scheduler, cache, model"):
+        harness.check_overrides({"server": {"port": 1}})
+    assert harness.check_overrides({"model": {"cpu_gemm": "blas"}}) == {"model": {"cpu_gemm": "blas"}}
+    with pytest.raises(ValueError, match="cpu gemm must be"):
+        harness.check_overrides({"model": {"cpu_gemm": "mkl"}})
+    with pytest.raises(ValueError, match="model path is the run's own"):
         harness.check_overrides({"model": {"path": "x"}})
     with pytest.raises(ValueError, match="has no field no_such_switch"):
         harness.check_overrides({"scheduler": {"no_such_switch": True}})
@@ -49,6 +54,8 @@ def test_launch_config_applies_overrides_on_top_of_the_mode():
     naive = harness.launch_config("naive", "default", 1, {"scheduler": {"max_batch": 4}})
     assert naive.scheduler.max_batch == 4 and naive.scheduler.policy == "fifo" and not naive.cache.prefix_cache
     assert harness.launch_config("full", "default", 1).scheduler == type(full.scheduler)()
+    blas = harness.launch_config("full", "default", 1, {"model": {"cpu_gemm": "blas"}})
+    assert (blas.model.path, blas.model.cpu_gemm) == ("default", "blas")
 
 
 def test_every_arm_and_ablation_names_real_config_fields():
