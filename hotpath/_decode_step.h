@@ -61,11 +61,6 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
  * the lanes fold), whichever kernel below computes it: a row's result does not depend on the
  * batch it is in, the rows beside it, the thread or the instruction set. */
 
-SLOSERVE_INLINE sloserve_v8 sloserve_tail(sloserve_v8 acc, const float *w, const float *x, ptrdiff_t d, ptrdiff_t k) {
-    for (; d < k; d++) acc[0] += w[d] * x[d];
-    return acc;
-}
-
 SLOSERVE_INLINE float sloserve_dot1(const float *w, const float *x, ptrdiff_t k) {
     sloserve_v8 acc = {0};
     ptrdiff_t d = 0;
@@ -90,32 +85,6 @@ SLOSERVE_INLINE sloserve_v4 sloserve_dot4(const float *w, const float *x, ptrdif
                           sloserve_tail(a2, w + 2 * k, x, d, k), sloserve_tail(a3, w + 3 * k, x, d, k));
 }
 
-/* Four weight rows against two x rows: each weight load serves two sequences. */
-SLOSERVE_INLINE void sloserve_dot4x2(const float *w, const float *x0, const float *x1, ptrdiff_t k, sloserve_v4 *out0,
-                                     sloserve_v4 *out1) {
-    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    ptrdiff_t d = 0;
-    for (; d + 8 <= k; d += 8) {
-        const sloserve_v8 u = sloserve_load8(x0 + d), v = sloserve_load8(x1 + d);
-        sloserve_v8 r = sloserve_load8(w + d);
-        a0 += r * u;
-        b0 += r * v;
-        r = sloserve_load8(w + k + d);
-        a1 += r * u;
-        b1 += r * v;
-        r = sloserve_load8(w + 2 * k + d);
-        a2 += r * u;
-        b2 += r * v;
-        r = sloserve_load8(w + 3 * k + d);
-        a3 += r * u;
-        b3 += r * v;
-    }
-    *out0 = sloserve_fold4(sloserve_tail(a0, w, x0, d, k), sloserve_tail(a1, w + k, x0, d, k),
-                           sloserve_tail(a2, w + 2 * k, x0, d, k), sloserve_tail(a3, w + 3 * k, x0, d, k));
-    *out1 = sloserve_fold4(sloserve_tail(b0, w, x1, d, k), sloserve_tail(b1, w + k, x1, d, k),
-                           sloserve_tail(b2, w + 2 * k, x1, d, k), sloserve_tail(b3, w + 3 * k, x1, d, k));
-}
-
 /* dots[4 b + r] = x[b] . w[j + r] for r < n (n <= 4) and every b. */
 SLOSERVE_INLINE void sloserve_dots(const float *w, const float *x, ptrdiff_t batch, ptrdiff_t k, ptrdiff_t j,
                                    ptrdiff_t n, float *dots) {
@@ -128,7 +97,7 @@ SLOSERVE_INLINE void sloserve_dots(const float *w, const float *x, ptrdiff_t bat
     ptrdiff_t b = 0;
     for (; b + 2 <= batch; b += 2) {
         sloserve_v4 s0, s1;
-        sloserve_dot4x2(rows, x + b * k, x + (b + 1) * k, k, &s0, &s1);
+        sloserve_dot4x2_strided(x + b * k, x + (b + 1) * k, rows, k, k, &s0, &s1); /* each weight load: two sequences */
         memcpy(dots + 4 * b, &s0, sizeof s0);
         memcpy(dots + 4 * (b + 1), &s1, sizeof s1);
     }

@@ -71,12 +71,21 @@ SLOSERVE_INLINE sloserve_v4 sloserve_dot4_strided(const float *q, const float *r
     return sloserve_fold4(a0, a1, a2, a3);
 }
 
-/* sloserve_dot4_strided for two queries at once: each row load serves both (eight independent
- * sums, where one query's four wait on the adder's latency); the same bits as two calls. */
+/* The products past the last multiple of 8 go to lane 0, as sloserve_dot sums them. */
+SLOSERVE_INLINE sloserve_v8 sloserve_tail(sloserve_v8 acc, const float *w, const float *x, ptrdiff_t d, ptrdiff_t k) {
+    for (; d < k; d++) acc[0] += w[d] * x[d];
+    return acc;
+}
+
+/* Four rows (rows, rows + stride, ...) against two vectors q0, q1 of `dim` floats: each row load
+ * serves both (eight independent sums, where one vector's four wait on the adder's latency);
+ * out0[r] is sloserve_dot(q0, row r, dim), the same bits. The attention's K rows (stride: a page
+ * row) and the decode step's weight rows (stride: their length) both go through here. */
 SLOSERVE_INLINE void sloserve_dot4x2_strided(const float *q0, const float *q1, const float *rows, ptrdiff_t stride,
                                              ptrdiff_t dim, sloserve_v4 *out0, sloserve_v4 *out1) {
     sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    for (ptrdiff_t d = 0; d < dim; d += 8) {
+    ptrdiff_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
         const sloserve_v8 u = sloserve_load8(q0 + d), v = sloserve_load8(q1 + d);
         sloserve_v8 r = sloserve_load8(rows + d);
         a0 += r * u;
@@ -91,8 +100,11 @@ SLOSERVE_INLINE void sloserve_dot4x2_strided(const float *q0, const float *q1, c
         a3 += r * u;
         b3 += r * v;
     }
-    *out0 = sloserve_fold4(a0, a1, a2, a3);
-    *out1 = sloserve_fold4(b0, b1, b2, b3);
+    const float *r1 = rows + stride, *r2 = rows + 2 * stride, *r3 = rows + 3 * stride;
+    *out0 = sloserve_fold4(sloserve_tail(a0, rows, q0, d, dim), sloserve_tail(a1, r1, q0, d, dim),
+                           sloserve_tail(a2, r2, q0, d, dim), sloserve_tail(a3, r3, q0, d, dim));
+    *out1 = sloserve_fold4(sloserve_tail(b0, rows, q1, d, dim), sloserve_tail(b1, r1, q1, d, dim),
+                           sloserve_tail(b2, r2, q1, d, dim), sloserve_tail(b3, r3, q1, d, dim));
 }
 
 /* out[0:64] += sum over j < n, in order, of w[j] * rows[j * stride : j * stride + 64]: the output
