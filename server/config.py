@@ -99,7 +99,7 @@ class CacheConfig:
 
 POLICIES = ("slo", "priority", "fifo")
 MAX_SCHEDULER_STEPS = 64  # a longer run would hold a newcomer back for too many steps
-DEFAULT_SCHEDULER_STEPS = 4  # benchmarks/peer_llamacpp.py: TPOT at concurrency 1 (README)
+DEFAULT_SCHEDULER_STEPS = 8  # benchmarks/peer_llamacpp.py: TPOT at concurrency 1 (README; 4 until stop 27)
 
 
 @dataclass(slots=True)
