@@ -43,12 +43,24 @@ def layout(batch: int, context: int, shuffled: bool, seed: int = 0) -> tuple:
     return q, k, v, tables, torch.full((batch,), context, dtype=torch.int32)
 
 
-def best_seconds(fn, repeats: int, rounds: list[float]) -> None:
-    fn()
+def attention_step(layers: list[tuple]) -> None:
+    """One decode step's attention: the kernel over every layer's pages."""
+    for q, k, v, tables, lens in layers:
+        paged.paged_decode(q, k, v, tables, lens, HEAD_DIM**-0.5)
+
+
+def streaming_read(buffers: list[torch.Tensor]) -> None:
+    for buffer in buffers:
+        buffer.sum()
+
+
+def round_seconds(step, data, repeats: int) -> float:
+    """Mean seconds of step(data) over `repeats` calls, after one untimed call."""
+    step(data)
     started = time.perf_counter()
     for _ in range(repeats):
-        fn()
-    rounds.append((time.perf_counter() - started) / repeats)
+        step(data)
+    return (time.perf_counter() - started) / repeats
 
 
 def main() -> None:
@@ -72,20 +84,10 @@ def main() -> None:
             streams = [torch.randn(kv_bytes // 4 // LAYERS) for _ in range(LAYERS)]
             for shuffled in (False, True):
                 layers = [layout(batch, context, shuffled, seed=i) for i in range(LAYERS)]
-                kernel_s: list[float] = []
-                stream_s: list[float] = []
-
-                def kernel_step() -> None:
-                    for q, k, v, tables, lens in layers:  # noqa: B023
-                        paged.paged_decode(q, k, v, tables, lens, HEAD_DIM**-0.5)
-
-                def stream_step() -> None:
-                    for buffer in streams:  # noqa: B023
-                        buffer.sum()
-
-                for _ in range(args.rounds):
-                    best_seconds(kernel_step, args.repeats, kernel_s)
-                    best_seconds(stream_step, args.repeats, stream_s)
+                kernel_s, stream_s = [], []
+                for _ in range(args.rounds):  # alternating; the best round of each counts
+                    kernel_s.append(round_seconds(attention_step, layers, args.repeats))
+                    stream_s.append(round_seconds(streaming_read, streams, args.repeats))
                 kernel_gbs, stream_gbs = kv_bytes / min(kernel_s) / 1e9, kv_bytes / min(stream_s) / 1e9
                 row = {"batch": batch, "context": context, "pages": "shuffled" if shuffled else "contiguous",
                        "kv_mb": round(kv_bytes / 1e6, 1), "kernel_ms": round(min(kernel_s) * 1e3, 3),

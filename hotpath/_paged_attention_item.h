@@ -154,6 +154,11 @@ SLOSERVE_INLINE void sloserve_prefetch_rows(const float *rows, ptrdiff_t stride,
         for (ptrdiff_t d = 0; d < width; d += 16) __builtin_prefetch(rows + j * stride + d, 0, 0);
 }
 
+/* Positions of page b that a sequence of seq_len positions fills. */
+SLOSERVE_INLINE ptrdiff_t sloserve_page_len(ptrdiff_t seq_len, ptrdiff_t b, ptrdiff_t page) {
+    return seq_len - b * page < page ? seq_len - b * page : page;
+}
+
 /* KV heads per work item for `seqs` sequences on `threads` threads: all of a sequence's (whole
  * rows, one stream per page) once there are sequences enough to keep every thread busy, else
  * one (a sequence's heads spread over the threads). */
@@ -195,15 +200,15 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
                                float *scores, float *out) {
     const ptrdiff_t stride = hkv * dim; /* floats between consecutive positions of one page */
     const ptrdiff_t heads = kv_count * group, width = kv_count * dim; /* the item's query heads; its row floats */
-    for (ptrdiff_t b = 0; b < (seq_len + page - 1) / page; b++)
+    const ptrdiff_t page_floats = page * stride, head_offset = kv_head * dim, num_blocks = (seq_len + page - 1) / page;
+    for (ptrdiff_t b = 0; b < num_blocks; b++)
         if (table[b] < 0 || table[b] >= num_pages) return -1;
-    const ptrdiff_t num_blocks = (seq_len + page - 1) / page;
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
-        const float *page_rows = k_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
-        const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
+        const float *page_rows = k_cache + table[b] * page_floats + head_offset;
+        const ptrdiff_t first = b * page, n = sloserve_page_len(seq_len, b, page);
         if (b + 1 < num_blocks)
-            sloserve_prefetch_rows(k_cache + (ptrdiff_t)table[b + 1] * page * stride + kv_head * dim, stride,
-                                   seq_len - first - n < page ? seq_len - first - n : page, width);
+            sloserve_prefetch_rows(k_cache + table[b + 1] * page_floats + head_offset, stride,
+                                   sloserve_page_len(seq_len, b + 1, page), width);
         for (ptrdiff_t kk = 0; kk < kv_count; kk++) {
             const float *rows = page_rows + kk * dim, *qk = q + kk * group * dim;
             float *sk = scores + kk * group * seq_len;
@@ -245,11 +250,11 @@ static int sloserve_paged_item(const float *q, const float *k_cache, const float
         for (ptrdiff_t d = 0; d < dim; d++) out[g * dim + d] = 0.0f;
     }
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over V, in the same position order */
-        const float *page_rows = v_cache + (ptrdiff_t)table[b] * page * stride + kv_head * dim;
-        const ptrdiff_t first = b * page, n = seq_len - first < page ? seq_len - first : page;
+        const float *page_rows = v_cache + table[b] * page_floats + head_offset;
+        const ptrdiff_t first = b * page, n = sloserve_page_len(seq_len, b, page);
         if (b + 1 < num_blocks)
-            sloserve_prefetch_rows(v_cache + (ptrdiff_t)table[b + 1] * page * stride + kv_head * dim, stride,
-                                   seq_len - first - n < page ? seq_len - first - n : page, width);
+            sloserve_prefetch_rows(v_cache + table[b + 1] * page_floats + head_offset, stride,
+                                   sloserve_page_len(seq_len, b + 1, page), width);
         for (ptrdiff_t g = 0; g < heads; g++) { /* out[d] sums its positions in order, for every d */
             const float *w = scores + g * seq_len + first, *rows = page_rows + (g / group) * dim;
             float *o = out + g * dim;
