@@ -167,6 +167,23 @@ def test_reference_per_head_decode_path_does_not_leak(monkeypatch):
     assert rel_err(reference.ReferenceBackend().forward(q, k, v, meta, scale), oracle(q, k, v, meta, scale)) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("queries,keys", [(33, 33), (7, 50), (1, 70)])
+def test_sdpa_gqa_reads_kv_heads_in_place_with_the_same_bits(dtype, queries, keys):
+    """The CPU prefill path hands SDPA each KV head once (enable_gqa): bit-equal to K/V repeated per query head."""
+    from sloserve.layers.attention.sdpa import _sdpa
+
+    gen = torch.Generator().manual_seed(queries * 100 + keys)
+    q = torch.randn(4, queries, HEAD_DIM, generator=gen).to(dtype)
+    k, v = (torch.randn(2, keys, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    causal = queries == keys
+    mask = None if causal else torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k.repeat_interleave(2, 0)[None], v.repeat_interleave(2, 0)[None], attn_mask=mask, scale=0.125,
+        is_causal=causal)[0]
+    assert torch.equal(_sdpa(q, k, v, mask, 0.125, causal=causal), repeated)
+
+
 def test_sdpa_rejects_bad_head_ratio():
     q, k, v, meta, scale = make_case([(0, 3)], 1, seed=1)  # KV_HEADS = 2 KV heads
     q3 = torch.randn(q.shape[0], 3, HEAD_DIM)

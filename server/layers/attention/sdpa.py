@@ -28,19 +28,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     """SDPA over [..., H, L, D] with GQA (Hq a multiple of Hkv) and a boolean keep-mask or `causal`
     (top-left aligned: for a chunk with no cached context before it).
 
-    On a CPU the inputs go in 4-D with K/V repeated per query head: torch's CPU flash kernel
-    takes only those (3-D inputs or enable_gqa fall to its math path, 2-6x slower per layer:
-    benchmarks/prefill_attention.py).
+    On a CPU 3-D inputs go in as 4-D: torch's CPU flash kernel takes only those (3-D inputs fall
+    to its math path, 2-6x slower per layer: benchmarks/prefill_attention.py). With `enable_gqa`
+    it reads each KV head in place for its query heads: the same bits as K/V repeated per query
+    head (torch 2.13, checked by test_backends), without the copies (3% of an 800-token prefill).
     """
+    if q.device.type == "cpu" and q.dim() == 3:
+        return _sdpa(q[None], k[None], v[None], mask, scale, causal)[0]
     hq, hkv = q.shape[-3], k.shape[-3]
-    if q.device.type == "cpu":
-        if hq != hkv:
-            k = k.repeat_interleave(hq // hkv, dim=-3)
-            v = v.repeat_interleave(hq // hkv, dim=-3)
-        if q.dim() == 3:
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                                  is_causal=causal)[0]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
     if hq == hkv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
     if _HAS_ENABLE_GQA:
