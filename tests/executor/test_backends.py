@@ -184,6 +184,26 @@ def test_sdpa_gqa_reads_kv_heads_in_place_with_the_same_bits(dtype, queries, key
     assert torch.equal(_sdpa(q, k, v, mask, 0.125, causal=causal), repeated)
 
 
+@pytest.mark.parametrize("chunks", [[(0, 3 * PAGE + 5)], [(PAGE + 3, 2 * PAGE)], [(2, 5), (0, PAGE + 1)]])
+def test_sdpa_prefill_reads_consecutive_pages_in_place(chunks):
+    """A prefill whose pages lie one after another reads its K/V as a view of the cache: the same bits
+    as gathering shuffled pages (make_case's), and the oracle's values."""
+    q, k_cache, v_cache, meta, scale = make_case(chunks, 4, seed=7)
+    renumber = {old: new for new, old in enumerate((p for table in meta.block_tables_list for p in table), 1)}
+    k_laid, v_laid = k_cache.clone(), v_cache.clone()
+    for old, new in renumber.items():
+        k_laid[new], v_laid[new] = k_cache[old], v_cache[old]
+    tables = [[renumber[p] for p in table] for table in meta.block_tables_list]
+    laid = AttentionMetadata.build([n for _, n in chunks], [s for s, _ in chunks], tables, PAGE, "cpu")
+    backend = SdpaBackend(batched=False, inplace=False)
+    shuffled_out = backend.forward(q, k_cache, v_cache, meta, scale)
+    laid_out = backend.forward(q, k_laid, v_laid, laid, scale)
+    assert all(isinstance(pages, slice) for _, _, _, pages, _ in laid.memo["sdpa.prefills"])
+    assert any(not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.prefills"])  # gathered
+    assert torch.equal(laid_out, shuffled_out)
+    assert rel_err(laid_out, oracle(q, k_laid, v_laid, laid, scale)) <= 1e-5
+
+
 def test_sdpa_rejects_bad_head_ratio():
     q, k, v, meta, scale = make_case([(0, 3)], 1, seed=1)  # KV_HEADS = 2 KV heads
     q3 = torch.randn(q.shape[0], 3, HEAD_DIM)

@@ -1,6 +1,7 @@
 """Paged attention through PyTorch's fused `scaled_dot_product_attention`.
 
-SDPA takes dense K/V, so each sequence's pages are gathered first. Its `is_causal` flag aligns
+SDPA takes dense K/V, so each sequence's pages are gathered first (on the split path, a view of
+the cache when they lie one after another). Its `is_causal` flag aligns
 the mask top-left, which is wrong for a chunk that starts after cached context; the mask here
 is explicit and aligned bottom-right: query j of sequence i (at position start_pos[i] + j)
 sees keys 0 .. start_pos[i] + j.
@@ -45,6 +46,31 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+
+
+def _prefill_chunk(meta: AttentionMetadata, i: int, page: int,
+                   q: torch.Tensor) -> tuple[int, int, int, slice | torch.Tensor, torch.Tensor | None]:
+    """(first token, end, context length, pages, mask) of prefill sequence i, for every layer of a step.
+
+    pages: a slice when the sequence's pages are consecutive in the pool (a fresh prompt's usually
+    are), so its K/V are a view of the cache; else the page ids, gathered per layer. mask: None with
+    no cached context (SDPA's own causal mask), else the bottom-right causal mask [n, L] as 0 / -inf
+    in q's dtype, built once instead of per layer (SDPA turns a boolean one into that each call).
+    """
+    lo, hi, seq_len = meta.cu_seqlens_q_list[i], meta.cu_seqlens_q_list[i + 1], meta.seq_lens_list[i]
+    table = meta.block_tables_list[i][: -(-seq_len // page)]
+    if table == list(range(table[0], table[0] + len(table))):
+        pages: slice | torch.Tensor = slice(table[0], table[-1] + 1)
+    else:
+        pages = torch.tensor(table, dtype=torch.long, device=q.device)
+    n = hi - lo
+    if n == seq_len:
+        return lo, hi, seq_len, pages, None
+    keys = torch.arange(seq_len, device=q.device)
+    rows = torch.arange(n, device=q.device) + (seq_len - n)
+    mask = torch.zeros((n, seq_len), dtype=q.dtype, device=q.device)
+    mask.masked_fill_(keys[None, :] > rows[:, None], float("-inf"))
+    return lo, hi, seq_len, pages, mask
 
 
 class SdpaBackend:
@@ -112,20 +138,14 @@ class SdpaBackend:
         elif decode_inputs is not None:
             tokens, pages, outside, outside_rows = decode_inputs
             out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, outside_rows, scale)
-        for i in prefills:
-            seq_len = meta.seq_lens_list[i]
-            lo, hi = cu[i], cu[i + 1]
-            n = hi - lo
-            blocks = meta.block_tables[i, : -(-seq_len // page)].to(torch.long)
-            k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-            v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-            if n == seq_len:  # no cached context: plain causal, no mask tensor
-                out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, None, scale, causal=True).transpose(0, 1)
-                continue
-            keys = torch.arange(seq_len, device=q.device)
-            rows = torch.arange(n, device=q.device) + (seq_len - n)
-            mask = keys[None, :] <= rows[:, None]  # [n, L], bottom-right causal
-            out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, mask, scale).transpose(0, 1)
+        chunks = meta.memo.get("sdpa.prefills")
+        if chunks is None:  # the same for every layer of the step
+            chunks = [_prefill_chunk(meta, i, page, q) for i in prefills]
+            meta.memo["sdpa.prefills"] = chunks
+        for lo, hi, seq_len, pages, mask in chunks:
+            k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+            v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+            out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, mask, scale, causal=mask is None).transpose(0, 1)
         return out
 
     def _forward_batched(
