@@ -198,8 +198,8 @@ def test_sdpa_prefill_reads_consecutive_pages_in_place(chunks):
     backend = SdpaBackend(batched=False, inplace=False)
     shuffled_out = backend.forward(q, k_cache, v_cache, meta, scale)
     laid_out = backend.forward(q, k_laid, v_laid, laid, scale)
-    assert all(isinstance(pages, slice) for _, _, _, pages, _ in laid.memo["sdpa.prefills"])
-    assert any(not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.prefills"])  # gathered
+    assert all(isinstance(pages, slice) for _, _, _, pages, _ in laid.memo["sdpa.split"][0])
+    assert any(not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.split"][0])  # gathered
     assert torch.equal(laid_out, shuffled_out)
     assert rel_err(laid_out, oracle(q, k_laid, v_laid, laid, scale)) <= 1e-5
 

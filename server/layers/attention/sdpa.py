@@ -120,7 +120,7 @@ class SdpaBackend:
         split = meta.memo.get("sdpa.split")
         if split is None:  # the same for every layer of the step
             decodes = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
-            prefills = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1]
+            prefills = [_prefill_chunk(meta, i, page, q) for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1]
             if not decodes:
                 decode_inputs = None
             elif inplace:
@@ -138,11 +138,7 @@ class SdpaBackend:
         elif decode_inputs is not None:
             tokens, pages, outside, outside_rows = decode_inputs
             out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, outside_rows, scale)
-        chunks = meta.memo.get("sdpa.prefills")
-        if chunks is None:  # the same for every layer of the step
-            chunks = [_prefill_chunk(meta, i, page, q) for i in prefills]
-            meta.memo["sdpa.prefills"] = chunks
-        for lo, hi, seq_len, pages, mask in chunks:
+        for lo, hi, seq_len, pages, mask in prefills:
             k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
             v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
             out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, mask, scale, causal=mask is None).transpose(0, 1)
