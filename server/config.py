@@ -52,8 +52,13 @@ class ModelConfig:
     # (AVX-512 where MKL runs AVX2; the projections are then held twice), 'blas' keeps torch's
     # F.linear (see layers/linear.py). 'onednn' is an error where it cannot run; 'auto' falls back.
     cpu_gemm: str = "auto"
+    # Host memory on a CPU: 'keep' raises glibc's mmap and trim thresholds so a step's activations
+    # reuse heap pages instead of faulting fresh ones in (executor/host_memory.py); RSS then stays
+    # at its peak. 'system' leaves malloc as it is.
+    host_malloc: str = "keep"
 
     def __post_init__(self) -> None:
+        _require(self.host_malloc in ("keep", "system"), f"host malloc must be keep or system, got {self.host_malloc!r}")
         _require(self.cpu_gemm in ("auto", "onednn", "blas"),
                  f"cpu gemm must be auto, onednn or blas, got {self.cpu_gemm!r}")
         _require(bool(self.path), "model path must not be empty (use 'default' for the built-in model)")

@@ -12,6 +12,7 @@ import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.compiled import DecodeStep, decode_path_reason
+from sloserve.executor.host_memory import keep_freed_memory
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
@@ -90,6 +91,8 @@ class ModelRunner:
         started = time.monotonic()
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
+        if self.device.type == "cpu" and mc.host_malloc == "keep":
+            keep_freed_memory()
         self.model_path = resolve_model_path(mc.path)
         # NOTE: routed experts stay on the host until the residency is decided, which needs the device
         # budget left after the dense weights (executor/residency.py); the ExpertStore then places them.
