@@ -120,7 +120,7 @@ class SchedulerConfig:
     max_batch: int = 64  # most requests running at once
     max_batched_tokens: int = 2048  # token budget of one step
     chunked_prefill: bool = True
-    prefill_chunk: int = 512  # longest prefill chunk of one request in one step
+    prefill_chunk: int = 512  # longest prefill chunk of one request in a step others share (alone: the budget)
     preemption_mode: str = "swap"  # 'swap' (falls back to recompute) or 'recompute'
     batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
     adaptive_batch: bool = False  # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)

@@ -444,9 +444,20 @@ class Scheduler:
         if remaining <= 1:
             return 1 if budget >= 1 else 0
         if self.config.chunked_prefill:
-            return min(remaining, budget, self.config.prefill_chunk)
+            return min(remaining, budget, budget if first and self._alone(req) else self.config.prefill_chunk)
         # Without chunking a prompt runs whole; one longer than the budget may run alone.
         return remaining if remaining <= budget or first else 0
+
+    def _alone(self, req: Request) -> bool:
+        """Nobody else runs or waits: a prompt's chunk keeps no one's TPOT, so it may fill the step.
+
+        The prefill_chunk cap bounds a step for the others' sake; alone, splitting a prompt only
+        costs (an 800-token prompt of the 3M `default` in one step took x0.90 of the time of two,
+        512 + 286: the second chunk's attention pays a mask over the first's keys, and every step
+        pays its fixed overhead).
+        """
+        running = req.status == RequestStatus.RUNNING
+        return len(self.running) == running and len(self.waiting) == (not running)
 
     def _pick_victim(self, pending: deque[Request], current: Request, plan: DeadlinePlan | None) -> Request:
         """Who gives up its blocks: among the running requests not yet scheduled in this step,

@@ -77,6 +77,22 @@ def test_chunked_prefill_respects_token_budget_and_chunk_size():
     assert outputs == {"A": reference_tokens(r, a, 3), "B": reference_tokens(r, b, 3)}
 
 
+def test_a_prompt_alone_fills_the_step_and_is_chunked_once_another_arrives():
+    s, r, _ = make_scheduler(max_batched_tokens=40, prefill_chunk=6, max_batch=8, adaptive_batch=False)
+    a, b = _prompt("a", 30), _prompt("b", 20)
+    s.add_request("A", a, SamplingParams(max_tokens=2))
+    out, _ = step(s, r)
+    assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [("A", 30)]  # nobody's TPOT to keep
+    s.add_request("B", b, SamplingParams(max_tokens=2))
+    out, _ = step(s, r)
+    assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [("A", 1), ("B", 6)]
+    s2, r2, _ = make_scheduler(max_batched_tokens=40, prefill_chunk=6, max_batch=8, adaptive_batch=False)
+    s2.add_request("A", a, SamplingParams(max_tokens=2))
+    s2.add_request("B", b, SamplingParams(max_tokens=2))  # waiting beside it: both chunked
+    out, _ = step(s2, r2)
+    assert sorted((q.req_id, len(q.token_ids)) for q in out.sequences) == [("A", 6), ("B", 6)]
+
+
 def test_without_chunking_a_prompt_runs_whole_and_an_oversized_one_runs_alone():
     s, r, _ = make_scheduler(policy="fifo", max_batched_tokens=10, chunked_prefill=False, max_batch=8,
                              adaptive_batch=False)
