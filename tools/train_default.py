@@ -253,6 +253,11 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="time a few steps of each size and stop")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from sloserve.executor.host_memory import keep_freed_memory
+
+    # Freed activations stay in the heap for the next step: size m, bf16, 1,024-token sequences
+    # trained at 7.8k padded tokens/s against 6.5-6.8k with glibc's defaults (two runs each).
+    keep_freed_memory()
     torch.manual_seed(args.seed)
     train, held = split_tasks()
     if args.measure:
