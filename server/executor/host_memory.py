@@ -7,8 +7,9 @@ adapt only partly, so a prefill step often maps fresh pages for its larger activ
 800-token chunk of the 3M `default`: a few MiB per layer) and each page's first touch faults:
 1,200-2,550 faults per 800-token prefill in most processes here, at ~3 us each in this VM. With
 the thresholds raised the allocations reuse the heap's pages: 2-3 faults per prefill, and
-800-token prefills took x0.84 of the time (`benchmarks/host_memory.py`). The cost is that RSS stays at its peak, as with jemalloc or
-tcmalloc, which PyTorch's CPU tuning guide preloads for the same reason.
+800-token prefills took x0.84 of the time (`benchmarks/host_memory.py`). The cost: RSS stays
+at its peak, as with jemalloc or tcmalloc, which PyTorch's CPU tuning guide preloads for the
+same reason.
 
 Applied once per process when a model is loaded on a CPU; a no-op off glibc.
 """
