@@ -394,14 +394,17 @@ class AdmissionControl:
         compute the pending tokens of everyone and at most one token per occupant per step; they
         are never fewer than the token budget allows (the extra ones run prefill). Each is priced
         for the occupied slots by its kind (with a prefill chunk or not), and all wait for the
-        step in flight to end.
+        step in flight to end. With nothing pending (nobody running or queued) its prompt fills
+        the step's token budget instead of a chunk, as the scheduler runs it (Scheduler._alone).
         """
         start = b.slots[0]
         own = max(1, req.num_tokens - cached_tokens)
-        steps = start + -(-own // self.chunk)
+        chunk = max(self.chunk, self.step_tokens) if b.pending == 0 else self.chunk
+        steps = start + -(-own // chunk)
         busy = min(b.cap, b.occupants)
         tokens = b.pending + own + steps * busy
-        mixed = len(b.prefill_steps) + sum(1 for t in self._prefill_range(own, start) if t not in b.prefill_steps)
+        mixed = len(b.prefill_steps) + sum(1 for t in self._prefill_range(own, start, chunk)
+                                           if t not in b.prefill_steps)
         extra = max(0, -(-tokens // self.step_tokens) - steps)
         steps += extra
         mixed = min(steps, mixed + extra)
@@ -437,9 +440,9 @@ class AdmissionControl:
         cost = self.long_cycles.step_cost()
         return 0.0 if cost is None else steps * cost[0] + tokens * cost[1]
 
-    def _prefill_range(self, pending: int, start: int) -> range:
+    def _prefill_range(self, pending: int, start: int, chunk: int | None = None) -> range:
         """The steps from `start` that run prefill chunks of `pending` tokens (none for one token)."""
-        return range(start, start + -(-pending // self.chunk)) if pending > 1 else range(0)
+        return range(start, start + -(-pending // (chunk or self.chunk))) if pending > 1 else range(0)
 
     def _work(self, r: Request) -> tuple[int, int]:
         """(tokens to compute before its next token, steps until it finishes)."""

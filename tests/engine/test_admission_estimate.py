@@ -69,6 +69,21 @@ def test_an_empty_batch_admits_the_same_request(deadline_steps):
     assert_all_free(s)
 
 
+def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
+    """Scheduler._alone: with nothing running or queued a prompt fills the step's token budget, not
+    a chunk; admission prices it so, and in chunks again once anyone else is there."""
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, prefill_chunk=16,
+                             max_batched_tokens=64)
+    _teach_speed(s)
+    s.add_request("alone", [98] * 40, SamplingParams(max_tokens=4), SLO(ttft_s=5.0))
+    assert s.admission.estimate(s.requests["alone"], [], [], 4).steps == 1
+    assert s.admission.estimate(s.requests["alone"], [], [s.requests["alone"]], 4).steps == 3  # 16+16+8
+    out, _ = step(s, r)
+    assert [len(q.token_ids) for q in out.sequences] == [40]
+    drain(s, r)
+    assert_all_free(s)
+
+
 def test_a_full_batch_about_to_finish_admits_it():
     """Occupancy alone is not the wait: the running requests' remaining output tokens are."""
     s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
