@@ -84,6 +84,21 @@ def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
     assert_all_free(s)
 
 
+@pytest.mark.parametrize("deadline_steps", [False, True])
+def test_an_idle_engine_refuses_a_prompt_only_when_its_own_prefill_misses(deadline_steps):
+    """The margin is for the wait behind others: alone, a 60-token prompt (~70 ms, 70% of a 100 ms
+    TTFT) is admitted; one whose own prefill takes ~130 ms is refused."""
+    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps)
+    _teach_speed(s)
+    s.add_request("fits", [98] * 60, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+    drain(s, r)
+    with pytest.raises(RequestRefusedError) as info:
+        s.add_request("misses", [99] * 120, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+    assert info.value.reason == "slo_unattainable"
+    drain(s, r)
+    assert_all_free(s)
+
+
 def test_a_full_batch_about_to_finish_admits_it():
     """Occupancy alone is not the wait: the running requests' remaining output tokens are."""
     s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
