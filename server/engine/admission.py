@@ -14,7 +14,7 @@ from sloserve.engine.step_model import MixedStepModel
 from sloserve.errors import RequestRefusedError
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
-SLO_MARGIN = 0.6  # the wait behind others (not a request's own prefill) must fit in this share of the time left
+SLO_MARGIN = 0.6  # with others running or waiting, the estimate must fit in this share of the time left
 LONG_DECAY = 0.995  # the long window of step cycle times (a weight of 1/e after 200 steps)
 LONG_WAIT_STEPS = 20  # waits of at least this many steps are also priced by the long window
 CALIBRATION_KEPT = 32  # first tokens whose actual / estimated TTFT ratio calibrates the estimate
@@ -286,16 +286,13 @@ class AdmissionControl:
             return  # no objective: never refused for time
         left = due - now
         lag = self.delivery_lag(now)
-        # A TTFT objective keeps a margin for the estimate's error, on the wait behind others (slot
-        # waits, queue, the step in flight, the front end's backlog): the request's own prefill,
-        # priced as it runs alone, is what the step-cost model knows best, so an idle engine
-        # refuses a prompt only when its own steps would miss. An end-to-end-only objective is
-        # refused only when even its first token would come after the deadline.
-        if req.ttft_deadline is not None:
-            own = min(wait, self._alone_seconds(req, batch_cap, cached_tokens) * self.calibration)
-            late = own + (wait - own + lag) / SLO_MARGIN > left
-        else:
-            late = wait + lag > left
+        # A TTFT objective keeps a margin for the estimate's error when others run or wait: the
+        # wait behind them is what the estimate knows least. An idle engine refuses a prompt only
+        # when its own steps would miss (the margin there refused prompts that met a tight
+        # objective; under load dropping it admitted more that missed: README). An end-to-end-only
+        # objective is refused only when even its first token would come after the deadline.
+        idle = not running and num_waiting == 0
+        late = wait + lag > (SLO_MARGIN if req.ttft_deadline is not None and not idle else 1.0) * left
         if late:
             slot = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
             behind = f" + {lag:.2f}s of output backlog in the front end" if lag > 0 else ""
@@ -327,11 +324,6 @@ class AdmissionControl:
                 if starving:
                     b = self.backlog(running, starving + ahead, batch_cap)
         return self._price(b, req, cached_tokens, cost, now)
-
-    def _alone_seconds(self, req: Request, batch_cap: int, cached_tokens: int) -> float:
-        """Seconds of `req`'s own prefill steps with nobody running or queued (no step in flight)."""
-        cap = max(1, batch_cap)
-        return self._price(Backlog(slots=[0] * cap, cap=cap), req, cached_tokens, self.step_costs(), None).seconds
 
     def _key(self, r: Request) -> tuple:
         """The waiting order of the policy (fifo: arrival, so a newcomer is always last)."""

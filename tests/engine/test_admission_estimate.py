@@ -86,8 +86,8 @@ def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
 
 @pytest.mark.parametrize("deadline_steps", [False, True])
 def test_an_idle_engine_refuses_a_prompt_only_when_its_own_prefill_misses(deadline_steps):
-    """The margin is for the wait behind others: alone, a 60-token prompt (~70 ms, 70% of a 100 ms
-    TTFT) is admitted; one whose own prefill takes ~130 ms is refused."""
+    """The margin is for waits behind others: on an idle engine a 60-token prompt (~70 ms, 70% of a
+    100 ms TTFT) is admitted; one whose own prefill takes ~130 ms is refused."""
     s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps)
     _teach_speed(s)
     s.add_request("fits", [98] * 60, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
