@@ -1,10 +1,10 @@
 """Paged attention through PyTorch's fused `scaled_dot_product_attention`.
 
 SDPA takes dense K/V, so each sequence's pages are gathered first (on the split path, a view of
-the cache when they lie one after another). Its `is_causal` flag aligns
-the mask top-left, which is wrong for a chunk that starts after cached context; the mask here
-is explicit and aligned bottom-right: query j of sequence i (at position start_pos[i] + j)
-sees keys 0 .. start_pos[i] + j.
+the cache when they lie one after another). Its `is_causal` flag aligns the mask top-left,
+which is wrong for a chunk that starts after cached context; the mask here is explicit and
+aligned bottom-right: query j of sequence i (at position start_pos[i] + j) sees keys
+0 .. start_pos[i] + j.
 
 Two ways to run it: one batched call over every sequence padded to the longest query chunk and
 context (the default on GPUs, where it needs no host sync and one launch), or split (the default
