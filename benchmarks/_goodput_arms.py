@@ -105,15 +105,27 @@ def median_range(values: list[float | None]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-AGGREGATED = ("goodput", "attainment", "interactive", "batch", "refused", "failed")
+AGGREGATED = ("goodput", "attainment", "interactive", "batch", "refused", "failed", "duration_s",
+              "steps", "busy_s", "step_ms", "prompt_computed", "generated", "preemptions")
+
+
+def engine_work(stats: dict) -> dict:
+    """What one point cost the engine, from a fresh server's counters (Info stats as message_dict
+    gives them) after the point: model steps, the runner's busy seconds, mean milliseconds per
+    step, prompt tokens computed (hits excluded, recomputes included), tokens generated, preemptions."""
+    steps, busy = stats.get("steps_total", 0), stats.get("busy_seconds_total", 0.0)
+    return {"steps": steps, "busy_s": busy, "step_ms": 1e3 * busy / steps if steps else None,
+            "prompt_computed": stats.get("computed_prompt_tokens_total", 0),
+            "generated": stats.get("generated_tokens_total", 0), "preemptions": stats.get("preemptions_total", 0)}
 
 
 def aggregate(points: list[dict], key: str) -> dict:
-    """{group: {figure: median_range over seeds}} with points grouped by point[key] (and multiple)."""
+    """{group: {figure: median_range over seeds}} with points grouped by point[key] (and multiple);
+    a figure a point lacks (a result file from before it was measured) is left out."""
     groups: dict[tuple, list[dict]] = {}
     for p in points:
         groups.setdefault((p[key], p.get("multiple")), []).append(p)
-    return {group: {name: median_range([p[name] for p in members]) for name in AGGREGATED}
+    return {group: {name: median_range([p.get(name) for p in members]) for name in AGGREGATED}
             for group, members in groups.items()}
 
 

@@ -11,6 +11,8 @@ the same prompts and classes for every arm. Figures are medians over seeds
 with the range in brackets. Then the ablation: the slo arm at --ablation-multiple x capacity with
 each mechanism switched off in turn, each on a fresh server. Requests still open after
 --request-timeout are cancelled and count as misses, which bounds an overloaded point's length.
+After each point the fresh server's engine counters give what it cost (a table of its own): model
+steps, milliseconds per step, busy seconds, prompt tokens computed, tokens generated, preemptions.
 
     python benchmarks/goodput.py                     # the full run: time estimate printed first
     python benchmarks/goodput.py --requests 12 --seeds 0 --multiples 1 --arms slo,fifo \\
@@ -108,6 +110,7 @@ class Runner:
         figures = summarise(result.records, result.duration_s, None, spec.rate)
         p = ga.point(figures, ga.class_figures(figures, result.records, labels), **where,
                      wall_s=time.monotonic() - began)
+        p.update(ga.engine_work(harness.run(harness.engine_info(server.target)).get("stats", {})))
         if spec.concurrency:  # a closed loop: its throughput before the drain
             p["steady_rps"] = ga.steady_throughput(result.records)
         elapsed = time.monotonic() - self.start
@@ -179,6 +182,10 @@ class Runner:
                               "points": self.points, "ablation": self.ablation, **(extra or {})})
 
 
+WORK_COLUMNS = (("duration_s", 1), ("steps", 0), ("step_ms", 1), ("busy_s", 1), ("prompt_computed", 0),
+                ("generated", 0), ("preemptions", 0))
+
+
 def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -210,6 +217,10 @@ def report(runner: Runner, capacity: float) -> str:
               "", "goals (medians over seeds):"]
     lines += [f"  {'n/a ' if ok is None else 'PASS' if ok else 'FAIL'}  {text}: {detail}"
               for text, ok, detail in ga.goals(agg, a.multiples)]
+    rows = [[arm, f"{m:g}x", *(ga.cell(agg[(arm, m)][name], digits=d) for name, d in WORK_COLUMNS)]
+            for arm in a.arms for m in a.multiples if (arm, m) in agg]
+    lines += ["", "engine work per point (a fresh server's counters; the run lasts until its last request ends):",
+              ga.table(["arm", "load", *(name for name, _ in WORK_COLUMNS)], rows)]
     if runner.ablation:
         abl = ga.aggregate(runner.ablation, "config")
         rows = [[f"{'full' if c == 'full' else 'no ' + c}", ga.cell(abl[(c, a.ablation_multiple)]["goodput"], digits=2),

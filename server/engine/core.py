@@ -60,6 +60,8 @@ class EngineCore:
         # only every PERCENTILE_EVERY steps (and when idle), not on each call.
         self._percentiles = (0.0, 0.0)  # step time p50, p99
         self._steps_since_percentiles = 0
+        self._steps_total = 0  # model steps and the runner's seconds on them, since ready
+        self._busy_seconds_total = 0.0
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -119,6 +121,8 @@ class EngineCore:
                 self.scheduler.admission.on_compute(tokens, each, out.num_decodes)
                 self._steps.append((each, tokens))
             self._steps_since_percentiles += out.num_steps
+            self._steps_total += out.num_steps
+            self._busy_seconds_total += seconds
         return outputs
 
     def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:
@@ -180,6 +184,7 @@ class EngineCore:
             self._percentiles = (nearest_rank(ordered, 0.5), nearest_rank(ordered, 0.99))
             self._steps_since_percentiles = 0
         stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
+        stats.steps_total, stats.busy_seconds_total = self._steps_total, self._busy_seconds_total
         expert_stats = getattr(self.runner, "expert_stats", None)  # MoE runners: host counters, no device read
         if expert_stats is not None:
             for name, value in expert_stats().items():

@@ -73,6 +73,10 @@ class EngineStats:
     expert_bytes_copied_total: int = 0  # host -> device expert bytes: misses, prefetches and pinning
     expert_bytes_per_step: float = 0.0  # mean over the last 64 steps
     expert_miss_stall_s_total: float = 0.0  # time spent waiting for copies on misses
+    # The engine's work since start-up (warm-up excluded): what a scheduling policy costs in steps.
+    steps_total: int = 0  # model steps run (a run of n decode steps counts n)
+    busy_seconds_total: float = 0.0  # wall time the runner spent on them
+    computed_prompt_tokens_total: int = 0  # prompt tokens computed: hits excluded, recomputes included
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -549,6 +549,7 @@ class Scheduler:
             prefix_hit_tokens_total=self.prefix_hit_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             preemptions_total=self.preemptions_total, refusals=dict(self.admission.refusals),
+            computed_prompt_tokens_total=self.computed_prompt_tokens_total,
             requests_finished_total=self.requests_finished_total, kv_blocks_peak=self.kv_blocks_peak,
             **self._prediction_errors())
 

@@ -167,6 +167,13 @@ class _EngineCollector(Collector):
         yield refusals
         yield GaugeMetricFamily("sloserve_step_time_seconds", "Mean engine step time over recent steps.",
                                 value=s.step_time_s)
+        yield CounterMetricFamily("sloserve_engine_steps", "Model steps the engine ran (a run of n decode steps "
+                                  "counts n), warm-up excluded.", value=getattr(s, "steps_total", 0))
+        yield CounterMetricFamily("sloserve_engine_busy_seconds", "Wall time the runner spent on those steps.",
+                                  value=getattr(s, "busy_seconds_total", 0.0))
+        yield CounterMetricFamily("sloserve_computed_prompt_tokens", "Prompt tokens the engine computed "
+                                  "(prefix-cache hits excluded, recomputes after preemption included).",
+                                  value=getattr(s, "computed_prompt_tokens_total", 0))
         error = GaugeMetricFamily("sloserve_ttft_prediction_error_seconds",
                                   "Admission's predicted minus actual time to first token, over recent requests.",
                                   labels=["quantile"])

@@ -47,7 +47,8 @@ _STATS_FIELDS = (
     "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s",
     "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total",
     "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total",
-    "expert_bytes_per_step", "expert_miss_stall_s_total",
+    "expert_bytes_per_step", "expert_miss_stall_s_total", "steps_total", "busy_seconds_total",
+    "computed_prompt_tokens_total",
 )
 
 

@@ -159,6 +159,17 @@ def test_aggregate_takes_median_and_range_over_seeds():
     assert ga.median_range([None, None]) is None and ga.cell(None) == "n/a"
 
 
+def test_engine_work_from_a_fresh_servers_counters():
+    stats = {"steps_total": 400, "busy_seconds_total": 6.0, "computed_prompt_tokens_total": 50_000,
+             "generated_tokens_total": 9_000, "preemptions_total": 3}
+    work = ga.engine_work(stats)
+    assert work == {"steps": 400, "busy_s": 6.0, "step_ms": 15.0, "prompt_computed": 50_000,
+                    "generated": 9_000, "preemptions": 3}
+    assert ga.engine_work({})["step_ms"] is None  # a build without the counters
+    agg = ga.aggregate([pt("slo", 2.0, 0, 10.0) | work, pt("slo", 2.0, 1, 12.0)], "arm")
+    assert agg[("slo", 2.0)]["steps"] == {"median": 400, "min": 400, "max": 400, "n": 1}
+
+
 def test_goals_pass_fail_and_not_measured():
     points = [pt("slo", 1.0, 0, 10.0), pt("slo", 1.5, 0, 15.0, interactive=0.97), pt("fifo", 1.5, 0, 9.0),
               pt("priority", 1.5, 0, 13.0), pt("slo", 3.0, 0, 13.0), pt("slo", 0.5, 0, 5.0, refused=1)]
