@@ -106,16 +106,18 @@ def median_range(values: list[float | None]) -> dict | None:
 
 
 AGGREGATED = ("goodput", "attainment", "interactive", "batch", "refused", "failed", "duration_s",
-              "steps", "busy_s", "step_ms", "prompt_computed", "generated", "preemptions")
+              "steps", "busy_s", "step_ms", "prompt_computed", "prefix_hits", "generated", "preemptions")
 
 
 def engine_work(stats: dict) -> dict:
     """What one point cost the engine, from a fresh server's counters (Info stats as message_dict
     gives them) after the point: model steps, the runner's busy seconds, mean milliseconds per
-    step, prompt tokens computed (hits excluded, recomputes included), tokens generated, preemptions."""
+    step, prompt tokens computed (hits excluded, recomputes included) and served from the prefix
+    cache, tokens generated, preemptions."""
     steps, busy = stats.get("steps_total", 0), stats.get("busy_seconds_total", 0.0)
     return {"steps": steps, "busy_s": busy, "step_ms": 1e3 * busy / steps if steps else None,
             "prompt_computed": stats.get("computed_prompt_tokens_total", 0),
+            "prefix_hits": stats.get("prefix_hit_tokens_total", 0),
             "generated": stats.get("generated_tokens_total", 0), "preemptions": stats.get("preemptions_total", 0)}
 
 

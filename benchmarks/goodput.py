@@ -12,7 +12,8 @@ with the range in brackets. Then the ablation: the slo arm at --ablation-multipl
 each mechanism switched off in turn, each on a fresh server. Requests still open after
 --request-timeout are cancelled and count as misses, which bounds an overloaded point's length.
 After each point the fresh server's engine counters give what it cost (a table of its own): model
-steps, milliseconds per step, busy seconds, prompt tokens computed, tokens generated, preemptions.
+steps, milliseconds per step, busy seconds, prompt tokens computed and prefix-cache hits, tokens
+generated, preemptions.
 
     python benchmarks/goodput.py                     # the full run: time estimate printed first
     python benchmarks/goodput.py --requests 12 --seeds 0 --multiples 1 --arms slo,fifo \\
@@ -183,7 +184,7 @@ class Runner:
 
 
 WORK_COLUMNS = (("duration_s", 1), ("steps", 0), ("step_ms", 1), ("busy_s", 1), ("prompt_computed", 0),
-                ("generated", 0), ("preemptions", 0))
+                ("prefix_hits", 0), ("generated", 0), ("preemptions", 0))
 
 
 def pct(x: float | None) -> str:
