@@ -17,6 +17,16 @@ ARC task), only the last token is computed again, for its logits: `hit_tokens` i
 num_tokens - 1 and the scheduler marks that token `kv_present` (its K/V stays as the shared block
 holds it; nothing is written there). Recomputing the whole last block instead would cost a
 block of prefill per repeated prompt.
+
+Claims: a request that starts computing its tokens claims every full block of them it has no
+hit for, its whole prompt at once, until each is computed (then hashed) or the request lets go
+of its blocks. A newcomer whose next block is claimed by another request waits for that block
+rather than compute the same prefix alongside it (the scheduler lets an urgent one go ahead).
+Chunked prefill makes that window many steps long: a prompt cut to fit a step cap takes a dozen
+steps, and attempts at one ARC task arrive together. Measured at 2x capacity on the goodput mix
+(one seed), before claims, which covered only the blocks the current step finishes: `slo`
+computed 1,140 blocks that another request had computed already, `fifo` 385. With claims, the
+median prompt tokens `slo` computed over 3 seeds fell from 61.5k to 57.0k (fifo: 52.2k, 53.3k).
 """
 
 from __future__ import annotations
@@ -48,8 +58,8 @@ class BlockManager:
         self.num_host_blocks = num_host_blocks
         self._host_free = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._tokens: dict[int, tuple[int, ...]] = {}  # block id -> the tokens it was hashed with
-        self._pending: dict[int, int] = {}  # hash -> number of scheduled computations of it
-        self._pending_by_req: dict[str, list[int]] = {}
+        self._claims: dict[int, int] = {}  # hash -> how many requests claim that block
+        self._claims_by_req: dict[str, list[int]] = {}  # request id -> its claimed hashes, in block order
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -91,9 +101,9 @@ class BlockManager:
         """Tokens a hit of `blocks` spares computing: all of them but the request's last token."""
         return min(len(blocks) * self.block_size, num_tokens - 1)
 
-    def is_pending(self, block_hash: int | None) -> bool:
-        """True when a scheduled (not yet finished) step is computing the block with this hash."""
-        return block_hash is not None and block_hash in self._pending
+    def is_claimed(self, block_hash: int | None) -> bool:
+        """True when a running request is computing the block with this hash (see Claims)."""
+        return block_hash is not None and block_hash in self._claims
 
     def acquire_prefix(self, req: Request, blocks: list[int], hashes: list[int]) -> int:
         """Give a request with no blocks the hit blocks; returns the number of tokens not to compute."""
@@ -113,23 +123,25 @@ class BlockManager:
         req.block_hashes = list(hashes)
         return self.hit_tokens(blocks, req.num_tokens)
 
-    def mark_pending(self, req: Request, end: int) -> None:
-        """Record the full blocks this step will finish for `req` (tokens [0, end) computed)."""
+    def claim(self, req: Request) -> None:
+        """Claim every full block of `req`'s tokens not yet computed nor claimed (see Claims)."""
         if not self.prefix_cache:
             return
-        hashes = self._new_full_hashes(req, end)
-        if hashes:
-            self._pending_by_req.setdefault(req.request_id, []).extend(hashes)
-            for h in hashes:
-                self._pending[h] = self._pending.get(h, 0) + 1
+        claimed = self._claims_by_req.setdefault(req.request_id, [])
+        parent = claimed[-1] if claimed else req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        bs, tokens = self.block_size, req.all_token_ids
+        for i in range(len(req.block_hashes) + len(claimed), req.num_tokens // bs):
+            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            claimed.append(parent)
+            self._claims[parent] = self._claims.get(parent, 0) + 1
 
     def commit(self, req: Request) -> None:
         """Hash the blocks completed by `req.num_computed_tokens` so later requests can hit them."""
-        self._clear_pending(req)
         if not self.prefix_cache:
             return
         start = len(req.block_hashes)
         hashes = self._new_full_hashes(req, req.num_computed_tokens)
+        self._release(req, len(hashes))
         bs, alloc = self.block_size, self.allocator
         for offset, h in enumerate(hashes):
             i = start + offset
@@ -148,13 +160,22 @@ class BlockManager:
             out.append(parent)
         return out
 
-    def _clear_pending(self, req: Request) -> None:
-        for h in self._pending_by_req.pop(req.request_id, ()):
-            left = self._pending[h] - 1
+    def _release(self, req: Request, count: int | None = None) -> None:
+        """Drop the first `count` of req's claims (all of them if None)."""
+        claimed = self._claims_by_req.get(req.request_id)
+        if not claimed:
+            return
+        done = claimed if count is None else claimed[:count]
+        for h in done:
+            left = self._claims[h] - 1
             if left:
-                self._pending[h] = left
+                self._claims[h] = left
             else:
-                del self._pending[h]
+                del self._claims[h]
+        if count is None or count >= len(claimed):
+            del self._claims_by_req[req.request_id]
+        else:
+            del claimed[:count]
 
     # ---- allocation --------------------------------------------------------------------
     def allocate(self, req: Request, num_tokens: int) -> bool:
@@ -170,7 +191,7 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Return every device and host block of `req` (device blocks tail first)."""
-        self._clear_pending(req)
+        self._release(req)
         if req.block_table:
             self.allocator.free(req.block_table[::-1])
         req.block_table = []
@@ -185,7 +206,7 @@ class BlockManager:
             return None
         hosts = [self._host_free.pop() for _ in range(n)]
         pairs = list(zip(req.block_table[:n], hosts, strict=True))
-        self._clear_pending(req)
+        self._release(req)
         self.allocator.free(req.block_table[::-1])
         req.block_table = []
         req.host_table = hosts

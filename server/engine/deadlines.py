@@ -22,7 +22,8 @@ A request whose slack is under the *horizon* (two steps of the full token budget
 skipping one step it still has one) must run; so must one that has not been computed for ``max_wait_s`` (since
 its arrival if never). That is the starvation bound: a running request is computed at least
 once every ``max_wait_s`` plus one step, and a waiting one is offered a chunk as soon as it has
-waited ``max_wait_s`` (it still needs a free slot, blocks and token budget).
+waited ``max_wait_s`` (it still needs a free slot, blocks and token budget, and it waits while
+another request computes its next prefix block: see Claims in block_manager).
 
 An end-to-end deadline is aimed at ``finish_margin`` of its objective early (5% by default:
 0.1 s of a 2 s objective). The engine's clock starts when the front end reads the request and

@@ -240,6 +240,9 @@ class Scheduler:
                 return budget  # the queue is in slack order: no urgent one follows
             if plan is not None and not plan.must_run(req) and plan.room(*self._step_load()) < MIN_CHUNK:
                 continue  # optional, and the step has no room under the cap: look for a must-run one
+            prefix = None if req.is_swapped else bm.find_prefix(req.all_token_ids)
+            if prefix is not None and bm.is_claimed(prefix[2]) and (plan is None or not plan.urgent(req)):
+                continue  # another request is computing its next block: hit it when done
             if len(self.running) >= target and not self._free_slot(req, plan, out):
                 return budget
             if req.is_swapped:
@@ -252,9 +255,7 @@ class Scheduler:
                 out.swap_in.extend(bm.swap_in(req))
                 self._swapped.append(req)
             else:
-                blocks, hashes, next_hash = bm.find_prefix(req.all_token_ids)
-                if bm.is_pending(next_hash):
-                    continue  # its next block is being computed right now: hit it next step
+                blocks, hashes, _ = prefix
                 cached = bm.hit_tokens(blocks, req.num_tokens)
                 n = self._chunk(req, budget, first=not out.sequences, computed=cached)
                 if plan is not None:
@@ -497,7 +498,7 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + n
         bm = self.block_manager
-        bm.mark_pending(req, end)
+        bm.claim(req)
         # Hashed blocks hold computed K/V; past `start` only when a hit covered the last token.
         kv_present = max(0, len(req.block_hashes) * self.block_size - start)
         out.sequences.append(ScheduledSequence(

@@ -119,6 +119,24 @@ def test_no_admitted_request_goes_longer_than_max_wait_without_a_step():
     assert first_wait <= max_wait_s + 2 * longest_step
 
 
+def test_a_starving_newcomer_waits_for_the_prefix_a_skipped_request_is_still_prefilling():
+    """Claims: with no room under the cap, two attempts at one prompt each get a chunk only when
+    they starve; the second waits for the blocks the first is computing and hits them, instead of
+    computing the same prompt alongside it in the steps the first is skipped."""
+    s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
+    for i in range(8):
+        s.add_request(f"tight{i}", [97 + i] * 6, SamplingParams(max_tokens=2000, ignore_eos=True),
+                      SLO(tpot_s=0.00585))
+    prompt = [100 + i % 7 for i in range(64)]
+    times = _run(s, r, clock, 200, {
+        5: lambda: s.add_request("first", prompt, SamplingParams(max_tokens=2, ignore_eos=True)),
+        40: lambda: s.add_request("second", prompt, SamplingParams(max_tokens=2, ignore_eos=True))})
+    assert len(times["first"]) == len(times["second"]) == 2
+    assert times["first"][0] > 1000.4, "the first prompt ran in one go: nothing could be shared mid-prefill"
+    assert s.prefix_hit_tokens_total == 63
+    assert s.computed_prompt_tokens_total == 8 * 6 + 64 + 1
+
+
 def test_a_skipped_request_stays_running_and_keeps_its_blocks():
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
     for i in range(8):

@@ -187,6 +187,32 @@ def test_a_request_waits_for_a_prefix_block_being_computed_instead_of_recomputin
     assert_all_free(s)
 
 
+def _follower_after_one_chunk(**sched):
+    """A 24-token prompt prefilled 8 tokens a step (a bystander keeps it from running alone, which
+    would take it whole); the same prompt arrives after its first chunk."""
+    s, r, clock = make_scheduler(prefill_chunk=8, max_batched_tokens=64, max_batch=8, adaptive_batch=False, **sched)
+    prompt = [ord(c) for c in "one ARC task, attempt 1!"]
+    s.add_request("leader", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0))
+    s.add_request("bystander", [ord("z")] * 40, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0))
+    step(s, r)
+    return s, r, clock, prompt
+
+
+def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
+    """A follower whose TTFT cannot wait for the leader's prefill computes the prefix itself."""
+    from tests.engine.test_deadline_scheduling import price
+
+    s, r, _, prompt = _follower_after_one_chunk(policy="slo", admission_control=False)
+    for tokens in (1, 4, 64, 256, 512, 16):  # priced steps: the deadline plan is on
+        s.admission.on_compute(tokens, price(tokens))
+    s.add_request("follower", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(ttft_s=0.02))
+    out, _ = step(s, r)
+    follower = [q for q in out.sequences if q.req_id == "follower"]
+    assert follower and follower[0].start_pos == 8  # the leader's first chunk hit, the rest computed
+    drain(s, r)
+    assert_all_free(s)
+
+
 def test_abort_frees_blocks_at_once_and_mid_step_results_are_dropped():
     s, r, _ = make_scheduler()
     for i, prompt in enumerate(random_prompts(4, 5, 30, seed=2)):
