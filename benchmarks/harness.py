@@ -32,6 +32,8 @@ LOGS = Path(tempfile.gettempdir())  # server logs of benchmark runs
 # A server process built from the typed config (so the benchmark does not depend on CLI flags).
 _LAUNCH = """
 import json, sys
+from sloserve.openmp import default_waiting
+default_waiting()  # as the sloserve command does, before torch loads
 sys.path.insert(0, sys.argv[5])
 from harness import launch_config
 from sloserve.serve import main

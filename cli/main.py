@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -32,16 +31,14 @@ from sloserve.cli.options import (
     with_flag,
 )
 from sloserve.config import ServerConfig
+from sloserve.openmp import default_waiting
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sloserve")
 def cli() -> None:
     """sloserve: an SLO-aware LLM inference server with bidirectional gRPC token streaming."""
-    # NOTE: spinning OpenMP workers steal the cores the engine, gRPC and asyncio threads need;
-    # passive waiting made a CPU decode step ~4x faster on a busy 2-core machine. Set before torch
-    # is imported (OpenMP reads it once); an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    default_waiting()  # OpenMP's wait between parallel regions, before torch loads (sloserve/openmp.py)
 
 
 def _http_port(text: str) -> int | None:
