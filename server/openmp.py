@@ -5,7 +5,7 @@ torch is imported: the `sloserve` command calls it first thing, and so does the 
 for the servers it starts (their figures are of what the command runs). An explicit
 OMP_WAIT_POLICY or GOMP_SPINCOUNT (libgomp, torch's OpenMP on Linux) wins.
 
-Why a bounded spin (GOMP_SPINCOUNT iterations, tens of microseconds), on 2 shared cores:
+Why a short bounded spin (GOMP_SPINCOUNT busy-wait iterations), on 2 shared cores:
 
 - libgomp's default spin (300,000 iterations) keeps idle workers on the cores the engine, gRPC
   and asyncio threads need: under tests/reliability/test_overload.py's flood a spin of 100,000
