@@ -33,6 +33,7 @@ DATA = ROOT.parent / "shared/data/arc-agi-2/training"
 OUT = ROOT / "server/models/weights/default"
 RESULTS = ROOT / "benchmarks/results"
 BOS, EOS, PAD, IGNORE = 256, 257, 258, -100
+NEWLINE = ord("\n")
 SIZES = {  # hidden, layers, heads, kv heads, intermediate
     "s": (192, 4, 3, 1, 512),
     "m": (256, 4, 4, 2, 704),
@@ -247,6 +248,9 @@ def main() -> None:
     parser.add_argument("--answer-weight", type=float, default=1.0, help="loss weight of answer grid + EOS")
     parser.add_argument("--eos-weight", type=float, default=None,
                         help="loss weight of the answer's EOS (default: --answer-weight)")
+    parser.add_argument("--row-end-weight", type=float, default=None,
+                        help="loss weight of the answer's newlines, the tokens that fix a grid's width "
+                             "(default: --answer-weight)")
     parser.add_argument("--save-every", type=int, default=0, help="also save to --out every N steps")
     parser.add_argument("--bf16", action="store_true",
                         help="bfloat16 autocast for matmuls (float32 master weights and loss): x1.7 tokens/s here")
@@ -273,7 +277,7 @@ def main() -> None:
     print(f"train {len(train)} tasks, held out {len(held)} (from {held[0][0]}); size {args.size} "
           f"{SIZES[args.size]} = {params:,} params; {args.steps} steps of ~{args.batch_tokens} tokens, "
           f"max len {args.max_len}, lr {args.lr}, seed {args.seed}, answer weight {args.answer_weight}, "
-          f"EOS weight {args.eos_weight}, "
+          f"EOS weight {args.eos_weight}, row-end weight {args.row_end_weight}, "
           f"init {args.init}, first epoch {args.first_epoch}, synthetic {args.synthetic}, bf16 {args.bf16}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -297,6 +301,8 @@ def main() -> None:
         weight = mask.float() + (args.answer_weight - 1.0) * answer.float()
         if args.eos_weight is not None:  # the answer's end: EOS, where the model may write "Output:" instead
             weight = torch.where(labels.flatten() == EOS, args.eos_weight, weight)
+        if args.row_end_weight is not None:  # a row ends: one token early or late makes the grid ragged
+            weight = torch.where(answer & (labels.flatten() == NEWLINE), args.row_end_weight, weight)
         loss = (per_token * weight).sum() / weight.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -62,12 +62,6 @@ def test_default_is_the_shipped_checkpoint(tmp_path):
     assert spec.architecture == "LlamaForCausalLM" and spec.vocab_size == 264
 
 
-# NOTE: the shipped checkpoint has not learned this yet (benchmarks/results/eval_default.txt: all 111
-# held-out answers end with EOS, 81.1% are well-formed grids). strict: this fails loudly once a
-# better one ships, and the mark must then go.
-@pytest.mark.xfail(strict=True, reason="issue 17: the shipped checkpoint ends every held-out answer with EOS but writes "
-                   "a well-formed grid 81% of the time; here two of the three pass and one (e9afcf9a) writes a row of "
-                   "11 digits among rows of 7")
 @pytest.mark.timeout(120)
 def test_trained_default_answers_heldout_arc_with_grids_and_eos():
     """Greedy answers to three ARC tasks it never trained on are grids (digit rows of one width) + EOS."""
