@@ -294,15 +294,16 @@ def main() -> None:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=ids).logits
-        per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+        targets = labels.flatten()
+        per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets,
                                                       ignore_index=IGNORE, reduction="none")
-        mask = labels.flatten() != IGNORE
+        mask = targets != IGNORE
         answer = _answer_mask(ids, labels).flatten()
         weight = mask.float() + (args.answer_weight - 1.0) * answer.float()
         if args.eos_weight is not None:  # the answer's end: EOS, where the model may write "Output:" instead
-            weight = torch.where(labels.flatten() == EOS, args.eos_weight, weight)
+            weight = torch.where(targets == EOS, args.eos_weight, weight)
         if args.row_end_weight is not None:  # a row ends: one token early or late makes the grid ragged
-            weight = torch.where(answer & (labels.flatten() == NEWLINE), args.row_end_weight, weight)
+            weight = torch.where(answer & (targets == NEWLINE), args.row_end_weight, weight)
         loss = (per_token * weight).sum() / weight.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

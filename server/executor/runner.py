@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 # split saves. Under a flood of small requests it matters most: with the CLI's bounded spin
 # (GOMP_SPINCOUNT=10000, sloserve/openmp.py), tests/reliability/test_overload.py completed 8,835 and 8,576
 # requests in 15 s with this rule against 3,198 and 2,741 without. With that spin, mixed steps of
-# 4-12 decodes and a 32-token chunk ran 10-40% faster on two threads (an 85-token chunk: from 21%
-# faster to 30% slower), so a finer rule may pay. Measured on 2 cores, OMP_WAIT_POLICY=PASSIVE,
+# 4-12 decodes and a 32-token chunk ran 10-40% faster on two threads in process, but finer rules
+# tried since (attention counted, a lower threshold, a per-size measured choice) gained nothing
+# served and cost the flood (benchmarks/README.md, stop 32). Measured on 2 cores, OMP_WAIT_POLICY=PASSIVE,
 # 800-token contexts: a 3M-parameter Llama's decode step of 4 sequences took
 # 2.4 ms on one thread against 3.9 ms on two (equal at 1 and 16 sequences); a 40M one's of 1 and 4
 # sequences 11.3 / 19.9 ms against 11.5 / 22.9 ms. Decode steps through the fused kernel
