@@ -26,7 +26,7 @@
 #include "_paged_attention_item.h"
 #include "_team.h"
 
-#define SLOSERVE_MAX_BATCH 64 /* sequences per call, at most (the caller checks) */
+#define SLOSERVE_MAX_BATCH 64 /* rows (query tokens) per call, at most (the caller checks) */
 
 
 
@@ -203,6 +203,8 @@ typedef struct {
     const int64_t *ids, *positions, *slots;
     const int32_t *tables, *lens;
     ptrdiff_t width, batch, max_len;
+    const int64_t *out_rows; /* the rows whose logits are computed, or NULL: every row */
+    ptrdiff_t num_out;
     float *work, *logits;
     sloserve_barrier bar;
     int bad;
@@ -266,23 +268,32 @@ static void sloserve_decode_job(void *raw, int me, int team) {
         sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
         sloserve_barrier_wait(bar, team, &phase);
     }
-    if (me == 0) sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
+    if (me == 0 && a->out_rows == NULL) sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
+    if (me == 0 && a->out_rows != NULL) /* the rows asked for, gathered into the first num_out rows of x */
+        for (ptrdiff_t r = 0; r < a->num_out; r++)
+            sloserve_rms_norm_rows(h + a->out_rows[r] * H, m->norm, 1, H, m->eps, x + r * H);
     sloserve_barrier_wait(bar, team, &phase);
     sloserve_share(m->vocab, me, team, &first, &last);
-    sloserve_gemv_rows(m->lm_head, NULL, x, batch, H, first, last, logits, m->vocab, 0);
+    sloserve_gemv_rows(m->lm_head, NULL, x, a->num_out, H, first, last, logits, m->vocab, 0);
 }
 
-/* One decode step of `batch` sequences: ids, positions, KV slots [batch] int64; tables [batch, width]
- * int32; lens [batch] int32 (position + 1, at most max_len); logits [batch, V] out. `work` holds
+/* One decode step of `batch` rows: ids, positions, KV slots [batch] int64; tables [batch, width]
+ * int32; lens [batch] int32 (position + 1, at most max_len); logits [num_out, V] out, of the rows
+ * out_rows names (int64, in [0, batch)), or of every row when out_rows is NULL (num_out = batch).
+ *
+ * A row is one query token, so several rows may be one sequence's consecutive tokens (a prefill
+ * chunk, each row with its own position and the sequence's table): every row's K and V are
+ * written before any row attends, and a row attends to lens = position + 1 tokens, so each
+ * token sees exactly its causal prefix. `work` holds
  * sloserve_decode_workspace(m, batch, max_len, threads) floats, threads being the team's size (1
  * when `team` is NULL: the caller alone). Returns 0, or -1 when a block table names a page outside
  * the pool (then the logits are undefined). */
 static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, const int64_t *positions,
                                 const int64_t *slots, const int32_t *tables, ptrdiff_t width, const int32_t *lens,
-                                ptrdiff_t batch, ptrdiff_t max_len, sloserve_team *team, float *work,
-                                float *logits) {
-    sloserve_decode_args a = {m, ids, positions, slots, tables, lens, width, batch, max_len, work, logits,
-                              {0, 0}, 0};
+                                ptrdiff_t batch, ptrdiff_t max_len, const int64_t *out_rows, ptrdiff_t num_out,
+                                sloserve_team *team, float *work, float *logits) {
+    sloserve_decode_args a = {m, ids, positions, slots, tables, lens, width, batch, max_len, out_rows,
+                              out_rows ? num_out : batch, work, logits, {0, 0}, 0};
     if (team == NULL)
         sloserve_decode_job(&a, 0, 1);
     else

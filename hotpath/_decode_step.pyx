@@ -50,8 +50,8 @@ cdef extern from "_decode_step.h" nogil:
                                          int threads)
     int sloserve_decode_step(const sloserve_decoder* m, const int64_t* ids, const int64_t* positions,
                              const int64_t* slots, const int32_t* tables, Py_ssize_t width, const int32_t* lens,
-                             Py_ssize_t batch, Py_ssize_t max_len, sloserve_team* team, float* work,
-                             float* logits)
+                             Py_ssize_t batch, Py_ssize_t max_len, const int64_t* out_rows, Py_ssize_t num_out,
+                             sloserve_team* team, float* work, float* logits)
 
 
 cdef const float* _ptr(object address):
@@ -129,16 +129,22 @@ cdef class DecodeKernel:
         return num_threads
 
     def __call__(self, uintptr_t input_ids, uintptr_t positions, uintptr_t slots, uintptr_t block_tables,
-                 Py_ssize_t table_width, uintptr_t seq_lens, Py_ssize_t batch, uintptr_t logits, int num_threads):
-        """logits[batch, V] of one decode step (input ids, positions, slots int64; tables, lengths int32).
+                 Py_ssize_t table_width, uintptr_t seq_lens, Py_ssize_t batch, uintptr_t logits, int num_threads,
+                 uintptr_t logit_rows=0, Py_ssize_t num_logit_rows=-1):
+        """logits[batch, V] of one step of `batch` rows, one query token each (input ids, positions,
+        slots int64; tables, lengths int32). With num_logit_rows >= 0, logits[num_logit_rows, V] of the
+        rows `logit_rows` names (int64 row indices; none at 0: the step only writes K and V). Rows may be one sequence's
+        consecutive tokens (see _decode_step.h).
 
-        ValueError when a token id, KV slot or length is out of range, a position is not length - 1,
-        or a block table names a page outside the pool (then the logits are undefined).
+        ValueError when a token id, KV slot, length or logit row is out of range, a position is not
+        length - 1, or a block table names a page outside the pool (then the logits are undefined).
         """
         cdef const int64_t* pos = <const int64_t*> positions
         cdef const int32_t* lens = <const int32_t*> seq_lens
         cdef const int64_t* ids = <const int64_t*> input_ids
         cdef const int64_t* slot = <const int64_t*> slots
+        cdef const int64_t* out_rows = NULL
+        cdef int64_t no_rows = 0
         cdef Py_ssize_t b, need, longest = 1
         cdef int rc, threads
         cdef float* grown
@@ -147,7 +153,7 @@ cdef class DecodeKernel:
         if batch <= 0:
             return
         if batch > SLOSERVE_MAX_BATCH:
-            raise ValueError(f"{batch} sequences exceed the kernel's {SLOSERVE_MAX_BATCH} per step")
+            raise ValueError(f"{batch} rows exceed the kernel's {SLOSERVE_MAX_BATCH} per step")
         if self.busy:
             raise RuntimeError("DecodeKernel is not reentrant: one step at a time")
         num_threads = max(1, num_threads)
@@ -162,6 +168,13 @@ cdef class DecodeKernel:
                 raise ValueError(f"sequence {b}: KV slot {slot[b]} is outside the pool's "
                                  f"{self.model.num_pages * self.model.page}")
             longest = max(longest, lens[b])
+        if num_logit_rows >= 0:
+            if num_logit_rows > batch or (num_logit_rows and not logit_rows):
+                raise ValueError(f"{num_logit_rows} logit rows at {logit_rows:#x} for a step of {batch} rows")
+            out_rows = <const int64_t*> logit_rows if num_logit_rows else &no_rows
+            for b in range(num_logit_rows):
+                if out_rows[b] < 0 or out_rows[b] >= batch:
+                    raise ValueError(f"logit row {out_rows[b]} is outside the step's {batch} rows")
         threads = self._team_size(num_threads)
         need = sloserve_decode_workspace(&self.model, batch, longest, threads)
         if need > self.work_floats:
@@ -174,7 +187,7 @@ cdef class DecodeKernel:
             with nogil:
                 rc = sloserve_decode_step(&self.model, ids, pos, slot,
                                           <const int32_t*> block_tables, table_width, lens, batch, longest,
-                                          self.team if threads > 1 else NULL, self.work, <float*> logits)
+                                          out_rows, num_logit_rows, self.team if threads > 1 else NULL, self.work, <float*> logits)
         finally:
             self.busy = False
         if rc:

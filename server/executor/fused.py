@@ -5,6 +5,12 @@ once; eager torch spends longer than that dispatching the ~20 ops per layer arou
 3M-parameter model: ~0.8 ms per step, of which ~0.3 ms is matmuls). The kernel runs the same
 step, layer by layer, in one nogil call over the weights and the paged KV cache in place.
 
+A small mixed step (prefill chunks beside decodes, at most max_batch tokens in all) runs the same
+call one row per token (`rows`): a chunk token is a row with its own position and its sequence's
+block table, and only the sampled rows get logits. Every row's K/V is written before any row
+attends, so each token sees exactly its causal prefix; the oracle there is the flat torch path
+(`DecoderModel.forward`).
+
 It serves dense float32 models on a CPU, one rank, batches up to FUSED_MAX_BATCH. Its
 matrix-vector products read each weight row once per two sequences and need no FMA to run at
 the core's multiply-add rate, so on the CPUs measured it beat the torch path up to the largest
@@ -17,7 +23,7 @@ another order than the BLAS); tests hold it to transformers' greedy tokens like 
 from __future__ import annotations
 
 import torch
-from sloserve.executor.inputs import DecodeInputs
+from sloserve.executor.inputs import DecodeInputs, TokenRows
 from sloserve.hotpath import USING_EXTENSIONS
 from sloserve.layers.linear import MIN_PACKED_ROWS, PackedLinears
 from sloserve.models.decoder import DecoderModel
@@ -104,4 +110,14 @@ class FusedDecode:
         self.kernel(step.input_ids.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
                     tables.data_ptr(), tables.shape[1], step.seq_lens.data_ptr(), batch, logits.data_ptr(),
                     self.threads)
+        return logits
+
+    def rows(self, step: TokenRows) -> torch.Tensor:  # [S', V] float32, the sampled rows'
+        """A step of prefill chunks and decode tokens, one row per token (at most max_batch rows)."""
+        sample_idx = step.sample_idx
+        logits = torch.empty((sample_idx.shape[0], self.vocab), dtype=torch.float32)
+        tables = step.block_tables
+        self.kernel(step.input_ids.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
+                    tables.data_ptr(), tables.shape[1], step.seq_lens.data_ptr(), step.input_ids.shape[0],
+                    logits.data_ptr(), self.threads, sample_idx.data_ptr(), sample_idx.shape[0])
         return logits

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from sloserve.batch import ScheduledSequence
 from sloserve.layers.attention import AttentionMetadata, build_arrays
+from sloserve.layers.attention.metadata import MetadataArrays
 from sloserve.memory.pool import DevicePool
 
 _BUFFERS = {  # name -> (dtype, length kind)
@@ -38,6 +39,21 @@ class DecodeInputs:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
     num_seqs: int  # the real rows, first; B - num_seqs rows are padding
+
+
+@dataclass(slots=True)
+class TokenRows:
+    """A step of prefill chunks and decode tokens laid out one row per token, for the fused kernel
+    (executor/fused.py): each row has its position, slot, length (position + 1) and its sequence's
+    block table. Host tensors: the kernel runs on a CPU only."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [T, width] int32, row t: the table of token t's sequence
+    seq_lens: torch.Tensor  # [T] int32
+    sample_idx: torch.Tensor  # [S'] int64, row of each sampled sequence's last token
+    sampled: list[int]  # index into the step's sequences of each sampled row
 
 
 @dataclass(slots=True)
@@ -179,8 +195,20 @@ class InputBuilder:
         return (f"token id {int(seq.token_ids[at])} of request {seq.req_id!r} is outside the model's vocabulary "
                 f"of {self.vocab_size} tokens: token ids must be in [0, {self.vocab_size})")
 
-    def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
-        """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
+    def build_rows(self, seqs: list[ScheduledSequence]) -> TokenRows:
+        """`seqs` (prefill chunks and decode tokens mixed) as one row per token (a CPU step of at
+        most a few dozen tokens: its arrays are built fresh, like the flat path's metadata)."""
+        arrays, tokens, query_lens = self._flat_arrays(seqs)
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        return TokenRows(torch.from_numpy(tokens), torch.from_numpy(arrays.positions),
+                         torch.from_numpy(arrays.slot_mapping),
+                         torch.from_numpy(np.repeat(arrays.block_tables, query_lens, axis=0)),
+                         torch.from_numpy((arrays.positions + 1).astype(np.int32)),
+                         torch.from_numpy(arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1), sampled)
+
+    def _flat_arrays(self, seqs: list[ScheduledSequence]) -> tuple[MetadataArrays, np.ndarray, list[int]]:
+        """The step's metadata arrays (slots of present K/V on the null page), token ids and query
+        lengths, every value checked against the buffers, the vocabulary and the pool."""
         num_seqs = len(seqs)
         query_lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(query_lens)
@@ -206,6 +234,14 @@ class InputBuilder:
             raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
                              f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}")
         _write_present_to_null(seqs, arrays.slot_mapping, arrays.cu_seqlens_q.tolist())
+        return arrays, tokens, query_lens
+
+    def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
+        """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
+        arrays, tokens, query_lens = self._flat_arrays(seqs)
+        num_seqs, width = len(seqs), arrays.block_tables.shape[1]
+        start_pos, tables = [s.start_pos for s in seqs], [s.block_table for s in seqs]
+        max_len = int(arrays.seq_lens.max())
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
         values = {

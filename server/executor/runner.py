@@ -13,7 +13,7 @@ from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.compiled import DecodeStep, decode_path_reason
 from sloserve.executor.host_memory import keep_freed_memory
-from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs
+from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import select_backend
@@ -201,10 +201,10 @@ class ModelRunner:
             return self._run_steps(out, step)
         return self._step(out, step)
 
-    def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs) -> list[int]:
+    def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step))
-        if isinstance(step, StepInputs):
+        if isinstance(step, StepInputs | TokenRows):
             sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx
         else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
             sampled = [s.req_id for s in out.sequences]
@@ -215,7 +215,7 @@ class ModelRunner:
         finally:
             self.prefetcher.end(sampled)
 
-    def _run_steps(self, out: SchedulerOutput, step: StepInputs | DecodeInputs) -> list[list[int]]:
+    def _run_steps(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[list[int]]:
         """out.num_steps decode steps back to back, each step's tokens the next one's inputs (the
         decode fast path advances its buffers in place; another step is rebuilt); stops early once
         every sequence has sampled a stop token (what follows one is never used)."""
@@ -242,8 +242,10 @@ class ModelRunner:
                 break
         return runs
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | None:
-        """Swaps, dropped requests, and the step's inputs: the decode fast path's when it applies (None: no work)."""
+    def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | TokenRows | None:
+        """Swaps, dropped requests, and the step's inputs (None: no work): the decode fast path's for a
+        decode-only step, the fused kernel's rows for a mixed step of at most its batch in tokens,
+        else the flat path's."""
         if out.swap_out or out.swap_in:
             if self.host_kv is None:
                 raise ValueError("swap requested but the runner has no host swap pool (swap_bytes is 0)")
@@ -259,13 +261,18 @@ class ModelRunner:
         decode = self.decode_step
         if decode is not None and all(len(s.token_ids) == 1 and s.sample for s in seqs):
             return self.inputs.build_decode(seqs, decode.bucket(len(seqs)))
+        fused = decode.fused if decode is not None else None
+        if fused is not None and sum(len(s.token_ids) for s in seqs) <= fused.max_batch:
+            return self.inputs.build_rows(seqs)  # a small mixed step: one row per token, one C call
         return self.inputs.build(seqs)
 
-    def forward(self, step: StepInputs | DecodeInputs) -> torch.Tensor:
+    def forward(self, step: StepInputs | DecodeInputs | TokenRows) -> torch.Tensor:
         """Logits [S', V] of the step's sampled rows (a decode step: of every row, padding included)."""
         if isinstance(step, DecodeInputs):
             self._fit_threads(step.num_seqs)
             return self.decode_step(step)
+        if isinstance(step, TokenRows):
+            return self.decode_step.fused.rows(step)
         self._fit_threads(step.input_ids.shape[0])
         return self.model.forward(step.input_ids, step.positions, step.meta, self.kv, step.sample_idx)
 
@@ -277,7 +284,8 @@ class ModelRunner:
                 torch.set_num_threads(want)
                 self._threads_now = want
 
-    def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs, logits: torch.Tensor) -> list[int]:
+    def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows,
+               logits: torch.Tensor) -> list[int]:
         """One token id per sampled sequence, in the order of out.sequences."""
         seqs = out.sequences
         if isinstance(step, DecodeInputs):

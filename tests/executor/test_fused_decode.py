@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence
+from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.executor import fused
-from sloserve.executor.inputs import DecodeInputs
+from sloserve.executor.inputs import DecodeInputs, StepInputs, TokenRows
 from sloserve.sampling_params import SamplingParams
 
 from tests.checkpoints import hf_greedy, load_hf_model
@@ -124,10 +124,11 @@ def test_a_team_woken_from_sleep_and_resized_gives_the_same_bits(runner):
 
 
 class _Counting:
-    """The runner's FusedDecode, counting the steps it runs."""
+    """The runner's FusedDecode, counting the decode steps and the mixed steps it runs."""
 
     def __init__(self, inner: fused.FusedDecode) -> None:
-        self.inner, self.calls = inner, 0
+        self.inner, self.calls, self.mixed = inner, 0, 0
+        self.max_batch = inner.max_batch
 
     def takes(self, step: DecodeInputs) -> bool:
         return self.inner.takes(step)
@@ -136,13 +137,85 @@ class _Counting:
         self.calls += 1
         return self.inner(step)
 
+    def rows(self, step: TokenRows) -> torch.Tensor:
+        self.mixed += 1
+        return self.inner.rows(step)
+
 
 def test_greedy_tokens_equal_transformers_through_the_runner(runner, monkeypatch):
+    """Staggered prompts in 7-token chunks: decode-only steps and mixed steps (chunks beside
+    decodes) both run through the kernel, and the tokens are transformers' greedy ones."""
     counting = _Counting(runner.decode_step.fused)
     monkeypatch.setattr(runner.decode_step, "fused", counting)
     expected = hf_greedy(load_hf_model(runner.model_path), PROMPTS, 6)
     assert generate(runner, PROMPTS, 6, chunk=7, stagger=True, seed=1) == expected
     assert counting.calls, "no decode step ran through the kernel"
+    assert counting.mixed, "no mixed step ran through the kernel"
+
+
+def _mixed(runner) -> list[ScheduledSequence]:
+    """Decodes at page edges, a whole prompt, a sampled last chunk and an unsampled middle chunk,
+    each sequence on pages of its own (block size 4)."""
+    shapes = [(1, 8, True), (1, 32, True), (6, 0, True), (5, 11, True), (7, 2, False), (1, 3, True)]
+    seqs, next_page = [], 1
+    for i, (n, start, sample) in enumerate(shapes):
+        pages = -(-(start + n) // runner.block_size)
+        seqs.append(ScheduledSequence(f"m{i}", [(40 + 7 * i + 3 * j) % 250 for j in range(n)], start,
+                                      list(range(next_page, next_page + pages)), sample, GREEDY))
+        next_page += pages
+    return seqs
+
+
+def test_a_mixed_step_as_rows_gives_the_flat_paths_logits_and_kv(runner):
+    """Each token a row: the sampled rows' logits and every K/V written equal the flat path's
+    (DecoderModel.forward) to float32 rounding, on one thread and two alike."""
+    seqs = _mixed(runner)
+    flat = runner.inputs.build(seqs)
+    with torch.inference_mode():
+        want = runner.model.forward(flat.input_ids, flat.positions, flat.meta, runner.kv, flat.sample_idx)
+    slots = flat.meta.slot_mapping.clone()
+    by_slot = runner.kv.flatten(2, 3)  # [layers, K/V, slots, KV heads, head dim]
+    assert by_slot._is_view() and by_slot.data_ptr() == runner.kv.data_ptr()
+    want_kv = by_slot[:, :, slots].clone()
+    rows = runner.inputs.build_rows(seqs)
+    assert rows.sampled == flat.sampled and torch.equal(rows.sample_idx, flat.sample_idx)
+    kernel = runner.decode_step.fused
+    before = kernel.threads
+    try:
+        for threads in (1, 2):
+            kernel.threads = threads
+            by_slot[:, :, slots] = 0
+            got = kernel.rows(rows)
+            got_kv = by_slot[:, :, slots]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{threads} threads")
+            torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5, msg=f"{threads} threads")
+    finally:
+        kernel.threads = before
+
+
+def test_the_runner_sends_small_mixed_steps_to_the_kernel_and_larger_ones_to_the_flat_path(runner, monkeypatch):
+    seqs = _mixed(runner)
+    assert isinstance(runner.prepare(SchedulerOutput(seqs)), TokenRows)
+    monkeypatch.setattr(runner.decode_step.fused, "max_batch", sum(len(s.token_ids) for s in seqs) - 1)
+    assert isinstance(runner.prepare(SchedulerOutput(seqs)), StepInputs)
+
+
+def test_a_step_that_samples_nothing_writes_kv_and_returns_no_logits(runner):
+    seqs = [_mixed(runner)[4]]  # one unsampled middle chunk
+    rows = runner.inputs.build_rows(seqs)
+    logits = runner.decode_step.fused.rows(rows)
+    assert logits.shape == (0, runner.vocab_size)
+
+
+def test_logit_rows_outside_the_step_are_refused(runner):
+    rows = runner.inputs.build_rows(_mixed(runner))
+    kernel = runner.decode_step.fused
+    bad = torch.tensor([0, rows.input_ids.shape[0]], dtype=torch.int64)
+    logits = torch.empty((2, runner.vocab_size))
+    with pytest.raises(ValueError, match="logit row"):
+        kernel.kernel(rows.input_ids.data_ptr(), rows.positions.data_ptr(), rows.slot_mapping.data_ptr(),
+                      rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
+                      rows.input_ids.shape[0], logits.data_ptr(), 1, bad.data_ptr(), 2)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -213,6 +213,8 @@ def test_small_cpu_steps_run_on_one_thread_and_large_ones_on_all(tiny_llama, mak
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr(runner_module, "SERIAL_STEP_MACS", 8 * r._num_params)  # at most 8 tokens: one thread
+    if r.decode_step.fused is not None:  # the 12-token prefill below goes to the torch path, not the kernel
+        monkeypatch.setattr(r.decode_step.fused, "max_batch", 8)
     greedy = SamplingParams(max_tokens=1)
     r.execute(SchedulerOutput([ScheduledSequence("a", [5], 3, [1], True, greedy)]))
     r.execute(SchedulerOutput([ScheduledSequence("b", list(range(1, 13)), 0, [2, 3, 4], True, greedy)]))
