@@ -6,8 +6,12 @@ Method (issue 12):
   outputs the trace's answer lengths capped at --max-tokens (the cap that keeps a run <= 15 min);
 - the SLO is scaled to this machine: TTFT <= --ttft-factor x and end-to-end <= --e2e-factor x the
   naive server's unloaded p90 (16 requests one at a time, seed 0), the same for every seed;
-- a Poisson sweep per seed and mode over multiples of the naive unloaded capacity, upward until
-  attainment falls below 95% (seeds after the first start just below the first seed's crossing),
+- a Poisson sweep per seed and mode over a ladder of rates, multiples of the naive unloaded
+  capacity: upward from 0.5x until attainment falls below 95%; when the first point already
+  misses, downward (each rung /1.6, down to ~0.03x) until one meets it, so a naive server whose
+  head-of-line waits miss the objective at half its capacity still gets a QPS@95% (stop 32: it
+  missed at every rate down to 0.2x, and the ratio was undefined). Seeds after the first start at
+  the highest rung the first one met;
   --requests-per-rate fresh requests per point: no point on one server reuses a prompt of an
   earlier one (a new server when the prompts run out);
 - rows (median [min-max] over seeds): QPS at 95% attainment (interpolated); P99 end-to-end at
@@ -35,6 +39,7 @@ from sloserve.sampling_params import SLO
 
 WRITE_UP = {"qps": (3.2, 10.1), "p99_ms": (1842.0, 623.0), "memory_gb": (78.0, 64.0)}
 GRID = (0.5, 0.8, 1.25, 2.0, 3.2, 5.0, 8.0, 12.5)  # multiples of the naive unloaded capacity
+LOWER_RUNGS = 6  # rungs below the grid, each /1.6: down to 0.5 / 1.6^6 = 0.03x the naive capacity
 TARGET = 0.95
 MODES = ("naive", "full")
 
@@ -54,7 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-e2e", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
-    p.add_argument("--budget-s", type=float, default=120.0, help="most seconds of one sweep (mode, seed)")
+    p.add_argument("--budget-s", type=float, default=200.0, help="most seconds of one sweep (mode, seed)")
     p.add_argument("--name", default="seed_table", help="results/NAME.json and NAME.txt")
     args = p.parse_args(argv)
     if args.requests_per_rate < 1 or not args.seeds:
@@ -114,10 +119,16 @@ class Served:
                 "contiguous_bytes": self.peak["running"] * self.info["max_model_len"] * block_bytes // block_size}
 
 
+def ladder(capacity: float) -> list[float]:
+    """The sweep's rates, ascending: LOWER_RUNGS rungs below the grid, then the grid, x capacity."""
+    grid = [round(capacity * g, 3) for g in GRID]
+    return [round(grid[0] / 1.6**k, 3) for k in range(LOWER_RUNGS, 0, -1)] + grid
+
+
 def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: float) -> list[dict]:
     """Rates upward from rates[first] until attainment falls below the target; if the first rate
-    already misses, rates below it (then /1.6 each, each on a fresh server) until one meets it.
-    Both stop at the budget."""
+    already misses, the rates below it, each on a fresh server, until one meets it. Both stop at
+    the budget."""
     runs: list[dict] = []
     began, n = time.monotonic(), served.args.requests_per_rate
 
@@ -134,12 +145,11 @@ def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: fl
     for i in range(first, len(rates)):
         if (run := one(i, rates[i])) is None or run["slo_attainment"] < TARGET:
             break
-    lower = [rates[i] for i in range(first - 1, -1, -1)] + [round(rates[0] / 1.6**k, 3) for k in (1, 2)]
-    for k, rate in enumerate(lower):
+    for i in range(first - 1, -1, -1):
         if any(r["slo_attainment"] >= TARGET for r in runs):
             break
         served.close()  # a fresh server: no admission estimate carried over from the overload above
-        if one(len(rates) + k, rate) is None:
+        if one(i, rates[i]) is None:
             break
     return sorted(runs, key=lambda r: r["rate"])
 
@@ -159,13 +169,14 @@ def calibrate(args: argparse.Namespace, pool: list) -> tuple[SLO, float, dict]:
 
 
 def estimate_s(n: int, capacity: float, seeds: int, budget_s: float) -> float:
-    """Rough wall time: naive crossing near its unloaded capacity (points at 0.5x, 0.8x and 1.25x,
-    the last served at capacity), full near 5x, each sweep at most the budget and a point; the
-    two P99 points near 1x; 3 s per server start. Later seeds start nearer the crossing."""
-    naive = sum(n / (g * capacity) for g in (0.5, 0.8)) + n / capacity
+    """Rough wall time: naive missing at 0.5x and crossing three rungs below (~0.12x: stop 32 saw
+    79-94% at 0.2x), full near 5x, each sweep at most the budget and a point; the two P99 points at naive's
+    crossing; 3 s per server start. Later seeds start at the first one's crossing."""
+    rungs = [0.5 / 1.6**k for k in range(4)]
+    naive = sum(n / (g * capacity) for g in rungs)
     full = sum(n / (g * capacity) for g in GRID if g <= 5.0)
     cap = budget_s + n / capacity
-    return 16 / capacity + seeds * (min(naive, cap) + min(full, cap) + 2 * n / capacity + 6 * 3.0)
+    return 16 / capacity + seeds * (min(naive, cap) + min(full, cap) + 2 * n / (rungs[-1] * capacity) + 8 * 3.0)
 
 
 def ratio_row(label: str, before: dict | None, after: dict | None, scale: float, digits: int, goal: float,
@@ -192,7 +203,7 @@ def main(argv: list[str]) -> int:
     print(f"workload {spec}: {len(pool0)} requests with prompts <= {args.max_prompt_chars} chars, answers <= "
           f"{args.max_tokens} tokens; {n} fresh requests per rate point; seeds {args.seeds}", flush=True)
     slo, capacity, unloaded = calibrate(args, pool0)
-    rates = [round(capacity * g, 3) for g in GRID]
+    rates = ladder(capacity)
     estimate = estimate_s(n, capacity, len(args.seeds), args.budget_s)
     print(f"unloaded naive: TTFT p90 {1000 * unloaded['ttft_s']['p90']:.1f} ms, e2e mean "
           f"{1000 * unloaded['e2e_s']['mean']:.1f} ms (p90 {1000 * unloaded['e2e_s']['p90']:.1f}), "
@@ -203,11 +214,11 @@ def main(argv: list[str]) -> int:
     for seed in args.seeds:
         for mode in MODES:
             print(f"[{mode} seed {seed}] ({(time.monotonic() - began) / 60:.1f} min elapsed)", flush=True)
-            first = 0
-            if runs[mode]:  # start just below the first seed's crossing
+            first = LOWER_RUNGS  # 0.5x
+            if runs[mode]:  # start where the first seed last met the target
                 passed = [rates.index(r["rate"]) for r in runs[mode][args.seeds[0]]
                           if r["rate"] in rates and r["slo_attainment"] >= TARGET]
-                first = max(0, max(passed, default=0) - 1)
+                first = max(passed, default=LOWER_RUNGS)
             served = Served(mode, args, pools[seed][1], seed)
             try:
                 runs[mode][seed] = sweep(served, rates, slo, first, args.budget_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -190,7 +191,7 @@ def test_estimates_and_steady_throughput():
     records = [RequestRecord(f"bench-{i}", i + 1.0, end_time=i + 3.0, status="ok") for i in range(10)]
     assert ga.steady_throughput(records) == pytest.approx(7 / 7)  # ends 3..10 s, sends until 10 s
     assert ga.steady_throughput(records[:1]) is None
-    assert seed_table.estimate_s(100, 5.0, 3, 150.0) < 15 * 60
+    assert seed_table.estimate_s(100, 22.0, 3, 200.0) < 15 * 60  # naive's unloaded capacity here: ~22 req/s
 
 
 # --- seed_table ---------------------------------------------------------------------------------
@@ -211,3 +212,30 @@ def test_ratio_rows_judge_the_write_up_goals():
     assert seed_table.ratio_row("qps", mr(1.0), mr(4.0), 1, 2, 3.16, True, "", (True, False))[4].endswith("PASS")
     lower = seed_table.ratio_row("qps", mr(1.0), mr(2.0), 1, 2, 3.16, True, "", (True, False))
     assert lower[4].endswith("n/a (not crossed)") and lower[2].startswith(">= ")
+
+
+class _FakeServed:
+    """seed_table's Served with attainment falling with the rate: >= 95% up to `meets_up_to` req/s."""
+
+    def __init__(self, meets_up_to: float) -> None:
+        self.meets_up_to, self.args, self.closed = meets_up_to, argparse.Namespace(requests_per_rate=10), 0
+
+    def run(self, rate, slo, index):
+        return {"rate": rate, "slo_attainment": 0.99 if rate <= self.meets_up_to else 0.5, "refused": 0,
+                "e2e_s": {"p99": 0.1}, "duration_s": 0.0}
+
+    def close(self):
+        self.closed += 1
+
+
+def test_seed_table_sweeps_up_to_the_crossing_and_down_below_the_grid_when_the_first_rate_misses():
+    rates = seed_table.ladder(10.0)
+    assert rates == sorted(rates) and rates[seed_table.LOWER_RUNGS] == 5.0 and rates[0] == pytest.approx(5 / 1.6**6, abs=1e-3)
+    first = seed_table.LOWER_RUNGS
+    up = seed_table.sweep(_FakeServed(meets_up_to=20.0), rates, None, first, 1e9)
+    assert [r["rate"] for r in up] == [5.0, 8.0, 12.5, 20.0, 32.0]  # up to the first miss
+    # a server that misses at half its capacity: rungs below the grid, each on a fresh server, until one meets
+    fake = _FakeServed(meets_up_to=1.0)
+    down = seed_table.sweep(fake, rates, None, first, 1e9)
+    assert [r["rate"] for r in down] == [rates[first - 4], rates[first - 3], rates[first - 2], rates[first - 1], 5.0]
+    assert down[0]["rate"] <= 1.0 < down[1]["rate"] and fake.closed == 4
