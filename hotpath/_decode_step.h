@@ -268,8 +268,9 @@ static void sloserve_decode_job(void *raw, int me, int team) {
         sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
         sloserve_barrier_wait(bar, team, &phase);
     }
-    if (me == 0 && a->out_rows == NULL) sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
-    if (me == 0 && a->out_rows != NULL) /* the rows asked for, gathered into the first num_out rows of x */
+    if (me == 0 && a->out_rows == NULL)
+        sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
+    else if (me == 0) /* the rows asked for, gathered into the first num_out rows of x */
         for (ptrdiff_t r = 0; r < a->num_out; r++)
             sloserve_rms_norm_rows(h + a->out_rows[r] * H, m->norm, 1, H, m->eps, x + r * H);
     sloserve_barrier_wait(bar, team, &phase);

@@ -57,6 +57,20 @@ class TokenRows:
 
 
 @dataclass(slots=True)
+class _FlatStep:
+    """A step's checked metadata, shared by the flat path's inputs and the kernel's rows."""
+
+    arrays: MetadataArrays
+    tokens: np.ndarray  # [T] int64
+    query_lens: list[int]
+    start_pos: list[int]
+    tables: list[list[int]]
+    max_len: int  # the longest sequence after the step
+    sampled: list[int]  # index into the step's sequences of each sampled row
+    sample_idx: np.ndarray  # [S'] int64, flat row of each sampled sequence's last token
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -198,17 +212,17 @@ class InputBuilder:
     def build_rows(self, seqs: list[ScheduledSequence]) -> TokenRows:
         """`seqs` (prefill chunks and decode tokens mixed) as one row per token (a CPU step of at
         most a few dozen tokens: its arrays are built fresh, like the flat path's metadata)."""
-        arrays, tokens, query_lens = self._flat_arrays(seqs)
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
-        return TokenRows(torch.from_numpy(tokens), torch.from_numpy(arrays.positions),
+        flat = self._flat(seqs)
+        arrays = flat.arrays
+        return TokenRows(torch.from_numpy(flat.tokens), torch.from_numpy(arrays.positions),
                          torch.from_numpy(arrays.slot_mapping),
-                         torch.from_numpy(np.repeat(arrays.block_tables, query_lens, axis=0)),
+                         torch.from_numpy(np.repeat(arrays.block_tables, flat.query_lens, axis=0)),
                          torch.from_numpy((arrays.positions + 1).astype(np.int32)),
-                         torch.from_numpy(arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1), sampled)
+                         torch.from_numpy(flat.sample_idx), flat.sampled)
 
-    def _flat_arrays(self, seqs: list[ScheduledSequence]) -> tuple[MetadataArrays, np.ndarray, list[int]]:
-        """The step's metadata arrays (slots of present K/V on the null page), token ids and query
-        lengths, every value checked against the buffers, the vocabulary and the pool."""
+    def _flat(self, seqs: list[ScheduledSequence]) -> _FlatStep:
+        """The step's metadata arrays (slots of present K/V on the null page), token ids and sampled
+        rows, every value checked against the buffers, the vocabulary and the pool."""
         num_seqs = len(seqs)
         query_lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(query_lens)
@@ -234,20 +248,18 @@ class InputBuilder:
             raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
                              f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}")
         _write_present_to_null(seqs, arrays.slot_mapping, arrays.cu_seqlens_q.tolist())
-        return arrays, tokens, query_lens
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
+        return _FlatStep(arrays, tokens, query_lens, start_pos, tables, max_len, sampled, sample_idx)
 
     def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
         """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
-        arrays, tokens, query_lens = self._flat_arrays(seqs)
-        num_seqs, width = len(seqs), arrays.block_tables.shape[1]
-        start_pos, tables = [s.start_pos for s in seqs], [s.block_table for s in seqs]
-        max_len = int(arrays.seq_lens.max())
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
-        sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
+        flat = self._flat(seqs)
+        arrays, num_seqs, width = flat.arrays, len(seqs), flat.arrays.block_tables.shape[1]
         values = {
-            "token_ids": tokens, "positions": arrays.positions, "slot_mapping": arrays.slot_mapping,
+            "token_ids": flat.tokens, "positions": arrays.positions, "slot_mapping": arrays.slot_mapping,
             "cu_seqlens": arrays.cu_seqlens_q, "seq_lens": arrays.seq_lens, "start_pos": arrays.start_pos,
-            "sample_idx": sample_idx, "block_tables": arrays.block_tables.reshape(-1),
+            "sample_idx": flat.sample_idx, "block_tables": arrays.block_tables.reshape(-1),
         }
         self._rows[:num_seqs] = [None] * num_seqs  # the rows are rewritten below, at another width
         views = {}
@@ -264,15 +276,15 @@ class InputBuilder:
             start_pos=views["start_pos"],
             block_tables=views["block_tables"].view(num_seqs, width),
             slot_mapping=views["slot_mapping"],
-            max_seqlen_q=max(query_lens),
-            max_seqlen_k=max_len,
+            max_seqlen_q=max(flat.query_lens),
+            max_seqlen_k=flat.max_len,
             cu_seqlens_q_list=arrays.cu_seqlens_q.tolist(),
             seq_lens_list=arrays.seq_lens.tolist(),
-            start_pos_list=start_pos,
-            block_tables_list=tables,
+            start_pos_list=flat.start_pos,
+            block_tables_list=flat.tables,
             block_size=self.block_size,
         )
-        return StepInputs(views["token_ids"], views["positions"], meta, views["sample_idx"], sampled)
+        return StepInputs(views["token_ids"], views["positions"], meta, views["sample_idx"], flat.sampled)
 
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:
