@@ -81,6 +81,7 @@ def point(figures: dict, classes: dict, **where) -> dict:
             "refusals": figures["refusals"], "duration_s": figures["duration_s"],
             "ttft_p99_s": figures["ttft_s"]["p99"], "e2e_p99_s": figures["e2e_s"]["p99"],
             "interactive": classes["interactive"]["slo_attainment"],
+            "interactive_refused": classes["interactive"]["refused"],
             "batch": classes["batch"]["slo_attainment"], "classes": classes}
 
 
@@ -105,17 +106,20 @@ def median_range(values: list[float | None]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-AGGREGATED = ("goodput", "attainment", "interactive", "batch", "refused", "failed", "duration_s",
-              "steps", "busy_s", "step_ms", "prompt_computed", "prefix_hits", "generated", "preemptions")
+AGGREGATED = ("goodput", "attainment", "interactive", "interactive_refused", "batch", "refused", "failed",
+              "duration_s", "steps", "busy_s", "step_ms", "busy_ms_per_request", "prompt_computed", "prefix_hits",
+              "generated", "preemptions")
 
 
-def engine_work(stats: dict) -> dict:
+def engine_work(stats: dict, completed: int) -> dict:
     """What one point cost the engine, from a fresh server's counters (Info stats as message_dict
     gives them) after the point: model steps, the runner's busy seconds, mean milliseconds per
-    step, prompt tokens computed (hits excluded, recomputes included) and served from the prefix
-    cache, tokens generated, preemptions."""
+    step and per completed request (what a policy pays per request it serves: a point that runs
+    past its arrivals is as long as this times the requests served), prompt tokens computed (hits
+    excluded, recomputes included) and served from the prefix cache, tokens generated, preemptions."""
     steps, busy = stats.get("steps_total", 0), stats.get("busy_seconds_total", 0.0)
     return {"steps": steps, "busy_s": busy, "step_ms": 1e3 * busy / steps if steps else None,
+            "busy_ms_per_request": 1e3 * busy / completed if completed else None,
             "prompt_computed": stats.get("computed_prompt_tokens_total", 0),
             "prefix_hits": stats.get("prefix_hit_tokens_total", 0),
             "generated": stats.get("generated_tokens_total", 0), "preemptions": stats.get("preemptions_total", 0)}

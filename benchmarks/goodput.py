@@ -111,7 +111,7 @@ class Runner:
         figures = summarise(result.records, result.duration_s, None, spec.rate)
         p = ga.point(figures, ga.class_figures(figures, result.records, labels), **where,
                      wall_s=time.monotonic() - began)
-        p.update(ga.engine_work(harness.run(harness.engine_info(server.target)).get("stats", {})))
+        p.update(ga.engine_work(harness.run(harness.engine_info(server.target)).get("stats", {}), p["completed"]))
         if spec.concurrency:  # a closed loop: its throughput before the drain
             p["steady_rps"] = ga.steady_throughput(result.records)
         elapsed = time.monotonic() - self.start
@@ -183,7 +183,7 @@ class Runner:
                               "points": self.points, "ablation": self.ablation, **(extra or {})})
 
 
-WORK_COLUMNS = (("duration_s", 1), ("steps", 0), ("step_ms", 1), ("busy_s", 1), ("prompt_computed", 0),
+WORK_COLUMNS = (("duration_s", 1), ("steps", 0), ("step_ms", 1), ("busy_s", 1), ("busy_ms_per_request", 1), ("prompt_computed", 0),
                 ("prefix_hits", 0), ("generated", 0), ("preemptions", 0))
 
 
@@ -209,12 +209,12 @@ def report(runner: Runner, capacity: float) -> str:
     rows = [[arm, f"{m:g}x", f"{m * capacity:.2f}", ga.cell(agg[(arm, m)]["goodput"], digits=2),
              ga.cell(agg[(arm, m)]["attainment"], 100), ga.cell(agg[(arm, m)]["interactive"], 100),
              ga.cell(agg[(arm, m)]["batch"], 100), ga.cell(agg[(arm, m)]["refused"], digits=0),
-             interactive_misses(runner.points, arm, m)]
+             ga.cell(agg[(arm, m)]["interactive_refused"], digits=0), interactive_misses(runner.points, arm, m)]
             for arm in a.arms for m in a.multiples if (arm, m) in agg]
     lines += [f"capacity {capacity:.2f} req/s; {a.requests} requests per point, seeds "
               f"{','.join(map(str, a.seeds))}; median [min-max] over seeds", "",
               ga.table(["arm", "load", "req/s", "goodput", "attain %", "interactive %", "batch %", "refused",
-                        "interactive missed ttft/tpot/e2e"], rows),
+                        "interactive refused", "interactive served, missed ttft/tpot/e2e"], rows),
               "", "goals (medians over seeds):"]
     lines += [f"  {'n/a ' if ok is None else 'PASS' if ok else 'FAIL'}  {text}: {detail}"
               for text, ok, detail in ga.goals(agg, a.multiples)]

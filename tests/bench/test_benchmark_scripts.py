@@ -163,10 +163,11 @@ def test_aggregate_takes_median_and_range_over_seeds():
 def test_engine_work_from_a_fresh_servers_counters():
     stats = {"steps_total": 400, "busy_seconds_total": 6.0, "computed_prompt_tokens_total": 50_000,
              "prefix_hit_tokens_total": 20_000, "generated_tokens_total": 9_000, "preemptions_total": 3}
-    work = ga.engine_work(stats)
-    assert work == {"steps": 400, "busy_s": 6.0, "step_ms": 15.0, "prompt_computed": 50_000,
-                    "prefix_hits": 20_000, "generated": 9_000, "preemptions": 3}
-    assert ga.engine_work({})["step_ms"] is None  # a build without the counters
+    work = ga.engine_work(stats, completed=120)
+    assert work == {"steps": 400, "busy_s": 6.0, "step_ms": 15.0, "busy_ms_per_request": 50.0,
+                    "prompt_computed": 50_000, "prefix_hits": 20_000, "generated": 9_000, "preemptions": 3}
+    assert ga.engine_work({}, completed=0)["step_ms"] is None  # a build without the counters
+    assert ga.engine_work(stats, completed=0)["busy_ms_per_request"] is None  # nothing served
     agg = ga.aggregate([pt("slo", 2.0, 0, 10.0) | work, pt("slo", 2.0, 1, 12.0)], "arm")
     assert agg[("slo", 2.0)]["steps"] == {"median": 400, "min": 400, "max": 400, "n": 1}
 
