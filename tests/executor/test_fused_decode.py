@@ -235,3 +235,47 @@ def test_inputs_it_cannot_run_are_refused_and_the_next_step_is_unharmed(runner, 
         runner.decode_step.fused(bad)
     cell[0] = kept  # the persistent batch keeps an unchanged block table: put the real one back
     torch.testing.assert_close(runner.decode_step.fused(_step(runner, [9, 5])), want, rtol=0, atol=0)
+
+
+def test_a_mixed_step_past_the_rows_runs_its_decodes_in_the_kernel_and_its_chunks_apart(runner, monkeypatch):
+    """Past the kernel's rows, a mixed step whose decodes fit it runs two passes (chunks with the
+    swaps first, then the decodes); steps it cannot help stay one pass."""
+    seqs = _mixed(runner)  # 3 decodes, chunks of 6, 5 and 7 tokens: 21 rows
+    assert runner.split_mixed(SchedulerOutput(seqs)) is None  # the rows take it whole
+    monkeypatch.setattr(runner.decode_step.fused, "max_batch", 10)
+    out = SchedulerOutput(seqs, swap_in=[(0, 5)], finished_req_ids=["gone"])
+    chunks, decodes = runner.split_mixed(out)
+    assert [s.req_id for s in decodes.sequences] == ["m0", "m1", "m5"]
+    assert [s.req_id for s in chunks.sequences] == ["m2", "m3", "m4"]
+    assert (chunks.swap_in, chunks.finished_req_ids) == ([(0, 5)], ["gone"])
+    assert not decodes.swap_in and not decodes.finished_req_ids
+    assert runner.split_mixed(SchedulerOutput([s for s in seqs if len(s.token_ids) > 1])) is None  # no decodes
+    monkeypatch.setattr(runner.decode_step.fused, "max_batch", 2)
+    assert runner.split_mixed(SchedulerOutput(seqs)) is None  # 3 decodes: too many for the kernel
+
+
+def test_a_split_step_samples_what_one_pass_samples(runner, monkeypatch):
+    """The two passes give every sampled sequence the token one flat pass gives it, in step order."""
+    seqs = _mixed(runner)
+    monkeypatch.setattr(runner.decode_step.fused, "max_batch", 10)
+    runner.split_mixed_steps = False
+    try:
+        want = runner.execute(SchedulerOutput(seqs))
+    finally:
+        runner.split_mixed_steps = True
+    counting = _Counting(runner.decode_step.fused)
+    monkeypatch.setattr(runner.decode_step, "fused", counting)
+    assert runner.execute(SchedulerOutput(seqs)) == want
+    assert len(want) == sum(s.sample for s in seqs) and counting.calls == 1
+
+
+def test_greedy_tokens_equal_transformers_with_split_steps(runner, monkeypatch):
+    """Staggered prompts in 7-token chunks with the kernel's rows cut to 3: mixed steps split into
+    a chunk pass and a kernel decode pass, and the tokens are transformers' greedy ones."""
+    monkeypatch.setattr(runner.decode_step.fused, "max_batch", 3)
+    splits = []
+    split_mixed = runner.split_mixed
+    monkeypatch.setattr(runner, "split_mixed", lambda out: splits.append(split_mixed(out)) or splits[-1])
+    expected = hf_greedy(load_hf_model(runner.model_path), PROMPTS, 6)
+    assert generate(runner, PROMPTS, 6, chunk=7, stagger=True, seed=1) == expected
+    assert any(s is not None for s in splits), "no step was split"

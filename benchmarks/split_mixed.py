@@ -1,0 +1,83 @@
+"""Mixed steps past the fused kernel's rows: one flat pass against two (chunks apart, decodes in
+the kernel), side by side in one run.
+
+For each (decodes, chunk) shape whose tokens exceed the kernel's rows it times
+`ModelRunner.execute` of one mixed step -- `decodes` sequences decoding at position `--context` and
+one prompt computing a `chunk`-token chunk that starts there, each on pages of its own -- with
+`split_mixed_steps` on (as served) and off, in alternating rounds; the best round of each counts.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/split_mixed.py [--decodes 16 48] [--chunks 32 64 128 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from mixed_rows import mixed_step
+from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
+from sloserve.executor import ModelRunner
+from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
+
+
+def timed(runner: ModelRunner, out, split: bool, steps: int) -> float:
+    runner.split_mixed_steps = split
+    started = time.perf_counter()
+    for _ in range(steps):
+        runner.execute(out)
+    return (time.perf_counter() - started) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--decodes", type=int, nargs="+", default=[16, 48])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[32, 64, 128, 512])
+    parser.add_argument("--context", type=int, default=700, help="tokens before the step, every sequence")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "split_mixed.json")
+    args = parser.parse_args()
+    path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
+    most, longest = max(args.decodes) + 1, args.context + max(args.chunks) + 64
+    config = SloserveConfig(
+        model=ModelConfig(path=path, device="cpu", max_model_len=longest),
+        cache=CacheConfig(kv_pool_bytes=most * longest * 8 * 2**10, swap_bytes=0),
+        scheduler=SchedulerConfig(max_batch=most, max_batched_tokens=max(2048, max(args.chunks) + most)),
+    )
+    runner = ModelRunner(config)
+    if runner.decode_step is None or runner.decode_step.fused is None:
+        raise SystemExit(f"{path}: steps cannot take the fused kernel here")
+    print(f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, context {args.context}, "
+          f"rows up to {runner.decode_step.fused.max_batch}, load {os.getloadavg()[0]:.1f}")
+    print(f"{'decodes':>7} {'chunk':>5} {'split ms':>9} {'one ms':>8} {'split/one':>9}")
+    results = []
+    for decodes in args.decodes:
+        for chunk in args.chunks:
+            out = mixed_step(runner, decodes, chunk, args.context)
+            if runner.split_mixed(out) is None:
+                continue  # the rows take it whole, or its decodes do not fit the kernel
+            best = {"split": float("inf"), "one": float("inf")}
+            for _ in range(args.rounds):
+                best["split"] = min(best["split"], timed(runner, out, True, args.steps))
+                best["one"] = min(best["one"], timed(runner, out, False, args.steps))
+            ratio = best["split"] / best["one"]
+            results.append({"decodes": decodes, "chunk": chunk, "split_ms": round(best["split"] * 1e3, 3),
+                            "one_pass_ms": round(best["one"] * 1e3, 3), "split_over_one": round(ratio, 3)})
+            print(f"{decodes:>7} {chunk:>5} {best['split'] * 1e3:>9.2f} {best['one'] * 1e3:>8.2f} {ratio:>9.2f}",
+                  flush=True)
+    runner.split_mixed_steps = True
+    report = {"benchmark": "split_mixed", "model": path, "parameters": runner.info()["parameters"],
+              "context": args.context, "torch_threads": torch.get_num_threads(),
+              "load_average": os.getloadavg(), "torch": torch.__version__, "rows": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
