@@ -39,6 +39,18 @@ def mixed_step(runner: ModelRunner, decodes: int, chunk: int, context: int) -> S
     return SchedulerOutput(seqs)
 
 
+def make_runner(model: str, decodes: int, chunk: int, context: int) -> tuple[str, ModelRunner]:
+    """(checkpoint path, a CPU runner with pages for `decodes` + 1 sequences of `context` + `chunk` tokens)."""
+    path = str(ensure_default_model(model)) if model in BUILTIN_MODELS else model
+    longest = context + chunk + 64
+    config = SloserveConfig(
+        model=ModelConfig(path=path, device="cpu", max_model_len=longest),
+        cache=CacheConfig(kv_pool_bytes=(decodes + 1) * longest * 8 * 2**10, swap_bytes=0),
+        scheduler=SchedulerConfig(max_batch=decodes + 1, max_batched_tokens=max(1024, chunk + decodes + 1)),
+    )
+    return path, ModelRunner(config)
+
+
 def timed(runner: ModelRunner, out: SchedulerOutput, max_batch: int, steps: int) -> float:
     runner.decode_step.fused.max_batch = max_batch  # 0: no mixed step fits the rows, the flat path runs
     started = time.perf_counter()
@@ -57,14 +69,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_rows.json")
     args = parser.parse_args()
-    path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
-    most = max(args.decodes) + 1
-    config = SloserveConfig(
-        model=ModelConfig(path=path, device="cpu", max_model_len=args.context + max(args.chunks) + 64),
-        cache=CacheConfig(kv_pool_bytes=most * (args.context + max(args.chunks) + 64) * 8 * 2**10, swap_bytes=0),
-        scheduler=SchedulerConfig(max_batch=most, max_batched_tokens=1024),
-    )
-    runner = ModelRunner(config)
+    path, runner = make_runner(args.model, max(args.decodes), max(args.chunks), args.context)
     fused = runner.decode_step.fused if runner.decode_step else None
     if fused is None:
         raise SystemExit(f"{path}: steps cannot take the fused kernel here")

@@ -18,10 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from mixed_rows import mixed_step
-from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
+from mixed_rows import make_runner, mixed_step
 from sloserve.executor import ModelRunner
-from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 
 
 def timed(runner: ModelRunner, out, split: bool, steps: int) -> float:
@@ -42,14 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "split_mixed.json")
     args = parser.parse_args()
-    path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
-    most, longest = max(args.decodes) + 1, args.context + max(args.chunks) + 64
-    config = SloserveConfig(
-        model=ModelConfig(path=path, device="cpu", max_model_len=longest),
-        cache=CacheConfig(kv_pool_bytes=most * longest * 8 * 2**10, swap_bytes=0),
-        scheduler=SchedulerConfig(max_batch=most, max_batched_tokens=max(2048, max(args.chunks) + most)),
-    )
-    runner = ModelRunner(config)
+    path, runner = make_runner(args.model, max(args.decodes), max(args.chunks), args.context)
     if runner.decode_step is None or runner.decode_step.fused is None:
         raise SystemExit(f"{path}: steps cannot take the fused kernel here")
     print(f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, context {args.context}, "
