@@ -214,9 +214,9 @@ class ModelRunner:
         On the flat path a step's decodes cost far more than in the kernel: at 700 tokens of
         context, 48 decodes beside a 32-token chunk took 39.6 ms in one flat pass against 16.9 ms
         for the 48 alone in the kernel and 7.9 ms for the chunk alone (benchmarks/split_mixed.py
-        measures it). The passes touch disjoint KV slots (a request never reads a block another
-        computes in the same step: Claims in block_manager), so each sequence computes what one
-        pass would have given it; chunks go first so that swaps land before anything reads.
+        measures it). Chunks go first: the swaps land before anything reads, and a decode sees
+        whatever a chunk writes, as in one pass; a decode writes only into its own last block,
+        which is never shared, so no chunk reads it. Each sequence computes what one pass gives.
         """
         fused = self.decode_step.fused if self.decode_step is not None else None
         if fused is None or out.num_steps > 1 or out.num_tokens <= fused.max_batch:
