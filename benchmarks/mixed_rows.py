@@ -53,6 +53,11 @@ def make_runner(model: str, decodes: int, chunk: int, context: int) -> tuple[str
 
 def timed(runner: ModelRunner, out: SchedulerOutput, max_batch: int, steps: int) -> float:
     runner.decode_step.fused.max_batch = max_batch  # 0: no mixed step fits the rows, the flat path runs
+    return seconds_per_execute(runner, out, steps)
+
+
+def seconds_per_execute(runner: ModelRunner, out: SchedulerOutput, steps: int) -> float:
+    """Mean wall time of `steps` runs of ModelRunner.execute(out)."""
     started = time.perf_counter()
     for _ in range(steps):
         runner.execute(out)

@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
-from mixed_rows import make_runner, mixed_step
+from mixed_rows import make_runner, mixed_step, seconds_per_execute
+from sloserve.batch import SchedulerOutput
 from sloserve.executor import ModelRunner
 
 
-def timed(runner: ModelRunner, out, split: bool, steps: int) -> float:
+def timed(runner: ModelRunner, out: SchedulerOutput, split: bool, steps: int) -> float:
     runner.split_mixed_steps = split
-    started = time.perf_counter()
-    for _ in range(steps):
-        runner.execute(out)
-    return (time.perf_counter() - started) / steps
+    return seconds_per_execute(runner, out, steps)
 
 
 def main() -> None:

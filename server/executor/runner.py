@@ -211,10 +211,10 @@ class ModelRunner:
         """A mixed step too large for the fused kernel's rows, whose decodes alone it takes, as two
         passes: (its prefill chunks, with the step's swaps and drops; its decodes). None: one pass.
 
-        On the flat path a step's decodes cost far more than in the kernel: at 700 tokens of
-        context, 48 decodes beside a 32-token chunk took 39.6 ms in one flat pass against 16.9 ms
-        for the 48 alone in the kernel and 7.9 ms for the chunk alone (benchmarks/split_mixed.py
-        measures it). Chunks go first: the swaps land before anything reads, and a decode sees
+        On the flat path a step's decodes cost far more than in the kernel (a step under
+        SERIAL_STEP_MACS runs on one thread): at 700 tokens of context, 48 decodes beside a
+        32-token chunk took 43.1 ms in one flat pass and 25.2 ms as two
+        (benchmarks/split_mixed.py, results/split_mixed.json). Chunks go first: the swaps land before anything reads, and a decode sees
         whatever a chunk writes, as in one pass; a decode writes only into its own last block,
         which is never shared, so no chunk reads it. Each sequence computes what one pass gives.
         """
