@@ -14,22 +14,29 @@ Method (issue 12):
   the highest rung the first one met;
   --requests-per-rate fresh requests per point: no point on one server reuses a prompt of an
   earlier one (a new server when the prompts run out);
-- rows (median [min-max] over seeds): QPS at 95% attainment (interpolated); P99 end-to-end at
-  the naive QPS@95% (the median over seeds), one more point per seed and mode on a fresh server;
+- rows (median [min-max] over seeds): QPS at 95% attainment (interpolated; a sweep that never met
+  95%, its budget spent above the crossing, bounds it below its lowest rate, and one that never
+  missed above its highest: the median and the ratio are then bounds, judged only when the whole
+  interval is on one side of the goal); P99 end-to-end at the naive QPS@95% (the median over
+  seeds, a bound taken as the rate), one more point per seed and mode on a fresh server;
   peak KV in use = peak blocks in use (the engine's kv_blocks_peak, else Info sampled every
   0.1 s) x kv_block_bytes, next to contiguous caches of the maximum length = peak running
   requests (sampled) x max_model_len x bytes per token (kv_block_bytes / block_size); peak RSS of
   the server process and its engine process (the sum of their VmHWM).
 
     python benchmarks/seed_table.py     # the estimate is printed after calibration (~12 min quiet)
+    python benchmarks/seed_table.py --report benchmarks/results/seed_table.json   # a saved run's table
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import _goodput_arms as ga
 import harness
@@ -61,6 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--budget-s", type=float, default=200.0, help="most seconds of one sweep (mode, seed)")
     p.add_argument("--name", default="seed_table", help="results/NAME.json and NAME.txt")
+    p.add_argument("--report", type=Path, default=None, help="print the table of a saved results JSON; runs nothing")
     args = p.parse_args(argv)
     if args.requests_per_rate < 1 or not args.seeds:
         p.error("--requests-per-rate must be >= 1 and --seeds non-empty")
@@ -179,24 +187,69 @@ def estimate_s(n: int, capacity: float, seeds: int, budget_s: float) -> float:
     return 16 / capacity + seeds * (min(naive, cap) + min(full, cap) + 2 * n / (rungs[-1] * capacity) + 8 * 3.0)
 
 
+def qps_bounds(runs: list[dict]) -> tuple[float, float]:
+    """(low, high) bounds of one sweep's QPS at TARGET, attainment taken to fall as the rate rises:
+    equal where the sweep crossed it (interpolated); (highest rate, inf) where no rate missed;
+    (0, lowest rate) where none met it -- a sweep whose budget ran out above its crossing."""
+    points = [(r["rate"], r["slo_attainment"]) for r in runs]
+    rate = rate_at_attainment(points, TARGET)
+    if rate is None:
+        return 0.0, min(r for r, _ in points)
+    if all(a >= TARGET for _, a in points):
+        return rate, math.inf
+    return rate, rate
+
+
+def bounded_median(bounds: list[tuple[float, float]]) -> dict:
+    """median [min-max] over seeds of values each known within (low, high): the median lies
+    between the median of the lows and the median of the highs; "median" is the value a rate
+    can be taken at (the finite bound of a one-sided seed)."""
+    lows, highs = [b[0] for b in bounds], [b[1] for b in bounds]
+    known = [lo if math.isinf(hi) or lo == hi else hi for lo, hi in bounds]
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(bounds),
+            "low": statistics.median(lows), "high": statistics.median(highs)}
+
+
+def bounded_cell(figure: dict | None, scale: float, digits: int) -> str:
+    """ga.cell, marked '<= ' or '>= ' where the median is only bounded on one side."""
+    if figure is None or figure.get("low", 0) == figure.get("high", 0):
+        return ga.cell(figure, scale, digits)
+    low, high = figure["low"] * scale, figure["high"] * scale
+    if math.isinf(high):
+        return f">= {low:.{digits}f}"
+    return f"<= {high:.{digits}f}" if low == 0 else f"{low:.{digits}f}-{high:.{digits}f}"
+
+
 def ratio_row(label: str, before: dict | None, after: dict | None, scale: float, digits: int, goal: float,
-              at_least: bool, write_up: str, bounds: tuple[bool, bool] = (True, True)) -> list[str]:
-    """A table row: before, after, after/before on medians, the goal's verdict. bounds says whether
-    each side was measured (False: only a lower bound, a sweep that never fell below 95%); used
-    with at_least goals."""
-    ratio = None if before is None or after is None or not before["median"] else after["median"] / before["median"]
-    verdict = "n/a" if ratio is None else "PASS" if (ratio >= goal if at_least else ratio <= goal) else "FAIL"
-    if ratio is not None and not all(bounds):  # the ratio is a bound: only one verdict can hold
-        ratio_is_lower_bound, ratio_is_upper_bound = bounds == (True, False), bounds == (False, True)
-        holds = (ratio_is_lower_bound and verdict == "PASS") or (ratio_is_upper_bound and verdict == "FAIL")
-        verdict = verdict if holds else "n/a (not crossed)"
-    return [label, ">= " * (not bounds[0]) + ga.cell(before, scale, digits),
-            ">= " * (not bounds[1]) + ga.cell(after, scale, digits),
-            "n/a" if ratio is None else f"x{ratio:.2f}", f"{'>=' if at_least else '<='} x{goal:.2f} {verdict}", write_up]
+              at_least: bool, write_up: str) -> list[str]:
+    """A table row: before, after, after/before on medians, the goal's verdict.
+
+    A figure with "low" and "high" (bounded_median) is known only within them, and so is the
+    ratio: (after's low / before's high, after's high / before's low). The verdict holds when the
+    whole interval is on one side of the goal, else "n/a (not crossed)"."""
+    if before is None or after is None or not before["median"]:
+        ratio = None
+    else:
+        b_lo, b_hi = before.get("low", before["median"]), before.get("high", before["median"])
+        a_lo, a_hi = after.get("low", after["median"]), after.get("high", after["median"])
+        ratio = (a_lo / b_hi if b_hi else math.inf, a_hi / b_lo if b_lo else math.inf)
+    if ratio is None:
+        change, verdict = "n/a", "n/a"
+    else:
+        lo, hi = ratio
+        change = f"x{lo:.2f}" if lo == hi else "n/a" if lo == 0 and math.isinf(hi) else \
+            f">= x{lo:.2f}" if math.isinf(hi) else f"<= x{hi:.2f}" if lo == 0 else f"x{lo:.2f}-x{hi:.2f}"
+        meets = (lambda r: r >= goal) if at_least else (lambda r: r <= goal)
+        verdict = "PASS" if meets(lo) and meets(hi) else "FAIL" if not meets(lo) and not meets(hi) else "n/a (not crossed)"
+    return [label, bounded_cell(before, scale, digits), bounded_cell(after, scale, digits), change,
+            f"{'>=' if at_least else '<='} x{goal:.2f} {verdict}", write_up]
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.report:
+        print(report(json.loads(args.report.read_text())))
+        return 0
     began, n = time.monotonic(), args.requests_per_rate
     pools = {s: harness.arc_pool(s, args.max_prompt_chars, args.max_tokens, args.workload) for s in args.seeds}
     spec, pool0 = pools[args.seeds[0]]
@@ -224,14 +277,8 @@ def main(argv: list[str]) -> int:
             finally:
                 served.close()
             peaks[mode][seed] = {**served.kv(), "running": served.peak["running"], "rss_bytes": served.peak["rss_bytes"]}
-    # 0: even the lowest rate probed missed the target
-    qps = {m: {s: rate_at_attainment([(r["rate"], r["slo_attainment"]) for r in runs[m][s]], TARGET) or 0.0
-               for s in args.seeds} for m in MODES}
-    crossed = {m: all(any(r["slo_attainment"] < TARGET for r in runs[m][s]) for s in args.seeds) for m in MODES}
-    common_rate = statistics.median(qps["naive"].values())
-    if not common_rate:
-        common_rate = min(r["rate"] for s in args.seeds for r in runs["naive"][s])
-        print("naive missed 95% at every rate probed: P99 at the lowest rate probed instead", flush=True)
+    # where a seed never met the target, its lowest rate probed (an upper bound on its QPS@95%)
+    common_rate = statistics.median(bounded_median([qps_bounds(runs["naive"][s])])["median"] for s in args.seeds)
     print(f"[P99 at the naive QPS@95% {common_rate:.3f} req/s]", flush=True)
     p99 = {m: {} for m in MODES}
     for seed in args.seeds:
@@ -244,15 +291,37 @@ def main(argv: list[str]) -> int:
             p99[mode][seed] = run["e2e_s"]["p99"]
             print(f"    {mode} seed {seed}: p99 e2e {1000 * (run['e2e_s']['p99'] or 0):.1f} ms, attainment "
                   f"{100 * run['slo_attainment']:.1f}%", flush=True)
-    mr = {m: {"qps": ga.median_range(list(qps[m].values())), "p99": ga.median_range(list(p99[m].values())),
+    payload = {
+        "machine": harness.machine(), "workload": spec, "args": vars(args), "unloaded": unloaded,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}, "rates": rates,
+        "common_rate": common_rate, "p99_e2e_s": p99, "peaks": peaks, "write_up": WRITE_UP, "sweeps": runs,
+        "estimate_s": estimate, "elapsed_s": time.monotonic() - began}
+    text = report(payload)
+    print("\n" + text)
+    path = harness.save(args.name, payload)
+    (harness.RESULTS / f"{args.name}.txt").write_text(text + "\n")
+    print(f"wrote {path} and {args.name}.txt")
+    return 0
+
+
+def report(payload: dict) -> str:
+    """The table from a run's saved figures (main's payload, or its JSON: seeds as strings)."""
+    seeds = payload["args"]["seeds"]
+    per_seed = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731
+    runs = {m: per_seed(payload["sweeps"][m]) for m in MODES}
+    peaks = {m: per_seed(payload["peaks"][m]) for m in MODES}
+    p99 = {m: per_seed(payload["p99_e2e_s"][m]) for m in MODES}
+    bounds = {m: {s: qps_bounds(runs[m][s]) for s in seeds} for m in MODES}
+    mr = {m: {"qps": bounded_median(list(bounds[m].values())), "p99": ga.median_range(list(p99[m].values())),
               "paged": ga.median_range([p["paged_bytes"] for p in peaks[m].values()]),
               "contiguous": ga.median_range([p["contiguous_bytes"] for p in peaks[m].values()]),
               "rss": ga.median_range([p["rss_bytes"] for p in peaks[m].values()])} for m in MODES}
+    slo = payload["slo"]
     wq, wp, wm, mib = WRITE_UP["qps"], WRITE_UP["p99_ms"], WRITE_UP["memory_gb"], 2.0**-20
     rows = [
         ratio_row("QPS at 95% SLO attainment", mr["naive"]["qps"], mr["full"]["qps"], 1, 2, wq[1] / wq[0], True,
-                  f"{wq[0]} -> {wq[1]}", (crossed["naive"], crossed["full"])),
-        ratio_row(f"P99 e2e at {common_rate:.3g} req/s (ms)", mr["naive"]["p99"], mr["full"]["p99"], 1000, 0,
+                  f"{wq[0]} -> {wq[1]}"),
+        ratio_row(f"P99 e2e at {payload['common_rate']:.3g} req/s (ms)", mr["naive"]["p99"], mr["full"]["p99"], 1000, 0,
                   wp[1] / wp[0], False, f"{wp[0]:g} -> {wp[1]:g} ms"),
         ratio_row("peak KV of full (MiB): contiguous -> paged", mr["full"]["contiguous"], mr["full"]["paged"], mib, 1,
                   wm[1] / wm[0], False, f"memory {wm[0]:g} -> {wm[1]:g} GB"),
@@ -261,27 +330,24 @@ def main(argv: list[str]) -> int:
          "", "", f"{wm[0]:g} -> {wm[1]:g} GB"],
     ]
     info = next(iter(peaks["full"].values()))
-    lines = [f"SLO {slo_text(slo)}; {len(args.seeds)} seeds, {n} fresh requests per rate; median [min-max] over seeds",
-             "", ga.table(["", "before (naive)", "after (full)", "change", "goal", "write-up"], rows), "",
+    lines = [f"SLO {slo_text(SLO(**slo))}; {len(seeds)} seeds, {payload['args']['requests_per_rate']} fresh requests "
+             "per rate; median [min-max] over seeds", "",
+             ga.table(["", "before (naive)", "after (full)", "change", "goal", "write-up"], rows), "",
              f"KV: paged = peak blocks in use ({info['source']}) x kv_block_bytes; contiguous = peak running requests "
              f"(sampled; full: {', '.join(str(p['running']) for p in peaks['full'].values())}) x max_model_len x "
-             "bytes per token (kv_block_bytes / block_size), one max-length cache per running request."]
+             "bytes per token (kv_block_bytes / block_size), one max-length cache per running request.",
+             "QPS@95%: '<= x' where a sweep never met 95% (its lowest rate probed), '>= x' where it never fell "
+             "below; a ratio of bounded medians is itself a bound, and its verdict holds only when the whole "
+             "interval is on one side of the goal."]
     for mode in MODES:
-        for seed in args.seeds:
-            lines.append(f"{mode} seed {seed}: QPS@95 {qps[mode][seed]:.3f}; " + ", ".join(
+        for seed in seeds:
+            lo, hi = bounds[mode][seed]
+            qps = f"{lo:.3f}" if lo == hi else f">= {lo:.3f}" if math.isinf(hi) else f"< {hi:.3f}"
+            lines.append(f"{mode} seed {seed}: QPS@95 {qps}; " + ", ".join(
                 f"{r['rate']:g}/s {100 * r['slo_attainment']:.0f}%" for r in runs[mode][seed]))
-    lines.append(f"\ntotal {(time.monotonic() - began) / 60:.1f} min (estimated {estimate / 60:.1f})")
-    text = "\n".join(lines)
-    print("\n" + text)
-    path = harness.save(args.name, {
-        "machine": harness.machine(), "workload": spec, "args": vars(args), "unloaded": unloaded,
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}, "rates": rates,
-        "qps_at_95": qps, "qps_crossed_target": crossed, "common_rate": common_rate, "p99_e2e_s": p99,
-        "peaks": peaks, "summary": mr, "write_up": WRITE_UP, "sweeps": runs,
-        "elapsed_s": time.monotonic() - began})
-    (harness.RESULTS / f"{args.name}.txt").write_text(text + "\n")
-    print(f"wrote {path} and {args.name}.txt")
-    return 0
+    if "estimate_s" in payload:
+        lines.append(f"\ntotal {payload['elapsed_s'] / 60:.1f} min (estimated {payload['estimate_s'] / 60:.1f})")
+    return "\n".join(lines)
 
 
 def slo_text(slo: SLO) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -210,9 +212,48 @@ def test_ratio_rows_judge_the_write_up_goals():
     assert seed_table.ratio_row("p99", mr(100.0), mr(50.0), 1, 0, 0.34, False, "")[4].endswith("FAIL")
     assert seed_table.ratio_row("qps", None, mr(4.0), 1, 2, 3.16, True, "")[4].endswith("n/a")
     # full never fell below 95%: its QPS is a lower bound, so a pass holds and a fail is inconclusive
-    assert seed_table.ratio_row("qps", mr(1.0), mr(4.0), 1, 2, 3.16, True, "", (True, False))[4].endswith("PASS")
-    lower = seed_table.ratio_row("qps", mr(1.0), mr(2.0), 1, 2, 3.16, True, "", (True, False))
-    assert lower[4].endswith("n/a (not crossed)") and lower[2].startswith(">= ")
+    never_missed = lambda v: seed_table.bounded_median([(v, math.inf)])  # noqa: E731
+    assert seed_table.ratio_row("qps", mr(1.0), never_missed(4.0), 1, 2, 3.16, True, "")[4].endswith("PASS")
+    lower = seed_table.ratio_row("qps", mr(1.0), never_missed(2.0), 1, 2, 3.16, True, "")
+    assert lower[4].endswith("n/a (not crossed)") and lower[2] == ">= 2.00" and lower[3] == ">= x2.00"
+    # naive never met 95%: its QPS is below its lowest rate, so the ratio is a lower bound again
+    never_met = seed_table.bounded_median([(0.0, 1.55)])
+    row = seed_table.ratio_row("qps", never_met, mr(6.35), 1, 2, 3.16, True, "")
+    assert row[1] == "<= 1.55" and row[3] == ">= x4.10" and row[4].endswith("PASS")
+    assert seed_table.ratio_row("qps", never_met, mr(3.0), 1, 2, 3.16, True, "")[4].endswith("n/a (not crossed)")
+    assert seed_table.ratio_row("qps", never_met, never_missed(9.0), 1, 2, 3.16, True, "")[3] == ">= x5.81"
+
+
+def test_qps_bounds_follow_what_each_sweep_crossed():
+    run = lambda rate, att: {"rate": rate, "slo_attainment": att}  # noqa: E731
+    assert seed_table.qps_bounds([run(1.0, 0.99), run(2.0, 0.91)]) == pytest.approx((1.5, 1.5))  # interpolated
+    assert seed_table.qps_bounds([run(1.0, 0.99), run(2.0, 0.97)]) == (2.0, math.inf)  # never missed
+    assert seed_table.qps_bounds([run(1.55, 0.84), run(2.48, 0.72)]) == (0.0, 1.55)  # never met
+    # the median of three seeds is bounded by the medians of their lows and of their highs
+    fig = seed_table.bounded_median([(0.0, 1.55), (1.55, 1.55), (0.0, 1.62)])
+    assert (fig["low"], fig["high"], fig["median"]) == (0.0, 1.55, 1.55)
+    fig = seed_table.bounded_median([(0.0, 1.62), (4.28, 4.28), (1.82, 1.82)])  # one seed's bound, still exact
+    assert fig["low"] == fig["high"] == fig["median"] == 1.82 and fig["min"] == 1.62
+
+
+def test_seed_table_reports_a_saved_run(tmp_path):
+    """--report rebuilds the table from the JSON a run saved (seeds become string keys there)."""
+    run = lambda rate, att: {"rate": rate, "slo_attainment": att}  # noqa: E731
+    peak = {"paged_bytes": 2**20, "contiguous_bytes": 2**25, "rss_bytes": 2**29, "running": 4, "source": "kv_blocks_peak"}
+    payload = {"args": {"seeds": [0, 1], "requests_per_rate": 100}, "slo": {"ttft_s": 0.2, "tpot_s": None, "e2e_s": 30.0},
+               "common_rate": 1.5, "write_up": seed_table.WRITE_UP,
+               "sweeps": {"naive": {"0": [run(1.5, 0.9)], "1": [run(1.5, 0.96), run(2.4, 0.8)]},
+                          "full": {"0": [run(4.0, 0.99), run(6.4, 0.9)], "1": [run(4.0, 0.97), run(6.4, 0.93)]}},
+               "peaks": {m: {"0": peak, "1": peak} for m in seed_table.MODES},
+               "p99_e2e_s": {"naive": {"0": 1.0, "1": 1.2}, "full": {"0": 0.3, "1": 0.4}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(payload))
+    text = seed_table.report(json.loads(path.read_text()))
+    assert "naive seed 0: QPS@95 < 1.500" in text and "naive seed 1: QPS@95 1.556" in text
+    # two seeds: the median is between the mean of the lows (0, 1.556) and of the highs (1.5, 1.556)
+    qps_row = next(line for line in text.splitlines() if line.startswith("QPS at 95%"))
+    assert "0.78-1.53" in qps_row and "x3.36-x6.60" in qps_row and "PASS" in qps_row
+    assert seed_table.main(["--report", str(path)]) == 0
 
 
 class _FakeServed:
