@@ -40,12 +40,40 @@ decodes alone does not cap the others: it is lost for this step. Optional reques
 still ends within the cap, and a prefill chunk is cut to what fits under it -- Sarathi-Serve's
 stall-free token budget, derived from deadlines instead of fixed. A must-run prefill makes at
 least MIN_CHUNK tokens even past the cap (every urgent one; one starving request per step).
-With no paced request running, the cap is infinite and every request runs.
+With no paced request running, the cap is infinite and every request runs -- unless requests with
+a TTFT objective are arriving.
+
+The cap also leaves room for the next arrival's first token: while requests with a TTFT
+objective keep coming (any seen in the last ARRIVAL_WINDOW_S, refused ones included), no step
+is planned longer than ARRIVAL_SHARE of the tightest such objective, so a newcomer does not
+first wait out a step of the whole token budget (2,048 prompt tokens took ~250 ms on stop 35's
+machine, most of a 0.3 s TTFT; cut to 75 ms a step still computes ~600 tokens, where a token
+costs what it costs in the full budget). Without it a run could fall into a loop: a few refused
+interactive requests left no paced request running, steps grew to the whole budget, and the
+next arrivals were refused behind them. A cap below a step of MIN_CHUNK tokens beside the
+running decodes is not applied: no step fits it.
+
+Measured served (goodput.py's mixed workload at 1.5x and 2x of a 10 req/s capacity, paired
+points alternating builds; interactive requests met, summed): with this room and whole urgent
+prompts 465 against 380 without either (16 pairs: 12 won, 3 lost); whole prompts on top of the
+room alone 316 against 275 (12 pairs: 8 won, 4 lost); whole prompts alone 739 against 673 (24
+pairs: 11 won, 12 lost) -- the room is what stops the loop, and then the whole prompts help.
+
+An urgent prompt with a TTFT objective runs whole (its full chunk in one step, past the cap) when
+the paced decodes can absorb that step: each paced request may lose STALL_SHARE of its *spare*
+time -- its pace less a decode step of the whole running set, times its remaining outputs -- and
+then still keep its pace in such steps. Cut to the cap, the same prompt would pay a step's
+overhead, and the small chunk's higher price per token, many times over: on 2 cores a prompt
+token cost ~230 us in a chunk of at most 64 rows and 110-130 us in one of 128 or more
+(benchmarks/README.md, stop 35), so an interactive prompt cut to the pace cost the machine about
+twice what it costs whole. Only that prompt joins the step past the cap (no room is left for
+optional work), so the spare time goes to a first token, not to batch work.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,6 +82,9 @@ from sloserve.engine.request import Request
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
 TTFT_SAFETY = 0.5  # an urgent prompt is paced to be done in this share of its time left
+ARRIVAL_SHARE = 0.25  # of the tightest recent TTFT objective: the longest step while such requests arrive
+ARRIVAL_WINDOW_S = 10.0  # TTFT objectives seen this recently are expected of the next arrivals
+STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decode step, per output) one step may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +112,8 @@ class DeadlinePlan:
     """One step's view of every candidate's slack, the horizon and the step cap."""
 
     def __init__(self, price: StepPrice, running: Iterable[Request], now: float, chunk: int,
-                 max_wait_s: float, step_tokens: int, finish_margin: float = 0.0) -> None:
+                 max_wait_s: float, step_tokens: int, finish_margin: float = 0.0,
+                 arrival_ttft_s: float | None = None) -> None:
         self.price = price
         self.now = now
         self.chunk = chunk
@@ -92,9 +124,14 @@ class DeadlinePlan:
         # NOTE: a request that waits also waits for the step in flight, which may be a full one
         self.horizon_s = HORIZON_STEPS * max(self.full_step_s, price.step_seconds(step_tokens, 0))
         self._slack: dict[int, float] = {}
-        self.cap_s = math.inf  # the step must end this long after `now`
+        # The step must end this long after `now`: room for a newcomer's first token (unless no
+        # useful step fits in it), then the paces below.
+        self.cap_s = math.inf
+        if arrival_ttft_s is not None and ARRIVAL_SHARE * arrival_ttft_s >= price.step_seconds(MIN_CHUNK, len(running)):
+            self.cap_s = ARRIVAL_SHARE * arrival_ttft_s
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
         self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
+        self.absorb_s = math.inf  # how far past the cap one step may run for an urgent whole prompt
         paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
                  and (r.tpot_s is not None or r.e2e_deadline is not None) and self.must_run(r)]
         floor_s = price.step_seconds(0, len(paced))  # the step of the must-run decodes alone
@@ -102,6 +139,8 @@ class DeadlinePlan:
             pace = self.pace(r, now)
             if pace >= floor_s:
                 self.cap_s = min(self.cap_s, pace)
+                outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
+                self.absorb_s = min(self.absorb_s, STALL_SHARE * outputs * max(0.0, pace - self.full_step_s))
 
     def min_chunk(self, r: Request, n: int) -> int:
         """The least of `n` prompt tokens an urgent r must compute now: MIN_CHUNK, or for a TTFT
@@ -114,6 +153,12 @@ class DeadlinePlan:
         steps = max(1, int(TTFT_SAFETY * (r.ttft_deadline - self.now) / max(step, self.price.step_seconds(1, 0))))
         pending = r.num_tokens - r.num_computed_tokens
         return min(n, max(floor, -(-pending // steps)))
+
+    def absorbs(self, prompt: int, decodes: int) -> bool:
+        """Can the paced decodes absorb a step of `prompt` prompt tokens and `decodes` decoding
+        sequences, however far past the cap, and still keep their pace in decode steps of the
+        whole running set? Then an urgent prompt runs whole (see the module docstring)."""
+        return self.price.step_seconds(prompt, decodes) + self.price.margin_s <= self.cap_s + self.absorb_s
 
     def paced_prefill(self, r: Request, n: int, prompt: int, decodes: int) -> None:
         """An urgent prompt got a chunk of `n` (the step now computes `prompt` prompt tokens and
@@ -231,3 +276,23 @@ class DeadlinePlan:
         if self._waiting is None:
             self._waiting = sorted(waiting, key=self.sort_key)
         return self._waiting
+
+
+class TightestRecent:
+    """The smallest TTFT objective among requests that arrived in the last ARRIVAL_WINDOW_S
+    (refused ones too: they show the traffic is there), in O(1) amortised per call: a deque of
+    (arrival, objective) whose objectives rise from front to back."""
+
+    def __init__(self, window_s: float = ARRIVAL_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._seen: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, ttft_s: float) -> None:
+        while self._seen and self._seen[-1][1] >= ttft_s:
+            self._seen.pop()  # a tighter newer objective outlives it
+        self._seen.append((now, ttft_s))
+
+    def tightest(self, now: float) -> float | None:
+        while self._seen and self._seen[0][0] < now - self.window_s:
+            self._seen.popleft()
+        return self._seen[0][1] if self._seen else None

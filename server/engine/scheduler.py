@@ -17,7 +17,7 @@ from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.engine.admission import AdmissionControl
 from sloserve.engine.block_manager import BlockManager
-from sloserve.engine.deadlines import MIN_CHUNK, DeadlinePlan
+from sloserve.engine.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.output_processor import process_token, take_output
 from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
@@ -58,6 +58,7 @@ class Scheduler:
         self.faults = FaultPlan.parse(config.faults) or None  # None (the default): no checks at all
         self.step_count = 0
         self._handles = itertools.count()
+        self.arrivals = TightestRecent()  # TTFT objectives of recent newcomers: the deadline plan leaves them room
         self._scheduled: list[tuple[Request, int]] = []
         self._swapped: list[Request] = []  # requests swapped in or out by the current step
         self._outputs: list[RequestOutput] = []  # finished outside update() (queue timeouts)
@@ -90,6 +91,8 @@ class Scheduler:
                 f"the prompt has {len(prompt_token_ids)} tokens but the model takes at most "
                 f"{self.max_model_len - 1} (room is needed for one output token); shorten it")
         now = self.clock()
+        if slo is not None and slo.ttft_s is not None:
+            self.arrivals.add(now, slo.ttft_s)
         req = Request(request_id, next(self._handles), prompt_token_ids, sampling, slo,
                       arrival_time if arrival_time is not None else now, self.config.default_ttft_s,
                       priority)
@@ -293,7 +296,8 @@ class Scheduler:
         if price is None:
             return None
         chunk = min(sc.prefill_chunk, sc.max_batched_tokens) if sc.chunked_prefill else sc.max_batched_tokens
-        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens, sc.finish_margin)
+        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens, sc.finish_margin,
+                            self.arrivals.tightest(now))
 
     def _step_load(self) -> tuple[int, int]:
         """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""
@@ -307,6 +311,8 @@ class Scheduler:
             return n if plan.must_run(req) or plan.decode_fits(*load) else 0
         fit = min(n, plan.room(*load))
         if plan.urgent(req):
+            if req.ttft_deadline is not None and req.first_token_time is None and plan.absorbs(load[0] + n, load[1]):
+                return n  # the prompt whole: one step at full-chunk cost, not many small ones
             return max(fit, plan.min_chunk(req, n))
         if fit >= min(n, MIN_CHUNK):
             return fit

@@ -8,7 +8,7 @@ measure the mechanism rather than a lucky workload.
 
 from __future__ import annotations
 
-from sloserve.engine.deadlines import DeadlinePlan
+from sloserve.engine.deadlines import ARRIVAL_WINDOW_S, DeadlinePlan, TightestRecent
 from sloserve.engine.request import RequestStatus
 from sloserve.sampling_params import SLO, SamplingParams
 
@@ -190,3 +190,76 @@ def test_requests_that_missed_their_objectives_stop_running_ahead_of_live_ones()
 def test_without_the_demotion_lost_requests_break_a_live_tpot(monkeypatch):
     monkeypatch.setattr(DeadlinePlan, "missed", lambda self, r: False)
     assert _tight_tpot_among_lost_requests() > 0.00585
+
+
+def _urgent_prompt_beside_a_paced_decode(tpot_s: float) -> tuple[int, float]:
+    """A request decoding under a TPOT and a 2 s end-to-end objective; then a 400-token prompt with
+    a 0.3 s TTFT arrives. Returns (steps from its arrival to its first token, the paced request's
+    mean TPOT)."""
+    s, r, clock = _scheduler()
+    s.add_request("paced", [97] * 8, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=tpot_s, e2e_s=2.0))
+    steps: list[int] = []
+    times = _run(s, r, clock, 5)
+    s.add_request("urgent", [98 + i % 20 for i in range(400)], SamplingParams(max_tokens=4, ignore_eos=True),
+                  SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0))
+    for step in range(1, 60):
+        for rid, t in _run(s, r, clock, 1).items():
+            times.setdefault(rid, []).extend(t)
+        if "urgent" in times and not steps:
+            steps.append(step)
+    assert len(times["paced"]) == 40 and len(times["urgent"]) == 4
+    return steps[0], _mean_tpot(times["paced"])
+
+
+def test_an_urgent_prompt_runs_whole_when_the_paced_decodes_can_absorb_the_step():
+    """A 30 ms TPOT over decode steps of ~5 ms banks ~25 ms an output: one 45 ms step of the whole
+    prompt costs the paced request a small part of that, and the prompt pays one step's overhead
+    at the full-chunk price instead of many small steps'."""
+    steps, tpot = _urgent_prompt_beside_a_paced_decode(0.03)
+    assert steps == 1 and tpot <= 0.03
+
+
+def test_without_spare_time_the_urgent_prompt_is_chunked_under_the_cap(monkeypatch):
+    monkeypatch.setattr("sloserve.engine.deadlines.STALL_SHARE", 0.0)
+    chunked, chunked_tpot = _urgent_prompt_beside_a_paced_decode(0.03)
+    assert chunked > 1 and chunked_tpot <= 0.03
+    # a 7 ms TPOT leaves ~1.9 ms an output over a decode step: a 45 ms step would break it
+    tight, tight_tpot = _urgent_prompt_beside_a_paced_decode(0.007)
+    assert tight > 1 and tight_tpot <= 0.007
+
+
+def test_tightest_recent_keeps_the_smallest_objective_of_the_window():
+    seen = TightestRecent(window_s=10.0)
+    assert seen.tightest(0.0) is None
+    seen.add(0.0, 2.0)
+    seen.add(1.0, 0.3)
+    seen.add(2.0, 1.0)
+    assert seen.tightest(5.0) == 0.3
+    assert seen.tightest(10.5) == 0.3  # the 0.3 s one arrived at 1.0: still in the window
+    assert seen.tightest(11.5) == 1.0  # it left; the looser one that came after it remains
+    assert seen.tightest(12.5) is None
+
+
+def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
+    """Tokens of the first step of two 1,500-token batch prompts (30 s end-to-end), when a request
+    with a 0.3 s TTFT objective arrived just before (refused here: admission off is not needed,
+    it only has to have been seen) or not."""
+    s, r, clock = _scheduler()
+    if interactive_seen:
+        s.add_request("interactive", [99] * 8, SamplingParams(max_tokens=2, ignore_eos=True), SLO(ttft_s=0.3))
+        _run(s, r, clock, 3)
+    clock.t += later_s
+    for name in ("a", "b"):
+        s.add_request(name, [97 + (name == "b")] * 1500, SamplingParams(max_tokens=2, ignore_eos=True), SLO(e2e_s=30.0))
+    out = s.schedule()
+    s.update(out, r.execute(out))
+    return out.num_tokens
+
+
+def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
+    """With requests under a 0.3 s TTFT arriving, a step is cut to ARRIVAL_SHARE of it (75 ms:
+    700 tokens at 0.1 ms plus 5 ms), so a newcomer does not wait out a 2,048-token step first;
+    without them, or once ARRIVAL_WINDOW_S has passed since the last, two full chunks run."""
+    assert _batch_step_tokens(False) == 1024
+    assert _batch_step_tokens(True) <= 700
+    assert _batch_step_tokens(True, later_s=ARRIVAL_WINDOW_S + 1) == 1024
