@@ -43,21 +43,18 @@ least MIN_CHUNK tokens even past the cap (every urgent one; one starving request
 With no paced request running, the cap is infinite and every request runs -- unless requests with
 a TTFT objective are arriving.
 
-The cap also leaves room for the next arrival's first token: while requests with a TTFT
-objective keep coming (any seen in the last ARRIVAL_WINDOW_S, refused ones included), no step
-is planned longer than ARRIVAL_SHARE of the tightest such objective, so a newcomer does not
-first wait out a step of the whole token budget (2,048 prompt tokens took ~250 ms on stop 35's
-machine, most of a 0.3 s TTFT; cut to 75 ms a step still computes ~600 tokens, where a token
-costs what it costs in the full budget). Without it a run could fall into a loop: a few refused
-interactive requests left no paced request running, steps grew to the whole budget, and the
-next arrivals were refused behind them. A cap below a step of MIN_CHUNK tokens beside the
-running decodes is not applied: no step fits it.
-
-Measured served (goodput.py's mixed workload at 1.5x and 2x of a 10 req/s capacity, paired
-points alternating builds; interactive requests met, summed): with this room and whole urgent
-prompts 465 against 380 without either (16 pairs: 12 won, 3 lost); whole prompts on top of the
-room alone 316 against 275 (12 pairs: 8 won, 4 lost); whole prompts alone 739 against 673 (24
-pairs: 11 won, 12 lost) -- the room is what stops the loop, and then the whole prompts help.
+Optional prompt chunks also leave room for the next arrival's first token: while requests with
+a TTFT objective keep coming (any seen in the last ARRIVAL_WINDOW_S, refused ones included), no
+optional chunk makes a step longer than ARRIVAL_SHARE of the tightest such objective, so a
+newcomer does not first wait out a step of the whole token budget (2,048 prompt tokens took
+~250 ms on stop 35's machine, most of a 0.3 s TTFT; cut to 75 ms a step still computes ~600
+tokens, where a token costs what it costs in the full budget). Without it a run could fall into
+a loop: a few refused interactive requests left no paced request running, steps grew to the
+whole budget, and the next arrivals were refused behind them. Decodes still ride along past
+it (a decoding sequence costs a fraction of a millisecond; held back by it, the decodes of a
+TTFT-only workload waited behind every prompt step, and more requests were refused for slots),
+and urgent prompts are not cut by it. It is not applied when even MIN_CHUNK tokens beside the
+running decodes would not fit under it.
 
 An urgent prompt with a TTFT objective runs whole (its full chunk in one step, past the cap) when
 the paced decodes can absorb that step: each paced request may lose STALL_SHARE of its *spare*
@@ -68,6 +65,15 @@ token cost ~230 us in a chunk of at most 64 rows and 110-130 us in one of 128 or
 (benchmarks/README.md, stop 35), so an interactive prompt cut to the pace cost the machine about
 twice what it costs whole. Only that prompt joins the step past the cap (no room is left for
 optional work), so the spare time goes to a first token, not to batch work.
+
+Measured served (goodput.py's mixed workload at 1.5x and 2x of a 10 req/s capacity, paired
+points alternating builds; interactive requests met, summed): with this room and whole urgent
+prompts 465 against 380 without either (16 pairs: 12 won, 3 lost); whole prompts on top of the
+room alone 316 against 275 (12 pairs: 8 won, 4 lost); whole prompts alone 739 against 673 (24
+pairs: 11 won, 12 lost) -- the room is what stops the loop, and then the whole prompts help.
+Those builds held decodes to the room too; letting them ride along met 242 against 247 on this
+workload (8 pairs: 2 won, 6 lost) and stopped a loss on seed_table.py's TTFT-only one (see above;
+benchmarks/README.md, stop 36).
 """
 
 from __future__ import annotations
@@ -124,11 +130,12 @@ class DeadlinePlan:
         # NOTE: a request that waits also waits for the step in flight, which may be a full one
         self.horizon_s = HORIZON_STEPS * max(self.full_step_s, price.step_seconds(step_tokens, 0))
         self._slack: dict[int, float] = {}
-        # The step must end this long after `now`: room for a newcomer's first token (unless no
-        # useful step fits in it), then the paces below.
-        self.cap_s = math.inf
+        self.cap_s = math.inf  # the step must end this long after `now` (the paces below)
+        # Optional prompt chunks also stop here: room for a newcomer's first token (unless no
+        # useful step fits in it). Decodes cost little and still ride along past it.
+        self.arrival_cap_s = math.inf
         if arrival_ttft_s is not None and ARRIVAL_SHARE * arrival_ttft_s >= price.step_seconds(MIN_CHUNK, len(running)):
-            self.cap_s = ARRIVAL_SHARE * arrival_ttft_s
+            self.arrival_cap_s = ARRIVAL_SHARE * arrival_ttft_s
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
         self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
         self.absorb_s = math.inf  # how far past the cap one step may run for an urgent whole prompt
@@ -255,9 +262,10 @@ class DeadlinePlan:
     def room(self, prompt: int, decodes: int) -> int:
         """Prompt tokens that still fit under the cap in a step that already computes `prompt`
         prompt tokens and `decodes` decoding sequences."""
-        if math.isinf(self.cap_s):
+        cap = min(self.cap_s, self.arrival_cap_s)
+        if math.isinf(cap):
             return 1 << 30
-        left = self.cap_s - self.price.margin_s - self.price.step_seconds(prompt, decodes)
+        left = cap - self.price.margin_s - self.price.step_seconds(prompt, decodes)
         if left < 0:
             return 0
         return int(left / self.price.per_token_s + 1e-6) if self.price.per_token_s > 0 else 1 << 30

@@ -263,3 +263,16 @@ def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
     assert _batch_step_tokens(False) == 1024
     assert _batch_step_tokens(True) <= 700
     assert _batch_step_tokens(True, later_s=ARRIVAL_WINDOW_S + 1) == 1024
+
+
+def test_the_arrival_room_cuts_optional_prompt_chunks_not_decodes():
+    from sloserve.engine.deadlines import StepPrice
+
+    plan = DeadlinePlan(StepPrice(OVERHEAD_S, PER_TOKEN_S), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048,
+                        arrival_ttft_s=0.3)
+    assert plan.room(0, 0) == 700 and plan.room(700, 0) == 0  # 75 ms: 5 ms + 700 tokens
+    assert plan.decode_fits(700, 200)  # a decode rides along past it
+    # an objective no useful step fits a quarter of (5 ms < 5 ms + 16 tokens) leaves no room rule
+    tight = DeadlinePlan(StepPrice(OVERHEAD_S, PER_TOKEN_S), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048,
+                         arrival_ttft_s=0.02)
+    assert tight.room(0, 0) == 1 << 30
