@@ -40,8 +40,8 @@ decodes alone does not cap the others: it is lost for this step. Optional reques
 still ends within the cap, and a prefill chunk is cut to what fits under it -- Sarathi-Serve's
 stall-free token budget, derived from deadlines instead of fixed. A must-run prefill makes at
 least MIN_CHUNK tokens even past the cap (every urgent one; one starving request per step).
-With no paced request running, the cap is infinite and every request runs -- unless requests with
-a TTFT objective are arriving.
+With no paced request running, the cap is infinite and every request runs (optional prompt
+chunks within the room below).
 
 Optional prompt chunks also leave room for the next arrival's first token: while requests with
 a TTFT objective keep coming (any seen in the last ARRIVAL_WINDOW_S, refused ones included), no
@@ -88,7 +88,7 @@ from sloserve.engine.request import Request
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
 TTFT_SAFETY = 0.5  # an urgent prompt is paced to be done in this share of its time left
-ARRIVAL_SHARE = 0.25  # of the tightest recent TTFT objective: the longest step while such requests arrive
+ARRIVAL_SHARE = 0.25  # of the tightest recent TTFT objective: the longest step optional prompt chunks make
 ARRIVAL_WINDOW_S = 10.0  # TTFT objectives seen this recently are expected of the next arrivals
 STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decode step, per output) one step may take
 
@@ -149,23 +149,21 @@ class DeadlinePlan:
                 outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
                 self.absorb_s = min(self.absorb_s, STALL_SHARE * outputs * max(0.0, pace - self.full_step_s))
 
-    def min_chunk(self, r: Request, n: int) -> int:
-        """The least of `n` prompt tokens an urgent r must compute now: MIN_CHUNK, or for a TTFT
-        objective what keeps its prompt done by half the time left in steps of the cap (a
-        chunk past the cap slows the paced decodes a little; one below it misses the TTFT)."""
+    def min_chunk(self, r: Request, n: int, prompt: int, decodes: int) -> int:
+        """The least of `n` prompt tokens an urgent r must compute now, in a step that already
+        computes `prompt` prompt tokens and `decodes` decoding sequences: MIN_CHUNK; for a TTFT
+        objective all `n` when the paced decodes can absorb the longer step (it runs whole: see
+        the module docstring), else what keeps its prompt done by half the time left in steps of
+        the cap (a chunk past the cap slows the paced decodes a little; one below it misses the TTFT)."""
         floor = min(n, MIN_CHUNK)
         if r.ttft_deadline is None or r.first_token_time is not None:
             return floor
+        if self.price.step_seconds(prompt + n, decodes) + self.price.margin_s <= self.cap_s + self.absorb_s:
+            return n
         step = self.cap_s if not math.isinf(self.cap_s) else self.full_step_s
         steps = max(1, int(TTFT_SAFETY * (r.ttft_deadline - self.now) / max(step, self.price.step_seconds(1, 0))))
         pending = r.num_tokens - r.num_computed_tokens
         return min(n, max(floor, -(-pending // steps)))
-
-    def absorbs(self, prompt: int, decodes: int) -> bool:
-        """Can the paced decodes absorb a step of `prompt` prompt tokens and `decodes` decoding
-        sequences, however far past the cap, and still keep their pace in decode steps of the
-        whole running set? Then an urgent prompt runs whole (see the module docstring)."""
-        return self.price.step_seconds(prompt, decodes) + self.price.margin_s <= self.cap_s + self.absorb_s
 
     def paced_prefill(self, r: Request, n: int, prompt: int, decodes: int) -> None:
         """An urgent prompt got a chunk of `n` (the step now computes `prompt` prompt tokens and
@@ -260,8 +258,8 @@ class DeadlinePlan:
         return False
 
     def room(self, prompt: int, decodes: int) -> int:
-        """Prompt tokens that still fit under the cap in a step that already computes `prompt`
-        prompt tokens and `decodes` decoding sequences."""
+        """Prompt tokens that still fit under the cap and the arrival room in a step that already
+        computes `prompt` prompt tokens and `decodes` decoding sequences."""
         cap = min(self.cap_s, self.arrival_cap_s)
         if math.isinf(cap):
             return 1 << 30

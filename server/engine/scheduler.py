@@ -311,9 +311,7 @@ class Scheduler:
             return n if plan.must_run(req) or plan.decode_fits(*load) else 0
         fit = min(n, plan.room(*load))
         if plan.urgent(req):
-            if req.ttft_deadline is not None and req.first_token_time is None and plan.absorbs(load[0] + n, load[1]):
-                return n  # the prompt whole: one step at full-chunk cost, not many small ones
-            return max(fit, plan.min_chunk(req, n))
+            return max(fit, plan.min_chunk(req, n, *load))
         if fit >= min(n, MIN_CHUNK):
             return fit
         return min(n, MIN_CHUNK) if plan.overdraw(req) else 0

@@ -241,9 +241,9 @@ def test_tightest_recent_keeps_the_smallest_objective_of_the_window():
 
 
 def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
-    """Tokens of the first step of two 1,500-token batch prompts (30 s end-to-end), when a request
-    with a 0.3 s TTFT objective arrived just before (refused here: admission off is not needed,
-    it only has to have been seen) or not."""
+    """Tokens of the first step of two 1,500-token batch prompts (30 s end-to-end), when a short
+    request with a 0.3 s TTFT objective arrived (and finished) just before, `later_s` earlier, or
+    not at all."""
     s, r, clock = _scheduler()
     if interactive_seen:
         s.add_request("interactive", [99] * 8, SamplingParams(max_tokens=2, ignore_eos=True), SLO(ttft_s=0.3))
