@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve.config import SchedulerConfig
+from sloserve.engine import admission
 from sloserve.engine.priming import prime, priming_shapes
 from sloserve.errors import RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
@@ -127,6 +128,46 @@ def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
     assert adm.calibration >= 1.0
     adm.on_idle()
     assert adm.calibration == 1.0
+
+
+
+def _first_tokens(s, late_s: float, n: int = 8, tag: str = "seen") -> None:
+    """`n` requests under a TTFT objective got their first tokens `late_s` after their estimate."""
+    for i in range(n):
+        s.add_request(f"{tag}{i}", [90 + i] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+        req = s.requests[f"{tag}{i}"]
+        s.admission.on_first_token(req, req.predicted_ttft_s + late_s)
+        s.abort(f"{tag}{i}")
+
+
+def test_next_in_line_the_margin_is_how_late_recent_first_tokens_came():
+    """A request that starts at the next step is refused when its estimate plus the 90th
+    percentile of recent first tokens' lateness (at most the share SLO_MARGIN leaves) misses its
+    TTFT; before enough first tokens were seen, and once they are old, when its estimate passes
+    SLO_MARGIN of the time left."""
+    s, r, clock = _scheduler()
+    _busy(s, r, n=2)  # two decodes running, two slots free: a newcomer starts at the next step
+    s.add_request("probe", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+    estimate = s.requests["probe"].predicted_ttft_s
+    s.abort("probe")
+    objective = estimate / 0.75  # its estimate is 75% of the objective: past the 60% share
+    with pytest.raises(RequestRefusedError, match="first token expected"):
+        s.add_request("early", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+    _first_tokens(s, late_s=0.0)
+    s.add_request("on-time", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+    s.abort("on-time")
+    _first_tokens(s, late_s=0.5 * objective, n=16, tag="late")  # now most came half an objective late
+    with pytest.raises(RequestRefusedError, match="first token expected"):
+        s.add_request("after-late", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+    clock.t += admission.LATE_WINDOW_S + 1.0  # old first tokens say nothing of now: the share again
+    step(s, r)  # (a step in flight again, as when the estimate was probed)
+    assert s.admission.lateness(clock.t) is None
+    with pytest.raises(RequestRefusedError, match="first token expected"):
+        s.add_request("much-later", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+    _first_tokens(s, late_s=0.0, tag="again")
+    assert s.admission.lateness(clock.t) == 0.0
+    s.admission.on_idle()
+    assert s.admission.lateness(clock.t) is None
 
 
 class _TimedRunner(FakeRunner):
