@@ -130,7 +130,6 @@ def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
     assert adm.calibration == 1.0
 
 
-
 def _first_tokens(s, late_s: float, n: int = 8, tag: str = "seen") -> None:
     """`n` requests under a TTFT objective got their first tokens `late_s` after their estimate."""
     for i in range(n):
