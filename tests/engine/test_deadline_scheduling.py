@@ -192,14 +192,15 @@ def test_without_the_demotion_lost_requests_break_a_live_tpot(monkeypatch):
     assert _tight_tpot_among_lost_requests() > 0.00585
 
 
-def _urgent_prompt_beside_a_paced_decode(tpot_s: float) -> tuple[int, float]:
+def _urgent_prompt_beside_a_paced_decode(tpot_s: float) -> tuple[int, float, float]:
     """A request decoding under a TPOT and a 2 s end-to-end objective; then a 400-token prompt with
     a 0.3 s TTFT arrives. Returns (steps from its arrival to its first token, the paced request's
-    mean TPOT)."""
+    mean TPOT, the prompt's TTFT)."""
     s, r, clock = _scheduler()
     s.add_request("paced", [97] * 8, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=tpot_s, e2e_s=2.0))
     steps: list[int] = []
     times = _run(s, r, clock, 5)
+    arrival = clock.t
     s.add_request("urgent", [98 + i % 20 for i in range(400)], SamplingParams(max_tokens=4, ignore_eos=True),
                   SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0))
     for step in range(1, 60):
@@ -208,24 +209,38 @@ def _urgent_prompt_beside_a_paced_decode(tpot_s: float) -> tuple[int, float]:
         if "urgent" in times and not steps:
             steps.append(step)
     assert len(times["paced"]) == 40 and len(times["urgent"]) == 4
-    return steps[0], _mean_tpot(times["paced"])
+    return steps[0], _mean_tpot(times["paced"]), times["urgent"][0] - arrival
 
 
 def test_an_urgent_prompt_runs_whole_when_the_paced_decodes_can_absorb_the_step():
     """A 30 ms TPOT over decode steps of ~5 ms banks ~25 ms an output: one 45 ms step of the whole
     prompt costs the paced request a small part of that, and the prompt pays one step's overhead
     at the full-chunk price instead of many small steps'."""
-    steps, tpot = _urgent_prompt_beside_a_paced_decode(0.03)
+    steps, tpot, _ = _urgent_prompt_beside_a_paced_decode(0.03)
     assert steps == 1 and tpot <= 0.03
 
 
 def test_without_spare_time_the_urgent_prompt_is_chunked_under_the_cap(monkeypatch):
     monkeypatch.setattr("sloserve.engine.deadlines.STALL_SHARE", 0.0)
-    chunked, chunked_tpot = _urgent_prompt_beside_a_paced_decode(0.03)
+    chunked, chunked_tpot, _ = _urgent_prompt_beside_a_paced_decode(0.03)
     assert chunked > 1 and chunked_tpot <= 0.03
     # a 7 ms TPOT leaves ~1.9 ms an output over a decode step: a 45 ms step would break it
-    tight, tight_tpot = _urgent_prompt_beside_a_paced_decode(0.007)
+    tight, tight_tpot, _ = _urgent_prompt_beside_a_paced_decode(0.007)
     assert tight > 1 and tight_tpot <= 0.007
+
+
+def test_a_chunked_urgent_prompt_is_done_a_quarter_of_its_objective_after_arrival(monkeypatch):
+    """Cut under the cap, an urgent prompt's chunks are sized to finish it TTFT_SAFETY of its
+    objective after it arrived (75 ms of 0.3 s here, plus at most the step that returns its
+    token), and the paced request still keeps its 7 ms TPOT. Aimed at half the objective, the
+    same prompt's first token comes after that."""
+    monkeypatch.setattr("sloserve.engine.deadlines.STALL_SHARE", 0.0)
+    steps, tpot, ttft = _urgent_prompt_beside_a_paced_decode(0.007)
+    assert steps > 1 and tpot <= 0.007
+    assert ttft <= 0.25 * 0.3 + price(64)
+    monkeypatch.setattr("sloserve.engine.deadlines.TTFT_SAFETY", 0.5)
+    _, half_tpot, half_ttft = _urgent_prompt_beside_a_paced_decode(0.007)
+    assert half_tpot <= 0.007 and half_ttft > 0.25 * 0.3 + price(64)
 
 
 def test_tightest_recent_keeps_the_smallest_objective_of_the_window():
