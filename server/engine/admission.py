@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import heapq
+import math
+import statistics
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ CALIBRATION_MIN_S = 0.25  # shorter waits are mostly fixed delays: their ratios 
 LATE_QUANTILE = 0.9  # the margin for a request next in line: this quantile of recent first tokens' lateness
 LATE_MIN_SAMPLES = 8  # fewer recent first tokens than this: the SLO_MARGIN share instead
 LATE_WINDOW_S = 10.0  # first tokens older than this say nothing of the load now
+PROMPT_STEP_MIN = 64  # prompt tokens: a step with at least this many tells what a prompt token costs
+PROMPT_STEPS_KEPT = 32  # recent prompt steps whose cost per prompt token prices a prompt alone
 
 
 class StepCostModel:
@@ -164,6 +168,7 @@ class AdmissionControl:
         self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / model TTFT, recent
         self.calibration = 1.0  # estimates are multiplied by this (>= 1): see on_first_token
         self._late: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_KEPT)  # (when, s late): see lateness
+        self._prompt_costs: deque[float] = deque(maxlen=PROMPT_STEPS_KEPT)  # s per prompt token: see alone_seconds
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
@@ -192,6 +197,8 @@ class AdmissionControl:
         each, in `seconds` (priming steps too)."""
         self.speed.observe(tokens, seconds)
         self.mix.observe(tokens - decodes, decodes, seconds)
+        if tokens - decodes >= PROMPT_STEP_MIN:
+            self._prompt_costs.append(seconds / (tokens - decodes))
         self._compute_s = seconds
 
     def report_delivery_lag(self, lag_s: float, now: float) -> None:
@@ -258,6 +265,22 @@ class AdmissionControl:
             return None
         return max(0.0, nearest_rank(sorted(x for _, x in late), LATE_QUANTILE))
 
+    def alone_seconds(self, tokens: int) -> float:
+        """A prompt of `tokens` alone on an idle engine, at the median cost per prompt token of the
+        last PROMPT_STEPS_KEPT steps of at least PROMPT_STEP_MIN prompt tokens (infinite before any).
+
+        An idle engine refuses a prompt only when even this misses: the step model's price of a
+        prompt step comes from a fit over every step, and under light load nearly every step is a
+        single decode, the fit cannot tell prompt tokens from decoding sequences, and prompt steps
+        themselves vary (a step after idle runs on cold threads). On seed_table.py's full arm at 1.5
+        req/s (a 119 ms TTFT) the fit priced 400-600-token prompts at 0.13-0.17 s on an idle engine
+        and refused up to 25 of 100, whose served neighbours got first tokens at p90 83-91 ms; its
+        per-token price swung 0.066-0.27 ms between checks (benchmarks/README.md, stop 39).
+        """
+        if not self._prompt_costs:
+            return math.inf
+        return tokens * statistics.median(self._prompt_costs)
+
     def on_idle(self) -> None:
         """No live requests: the gap before the next step is no step time, and the cycle times
         of the load that just ended are forgotten -- the next load re-learns them within a few
@@ -322,12 +345,15 @@ class AdmissionControl:
         # A TTFT objective keeps a margin for the estimate's error when others run or wait: a
         # share of the time left, or next in line, how late recent first tokens came against
         # their estimates when that is less (the wait behind others is what the estimate knows
-        # least). An idle engine refuses a prompt only when its own steps would miss (the margin
-        # there refused prompts that met a tight objective; under load dropping it admitted more
-        # that missed: README). An end-to-end-only objective is refused only when even its first
-        # token would come after the deadline.
+        # least). An idle engine refuses a prompt only when its own steps would miss, priced at
+        # the better of the step model and recent prompt steps (alone_seconds): the margin there
+        # refused prompts that met a tight objective; under load dropping it admitted more that
+        # missed: README. An end-to-end-only objective is refused only when even its first token
+        # would come after the deadline.
         idle = not running and num_waiting == 0
-        if req.ttft_deadline is None or idle:
+        if idle and req.ttft_deadline is not None:
+            late = min(wait, self.alone_seconds(max(1, req.num_tokens - cached_tokens))) + lag > left
+        elif req.ttft_deadline is None:
             late = wait + lag > left
         elif est.ahead == 0 and (margin := self.lateness(now)) is not None:
             late = wait + lag + min(margin, (1.0 - SLO_MARGIN) * left) > left

@@ -246,3 +246,36 @@ def test_the_kept_backlog_matches_one_built_from_scratch():
     assert s.admission._backlog is None  # a step changes the batch: rebuilt on the next admission
     drain(s, r)
     assert_all_free(s)
+
+
+def _light_load_admission(monkeypatch=None) -> list[str]:
+    """An idle engine after light load: 64 single-decode steps and every eighth step a 400-480-token
+    prompt, two of those eight after idle at 0.3 s instead of 50 ms (cold threads). The fit over
+    every step then prices a 500-token prompt alone above a 0.1 s TTFT; prompt steps cost ~0.12 ms
+    a token at their median. Returns which of a 500- and a 1,000-token prompt were admitted."""
+    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0, max_model_len=2048), max_batch=4,
+                             adaptive_batch=False)
+    for i in range(64):
+        s.admission.on_compute(1, 0.0007 + 0.0002 * (i % 3), decodes=1)
+        if i % 8 == 0:
+            s.admission.on_compute(400 + 20 * (i % 5), 0.3 if i % 32 == 0 else 0.05)
+    if monkeypatch is not None:  # the idle check on the step model's price alone, as before
+        monkeypatch.setattr(type(s.admission), "alone_seconds", lambda self, tokens: float("inf"))
+    admitted = []
+    for name, token, tokens in (("short", 98, 500), ("long", 99, 1000)):
+        try:
+            s.add_request(name, [token] * tokens, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+            admitted.append(name)
+        except RequestRefusedError:
+            pass
+        drain(s, r)
+    return admitted
+
+
+def test_an_idle_engine_prices_a_prompt_alone_at_recent_prompt_steps():
+    """The 500-token prompt (~60 ms at the median) is admitted, the 1,000-token one (~120 ms) refused."""
+    assert _light_load_admission() == ["short"]
+
+
+def test_priced_by_the_fit_over_every_step_the_idle_engine_refuses_both(monkeypatch):
+    assert _light_load_admission(monkeypatch) == []
