@@ -96,8 +96,10 @@ class Runner:
         self.interactive = SLO(ttft_s=args.ttft, tpot_s=args.tpot, e2e_s=args.e2e)
         self.batch = SLO(e2e_s=args.batch_e2e)
         self.start, self.points, self.ablation = time.monotonic(), [], []
-        self.pools = {seed: harness.arc_pool(seed, args.max_prompt_chars, args.max_tokens, args.workload)[1]
-                      for seed in args.seeds}
+        pools = {seed: harness.arc_pool(seed, args.max_prompt_chars, args.max_tokens, args.workload)
+                 for seed in args.seeds}
+        self.workload = pools[args.seeds[0]][0]  # the ARC trace, or synthetic-arc where it is absent
+        self.pools = {seed: items for seed, (_, items) in pools.items()}
 
     def load(self, seed: int, start: int, n: int, tag: int) -> tuple[list, list[str]]:
         """n fresh requests from the seed's pool, with their classes (the same for every arm)."""
@@ -176,7 +178,7 @@ class Runner:
 
     def save(self, partial: bool = False, extra: dict | None = None) -> None:
         a = self.args
-        harness.save(a.name, {"partial": partial, "args": vars(a), "capacity_rps": self.capacity,
+        harness.save(a.name, {"partial": partial, "args": vars(a), "workload": self.workload, "capacity_rps": self.capacity,
                               "machine": harness.machine(), "elapsed_s": time.monotonic() - self.start,
                               "objectives": {"interactive": {"ttft_s": a.ttft, "tpot_s": a.tpot, "e2e_s": a.e2e},
                                              "batch": {"e2e_s": a.batch_e2e}},
@@ -211,7 +213,7 @@ def report(runner: Runner, capacity: float) -> str:
              ga.cell(agg[(arm, m)]["batch"], 100), ga.cell(agg[(arm, m)]["refused"], digits=0),
              ga.cell(agg[(arm, m)]["interactive_refused"], digits=0), interactive_misses(runner.points, arm, m)]
             for arm in a.arms for m in a.multiples if (arm, m) in agg]
-    lines += [f"capacity {capacity:.2f} req/s; {a.requests} requests per point, seeds "
+    lines += [f"workload {runner.workload}; capacity {capacity:.2f} req/s; {a.requests} requests per point, seeds "
               f"{','.join(map(str, a.seeds))}; median [min-max] over seeds", "",
               ga.table(["arm", "load", "req/s", "goodput", "attain %", "interactive %", "batch %", "refused",
                         "interactive refused", "interactive served, missed ttft/tpot/e2e"], rows),
@@ -252,7 +254,7 @@ def main(argv: list[str]) -> int:
         print("note: WorkloadItem has no 'priority' field in this build: the priority arm gets no priorities")
     runner = Runner(a)
     pool = len(runner.pools[a.seeds[0]])
-    print(f"workload: {len(a.seeds)} seed(s), {pool} prompts of <= {a.max_prompt_chars} chars, outputs <= "
+    print(f"workload {runner.workload}: {len(a.seeds)} seed(s), {pool} prompts of <= {a.max_prompt_chars} chars, outputs <= "
           f"{a.max_tokens} tokens; {100 * a.interactive_share:g}% interactive (TTFT {a.ttft:g} s, TPOT "
           f"{1000 * a.tpot:g} ms, e2e {a.e2e:g} s), batch e2e {a.batch_e2e:g} s", flush=True)
     capacity = a.capacity
