@@ -352,8 +352,8 @@ class AdmissionControl:
         # would come after the deadline.
         idle = not running and num_waiting == 0
         if idle and req.ttft_deadline is not None:
-            late = min(wait, self.alone_seconds(max(1, req.num_tokens - cached_tokens))) + lag > left
-        elif req.ttft_deadline is None:
+            wait = min(wait, self.alone_seconds(max(1, req.num_tokens - cached_tokens)))
+        if req.ttft_deadline is None or idle:
             late = wait + lag > left
         elif est.ahead == 0 and (margin := self.lateness(now)) is not None:
             late = wait + lag + min(margin, (1.0 - SLO_MARGIN) * left) > left
