@@ -118,16 +118,32 @@ class ExpertStore:
         return out
 
     def _grouped_works(self) -> bool:
-        """Whether torch's grouped GEMM runs here on weights laid out like ours (a tiny probe)."""
+        """Whether torch's grouped GEMM runs here, without a host sync, on both of a layer's
+        projections laid out like ours (a tiny probe under CUDA's sync-debug mode).
+
+        Two ways it fails on a CUDA machine (the first GPU run, benchmarks/README.md, stop 39):
+        torch's kernel wants every stride a multiple of 16 bytes, which an intermediate size of 12
+        in bf16 is not (24 bytes a row of the activations); and where it has no kernel for the
+        dtype (fp32) torch loops over the groups on the host, reading the offsets back each
+        layer. Either way the per-expert path serves instead (one host read per layer).
+        """
         if not hasattr(torch, "_grouped_mm"):
             return False
         h, i = self.hidden_size, self.intermediate_size
+        offs = torch.tensor([1, 2], dtype=torch.int32, device=self.device)
+        w13 = torch.zeros(2, 2 * i, h, dtype=self.dtype, device=self.device)
+        w2 = torch.zeros(2, h, i, dtype=self.dtype, device=self.device)
+        x = torch.zeros(2, h, dtype=self.dtype, device=self.device)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
         try:
-            w = torch.zeros(2, 2 * i, h, dtype=self.dtype, device=self.device)
-            torch._grouped_mm(torch.zeros(2, h, dtype=self.dtype, device=self.device), w.transpose(1, 2),
-                              offs=torch.tensor([1, 2], dtype=torch.int32, device=self.device))
+            gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            torch._grouped_mm(gate * up, w2.transpose(1, 2), offs=offs)
         except (RuntimeError, NotImplementedError):
             return False
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
         return True
 
     def stacked(self, layer: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

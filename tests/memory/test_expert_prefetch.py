@@ -11,10 +11,10 @@ from sloserve.memory.expert_stats import RoutingStats
 HIDDEN, INTER = 16, 12
 
 
-def weights(num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def weights(num_experts: int, seed: int, inter: int = INTER) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=gen) * 0.3,
-            torch.randn(num_experts, HIDDEN, INTER, generator=gen) * 0.3)
+    return (torch.randn(num_experts, 2 * inter, HIDDEN, generator=gen) * 0.3,
+            torch.randn(num_experts, HIDDEN, inter, generator=gen) * 0.3)
 
 
 def forced(choices: list[list[int]], num_experts: int) -> torch.Tensor:
@@ -235,10 +235,11 @@ def test_grouped_all_resident_layers_never_read_the_device(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_grouped_layers_on_cuda_sync_nothing_and_match_per_expert_matmuls(dtype):
-    w = [weights(8, 19)]
+    w = [weights(8, 19, inter=16)]  # 32-byte rows in bf16: the alignment torch's grouped kernel needs
     grouped = ExpertStore(w, device="cuda", dtype=dtype)
     if not grouped.grouped:
-        pytest.skip("torch's grouped GEMM does not run here for this dtype (the per-expert path serves)")
+        pytest.skip("torch's grouped GEMM does not run here for this dtype without a host sync "
+                    "(the per-expert path serves)")
     plain = ExpertStore(w, device="cuda", dtype=dtype, grouped=False)
     x = torch.randn(64, HIDDEN, device="cuda", dtype=dtype)
     logits = torch.randn(64, 8, device="cuda")
@@ -251,3 +252,17 @@ def test_grouped_layers_on_cuda_sync_nothing_and_match_per_expert_matmuls(dtype)
         torch.cuda.set_sync_debug_mode("default")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_store_whose_rows_torch_cannot_group_serves_per_expert_on_cuda():
+    """12 bf16 values a row (24 bytes) break torch's grouped kernel ("strides should be multiple
+    of 16 bytes", the first GPU run): the store must find that out at construction, not in a step."""
+    w = [weights(8, 20)]
+    store = ExpertStore(w, device="cuda", dtype=torch.bfloat16)
+    assert not store.grouped
+    x = torch.randn(32, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(32, 8, device="cuda")
+    plain = ExpertStore(w, device="cuda", dtype=torch.bfloat16, grouped=False)
+    assert torch.equal(moe_forward(x, logits, store, 0, 2, True), moe_forward(x, logits, plain, 0, 2, True))
