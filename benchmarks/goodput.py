@@ -63,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-e2e", type=float, default=30.0, help="batch end-to-end objective, s")
     p.add_argument("--arms", type=names(tuple(ga.ARMS)), default=list(ga.ARMS))
     p.add_argument("--multiples", type=floats, default=[0.5, 1.0, 1.5, 2.0, 3.0], help="of capacity")
+    p.add_argument("--points", type=ints, default=None,
+                   help="positions in --multiples to run (default all); each keeps its prompts and classes, "
+                        "so --points 3 reruns a full run's 2x point alone")
     p.add_argument("--requests", type=int, default=200, help="Poisson arrivals per point")
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--concurrency", type=int, default=32, help="closed loop of the capacity run")
@@ -78,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--interactive-share must be in [0, 1], got {args.interactive_share}")
     if not args.multiples or min(args.multiples) <= 0:
         p.error("--multiples must be numbers > 0, e.g. 0.5,1,1.5,2,3")
+    if args.points is not None and (not args.points or not all(0 <= i < len(args.multiples) for i in args.points)):
+        p.error(f"--points must be positions 0..{len(args.multiples) - 1} in --multiples, got {args.points}")
     if not args.seeds or args.requests < 1 or args.capacity_requests < 1 or args.concurrency < 1:
         p.error("--seeds, --requests, --capacity-requests and --concurrency must be non-empty / >= 1")
     if args.capacity is not None and args.capacity <= 0:
@@ -261,14 +266,15 @@ def main(argv: list[str]) -> int:
     if capacity is None:
         print(f"capacity: closed loop of {a.concurrency} on the slo arm, {a.capacity_requests} requests", flush=True)
         capacity = runner.measure_capacity()
-    estimate = ga.estimate_s(a.requests, capacity, a.multiples, a.arms, len(a.seeds), len(ablations),
+    points = [i for i in range(len(a.multiples)) if a.points is None or i in a.points]
+    estimate = ga.estimate_s(a.requests, capacity, [a.multiples[i] for i in points], a.arms, len(a.seeds), len(ablations),
                              a.ablation_multiple, a.request_timeout)
     runner.capacity, runner.estimate_s, runner.sweeps_start = capacity, estimate, time.monotonic()
-    print(f"capacity {capacity:.2f} req/s; points {len(a.arms)} arms x {len(a.multiples)} multiples x "
+    print(f"capacity {capacity:.2f} req/s; points {len(a.arms)} arms x {len(points)} multiples x "
           f"{len(a.seeds)} seeds + {len(ablations)} ablation configs x {len(a.seeds)} seeds; "
           f"estimated {estimate / 60:.1f} min more", flush=True)
     for seed in a.seeds:
-        for i in range(len(a.multiples)):  # arms interleaved per point, their order rotating
+        for i in points:  # arms interleaved per point, their order rotating
             turn = (seed + i) % len(a.arms)
             runner.point(seed, i, a.arms[turn:] + a.arms[:turn])
     for seed in a.seeds:
@@ -278,7 +284,7 @@ def main(argv: list[str]) -> int:
     elapsed = time.monotonic() - runner.start
     text += f"\n\ntotal {elapsed / 60:.1f} min (sweeps and ablation estimated {estimate / 60:.1f})"
     print("\n" + text)
-    verdicts = ga.goals(ga.aggregate(runner.points, "arm"), a.multiples)
+    verdicts = ga.goals(ga.aggregate(runner.points, "arm"), [a.multiples[i] for i in points])
     runner.save(extra={"ablation_skipped": skipped,
                        "goals": [{"goal": t, "passed": ok, "detail": d} for t, ok, d in verdicts]})
     (harness.RESULTS / f"{a.name}.txt").write_text(text + "\n")

@@ -115,10 +115,12 @@ def test_goodput_defaults_are_the_issues_workload():
     assert a.request_timeout == 60.0
     a = goodput.parse_args(["--arms", "slo,fifo", "--multiples", "1", "--seeds", "0", "--no-ablation"])
     assert a.arms == ["slo", "fifo"] and a.multiples == [1.0] and a.seeds == [0] and not a.ablation
+    assert a.points is None and goodput.parse_args(["--points", "3"]).points == [3]  # a full run's 2x point
 
 
 @pytest.mark.parametrize("argv", [["--arms", "slo,lifo"], ["--multiples", "0,1"], ["--interactive-share", "1.5"],
-                                  ["--requests", "0"], ["--capacity", "-1"]])
+                                  ["--requests", "0"], ["--capacity", "-1"], ["--points", "5"],
+                                  ["--multiples", "1,2", "--points", "2"]])
 def test_goodput_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         goodput.parse_args(argv)
