@@ -66,6 +66,17 @@ token cost ~230 us in a chunk of at most 64 rows and 110-130 us in one of 128 or
 twice what it costs whole. Only that prompt joins the step past the cap (no room is left for
 optional work), so the spare time goes to a first token, not to batch work.
 
+One urgent prompt a step goes past the room: the next urgent prompt in slack order gets only
+the room under the cap (often nothing) unless its slack is under the price of the step so far
+(waiting for it would miss the TTFT). In a burst of interactive arrivals every newcomer turns
+urgent at once, and their whole prompts together made steps of 60-110 ms, each one a stall of
+every running decode: on goodput.py's seed-0 2x point (ARC trace, 18.4 req/s capacity) a dozen
+long interactive answers fell behind their 2 s together and then, lost, waited seconds for their
+last tokens. One a step, each decode gets a token between the prompts and the first tokens come
+no later (the step that held them all ended after all of them). Measured (benchmarks/README.md,
+stop 40): that point met 88.3 / 96.7 / 95.0% of interactive requests against 83.3 / 81.7 / 81.7%
+(3 alternating pairs); seeds 1-4 at 1x / 1.5x / 2x met 240 / 239 / 238 of 240 against 240 / 240 / 233.
+
 Measured served (goodput.py's mixed workload at 1.5x and 2x of a 10 req/s capacity, paired
 points alternating builds; interactive requests met, summed): with this room and whole urgent
 prompts 465 against 380 without either (16 pairs: 12 won, 3 lost); whole prompts on top of the
@@ -137,6 +148,7 @@ class DeadlinePlan:
         if arrival_ttft_s is not None and ARRIVAL_SHARE * arrival_ttft_s >= price.step_seconds(MIN_CHUNK, len(running)):
             self.arrival_cap_s = ARRIVAL_SHARE * arrival_ttft_s
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
+        self._urgent_prompt = False  # an urgent prompt already had its chunk past the room this step
         self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
         self.absorb_s = math.inf  # how far past the cap one step may run for an urgent whole prompt
         paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
@@ -156,6 +168,8 @@ class DeadlinePlan:
         the module docstring), else what keeps its prompt on pace to be done TTFT_SAFETY of its
         objective after it arrived, in steps of the cap, and all of its chunk once that time has
         passed (a chunk past the cap slows the paced decodes a little; one below it misses the TTFT).
+        Only the first urgent prompt of a step gets that; the next ones get the room under the cap
+        (0 here) unless waiting one step would miss their TTFT -- see the module docstring.
 
         The aim is fixed when the request arrives. Aimed at a share of the time left instead, it
         receded with every step: the chunks shrank towards MIN_CHUNK and served first tokens landed
@@ -164,6 +178,9 @@ class DeadlinePlan:
         floor = min(n, MIN_CHUNK)
         if r.ttft_deadline is None or r.first_token_time is not None:
             return floor
+        if self._urgent_prompt and self.slack(r) >= self.price.step_seconds(prompt, decodes):
+            return 0  # only the room: one urgent prompt a step goes past it, and this one can wait a step
+        self._urgent_prompt = True
         if self.price.step_seconds(prompt + n, decodes) + self.price.margin_s <= self.cap_s + self.absorb_s:
             return n
         step = self.cap_s if not math.isinf(self.cap_s) else self.full_step_s
