@@ -66,8 +66,8 @@ token cost ~230 us in a chunk of at most 64 rows and 110-130 us in one of 128 or
 twice what it costs whole. Only that prompt joins the step past the cap (no room is left for
 optional work), so the spare time goes to a first token, not to batch work.
 
-One urgent prompt a step goes past the room: the next urgent prompt in slack order gets only
-the room under the cap (often nothing) unless its slack is under the price of the step so far
+Only the first urgent prompt of a step may go past the room: the next ones in slack order get
+only the room under the cap (often nothing) unless its slack is under the price of the step so far
 (waiting for it would miss the TTFT). In a burst of interactive arrivals every newcomer turns
 urgent at once, and their whole prompts together made steps of 60-110 ms, each one a stall of
 every running decode: on goodput.py's seed-0 2x point (ARC trace, 18.4 req/s capacity) a dozen
@@ -148,7 +148,7 @@ class DeadlinePlan:
         if arrival_ttft_s is not None and ARRIVAL_SHARE * arrival_ttft_s >= price.step_seconds(MIN_CHUNK, len(running)):
             self.arrival_cap_s = ARRIVAL_SHARE * arrival_ttft_s
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
-        self._urgent_prompt = False  # an urgent prompt already had its chunk past the room this step
+        self._urgent_prompt = False  # min_chunk already granted one urgent prompt this step (past the room if need be)
         self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
         self.absorb_s = math.inf  # how far past the cap one step may run for an urgent whole prompt
         paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
@@ -168,8 +168,8 @@ class DeadlinePlan:
         the module docstring), else what keeps its prompt on pace to be done TTFT_SAFETY of its
         objective after it arrived, in steps of the cap, and all of its chunk once that time has
         passed (a chunk past the cap slows the paced decodes a little; one below it misses the TTFT).
-        Only the first urgent prompt of a step gets that; the next ones get the room under the cap
-        (0 here) unless waiting one step would miss their TTFT -- see the module docstring.
+        Only the first urgent prompt of a step is granted this; the next ones get the room under
+        the cap (0 here) unless waiting one step would miss their TTFT -- see the module docstring.
 
         The aim is fixed when the request arrives. Aimed at a share of the time left instead, it
         receded with every step: the chunks shrank towards MIN_CHUNK and served first tokens landed
