@@ -209,8 +209,8 @@ def interactive_misses(points: list[dict], arm: str, multiple: float) -> str:
     return "/".join(str(totals[k]) for k in OBJECTIVES)
 
 
-def report(runner: Runner, capacity: float) -> str:
-    """The tables and goal lines (printed and saved as text)."""
+def report(runner: Runner, capacity: float, verdicts: list[tuple[str, bool | None, str]]) -> str:
+    """The tables and the goal lines of `verdicts` (printed and saved as text)."""
     a, lines = runner.args, []
     agg = ga.aggregate(runner.points, "arm")
     rows = [[arm, f"{m:g}x", f"{m * capacity:.2f}", ga.cell(agg[(arm, m)]["goodput"], digits=2),
@@ -224,7 +224,7 @@ def report(runner: Runner, capacity: float) -> str:
                         "interactive refused", "interactive served, missed ttft/tpot/e2e"], rows),
               "", "goals (medians over seeds):"]
     lines += [f"  {'n/a ' if ok is None else 'PASS' if ok else 'FAIL'}  {text}: {detail}"
-              for text, ok, detail in ga.goals(agg, a.multiples)]
+              for text, ok, detail in verdicts]
     rows = [[arm, f"{m:g}x", *(ga.cell(agg[(arm, m)][name], digits=d) for name, d in WORK_COLUMNS)]
             for arm in a.arms for m in a.multiples if (arm, m) in agg]
     lines += ["", "engine work per point (a fresh server's counters; the run lasts until its last request ends):",
@@ -280,11 +280,11 @@ def main(argv: list[str]) -> int:
     for seed in a.seeds:
         for config, overrides in ablations.items():
             runner.ablate(seed, config, overrides)
-    text = report(runner, capacity)
+    verdicts = ga.goals(ga.aggregate(runner.points, "arm"), [a.multiples[i] for i in points])
+    text = report(runner, capacity, verdicts)
     elapsed = time.monotonic() - runner.start
     text += f"\n\ntotal {elapsed / 60:.1f} min (sweeps and ablation estimated {estimate / 60:.1f})"
     print("\n" + text)
-    verdicts = ga.goals(ga.aggregate(runner.points, "arm"), [a.multiples[i] for i in points])
     runner.save(extra={"ablation_skipped": skipped,
                        "goals": [{"goal": t, "passed": ok, "detail": d} for t, ok, d in verdicts]})
     (harness.RESULTS / f"{a.name}.txt").write_text(text + "\n")

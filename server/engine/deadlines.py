@@ -67,8 +67,8 @@ twice what it costs whole. Only that prompt joins the step past the cap (no room
 optional work), so the spare time goes to a first token, not to batch work.
 
 Only the first urgent prompt of a step may go past the room: the next ones in slack order get
-only the room under the cap (often nothing) unless its slack is under the price of the step so far
-(waiting for it would miss the TTFT). In a burst of interactive arrivals every newcomer turns
+only the room under the cap (often nothing) unless their slack is under the price of the step
+so far (waiting for it would miss their TTFT). In a burst of interactive arrivals every newcomer turns
 urgent at once, and their whole prompts together made steps of 60-110 ms, each one a stall of
 every running decode: on goodput.py's seed-0 2x point (ARC trace, 18.4 req/s capacity) a dozen
 long interactive answers fell behind their 2 s together and then, lost, waited seconds for their
