@@ -39,13 +39,13 @@ from harness import launch_config
 from sloserve.serve import main
 sys.exit(main(launch_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
 """
-OVERRIDE_SECTIONS = ("scheduler", "cache", "model")
+OVERRIDE_SECTIONS = ("scheduler", "cache", "model", "server")
 
 
 def launch_config(mode: str, model: str, port: int, overrides: dict | None = None) -> SloserveConfig:
     """The config of a benchmark server: naive or full, then the overrides applied
-    ({"scheduler": {field: value}, "cache": {...}, "model": {...}}, validated by the dataclasses;
-    the model's path stays `model`)."""
+    ({"scheduler": {field: value}, "cache": {...}, "model": {...}, "server": {...}}, validated by
+    the dataclasses; the model's path and the server's address stay the run's own)."""
     config = SloserveConfig.naive(path=model) if mode == "naive" else SloserveConfig(model=ModelConfig(path=model))
     config.server = ServerConfig(host="127.0.0.1", port=port, metrics_port=None, grace_s=1.0)
     for section, values in (overrides or {}).items():
@@ -54,17 +54,20 @@ def launch_config(mode: str, model: str, port: int, overrides: dict | None = Non
 
 
 def check_overrides(overrides: dict | None) -> dict:
-    """Validate {"scheduler": {...}, "cache": {...}, "model": {...}} against this build's config classes.
+    """Validate {"scheduler": {...}, "cache": {...}, "model": {...}, "server": {...}} against this
+    build's config classes.
 
     ValueError names an unknown section or field (a switch this build does not have yet) or a bad
     value, before a server is launched.
     """
-    classes = {"scheduler": SchedulerConfig, "cache": CacheConfig, "model": ModelConfig}
+    classes = {"scheduler": SchedulerConfig, "cache": CacheConfig, "model": ModelConfig, "server": ServerConfig}
     for section, values in (overrides or {}).items():
         if section not in classes:
             raise ValueError(f"override section must be one of {', '.join(OVERRIDE_SECTIONS)}, got {section!r}")
         if section == "model" and "path" in values:
             raise ValueError("the model path is the run's own (--model), not an override")
+        if section == "server" and {"host", "port", "metrics_port"} & set(values):
+            raise ValueError("the server's address is the run's own, not an override")
         known = {f.name for f in fields(classes[section])}
         if unknown := sorted(set(values) - known):
             raise ValueError(f"{section} config of this build has no field {', '.join(unknown)}")

@@ -83,6 +83,9 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
 @click.option("--engine-process/--no-engine-process", default=True, show_default=True,
               help="Run the engine in a process of its own (off: a thread of the server process).")
+@click.option("--idle-spin", default=1.0, show_default=True, type=float, metavar="SECONDS",
+              help="The engine process keeps polling for input this long after its last step before it sleeps: "
+                   "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).")
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
                    "(see sloserve.faults) [default: off].")
@@ -100,7 +103,8 @@ def serve(**kwargs) -> None:
             host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
-            grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"])
+            grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
+            idle_spin_s=kwargs["idle_spin"])
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:

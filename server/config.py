@@ -169,6 +169,7 @@ class ServerConfig:
     grace_s: float = 10.0
     log_format: str = "text"
     engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
+    idle_spin_s: float = 1.0  # engine process: keeps polling this long after its last step before it sleeps
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -176,6 +177,7 @@ class ServerConfig:
         _require((self.tls_cert is None) == (self.tls_key is None), "TLS needs both --tls-cert and --tls-key")
         _require(self.log_format in ("text", "json"), "log format must be 'text' or 'json'")
         _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
+        _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """The engine process: EngineCore in a loop of its own, fed and drained over ZeroMQ.
 
 Busy loop while work exists (take whatever inputs arrived, step, send the step's outputs),
-blocking on the input socket when idle. It never outlives its parent: the kernel kills it when
-the parent dies (PR_SET_PDEATHSIG, Linux), and it also exits when it sees itself re-parented.
+then a spell of polling without sleeping (IdleWait), then blocking on the input socket. It
+never outlives its parent: the kernel kills it when the parent dies (PR_SET_PDEATHSIG, Linux),
+and it also exits when it sees itself re-parented.
 SIGINT and SIGTERM are ignored here: the front end owns shutdown and drains across the boundary
 by sending `Inputs(shutdown=True)`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
@@ -68,7 +70,7 @@ def run_engine(config: SloserveConfig, inputs_addr: str, outputs_addr: str, pare
             return
         push.send(wire.encode(wire.Ready(core.model_info, core.stats())))
         try:
-            EngineLoop(core, pull, push, parent_pid).run()
+            EngineLoop(core, pull, push, parent_pid, config.server.idle_spin_s).run()
         except BaseException as exc:  # noqa: BLE001 - the loop's own death: tell the front end why
             reason = f"{type(exc).__name__}: {exc}"
             log.error("engine step loop failed: %s", reason, exc_info=exc)
@@ -81,11 +83,39 @@ def run_engine(config: SloserveConfig, inputs_addr: str, outputs_addr: str, pare
         ctx.term()
 
 
+class IdleWait:
+    """How long the loop's next poll for input may block once work runs out.
+
+    For `spin_s` after the last step, not at all: the loop polls, yielding the core to any other
+    runnable thread each turn; after that it blocks up to IDLE_POLL_MS at a time. A core left to
+    sleep computes the next prompt slowly: on this project's 2-core VM (cpuidle haltpoll) the
+    prefill step after 0.5 s of idle took 2-3x as long as one after 5 ms (436 tokens: 63-67 ms
+    against 23 ms), and a prompt's first token came at p50 63 ms against 25 ms back to back;
+    polling through the gap brought it to 27.5 ms (benchmarks/idle_spin.py measures both sides).
+    The price is one core busy for up to `spin_s` after each burst of work, so 0 turns it off.
+    """
+
+    def __init__(self, spin_s: float, clock=time.monotonic) -> None:
+        self.spin_s = spin_s
+        self.clock = clock
+        self._last_work = -math.inf
+
+    def worked(self) -> None:
+        """A step just ran."""
+        self._last_work = self.clock()
+
+    def timeout_ms(self) -> int:
+        """0 while spinning, else IDLE_POLL_MS."""
+        return 0 if self.clock() - self._last_work < self.spin_s else IDLE_POLL_MS
+
+
 class EngineLoop:
     """The process's loop over one EngineCore (one thread; no lock needed)."""
 
-    def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
+                 idle_spin_s: float = 0.0) -> None:
         self.core = core
+        self.idle = IdleWait(idle_spin_s)
         self.pull = pull
         self.push = push
         self.parent_pid = parent_pid
@@ -94,13 +124,16 @@ class EngineLoop:
     def run(self) -> None:
         while True:
             busy = self.core.has_work()
-            if self.pull.poll(0 if busy else IDLE_POLL_MS):
+            timeout_ms = 0 if busy else self.idle.timeout_ms()
+            if self.pull.poll(timeout_ms):
                 outputs, shutdown = self._take_inputs()
                 if shutdown:
                     self._shutdown(outputs)
                     return
                 if outputs or not self.core.has_work():
                     self._send(outputs)  # refusals and aborts go out before the next step
+            elif not busy and timeout_ms == 0:
+                os.sched_yield()  # spinning: any other runnable thread may have the core
             elif not busy:
                 if os.getppid() != self.parent_pid:
                     log.error("the front-end process is gone: engine exiting")
@@ -108,6 +141,7 @@ class EngineLoop:
                 self.core.check_health()  # a tensor-parallel rank that died ends the loop, with its reason
             if self.core.has_work():
                 outputs = self.core.step()
+                self.idle.worked()
                 now = time.monotonic()
                 if outputs or now - self._last_stats > STATS_EVERY_S or not self.core.has_work():
                     self._send(outputs)

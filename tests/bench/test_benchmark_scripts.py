@@ -34,8 +34,12 @@ def test_overrides_are_checked_before_a_launch():
     assert harness.check_overrides(None) == {}
     ok = {"scheduler": {"policy": "fifo", "aging": 1.0, "max_wait_s": 1e9}, "cache": {"prefix_cache": False}}
     assert harness.check_overrides(ok) == ok
-    with pytest.raises(ValueError, match="section must be one of scheduler, cache, model"):
+    with pytest.raises(ValueError, match="section must be one of scheduler, cache, model, server"):
+        harness.check_overrides({"parallel": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="server's address is the run's own"):
         harness.check_overrides({"server": {"port": 1}})
+    with pytest.raises(ValueError, match="idle spin must be in"):
+        harness.check_overrides({"server": {"idle_spin_s": -1.0}})
     assert harness.check_overrides({"model": {"cpu_gemm": "blas"}}) == {"model": {"cpu_gemm": "blas"}}
     with pytest.raises(ValueError, match="cpu gemm must be"):
         harness.check_overrides({"model": {"cpu_gemm": "mkl"}})
@@ -57,6 +61,8 @@ def test_launch_config_applies_overrides_on_top_of_the_mode():
     naive = harness.launch_config("naive", "default", 1, {"scheduler": {"max_batch": 4}})
     assert naive.scheduler.max_batch == 4 and naive.scheduler.policy == "fifo" and not naive.cache.prefix_cache
     assert harness.launch_config("full", "default", 1).scheduler == type(full.scheduler)()
+    asleep = harness.launch_config("full", "default", 1, {"server": {"idle_spin_s": 0.0}})
+    assert (asleep.server.idle_spin_s, asleep.server.port) == (0.0, 1)
     blas = harness.launch_config("full", "default", 1, {"model": {"cpu_gemm": "blas"}})
     assert (blas.model.path, blas.model.cpu_gemm) == ("default", "blas")
 
