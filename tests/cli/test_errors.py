@@ -56,6 +56,7 @@ CASES = [
     (["serve", "--auth-token-file", "{empty}"], "is empty: put the token on its first line"),
     (["serve", "--max-tokens-limit", "0"], "--max-tokens-limit: max tokens limit must be >= 1"),
     (["serve", "--grace", "-1"], "--grace must be >= 0 seconds"),
+    (["serve", "--idle-spin", "-1"], "--idle-spin: idle spin must be in 0..60 seconds, got -1.0"),
     (["serve", "--inject-faults", "explode:x"], "--inject-faults: fault rule 'explode:x': use KIND:MARKER"),
     (["serve", "--port", "{busy}", "--metrics-port", "off"], "cannot listen on 127.0.0.1:"),
     (["generate"], "Missing argument 'PROMPT'"),
