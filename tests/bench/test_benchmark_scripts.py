@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the 
 import _goodput_arms as ga  # noqa: E402
 import goodput  # noqa: E402
 import harness  # noqa: E402
+import idle_spin  # noqa: E402
 import seed_table  # noqa: E402
 
 INTERACTIVE = SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0)
@@ -289,3 +291,30 @@ def test_seed_table_sweeps_up_to_the_crossing_and_down_below_the_grid_when_the_f
     down = seed_table.sweep(fake, rates, None, first, 1e9)
     assert [r["rate"] for r in down] == [rates[first - 4], rates[first - 3], rates[first - 2], rates[first - 1], 5.0]
     assert down[0]["rate"] <= 1.0 < down[1]["rate"] and fake.closed == 4
+
+
+# --- idle_spin ----------------------------------------------------------------------------------
+
+
+def test_idle_spin_compares_the_default_window_with_none():
+    a = idle_spin.parse_args([])
+    assert a.spin == harness.ServerConfig().idle_spin_s > 0 and 0.0 in a.gaps and max(a.gaps) > a.spin
+
+
+@pytest.mark.parametrize("argv", [["--spin", "0"], ["--rounds", "0"], ["--gaps", "-1"], ["--per-gap", "0"]])
+def test_idle_spin_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit):
+        idle_spin.parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_idle_spin_sends_distinct_prompts_and_reads_cpu_time():
+    items = idle_spin.distinct_prompts(20, 600, 8)
+    assert len({i.prompt for i in items}) == 20 and all(i.max_tokens <= 8 for i in items)
+    with pytest.raises(SystemExit, match="distinct prompts"):
+        idle_spin.distinct_prompts(10**6, 600, 8)
+    before = idle_spin.cpu_seconds([os.getpid()])
+    sum(i * i for i in range(3 * 10**6))
+    assert idle_spin.cpu_seconds([os.getpid()]) > before >= 0
+    assert idle_spin.cpu_seconds([2**22 + 12345]) == 0.0  # a process that is gone counts nothing
+    assert idle_spin.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
