@@ -148,7 +148,7 @@ class ServerProcess:
     def peak_rss_bytes(self) -> int | None:
         """Peak resident set size (VmHWM) of the server process plus its descendants (the engine
         process): the sum of each one's own peak, an upper bound on the tree's peak at one moment."""
-        peaks = [hwm for pid in _process_tree(self.proc.pid) if (hwm := _vm_hwm(pid)) is not None]
+        peaks = [hwm for pid in process_tree(self.proc.pid) if (hwm := _vm_hwm(pid)) is not None]
         return sum(peaks) if peaks else None
 
     def stop(self) -> None:
@@ -187,7 +187,7 @@ async def send(target: str, items: list[WorkloadItem], spec: LoadSpec) -> RunRes
         await channel.close()
 
 
-def _process_tree(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
     """root and every descendant process, read from /proc (Linux; [root] elsewhere)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -21,8 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import ServerProcess, _process_tree, arc_pool, machine, run, save
+from harness import ServerProcess, arc_pool, machine, process_tree, run, save
 from sloserve.bench.client import LoadSpec, connect, run_load
+from sloserve.bench.stats import summary
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.config import ServerConfig
 
@@ -89,16 +90,11 @@ def serve(spin_s: float, items: list[WorkloadItem], gaps: list[float]) -> tuple[
     """One fresh server: its (gap, TTFT) rows and CPU seconds per request (warm-up excluded)."""
     with ServerProcess("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
         server.wait_ready()
-        pids = _process_tree(server.proc.pid)
+        pids = process_tree(server.proc.pid)
         before = cpu_seconds(pids)
         rows = run(one_by_one(server.target, items, gaps))
         time.sleep(spin_s)  # the spin after the last request is part of its price
         return rows, (cpu_seconds(pids) - before) / len(rows)
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     for gap in args.gaps:
         cells = {}
         for arm in arms:
-            ttft = [t for g, t in results[arm]["rows"] if g == gap]
-            cells[arm] = (quantile(ttft, 0.5), quantile(ttft, 0.9))
+            ttft = summary([t for g, t in results[arm]["rows"] if g == gap])
+            cells[arm] = (ttft["p50"], ttft["p90"])
         ratio = cells["spin"][0] / cells["asleep"][0]
         table.append({"gap_s": gap, **{f"{arm}_ttft_p50_s": c[0] for arm, c in cells.items()},
                       **{f"{arm}_ttft_p90_s": c[1] for arm, c in cells.items()}, "p50_ratio": ratio})

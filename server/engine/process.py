@@ -90,7 +90,7 @@ class IdleWait:
     runnable thread each turn; after that it blocks up to IDLE_POLL_MS at a time. A core left to
     sleep computes the next prompt slowly: on this project's 2-core VM (cpuidle haltpoll) the
     prefill step after 0.5 s of idle took 2-3x as long as one after 5 ms (436 tokens: 63-67 ms
-    against 23 ms); a prompt alone after 0.25-1 s of idle got its first token at p50 45-68 ms,
+    against 23 ms); a prompt alone after 0.25-1 s of idle got its first token at p50 45-67 ms,
     and at 21-25 ms when the loop polled through the gap (benchmarks/idle_spin.py, both sides).
     The price is one core busy for up to `spin_s` after each burst of work, so 0 turns it off.
     """
