@@ -12,11 +12,12 @@ import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.compiled import DecodeStep, decode_path_reason
+from sloserve.executor.graphs import CudaGraphCapture, EagerCapture, GraphDecode, graph_reason
 from sloserve.executor.host_memory import keep_freed_memory
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
-from sloserve.layers.attention import select_backend
+from sloserve.layers.attention import CapturableDecode, select_backend
 from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
 from sloserve.layers.sampler import Sampler
 from sloserve.memory.pool import DevicePool
@@ -174,24 +175,38 @@ class ModelRunner:
                                   self.device, self.dtype, reduce, _dense_linear(mc.cpu_gemm, weights,
                                                                                  self.device, self.dtype))
         self.sampler = Sampler(self.device)
-        # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
-        # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
-        why_not = decode_path_reason(self.model, self.kv)
-        compiled = mc.enforce_eager is False
-        if compiled and shard.size > 1:
-            raise ValueError("the compiled decode step (--compile) does not run with tensor parallelism yet: "
-                             "drop --compile (or pass --enforce-eager)")
-        if compiled and why_not:
-            raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
-                             "drop --compile (or pass --enforce-eager)")
-        self.decode_step = None if why_not else DecodeStep(self.model, self.kv, plan.max_seqs, compiled,
-                                                           threads=max(1, self._cpu_threads))
+        self.decode_step = self._decode_step(mc.enforce_eager, plan.max_seqs, shard)
         self.split_mixed_steps = True  # see split_mixed (benchmarks and tests turn it off to compare)
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
         log.info("loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs", self.model_path,
                  spec.architecture, self.device, self.dtype, plan.num_pages, self.block_size, self.backend.name,
                  self.load_time_s)
+
+    def _decode_step(self, enforce_eager: bool | None, max_seqs: int, shard: Shard) -> DecodeStep | GraphDecode | None:
+        """The decode-only step's path: on a CPU the in-place kernel (eager, or compiled when asked);
+        on a GPU the step captured per batch bucket in CUDA graphs (eager when --enforce-eager).
+        None: decode steps take the general path."""
+        if self.device.type == "cuda":
+            attend = self.backend.decode if isinstance(self.backend, CapturableDecode) else None
+            why_not = graph_reason(self.model, attend)
+            if why_not:
+                log.info("decode steps run the general path: %s", why_not)
+                return None
+            capture = EagerCapture() if enforce_eager else CudaGraphCapture(self.device)
+            return GraphDecode(self.model, self.kv, max_seqs, attend, capture)
+        # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
+        # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
+        why_not = decode_path_reason(self.model, self.kv)
+        compiled = enforce_eager is False
+        if compiled and shard.size > 1:
+            raise ValueError("the compiled decode step (--compile) does not run with tensor parallelism yet: "
+                             "drop --compile (or pass --enforce-eager)")
+        if compiled and why_not:
+            raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
+                             "drop --compile (or pass --enforce-eager)")
+        return None if why_not else DecodeStep(self.model, self.kv, max_seqs, compiled,
+                                               threads=max(1, self._cpu_threads))
 
     @property
     def vocab_size(self) -> int:
@@ -328,17 +343,18 @@ class ModelRunner:
                                    [seqs[i].req_id for i in step.sampled])
 
     def warmup(self) -> None:
-        """One prefill and one decode step on the null page (block 0), so first requests run warm."""
+        """Capture (or compile) the decode step's buckets, then one prefill and one decode step on the
+        null page (block 0), so first requests run warm."""
         greedy = SamplingParams(max_tokens=1)
+        if self.decode_step is not None:
+            null = [ScheduledSequence("warmup", [0], 0, [0], True, greedy)]
+            self.warmup_time_s = self.decode_step.warm_up(lambda n: self.inputs.build_decode(null, n))
         prefill = min(self.inputs.max_tokens, 4 * self.block_size, self.max_model_len)
         blocks = [0] * math.ceil(prefill / self.block_size)
         self.execute(SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)]))
         batch = min(self.inputs.max_seqs, 8)
         seqs = [ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy) for i in range(batch)]
         self.execute(SchedulerOutput(seqs))
-        if self.decode_step is not None:
-            null = [ScheduledSequence("warmup", [0], 0, [0], True, greedy)]
-            self.warmup_time_s = self.decode_step.warm_up(lambda n: self.inputs.build_decode(null, n))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.prefetcher is not None:
@@ -405,8 +421,7 @@ class ModelRunner:
             "kv_block_bytes": self.kv_block_bytes,  # one block, all layers, K and V (InfoResponse)
             "pool": self.pool.report(),
             "load_time_s": round(self.load_time_s, 3),
-            "decode_step": "none" if self.decode_step is None else
-            "compiled" if self.decode_step.compiled else "eager",
+            "decode_step": _decode_mode(self.decode_step),
             "warmup_time_s": round(self.warmup_time_s, 3),
         }
         info.update(self.expert_info())
@@ -435,3 +450,12 @@ class ModelRunner:
                 "expert_prediction_recall": c["prediction_recall"],
                 "expert_bytes_copied_total": c["bytes_copied"] + c["preload_bytes"],
                 "expert_bytes_per_step": c["bytes_per_step"], "expert_miss_stall_s_total": c["miss_stall_s"]}
+
+
+def _decode_mode(step: DecodeStep | GraphDecode | None) -> str:
+    """none, compiled, eager (CPU) or the capture of a GPU's bucketed step: cuda-graph or eager."""
+    if step is None:
+        return "none"
+    if isinstance(step, GraphDecode):
+        return step.mode
+    return "compiled" if step.compiled else "eager"

@@ -14,7 +14,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from sloserve.layers.attention.base import AttentionBackend, BackendUnavailableError, write_kv
+from sloserve.layers.attention.base import (
+    AttentionBackend,
+    BackendUnavailableError,
+    CapturableDecode,
+    write_kv,
+)
 from sloserve.layers.attention.metadata import AttentionMetadata, build_arrays
 from sloserve.layers.attention.reference import ReferenceBackend
 
@@ -25,6 +30,7 @@ __all__ = [
     "AttentionMetadata",
     "BackendChoice",
     "BackendUnavailableError",
+    "CapturableDecode",
     "ReferenceBackend",
     "available_backends",
     "build_arrays",

@@ -38,6 +38,27 @@ class AttentionBackend(Protocol):
         ...
 
 
+
+@runtime_checkable
+class CapturableDecode(Protocol):
+    """A backend whose decode step can be captured in a CUDA graph: no host sync, and every shape
+    (the split count included) follows from the batch and the block-table width alone."""
+
+    def decode(
+        self,
+        q: torch.Tensor,  # [B, Hq, D], one query per sequence
+        k: torch.Tensor,  # [B, Hkv, D], the step's new keys (written first)
+        v: torch.Tensor,  # [B, Hkv, D]
+        k_cache: torch.Tensor,  # [P, page, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, W] int32
+        seq_lens: torch.Tensor,  # [B] int32
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        """Write the new K/V into their slots, then attend each query to its sequence's keys."""
+        ...
+
 def write_kv(
     k_cache: torch.Tensor,  # [P, page, Hkv, D]
     v_cache: torch.Tensor,  # [P, page, Hkv, D]

@@ -14,6 +14,7 @@ the module itself imports on any machine.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 from sloserve.layers.attention.metadata import AttentionMetadata
@@ -28,7 +29,7 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr,
-        scale, num_heads, num_splits, keys_per_split,
+        scale, num_heads, num_splits,
         stride_qt, stride_qh,
         stride_kp, stride_ks, stride_kh,
         stride_vp, stride_vs, stride_vh,
@@ -42,8 +43,11 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
         split = tl.program_id(2)
         seq = tl.load(seq_ptr + tok).to(tl.int64)
         n_keys = tl.load(pos_ptr + tok).to(tl.int32) + 1
-        lo = split * keys_per_split
-        n_keys = tl.minimum(n_keys, lo + keys_per_split)  # this program's keys: lo .. n_keys-1
+        # each token splits its own keys evenly (whole tiles), so every split of a long context
+        # works whatever the batch's longest one; this program's keys: lo .. n_keys-1
+        per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        n_keys = tl.minimum(n_keys, lo + per_split)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         g_ok = g < GROUP
@@ -137,19 +141,10 @@ class TritonDecodeBackend:
         scale: float,
     ) -> torch.Tensor:
         """Attention of q[T, Hq, D] over the paged caches [P, page, Hkv, D] -> [T, Hq, D]."""
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-        if not q.is_cuda:
-            raise ValueError("the Triton paged kernel runs on CUDA tensors only; use the sdpa backend on CPU")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-            raise ValueError("KV caches must be contiguous in head_dim")
-        out = torch.empty_like(q)
+        num_tokens = q.shape[0]
+        _check(q, k_cache, v_cache)
         if num_tokens == 0:
-            return out
-        q = q.contiguous()
-        group = num_heads // num_kv_heads
+            return torch.empty_like(q)
         cu = meta.cu_seqlens_q.to(torch.long)
         seq_of_token = torch.repeat_interleave(
             torch.arange(meta.num_seqs, device=q.device), cu[1:] - cu[:-1], output_size=num_tokens
@@ -157,12 +152,42 @@ class TritonDecodeBackend:
         positions = meta.start_pos.to(torch.long)[seq_of_token] + (
             torch.arange(num_tokens, device=q.device) - cu[seq_of_token]
         )
-        tables = meta.block_tables
+        return self._attend(q, k_cache, v_cache, meta.block_tables, seq_of_token, positions, meta.max_seqlen_k,
+                            scale)
+
+    def decode(
+        self,
+        q: torch.Tensor,  # [B, Hq, D], one query per sequence
+        k: torch.Tensor,  # [B, Hkv, D], the step's new keys
+        v: torch.Tensor,  # [B, Hkv, D]
+        k_cache: torch.Tensor,  # [P, page, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, W] int32
+        seq_lens: torch.Tensor,  # [B] int32, positions + 1
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        """Write the new K/V, then decode-attend: one layer of a decode step, safe to capture in a CUDA
+        graph (no host sync; every shape and the split count follow from the batch and the table width)."""
+        _check(q, k_cache, v_cache)
+        heads, dim = k_cache.shape[-2:]
+        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        batch = q.shape[0]
+        rows = torch.arange(batch, device=q.device)
+        return self._attend(q, k_cache, v_cache, block_tables, rows, seq_lens - 1,
+                            block_tables.shape[1] * k_cache.shape[1], scale)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                seq_of_token: torch.Tensor, positions: torch.Tensor, max_keys: int, scale: float) -> torch.Tensor:
+        """One launch over (token, KV head, split); splits > 1 are merged by their softmax partials."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        group = num_heads // num_kv_heads
         block_n = self.block_n or (64 if head_dim <= 128 else 32)
-        splits = self._splits(num_tokens * num_kv_heads, meta.max_seqlen_k, block_n, q.device)
-        keys_per_split = -(-meta.max_seqlen_k // splits)
-        keys_per_split = -(-keys_per_split // block_n) * block_n
-        splits = -(-meta.max_seqlen_k // keys_per_split)
+        splits = self._splits(num_tokens * num_kv_heads, max_keys, block_n, q.device)
         if splits > 1:
             part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
             part_l = torch.empty_like(part_m)
@@ -172,7 +197,7 @@ class TritonDecodeBackend:
         _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
             q, k_cache, v_cache, out, tables, seq_of_token, positions,
             part_m, part_l, part_acc,
-            scale, num_heads, splits, keys_per_split,
+            scale, num_heads, splits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -184,8 +209,23 @@ class TritonDecodeBackend:
         )
         if splits == 1:
             return out
-        # Combine the splits' online-softmax partials: rescale each to the common max.
+        # Combine the splits' online-softmax partials: rescale each to the common max (an empty
+        # split has m = -inf and weighs 0; split 0 of every token holds at least one key).
         weight = torch.exp(part_m - part_m.amax(dim=-1, keepdim=True))  # [T, Hq, splits]
         total = (part_l * weight).sum(dim=-1, keepdim=True)  # [T, Hq, 1]
         combined = (part_acc * weight.unsqueeze(-1)).sum(dim=-2) / total
         return out.copy_(combined)
+
+
+def _interpreted() -> bool:
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1: the kernels' tests on a machine without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not q.is_cuda and not _interpreted():
+        raise ValueError("the Triton paged kernel runs on CUDA tensors only; use the sdpa backend on CPU")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches must be contiguous in head_dim")
