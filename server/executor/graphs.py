@@ -24,6 +24,7 @@ checks that every replay reads the same input buffers the capture saw.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -31,11 +32,16 @@ from typing import Protocol
 
 import torch
 from sloserve.executor.inputs import DecodeInputs
+from sloserve.layers import triton_fused
+from sloserve.layers.attention import CapturableDecode
 from sloserve.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
 Step = Callable[[], torch.Tensor]
+# (input_ids, positions, slot_mapping, block_tables, seq_lens, kv) -> logits [B, V]: DecoderModel.decode
+# or decode_fused with a capture-safe attention bound
+DecodeForward = Callable[..., torch.Tensor]
 
 
 def graph_buckets(max_seqs: int) -> list[int]:
@@ -54,9 +60,9 @@ def graph_buckets(max_seqs: int) -> list[int]:
     return buckets
 
 
-def graph_reason(model: DecoderModel, attend: Callable[..., torch.Tensor] | None) -> str | None:
+def graph_reason(model: DecoderModel, capturable_attention: bool) -> str | None:
     """Why decode steps of this model cannot be captured (None when they can)."""
-    if attend is None:
+    if not capturable_attention:
         return f"the {model.backend.name} attention backend has no capture-safe decode kernel (triton has)"
     if model.spec.moe_layers:
         return "MoE layers route on the host"
@@ -163,12 +169,12 @@ class GraphDecode:
     fused = None  # the CPU one-call kernel never runs here (see executor/fused.py)
     pads = True
 
-    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int,
-                 attend: Callable[..., torch.Tensor], capture: Capture) -> None:
-        why_not = graph_reason(model, attend)
+    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, forward: DecodeForward,
+                 capture: Capture) -> None:
+        why_not = graph_reason(model, True)
         if why_not:
             raise ValueError(f"decode steps cannot be captured: {why_not}")
-        self.model, self.kv, self.attend, self.capturer = model, kv, attend, capture
+        self.model, self.kv, self.forward, self.capturer = model, kv, forward, capture
         self.buckets = graph_buckets(max_seqs)
         self._replays: dict[int, _EagerReplay | _GraphReplay] = {}
         self.capture_time_s = 0.0
@@ -198,11 +204,11 @@ class GraphDecode:
                  len(self.buckets), self.buckets, self.capture_time_s, self.capture_bytes / 2**20)
 
     def _stepper(self, args: tuple[torch.Tensor, ...]) -> Step:
-        model, kv, attend = self.model, self.kv, self.attend
+        forward, kv = self.forward, self.kv
 
         def step() -> torch.Tensor:
             with torch.inference_mode():
-                return model.decode(*args, kv, attend=attend)
+                return forward(*args, kv)
 
         return step
 
@@ -219,3 +225,11 @@ class GraphDecode:
         """Capture every bucket (the runner's start-up hook); seconds taken."""
         self.capture_all(build)
         return self.capture_time_s
+
+
+def decode_forward(model: DecoderModel, attention: CapturableDecode) -> DecodeForward:
+    """The decode forward to capture: on the fused Triton kernels where they run this model (a
+    power-of-two head_dim), else `DecoderModel.decode`, with the backend's capture-safe attention."""
+    if triton_fused.AVAILABLE and not model.spec.head_dim & (model.spec.head_dim - 1):
+        return functools.partial(model.decode_fused, attend=attention.attend_decode)
+    return functools.partial(model.decode, attend=attention.decode)

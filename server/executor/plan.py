@@ -45,6 +45,16 @@ class MemoryPlan:
         return self.num_pages * self.page_bytes + self.expert_bytes + self.overhead_bytes - POOL_ROUNDING
 
 
+def graph_memory_bytes(spec: ModelSpec, max_seqs: int, itemsize: int) -> int:
+    """What the captured decode steps hold (executor/graphs.py): the largest bucket's activations,
+    which every smaller bucket reuses, twice over for what lives across a layer, plus 64 MiB for
+    library workspaces."""
+    inter = spec.intermediate_size or spec.moe_intermediate_size or 4 * spec.hidden_size
+    row = (6 * spec.hidden_size + spec.q_size + 2 * spec.kv_size + 3 * inter) * itemsize
+    logits = spec.vocab_size * (itemsize + 4)  # the LM head's output and its float32 copy
+    return 2 * max_seqs * (row + logits) + 64 * 2**20
+
+
 def overhead(workspace: int, moe_workspace: int, arena: int) -> int:
     return workspace + moe_workspace + 2 * arena + POOL_ROUNDING
 
@@ -86,6 +96,8 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
     if kv_bytes is None:
         if device.type == "cuda" or budget is not None:
             kv_bytes = budget - expert_device - fixed
+        if device.type == "cuda" and config.model.enforce_eager is not True and not spec.moe_layers:
+            kv_bytes -= graph_memory_bytes(spec, sc.max_batch, itemsize)  # the captured decode steps'
         if device.type != "cuda":  # enough for max_batch full-length sequences, capped
             cpu = min(CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes)
             kv_bytes = cpu if kv_bytes is None else min(cpu, kv_bytes)

@@ -12,7 +12,13 @@ import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.compiled import DecodeStep, decode_path_reason
-from sloserve.executor.graphs import CudaGraphCapture, EagerCapture, GraphDecode, graph_reason
+from sloserve.executor.graphs import (
+    CudaGraphCapture,
+    EagerCapture,
+    GraphDecode,
+    decode_forward,
+    graph_reason,
+)
 from sloserve.executor.host_memory import keep_freed_memory
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
 from sloserve.executor.plan import plan_memory
@@ -188,13 +194,12 @@ class ModelRunner:
         on a GPU the step captured per batch bucket in CUDA graphs (eager when --enforce-eager).
         None: decode steps take the general path."""
         if self.device.type == "cuda":
-            attend = self.backend.decode if isinstance(self.backend, CapturableDecode) else None
-            why_not = graph_reason(self.model, attend)
+            why_not = graph_reason(self.model, isinstance(self.backend, CapturableDecode))
             if why_not:
                 log.info("decode steps run the general path: %s", why_not)
                 return None
             capture = EagerCapture() if enforce_eager else CudaGraphCapture(self.device)
-            return GraphDecode(self.model, self.kv, max_seqs, attend, capture)
+            return GraphDecode(self.model, self.kv, max_seqs, decode_forward(self.model, self.backend), capture)
         # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
         # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
         why_not = decode_path_reason(self.model, self.kv)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from sloserve.layers import triton_fused
 from sloserve.layers.attention import AttentionBackend, AttentionMetadata, write_kv
 from sloserve.layers.attention.paged import write_and_attend
 from sloserve.layers.moe import ExpertStore, moe_forward
@@ -121,6 +122,38 @@ class DecoderModel:
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
             h = h + self.reduce(self._eager_moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x, self.linear))
         return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
+
+    def decode_fused(
+        self,
+        input_ids: torch.Tensor,  # [B] int64, one token per sequence
+        positions: torch.Tensor,  # [B] int64
+        slot_mapping: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, W] int32
+        seq_lens: torch.Tensor,  # [B] int32, positions + 1
+        kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
+        attend: Callable[..., torch.Tensor],  # (q, k_cache, v_cache, block_tables, seq_lens, scale): reads only
+    ) -> torch.Tensor:  # [B, V] float32
+        """`decode` of a dense model on the fused Triton kernels (layers/triton_fused.py): per layer
+        four matmuls, attention and three fused kernels (residual + norm twice, rotary + KV write,
+        SwiGLU), the residual added inside the next norm."""
+        spec, w, eps = self.spec, self.weights, self.spec.rms_norm_eps
+        batch = input_ids.shape[0]
+        h = F.embedding(input_ids, w.embed)  # [B, H], the residual stream
+        delta = None  # what the last sublayer adds to h (added inside the next norm)
+        for i, layer in enumerate(w.layers):
+            x, h = triton_fused.add_rms_norm(h if delta is None else delta, None if delta is None else h, layer.ln1,
+                                             eps)
+            qkv = self.linear(x, layer.qkv_w, layer.qkv_b)
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            q = triton_fused.rope_write(qkv, self.cos, self.sin, positions, slot_mapping, k_cache, v_cache,
+                                        spec.num_heads)
+            attn = attend(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
+            delta = self.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b)
+            x, h = triton_fused.add_rms_norm(delta, h, layer.ln2, eps)
+            gate_up = self.linear(x, layer.gate_up_w, layer.gate_up_b)
+            delta = self.linear(triton_fused.silu_mul(gate_up), layer.down_w, layer.down_b)
+        x, _ = triton_fused.add_rms_norm(delta, h, w.norm, eps)
+        return F.linear(x, w.lm_head).float()
 
     @torch.compiler.disable
     def _eager_moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ here, and the tokens must still equal transformers'.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from sloserve.batch import ScheduledSequence, SchedulerOutput
@@ -47,10 +49,15 @@ class CountingCapture(EagerCapture):
         return Counted()
 
 
+def eager_forward(runner):
+    """The CPU's decode forward (the in-place paged kernel) in place of a GPU's capture-safe one."""
+    return functools.partial(runner.model.decode, attend=paged.write_and_attend)
+
+
 def graph_runner(make_runner, folder, max_batch=6):
     runner = make_runner(folder, max_batch=max_batch, backend="sdpa")
     capture = CountingCapture()
-    runner.decode_step = GraphDecode(runner.model, runner.kv, max_batch, paged.write_and_attend, capture)
+    runner.decode_step = GraphDecode(runner.model, runner.kv, max_batch, eager_forward(runner), capture)
     runner.warmup()
     return runner, capture
 
@@ -119,7 +126,7 @@ def test_inputs_that_moved_or_a_bucket_never_captured_are_refused(tiny_llama, ma
                          step.seq_lens, step.num_seqs)
     with pytest.raises(RuntimeError, match="moved"):
         runner.decode_step(moved)
-    fresh = GraphDecode(runner.model, runner.kv, 6, paged.write_and_attend, EagerCapture())
+    fresh = GraphDecode(runner.model, runner.kv, 6, eager_forward(runner), EagerCapture())
     with pytest.raises(RuntimeError, match="no decode step captured"):
         fresh(step)
     with pytest.raises(ValueError, match="exceed the largest decode bucket"):
@@ -128,11 +135,11 @@ def test_inputs_that_moved_or_a_bucket_never_captured_are_refused(tiny_llama, ma
 
 def test_models_that_cannot_be_captured_say_why(tiny_llama, tiny_mixtral, make_runner):
     moe = make_runner(tiny_mixtral, backend="sdpa")
-    assert "MoE" in graph_reason(moe.model, paged.write_and_attend)
+    assert "MoE" in graph_reason(moe.model, True)
     dense = make_runner(tiny_llama, backend="reference")
-    assert "capture-safe" in graph_reason(dense.model, None)
+    assert "capture-safe" in graph_reason(dense.model, False)
     with pytest.raises(ValueError, match="cannot be captured"):
-        GraphDecode(moe.model, moe.kv, 4, paged.write_and_attend, EagerCapture())
+        GraphDecode(moe.model, moe.kv, 4, eager_forward(moe), EagerCapture())
 
 
 def test_cpu_runners_keep_their_decode_path(tiny_llama, make_runner):
@@ -140,3 +147,11 @@ def test_cpu_runners_keep_their_decode_path(tiny_llama, make_runner):
     runner = make_runner(tiny_llama, backend="sdpa")
     assert not isinstance(runner.decode_step, GraphDecode)
     assert torch.device("cpu") == runner.device
+
+
+def test_graph_memory_comes_out_of_the_budget_and_grows_with_the_batch(tiny_llama, make_runner):
+    from sloserve.executor.plan import graph_memory_bytes
+
+    spec = make_runner(tiny_llama, backend="sdpa").spec
+    small, large = graph_memory_bytes(spec, 8, 2), graph_memory_bytes(spec, 256, 2)
+    assert 64 * 2**20 < small < large

@@ -34,6 +34,24 @@ def test_paged_attention_matches_the_reference_for_every_split_count():
         assert error < 1e-5, case
 
 
-def test_graph_decode_with_triton_attention_equals_transformers(tiny_llama):
-    out = interpret("model", str(tiny_llama))
+def test_fused_kernels_compute_the_unfused_formulas():
+    """add + RMSNorm, rotary + KV write, SwiGLU against torch's ops, errors relative to the largest value.
+
+    float32: the elementwise kernels give the same bits, the norms differ in summation order only.
+    bfloat16: within two of its rounding steps (the interpreter rounds float32 to bfloat16 its own way).
+    """
+    out = interpret("fused")
+    for case, error in out.items():
+        if case.startswith("rope.elsewhere") or case.startswith("rms_norm.passes_x"):
+            assert error == 0, case  # nothing written outside the step's slots; no add: x itself is returned
+        elif case.endswith("float32") and (case.startswith("rope") or case.startswith("add_rms_norm.sum")):
+            assert error == 0, case
+        else:
+            assert error < (1e-6 if case.endswith("float32") else 2**-6), (case, error)
+
+
+@pytest.mark.parametrize("kernels", ["unfused", "fused"])
+def test_graph_decode_with_triton_kernels_equals_transformers(tiny_llama, kernels):
+    """The GPU's captured decode forward (Triton attention; with the fused kernels or without) on a CPU."""
+    out = interpret("model", str(tiny_llama), *(["fused"] if kernels == "fused" else []))
     assert out["sloserve"] == out["transformers"]

@@ -169,12 +169,16 @@ class TritonDecodeBackend:
     ) -> torch.Tensor:  # [B, Hq, D]
         """Write the new K/V, then decode-attend: one layer of a decode step, safe to capture in a CUDA
         graph (no host sync; every shape and the split count follow from the batch and the table width)."""
-        _check(q, k_cache, v_cache)
         heads, dim = k_cache.shape[-2:]
         k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-        batch = q.shape[0]
-        rows = torch.arange(batch, device=q.device)
+        return self.attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """`decode` without the write (the fused rotary kernel has written the new K/V already)."""
+        _check(q, k_cache, v_cache)
+        rows = torch.arange(q.shape[0], device=q.device)
         return self._attend(q, k_cache, v_cache, block_tables, rows, seq_lens - 1,
                             block_tables.shape[1] * k_cache.shape[1], scale)
 
