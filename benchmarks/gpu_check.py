@@ -15,6 +15,9 @@ Sections:
                          (one matmul per expert in both), and the grouped-GEMM all-resident layer
   moe_offload            benchmarks/moe_offload.py's comparison on default-moe: tok/s at 25/50/100%
                          of the experts resident, preloading on and off, hit rate, prefetch accuracy
+  served                 benchmarks/gpu_served.py: a ~0.9B Llama served (`sloserve serve` + `sloserve
+                         bench fixed:512,128 --ignore-eos` at concurrency 1/16/64) against transformers'
+                         generate and the HBM roofline, with the commit measured
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from gpu_served import served
 
 RESULTS = Path(__file__).resolve().parent / "results"
 H200_BANDWIDTH = 4.3e12  # bytes/s, HBM3e peak
@@ -238,14 +242,18 @@ def decode_runs(runner_cls, folder: Path, device: torch.device, gpu: bool, deadl
     result: dict = {"model": build_llama(folder, gpu, device), "runs": []}
     prompt_len, warmup, steady = (256, 5, 50) if gpu else (32, 2, 10)
     # NOTE: auto runs with the block size unset, as a user gets it: flash with 256-token pages when
-    # flash-attn is importable, else triton with 16; triton is named too so both kernels are timed.
-    runs = [("auto", None), ("sdpa", 16)] + ([("triton", 16)] if gpu else [])
-    for backend, block in runs:
+    # flash-attn is importable, else triton with 16; triton is named too, with its captured decode
+    # step (CUDA graphs) and without (--enforce-eager), so graphs are timed against eager.
+    runs: list[tuple[str, int | None, bool | None]] = [("auto", None, None), ("sdpa", 16, None)]
+    if gpu:
+        runs += [("triton", 16, None), ("triton", 16, True), ("triton", 256, None)]
+    for backend, block, enforce_eager in runs:
         if time.monotonic() > deadline:
             result["runs"].append({"backend": backend, "skipped": "time budget spent"})
             continue
         config = SloserveConfig(
-            model=ModelConfig(path=str(folder), device=str(device), attention_backend=backend, max_model_len=1024),
+            model=ModelConfig(path=str(folder), device=str(device), attention_backend=backend, max_model_len=1024,
+                              enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block, kv_pool_bytes=(8 * 1024 if gpu else 256) * 1024**2, swap_bytes=0),
             scheduler=SchedulerConfig(max_batch=128, max_batched_tokens=8192 if gpu else 2048),
         )
@@ -255,8 +263,14 @@ def decode_runs(runner_cls, folder: Path, device: torch.device, gpu: bool, deadl
             result["runs"].append({"backend": backend, "block_size": block, "skipped": repr(exc)})
             continue
         runner.warmup()
+        info = runner.info()
+        print(f"  {backend}/{block}: decode step {info['decode_step']}, warm-up {info['warmup_time_s']:.2f}s", flush=True)
+        result.setdefault("decode_paths", []).append({
+            "backend": backend, "block_size": block, "decode_step": info["decode_step"],
+            "warmup_time_s": info["warmup_time_s"],
+            "capture_bytes": getattr(runner.decode_step, "capture_bytes", None)})
         pages = iter(range(1, runner.num_kv_blocks))
-        for batch in (1, 32, 128):
+        for batch in (1, 8, 32, 64, 128) if gpu else (1, 32):
             try:
                 run = decode_batch(runner, batch, pages, prompt_len, warmup, steady, gpu,
                                    config.scheduler.max_batched_tokens)
@@ -264,6 +278,7 @@ def decode_runs(runner_cls, folder: Path, device: torch.device, gpu: bool, deadl
                 result["runs"].append({"backend": backend, "batch": batch, "error": repr(exc),
                                        "traceback": traceback.format_exc()})
                 continue
+            run["decode_step"] = info["decode_step"]
             result["runs"].append(run)
             print(f"  decode {run['backend']:>9} batch {batch:>3}: {run['step_ms']:.2f} ms/step", flush=True)
         if gpu:
@@ -373,7 +388,8 @@ def main() -> int:
                 ("attention_kernels", lambda: attention_kernels(device, gpu)),
                 ("decode_latency", lambda: decode_latency(device, gpu, started + args.budget_s)),
                 ("expert_cache", lambda: expert_cache(device, gpu)),
-                ("moe_offload", lambda: moe_offload(device, gpu))]
+                ("moe_offload", lambda: moe_offload(device, gpu)),
+                ("served", lambda: served(gpu))]
     for name, section in sections:
         print(f"[{time.monotonic() - started:6.1f}s] {name}", flush=True)
         try:

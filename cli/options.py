@@ -39,8 +39,9 @@ def engine_options(fn: Callable) -> Callable:
                      help="Attention kernel (auto picks the best available)."),
         click.option("--max-model-len", type=int, default=None, help="Context length [default: the checkpoint's]."),
         click.option("--enforce-eager/--compile", "enforce_eager", default=None,
-                     help="Run the decode step eagerly, or torch.compile it (warmed up at start) "
-                          "[default: eager on a CPU]."),
+                     help="Run the decode step eagerly, or compile it: on a GPU, decode steps are captured in "
+                          "CUDA graphs per batch bucket at start-up unless --enforce-eager; on a CPU, --compile "
+                          "torch.compiles them [default: graphs on a GPU, eager on a CPU]."),
         click.option("--cpu-gemm", default="auto", show_default=True, type=click.Choice(["auto", "onednn", "blas"]),
                      help="Dense projections of a float32 model on a CPU: oneDNN on weights packed at load (auto "
                           "uses it where torch has it; the projections are then held twice), or torch's BLAS."),

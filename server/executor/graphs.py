@@ -215,9 +215,11 @@ class GraphDecode:
     def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32, a view of static memory
         size = step.input_ids.shape[0]
         replay = self._replays.get(size)
-        if replay is None:
-            raise RuntimeError(f"no decode step captured for batch {size} (buckets {self.buckets}): "
-                               "capture_all must run at start-up")
+        if replay is None:  # a runner used before warmup(): capture this bucket now (a step's inputs
+            # are rewritten in place, so running it again while capturing computes the same values)
+            log.info("decode step (%s): capturing batch bucket %d on first use", self.mode, size)
+            args = _args(step)
+            replay = self._replays[size] = self.capturer.capture(self._stepper(args), args)
         replay.check(_args(step))
         return replay()
 

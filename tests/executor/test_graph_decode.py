@@ -118,7 +118,7 @@ def test_a_run_of_decode_steps_replays_in_place(tiny_llama, make_runner):
 
 
 @pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
-def test_inputs_that_moved_or_a_bucket_never_captured_are_refused(tiny_llama, make_runner):
+def test_inputs_that_moved_are_refused_and_a_bucket_never_captured_is_captured_on_use(tiny_llama, make_runner):
     runner, _ = graph_runner(make_runner, tiny_llama)
     seq = ScheduledSequence("a", [5], 3, [1], True, GREEDY)
     step = runner.prepare(SchedulerOutput([seq]))
@@ -126,9 +126,10 @@ def test_inputs_that_moved_or_a_bucket_never_captured_are_refused(tiny_llama, ma
                          step.seq_lens, step.num_seqs)
     with pytest.raises(RuntimeError, match="moved"):
         runner.decode_step(moved)
-    fresh = GraphDecode(runner.model, runner.kv, 6, eager_forward(runner), EagerCapture())
-    with pytest.raises(RuntimeError, match="no decode step captured"):
-        fresh(step)
+    capture = CountingCapture()
+    fresh = GraphDecode(runner.model, runner.kv, 6, eager_forward(runner), capture)
+    assert torch.equal(fresh(step), runner.decode_step(step))
+    assert capture.captured == [1]
     with pytest.raises(ValueError, match="exceed the largest decode bucket"):
         fresh.bucket(7)
 
