@@ -66,10 +66,13 @@ class Completions:
 
     async def _whole(self, events: AsyncIterator[Any], event: Any, req: CompletionRequest, shape: Shape) -> Response:
         """Collect a request's tokens into one response (or a stream that ended before its first token)."""
-        texts, ids = [], []
+        texts, ids, logprobs, prompt = [], [], [], None
         while isinstance(event, Tokens):
             texts.append(event.text)
             ids += event.token_ids
+            logprobs += event.logprobs or ()
+            if event.prompt_logprobs is not None:
+                prompt = event
             event = await anext(events)
         if isinstance(event, Failure):
             return failure_response(event)
@@ -77,16 +80,16 @@ class Completions:
             return failure_response(SHUTDOWN)
         if req.stream:  # finished without a token (e.g. a stop token first)
             return StreamingResponse(_replay(shape, event, req), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        return _json(shape.full("".join(texts), ids, event))
+        return _json(shape.full("".join(texts), ids, event, logprobs if req.logprobs else None, prompt))
 
     async def _stream(self, events: AsyncIterator[Any], first: Tokens, req: CompletionRequest,
                       shape: Shape) -> AsyncIterator[bytes]:
         opening = shape.first()
         head = sse.event(opening) if opening is not None else b""
-        yield head + sse.event(shape.delta(first.text, first.token_ids))
+        yield head + sse.event(shape.delta(first.text, first.token_ids, first))
         async for event in events:
             if isinstance(event, Tokens):
-                yield sse.event(shape.delta(event.text, event.token_ids))
+                yield sse.event(shape.delta(event.text, event.token_ids, event))
             elif isinstance(event, Failure):
                 yield _error_event(event) + sse.DONE
             elif self.shutting_down and event.finish_reason == "cancelled":
