@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from sloserve.frontend import Failure, FailureCode, Frontend, RequestHandle, Tokens
 from sloserve.http import sse
+from sloserve.http.choices import respond_n
 from sloserve.http.errors import STATUS, error_body, failure_response
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest
@@ -42,6 +43,9 @@ class Completions:
 
     async def respond(self, request: Request, handle: RequestHandle, req: CompletionRequest,
                       shape: Shape) -> Response:
+        if req.parsed.n > 1:
+            return await respond_n(self, handle, req, shape, shutdown=SHUTDOWN,
+                                   watch=lambda cancel: asyncio.create_task(_disconnected(request.receive, cancel)))
         events = self.frontend.run(handle, req.parsed)
         self.live[handle.engine_id] = handle
         watcher = asyncio.create_task(_disconnected(request.receive, lambda: self.frontend.cancel(handle)))

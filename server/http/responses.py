@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 
@@ -22,6 +23,7 @@ class Shape:
         self.logprobs = logprobs  # set when the request asked for logprobs
         self.echo = echo  # completions' echo: the prompt's text, put before the first text
         self._offset = 0  # characters of completion text sent so far (completions' text_offset)
+        self.index = 0  # the choice's index (n > 1: one Shape per choice, see for_choice)
         self.model = model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -34,29 +36,35 @@ class Shape:
         logprobs, when echo asked for them)."""
         lp = self._logprobs(text, token_ids, logprobs, prompt)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": finish_reason(done)}
         else:
-            choice = {"index": 0, "text": self._echoed(text), "logprobs": lp, "finish_reason": finish_reason(done)}
+            choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": finish_reason(done)}
         if self.token_ids:
             choice["token_ids"] = token_ids
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(done)}
 
+    def for_choice(self, index: int) -> Shape:
+        """A Shape of the same response for choice `index` (its own echo and text offsets)."""
+        shape = copy.copy(self)
+        shape.index = index
+        return shape
+
     def first(self) -> dict | None:
         """Chat's opening chunk carries the role (completions have none)."""
         if not self.chat:
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
     def delta(self, text: str, token_ids: list[int], event: Tokens | None = None) -> dict:
         """A chunk of new text (`event`: the Tokens it came from, for its logprobs)."""
         lp = None if event is None else self._logprobs(text, token_ids, event.logprobs, event)
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+            choice = {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
-            choice = {"index": 0, "text": self._echoed(text), "logprobs": lp, "finish_reason": None}
+            choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": None}
         if self.token_ids:
             choice["token_ids"] = token_ids
         return self._chunk(choice)
@@ -86,9 +94,9 @@ class Shape:
     def last(self, done: Finished) -> dict:
         """The chunk with the finish reason."""
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
+            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
         return self._chunk(choice)
 
     def usage_chunk(self, done: Finished) -> dict:
