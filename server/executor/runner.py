@@ -337,11 +337,13 @@ class ModelRunner:
                 logits = logits[: len(rows)]
         params = [s.sampling for s in rows]
         raw = logits
-        if any(p.processes_logits for p in params):
+        # NOTE: attribute reads only: a step where nobody asks pays no call per row
+        if any(s.context is not None or s.sampling.logit_bias or s.sampling.min_tokens > s.num_generated
+               for s in rows):
             logits = process_logits(logits, params, [s.context for s in rows], [s.num_generated for s in rows],
                                     self._eos)
         tokens = self.sampler.sample(logits, params, [s.req_id for s in rows])
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        wanted = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
         if wanted:
             picked = raw if len(wanted) == len(rows) else raw[wanted]
             found = gather_logprobs(picked, [tokens[i] for i in wanted], [params[i].logprobs for i in wanted])
