@@ -121,3 +121,16 @@ def test_min_tokens_holds_eos_back_until_reached(make_checkpoint):
 def test_logit_bias_outside_the_vocabulary_is_refused(make_checkpoint):
     with _llm(make_checkpoint("llama")) as llm, pytest.raises(InvalidRequestError, match="logit_bias names token id"):
         llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_logprobs_and_penalties(tiny_llama):
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1, repetition_penalty=1.5)
+    results = {}
+    for size in (1, 2):
+        with LLM(str(tiny_llama), device="cpu", tensor_parallel_size=size, max_model_len=128) as llm:
+            results[size] = llm.generate([PROMPTS[0]], params)[0]
+    one, two = results[1], results[2]
+    assert two.token_ids == one.token_ids
+    assert [e.logprob for e in two.logprobs] == pytest.approx([e.logprob for e in one.logprobs], abs=TOL)
+    assert [e.logprob for e in two.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in one.prompt_logprobs[1:]], abs=TOL)
