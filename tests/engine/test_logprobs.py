@@ -78,6 +78,8 @@ def test_prompt_logprobs_equal_transformers_per_position_even_after_a_prefix_hit
         again = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         assert again.num_cached_tokens > 0
         out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3, logprobs=1))[0]
+        bm = llm.engine.scheduler.block_manager
+        assert bm.num_free == bm.num_usable  # its own copies of the cached blocks came back too
     assert out.num_cached_tokens == 0  # it skipped the cache: every prompt row's logits computed
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for p in range(1, len(prompt)):
@@ -116,6 +118,16 @@ def test_min_tokens_holds_eos_back_until_reached(make_checkpoint):
     assert alone.token_ids == [eos] and alone.finish_reason == "stop"
     assert len(held.token_ids) == 4 and eos not in held.token_ids[:3] and held.token_ids[3] == eos
     assert held.finish_reason == "stop"
+
+
+def test_min_tokens_holds_stop_strings_back_too(make_checkpoint):
+    forced = {65: 100.0}  # every token is 'A'
+    with _llm(make_checkpoint("llama")) as llm:
+        cut = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, stop=["A"]))[0]
+        held = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, stop=["A"], min_tokens=5))[0]
+    assert cut.token_ids == [65] and cut.text == "" and cut.finish_reason == "stop"
+    # the fifth token is the first checked: the text ends before its "A"
+    assert held.token_ids == [65] * 5 and held.text == "AAAA" and held.finish_reason == "stop"
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(make_checkpoint):
