@@ -253,7 +253,7 @@ class InputBuilder:
         _write_present_to_null(seqs, arrays.slot_mapping, arrays.cu_seqlens_q.tolist())
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
-        prompt_rows = [(i, r) for i, s in enumerate(seqs) if (r := s.prompt_logprob_rows)]
+        prompt_rows = [(i, r) for i, s in enumerate(seqs) if s.context is not None and (r := s.prompt_logprob_rows)]
         if prompt_rows:  # every row that scores a prompt token, after the sampled ones
             firsts = arrays.cu_seqlens_q
             extra = [np.arange(r.start, r.stop) - seqs[i].start_pos + firsts[i] for i, r in prompt_rows]

@@ -146,3 +146,23 @@ def test_two_tensor_parallel_ranks_give_one_ranks_logprobs_and_penalties(tiny_ll
     assert [e.logprob for e in two.logprobs] == pytest.approx([e.logprob for e in one.logprobs], abs=TOL)
     assert [e.logprob for e in two.prompt_logprobs[1:]] == pytest.approx(
         [e.logprob for e in one.prompt_logprobs[1:]], abs=TOL)
+
+
+def test_prompt_logprobs_survive_preemption(make_checkpoint):
+    """Three long requests in a pool that holds one at a time: they are preempted and recomputed,
+    and each prompt's logprobs still equal transformers' (kept once, never duplicated)."""
+    folder = make_checkpoint("llama")
+    with _llm(folder) as probe:
+        page = probe.engine.runner.page_bytes
+    prompts = [PROMPTS[0] + [(i * 7 + k) % 250 for k in range(40)] for i in range(3)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    with _llm(folder, kv_pool_bytes=40 * page, max_batch=3) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.engine.scheduler.preemptions_total > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = _reference(folder, prompt + out.token_ids)
+        assert len(out.prompt_logprobs) == len(prompt) and len(out.logprobs) == 24
+        got = [e.logprob for e in out.prompt_logprobs[1:]]
+        assert got == pytest.approx([ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=TOL)
+        assert [e.logprob for e in out.logprobs] == pytest.approx(
+            [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)], abs=TOL)
