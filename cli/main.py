@@ -77,6 +77,9 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--tls-cert", default=None, help="PEM certificate chain (TLS on; needs --tls-key).")
 @click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
 @click.option("--max-tokens-limit", default=4096, show_default=True, type=int, help="Largest max_tokens accepted.")
+@click.option("--max-logprobs", default=20, show_default=True, type=int,
+              help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).")
+@click.option("--max-n", default=16, show_default=True, type=int, help="Most choices (n) one request may ask for.")
 @click.option("--max-prompt-tokens", default=None, type=int, help="Longest prompt accepted [default: context length].")
 @click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
@@ -103,6 +106,7 @@ def serve(**kwargs) -> None:
             host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
+            max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
             idle_spin_s=kwargs["idle_spin"])
     except ValueError as exc:

@@ -29,6 +29,18 @@ class ScheduledSequence:
     sampling: SamplingParams
     num_generated: int = 0  # output tokens produced so far (for repetition-free bookkeeping/seeds)
     kv_present: int = 0  # leading tokens whose K/V the block table already holds: not written (see above)
+    # The request's tokens so far (prompt, then num_generated outputs), only when its sampling needs
+    # them (penalties, prompt logprobs: SamplingParams.needs_context); else None.
+    context: list[int] | None = None
+
+    @property
+    def prompt_logprob_rows(self) -> range:
+        """Positions of this chunk whose logits score a prompt token (the one after each), when its
+        sampling asks for prompt logprobs; else empty."""
+        if self.sampling.prompt_logprobs is None or self.context is None:
+            return range(0)
+        num_prompt = len(self.context) - self.num_generated
+        return range(self.start_pos, min(self.start_pos + len(self.token_ids), num_prompt - 1))
 
 
 @dataclass(slots=True)

@@ -163,6 +163,8 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024**2
     max_prompt_tokens: int | None = None  # None: the model's context length
     max_tokens_limit: int = 4096
+    max_logprobs: int = 20  # most top log-probabilities per token a request may ask for (OpenAI's limit)
+    max_n: int = 16  # most choices (n) one request may ask for
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -177,6 +179,8 @@ class ServerConfig:
         _require((self.tls_cert is None) == (self.tls_key is None), "TLS needs both --tls-cert and --tls-key")
         _require(self.log_format in ("text", "json"), "log format must be 'text' or 'json'")
         _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
+        _require(self.max_logprobs >= 0, f"max logprobs must be >= 0, got {self.max_logprobs}")
+        _require(self.max_n >= 1, f"max n must be >= 1, got {self.max_n}")
         _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")
 
 

@@ -16,6 +16,7 @@ from sloserve.config import (
     parse_size,
 )
 from sloserve.engine.core import EngineCore
+from sloserve.logprobs import Logprob
 from sloserve.sampling_params import SamplingParams
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
@@ -32,6 +33,8 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[Logprob] | None = None  # one per token id, when SamplingParams.logprobs asked
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, when prompt_logprobs asked
 
 
 def build_config(model: str = "default", **options: Any) -> SloserveConfig:
@@ -117,6 +120,10 @@ class LLM:
             for out in core.step():
                 i = index[out.request_id]
                 results[i].token_ids += out.new_token_ids
+                if out.new_logprobs is not None:
+                    results[i].logprobs = (results[i].logprobs or []) + out.new_logprobs
+                if out.prompt_logprobs is not None:
+                    results[i].prompt_logprobs = out.prompt_logprobs
                 texts[i].append(out.new_text)
                 if out.finished:
                     live -= 1

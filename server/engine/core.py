@@ -21,6 +21,7 @@ from sloserve.engine.priming import prime
 from sloserve.engine.scheduler import Scheduler
 from sloserve.errors import InvalidRequestError
 from sloserve.faults import FaultPlan, FaultyRunner
+from sloserve.logprobs import StepLogprobs
 from sloserve.sampling_params import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class EngineCore:
         self._steps_since_percentiles = 0
         self._steps_total = 0  # model steps and the runner's seconds on them, since ready
         self._busy_seconds_total = 0.0
+        self._logprobs: StepLogprobs | None = None  # execute() -> update(): what the runner kept
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -76,6 +78,9 @@ class EngineCore:
         bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias or () if vocab is not None and t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}")
         self.scheduler.add_request(request_id, list(token_ids), params, slo, arrival_time, priority=priority)
@@ -109,12 +114,20 @@ class EngineCore:
         try:
             sampled, errors = list(self.runner.execute(out)), None
         except Exception as exc:  # noqa: BLE001 - find whose request it was
+            self._take_logprobs()  # what the failed step kept: its sequences run again, alone
             sampled, errors = self._isolate(out, exc)
+        self._logprobs = self._take_logprobs()
         return sampled, errors, time.monotonic() - start
+
+    def _take_logprobs(self) -> StepLogprobs | None:
+        """The logprobs the runner kept for requests that asked (None: a runner without any)."""
+        take = getattr(self.runner, "take_logprobs", None)
+        return take() if take is not None else None
 
     def update(self, out: SchedulerOutput, sampled: list[int | None], errors: dict[str, str] | None,
                seconds: float) -> list[RequestOutput]:
-        outputs = self.scheduler.update(out, sampled, errors)
+        logprobs, self._logprobs = self._logprobs, None
+        outputs = self.scheduler.update(out, sampled, errors, logprobs)
         if out.sequences:
             tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
             for _ in range(out.num_steps):

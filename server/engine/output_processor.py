@@ -4,25 +4,31 @@ from __future__ import annotations
 
 from sloserve.engine.outputs import RequestOutput
 from sloserve.engine.request import Request, RequestStatus
+from sloserve.logprobs import Logprob
 
 
-def process_token(req: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> None:
-    """Append a sampled token, extend the text and set a FINISHED_* status if a stop condition holds.
+def process_token(req: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int,
+                  logprob: Logprob | None = None) -> None:
+    """Append a sampled token (and its logprobs, when asked), extend the text and set a FINISHED_*
+    status if a stop condition holds.
 
     Order: EOS (unless ignore_eos) and stop token ids end the request without adding text; a stop
     string ends it with the text cut just before the string; then max_tokens and the context
-    length give 'length'.
+    length give 'length'. Before min_tokens outputs, no stop condition but length applies.
     """
     req.append_token(token)
+    if req.output_logprobs is not None and logprob is not None:
+        req.output_logprobs.append(logprob)
     params = req.sampling
-    if params.stops_on(token, eos_token_ids):
+    early = req.num_output_tokens < params.min_tokens
+    if not early and params.stops_on(token, eos_token_ids):
         req.status = RequestStatus.FINISHED_STOPPED
         _flush_text(req)
         return
     if req.detokenizer is not None:
         before = len(req.output_text)
         req.output_text += req.detokenizer.add(token)
-        if params.stop and _cut_at_stop_string(req, before):
+        if params.stop and not early and _cut_at_stop_string(req, before):
             req.status = RequestStatus.FINISHED_STOPPED
             return
     if req.num_output_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
@@ -51,6 +57,17 @@ def _cut_at_stop_string(req: Request, before: int) -> bool:
     return True
 
 
+def keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) -> None:
+    """Store the prompt positions' logprobs the runner computed (a recompute after preemption
+    computes them again: the first ones stay)."""
+    if req.prompt_logprobs is None:
+        return
+    for first, entries in runs:
+        for position, entry in enumerate(entries, first):
+            if position < len(req.prompt_logprobs) and req.prompt_logprobs[position] is None:
+                req.prompt_logprobs[position] = entry
+
+
 def take_output(req: Request) -> RequestOutput:
     """The tokens and text not yet streamed; with stop strings, the last len-1 chars wait until known safe."""
     text_end = len(req.output_text)
@@ -60,6 +77,10 @@ def take_output(req: Request) -> RequestOutput:
     new_text = req.output_text[req.sent_text_len:text_end]
     req.sent_text_len = text_end
     new_ids = req.output_token_ids[req.sent_token_len:]
+    new_logprobs = None if req.output_logprobs is None else req.output_logprobs[req.sent_token_len:]
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or req.is_finished):
+        prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
     req.sent_token_len = req.num_output_tokens
     return RequestOutput(
         request_id=req.request_id,
@@ -77,4 +98,6 @@ def take_output(req: Request) -> RequestOutput:
         finish_time=req.finish_time,
         refusal_reason=req.refusal_reason,
         error_kind="refused" if req.refusal_reason else None,
+        new_logprobs=new_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sloserve.logprobs import Logprob
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -30,6 +32,10 @@ class RequestOutput:
     # 'refused' (admission, see refusal_reason) or None (the engine failed it: INTERNAL). An engine
     # in another process reports what add_request would have raised this way.
     error_kind: str | None = None
+    # Only for a request that asked: the logprobs of new_token_ids, one each; and, once (with its
+    # first tokens), its prompt's, one per prompt token (the first None).
+    new_logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 def nearest_rank(ordered: list[float], q: float) -> float:

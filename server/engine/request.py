@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from sloserve.logprobs import Logprob
 from sloserve.sampling_params import SLO, SamplingParams
 
 
@@ -51,7 +52,8 @@ class Request:
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
         "finish_time", "error", "refusal_reason", "detokenizer", "output_text", "sent_text_len",
         "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
-        "last_scheduled_time", "predicted_ttft_s", "model_ttft_s",
+        "last_scheduled_time", "predicted_ttft_s", "model_ttft_s", "output_logprobs", "prompt_logprobs",
+        "prompt_logprobs_sent",
     )
 
     def __init__(
@@ -101,6 +103,12 @@ class Request:
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.ever_scheduled = False
+        # Only when sampling asks: one entry per output token; per prompt token (position 0: None)
+        self.output_logprobs: list[Logprob] | None = [] if sampling.logprobs is not None else None
+        self.prompt_logprobs: list[Logprob | None] | None = None
+        if sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:

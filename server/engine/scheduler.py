@@ -19,13 +19,14 @@ from sloserve.engine.admission import AdmissionControl
 from sloserve.engine.block_manager import BlockManager
 from sloserve.engine.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 from sloserve.engine.detokenizer import IncrementalDetokenizer
-from sloserve.engine.output_processor import process_token, take_output
+from sloserve.engine.output_processor import keep_prompt_logprobs, process_token, take_output
 from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
 from sloserve.engine.queue_policy import make_queue
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.errors import InvalidRequestError
 from sloserve.faults import FaultPlan
 from sloserve.hotpath import target_batch_size
+from sloserve.logprobs import Logprob, StepLogprobs
 from sloserve.sampling_params import SLO, SamplingParams
 
 PREDICTION_ERRORS_KEPT = 512
@@ -98,8 +99,7 @@ class Scheduler:
                       priority)
         cached = 0
         if self.admission.enabled:
-            cached = self.block_manager.hit_tokens(self.block_manager.find_prefix(req.all_token_ids)[0],
-                                                   req.num_tokens)
+            cached = self.block_manager.hit_tokens(self._prefix(req)[0], req.num_tokens)
         self.admission.check_new(req, now, self.running, self.waiting, len(self.waiting),
                                  self._batch_target(extra=1), cached)
         if self.decode is not None:
@@ -210,8 +210,9 @@ class Scheduler:
         if price is not None:
             steps = min(steps, int(MAX_RUN_S / max(1e-9, price.step_seconds(0, len(seqs)))))
         for (req, n), seq in zip(self._scheduled, seqs, strict=True):
-            if n != 1 or not seq.sample:
-                return 1
+            if n != 1 or not seq.sample or seq.context is not None \
+                    or req.num_output_tokens < req.sampling.min_tokens:
+                return 1  # NOTE: penalties and min_tokens read each step's tokens so far: single steps
             steps = min(steps, req.sampling.max_tokens - req.num_output_tokens,
                         self.max_model_len - req.num_tokens)
         if steps <= 1:
@@ -243,7 +244,7 @@ class Scheduler:
                 return budget  # the queue is in slack order: no urgent one follows
             if plan is not None and not plan.must_run(req) and plan.room(*self._step_load()) < MIN_CHUNK:
                 continue  # optional, and the step has no room under the cap: look for a must-run one
-            prefix = None if req.is_swapped else bm.find_prefix(req.all_token_ids)
+            prefix = None if req.is_swapped else self._prefix(req)
             if prefix is not None and bm.is_claimed(prefix[2]) and (plan is None or not plan.urgent(req)):
                 continue  # another request is computing its next block: hit it when done
             if len(self.running) >= target and not self._free_slot(req, plan, out):
@@ -286,6 +287,13 @@ class Scheduler:
             self._schedule_chunk(req, n, out, now, plan)
             budget -= n
         return budget
+
+    def _prefix(self, req: Request) -> tuple[list[int], list[int], int | None]:
+        """The cached prefix `req` may reuse: none when it wants prompt logprobs (every prompt row's
+        logits are computed, see ScheduledSequence.prompt_logprob_rows)."""
+        if req.sampling.prompt_logprobs is not None:
+            return [], [], None
+        return self.block_manager.find_prefix(req.all_token_ids)
 
     def _deadline_plan(self, now: float) -> DeadlinePlan | None:
         """This step's deadline view (the slo policy with deadline_steps), once steps have been priced."""
@@ -340,14 +348,15 @@ class Scheduler:
         return True
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
-               errors: dict[str, str] | None = None) -> list[RequestOutput]:
+               errors: dict[str, str] | None = None, logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.
 
         `sampled` has one entry per sequence with sample=True, in order (None: not computed); in a
         run of steps (out.num_steps > 1) an entry is the sequence's list of tokens, applied one
         after another as single steps would (a stop ends it; a shorter list, e.g. a sequence
         re-run alone after a failure, applies what it has). `errors` names requests whose
-        computation failed -- they alone finish with 'error'.
+        computation failed -- they alone finish with 'error'. `logprobs` (the runner's take_logprobs)
+        holds what requests that asked for logprobs got: per sampled token, and per prompt position.
         """
         n_sample = sum(1 for s in out.sequences if s.sample)
         if len(sampled) != n_sample:
@@ -355,6 +364,7 @@ class Scheduler:
         outputs, self._outputs = self._outputs, []
         tokens = iter(sampled)
         now = self.clock()
+        token_logprobs, prompt_logprobs = logprobs or ({}, {})
         for (req, n), seq in zip(self._scheduled, out.sequences, strict=True):
             token = next(tokens) if seq.sample else None
             if req.status != RequestStatus.RUNNING:
@@ -367,7 +377,10 @@ class Scheduler:
             if seq.sample and token is None:
                 continue
             try:
-                if self._apply(req, n, token if isinstance(token, list) else [token], now):
+                if req.request_id in prompt_logprobs:
+                    keep_prompt_logprobs(req, prompt_logprobs[req.request_id])
+                if self._apply(req, n, token if isinstance(token, list) else [token], now,
+                               token_logprobs.get(req.request_id)):
                     outputs.append(take_output(req))
             except Exception as exc:  # one request's failure must not fail the batch
                 req.error = f"{type(exc).__name__}: {exc}"
@@ -379,9 +392,11 @@ class Scheduler:
             self.admission.on_idle()
         return outputs
 
-    def _apply(self, req: Request, n: int, run: list[int | None], now: float) -> bool:
+    def _apply(self, req: Request, n: int, run: list[int | None], now: float,
+               logprobs: list[Logprob] | None = None) -> bool:
         """Advance `req` by its computed chunk of `n` tokens and then one token per further step of
-        the run, appending each sampled token until one finishes it; False when nothing was sampled."""
+        the run, appending each sampled token (and its logprobs, when asked) until one finishes it;
+        False when nothing was sampled."""
         for i, token in enumerate(run):
             start = req.num_computed_tokens
             req.num_computed_tokens += n if i == 0 else 1
@@ -399,7 +414,8 @@ class Scheduler:
                     self._error_quantiles = {}
             if self.faults is not None:
                 self.faults.check("fail-postprocess", (req.request_id,))
-            process_token(req, token, self.eos_token_ids, self.max_model_len)
+            process_token(req, token, self.eos_token_ids, self.max_model_len,
+                          logprobs[i] if logprobs is not None and i < len(logprobs) else None)
             self.generated_tokens_total += 1
             if req.is_finished:
                 self._finish(req, req.status)
@@ -508,7 +524,8 @@ class Scheduler:
         out.sequences.append(ScheduledSequence(
             req_id=req.request_id, token_ids=req.all_token_ids[start:end], start_pos=start,
             block_table=req.block_table[:bm.blocks_for(end)], sample=end == req.num_tokens,
-            sampling=req.sampling, num_generated=req.num_output_tokens, kv_present=kv_present))
+            sampling=req.sampling, num_generated=req.num_output_tokens, kv_present=kv_present,
+            context=req.all_token_ids if req.sampling.needs_context else None))
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.last_scheduled_time = now

@@ -24,7 +24,7 @@ _BUFFERS = {  # name -> (dtype, length kind)
     "cu_seqlens": (torch.int32, "seqs+1"),
     "seq_lens": (torch.int32, "seqs"),
     "start_pos": (torch.int32, "seqs"),
-    "sample_idx": (torch.int64, "seqs"),
+    "sample_idx": (torch.int64, "rows"),
     "block_tables": (torch.int32, "seqs*blocks"),
 }
 
@@ -52,8 +52,9 @@ class TokenRows:
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [T, width] int32, row t: the table of token t's sequence
     seq_lens: torch.Tensor  # [T] int32
-    sample_idx: torch.Tensor  # [S'] int64, row of each sampled sequence's last token
+    sample_idx: torch.Tensor  # [S' + P] int64, row of each sampled sequence's last token, then prompt rows
     sampled: list[int]  # index into the step's sequences of each sampled row
+    prompt_rows: list[tuple[int, range]]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
 @dataclass(slots=True)
@@ -67,7 +68,8 @@ class _FlatStep:
     tables: list[list[int]]
     max_len: int  # the longest sequence after the step
     sampled: list[int]  # index into the step's sequences of each sampled row
-    sample_idx: np.ndarray  # [S'] int64, flat row of each sampled sequence's last token
+    sample_idx: np.ndarray  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    prompt_rows: list[tuple[int, range]]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
 @dataclass(slots=True)
@@ -75,8 +77,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_idx: torch.Tensor  # [S'] int64, flat row of each sampled sequence's last token
+    sample_idx: torch.Tensor  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
     sampled: list[int]  # index into the step's sequences of each sampled row
+    prompt_rows: list[tuple[int, range]]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
 def workspace_bytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -89,7 +92,7 @@ def workspace_bytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
 
 
 def _length(kind: str, max_tokens: int, max_seqs: int, max_blocks: int) -> int:
-    return {"tokens": max_tokens, "seqs": max_seqs, "seqs+1": max_seqs + 1,
+    return {"tokens": max_tokens, "seqs": max_seqs, "seqs+1": max_seqs + 1, "rows": max(max_tokens, max_seqs),
             "seqs*blocks": max_seqs * max_blocks}[kind]
 
 
@@ -218,7 +221,7 @@ class InputBuilder:
                          torch.from_numpy(arrays.slot_mapping),
                          torch.from_numpy(np.repeat(arrays.block_tables, flat.query_lens, axis=0)),
                          torch.from_numpy((arrays.positions + 1).astype(np.int32)),
-                         torch.from_numpy(flat.sample_idx), flat.sampled)
+                         torch.from_numpy(flat.sample_idx), flat.sampled, flat.prompt_rows)
 
     def _flat(self, seqs: list[ScheduledSequence]) -> _FlatStep:
         """The step's metadata arrays (slots of present K/V on the null page), token ids and sampled
@@ -250,7 +253,12 @@ class InputBuilder:
         _write_present_to_null(seqs, arrays.slot_mapping, arrays.cu_seqlens_q.tolist())
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
-        return _FlatStep(arrays, tokens, query_lens, start_pos, tables, max_len, sampled, sample_idx)
+        prompt_rows = [(i, r) for i, s in enumerate(seqs) if s.context is not None and (r := s.prompt_logprob_rows)]
+        if prompt_rows:  # every row that scores a prompt token, after the sampled ones
+            firsts = arrays.cu_seqlens_q
+            extra = [np.arange(r.start, r.stop) - seqs[i].start_pos + firsts[i] for i, r in prompt_rows]
+            sample_idx = np.concatenate([sample_idx, *extra]).astype(np.int64)
+        return _FlatStep(arrays, tokens, query_lens, start_pos, tables, max_len, sampled, sample_idx, prompt_rows)
 
     def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
         """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
@@ -284,7 +292,8 @@ class InputBuilder:
             block_tables_list=flat.tables,
             block_size=self.block_size,
         )
-        return StepInputs(views["token_ids"], views["positions"], meta, views["sample_idx"], flat.sampled)
+        return StepInputs(views["token_ids"], views["positions"], meta, views["sample_idx"], flat.sampled,
+                          flat.prompt_rows)
 
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:

@@ -25,7 +25,10 @@ from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import CapturableDecode, select_backend
 from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
+from sloserve.layers.logprobs import gather_logprobs
+from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
+from sloserve.logprobs import Logprob, StepLogprobs
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
@@ -182,6 +185,8 @@ class ModelRunner:
                                                                                  self.device, self.dtype))
         self.sampler = Sampler(self.device)
         self.decode_step = self._decode_step(mc.enforce_eager, plan.max_seqs, shard)
+        self._logprobs: dict[str, list[Logprob]] = {}  # kept by sample() until take_logprobs
+        self._prompt_logprobs: dict[str, list[tuple[int, list[Logprob]]]] = {}
         self.split_mixed_steps = True  # see split_mixed (benchmarks and tests turn it off to compare)
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
@@ -259,7 +264,7 @@ class ModelRunner:
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step))
         if isinstance(step, StepInputs | TokenRows):
-            sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx
+            sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx[:len(step.sampled)]
         else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
             sampled = [s.req_id for s in out.sequences]
             rows = torch.arange(step.num_seqs, device=self.device)
@@ -340,12 +345,52 @@ class ModelRunner:
 
     def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows,
                logits: torch.Tensor) -> list[int]:
-        """One token id per sampled sequence, in the order of out.sequences."""
+        """One token id per sampled sequence, in the order of out.sequences; the logprobs asked for
+        are kept for take_logprobs (from the raw logits, before any processing)."""
         seqs = out.sequences
         if isinstance(step, DecodeInputs):
-            return self.sampler.sample(logits[: step.num_seqs], [s.sampling for s in seqs], [s.req_id for s in seqs])
-        return self.sampler.sample(logits, [seqs[i].sampling for i in step.sampled],
-                                   [seqs[i].req_id for i in step.sampled])
+            rows, logits = seqs, logits[: step.num_seqs]
+        else:
+            rows = [seqs[i] for i in step.sampled]
+            if step.prompt_rows:
+                self._keep_prompt_logprobs(seqs, step.prompt_rows, logits[len(rows):])
+                logits = logits[: len(rows)]
+        params = [s.sampling for s in rows]
+        raw = logits
+        # NOTE: attribute reads only: a step where nobody asks pays no call per row
+        if any(s.context is not None or s.sampling.logit_bias or s.sampling.min_tokens > s.num_generated
+               for s in rows):
+            logits = process_logits(logits, params, [s.context for s in rows], [s.num_generated for s in rows],
+                                    self._eos)
+        tokens = self.sampler.sample(logits, params, [s.req_id for s in rows])
+        wanted = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
+        if wanted:
+            picked = raw if len(wanted) == len(rows) else raw[wanted]
+            found = gather_logprobs(picked, [tokens[i] for i in wanted], [params[i].logprobs for i in wanted])
+            for i, entry in zip(wanted, found, strict=True):
+                self._logprobs.setdefault(rows[i].req_id, []).append(entry)
+        return tokens
+
+    def _keep_prompt_logprobs(self, seqs: list[ScheduledSequence], prompt_rows: list[tuple[int, range]],
+                              logits: torch.Tensor) -> None:
+        """Each prompt row's logprob of the prompt token after it, kept as (first position, entries)."""
+        targets, tops = [], []
+        for i, positions in prompt_rows:
+            seq = seqs[i]
+            targets += seq.context[positions.start + 1:positions.stop + 1]
+            tops += [seq.sampling.prompt_logprobs] * len(positions)
+        found = iter(gather_logprobs(logits, targets, tops))
+        for i, positions in prompt_rows:
+            entries = [next(found) for _ in positions]
+            self._prompt_logprobs.setdefault(seqs[i].req_id, []).append((positions.start + 1, entries))
+
+    def take_logprobs(self) -> StepLogprobs:
+        """The logprobs kept since the last call: per request, its sampled tokens' in order; and its
+        prompt tokens' as (position of the first, entries) runs. Empty when nobody asked."""
+        taken = self._logprobs, self._prompt_logprobs
+        if taken[0] or taken[1]:
+            self._logprobs, self._prompt_logprobs = {}, {}
+        return taken
 
     def warmup(self) -> None:
         """Capture (or compile) the decode step's buckets, then one prefill and one decode step on the

@@ -64,7 +64,8 @@ class Frontend:
         self.config = config
         self.metrics = metrics
         self.limits = Limits(max_tokens_limit=config.server.max_tokens_limit,
-                             max_prompt_tokens=config.server.max_prompt_tokens)
+                             max_prompt_tokens=config.server.max_prompt_tokens,
+                             max_logprobs=config.server.max_logprobs, max_n=config.server.max_n)
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -178,7 +179,8 @@ class Frontend:
                         first = now
                         if out.first_token_time is not None:  # admission prices this backlog
                             self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)
-                    yield Tokens(list(out.new_token_ids), out.new_text or "", now)
+                    yield Tokens(list(out.new_token_ids), out.new_text or "", now, out.new_logprobs,
+                                 out.prompt_logprobs, token_ids if out.prompt_logprobs is not None else None)
                 if out.finished:
                     finished = True
                     yield self._outcome(out, handle.arrival, first, now, parsed)
@@ -242,10 +244,12 @@ class Frontend:
 def _merge(out: Any, behind: list[Any]) -> Any:
     """One output carrying the tokens and text of `out` and the outputs queued behind it (the last
     one's status and times)."""
-    last = behind[-1]
+    last, every = behind[-1], (out, *behind)
+    logprobs = None if out.new_logprobs is None else [e for o in every for e in o.new_logprobs or ()]
+    prompt = next((o.prompt_logprobs for o in every if o.prompt_logprobs is not None), None)
     return dataclasses.replace(
-        last, new_token_ids=[t for o in (out, *behind) for t in o.new_token_ids],
-        new_text="".join(o.new_text or "" for o in (out, *behind)))
+        last, new_token_ids=[t for o in every for t in o.new_token_ids],
+        new_text="".join(o.new_text or "" for o in every), new_logprobs=logprobs, prompt_logprobs=prompt)
 
 
 def _since(arrival: float) -> float:

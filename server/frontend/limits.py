@@ -9,11 +9,14 @@ MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused
 
 
 class Limits:
-    """max_tokens, prompt tokens and prompt characters; `max_model_len` 0 means not known yet."""
+    """max_tokens, prompt tokens and characters, top logprobs and choices; `max_model_len` 0: not known yet."""
 
-    def __init__(self, *, max_tokens_limit: int, max_prompt_tokens: int | None) -> None:
+    def __init__(self, *, max_tokens_limit: int, max_prompt_tokens: int | None, max_logprobs: int = 20,
+                 max_n: int = 16) -> None:
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_logprobs = max_logprobs
+        self.max_n = max_n
 
     def check_request(self, parsed: ParsedRequest, max_model_len: int) -> None:
         """Cheap checks before any tokenizing: a prompt, max_tokens, characters or token ids."""
@@ -23,6 +26,14 @@ class Limits:
         if parsed.params.max_tokens > self.max_tokens_limit:
             raise InvalidRequestError(f"max_tokens {parsed.params.max_tokens} is over this server's limit of "
                                       f"{self.max_tokens_limit}; ask for fewer")
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(parsed.params, name)
+            if wanted is not None and wanted > self.max_logprobs:
+                raise InvalidRequestError(f"{name} asks for {wanted} top log-probabilities, over this server's "
+                                          f"limit of {self.max_logprobs} (--max-logprobs); ask for fewer")
+        if parsed.n > self.max_n:
+            raise InvalidRequestError(f"n {parsed.n} is over this server's limit of {self.max_n} choices (--max-n); "
+                                      "ask for fewer")
         if isinstance(prompt, list):
             self.check_tokens(len(prompt))
         elif max_model_len and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:

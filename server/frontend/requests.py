@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sloserve.frontend.failures import Failure
+from sloserve.logprobs import Logprob
 from sloserve.sampling_params import SLO, SamplingParams
 
 DEFAULT_MAX_TOKENS = 64  # when a request does not say (capped at the server's max_tokens limit)
@@ -19,6 +20,7 @@ class ParsedRequest:
     slo: SLO | None = None
     priority: int = 0  # NOTE: lower runs first under the `priority` policy; other policies ignore it
     add_special_tokens: bool = True  # False for a chat prompt: its template already wrote them
+    n: int = 1  # choices wanted: the edge runs n requests over the same prompt (its KV shared by the prefix cache)
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,6 +30,9 @@ class Tokens:
     token_ids: list[int]
     text: str
     time_s: float
+    logprobs: list[Logprob] | None = None  # one per token id, when the request asked
+    prompt_logprobs: list[Logprob | None] | None = None  # once, with the first tokens, when asked
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they score
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,8 +17,9 @@ from sloserve.http.auth import BearerAuth
 from sloserve.http.completions import Completions
 from sloserve.http.config import HttpConfig
 from sloserve.http.errors import HttpError, error_response, failure_response, http_error_response
+from sloserve.http.logprobs import LogprobFormat
 from sloserve.http.responses import Shape
-from sloserve.http.schemas import parse_chat, parse_completion
+from sloserve.http.schemas import CompletionRequest, parse_chat, parse_completion
 from sloserve.http.slo import slo_from_wire
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -80,7 +81,17 @@ class HttpApi:
         if client_id := request.headers.get("x-request-id"):  # the caller's id, for logs and tracing
             engine_id += f":{client_id[:128]}"
         handle = RequestHandle(engine_id, arrival)
-        return await self.completions.respond(request, handle, req, Shape(chat, self.model, req.return_token_ids))
+        return await self.completions.respond(request, handle, req, self._shape(chat, req))
+
+    def _shape(self, chat: bool, req: CompletionRequest) -> Shape:
+        """How the request's responses look: with logprobs' token texts and echo's prompt when asked."""
+        tokenizer = self.frontend.engine.tokenizer
+        logprobs = LogprobFormat(tokenizer.decode) if req.logprobs else None
+        echo = None
+        if req.echo:
+            prompt = req.parsed.prompt
+            echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        return Shape(chat, self.model, req.return_token_ids, logprobs, echo)
 
     def _render(self, messages: list[dict]) -> str:
         template = self._chat_template()

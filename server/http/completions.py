@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from sloserve.frontend import Failure, FailureCode, Frontend, RequestHandle, Tokens
 from sloserve.http import sse
+from sloserve.http.choices import respond_n
 from sloserve.http.errors import STATUS, error_body, failure_response
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest
@@ -42,6 +43,9 @@ class Completions:
 
     async def respond(self, request: Request, handle: RequestHandle, req: CompletionRequest,
                       shape: Shape) -> Response:
+        if req.parsed.n > 1:
+            return await respond_n(self, handle, req, shape, shutdown=SHUTDOWN,
+                                   watch=lambda cancel: asyncio.create_task(_disconnected(request.receive, cancel)))
         events = self.frontend.run(handle, req.parsed)
         self.live[handle.engine_id] = handle
         watcher = asyncio.create_task(_disconnected(request.receive, lambda: self.frontend.cancel(handle)))
@@ -66,10 +70,13 @@ class Completions:
 
     async def _whole(self, events: AsyncIterator[Any], event: Any, req: CompletionRequest, shape: Shape) -> Response:
         """Collect a request's tokens into one response (or a stream that ended before its first token)."""
-        texts, ids = [], []
+        texts, ids, logprobs, prompt = [], [], [], None
         while isinstance(event, Tokens):
             texts.append(event.text)
             ids += event.token_ids
+            logprobs += event.logprobs or ()
+            if event.prompt_logprobs is not None:
+                prompt = event
             event = await anext(events)
         if isinstance(event, Failure):
             return failure_response(event)
@@ -77,16 +84,16 @@ class Completions:
             return failure_response(SHUTDOWN)
         if req.stream:  # finished without a token (e.g. a stop token first)
             return StreamingResponse(_replay(shape, event, req), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        return _json(shape.full("".join(texts), ids, event))
+        return _json(shape.full("".join(texts), ids, event, logprobs if req.logprobs else None, prompt))
 
     async def _stream(self, events: AsyncIterator[Any], first: Tokens, req: CompletionRequest,
                       shape: Shape) -> AsyncIterator[bytes]:
         opening = shape.first()
         head = sse.event(opening) if opening is not None else b""
-        yield head + sse.event(shape.delta(first.text, first.token_ids))
+        yield head + sse.event(shape.delta(first.text, first.token_ids, first))
         async for event in events:
             if isinstance(event, Tokens):
-                yield sse.event(shape.delta(event.text, event.token_ids))
+                yield sse.event(shape.delta(event.text, event.token_ids, event))
             elif isinstance(event, Failure):
                 yield _error_event(event) + sse.DONE
             elif self.shutting_down and event.finish_reason == "cancelled":

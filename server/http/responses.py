@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 
-from sloserve.frontend import Finished
+from sloserve.frontend import Finished, Tokens
+from sloserve.http.logprobs import LogprobFormat
+from sloserve.logprobs import Logprob
 
 _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') has no OpenAI name
 
@@ -13,49 +16,87 @@ _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') ha
 class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
-    def __init__(self, chat: bool, model: str, token_ids: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, token_ids: bool = False, logprobs: LogprobFormat | None = None,
+                 echo: str | None = None) -> None:
         self.chat = chat
         self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
+        self.logprobs = logprobs  # set when the request asked for logprobs
+        self.echo = echo  # completions' echo: the prompt's text, put before the first text
+        self._offset = 0  # characters of completion text sent so far (completions' text_offset)
+        self.index = 0  # the choice's index (n > 1: one Shape per choice, see for_choice)
         self.model = model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def full(self, text: str, token_ids: list[int], done: Finished) -> dict:
-        """The whole response of a request that was not streamed."""
+    def full(self, text: str, token_ids: list[int], done: Finished, logprobs: list[Logprob] | None = None,
+             prompt: Tokens | None = None) -> dict:
+        """The whole response of a request that was not streamed (`prompt`: the event with its prompt
+        logprobs, when echo asked for them)."""
+        lp = self._logprobs(text, token_ids, logprobs, prompt)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": finish_reason(done)}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(done)}
+            choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": finish_reason(done)}
         if self.token_ids:
             choice["token_ids"] = token_ids
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(done)}
 
+    def for_choice(self, index: int) -> Shape:
+        """A Shape of the same response for choice `index` (its own echo and text offsets)."""
+        shape = copy.copy(self)
+        shape.index = index
+        return shape
+
     def first(self) -> dict | None:
         """Chat's opening chunk carries the role (completions have none)."""
         if not self.chat:
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def delta(self, text: str, token_ids: list[int]) -> dict:
+    def delta(self, text: str, token_ids: list[int], event: Tokens | None = None) -> dict:
+        """A chunk of new text (`event`: the Tokens it came from, for its logprobs)."""
+        lp = None if event is None else self._logprobs(text, token_ids, event.logprobs, event)
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+            choice = {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": None}
         if self.token_ids:
             choice["token_ids"] = token_ids
         return self._chunk(choice)
 
+    def _echoed(self, text: str) -> str:
+        """The text, with echo's prompt before the first piece."""
+        if self.echo is None:
+            return text
+        echo, self.echo = self.echo, None
+        return echo + text
+
+    def _logprobs(self, text: str, token_ids: list[int], logprobs: list[Logprob] | None,
+                  prompt: Tokens | None) -> dict | None:
+        """The choice's logprobs object for these tokens (completions: echo's prompt ones first)."""
+        fmt = self.logprobs
+        if fmt is None or logprobs is None:
+            return None
+        if self.chat:
+            return fmt.chat(logprobs)
+        entries, ids = list(logprobs), list(token_ids)
+        if prompt is not None and prompt.prompt_logprobs is not None and prompt.prompt_token_ids is not None:
+            entries, ids = [*prompt.prompt_logprobs, *entries], [*prompt.prompt_token_ids, *ids]
+        out = fmt.completion(entries, ids, self._offset)
+        self._offset += sum(len(t) for t in out["tokens"])
+        return out
+
     def last(self, done: Finished) -> dict:
         """The chunk with the finish reason."""
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
+            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
         return self._chunk(choice)
 
     def usage_chunk(self, done: Finished) -> dict:

@@ -1,8 +1,8 @@
 """OpenAI request JSON -> the front end's ParsedRequest; every known field checked, unknown ones ignored.
 
 A field with a bad value raises HttpError 400 naming the field and what to change. Fields this
-server cannot honour (n > 1, logprobs, min_tokens > 0, penalties) are 400 too, saying so,
-rather than silently ignored; their neutral values are accepted (routers send them).
+server cannot honour (best_of, suffix, tools, ...) are 400 too, saying so, rather than silently
+ignored; their neutral values are accepted (routers send them).
 """
 
 from __future__ import annotations
@@ -21,13 +21,8 @@ _MISSING = object()
 
 # known OpenAI / vLLM fields this server cannot honour: accepted only with their neutral value
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "presence_penalty": (lambda v: v in (None, 0, 0.0), "presence penalties are not implemented"),
-    "frequency_penalty": (lambda v: v in (None, 0, 0.0), "frequency penalties are not implemented"),
-    "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition penalties are not implemented"),
-    "logit_bias": (lambda v: not v, "logit_bias is not implemented"),
     "best_of": (lambda v: v in (None, 1), "best_of > 1 is not implemented; send separate requests"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not implemented"),
-    "echo": (lambda v: v in (None, False), "echo is not implemented; the prompt is the client's to prepend"),
     "tools": (lambda v: not v, "tool calling is not implemented"),
     "response_format": (lambda v: v in (None, {}) or (isinstance(v, dict) and v.get("type") == "text"),
                         "structured output (response_format other than text) is not implemented"),
@@ -43,6 +38,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs, with logprobs)
+    logprobs: bool = False  # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
 
 
 def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
@@ -61,9 +58,12 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
             raise _bad("prompt", "must be a string or a list of non-negative integer token ids")
     elif not isinstance(prompt, str):
         raise _bad("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
-    if body.get("logprobs") is not None:
-        raise _bad("logprobs", "log probabilities are not implemented by this server; omit logprobs")
-    return _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
+    logprobs = _int(body, "logprobs", None, minimum=0)
+    echo = _bool(body, "echo", False)
+    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo,
+                       logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+    request.echo = echo
+    return request
 
 
 def parse_chat(body: Any, render: Callable[[list[dict]], str], *, model: str, default_max_tokens: int,
@@ -74,14 +74,16 @@ def parse_chat(body: Any, render: Callable[[list[dict]], str], *, model: str, de
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "is required: a non-empty list of {role, content} objects")
     clean = [_message(i, m) for i, m in enumerate(messages)]
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "log probabilities are not implemented by this server; omit logprobs")
+    top_logprobs = _int(body, "top_logprobs", None, minimum=0)
+    if top_logprobs and not _bool(body, "logprobs", False):
+        raise _bad("top_logprobs", "needs logprobs: true")
     _check_type(body, "add_generation_prompt", bool)
     try:
         prompt = render(clean)
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param="messages") from None
-    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
+    logprobs = (top_logprobs or 0) if _bool(body, "logprobs", False) else None
+    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo, logprobs=logprobs)
     request.parsed.add_special_tokens = False
     return request
 
@@ -113,7 +115,7 @@ def _message(index: int, message: Any) -> dict:
 
 
 def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int,
-             slo: SLO | None) -> CompletionRequest:
+             slo: SLO | None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> CompletionRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if not neutral(body.get(name)):
             raise _bad(name, f"{why}; omit it")
@@ -124,12 +126,6 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
         raise HttpError(404, f"model {requested!r} is not served here; this server serves {model!r} "
                         "(see GET /v1/models)", param="model", code="model_not_found")
     n = _int(body, "n", 1, minimum=1)
-    if n != 1:
-        raise _bad("n", f"is {n}; this server returns one choice per request (n=1): send {n} requests")
-    min_tokens = _int(body, "min_tokens", 0, minimum=0)
-    if min_tokens:
-        raise _bad("min_tokens", "is not supported: the engine cannot suppress end-of-sequence yet; "
-                   "use ignore_eos with max_tokens for a fixed length")
     max_tokens = _int(body, "max_completion_tokens", None, minimum=1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", default_max_tokens, minimum=1)
@@ -153,15 +149,38 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_int(body, "seed", None),
-            stop_token_ids=stop_ids, stop=stop, ignore_eos=_bool(body, "ignore_eos", False))
+            stop_token_ids=stop_ids, stop=stop, ignore_eos=_bool(body, "ignore_eos", False),
+            min_tokens=_int(body, "min_tokens", 0, minimum=0),
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0), min_p=_number(body, "min_p", 0.0),
+            logit_bias=_logit_bias(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     priority = _int(body, "priority", 0)
-    return CompletionRequest(ParsedRequest(prompt, params, slo, priority=priority), model, stream,
-                             include_usage and stream, _bool(body, "return_token_ids", False))
+    return CompletionRequest(ParsedRequest(prompt, params, slo, priority=priority, n=n), model, stream,
+                             include_usage and stream, _bool(body, "return_token_ids", False),
+                             logprobs=logprobs is not None)
 
 
 # ---- field readers: None (or absent) means the default -----------------------------------
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} (JSON keys are strings) as {int: float}."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", f"must be an object of token id -> bias, got {_kind(bias)}")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) and not (isinstance(key, int) and not isinstance(key, bool)):
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise _bad("logit_bias", f"values must be numbers in [-100, 100], got {_kind(value)} for {key}")
+        out[int(key)] = float(value)
+    return out or None
+
+
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise HttpError(400, f"the request body must be a JSON object, got {_kind(body)}")

@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeded generators.
 
 Greedy rows take one argmax over the whole batch. Sampled rows are filtered together (one sort,
 only when a row asks for top-k or top-p). Rows without a seed draw together in one batched
@@ -72,7 +72,10 @@ class Sampler:
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities [S, V] after temperature, top-k and top-p (float32; filtered entries are 0)."""
+    """Probabilities [S, V] after temperature, top-k, top-p and min-p (float32; filtered entries are 0).
+
+    min-p keeps the tokens at least min_p times as likely as the most likely one (transformers'
+    MinPLogitsWarper); it compares ratios, so it gives the same set before or after top-k/top-p."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
     scaled = logits.float() / temps[:, None]
@@ -93,4 +96,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
             remove |= (before >= top_p[:, None]) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
-    return scaled.softmax(dim=-1)
+    probs = scaled.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
+        floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -86,6 +86,7 @@ def serve_commands(runner: ModelRunner, group: RankGroup) -> None:
             return
         if name != "ping":
             getattr(runner, name)(*args)
+            runner.take_logprobs()  # only rank 0's reach the engine: drop what this rank kept
 
 
 def run_worker(config: SloserveConfig, rank: int, addr: str, port: int, timeout_s: float) -> None:

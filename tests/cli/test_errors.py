@@ -55,6 +55,8 @@ CASES = [
     (["serve", "--auth-token-file", "/no/token"], "cannot read --auth-token-file '/no/token'"),
     (["serve", "--auth-token-file", "{empty}"], "is empty: put the token on its first line"),
     (["serve", "--max-tokens-limit", "0"], "--max-tokens-limit: max tokens limit must be >= 1"),
+    (["serve", "--max-logprobs", "-1"], "--max-logprobs: max logprobs must be >= 0, got -1"),
+    (["serve", "--max-n", "0"], "--max-n: max n must be >= 1, got 0"),
     (["serve", "--grace", "-1"], "--grace must be >= 0 seconds"),
     (["serve", "--idle-spin", "-1"], "--idle-spin: idle spin must be in 0..60 seconds, got -1.0"),
     (["serve", "--inject-faults", "explode:x"], "--inject-faults: fault rule 'explode:x': use KIND:MARKER"),

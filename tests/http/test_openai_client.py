@@ -93,7 +93,7 @@ def test_a_seed_makes_sampling_reproducible(client, model):
 
 def test_client_errors_carry_status_and_field(client, model, http_server):
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=model, prompt="x", n=2)
+        client.completions.create(model=model, prompt="x", n=0)
     assert bad.value.status_code == 400 and bad.value.body["param"] == "n"
     with openai.OpenAI(base_url=f"{http_server.url}/v1", api_key="wrong", max_retries=0) as wrong:
         with pytest.raises(openai.AuthenticationError):

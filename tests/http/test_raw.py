@@ -64,7 +64,8 @@ def test_chat_sse_opens_with_the_role_and_closes_with_the_finish_reason(http):
 
 
 BAD = [  # (body, status, param or code the error names)
-    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "invalid_argument"),  # over --max-n
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -72,12 +73,13 @@ BAD = [  # (body, status, param or code the error names)
     ({"prompt": "x", "max_tokens": 10**6}, 400, "invalid_argument"),  # over --max-tokens-limit
     ({"prompt": "x", "stop": 5}, 400, "stop"),
     ({"prompt": "x", "seed": "s"}, 400, "seed"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    ({"prompt": "x", "min_tokens": 4}, 400, "min_tokens"),
+    ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 400, "invalid_argument"),  # over --max-logprobs
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 4}, 400, "min_tokens"),
     ({"prompt": "x", "priority": "high"}, 400, "priority"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "slo": {"ttft_s": -1}}, 400, "slo.ttft_s"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": ""}, 400, "invalid_argument"),
     ({"prompt": [1, -2]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
@@ -106,7 +108,7 @@ def test_chat_errors(http, http_server):
     bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     assert http.post("/v1/chat/completions", json=bad_part).json()["error"]["param"] == "messages[0].content[0]"
     assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                   "logprobs": True}).status_code == 400
+                                                   "top_logprobs": 2}).json()["error"]["param"] == "top_logprobs"
 
 
 def test_not_json_missing_and_wrong_tokens(http_server):
