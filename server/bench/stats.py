@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from sloserve.bench.vllm_compat import vllm_fields
 from sloserve.sampling_params import SLO
 
 PERCENTILES = (50, 90, 99)
@@ -178,6 +179,7 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
         "itl_s": summary([gap for r in done for gap in r.itl]),
         "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
         "classes": _classes(records, met, slo, seconds),
+        "vllm": vllm_fields(records, duration_s, good),
     }
 
 
