@@ -28,6 +28,7 @@ from sloserve.cli.bench_common import (
     workload_options,
     workload_plan,
 )
+from sloserve.cli.bench_compare import compare
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
 
@@ -204,6 +205,8 @@ async def _bench(server, url, auth_token, connect_timeout, ready_timeout, plan: 
                                      high=rates[1] if len(rates) == 2 else None)
         return info, results, found
 
+
+bench.add_command(compare)
 
 if __name__ == "__main__":
     bench()

@@ -227,3 +227,16 @@ def rate_at_attainment(points: list[tuple[float, float]], target: float = 0.95) 
         if a1 < target:
             return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
     return points[-1][0]
+
+
+def steady_throughput(records: list[RequestRecord]) -> float | None:
+    """Completed requests per second of a closed loop between its first completion and its last
+    send: neither the opening burst (every slot's prefill at once) nor the drain at the end (fewer
+    requests in flight than the loop's limit) counts; None when that window holds none."""
+    sent = [r.send_time for r in records if r.send_time]
+    ends = sorted(r.end_time for r in records if r.status == "ok" and r.end_time is not None)
+    if not sent or not ends:
+        return None
+    first, last = ends[0], max(sent)
+    done = sum(first < end <= last for end in ends)
+    return done / (last - first) if last > first and done else None
