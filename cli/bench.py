@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
 from dataclasses import replace
 
@@ -114,6 +115,8 @@ def bench(ctx, server, url, workload, attempts, max_tokens, length_scale, time_s
         raise BenchInputError(f"--url must start with http:// or https://, got {url!r}")
     if goodput_search and len(rates) > 2:
         raise BenchInputError("--goodput-search takes --rate START or --rate MET,MISSED, not a longer list")
+    if time_scale is not None and any(math.isfinite(r) for r in rates):
+        raise BenchInputError("give --time-scale or --rate for a trace, not both")
     slo = run_slo(slo_ttft, slo_tpot, slo_e2e)
     workload = workload or default_workload()
     trace = workload.startswith("trace:")

@@ -61,6 +61,8 @@ def compare(policies, model, rates, workload, attempts, max_tokens, length_scale
             attainment, interactive_class, serve_args, ready_timeout, log_dir, json_path, plot_path) -> None:
     """Start a fresh server per policy and load, send each the same requests at the same times
     (the policies' order rotating from load to load), and write one JSON and one PNG."""
+    if time_scale is not None:
+        raise BenchInputError("--time-scale does not apply to compare: --rates sets each point's rate")
     if num_requests is None and not (workload or "").startswith("trace:"):
         num_requests = DEFAULT_REQUESTS
     plan = workload_plan(workload, attempts, max_tokens, length_scale, time_scale, slo_rules, slo_rules_file, seed,

@@ -31,6 +31,8 @@ class WorkloadPlan:
             raise ValueError("--length-scale applies to a trace: workload only")
         if not self.is_trace and self.time_scale is not None:
             raise ValueError("--time-scale applies to a trace: workload only")
+        if self.time_scale is not None and not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"--time-scale must be a number > 0, got {self.time_scale:g}")
 
     @property
     def is_trace(self) -> bool:
