@@ -19,7 +19,6 @@ rate, either way keeping the trace's shape (its inter-arrival coefficient of var
 from __future__ import annotations
 
 import csv
-import json
 import math
 import random
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 from sloserve.bench.slo_rules import SloRule, apply_rules
-from sloserve.bench.workloads import WorkloadItem, jsonl_item
+from sloserve.bench.workloads import WorkloadItem, json_lines, jsonl_item
 
 TRACES = Path(__file__).resolve().parent / "traces"
 NAMED = {"azure-conv": TRACES / "azure_conv_2023.csv"}
@@ -129,14 +128,7 @@ def _arrival(line: dict, where: str) -> float:
 
 def _jsonl(text: str, path: Path) -> list[TraceRequest]:
     rows = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            line = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    for where, line in json_lines(text, path):
         if not isinstance(line, dict):
             raise ValueError(f"{where}: each line must be a JSON object")
         arrival = _arrival(line, where)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,17 +173,19 @@ def _jsonl(path: Path) -> list[WorkloadItem]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read JSONL workload {str(path)!r}: {exc}") from exc
-    items = []
+    return [jsonl_item(line, where) for where, line in json_lines(text, path)]
+
+
+def json_lines(text: str, path: Path) -> Iterator[tuple[str, object]]:
+    """('FILE:LINE', the parsed line) for each non-blank line; ValueError names a line that is not JSON."""
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
         where = f"{path}:{number}"
         try:
-            line = json.loads(raw)
+            yield where, json.loads(raw)
         except ValueError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from exc
-        items.append(jsonl_item(line, where))
-    return items
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
 
 
 def _synthetic(rng: random.Random, attempts: int, num_requests: int | None) -> list[WorkloadItem]:
