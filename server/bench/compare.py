@@ -108,14 +108,22 @@ def interactive_attainment(records: list[RequestRecord], name: str) -> float | N
 
 ServerFactory = Callable[[str, str], Any]  # (policy, label) -> a context manager with .target, .wait_ready()
 ProgressFactory = Callable[[str, int], Any]  # (label, requests) -> a context manager, called per record
+PointHook = Callable[[Any, dict, list[RequestRecord]], None]  # (server, point, records), the server still up
 
 
 class Comparison:
-    """Runs a CompareSettings: capacity, then every load on every policy; `report()` is its JSON."""
+    """Runs a CompareSettings: capacity, then every load on every policy; `report()` is its JSON.
+
+    start_server: how to start the server of a policy (default `sloserve serve --policy P`);
+    workload: the requests of load i (default: the plan's, the same for every load); on_point: called
+    after each run while its server is up (to read its counters into the point).
+    """
 
     def __init__(self, settings: CompareSettings, start_server: ServerFactory | None = None,
-                 progress: ProgressFactory | None = None, log: Callable[[str], None] = print) -> None:
-        self.s, self.log = settings, log
+                 progress: ProgressFactory | None = None, log: Callable[[str], None] = print,
+                 workload: Callable[[int], list[WorkloadItem]] | None = None,
+                 on_point: PointHook | None = None) -> None:
+        self.s, self.log, self.workload, self.on_point = settings, log, workload, on_point
         self.start_server = start_server or self._local_server
         self.progress = progress or (lambda label, total: contextlib.nullcontext(None))
         self.capacity: float | None = settings.capacity
@@ -134,19 +142,30 @@ class Comparison:
             return asyncio.run(send_load(target, items, spec, bar))
 
     def run(self) -> dict:
+        """The capacity (when a load is relative and none was given), then every point; the report."""
+        s = self.s
+        items = None
+        if self.workload is None or (self.capacity is None and any(load.relative for load in s.loads)):
+            items = self.measure_capacity()
+        for i, load in enumerate(s.loads):
+            turn = (s.plan.seed + i) % len(s.policies)
+            sent = items if self.workload is None else self.workload(i)
+            for policy in s.policies[turn:] + s.policies[:turn]:
+                self._point(policy, load, sent, seed=s.plan.seed + i)
+        return self.report()
+
+    def measure_capacity(self) -> list[WorkloadItem]:
+        """Start the first policy's server, build the requests for its context and, unless given,
+        measure the capacity with a closed loop; returns the requests."""
         s = self.s
         with self.start_server(s.policies[0], "capacity") as server:
             self.info = server.wait_ready(s.ready_timeout_s)
-            items = s.plan.items(self.info.get("max_model_len") or None)
-            if self.capacity is None and any(load.relative for load in s.loads):
-                self.capacity = self._measure_capacity(server.target, items)
-        for i, load in enumerate(s.loads):
-            turn = i % len(s.policies)
-            for policy in s.policies[turn:] + s.policies[:turn]:
-                self._point(policy, load, items, seed=s.plan.seed + i)
-        return self.report()
+            items = s.plan.items(self.info.get("max_model_len") or None) if self.workload is None else self.workload(0)
+            if self.capacity is None:
+                self.capacity = self._closed_loop(server.target, items)
+        return items
 
-    def _measure_capacity(self, target: str, items: list[WorkloadItem]) -> float:
+    def _closed_loop(self, target: str, items: list[WorkloadItem]) -> float:
         s = self.s
         batch = unpaced([items[k % len(items)] for k in range(s.capacity_requests)])
         spec = LoadSpec(concurrency=s.concurrency, streams=s.streams, seed=s.plan.seed,
@@ -167,16 +186,20 @@ class Comparison:
         sent = s.plan.at_rate(items, rate)
         spec = LoadSpec(rate=rate, num_requests=len(sent), streams=s.streams, seed=seed,
                         request_timeout_s=s.request_timeout_s)
+        began = time.monotonic()
         with self.start_server(policy, f"{policy}_{load.label.replace('/', 'ps')}") as server:
             server.wait_ready(s.ready_timeout_s)
             result = self._send(server.target, sent, spec, f"{policy} {load.label}")
-        figures = summarise(result.records, result.duration_s, None, rate)
-        point = {"policy": policy, "load": load.label, "rate": rate,
-                 "multiple": rate / self.capacity if self.capacity else None,
-                 "attainment": figures["slo_attainment"],
-                 "interactive_attainment": interactive_attainment(result.records, s.interactive_class),
-                 "goodput": figures["goodput"], "completed": figures["completed"], "refused": figures["refused"],
-                 "failed": figures["failed"], "requests": figures["requests"], "run": figures}
+            figures = summarise(result.records, result.duration_s, None, rate)
+            point = {"policy": policy, "load": load.label, "rate": rate,
+                     "multiple": rate / self.capacity if self.capacity else None,
+                     "attainment": figures["slo_attainment"],
+                     "interactive_attainment": interactive_attainment(result.records, s.interactive_class),
+                     "goodput": figures["goodput"], "completed": figures["completed"],
+                     "refused": figures["refused"], "failed": figures["failed"], "requests": figures["requests"],
+                     "wall_s": time.monotonic() - began, "run": figures}
+            if self.on_point is not None:
+                self.on_point(server, point, result.records)
         self.points.append(point)
         self.log(f"  [{policy} {load.label} = {rate:.3g} req/s] attainment {_pct(point['attainment'])}, "
                  f"interactive {_pct(point['interactive_attainment'])}, refused {point['refused']}, "
