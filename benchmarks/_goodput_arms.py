@@ -6,7 +6,7 @@ import dataclasses
 import random
 import statistics
 
-from sloserve.bench.stats import RequestRecord, meets_slo, missed_counts
+from sloserve.bench.stats import RequestRecord, meets_slo, missed_counts, steady_throughput  # noqa: F401 - goodput.py
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.sampling_params import SLO
 
@@ -83,19 +83,6 @@ def point(figures: dict, classes: dict, **where) -> dict:
             "interactive": classes["interactive"]["slo_attainment"],
             "interactive_refused": classes["interactive"]["refused"],
             "batch": classes["batch"]["slo_attainment"], "classes": classes}
-
-
-def steady_throughput(records: list[RequestRecord]) -> float | None:
-    """Completed requests per second of a closed loop between its first completion and its last
-    send: neither the opening burst (every slot's prefill at once) nor the drain at the end (fewer
-    requests in flight than the loop's limit) counts; None when that window holds none."""
-    sent = [r.send_time for r in records if r.send_time]
-    ends = sorted(r.end_time for r in records if r.status == "ok" and r.end_time is not None)
-    if not sent or not ends:
-        return None
-    first, last = ends[0], max(sent)
-    done = sum(first < end <= last for end in ends)
-    return done / (last - first) if last > first and done else None
 
 
 def median_range(values: list[float | None]) -> dict | None:

@@ -28,8 +28,9 @@ import time
 
 import _goodput_arms as ga
 import harness
-from sloserve.bench.client import LoadSpec
-from sloserve.bench.stats import OBJECTIVES, summarise
+from sloserve.bench.compare import CompareSettings, Comparison, Load
+from sloserve.bench.plan import WorkloadPlan
+from sloserve.bench.stats import OBJECTIVES
 from sloserve.sampling_params import SLO
 
 
@@ -92,12 +93,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class Runner:
-    """Runs points, keeps the results and prints one progress line per point with an ETA."""
+    """Runs the sweeps and the ablation through `sloserve bench compare`'s Comparison (a fresh
+    server per arm and point, the arms' order rotating), keeps the points and prints one line each."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.capacity = args, 0.0
-        self.estimate_s = self.estimated_done = 0.0  # of the sweeps and ablation; of the points run
-        self.sweeps_start = 0.0
         self.interactive = SLO(ttft_s=args.ttft, tpot_s=args.tpot, e2e_s=args.e2e)
         self.batch = SLO(e2e_s=args.batch_e2e)
         self.start, self.points, self.ablation = time.monotonic(), [], []
@@ -111,75 +111,58 @@ class Runner:
         labels = ga.classes_of(n, self.args.interactive_share, seed * 1000 + tag)
         return ga.mix(harness.take(self.pools[seed], start, n), labels, self.interactive, self.batch), labels
 
-    def measure(self, server: harness.ServerProcess, items: list, labels: list[str], spec: LoadSpec,
-                **where) -> dict:
-        began = time.monotonic()
-        result = harness.run(harness.send(server.target, items, spec))
-        figures = summarise(result.records, result.duration_s, None, spec.rate)
-        p = ga.point(figures, ga.class_figures(figures, result.records, labels), **where,
-                     wall_s=time.monotonic() - began)
-        p.update(ga.engine_work(harness.run(harness.engine_info(server.target)).get("stats", {}), p["completed"]))
-        if spec.concurrency:  # a closed loop: its throughput before the drain
-            p["steady_rps"] = ga.steady_throughput(result.records)
-        elapsed = time.monotonic() - self.start
-        left = f", ~{self.eta(where, len(items), spec.rate) / 60:.1f} min left" if self.capacity else ""
-        label = " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in where.items())
-        print(f"  [{label}] goodput {p['goodput']:.2f} req/s, attainment {pct(p['attainment'])} "
-              f"(interactive {pct(p['interactive'])}, batch {pct(p['batch'])}), refused {p['refused']}, "
-              f"failed {p['failed']}; {p['wall_s']:.0f} s (elapsed {elapsed / 60:.1f} min{left})", flush=True)
-        return p
-
-    def eta(self, where: dict, n: int, rate: float) -> float:
-        """Seconds left: the estimate of the points not run yet, scaled by actual / estimated so far."""
+    def compare(self, seed: int, names: list[str], launch: dict[str, tuple[str, dict]], loads: list[float],
+                requests: list[tuple[list, list[str]]], kind: str, into: list[dict]) -> Comparison:
+        """A Comparison of `names` (each launched as harness mode + overrides) at `loads` (multiples
+        of capacity), load k sending requests[k]; each point lands in `into` as ga.point gives it."""
         a = self.args
-        start_s = 4.0  # a server start per point
-        self.estimated_done += start_s + ga.point_s(n, self.capacity, rate / self.capacity, where.get("arm", "slo"),
-                                                    a.request_timeout)
-        spent = time.monotonic() - self.sweeps_start
-        return max(0.0, self.estimate_s - self.estimated_done) * spent / self.estimated_done
+        settings = CompareSettings(tuple(names), a.model, tuple(Load(m, True) for m in loads),
+                                   WorkloadPlan(self.workload, seed=seed), capacity=self.capacity or None,
+                                   concurrency=a.concurrency, capacity_requests=a.capacity_requests,
+                                   streams=a.streams, request_timeout_s=a.request_timeout,
+                                   interactive_class="interactive")
 
-    def server(self, mode: str, overrides: dict, label: str) -> harness.ServerProcess:
-        server = harness.ServerProcess(mode, self.args.model, harness.LOGS / f"goodput_{label}_server.log",
-                                       overrides=overrides)
-        try:
-            server.wait_ready()
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        def start(name: str, label: str) -> harness.ServerProcess:
+            mode, overrides = launch[name]
+            return harness.ServerProcess(mode, a.model, harness.LOGS / f"goodput_{label}_server.log",
+                                         overrides=overrides)
+
+        def on_point(server: harness.ServerProcess, point: dict, records: list) -> None:
+            k = [f"{m:g}x" for m in loads].index(point["load"])
+            figures, labels = point["run"], requests[k][1]
+            p = ga.point(figures, ga.class_figures(figures, records, labels), **{kind: point["policy"]}, seed=seed,
+                         multiple=loads[k], rate=round(point["rate"], 3), wall_s=point["wall_s"])
+            p.update(ga.engine_work(harness.run(harness.engine_info(server.target)).get("stats", {}), p["completed"]))
+            into.append(p)
+            self.save(partial=True)
+            print(f"  [{kind} {point['policy']} seed {seed} multiple {loads[k]:g}] goodput {p['goodput']:.2f} req/s, "
+                  f"attainment {pct(p['attainment'])} (interactive {pct(p['interactive'])}, batch {pct(p['batch'])}), "
+                  f"refused {p['refused']}, failed {p['failed']}; {p['wall_s']:.0f} s "
+                  f"(elapsed {(time.monotonic() - self.start) / 60:.1f} min)", flush=True)
+
+        return Comparison(settings, start_server=start, workload=lambda k: requests[k][0], on_point=on_point,
+                          log=lambda line: None)
 
     def measure_capacity(self) -> float:
+        """A closed loop of --concurrency on the slo arm."""
         a = self.args
-        items, labels = self.load(a.seeds[0], 0, a.capacity_requests, 999)
-        with self.server("full", {}, "capacity") as server:
-            p = self.measure(server, items, labels, LoadSpec(concurrency=a.concurrency, seed=a.seeds[0],
-                             streams=a.streams, request_timeout_s=a.request_timeout), closed_loop=a.concurrency)
-        return p["steady_rps"] or p["completed"] / p["duration_s"]
+        cmp = self.compare(a.seeds[0], ["slo"], ga.ARMS, [], [self.load(a.seeds[0], 0, a.capacity_requests, 999)],
+                           "arm", [])
+        cmp.measure_capacity()
+        return cmp.capacity
 
-    def point(self, seed: int, i: int, arms: list[str]) -> None:
-        """Load point i (multiples[i]) of one seed on every arm, one after another, each on a fresh
-        server: the arms of a point run minutes apart at most, so a drift of the machine's speed
-        (±30% within half an hour here) moves every arm of the point alike."""
-        a, capacity, m = self.args, self.capacity, self.args.multiples[i]
-        items, labels = self.load(seed, i * a.requests, a.requests, i)
-        spec = LoadSpec(rate=m * capacity, num_requests=a.requests, streams=a.streams, seed=seed * 1000 + i,
-                        request_timeout_s=a.request_timeout)
-        for arm in arms:
-            mode, overrides = ga.ARMS[arm]
-            with self.server(mode, overrides, arm) as server:
-                self.points.append(self.measure(server, items, labels, spec, arm=arm, seed=seed, multiple=m,
-                                                rate=round(m * capacity, 3)))
-            self.save(partial=True)
+    def sweep(self, seed: int, points: list[int]) -> None:
+        """Every arm at multiples[i] for i in points: load i keeps its own prompts and classes."""
+        a = self.args
+        requests = [self.load(seed, i * a.requests, a.requests, i) for i in points]
+        self.compare(seed, a.arms, ga.ARMS, [a.multiples[i] for i in points], requests, "arm", self.points).run()
 
-    def ablate(self, seed: int, config: str, overrides: dict) -> None:
-        a, capacity = self.args, self.capacity
-        items, labels = self.load(seed, 0, a.requests, 500)
-        spec = LoadSpec(rate=a.ablation_multiple * capacity, num_requests=a.requests, streams=a.streams,
-                        seed=seed * 1000 + 500, request_timeout_s=a.request_timeout)
-        with self.server("full", overrides, f"ablation_{config}") as server:
-            self.ablation.append(self.measure(server, items, labels, spec, config=config, seed=seed,
-                                              multiple=a.ablation_multiple))
-        self.save(partial=True)
+    def ablate(self, seed: int, ablations: dict[str, dict]) -> None:
+        """The slo arm with each mechanism off in turn, at --ablation-multiple, on the same prompts."""
+        a = self.args
+        launch = {config: ("full", overrides) for config, overrides in ablations.items()}
+        self.compare(seed, list(ablations), launch, [a.ablation_multiple], [self.load(seed, 0, a.requests, 500)],
+                     "config", self.ablation).run()
 
     def save(self, partial: bool = False, extra: dict | None = None) -> None:
         a = self.args
@@ -269,17 +252,15 @@ def main(argv: list[str]) -> int:
     points = [i for i in range(len(a.multiples)) if a.points is None or i in a.points]
     estimate = ga.estimate_s(a.requests, capacity, [a.multiples[i] for i in points], a.arms, len(a.seeds), len(ablations),
                              a.ablation_multiple, a.request_timeout)
-    runner.capacity, runner.estimate_s, runner.sweeps_start = capacity, estimate, time.monotonic()
+    runner.capacity = capacity
     print(f"capacity {capacity:.2f} req/s; points {len(a.arms)} arms x {len(points)} multiples x "
           f"{len(a.seeds)} seeds + {len(ablations)} ablation configs x {len(a.seeds)} seeds; "
           f"estimated {estimate / 60:.1f} min more", flush=True)
     for seed in a.seeds:
-        for i in points:  # arms interleaved per point, their order rotating
-            turn = (seed + i) % len(a.arms)
-            runner.point(seed, i, a.arms[turn:] + a.arms[:turn])
-    for seed in a.seeds:
-        for config, overrides in ablations.items():
-            runner.ablate(seed, config, overrides)
+        runner.sweep(seed, points)  # arms interleaved per point, their order rotating
+    if ablations:
+        for seed in a.seeds:
+            runner.ablate(seed, ablations)
     verdicts = ga.goals(ga.aggregate(runner.points, "arm"), [a.multiples[i] for i in points])
     text = report(runner, capacity, verdicts)
     elapsed = time.monotonic() - runner.start

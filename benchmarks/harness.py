@@ -8,8 +8,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +18,8 @@ from pathlib import Path
 
 import grpc
 import orjson
-from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_load, wait_ready
+from sloserve.bench.client import LoadSpec, RunResult, connect
+from sloserve.bench.local_server import LocalServer, free_port, ready_info, send_load  # noqa: F401 - the scripts use ready_info
 from sloserve.bench.workloads import WorkloadItem, default_workload, load_workload
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SloserveConfig
 from sloserve.pb import serving_pb2 as pb
@@ -75,12 +74,6 @@ def check_overrides(overrides: dict | None) -> dict:
     return dict(overrides or {})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def machine() -> dict:
     """What the numbers were measured on."""
     import torch
@@ -90,7 +83,7 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-class ServerProcess:
+class ServerProcess(LocalServer):
     """A `sloserve` server in a child process: naive ('before') or full ('after') configuration,
     with optional config overrides (see check_overrides), so any arm or ablation is one launch."""
 
@@ -99,13 +92,9 @@ class ServerProcess:
         if mode not in ("naive", "full"):
             raise ValueError(f"mode must be 'naive' or 'full', got {mode!r}")
         self.overrides = check_overrides(overrides)
-        self.mode, self.port = mode, free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, mode, model, str(self.port),
-                                      json.dumps(self.overrides), str(Path(__file__).resolve().parent)],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.mode, port = mode, free_port()
+        super().__init__([sys.executable, "-c", _LAUNCH, mode, model, str(port), json.dumps(self.overrides),
+                          str(Path(__file__).resolve().parent)], port, log_path, f"{mode} server")
         self._gpu_peak: int | None = None
         self._sampling = threading.Event()
         if shutil.which("nvidia-smi"):
@@ -129,22 +118,6 @@ class ServerProcess:
         """Peak device memory of the server process seen by nvidia-smi (None without a GPU)."""
         return self._gpu_peak
 
-    def wait_ready(self, timeout_s: float = 600.0) -> dict:
-        """Wait until the model is loaded (health SERVING); return Info. Fails fast if the process exits."""
-        return run(self._wait_ready(timeout_s))
-
-    async def _wait_ready(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.mode} server exited with status {self.proc.returncode}; "
-                                   f"see {self.log_path or 'its log'}")
-            try:
-                return await ready_info(self.target, 5.0)
-            except ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-
     def peak_rss_bytes(self) -> int | None:
         """Peak resident set size (VmHWM) of the server process plus its descendants (the engine
         process): the sum of each one's own peak, an upper bound on the tree's peak at one moment."""
@@ -153,38 +126,10 @@ class ServerProcess:
 
     def stop(self) -> None:
         self._sampling.set()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().stop()
 
 
-async def ready_info(target: str, timeout_s: float = 600.0) -> dict:
-    """Wait for the server's model to load; return its Info."""
-    channel = await connect(target, timeout_s=timeout_s)
-    try:
-        await wait_ready(channel, timeout_s)
-        return await fetch_info(channel)
-    finally:
-        await channel.close()
-
-
-async def send(target: str, items: list[WorkloadItem], spec: LoadSpec) -> RunResult:
-    channel = await connect(target)
-    try:
-        return await run_load(channel, items, spec)
-    finally:
-        await channel.close()
+send = send_load  # (target, items, spec) -> RunResult
 
 
 def process_tree(root: int) -> list[int]:

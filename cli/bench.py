@@ -3,106 +3,89 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sys
 from dataclasses import replace
 
 import click
 from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_load, wait_ready
+from sloserve.bench.goodput_search import (
+    SearchResult,
+    SearchSettings,
+    format_search,
+    search_goodput,
+)
+from sloserve.bench.plan import WorkloadPlan
 from sloserve.bench.report import build_report, format_table, rate_label, write_json, write_plot
-from sloserve.bench.stats import RequestRecord, summarise
+from sloserve.bench.stats import summarise
 from sloserve.bench.workloads import default_workload, load_workload
-from sloserve.sampling_params import SLO
+from sloserve.cli.bench_common import (
+    BenchInputError,
+    OneLineGroup,
+    Progress,
+    parse_rates,
+    run_slo,
+    workload_options,
+    workload_plan,
+)
+from sloserve.cli.bench_compare import compare
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
 
 
-class BenchInputError(click.ClickException):
-    """Bad input: one line on stderr, exit status 2."""
+@contextlib.asynccontextmanager
+async def _session(server: str, url: str | None, auth_token: str | None, connect_timeout: float,
+                   ready_timeout: float):
+    """(the server's info, `await send(items, spec, progress, id_prefix)` -> RunResult) over gRPC or HTTP."""
+    if url is not None:
+        from sloserve.bench import http_client
 
-    exit_code = 2
+        async with http_client.open_client(url, auth_token, connect_timeout) as client:
+            await http_client.wait_ready(client, ready_timeout)
+            info = await http_client.fetch_info(client)
 
-
-class _OneLineCommand(click.Command):
-    """A click command whose usage errors print as one line (exit 2) instead of a usage block."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as exc:
-            raise BenchInputError(exc.format_message()) from None
-
-
-def parse_rates(text: str) -> list[float]:
-    """'inf' or 'R' or 'R1,R2,...' (requests/s, each > 0) -> list of rates."""
-    rates = []
-    for part in text.split(","):
-        try:
-            rate = float(part)
-        except ValueError:
-            raise BenchInputError(f"--rate: cannot read {part!r}; use a number, a list like 1,2,4, or inf") from None
-        if not rate > 0:
-            raise BenchInputError(f"--rate must be > 0 requests/s, got {part!r}")
-        rates.append(rate)
-    return rates
-
-
-def _slo(ttft: float | None, tpot: float | None, e2e: float | None) -> SLO | None:
-    for flag, value in (("--slo-ttft", ttft), ("--slo-tpot", tpot), ("--slo-e2e", e2e)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise BenchInputError(f"{flag} must be a number of seconds > 0, got {value:g}")
-    return None if ttft is None and tpot is None and e2e is None else SLO(ttft, tpot, e2e)
-
-
-async def _run_http(url: str, items: list, specs: list[LoadSpec], connect_timeout: float,
-                    ready_timeout: float, progress) -> tuple[dict, list[RunResult]]:
-    from sloserve.bench import http_client
-
-    async with http_client.open_client(url, specs[0].auth_token, connect_timeout) as client:
-        await http_client.wait_ready(client, ready_timeout)
-        info = await http_client.fetch_info(client)
-        results = []
-        for i, spec in enumerate(specs):
-            results.append(await http_client.run_load(client, items, spec, progress, id_prefix=f"bench{i}",
-                                                      model=info.get("model")))
-        return info, results
-
-
-async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout: float,
-               ready_timeout: float, progress) -> tuple[dict, list[RunResult]]:
+            async def send_http(items, spec, progress, id_prefix):
+                return await http_client.run_load(client, items, spec, progress, id_prefix=id_prefix,
+                                                  model=info.get("model"))
+            yield info, send_http
+        return
     channel = await connect(server, connect_timeout)
     try:
-        await wait_ready(channel, ready_timeout, specs[0].auth_token)
-        info = await fetch_info(channel, specs[0].auth_token)
-        results = []
-        for i, spec in enumerate(specs):
-            results.append(await run_load(channel, items, spec, progress, id_prefix=f"bench{i}"))
-        return info, results
+        await wait_ready(channel, ready_timeout, auth_token)
+        info = await fetch_info(channel, auth_token)
+
+        async def send_grpc(items, spec, progress, id_prefix):
+            return await run_load(channel, items, spec, progress, id_prefix=id_prefix)
+        yield info, send_grpc
     finally:
         await channel.close()
 
 
-@click.command("bench", cls=_OneLineCommand)
+@click.group("bench", cls=OneLineGroup, invoke_without_command=True)
 @click.option("--server", default="127.0.0.1:50051", show_default=True, help="HOST:PORT of a running sloserve.")
 @click.option("--url", default=None,
               help="Drive the OpenAI-compatible HTTP API at this base URL (http://HOST:PORT) instead of gRPC.")
-@click.option("--workload", default=None,
-              help="arc:DIR, jsonl:FILE, synthetic-arc or fixed:PROMPT_TOKENS,OUTPUT_TOKENS "
-                   "[default: the ARC-AGI-2 trace if present, else synthetic-arc]")
-@click.option("--attempts", default=2, show_default=True, type=int, help="Copies of each ARC test input.")
-@click.option("--max-tokens", type=int, default=None,
-              help="Cap on each request's output tokens [default: the workload's].")
+@workload_options
 @click.option("--num-requests", type=int, default=None,
-              help=f"Requests per rate [default: {DEFAULT_REQUESTS}, unless --duration].")
+              help=f"Requests per rate [default: {DEFAULT_REQUESTS}, a trace's length, or --duration].")
 @click.option("--duration", type=float, default=None, help="Seconds to keep sending at each rate.")
 @click.option("--rate", default="inf", show_default=True,
-              help="Poisson arrivals per second; a list R1,R2,... sweeps; inf sends without pacing.")
+              help="Poisson arrivals per second (a trace: its mean rate, shape kept); a list R1,R2,... sweeps; "
+                   "inf sends without pacing (a trace: as recorded).")
 @click.option("--concurrency", type=int, default=None, help="Most requests in flight (closed loop with rate inf).")
 @click.option("--streams", default=4, show_default=True, type=int, help="Bidirectional streams to spread requests over.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the workload order and arrivals.")
 @click.option("--slo-ttft", type=float, default=None, help="Time-to-first-token objective (s).")
 @click.option("--slo-tpot", type=float, default=None, help="Time-per-output-token objective (s).")
 @click.option("--slo-e2e", type=float, default=None, help="End-to-end objective (s).")
+@click.option("--goodput-search", is_flag=True,
+              help="Search for the highest rate meeting --attainment (goodput as DistServe defines it), from --rate "
+                   "(one rate: the start; two: a known met,missed bracket).")
+@click.option("--attainment", default=0.9, show_default=True, type=float,
+              help="Share of requests that must meet their objectives in --goodput-search.")
+@click.option("--search-repeats", default=2, show_default=True, type=int, help="Runs per rate in --goodput-search.")
+@click.option("--search-tolerance", default=0.05, show_default=True, type=float,
+              help="--goodput-search stops when its bracket is this close (relative).")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="Sampling temperature (0 = greedy).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly max_tokens for every request.")
 @click.option("--request-timeout", default=600.0, show_default=True, type=float,
@@ -115,74 +98,79 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
               help="Write the report as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write latency CDFs (and, for a sweep, attainment and P99 vs rate) as a PNG.")
-def bench(server, url, workload, attempts, max_tokens, num_requests, duration, rate, concurrency, streams, seed,
-          slo_ttft, slo_tpot, slo_e2e, temperature, ignore_eos, request_timeout, connect_timeout,
+@click.pass_context
+def bench(ctx, server, url, workload, attempts, max_tokens, length_scale, time_scale, slo_rules, slo_rules_file, seed,
+          num_requests, duration, rate, concurrency, streams, slo_ttft, slo_tpot, slo_e2e, goodput_search, attainment,
+          search_repeats, search_tolerance, temperature, ignore_eos, request_timeout, connect_timeout,
           ready_timeout, auth_token, json_path, plot_path) -> None:
     """Send a workload to a running server and report latency, throughput, SLO attainment, goodput.
 
-    Requests are also grouped by SLO class (a JSONL line's `class`, else its objectives), with
-    attainment and goodput per class.
+    Requests are also grouped by SLO class (a JSONL line's `class`, a rule's, else its objectives),
+    with attainment and goodput per class. `sloserve bench compare` sets policies side by side.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     rates = parse_rates(rate)
     if url is not None and not url.startswith(("http://", "https://")):
         raise BenchInputError(f"--url must start with http:// or https://, got {url!r}")
-    slo = _slo(slo_ttft, slo_tpot, slo_e2e)
+    if goodput_search and len(rates) > 2:
+        raise BenchInputError("--goodput-search takes --rate START or --rate MET,MISSED, not a longer list")
+    if time_scale is not None and any(math.isfinite(r) for r in rates):
+        raise BenchInputError("give --time-scale or --rate for a trace, not both")
+    slo = run_slo(slo_ttft, slo_tpot, slo_e2e)
     workload = workload or default_workload()
-    defaulted = num_requests is None and duration is None
+    trace = workload.startswith("trace:")
+    defaulted = num_requests is None and duration is None and not trace
     if defaulted:
         num_requests = DEFAULT_REQUESTS
+    plan = workload_plan(workload, attempts, max_tokens, length_scale, time_scale, slo_rules, slo_rules_file, seed,
+                         None if duration is not None else num_requests)
     try:
-        items = load_workload(workload, seed=seed, attempts=attempts,
-                              num_requests=None if duration is not None else num_requests)
         if defaulted and workload.startswith(("jsonl:", "arc:")):  # read from a file: repeated to fill
             held = len(load_workload(workload, seed=seed, attempts=attempts))
             if held < num_requests:
                 click.echo(f"note: {workload} holds {held} requests, so the default {num_requests} repeat them "
                            f"(a repeated prompt can hit the prefix cache); --num-requests {held} sends each once",
                            err=True)
-        if max_tokens is not None:
-            if max_tokens < 1:
-                raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
-            items = [replace(i, max_tokens=min(i.max_tokens, max_tokens)) for i in items]
         specs = [LoadSpec(rate=r, concurrency=concurrency, num_requests=num_requests,
                           duration_s=duration, streams=streams, seed=seed + i, slo=slo,
                           temperature=temperature, ignore_eos=ignore_eos,
                           request_timeout_s=request_timeout, auth_token=auth_token)
                  for i, r in enumerate(rates)]
+        total = len(plan.items())  # reads the workload: its errors before connecting
     except ValueError as exc:
         raise BenchInputError(str(exc)) from None
-    bar = None
-    if sys.stdout.isatty() and duration is None:
-        bar = click.progressbar(length=num_requests * len(rates), label="bench", file=sys.stdout)
-
-    def progress(_: RequestRecord) -> None:
-        if bar is not None:
-            bar.update(1)
-
+    search = None
+    if goodput_search:
+        try:
+            search = SearchSettings(attainment, search_repeats, search_tolerance)
+        except ValueError as exc:
+            raise BenchInputError(str(exc)) from None
+    progress = Progress(None if duration is not None or search else (total or 0) * len(rates))
     try:
-        if bar is not None:
-            bar.__enter__()
-        if url is not None:
-            info, results = asyncio.run(_run_http(url, items, specs, connect_timeout, ready_timeout, progress))
-        else:
-            info, results = asyncio.run(_run(server, items, specs, connect_timeout, ready_timeout, progress))
+        with progress:
+            info, results, found = asyncio.run(_bench(server, url, auth_token, connect_timeout, ready_timeout,
+                                                      plan, specs, progress, search))
     except ConnectionError as exc:
         raise BenchInputError(str(exc)) from None
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
+    except ValueError as exc:  # the plan against this server (a trace too long for its context, ...)
+        raise BenchInputError(str(exc)) from None
     runs = [summarise(r.records, r.duration_s, slo, r.rate) for r in results]
     for run, result in zip(runs, results, strict=True):
         run["rate_label"] = rate_label(result.rate)
     config = {"attempts": attempts, "max_tokens": max_tokens, "num_requests": num_requests, "duration_s": duration,
               "rates": [rate_label(r) for r in rates], "concurrency": concurrency, "streams": streams,
               "seed": seed, "temperature": temperature, "ignore_eos": ignore_eos,
+              "length_scale": length_scale, "time_scale": time_scale, "slo_rules": [r.text for r in plan.rules],
               "slo": None if slo is None else {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}}
     target = url or server
     report = build_report(target, info, workload, config, runs)
     click.echo(f"server {target}  model {info.get('model', '?')}  device {info.get('device', '?')}  "
                f"workload {workload}")
     click.echo(format_table(runs))
+    if found is not None:
+        report["goodput_search"] = found.as_dict()
+        click.echo(format_search(found))
     try:
         if json_path:
             write_json(report, json_path)
@@ -194,6 +182,34 @@ def bench(server, url, workload, attempts, max_tokens, num_requests, duration, r
         click.echo("error: no request completed; see the refusals above", err=True)
         sys.exit(1)
 
+
+async def _bench(server, url, auth_token, connect_timeout, ready_timeout, plan: WorkloadPlan, specs: list[LoadSpec],
+                 progress: Progress, search: SearchSettings | None) -> tuple[dict, list[RunResult], SearchResult | None]:
+    """Connect, build the requests for this server, then run each rate (or the goodput search)."""
+    async with _session(server, url, auth_token, connect_timeout, ready_timeout) as (info, send):
+        items = plan.items(info.get("max_model_len") or None)
+        if search is None:
+            results = [await send(plan.at_rate(items, spec.rate), spec, progress, f"bench{i}")
+                       for i, spec in enumerate(specs)]
+            return info, results, None
+        results: list[RunResult] = []
+
+        async def measure(rate: float, repeat: int) -> float:
+            spec = replace(specs[0], rate=rate, seed=specs[0].seed + repeat)
+            result = await send(plan.at_rate(items, rate), spec, None, f"search{len(results)}")
+            results.append(result)
+            figures = summarise(result.records, result.duration_s, spec.slo, rate)
+            click.echo(f"goodput search: {rate:.3g} req/s run {repeat + 1}: attainment "
+                       f"{100 * (figures['slo_attainment'] or 0):.1f}%", err=True)
+            return figures["slo_attainment"] or 0.0
+
+        rates = [spec.rate for spec in specs]
+        found = await search_goodput(measure, rates[0], search, low=rates[0] if len(rates) == 2 else None,
+                                     high=rates[1] if len(rates) == 2 else None)
+        return info, results, found
+
+
+bench.add_command(compare)
 
 if __name__ == "__main__":
     bench()

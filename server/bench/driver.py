@@ -1,7 +1,8 @@
 """The arrival process of a load run, whatever the protocol: Poisson or unpaced, capped concurrency.
 
 Requests are spread round-robin over ``conns`` (gRPC streams, or HTTP clients). Arrivals are
-Poisson at ``rate`` requests/s (``inf`` sends as fast as allowed); ``concurrency`` caps requests
+Poisson at ``rate`` requests/s (``inf`` sends as fast as allowed), or, for items that carry an
+``arrival_s`` (a trace), at those times from the run's start; ``concurrency`` caps requests
 in flight (with an infinite rate that is a closed loop). A run ends after ``num_requests``
 arrivals or once ``duration_s`` has passed, and then waits for the requests in flight.
 """
@@ -64,14 +65,18 @@ async def drive(conns: Sequence[Conn], items: list[WorkloadItem], spec: Any, bui
     try:
         index = 0
         while limit is None or index < limit:
-            if math.isfinite(spec.rate):
+            item = items[index % len(items)]
+            if item.arrival_s is not None:  # a trace: its own send time
+                next_arrival = start + item.arrival_s
+            elif math.isfinite(spec.rate):
                 next_arrival += rng.expovariate(spec.rate)
+            if item.arrival_s is not None or math.isfinite(spec.rate):
                 await asyncio.sleep(max(0.0, next_arrival - time.perf_counter()))
             if spec.duration_s is not None and time.perf_counter() - start >= spec.duration_s:
                 break
             if gate is not None:
                 await gate.acquire()
-            tasks.append(asyncio.create_task(one(index, conns[index % len(conns)], items[index % len(items)])))
+            tasks.append(asyncio.create_task(one(index, conns[index % len(conns)], item)))
             index += 1
             await asyncio.sleep(0)  # let the request task write before the next arrival
         await asyncio.gather(*tasks)

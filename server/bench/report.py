@@ -12,7 +12,10 @@ one entry per SLO class (a workload line's ``class``, else a name derived from i
 objectives such as ``ttft<=0.3s tpot<=30ms e2e<=2s``, or ``no objective``) holding
 ``requests``, ``completed``, ``refused``, ``failed``, ``slo_attainment`` (met / requests of the
 class), ``goodput`` (met per second of the whole run) and ``ttft_s``, ``tpot_s``, ``e2e_s``
-summaries. The text table shows a per-class table after the run table when a run holds more than
+summaries; ``vllm``, the fields `vllm bench serve` writes for the same run under its names and
+units (``request_throughput``, ``output_throughput``, ``mean_ttft_ms``, ``median_ttft_ms``,
+``p99_ttft_ms`` ... for ttft, tpot, itl and e2el, ``request_goodput``; sloserve.bench.vllm_compat).
+The text table shows a per-class table after the run table when a run holds more than
 one class.
 """
 

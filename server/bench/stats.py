@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from sloserve.bench.vllm_compat import vllm_fields
 from sloserve.sampling_params import SLO
 
 PERCENTILES = (50, 90, 99)
@@ -178,6 +179,7 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
         "itl_s": summary([gap for r in done for gap in r.itl]),
         "e2e_s": summary([r.e2e for r in done if r.e2e is not None]),
         "classes": _classes(records, met, slo, seconds),
+        "vllm": vllm_fields(records, duration_s, good),
     }
 
 
@@ -225,3 +227,16 @@ def rate_at_attainment(points: list[tuple[float, float]], target: float = 0.95) 
         if a1 < target:
             return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
     return points[-1][0]
+
+
+def steady_throughput(records: list[RequestRecord]) -> float | None:
+    """Completed requests per second of a closed loop between its first completion and its last
+    send: neither the opening burst (every slot's prefill at once) nor the drain at the end (fewer
+    requests in flight than the loop's limit) counts; None when that window holds none."""
+    sent = [r.send_time for r in records if r.send_time]
+    ends = sorted(r.end_time for r in records if r.status == "ok" and r.end_time is not None)
+    if not sent or not ends:
+        return None
+    first, last = ends[0], max(sent)
+    done = sum(first < end <= last for end in ends)
+    return done / (last - first) if last > first and done else None

@@ -1,6 +1,7 @@
 """Workloads for the load generator: ARC-AGI-2 folders, JSONL traces, synthetic ARC, fixed sizes.
 
-Specs: ``arc:DIR``, ``jsonl:FILE``, ``synthetic-arc``, ``fixed:PROMPT_TOKENS,OUTPUT_TOKENS``.
+Specs: ``arc:DIR``, ``jsonl:FILE``, ``synthetic-arc``, ``fixed:PROMPT_TOKENS,OUTPUT_TOKENS`` (and
+``trace:FILE``, sloserve.bench.trace: requests with arrival times).
 A JSONL line holds ``prompt`` and optionally ``expected_output``, ``max_tokens``, ``task_id`` (or
 ``group``), objectives (``slo: {ttft_s, tpot_s, e2e_s}`` or flat ``slo_ttft_s`` ...), ``class``
 (the SLO class the report groups it under; by default a name derived from its objectives) and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ class WorkloadItem:
     ignore_eos: bool = False  # generate exactly max_tokens (fixed workloads)
     slo_class: str | None = None  # the report's class (JSONL 'class'); None: named after its objectives
     priority: int | None = None  # sent with the request when set (JSONL 'priority')
+    arrival_s: float | None = None  # a trace's send time, from the run's start; None: the run's arrival process
 
 
 def default_workload() -> str:
@@ -140,7 +143,7 @@ def _slo_from(line: dict, where: str) -> SLO | None:
         raise ValueError(f"{where}: {exc}") from exc
 
 
-def _jsonl_item(line: object, where: str) -> WorkloadItem:
+def jsonl_item(line: object, where: str) -> WorkloadItem:
     if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or not line["prompt"]:
         raise ValueError(f"{where}: each line must be a JSON object with a non-empty 'prompt' string")
     expected = line.get("expected_output")
@@ -170,17 +173,19 @@ def _jsonl(path: Path) -> list[WorkloadItem]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read JSONL workload {str(path)!r}: {exc}") from exc
-    items = []
+    return [jsonl_item(line, where) for where, line in json_lines(text, path)]
+
+
+def json_lines(text: str, path: Path) -> Iterator[tuple[str, object]]:
+    """('FILE:LINE', the parsed line) for each non-blank line; ValueError names a line that is not JSON."""
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
         where = f"{path}:{number}"
         try:
-            line = json.loads(raw)
+            yield where, json.loads(raw)
         except ValueError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from exc
-        items.append(_jsonl_item(line, where))
-    return items
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
 
 
 def _synthetic(rng: random.Random, attempts: int, num_requests: int | None) -> list[WorkloadItem]:

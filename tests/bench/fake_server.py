@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -103,3 +104,37 @@ async def start_fake(behaviour: FakeBehaviour) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+class FakeThread:
+    """The fake on its own event loop in a daemon thread (for code that runs its own asyncio.run);
+    wait_ready returns its Info as sloserve.bench.client.fetch_info gives it."""
+
+    def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
+        self.behaviour = behaviour or FakeBehaviour()
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._server, self.target = self._loop.run_until_complete(start_fake(self.behaviour))
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        assert started.wait(10), "the fake server did not start"
+
+    def wait_ready(self, timeout_s: float = 10.0) -> dict:
+        return {"model": "fake", "device": "cpu", "max_model_len": 4096}
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> FakeThread:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

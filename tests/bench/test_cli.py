@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import orjson
 import pytest
 from click.testing import CliRunner
 from sloserve.cli.bench import bench
 
-from tests.bench.fake_server import FakeBehaviour, start_fake
+from tests.bench.fake_server import FakeThread
 
 RUN_KEYS = {"rate", "completed", "refused", "duration_s", "request_throughput",
             "output_token_throughput", "prompt_tokens", "prefix_hit_tokens", "slo_attainment",
@@ -20,23 +17,8 @@ RUN_KEYS = {"rate", "completed", "refused", "duration_s", "request_throughput",
 @pytest.fixture(scope="module")
 def fake_target():
     """The fake server on its own event loop in a daemon thread."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    box = {}
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        box["server"], box["target"] = loop.run_until_complete(start_fake(FakeBehaviour()))
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(10)
-    yield box["target"]
-    asyncio.run_coroutine_threadsafe(box["server"].stop(0), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with FakeThread() as fake:
+        yield fake.target
 
 
 def test_sweep_writes_json_and_png(fake_target, tmp_path):
