@@ -4,7 +4,8 @@ Greedy rows take one argmax over the whole batch. Sampled rows are filtered toge
 only when a row asks for top-k or top-p). Rows without a seed draw together in one batched
 `multinomial` from the shared generator; a seeded row draws from its own torch.Generator, so its
 tokens depend only on its seed and its own logits, never on what it was batched with. Only the
-seeded rows loop in Python.
+seeded rows loop in Python. The tokens come back to the host in one copy; on CUDA every per-step
+tensor goes up from pinned memory, so nothing else in sampling waits for the device.
 """
 
 from __future__ import annotations
@@ -49,26 +50,31 @@ class Sampler:
         """One token id per row of logits[S, V]."""
         if logits.shape[0] == 0:
             return []
+        return self.sample_on_device(logits, params, req_ids).tolist()  # the step's one device-to-host copy
+
+    def sample_on_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                         req_ids: Sequence[str]) -> torch.Tensor:
+        """The token ids [S] on the logits' device, without waiting for it."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
-            return tokens.tolist()
+            return tokens
+        device = logits.device
         if len(sampled) == len(params):
             probs = filtered_probs(logits, params)
         else:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = on_device(sampled, torch.int64, device)
             probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled])
         shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
         if shared:  # one draw for every unseeded row
-            picked = probs if len(shared) == len(sampled) else probs[shared]
+            picked = probs if len(shared) == len(sampled) else probs.index_select(0, on_device(shared, torch.int64,
+                                                                                              device))
             draws = torch.multinomial(picked, 1, generator=self._shared).squeeze(1)
-            tokens[[sampled[j] for j in shared]] = draws
-        out = tokens.tolist()
+            tokens.index_copy_(0, on_device([sampled[j] for j in shared], torch.int64, device), draws)
         for j, i in enumerate(sampled):
-            if params[i].seed is not None:
-                gen = self._generator(req_ids[i], params[i])
-                out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
-        return out
+            if params[i].seed is not None:  # a copy on the device, not a read
+                tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator(req_ids[i], params[i]))[0]
+        return tokens
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -77,7 +83,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     min-p keeps the tokens at least min_p times as likely as the most likely one (transformers'
     MinPLogitsWarper); it compares ratios, so it gives the same set before or after top-k/top-p."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+    temps = on_device([p.temperature for p in params], torch.float32, device)
     scaled = logits.float() / temps[:, None]
     need_k = any(p.top_k for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
@@ -87,10 +93,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         ranks = torch.arange(vocab, device=device)[None, :]
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if need_k:
-            ks = torch.tensor([p.top_k or vocab for p in params], device=device)
+            ks = on_device([p.top_k or vocab for p in params], torch.int64, device)
             remove |= ranks >= ks[:, None]
         if need_p:
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+            top_p = on_device([p.top_p for p in params], torch.float32, device)
             sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
             remove |= (before >= top_p[:, None]) & (ranks > 0)
@@ -98,8 +104,17 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
     probs = scaled.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
+        min_p = on_device([p.min_p for p in params], torch.float32, device)
         floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor on `device`; on CUDA copied from pinned memory without a host sync
+    (a copy from pageable memory waits for the stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

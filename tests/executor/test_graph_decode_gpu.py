@@ -46,18 +46,23 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_llama, make_runner, dtype):
     assert torch.equal(logits[0], logits[1])
 
 
-def _decode_steps(runner, steps: int, sync_mode: str) -> list[int]:
+SAMPLED = [GREEDY, SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9),
+           SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=1.2, seed=7)]
+
+
+def _decode_steps(runner, steps: int, sync_mode: str, params=(GREEDY,) * 3) -> list[int]:
     """Decode `steps` tokens of 3 sequences; everything but the sampled ids' copy under sync_mode."""
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
     last = runner.execute(SchedulerOutput([ScheduledSequence(f"s{i}", PROMPTS[i], 0, tables[i], True, GREEDY)
                                            for i in range(3)]))
     pos = [len(p) for p in PROMPTS]
     for _ in range(steps):
-        seqs = [ScheduledSequence(f"s{i}", [last[i]], pos[i], tables[i], True, GREEDY) for i in range(3)]
+        seqs = [ScheduledSequence(f"s{i}", [last[i]], pos[i], tables[i], True, params[i]) for i in range(3)]
         torch.cuda.set_sync_debug_mode(sync_mode)
         try:
             step = runner.prepare(SchedulerOutput(seqs))
-            ids = runner.forward(step)[: step.num_seqs].argmax(dim=-1)
+            logits = runner.forward(step)[: step.num_seqs]
+            ids = runner.sampler.sample_on_device(logits, [s.sampling for s in seqs], [s.req_id for s in seqs])
         finally:
             torch.cuda.set_sync_debug_mode("default")
         last = ids.tolist()  # the step's one device-to-host copy
@@ -65,10 +70,14 @@ def _decode_steps(runner, steps: int, sync_mode: str) -> list[int]:
     return last
 
 
-def test_a_decode_step_makes_no_host_sync_but_its_one_copy(tiny_llama, make_runner):
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_decode_step_makes_no_host_sync_but_its_one_copy(tiny_llama, make_runner, sampling):
+    """Inputs, the replayed step and sampling (greedy; temperature with top-k/top-p; seeded) under
+    torch.cuda.set_sync_debug_mode("error"): only the sampled ids' read-back may wait."""
     runner = cuda_runner(make_runner, tiny_llama)
-    _decode_steps(runner, 2, "default")
-    _decode_steps(runner, 8, "error")  # raises at the first synchronizing call
+    params = (GREEDY,) * 3 if sampling == "greedy" else SAMPLED
+    _decode_steps(runner, 2, "default", params)
+    _decode_steps(runner, 8, "error", params)  # raises at the first synchronizing call
 
 
 def test_steady_decode_allocates_no_device_memory(tiny_llama, make_runner):
