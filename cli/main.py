@@ -78,6 +78,10 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
 @click.option("--max-tokens-limit", default=4096, show_default=True, type=int, help="Largest max_tokens accepted.")
 @click.option("--max-prompt-tokens", default=None, type=int, help="Longest prompt accepted [default: context length].")
+@click.option("--max-stop-strings", default=16, show_default=True, type=int,
+              help="Most stop strings one request may give (0: none allowed).")
+@click.option("--max-stop-string-chars", default=256, show_default=True, type=int,
+              help="Longest stop string accepted, in characters.")
 @click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
@@ -103,6 +107,7 @@ def serve(**kwargs) -> None:
             host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
+            max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
             idle_spin_s=kwargs["idle_spin"])
     except ValueError as exc:

@@ -163,6 +163,11 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024**2
     max_prompt_tokens: int | None = None  # None: the model's context length
     max_tokens_limit: int = 4096
+    # Stop strings: OpenAI takes 4, TGI 4 by default; 16 leaves room for a chat template's end
+    # markers plus a client's own, and 256 characters for any delimiter. At the limit a
+    # request's automaton has <= 4096 nodes (~0.6 MB while it runs, ~2 ms to build).
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -177,6 +182,9 @@ class ServerConfig:
         _require((self.tls_cert is None) == (self.tls_key is None), "TLS needs both --tls-cert and --tls-key")
         _require(self.log_format in ("text", "json"), "log format must be 'text' or 'json'")
         _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
+        _require(self.max_stop_strings >= 0, f"max stop strings must be >= 0, got {self.max_stop_strings}")
+        _require(self.max_stop_string_chars >= 1,
+                 f"max stop string chars must be >= 1, got {self.max_stop_string_chars}")
         _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")
 
 

@@ -56,6 +56,8 @@ CASES = [
     (["serve", "--auth-token-file", "{empty}"], "is empty: put the token on its first line"),
     (["serve", "--max-tokens-limit", "0"], "--max-tokens-limit: max tokens limit must be >= 1"),
     (["serve", "--grace", "-1"], "--grace must be >= 0 seconds"),
+    (["serve", "--max-stop-strings", "-1"], "--max-stop-strings: max stop strings must be >= 0, got -1"),
+    (["serve", "--max-stop-string-chars", "0"], "--max-stop-string-chars: max stop string chars must be >= 1, got 0"),
     (["serve", "--idle-spin", "-1"], "--idle-spin: idle spin must be in 0..60 seconds, got -1.0"),
     (["serve", "--inject-faults", "explode:x"], "--inject-faults: fault rule 'explode:x': use KIND:MARKER"),
     (["serve", "--port", "{busy}", "--metrics-port", "off"], "cannot listen on 127.0.0.1:"),
