@@ -150,7 +150,8 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("memory budget", "--memory-budget"), ("max wait", "--max-wait"), ("finish margin", "--finish-margin"),
           ("num scheduler steps", "--num-scheduler-steps"),
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
-          ("master port", "--master-port"), ("idle spin", "--idle-spin"))
+          ("master port", "--master-port"), ("idle spin", "--idle-spin"),
+          ("frontends", "--frontends"))
 
 
 def with_flag(message: str) -> str:

@@ -175,6 +175,7 @@ class ServerConfig:
     log_format: str = "text"
     engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
     idle_spin_s: float = 1.0  # engine process: keeps polling this long after its last step before it sleeps
+    frontends: int = 1  # front-end processes sharing the engine process and the ports (SO_REUSEPORT)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -186,6 +187,9 @@ class ServerConfig:
         _require(self.max_stop_string_chars >= 1,
                  f"max stop string chars must be >= 1, got {self.max_stop_string_chars}")
         _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")
+        _require(1 <= self.frontends <= 64, f"frontends must be in 1..64, got {self.frontends}")
+        _require(self.frontends == 1 or self.engine_process,
+                 "frontends > 1 needs the engine in a process of its own (drop --no-engine-process)")
 
 
 @dataclass(slots=True)

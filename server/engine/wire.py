@@ -27,6 +27,7 @@ class Inputs(msgspec.Struct, tag="inputs", array_like=True):
     aborts: list[str] = []
     shutdown: bool = False  # abort what is left, send the final outputs, then exit
     delivery_lag_s: float | None = None  # the front end's latest first-token delivery lag, if new
+    frontend: int = 0  # which front end sent it (--frontends): its requests' outputs go back there
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -34,6 +35,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
     model_info: dict
     stats: EngineStats
+    pid: int = 0  # the engine process: a front end that did not start it watches it by pid
 
 
 class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):

@@ -59,6 +59,8 @@ CASES = [
     (["serve", "--max-stop-strings", "-1"], "--max-stop-strings: max stop strings must be >= 0, got -1"),
     (["serve", "--max-stop-string-chars", "0"], "--max-stop-string-chars: max stop string chars must be >= 1, got 0"),
     (["serve", "--idle-spin", "-1"], "--idle-spin: idle spin must be in 0..60 seconds, got -1.0"),
+    (["serve", "--frontends", "0"], "--frontends: frontends must be in 1..64, got 0"),
+    (["serve", "--frontends", "2", "--no-engine-process"], "--frontends: frontends > 1 needs the engine in a process"),
     (["serve", "--inject-faults", "explode:x"], "--inject-faults: fault rule 'explode:x': use KIND:MARKER"),
     (["serve", "--port", "{busy}", "--metrics-port", "off"], "cannot listen on 127.0.0.1:"),
     (["generate"], "Missing argument 'PROMPT'"),

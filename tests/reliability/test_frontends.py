@@ -1,0 +1,112 @@
+"""`sloserve serve --frontends 2`: two front-end processes on one port over one engine process --
+every request completes with the tokens one front end gives, each front end counts its own
+requests on its own metrics port, and stopping or killing the server stops every process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import urllib.request
+
+import grpc
+import pytest
+from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+from tests.reliability.client import generate
+from tests.reliability.harness import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+PROMPTS = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(12)]
+
+
+def _free_port_pair() -> int:
+    """A port p with p + 1 also free (front end k serves metrics on p + k)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two free consecutive ports")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return os.popen(f"ps -o stat= -p {pid}").read().strip()[:1] not in ("Z", "")
+
+
+def _all_gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def _tokens(port: int) -> list[list[int]]:
+    """Every prompt on a connection of its own (the kernel spreads connections over the front ends)."""
+    async def one(i: int, ids: list[int]) -> list[int]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            req = generate(f"fe{i}", ids=ids, max_tokens=16).generate
+            return [t async for m in pb_grpc.SloserveStub(channel).Generate(req, timeout=60)
+                    if m.WhichOneof("kind") == "chunk" for t in m.chunk.token_ids]
+    return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(PROMPTS))))
+
+
+def _requests_counted(metrics_port: int) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith("sloserve_requests_total{"))
+
+
+def _serve(model, *extra: str) -> ServerProcess:
+    return ServerProcess(["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--http-port", "off",
+                          "--log-format", "json", "--max-model-len", "256", *extra])
+
+
+def test_two_front_ends_on_one_port_give_the_tokens_of_one_and_stop_together(tiny_llama):
+    one = _serve(tiny_llama, "--metrics-port", "off")
+    try:
+        one.wait_ready()
+        expected = asyncio.run(_tokens(one.port))
+    finally:
+        one.stop()
+    metrics = _free_port_pair()
+    two = _serve(tiny_llama, "--frontends", "2", "--metrics-port", str(metrics))
+    try:
+        two.wait_ready()
+        two.wait_log(lambda m: m.startswith("front end 1 joined the engine process"), 60)
+        for _ in range(3):  # connections are spread by a hash: a few rounds reach both front ends
+            assert asyncio.run(_tokens(two.port)) == expected
+        counted = [_requests_counted(metrics), _requests_counted(metrics + 1)]
+        assert sum(counted) == 3 * len(PROMPTS) and min(counted) > 0, counted
+        pids = two.pids()  # front end 0 (the server), the engine, front end 1, multiprocessing's tracker
+        assert two.engine_pid() in pids and len(pids) >= 3, pids
+        assert two.stop() == 0
+        assert _all_gone(pids, 15)
+    finally:
+        two.kill()
+
+
+def test_killing_the_server_stops_every_process(tiny_llama):
+    server = _serve(tiny_llama, "--frontends", "3", "--metrics-port", "off")
+    try:
+        server.wait_ready()
+        server.wait_log(lambda m: m.startswith("front end 2 joined the engine process"), 60)
+        pids = server.pids()
+        assert server.engine_pid() in pids and len(pids) >= 4, pids
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert _all_gone(pids, 15)
+    finally:
+        server.kill()
