@@ -111,7 +111,12 @@ def run_frontend(config: SloserveConfig, http: HttpConfig | None, link: Any) -> 
 
     die_with_parent()
     configure_logging(config.server.log_format)
-    sys.exit(asyncio.run(run(config, engine=MPEngineClient(config, link=link), http=http)))
+    try:
+        code = asyncio.run(run(config, engine=MPEngineClient(config, link=link), http=http))
+    except ValueError as exc:  # the model cannot load: front end 0 reports it
+        log.error("front end %d: %s", link.index, exc)
+        code = 2
+    sys.exit(code)
 
 
 def main(config: SloserveConfig, http: HttpConfig | None = None) -> int:

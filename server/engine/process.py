@@ -201,18 +201,25 @@ class EngineLoop:
             return _error_output(add, str(exc), "invalid", None)
 
     def _send(self, outputs: list[RequestOutput], final: bool = False) -> None:
-        """The step's outputs to the front ends that own them; the stats to every front end."""
-        self._last_stats = time.monotonic()
+        """The step's outputs to the front ends that own them, with the stats; a front end with
+        none of them gets the stats alone at most every STATS_EVERY_S (and when the engine idles),
+        so that it is not woken by every step of the others' requests."""
+        now = time.monotonic()
         stats = self.core.stats()
         if len(self.pushes) == 1:
+            self._last_stats = now
             self.pushes[0].send(wire.encode(wire.StepOutputs(outputs, stats, final)))
             return
+        everyone = final or now - self._last_stats > STATS_EVERY_S or not self.core.has_work()
+        if everyone:
+            self._last_stats = now
         owned: list[list[RequestOutput]] = [[] for _ in self.pushes]
         owner = self._owner
         for out in outputs:
             owned[owner.pop(out.request_id, 0) if out.finished else owner.get(out.request_id, 0)].append(out)
         for push, mine in zip(self.pushes, owned, strict=True):
-            push.send(wire.encode(wire.StepOutputs(mine, stats, final)))
+            if mine or everyone:
+                push.send(wire.encode(wire.StepOutputs(mine, stats, final)))
 
     def _shutdown(self, outputs: list[RequestOutput]) -> None:
         for request_id in list(self.core.scheduler.requests):
