@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import grpc
+import httpx
 import pytest
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
@@ -186,3 +187,26 @@ def test_sigterm_drains_the_requests_of_every_front_end(tiny_llama):
         assert len(draining) == 2 and all(not m.startswith("draining: 0 ") for m in draining), draining
     finally:
         server.kill()
+
+
+def test_http_on_the_shared_port_answers_from_both_front_ends(tiny_llama):
+    server = ServerProcess(["serve", "--model", str(tiny_llama), "--device", "cpu", "--port", "0", "--http-port",
+                            "auto", "--metrics-port", "off", "--log-format", "json", "--max-model-len", "256",
+                            "--frontends", "2"])
+    try:
+        server.wait_ready()
+        server.wait_log(lambda m: m.startswith("front end 1 joined the engine process"), 60)
+        listening = [m for m in server.messages() if m.startswith("http listening on ")]
+        ports = {int(m.split()[3].rsplit(":", 1)[1]) for m in listening}
+        assert len(listening) == 2 and len(ports) == 1, listening  # both front ends, one port
+        url = f"http://127.0.0.1:{ports.pop()}/v1/completions"
+        body = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        texts = set()
+        for _ in range(12):
+            with httpx.Client(timeout=60) as client:  # a connection of its own each time
+                reply = client.post(url, json=body)
+            assert reply.status_code == 200, reply.text
+            texts.add(reply.json()["choices"][0]["text"])
+        assert len(texts) == 1  # greedy: the same text whichever front end answered
+    finally:
+        server.stop()
