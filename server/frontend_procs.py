@@ -3,7 +3,7 @@
 Front end 0 (the `sloserve serve` process) starts the engine process and these; each child runs
 the same gRPC and HTTP edges with its own tokenizer and event loop, binds the same ports with
 SO_REUSEPORT (the kernel spreads new connections over them) and joins the engine over its own
-sockets (`engine.mp_client.EngineLink`). A child dies with front end 0 (PR_SET_PDEATHSIG) and
+sockets (`engine.wire.EngineLink`). A child dies with front end 0 (PR_SET_PDEATHSIG) and
 exits 1 when the engine dies; a child that exits on its own makes front end 0 stop everything
 and exit 1, for the supervisor to restart the server whole.
 """

@@ -24,7 +24,6 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,26 +33,11 @@ from sloserve.engine import wire
 from sloserve.engine.outputs import EngineStats
 from sloserve.engine.process import run_engine
 from sloserve.engine.stream import RequestStream
+from sloserve.engine.wire import EngineLink
 from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SLO, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLink:
-    """Where front end `index` meets the engine process: its two sockets in `folder`."""
-
-    folder: str
-    index: int
-
-    @property
-    def inputs(self) -> str:
-        return f"ipc://{self.folder}/inputs-{self.index}"
-
-    @property
-    def outputs(self) -> str:
-        return f"ipc://{self.folder}/outputs-{self.index}"
 
 
 class MPEngineClient:

@@ -6,9 +6,27 @@ No torch object crosses. Inputs are batched per event-loop turn, outputs per eng
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.sampling_params import SLO, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLink:
+    """Where front end `index` meets the engine process: its two sockets in `folder`."""
+
+    folder: str
+    index: int
+
+    @property
+    def inputs(self) -> str:
+        return f"ipc://{self.folder}/inputs-{self.index}"
+
+    @property
+    def outputs(self) -> str:
+        return f"ipc://{self.folder}/outputs-{self.index}"
 
 
 class AddRequest(msgspec.Struct, array_like=True):
