@@ -81,6 +81,10 @@ def _metrics_port(text: str) -> int | None:
               help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).")
 @click.option("--max-n", default=16, show_default=True, type=int, help="Most choices (n) one request may ask for.")
 @click.option("--max-prompt-tokens", default=None, type=int, help="Longest prompt accepted [default: context length].")
+@click.option("--max-stop-strings", default=16, show_default=True, type=int,
+              help="Most stop strings one request may give (0: none allowed).")
+@click.option("--max-stop-string-chars", default=256, show_default=True, type=int,
+              help="Longest stop string accepted, in characters.")
 @click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
@@ -89,6 +93,10 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--idle-spin", default=1.0, show_default=True, type=float, metavar="SECONDS",
               help="The engine process keeps polling for input this long after its last step before it sleeps: "
                    "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).")
+@click.option("--frontends", default=1, show_default=True, type=int, metavar="N",
+              help="Front-end processes (gRPC + HTTP intake, tokenizing) sharing one engine process and the same "
+                   "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
+                   "metrics, front end k on --metrics-port + k.")
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
                    "(see sloserve.faults) [default: off].")
@@ -107,8 +115,9 @@ def serve(**kwargs) -> None:
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
             max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
+            max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
-            idle_spin_s=kwargs["idle_spin"])
+            idle_spin_s=kwargs["idle_spin"], frontends=kwargs["frontends"])
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:

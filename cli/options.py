@@ -144,13 +144,15 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
 
 _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_model_len", "--max-model-len"),
           ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
-          ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"), ("log format", "--log-format"),
+          ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"),
+          ("max stop strings", "--max-stop-strings"), ("max stop string chars", "--max-stop-string-chars"),
+          ("log format", "--log-format"),
           ("fault rule", "--inject-faults"), ("expert slots", "--expert-slots-per-layer"), ("expert memory", "--expert-memory"),
           ("memory budget", "--memory-budget"), ("max wait", "--max-wait"), ("finish margin", "--finish-margin"),
           ("num scheduler steps", "--num-scheduler-steps"),
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
           ("master port", "--master-port"), ("idle spin", "--idle-spin"),
-          ("max logprobs", "--max-logprobs"), ("max n", "--max-n"))
+          ("max logprobs", "--max-logprobs"), ("max n", "--max-n"), ("frontends", "--frontends"))
 
 
 def with_flag(message: str) -> str:

@@ -165,6 +165,11 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     max_logprobs: int = 20  # most top log-probabilities per token a request may ask for (OpenAI's limit)
     max_n: int = 16  # most choices (n) one request may ask for
+    # Stop strings: OpenAI takes 4, TGI 4 by default; 16 leaves room for a chat template's end
+    # markers plus a client's own, and 256 characters for any delimiter. At the limit a
+    # request's automaton has <= 4096 nodes (~130 KB while it runs, ~0.1 ms to build).
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -172,6 +177,7 @@ class ServerConfig:
     log_format: str = "text"
     engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
     idle_spin_s: float = 1.0  # engine process: keeps polling this long after its last step before it sleeps
+    frontends: int = 1  # front-end processes sharing the engine process and the ports (SO_REUSEPORT)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -181,7 +187,13 @@ class ServerConfig:
         _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
         _require(self.max_logprobs >= 0, f"max logprobs must be >= 0, got {self.max_logprobs}")
         _require(self.max_n >= 1, f"max n must be >= 1, got {self.max_n}")
+        _require(self.max_stop_strings >= 0, f"max stop strings must be >= 0, got {self.max_stop_strings}")
+        _require(self.max_stop_string_chars >= 1,
+                 f"max stop string chars must be >= 1, got {self.max_stop_string_chars}")
         _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")
+        _require(1 <= self.frontends <= 64, f"frontends must be in 1..64, got {self.frontends}")
+        _require(self.frontends == 1 or self.engine_process,
+                 "frontends > 1 needs the engine in a process of its own (drop --no-engine-process)")
 
 
 @dataclass(slots=True)

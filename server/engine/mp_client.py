@@ -7,6 +7,10 @@ sentinel, so an engine that dies (crash, OOM kill, kill -9) is noticed at once: 
 request ends with EngineDeadError giving the reason and `alive` turns False (the server then
 reports NOT_SERVING and exits non-zero for its supervisor to restart it). The engine process
 never outlives this one (see `engine.process`).
+
+With `--frontends N` the client that starts the engine is front end 0; the others are given an
+`EngineLink` instead and join the same engine process through sockets of their own (they watch
+it through a pidfd, as it is not their child). Only front end 0 shuts the engine down.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -28,6 +33,7 @@ from sloserve.engine import wire
 from sloserve.engine.outputs import EngineStats
 from sloserve.engine.process import run_engine
 from sloserve.engine.stream import RequestStream
+from sloserve.engine.wire import EngineLink
 from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SLO, SamplingParams
 
@@ -35,13 +41,21 @@ log = logging.getLogger(__name__)
 
 
 class MPEngineClient:
-    """Talks to one engine process; every method is called on the front end's event loop."""
+    """Talks to one engine process; every method is called on the front end's event loop.
 
-    def __init__(self, config: SloserveConfig, *, stuck_after_s: float = 120.0) -> None:
+    Without `link` it starts the engine process (for config.server.frontends front ends, itself
+    the first); with one it joins the engine that front end 0 started.
+    """
+
+    def __init__(self, config: SloserveConfig, *, stuck_after_s: float = 120.0, link: EngineLink | None = None) -> None:
         self.config = config
         self.stuck_after_s = stuck_after_s
         self.ready = False
         self.pid: int | None = None
+        self.owns_engine = link is None
+        self.before_shutdown: Callable[[], Awaitable[None]] | None = None  # awaited before the engine is told to exit
+        self._link = link
+        self._watch_fd: int | None = None  # readable when the engine process has ended
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._dir: str | None = None
         self._ctx: zmq.Context | None = None
@@ -50,7 +64,8 @@ class MPEngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._pending = wire.Inputs(adds=[], aborts=[])
+        self._index = 0 if link is None else link.index
+        self._pending = wire.Inputs(adds=[], aborts=[], frontend=self._index)
         self._flush_scheduled = False
         self._info: dict = {}
         self._stats = EngineStats()
@@ -62,34 +77,49 @@ class MPEngineClient:
         self._last_message = time.monotonic()
 
     # ---- lifecycle ---------------------------------------------------------------------
+    def link(self, index: int) -> EngineLink:
+        """The link front end `index` (1 .. frontends - 1) joins this client's engine through."""
+        assert self.owns_engine and 0 < index < self.config.server.frontends, index
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="sloserve-engine-")
+        return EngineLink(self._dir, index)
+
     async def start(self) -> None:
-        """Start the engine process and wait until its model is loaded and warmed up."""
-        if self._proc is not None:
+        """Start (or join) the engine process and wait until its model is loaded and warmed up."""
+        if self._proc is not None or self._ctx is not None:
             raise RuntimeError("the engine is already started")
-        self._dir = tempfile.mkdtemp(prefix="sloserve-engine-")
-        inputs_addr, outputs_addr = f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs"
+        if self.owns_engine and self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="sloserve-engine-")
+        link = self._link or EngineLink(self._dir, 0)
         self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(inputs_addr)
+        self._push.bind(link.inputs)
         self._pull = self._actx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(outputs_addr)
-        # NOTE: started from the event-loop thread: PR_SET_PDEATHSIG fires when the *thread* that
-        # started the child exits, so a worker thread here would kill the engine with it.
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine, name="sloserve-engine", daemon=True,
-            args=(self.config, inputs_addr, outputs_addr, os.getpid(), logging.getLogger().level))
-        self._proc.start()
-        self.pid = self._proc.pid
-        asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_exit)
-        log.info("engine process started (pid %d)", self.pid)
+        self._pull.bind(link.outputs)
+        if self.owns_engine:
+            links = [EngineLink(self._dir, k) for k in range(self.config.server.frontends)]
+            # NOTE: started from the event-loop thread: PR_SET_PDEATHSIG fires when the *thread* that
+            # started the child exits, so a worker thread here would kill the engine with it.
+            self._proc = multiprocessing.get_context("spawn").Process(
+                target=run_engine, name="sloserve-engine", daemon=True,
+                args=(self.config, [x.inputs for x in links], [x.outputs for x in links], os.getpid(),
+                      logging.getLogger().level))
+            self._proc.start()
+            self.pid = self._proc.pid
+            self._watch(self._proc.sentinel)
+            log.info("engine process started (pid %d)", self.pid)
         first = await self._first_message()
         if isinstance(first, wire.StartFailed):
             await self._reap(5.0)
             raise (ValueError if first.user_error else RuntimeError)(first.message)
         assert isinstance(first, wire.Ready), first
+        if not self.owns_engine:
+            self.pid = first.pid
+            self._watch(os.pidfd_open(first.pid))
+            log.info("front end %d joined the engine process (pid %d)", self._index, self.pid)
         self._info, self._stats = first.model_info, first.stats
         from sloserve.tokenizer import Tokenizer
 
@@ -110,10 +140,19 @@ class MPEngineClient:
         recv.cancel()
         raise RuntimeError(f"the engine process exited while starting ({self._exit_description()})")
 
+    def _watch(self, fd: int) -> None:
+        self._watch_fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._on_exit)
+
     async def stop(self, timeout_s: float = 30.0) -> None:
-        """Shut the engine down: live requests end 'cancelled', the process exits (killed if it hangs)."""
+        """Shut the engine down: live requests end 'cancelled', the process exits (killed if it hangs).
+
+        A front end that joined the engine only closes its own end (front end 0 shuts it down).
+        """
         self._stopping = True
         self.ready = False
+        if self.owns_engine and self.before_shutdown is not None:
+            await self.before_shutdown()
         alive = self._proc is not None and self._proc.is_alive() and self._dead_reason is None
         if alive and self._push is not None:
             self._flush()
@@ -134,7 +173,9 @@ class MPEngineClient:
                 ctx.term()
         self._push = self._pull = None
         self._ctx = self._actx = None
-        if self._dir is not None:
+        if self._watch_fd is not None and not self.owns_engine:
+            self._unwatch()
+        if self._dir is not None and self.owns_engine:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _reap(self, timeout_s: float) -> None:
@@ -150,7 +191,7 @@ class MPEngineClient:
     def alive(self) -> bool:
         """The process runs, its loop has not died, and it has not been silent past stuck_after_s
         while requests are live (a stuck step)."""
-        if self._dead_reason is not None or self._proc is None or not self._proc.is_alive():
+        if self._dead_reason is not None or self._exited.is_set() or self._watch_fd is None:
             return False
         return not self._streams or time.monotonic() - self._last_message < self.stuck_after_s
 
@@ -221,7 +262,7 @@ class MPEngineClient:
     def _flush(self) -> None:
         """Send what this event-loop turn gathered as one message."""
         self._flush_scheduled = False
-        pending, self._pending = self._pending, wire.Inputs(adds=[], aborts=[])
+        pending, self._pending = self._pending, wire.Inputs(adds=[], aborts=[], frontend=self._index)
         if (pending.adds or pending.aborts) and self._push is not None and self._dead_reason is None:
             self._send(pending)
 
@@ -251,12 +292,19 @@ class MPEngineClient:
                 self._die(msg.reason)
 
     def _on_exit(self) -> None:
-        """The process sentinel is readable: the engine process has ended."""
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        """The process sentinel (or pidfd) is readable: the engine process has ended."""
+        self._unwatch()
         self._exited.set()
         if not self._stopping and self.ready:
             # Give a 'died' message already on its way a moment to arrive: it carries the reason.
             asyncio.get_running_loop().call_later(0.05, self._die, None)
+
+    def _unwatch(self) -> None:
+        fd, self._watch_fd = self._watch_fd, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            if not self.owns_engine:
+                os.close(fd)  # our pidfd (front end 0's is the Process's sentinel)
 
     def _die(self, reason: str | None) -> None:
         if self._dead_reason is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sloserve.engine.outputs import RequestOutput
 from sloserve.engine.request import Request, RequestStatus
+from sloserve.engine.stop_strings import StopMatcher
 from sloserve.logprobs import Logprob
 
 
@@ -46,14 +47,17 @@ def _flush_text(req: Request) -> None:
 
 
 def _cut_at_stop_string(req: Request, before: int) -> bool:
-    """Truncate the text before the earliest stop string that the new text completed."""
-    longest = max(len(s) for s in req.sampling.stop)
-    start = max(0, before - longest + 1)
-    text = req.output_text
-    found = [i for i in (text.find(s, start) for s in req.sampling.stop) if i >= 0]
-    if not found:
+    """Truncate the text before the earliest stop string that the new text completed.
+
+    The automaton is built at the request's first text (so only requests that run hold one)
+    and fed each piece of text once, so the work per token does not grow with the strings.
+    """
+    if req.stop_matcher is None:
+        req.stop_matcher = StopMatcher(req.sampling.stop)
+    start = req.stop_matcher.feed(req.output_text[before:])
+    if start is None:
         return False
-    req.output_text = text[:min(found)]
+    req.output_text = req.output_text[:start]
     return True
 
 
@@ -71,9 +75,8 @@ def keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) ->
 def take_output(req: Request) -> RequestOutput:
     """The tokens and text not yet streamed; with stop strings, the last len-1 chars wait until known safe."""
     text_end = len(req.output_text)
-    if req.sampling.stop and not req.is_finished:
-        hold = max(len(s) for s in req.sampling.stop) - 1
-        text_end = max(req.sent_text_len, text_end - hold)
+    if req.stop_matcher is not None and not req.is_finished:
+        text_end = max(req.sent_text_len, text_end - (req.stop_matcher.max_len - 1))
     new_text = req.output_text[req.sent_text_len:text_end]
     req.sent_text_len = text_end
     new_ids = req.output_token_ids[req.sent_token_len:]

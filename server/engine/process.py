@@ -6,6 +6,10 @@ never outlives its parent: the kernel kills it when the parent dies (PR_SET_PDEA
 and it also exits when it sees itself re-parented.
 SIGINT and SIGTERM are ignored here: the front end owns shutdown and drains across the boundary
 by sending `Inputs(shutdown=True)`.
+
+With several front ends (`--frontends N`), the one PULL socket takes every front end's inputs and
+each front end has an output socket of its own: a request's outputs go back to the front end whose
+`Inputs.frontend` added it; stats, `Ready` and `Died` go to all of them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 import zmq
 from sloserve.config import SloserveConfig
@@ -32,7 +37,7 @@ STATS_EVERY_S = 0.05  # while busy with steps that produce no output, stats go o
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when the parent (thread) that started it exits."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -41,10 +46,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine(config: SloserveConfig, inputs_addr: str, outputs_addr: str, parent_pid: int,
+def run_engine(config: SloserveConfig, inputs_addrs: list[str], outputs_addrs: list[str], parent_pid: int,
                log_level: int = logging.INFO) -> None:
-    """Entry point of the engine process (multiprocessing target); returns when told to shut down."""
-    _die_with_parent()
+    """Entry point of the engine process (multiprocessing target); returns when told to shut down.
+
+    One inputs and one outputs address per front end, front end 0 (the one that started it) first.
+    """
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from sloserve.logs import configure_logging
@@ -55,30 +63,41 @@ def run_engine(config: SloserveConfig, inputs_addr: str, outputs_addr: str, pare
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
-    pull.connect(inputs_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.setsockopt(zmq.LINGER, 5000)
-    push.connect(outputs_addr)
+    for addr in inputs_addrs:
+        pull.connect(addr)
+    pushes = []
+    for addr in outputs_addrs:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 5000)
+        push.connect(addr)  # queued until that front end binds: it may start after this process
+        pushes.append(push)
+
+    def tell_all(msg: wire.Ready | wire.StartFailed | wire.Died) -> None:
+        data = wire.encode(msg)
+        for push in pushes:
+            push.send(data)
+
     try:
         try:
             core = EngineCore(config)
         except Exception as exc:  # noqa: BLE001 - reported to the front end, which decides
-            push.send(wire.encode(wire.StartFailed(f"{exc}", isinstance(exc, ValueError))))
+            tell_all(wire.StartFailed(f"{exc}", isinstance(exc, ValueError)))
             if not isinstance(exc, ValueError):
                 log.error("engine failed to start: %s", exc, exc_info=exc)
             return
-        push.send(wire.encode(wire.Ready(core.model_info, core.stats())))
+        tell_all(wire.Ready(core.model_info, core.stats(), os.getpid()))
         try:
-            EngineLoop(core, pull, push, parent_pid, config.server.idle_spin_s).run()
-        except BaseException as exc:  # noqa: BLE001 - the loop's own death: tell the front end why
+            EngineLoop(core, pull, pushes[0], parent_pid, config.server.idle_spin_s, more_pushes=pushes[1:]).run()
+        except BaseException as exc:  # noqa: BLE001 - the loop's own death: tell the front ends why
             reason = f"{type(exc).__name__}: {exc}"
             log.error("engine step loop failed: %s", reason, exc_info=exc)
-            push.send(wire.encode(wire.Died(reason)))
+            tell_all(wire.Died(reason))
             core.close()
             raise SystemExit(1) from None
     finally:
-        push.close()
+        for push in pushes:
+            push.close()
         pull.close(linger=0)
         ctx.term()
 
@@ -113,12 +132,13 @@ class EngineLoop:
     """The process's loop over one EngineCore (one thread; no lock needed)."""
 
     def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
-                 idle_spin_s: float = 0.0) -> None:
+                 idle_spin_s: float = 0.0, more_pushes: Sequence[zmq.Socket] = ()) -> None:
         self.core = core
         self.idle = IdleWait(idle_spin_s)
         self.pull = pull
-        self.push = push
+        self.pushes = [push, *more_pushes]  # one per front end, by Inputs.frontend
         self.parent_pid = parent_pid
+        self._owner: dict[str, int] = {}  # live request id -> its front end, with several
         self._last_stats = 0.0
 
     def run(self) -> None:
@@ -159,6 +179,8 @@ class EngineLoop:
             if msg.delivery_lag_s is not None:  # before the adds: they are priced with it
                 self.core.report_delivery_lag(msg.delivery_lag_s)
             for add in msg.adds:
+                if msg.frontend:
+                    self._owner[add.request_id] = msg.frontend
                 refused = self._add(add)
                 if refused is not None:
                     outputs.append(refused)
@@ -179,8 +201,25 @@ class EngineLoop:
             return _error_output(add, str(exc), "invalid", None)
 
     def _send(self, outputs: list[RequestOutput], final: bool = False) -> None:
-        self._last_stats = time.monotonic()
-        self.push.send(wire.encode(wire.StepOutputs(outputs, self.core.stats(), final)))
+        """The step's outputs to the front ends that own them, with the stats; a front end with
+        none of them gets the stats alone at most every STATS_EVERY_S (and when the engine idles),
+        so that it is not woken by every step of the others' requests."""
+        now = time.monotonic()
+        stats = self.core.stats()
+        if len(self.pushes) == 1:
+            self._last_stats = now
+            self.pushes[0].send(wire.encode(wire.StepOutputs(outputs, stats, final)))
+            return
+        everyone = final or now - self._last_stats > STATS_EVERY_S or not self.core.has_work()
+        if everyone:
+            self._last_stats = now
+        owned: list[list[RequestOutput]] = [[] for _ in self.pushes]
+        owner = self._owner
+        for out in outputs:
+            owned[owner.pop(out.request_id, 0) if out.finished else owner.get(out.request_id, 0)].append(out)
+        for push, mine in zip(self.pushes, owned, strict=True):
+            if mine or everyone:
+                push.send(wire.encode(wire.StepOutputs(mine, stats, final)))
 
     def _shutdown(self, outputs: list[RequestOutput]) -> None:
         for request_id in list(self.core.scheduler.requests):

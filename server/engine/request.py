@@ -50,7 +50,7 @@ class Request:
         "sampling", "slo", "arrival_time", "deadline", "status",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
-        "finish_time", "error", "refusal_reason", "detokenizer", "output_text", "sent_text_len",
+        "finish_time", "error", "refusal_reason", "detokenizer", "stop_matcher", "output_text", "sent_text_len",
         "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
         "last_scheduled_time", "predicted_ttft_s", "model_ttft_s", "output_logprobs", "prompt_logprobs",
         "prompt_logprobs_sent",
@@ -99,6 +99,7 @@ class Request:
         self.error: str | None = None
         self.refusal_reason: str | None = None
         self.detokenizer = None
+        self.stop_matcher = None  # built from sampling.stop at the first text (output_processor)
         self.output_text = ""
         self.sent_text_len = 0
         self.sent_token_len = 0

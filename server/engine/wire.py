@@ -6,9 +6,27 @@ No torch object crosses. Inputs are batched per event-loop turn, outputs per eng
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.sampling_params import SLO, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLink:
+    """Where front end `index` meets the engine process: its two sockets in `folder`."""
+
+    folder: str
+    index: int
+
+    @property
+    def inputs(self) -> str:
+        return f"ipc://{self.folder}/inputs-{self.index}"
+
+    @property
+    def outputs(self) -> str:
+        return f"ipc://{self.folder}/outputs-{self.index}"
 
 
 class AddRequest(msgspec.Struct, array_like=True):
@@ -27,6 +45,7 @@ class Inputs(msgspec.Struct, tag="inputs", array_like=True):
     aborts: list[str] = []
     shutdown: bool = False  # abort what is left, send the final outputs, then exit
     delivery_lag_s: float | None = None  # the front end's latest first-token delivery lag, if new
+    frontend: int = 0  # which front end sent it (--frontends): its requests' outputs go back there
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -34,6 +53,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
     model_info: dict
     stats: EngineStats
+    pid: int = 0  # the engine process: a front end that did not start it watches it by pid
 
 
 class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):

@@ -63,9 +63,11 @@ class Frontend:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.limits = Limits(max_tokens_limit=config.server.max_tokens_limit,
-                             max_prompt_tokens=config.server.max_prompt_tokens,
-                             max_logprobs=config.server.max_logprobs, max_n=config.server.max_n)
+        server = config.server
+        self.limits = Limits(max_tokens_limit=server.max_tokens_limit, max_prompt_tokens=server.max_prompt_tokens,
+                             max_logprobs=server.max_logprobs, max_n=server.max_n,
+                             max_stop_strings=server.max_stop_strings,
+                             max_stop_string_chars=server.max_stop_string_chars)
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()

@@ -9,14 +9,17 @@ MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused
 
 
 class Limits:
-    """max_tokens, prompt tokens and characters, top logprobs and choices; `max_model_len` 0: not known yet."""
+    """max_tokens, prompt tokens and characters, top logprobs, choices and stop strings; `max_model_len`
+    0 means not known yet."""
 
     def __init__(self, *, max_tokens_limit: int, max_prompt_tokens: int | None, max_logprobs: int = 20,
-                 max_n: int = 16) -> None:
+                 max_n: int = 16, max_stop_strings: int = 16, max_stop_string_chars: int = 256) -> None:
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
         self.max_logprobs = max_logprobs
         self.max_n = max_n
+        self.max_stop_strings = max_stop_strings
+        self.max_stop_string_chars = max_stop_string_chars
 
     def check_request(self, parsed: ParsedRequest, max_model_len: int) -> None:
         """Cheap checks before any tokenizing: a prompt, max_tokens, characters or token ids."""
@@ -34,6 +37,7 @@ class Limits:
         if parsed.n > self.max_n:
             raise InvalidRequestError(f"n {parsed.n} is over this server's limit of {self.max_n} choices (--max-n); "
                                       "ask for fewer")
+        self.check_stop_strings(parsed.params.stop)
         if isinstance(prompt, list):
             self.check_tokens(len(prompt))
         elif max_model_len and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
@@ -41,6 +45,16 @@ class Limits:
                 f"prompt has {len(prompt)} characters, over this server's limit of "
                 f"{max_model_len * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token of the model's "
                 f"{max_model_len}-token context); shorten it")
+
+    def check_stop_strings(self, stop: list[str]) -> None:
+        """The stop strings' number and length against --max-stop-strings / --max-stop-string-chars."""
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(f"stop has {len(stop)} strings, over this server's limit of "
+                                      f"{self.max_stop_strings} (--max-stop-strings); send fewer")
+        longest = max(map(len, stop), default=0)
+        if longest > self.max_stop_string_chars:
+            raise InvalidRequestError(f"a stop string has {longest} characters, over this server's limit of "
+                                      f"{self.max_stop_string_chars} (--max-stop-string-chars); shorten it")
 
     def check_tokens(self, n: int) -> None:
         """The prompt's token count against --max-prompt-tokens."""

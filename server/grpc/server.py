@@ -91,7 +91,7 @@ class SloserveServer:
         interceptors.append(ExceptionInterceptor())
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]
+                   ("grpc.so_reuseport", int(cfg.frontends > 1))]  # several front ends share the port
         server = grpc.aio.server(interceptors=interceptors, options=options)
         handlers.add_to_server(self.service, server)  # undecodable requests -> INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

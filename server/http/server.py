@@ -45,7 +45,7 @@ class HttpServer:
             config.load()
         except (OSError, ValueError) as exc:  # an unreadable or mismatched certificate/key
             raise ValueError(f"cannot serve HTTPS with --tls-cert/--tls-key: {exc}") from None
-        self._sock = _bind(cfg.host, self.http.port)
+        self._sock = _bind(cfg.host, self.http.port, reuse_port=cfg.frontends > 1)
         self.port = self._sock.getsockname()[1]
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
@@ -76,14 +76,19 @@ class HttpServer:
         self._sock = None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (0 picks a free port); ValueError saying what to change."""
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port (0 picks a free port); ValueError saying what to change.
+
+    reuse_port: SO_REUSEPORT, so the other front ends of --frontends bind the same port.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # NOTE: proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
     # accepted sockets inherit it; without it Nagle + delayed ACKs held each keep-alive reply ~40 ms.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as exc:

@@ -20,10 +20,12 @@ from tests.bench.fake_server import FakeBehaviour, start_fake
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the scripts import each other by name
 import _goodput_arms as ga  # noqa: E402
+import frontend_load  # noqa: E402
 import goodput  # noqa: E402
 import harness  # noqa: E402
 import idle_spin  # noqa: E402
 import seed_table  # noqa: E402
+import stop_strings  # noqa: E402
 
 INTERACTIVE = SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0)
 BATCH = SLO(e2e_s=30.0)
@@ -132,6 +134,9 @@ BAD_ARGUMENTS = [(goodput, argv) for argv in (["--arms", "slo,lifo"], ["--multip
                                               ["--multiples", "1,2", "--points", "2"])]
 BAD_ARGUMENTS += [(idle_spin, argv) for argv in (["--spin", "0"], ["--rounds", "0"], ["--gaps", "-1"],
                                                  ["--per-gap", "0"])]
+BAD_ARGUMENTS += [(stop_strings, argv) for argv in (["--stops", "0"], ["--stop-chars", "0"], ["--rounds", "0"])]
+BAD_ARGUMENTS += [(frontend_load, argv) for argv in (["--arms", "1,many"], ["--arms", "0"], ["--clients", "0"],
+                                                     ["--seconds", "0"])]
 
 
 @pytest.mark.parametrize(("script", "argv"), BAD_ARGUMENTS, ids=[f"{m.__name__} {' '.join(a)}" for m, a in BAD_ARGUMENTS])
@@ -139,6 +144,12 @@ def test_scripts_reject_bad_arguments(script, argv, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(argv)
     assert "error" in capsys.readouterr().err
+
+
+def test_the_hostile_stop_strings_are_distinct_and_as_long_as_asked():
+    stops = stop_strings.hostile_stops(300, 12)
+    assert len(set(stops)) == 300 and {len(s) for s in stops} == {12}
+    assert frontend_load.parse_args(["--arms", "1,4,thread"]).arm_list == ["1", "4", "thread"]
 
 
 def test_classes_are_an_exact_seeded_share():
