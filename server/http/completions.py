@@ -49,7 +49,7 @@ class Completions:
         try:
             first = await anext(events)
             if isinstance(first, Failure):
-                return failure_response(first)
+                return failure_response(first, chat=shape.chat)
             if req.stream and isinstance(first, Tokens):
                 streaming = True  # the stream owns the events and the watcher from here
 
@@ -72,7 +72,7 @@ class Completions:
             ids += event.token_ids
             event = await anext(events)
         if isinstance(event, Failure):
-            return failure_response(event)
+            return failure_response(event, chat=shape.chat)
         if self.shutting_down and event.finish_reason == "cancelled":
             return failure_response(SHUTDOWN)
         if req.stream:  # finished without a token (e.g. a stop token first)

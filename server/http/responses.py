@@ -13,9 +13,10 @@ _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') ha
 class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
-    def __init__(self, chat: bool, model: str, token_ids: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, token_ids: bool = False, include_usage: bool = False) -> None:
         self.chat = chat
         self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
+        self.include_usage = include_usage  # stream_options.include_usage: every chunk has `usage` (null till the last)
         self.model = model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -65,8 +66,11 @@ class Shape:
         return chunk
 
     def _chunk(self, choice: dict | None) -> dict:
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": [] if choice is None else [choice]}
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                 "choices": [] if choice is None else [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
 
 
 def finish_reason(done: Finished) -> str:
