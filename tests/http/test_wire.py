@@ -9,7 +9,7 @@ from sloserve.errors import InvalidRequestError
 from sloserve.frontend import RequestFailed
 from sloserve.frontend.chat import ChatTemplate
 from sloserve.frontend.chat_files import template_from_checkpoint, template_from_file
-from sloserve.http.errors import HttpError
+from sloserve.http.errors import HttpError, retry_headers
 from sloserve.http.schemas import parse_chat, parse_completion
 from sloserve.http.slo import slo_from_wire
 from sloserve.sampling_params import SLO
@@ -83,3 +83,16 @@ async def test_chat_without_any_template_is_a_400_that_says_so():
         assert reply.status_code == 400
         error = reply.json()["error"]
         assert error["code"] == "no_chat_template" and "--chat-template" in error["message"]
+
+
+@pytest.mark.parametrize(("status", "code", "headers"), [
+    (429, "queue_full", {"Retry-After": "1", "retry-after-ms": "1000"}),
+    (503, "draining", {"Retry-After": "1", "retry-after-ms": "1000"}),
+    (429, "slo_unattainable", {"x-should-retry": "false"}),
+    (504, "deadline_passed", {"x-should-retry": "false"}),
+    (400, "context_length_exceeded", {"x-should-retry": "false"}),
+    (401, None, {"WWW-Authenticate": "Bearer", "x-should-retry": "false"}),
+    (500, "internal", {}),
+])
+def test_retry_headers_say_whether_and_when(status, code, headers):
+    assert retry_headers(status, code) == headers
