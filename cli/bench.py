@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import math
 import sys
 from dataclasses import replace
@@ -45,6 +46,17 @@ def parse_rates(text: str) -> list[float]:
             raise BenchInputError(f"--rate must be > 0 requests/s, got {part!r}")
         rates.append(rate)
     return rates
+
+
+def require_bench_extra(url: str | None, plot_path: str | None) -> None:
+    """aiohttp (--url) and matplotlib (--plot) come with the `bench` extra: say so before any load is sent."""
+    needs = [("aiohttp", "--url")] if url is not None else []
+    if plot_path is not None:
+        needs.append(("matplotlib", "--plot"))
+    missing = [f"{module} (for {flag})" for module, flag in needs if importlib.util.find_spec(module) is None]
+    if missing:
+        raise BenchInputError(f"sloserve bench needs {' and '.join(missing)}, which is not installed: "
+                              "pip install 'sloserve[bench]'")
 
 
 def _slo(ttft: float | None, tpot: float | None, e2e: float | None) -> SLO | None:
@@ -126,6 +138,7 @@ def bench(server, url, workload, attempts, max_tokens, num_requests, duration, r
     rates = parse_rates(rate)
     if url is not None and not url.startswith(("http://", "https://")):
         raise BenchInputError(f"--url must start with http:// or https://, got {url!r}")
+    require_bench_extra(url, plot_path)
     slo = _slo(slo_ttft, slo_tpot, slo_e2e)
     workload = workload or default_workload()
     defaulted = num_requests is None and duration is None
