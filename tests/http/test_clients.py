@@ -4,8 +4,9 @@ retries observed through a counting transport, request ids, context-length error
 
 from __future__ import annotations
 
+import importlib
+
 import httpx
-import httpx2
 import openai
 import pytest
 from sloserve.models.default import TRAINED_DIR
@@ -14,16 +15,18 @@ from tests.http.conftest import start
 
 pytestmark = pytest.mark.timeout(180)
 GRID = "Input:\n12\n34\nOutput:\n"
+# the HTTP library the installed openai client is built on (httpx, or httpx2 in its later releases)
+httpx_of_openai = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
 
 
-class CountingTransport(httpx2.HTTPTransport):
+class CountingTransport(httpx_of_openai.HTTPTransport):
     """The real transport, counting what the client sends (its retries included)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sent: list[str] = []
 
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+    def handle_request(self, request):
         self.sent.append(request.url.path)
         return super().handle_request(request)
 
@@ -89,7 +92,7 @@ def test_langchain_chat_openai_invokes_and_streams(server):
 def test_refusals_a_retry_cannot_fix_are_sent_once(server):
     transport = CountingTransport()
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=2, timeout=60,
-                       http_client=httpx2.Client(transport=transport)) as c:
+                       http_client=httpx_of_openai.Client(transport=transport)) as c:
         with pytest.raises(openai.APIStatusError) as refused:  # an objective no server can meet
             c.completions.create(model="default", prompt=GRID, max_tokens=4,
                                  extra_headers={"x-slo-ttft-ms": "0.001"})
