@@ -122,7 +122,8 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
 @click.option("--connect-timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--ready-timeout", default=300.0, show_default=True, type=float,
               help="Seconds to wait for the server's model to be loaded.")
-@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
+@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Bearer token of the server (--api-key: the same).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the report as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,

@@ -170,7 +170,8 @@ INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", 
 @cli.command(cls=OneLineCommand)
 @click.option("--server", default=None, help="HOST:PORT of a running server [default: load --model in process].")
 @engine_options
-@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
+@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Bearer token of the server (--api-key: the same).")
 @click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

@@ -19,9 +19,10 @@ def test_every_flag_reads_its_environment_variable():
     assert "version" not in quiet.output
 
 
-def test_api_key_is_the_auth_token_flag():
-    (option,) = [p for p in cli.commands["serve"].params if p.name == "auth_token"]
-    assert option.opts == ["--auth-token", "--api-key"] and option.envvar == "SLOSERVE_AUTH_TOKEN"
+def test_api_key_is_the_auth_token_flag_of_every_command():
+    for command in ("serve", "generate", "info", "bench"):
+        (option,) = [p for p in cli.commands[command].params if p.name == "auth_token"]
+        assert option.opts == ["--auth-token", "--api-key"] and option.envvar == "SLOSERVE_AUTH_TOKEN", command
 
 
 def test_bench_names_the_extra_it_needs(monkeypatch):
