@@ -10,7 +10,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(wildcard hotpath/*.pyx hotpath/*.p
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import math
 import sys
 from dataclasses import replace
@@ -32,6 +33,17 @@ from sloserve.cli.bench_common import (
 from sloserve.cli.bench_compare import compare
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
+
+
+def require_bench_extra(url: str | None, plot_path: str | None) -> None:
+    """aiohttp (--url) and matplotlib (--plot) come with the `bench` extra: say so before any load is sent."""
+    needs = [("aiohttp", "--url")] if url is not None else []
+    if plot_path is not None:
+        needs.append(("matplotlib", "--plot"))
+    missing = [f"{module} (for {flag})" for module, flag in needs if importlib.util.find_spec(module) is None]
+    if missing:
+        raise BenchInputError(f"sloserve bench needs {' and '.join(missing)}, which is not installed: "
+                              "pip install 'sloserve[bench]'")
 
 
 @contextlib.asynccontextmanager
@@ -93,7 +105,8 @@ async def _session(server: str, url: str | None, auth_token: str | None, connect
 @click.option("--connect-timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--ready-timeout", default=300.0, show_default=True, type=float,
               help="Seconds to wait for the server's model to be loaded.")
-@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
+@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Bearer token of the server (--api-key: the same).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the report as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -117,6 +130,7 @@ def bench(ctx, server, url, workload, attempts, max_tokens, length_scale, time_s
         raise BenchInputError("--goodput-search takes --rate START or --rate MET,MISSED, not a longer list")
     if time_scale is not None and any(math.isfinite(r) for r in rates):
         raise BenchInputError("give --time-scale or --rate for a trace, not both")
+    require_bench_extra(url, plot_path)
     slo = run_slo(slo_ttft, slo_tpot, slo_e2e)
     workload = workload or default_workload()
     trace = workload.startswith("trace:")

@@ -57,7 +57,8 @@ class Completion:
 @click.option("--seed", default=None, type=int, help="Seed of this request's sampler.")
 @click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past end-of-sequence until --max-tokens.")
-@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
+@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Bearer token of the server (--api-key: the same).")
 @click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text.")

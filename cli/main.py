@@ -34,10 +34,15 @@ from sloserve.config import ServerConfig
 from sloserve.openmp import default_waiting
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="sloserve")
+# Every flag can also come from the environment: SLOSERVE_<COMMAND>_<FLAG>, e.g. SLOSERVE_SERVE_HTTP_PORT=8080
+# (click's auto_envvar_prefix; a flag given on the command line wins). SLOSERVE_AUTH_TOKEN keeps its name.
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "SLOSERVE"})
+@click.version_option(__version__, prog_name="sloserve", allow_from_autoenv=False)
 def cli() -> None:
-    """sloserve: an SLO-aware LLM inference server with bidirectional gRPC token streaming."""
+    """sloserve: an SLO-aware LLM inference server with bidirectional gRPC token streaming.
+
+    Every flag can also be set as SLOSERVE_<COMMAND>_<FLAG> (SLOSERVE_SERVE_MODEL=/models/qwen).
+    """
     default_waiting()  # OpenMP's wait between parallel regions, before torch loads (sloserve/openmp.py)
 
 
@@ -71,8 +76,8 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--chat-template", default=None, metavar="FILE",
               help="Jinja chat template for /v1/chat/completions [default: the checkpoint's tokenizer_config.json].")
 @click.option("--served-model-name", default=None, help="Model id of the HTTP API [default: --model].")
-@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
-              help="Require 'authorization: Bearer TOKEN' on every call.")
+@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Require 'authorization: Bearer TOKEN' on every call (--api-key: vLLM's name for it).")
 @click.option("--auth-token-file", default=None, help="Read the bearer token from this file.")
 @click.option("--tls-cert", default=None, help="PEM certificate chain (TLS on; needs --tls-key).")
 @click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
@@ -178,7 +183,8 @@ INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", 
 @cli.command(cls=OneLineCommand)
 @click.option("--server", default=None, help="HOST:PORT of a running server [default: load --model in process].")
 @engine_options
-@click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
+@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
+              help="Bearer token of the server (--api-key: the same).")
 @click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

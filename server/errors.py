@@ -9,6 +9,14 @@ class InvalidRequestError(SloserveError, ValueError):
     """The request itself is wrong (empty prompt, bad sampling values, too long): INVALID_ARGUMENT."""
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit the context (the model's, or --max-prompt-tokens): INVALID_ARGUMENT.
+
+    Its message holds OpenAI's phrase "This model's maximum context length is N tokens", which
+    clients (LiteLLM, LangChain) look for to trim a conversation's history.
+    """
+
+
 class RequestRefusedError(SloserveError):
     """Admission control refused the request: RESOURCE_EXHAUSTED.
 

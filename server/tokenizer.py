@@ -87,6 +87,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's own string in the vocabulary (e.g. 'Ġhello' for byte-level BPE)."""
+        return self._tok.id_to_token(token_id)
+
     def incremental(self, prompt_ids: list[int] | None = None) -> IncrementalDecoder:
         return IncrementalDecoder(self, prompt_ids or [])
 

@@ -39,7 +39,7 @@ def test_wheel_ships_the_trained_default_model(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     folder = "sloserve/models/weights/default/"
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
+                 "tokenizer_config.json", "chat_template.jinja"):
         assert folder + name in names, name
     assert zipfile.ZipFile(wheel).getinfo(folder + "model.safetensors").file_size <= 25 * 2**20
 

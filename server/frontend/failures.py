@@ -6,7 +6,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
+from sloserve.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestRefusedError,
+)
 
 
 class FailureCode(enum.Enum):
@@ -41,6 +46,8 @@ def failure_from_exception(exc: BaseException) -> Failure:
     """Map an engine or front-end exception to a Failure (INTERNAL if unknown)."""
     if isinstance(exc, RequestFailed):
         return Failure(exc.code, exc.reason, str(exc))
+    if isinstance(exc, ContextLengthError):
+        return Failure(FailureCode.INVALID_ARGUMENT, "context_length_exceeded", str(exc))
     if isinstance(exc, InvalidRequestError):
         return Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
     if isinstance(exc, RequestRefusedError):

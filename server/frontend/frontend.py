@@ -214,7 +214,7 @@ class Frontend:
             ids = self.engine.tokenizer.encode(*args)
         else:
             ids = await asyncio.to_thread(self.engine.tokenizer.encode, *args)
-        self.limits.check_tokens(len(ids))
+        self.limits.check_tokens(len(ids), int(self.engine.model_info.get("max_model_len") or 0))
         return ids
 
     def _outcome(self, out: Any, arrival: float, first: float | None, now: float,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sloserve.errors import InvalidRequestError
+from sloserve.errors import ContextLengthError, InvalidRequestError
 from sloserve.frontend.requests import ParsedRequest
 
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused before tokenizing
@@ -39,12 +39,13 @@ class Limits:
                                       "ask for fewer")
         self.check_stop_strings(parsed.params.stop)
         if isinstance(prompt, list):
-            self.check_tokens(len(prompt))
+            self.check_tokens(len(prompt), max_model_len)
         elif max_model_len and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"prompt has {len(prompt)} characters, over this server's limit of "
                 f"{max_model_len * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token of the model's "
-                f"{max_model_len}-token context); shorten it")
+                f"{max_model_len}-token context). This model's maximum context length is {max_model_len} "
+                "tokens; please reduce the length of the prompt or messages")
 
     def check_stop_strings(self, stop: list[str]) -> None:
         """The stop strings' number and length against --max-stop-strings / --max-stop-string-chars."""
@@ -56,8 +57,16 @@ class Limits:
             raise InvalidRequestError(f"a stop string has {longest} characters, over this server's limit of "
                                       f"{self.max_stop_string_chars} (--max-stop-string-chars); shorten it")
 
-    def check_tokens(self, n: int) -> None:
-        """The prompt's token count against --max-prompt-tokens."""
+    def check_tokens(self, n: int, max_model_len: int = 0) -> None:
+        """The prompt's token count against --max-prompt-tokens and the context (room for one output token)."""
         limit = self.max_prompt_tokens
         if limit is not None and n > limit:
-            raise InvalidRequestError(f"prompt has {n} tokens, over this server's limit of {limit}; shorten it")
+            raise ContextLengthError(
+                f"prompt has {n} tokens, over this server's limit of {limit} (--max-prompt-tokens). This "
+                f"model's maximum context length is {limit} tokens for a prompt here; please reduce the "
+                "length of the prompt or messages")
+        if max_model_len and n >= max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {n} "
+                "tokens, which leaves no room for the completion. Please reduce the length of the prompt "
+                "or messages")

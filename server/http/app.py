@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes (Starlette): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, /version, and the /server_info and /model_info a router reads -- a thin adapter over the front end."""
+"""The OpenAI-compatible routes (Starlette): /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+/detokenize, /health, /metrics, /version, and the /server_info and /model_info a router reads -- a thin
+adapter over the front end."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sloserve import __version__
 from sloserve.frontend import Failure, FailureCode, RequestHandle, ServerState
 from sloserve.frontend.chat import NO_TEMPLATE, ChatTemplate
+from sloserve.frontend.chat_files import template_from_checkpoint, template_from_file
 from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.http.auth import BearerAuth
 from sloserve.http.completions import Completions
 from sloserve.http.config import HttpConfig
 from sloserve.http.errors import HttpError, error_response, failure_response, http_error_response
 from sloserve.http.logprobs import LogprobFormat
+from sloserve.http.request_id import GENERATED, RequestIdMiddleware
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest, parse_chat, parse_completion
 from sloserve.http.slo import slo_from_wire
+from sloserve.http.tokenize import Tokenization
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -39,19 +44,23 @@ class HttpApi:
         self.completions = Completions(self.frontend)
         self.created = int(time.time())
         # --chat-template is read (and must compile) at start-up; the checkpoint's once it is loaded
-        self._override = ChatTemplate.from_file(http.chat_template) if http.chat_template else None
+        self._override = template_from_file(http.chat_template) if http.chat_template else None
         self._template: ChatTemplate | None = None
         self._template_resolved = False
+        self.tokenization = Tokenization(self.frontend, self._render)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.create_completion, methods=["POST"]),
             Route("/v1/chat/completions", self.create_chat_completion, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/model_info", self.model_info, methods=["GET"]),
-        ], exception_handlers={404: _not_found, 405: _not_allowed})
+        ], exception_handlers={404: _not_found, 405: _not_allowed}, middleware=[Middleware(RequestIdMiddleware)])
 
     # ---- generation ------------------------------------------------------------------------
     async def create_completion(self, request: Request) -> Response:
@@ -68,7 +77,10 @@ class HttpApi:
             body = await self._json(request)
             frontend.check_open()  # 503 while loading or draining, whatever the body says
             slo = slo_from_wire(request.headers, body)
-            common = {"model": self.model, "default_max_tokens": frontend.default_max_tokens, "slo": slo}
+            # NOTE: a chat without max_tokens may use the context left (capped by --max-tokens-limit), as
+            # OpenAI's API does; the engine ends it at the context length. Completions keep the short default.
+            default = frontend.limits.max_tokens_limit if chat else frontend.default_max_tokens
+            common = {"model": self.model, "default_max_tokens": default, "slo": slo}
             req = (parse_chat(body, self._render, **common) if chat else parse_completion(body, **common))
             frontend.check(req.parsed)
         except HttpError as exc:
@@ -76,8 +88,8 @@ class HttpApi:
                 frontend.count_failure(Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc)))
             return http_error_response(exc)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            return failure_response(frontend.failure(exc))
-        engine_id = f"http-{uuid.uuid4().hex}"
+            return failure_response(frontend.failure(exc), chat=chat)
+        engine_id = f"http-{request.scope.get(GENERATED) or uuid.uuid4().hex}"
         if client_id := request.headers.get("x-request-id"):  # the caller's id, for logs and tracing
             engine_id += f":{client_id[:128]}"
         handle = RequestHandle(engine_id, arrival)
@@ -91,13 +103,13 @@ class HttpApi:
         if req.echo:
             prompt = req.parsed.prompt
             echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        return Shape(chat, self.model, req.return_token_ids, logprobs, echo)
+        return Shape(chat, self.model, req.return_token_ids, logprobs, echo, req.include_usage)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], **options: Any) -> str:
         template = self._chat_template()
         if template is None:
             raise HttpError(400, NO_TEMPLATE, param="messages", code="no_chat_template")
-        return template.render(messages)
+        return template.render(messages, **options)
 
     def _chat_template(self) -> ChatTemplate | None:
         """--chat-template, else the checkpoint's; resolved once the model (its folder) is loaded."""
@@ -105,10 +117,10 @@ class HttpApi:
             folder = self.frontend.engine.model_info.get("model")
             if self._override is not None:
                 if folder:
-                    self._override = ChatTemplate.from_file(self._override.origin, folder)
+                    self._override = template_from_file(self._override.origin, str(folder))
                 self._template = self._override
             elif folder:
-                self._template = ChatTemplate.from_checkpoint(str(folder))
+                self._template = template_from_checkpoint(str(folder))
             self._template_resolved = bool(folder)
         return self._template
 
@@ -131,10 +143,48 @@ class HttpApi:
             self.auth.check(request.headers.get("authorization"))
         except HttpError as exc:
             return http_error_response(exc)
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model, or 404 model_not_found."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except HttpError as exc:
+            return http_error_response(exc)
+        requested = request.path_params["model"]
+        if requested != self.model:
+            return error_response(404, f"model {requested!r} is not served here; this server serves {self.model!r}",
+                                  param="model", code="model_not_found")
+        return _json(self._model_card())
+
+    def _model_card(self) -> dict:
         max_len = int(self.frontend.engine.model_info.get("max_model_len") or 0) or None
-        model = {"id": self.model, "object": "model", "created": self.created, "owned_by": "sloserve",
-                 "max_model_len": max_len}
-        return _json({"object": "list", "data": [model]})
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sloserve",
+                "max_model_len": max_len}
+
+    # ---- tokens ----------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, self.tokenization.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, self.tokenization.detokenize)
+
+    async def _tokens(self, request: Request, answer: Any) -> Response:
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            body = await self._json(request)
+            self.frontend.check_open()
+            if not isinstance(body, dict):
+                raise HttpError(400, "the request body must be a JSON object")
+            requested = body.get("model")
+            if requested is not None and requested != self.model:
+                raise HttpError(404, f"model {requested!r} is not served here; this server serves {self.model!r}",
+                                param="model", code="model_not_found")
+            return _json(answer(body))
+        except HttpError as exc:
+            return http_error_response(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            return failure_response(self.frontend.failure(exc))
 
     async def health(self, request: Request) -> Response:
         """Readiness: 200 while serving; 503 while loading, draining, stuck or dead."""
@@ -204,7 +254,8 @@ def _present(fields: dict) -> dict:
 
 async def _not_found(request: Request, exc: Exception) -> Response:
     return error_response(404, f"no route {request.url.path}: this server answers /v1/completions, "
-                          "/v1/chat/completions, /v1/models, /health, /metrics, /version, /server_info and /model_info")
+                          "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version, "
+                          "/server_info and /model_info")
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:

@@ -53,7 +53,7 @@ class Completions:
         try:
             first = await anext(events)
             if isinstance(first, Failure):
-                return failure_response(first)
+                return failure_response(first, chat=shape.chat)
             if req.stream and isinstance(first, Tokens):
                 streaming = True  # the stream owns the events and the watcher from here
 
@@ -79,7 +79,7 @@ class Completions:
                 prompt = event
             event = await anext(events)
         if isinstance(event, Failure):
-            return failure_response(event)
+            return failure_response(event, chat=shape.chat)
         if self.shutting_down and event.finish_reason == "cancelled":
             return failure_response(SHUTDOWN)
         if req.stream:  # finished without a token (e.g. a stop token first)

@@ -19,6 +19,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 RETRY_AFTER_S = 1  # a refusal for load: the queue turns over in about a second on any device
+# Refusals a retry of the same request cannot fix: its objective cannot be met, or its deadline passed.
+# NOTE: the official clients retry 429 and every 5xx (twice, after Retry-After) unless the response
+# says `x-should-retry: false`; a retried request would come back with its clock restarted.
+NO_RETRY_CODES = frozenset({"slo_unattainable", "deadline_passed", "deadline_exceeded"})
+CONTEXT_LENGTH = "context_length_exceeded"
 
 
 class HttpError(Exception):
@@ -37,15 +42,26 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    if status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
     return Response(orjson.dumps(error_body(status, message, param=param, code=code)), status_code=status,
-                    headers=headers, media_type="application/json")
+                    headers=retry_headers(status, code), media_type="application/json")
 
 
-def failure_response(failure: Failure, param: str | None = None) -> Response:
-    """The response for a front-end Failure; its reason (e.g. the refusal reason) is the error code."""
+def retry_headers(status: int, code: str | None) -> dict[str, str]:
+    """Whether and when a client should retry: x-should-retry: false where a retry cannot help
+    (every 4xx but 429, and the refusals of NO_RETRY_CODES), Retry-After (+ -ms) where one can."""
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if code in NO_RETRY_CODES or (400 <= status < 500 and status != 429):
+        headers["x-should-retry"] = "false"
+    elif status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+        headers["retry-after-ms"] = str(RETRY_AFTER_S * 1000)
+    return headers
+
+
+def failure_response(failure: Failure, *, chat: bool = False) -> Response:
+    """The response for a front-end Failure; its reason (e.g. the refusal reason) is the error code.
+    A prompt too long for the context names the field to shorten, as OpenAI's API does."""
+    param = ("messages" if chat else "prompt") if failure.reason == CONTEXT_LENGTH else None
     return error_response(STATUS[failure.code], failure.message, param=param, code=failure.reason)
 
 

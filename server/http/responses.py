@@ -17,11 +17,12 @@ class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
     def __init__(self, chat: bool, model: str, token_ids: bool = False, logprobs: LogprobFormat | None = None,
-                 echo: str | None = None) -> None:
+                 echo: str | None = None, include_usage: bool = False) -> None:
         self.chat = chat
         self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
         self.logprobs = logprobs  # set when the request asked for logprobs
         self.echo = echo  # completions' echo: the prompt's text, put before the first text
+        self.include_usage = include_usage  # stream_options.include_usage: every chunk has `usage` (null till the last)
         self._offset = 0  # characters of completion text sent so far (completions' text_offset)
         self.index = 0  # the choice's index (n > 1: one Shape per choice, see for_choice)
         self.model = model
@@ -106,8 +107,11 @@ class Shape:
         return chunk
 
     def _chunk(self, choice: dict | None) -> dict:
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": [] if choice is None else [choice]}
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                 "choices": [] if choice is None else [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
 
 
 def finish_reason(done: Finished) -> str:

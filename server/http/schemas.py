@@ -7,6 +7,7 @@ ignored; their neutral values are accepted (routers send them).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,29 +67,47 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
     return request
 
 
-def parse_chat(body: Any, render: Callable[[list[dict]], str], *, model: str, default_max_tokens: int,
+def parse_chat(body: Any, render: Callable[..., str], *, model: str, default_max_tokens: int,
                slo: SLO | None) -> CompletionRequest:
-    """A /v1/chat/completions body: `messages` rendered to one prompt by `render` (the chat template)."""
+    """A /v1/chat/completions body: `messages` rendered to one prompt by `render` (the chat template),
+    with add_generation_prompt, continue_final_message and chat_template_kwargs passed through."""
     body = _object(body)
+    top_logprobs = _int(body, "top_logprobs", None, minimum=0)
+    if top_logprobs and not _bool(body, "logprobs", False):
+        raise _bad("top_logprobs", "needs logprobs: true")
+    prompt = render_messages(body, render)
+    logprobs = (top_logprobs or 0) if _bool(body, "logprobs", False) else None
+    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo, logprobs=logprobs)
+    request.parsed.add_special_tokens = _bool(body, "add_special_tokens", False)  # the template wrote them
+    return request
+
+
+def render_messages(body: dict, render: Callable[..., str]) -> str:
+    """The chat fields of `body` (messages, add_generation_prompt, ...) rendered to the prompt text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "is required: a non-empty list of {role, content} objects")
     clean = [_message(i, m) for i, m in enumerate(messages)]
-    top_logprobs = _int(body, "top_logprobs", None, minimum=0)
-    if top_logprobs and not _bool(body, "logprobs", False):
-        raise _bad("top_logprobs", "needs logprobs: true")
-    _check_type(body, "add_generation_prompt", bool)
+    continue_final = _bool(body, "continue_final_message", False)
+    options = {"add_generation_prompt": _bool(body, "add_generation_prompt", not continue_final),
+               "continue_final_message": continue_final}
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise _bad("chat_template_kwargs", f"must be an object such as {{\"enable_thinking\": false}}, "
+                       f"got {_kind(kwargs)}")
+        options["template_kwargs"] = kwargs
     try:
-        prompt = render(clean)
+        return render(clean, **options)
     except InvalidRequestError as exc:
-        raise HttpError(400, str(exc), param="messages") from None
-    logprobs = (top_logprobs or 0) if _bool(body, "logprobs", False) else None
-    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo, logprobs=logprobs)
-    request.parsed.add_special_tokens = False
-    return request
+        message = str(exc)
+        param = message.split(" ", 1)[0] if message.startswith(("continue_final", "chat_template")) else "messages"
+        raise HttpError(400, message, param=param) from None
 
 
 def _message(index: int, message: Any) -> dict:
+    """One message as a template sees it: role, text content, and every other field kept (tool_calls,
+    tool_call_id, name, reasoning_content, ...), tool call arguments given as JSON text parsed."""
     field = f"messages[{index}]"
     if not isinstance(message, dict):
         raise _bad(field, f"must be an object with role and content, got {_kind(message)}")
@@ -96,9 +115,7 @@ def _message(index: int, message: Any) -> dict:
     if not isinstance(role, str) or not role:
         raise _bad(f"{field}.role", "must be a non-empty string such as 'system', 'user' or 'assistant'")
     content = message.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):  # content parts: only text can be rendered
+    if isinstance(content, list):  # content parts: only text can be rendered
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -106,11 +123,31 @@ def _message(index: int, message: Any) -> dict:
                            "this server takes text only")
             texts.append(part["text"])
         content = "".join(texts)
-    elif not isinstance(content, str):
+    elif content is not None and not isinstance(content, str):
         raise _bad(f"{field}.content", f"must be a string or a list of text parts, got {_kind(content)}")
-    out = {"role": role, "content": content}
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    out = {**message, "role": role, "content": content}
+    if "tool_calls" in message and message["tool_calls"] is not None:
+        out["tool_calls"] = _tool_calls(field, message["tool_calls"])
+    return out
+
+
+def _tool_calls(field: str, calls: Any) -> list[dict]:
+    """An assistant message's tool_calls; arguments sent as JSON text become the object templates expect."""
+    if not isinstance(calls, list):
+        raise _bad(f"{field}.tool_calls", f"must be a list of tool calls, got {_kind(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise _bad(f"{field}.tool_calls[{j}]", f"must be an object, got {_kind(call)}")
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
+            except json.JSONDecodeError as exc:
+                raise _bad(f"{field}.tool_calls[{j}].function.arguments",
+                           f"must be JSON text (an object), got {_kind(function['arguments'])}: {exc}") from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
     return out
 
 
@@ -118,7 +155,7 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
              slo: SLO | None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> CompletionRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if not neutral(body.get(name)):
-            raise _bad(name, f"{why}; omit it")
+            raise HttpError(400, f"{why}; omit {name}", param=name)
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
         raise _bad("model", f"must be a string, got {_kind(requested)}")
@@ -216,11 +253,6 @@ def _bool(body: dict, name: str, default: bool, *, field: str | None = None) -> 
     if not isinstance(value, bool):
         raise _bad(field or name, f"must be true or false, got {_kind(value)}")
     return value
-
-
-def _check_type(body: dict, name: str, kind: type) -> None:
-    if body.get(name) is not None and not isinstance(body[name], kind):
-        raise _bad(name, f"must be a {kind.__name__}, got {_kind(body[name])}")
 
 
 def _bad(field: str, why: str) -> HttpError:

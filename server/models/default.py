@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from sloserve.tokenizer import save_byte_level_tokenizer
 
-_VERSION = "v1"
+_VERSION = "v2"  # v2: the folders carry chat_template.jinja
 TRAINED = "default"
 TRAINED_DIR = Path(__file__).resolve().parent / "weights" / TRAINED
 _COMMON = {
@@ -119,8 +119,31 @@ def _write(folder: Path, cfg: dict, seed: int) -> None:
 
 
 def write_tokenizer_files(folder: Path, cfg: dict) -> None:
-    """generation_config.json and the byte-level tokenizer files for a built-in model's folder."""
+    """generation_config.json, the byte-level tokenizer files and the chat template of a built-in model."""
     generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
                   "pad_token_id": cfg["pad_token_id"]}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     save_byte_level_tokenizer(folder, cfg["max_position_embeddings"])
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
+# The chat template of the built-in models: a chat is the ARC prompt they were trained on
+# (tools/train_default.py): <s>, then each user turn a grid as "Input:\n<rows>\nOutput:\n" (the
+# labels added when the user left them out), each assistant turn the answer grid and the blank line
+# that separates few-shot pairs. The model then writes the next grid and stops with </s>. A system
+# prompt is not rendered: the model knows no instructions, only grids.
+CHAT_TEMPLATE = r"""{{- bos_token -}}
+{%- for message in messages -%}
+{%- set text = (message.content if message.content is string else '') | trim -%}
+{%- if message.role == 'user' -%}
+{%- if not text.startswith('Input:') %}{% set text = 'Input:\n' + text %}{% endif -%}
+{%- if not text.endswith('Output:') %}{% set text = text + '\nOutput:' %}{% endif -%}
+{{- text + '\n' -}}
+{%- elif message.role == 'assistant' -%}
+{%- generation %}{{ text + '\n' }}{% endgeneration -%}
+{%- if not loop.last %}{{ '\n' }}{% endif -%}
+{%- elif message.role != 'system' -%}
+{{- raise_exception("the built-in model takes system, user and assistant messages, not " + message.role) -}}
+{%- endif -%}
+{%- endfor -%}
+"""

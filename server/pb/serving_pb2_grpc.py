@@ -5,7 +5,7 @@ import warnings
 
 from sloserve.pb import serving_pb2 as sloserve_dot_pb_dot_serving__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

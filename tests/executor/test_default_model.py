@@ -15,7 +15,7 @@ HELDOUT = json.loads((Path(__file__).parent / "heldout_arc.json").read_text())["
 
 def test_default_moe_is_built_once_and_deterministic(tmp_path, monkeypatch):
     a = ensure_default_model("default-moe", tmp_path / "a")
-    assert a.name == "default-moe-v1" and not list((tmp_path / "a").glob(".default-moe-*"))
+    assert a.name == "default-moe-v2" and not list((tmp_path / "a").glob(".default-moe-*"))
     stamp = (a / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model("default-moe", tmp_path / "a") == a
     assert (a / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not rebuilt

@@ -8,7 +8,8 @@ import pytest
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend import RequestFailed
 from sloserve.frontend.chat import ChatTemplate
-from sloserve.http.errors import HttpError
+from sloserve.frontend.chat_files import template_from_checkpoint, template_from_file
+from sloserve.http.errors import HttpError, retry_headers
 from sloserve.http.schemas import parse_chat, parse_completion
 from sloserve.http.slo import slo_from_wire
 from sloserve.sampling_params import SLO
@@ -51,7 +52,7 @@ def test_parsing_maps_openai_fields_onto_sampling_params():
     assert (req.parsed.prompt, p.max_tokens, p.top_k, p.stop, p.seed, p.temperature) == ("hi", 5, 0, ["x"], 3, 1.0)
     assert req.parsed.priority == -2 and req.stream and req.include_usage
     chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
-                      lambda ms: ms[0]["content"], model="m", default_max_tokens=64, slo=None)
+                      lambda ms, **_: ms[0]["content"], model="m", default_max_tokens=64, slo=None)
     assert chat.parsed.prompt == "ab" and chat.parsed.add_special_tokens is False
 
 
@@ -60,20 +61,20 @@ def test_the_checkpoint_template_renders_with_its_special_tokens(tmp_path):
         "bos_token": {"content": "<s>"}, "eos_token": "</s>",
         "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
                          "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"}))
-    template = ChatTemplate.from_checkpoint(str(tmp_path))
+    template = template_from_checkpoint(str(tmp_path))
     assert template.render([{"role": "user", "content": "hi"}]) == "<s>[user] hi</s>[assistant] "
 
 
 def test_no_template_is_none_and_a_raising_template_is_the_requests_fault(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    assert ChatTemplate.from_checkpoint(str(tmp_path)) is None
+    assert template_from_checkpoint(str(tmp_path)) is None
     strict = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}",
                           origin="test")
     with pytest.raises(InvalidRequestError, match="user first"):
         strict.render([{"role": "assistant", "content": "x"}])
     (tmp_path / "bad.jinja").write_text("{% for %}")
     with pytest.raises(ValueError, match="not valid Jinja"):
-        ChatTemplate.from_file(str(tmp_path / "bad.jinja"))
+        template_from_file(str(tmp_path / "bad.jinja"))
 
 
 async def test_chat_without_any_template_is_a_400_that_says_so():
@@ -82,3 +83,16 @@ async def test_chat_without_any_template_is_a_400_that_says_so():
         assert reply.status_code == 400
         error = reply.json()["error"]
         assert error["code"] == "no_chat_template" and "--chat-template" in error["message"]
+
+
+@pytest.mark.parametrize(("status", "code", "headers"), [
+    (429, "queue_full", {"Retry-After": "1", "retry-after-ms": "1000"}),
+    (503, "draining", {"Retry-After": "1", "retry-after-ms": "1000"}),
+    (429, "slo_unattainable", {"x-should-retry": "false"}),
+    (504, "deadline_passed", {"x-should-retry": "false"}),
+    (400, "context_length_exceeded", {"x-should-retry": "false"}),
+    (401, None, {"WWW-Authenticate": "Bearer", "x-should-retry": "false"}),
+    (500, "internal", {}),
+])
+def test_retry_headers_say_whether_and_when(status, code, headers):
+    assert retry_headers(status, code) == headers

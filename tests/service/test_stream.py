@@ -103,7 +103,7 @@ def _sampling(**kw) -> pb.SamplingParams:
         (gen("e1", text=""), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "prompt is empty"),
         (pb.ClientMessage(generate=pb.GenerateRequest(request_id="e2", token_ids=pb.TokenIds(ids=[]))),
          grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "prompt is empty"),
-        (gen("e3", text="y" * 300), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "context length"),
+        (gen("e3", text="y" * 300), grpc.StatusCode.INVALID_ARGUMENT, "context_length_exceeded", "context length"),
         (gen("e4", sampling=_sampling(temperature=-1.0)), grpc.StatusCode.INVALID_ARGUMENT,
          "invalid_argument", "temperature"),
         (gen("e5", sampling=_sampling(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "top_p"),
