@@ -127,8 +127,8 @@ def test_context_length_errors_say_what_clients_look_for(client, raw):
 
 
 def test_error_messages_name_a_field_once(raw):
-    error = raw.post("/v1/completions", json={"prompt": "x", "echo": True}).json()["error"]
-    assert error["param"] == "echo" and not error["message"].startswith("echo echo")
+    error = raw.post("/v1/completions", json={"prompt": "x", "suffix": "y"}).json()["error"]
+    assert error["param"] == "suffix" and not error["message"].startswith("suffix suffix")
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(raw):
