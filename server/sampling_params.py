@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    grammar: str | None = None  # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +41,8 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequestError("grammar must be llguidance grammar text (see sloserve.structured.grammar_for)")
 
     @property
     def greedy(self) -> bool:

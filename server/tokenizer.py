@@ -87,6 +87,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what a grammar library builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def incremental(self, prompt_ids: list[int] | None = None) -> IncrementalDecoder:
         return IncrementalDecoder(self, prompt_ids or [])
 

@@ -17,6 +17,7 @@ from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, Tok
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import select_backend
+from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
 from sloserve.layers.sampler import Sampler
 from sloserve.memory.pool import DevicePool
@@ -174,6 +175,8 @@ class ModelRunner:
                                   self.device, self.dtype, reduce, _dense_linear(mc.cpu_gemm, weights,
                                                                                  self.device, self.dtype))
         self.sampler = Sampler(self.device)
+        self.grammar = GrammarMasks(self.tokenizer.to_json(), spec.vocab_size, self.eos_token_ids, self.device,
+                                    mc.grammar_cache)
         # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
         # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
         why_not = decode_path_reason(self.model, self.kv)
@@ -236,8 +239,10 @@ class ModelRunner:
         return self._step(out, step)
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
+        sampled = self._sampled(out, step)
+        masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
         if self.prefetcher is None:
-            return self.sample(out, step, self.forward(step))
+            return self.sample(out, step, self.forward(step), masks)
         if isinstance(step, StepInputs | TokenRows):
             sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx
         else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
@@ -245,7 +250,7 @@ class ModelRunner:
             rows = torch.arange(step.num_seqs, device=self.device)
         self.prefetcher.begin([s.req_id for s in out.sequences], sampled, rows)
         try:
-            return self.sample(out, step, self.forward(step))
+            return self.sample(out, step, self.forward(step), masks)
         finally:
             self.prefetcher.end(sampled)
 
@@ -287,6 +292,7 @@ class ModelRunner:
             copy_blocks(self.host_kv, self.kv, out.swap_in)
         if out.finished_req_ids:
             self.sampler.drop(out.finished_req_ids)
+            self.grammar.drop(out.finished_req_ids)
             if self.prefetcher is not None:
                 self.prefetcher.forget(out.finished_req_ids)
         seqs = out.sequences
@@ -319,13 +325,24 @@ class ModelRunner:
                 self._threads_now = want
 
     def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows,
-               logits: torch.Tensor) -> list[int]:
-        """One token id per sampled sequence, in the order of out.sequences."""
-        seqs = out.sequences
+               logits: torch.Tensor, masks: PendingMask | None = None) -> list[int]:
+        """One token id per sampled sequence, in the order of out.sequences (grammar rows masked first)."""
+        seqs = self._sampled(out, step)
         if isinstance(step, DecodeInputs):
-            return self.sampler.sample(logits[: step.num_seqs], [s.sampling for s in seqs], [s.req_id for s in seqs])
-        return self.sampler.sample(logits, [seqs[i].sampling for i in step.sampled],
-                                   [seqs[i].req_id for i in step.sampled])
+            logits = logits[: step.num_seqs]
+        if masks is not None:
+            self.grammar.apply(masks, logits)
+        tokens = self.sampler.sample(logits, [s.sampling for s in seqs], [s.req_id for s in seqs])
+        if masks is not None:
+            self.grammar.accept(masks, tokens)
+        return tokens
+
+    @staticmethod
+    def _sampled(out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[ScheduledSequence]:
+        """The sequences that sample this step, in the order of the logits' rows."""
+        if isinstance(step, DecodeInputs):
+            return out.sequences
+        return [out.sequences[i] for i in step.sampled]
 
     def warmup(self) -> None:
         """One prefill and one decode step on the null page (block 0), so first requests run warm."""
