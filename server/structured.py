@@ -40,7 +40,7 @@ def grammar_for(kind: str, value: Any) -> str:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(value, dict | bool):
             raise InvalidRequestError(f"a JSON schema must be an object, got {type(value).__name__}")
-        text = json.dumps(value, sort_keys=True)
+        text = json.dumps(value)  # key order kept: properties are written in the order the schema lists them
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
@@ -96,3 +96,18 @@ def _byte_tokenizer() -> llguidance.LLTokenizer:
 def _one_line(message: str) -> str:
     text = " ".join(line.strip() for line in message.splitlines() if line.strip())
     return text[:400] or "rejected by the grammar compiler"
+
+
+ARC_GRID_MAX_SIDE = 30  # ARC grids are 1x1 to 30x30
+
+
+def arc_grid_lark(max_side: int = ARC_GRID_MAX_SIDE) -> str:
+    """A Lark grammar of one ARC grid as the built-in model writes it: rows of digits, all one width, each
+    ending in a newline (then EOS): one alternative per width, since a width must repeat exactly."""
+    widths = " | ".join(f"/(?:[0-9]{{{k}}}\\n){{1,{max_side}}}/" for k in range(1, max_side + 1))
+    return f"start: {widths}\n"
+
+
+def arc_grid_grammar() -> str:
+    """The checked llguidance grammar of one ARC grid (--arc-grid-grammar)."""
+    return grammar_for("grammar", arc_grid_lark())

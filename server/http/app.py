@@ -80,13 +80,20 @@ class HttpApi:
         if client_id := request.headers.get("x-request-id"):  # the caller's id, for logs and tracing
             engine_id += f":{client_id[:128]}"
         handle = RequestHandle(engine_id, arrival)
-        return await self.completions.respond(request, handle, req, Shape(chat, self.model, req.return_token_ids))
+        shape = Shape(chat, self.model, req.return_token_ids, tools=req.tools is not None)
+        return await self.completions.respond(request, handle, req, shape)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         template = self._chat_template()
         if template is None:
             raise HttpError(400, NO_TEMPLATE, param="messages", code="no_chat_template")
-        return template.render(messages)
+        if not tools:
+            return template.render(messages)
+        prompt = template.render(messages, tools=tools)
+        if prompt == template.render(messages):  # the model would never see them
+            raise HttpError(400, f"tools: this model's chat template ({template.origin}) does not render tools; "
+                            "start the server with a --chat-template that does, or omit tools", param="tools")
+        return prompt
 
     def _chat_template(self) -> ChatTemplate | None:
         """--chat-template, else the checkpoint's; resolved once the model (its folder) is loaded."""

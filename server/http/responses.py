@@ -6,6 +6,7 @@ import time
 import uuid
 
 from sloserve.frontend import Finished
+from sloserve.http.tools import ToolStream, parse_calls
 
 _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') has no OpenAI name
 
@@ -13,8 +14,9 @@ _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') ha
 class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
-    def __init__(self, chat: bool, model: str, token_ids: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, token_ids: bool = False, tools: bool = False) -> None:
         self.chat = chat
+        self.tools = ToolStream() if tools else None  # chat with tools: `<tool_call>` blocks become tool_calls
         self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
         self.model = model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -25,8 +27,14 @@ class Shape:
     def full(self, text: str, token_ids: list[int], done: Finished) -> dict:
         """The whole response of a request that was not streamed."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason(done)}
+            message = {"role": "assistant", "content": text}
+            reason = finish_reason(done)
+            if self.tools is not None:
+                message["content"], calls = parse_calls(text)
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(done)}
         if self.token_ids:
@@ -42,6 +50,8 @@ class Shape:
                             "finish_reason": None})
 
     def delta(self, text: str, token_ids: list[int]) -> dict:
+        if self.tools is not None:
+            text = self.tools.feed(text)
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
         else:
@@ -53,7 +63,15 @@ class Shape:
     def last(self, done: Finished) -> dict:
         """The chunk with the finish reason."""
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+            delta, reason = {}, finish_reason(done)
+            if self.tools is not None:
+                rest = self.tools.finish()
+                if rest:
+                    delta["content"] = rest
+                if self.tools.calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self.tools.calls)]
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
         return self._chunk(choice)

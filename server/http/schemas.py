@@ -1,6 +1,7 @@
 """OpenAI request JSON -> the front end's ParsedRequest; every known field checked, unknown ones ignored.
 
-A field with a bad value raises HttpError 400 naming the field and what to change. Fields this
+A field with a bad value raises HttpError 400 naming the field and what to change. Structured
+output and tools are read by http/structured.py and http/tools.py. Fields this
 server cannot honour (n > 1, logprobs, min_tokens > 0, penalties) are 400 too, saying so,
 rather than silently ignored; their neutral values are accepted (routers send them).
 """
@@ -15,6 +16,8 @@ from typing import Any
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend import ParsedRequest
 from sloserve.http.errors import HttpError
+from sloserve.http.structured import structured_grammar
+from sloserve.http.tools import ToolRequest, message_tool_fields, parse_tools
 from sloserve.sampling_params import SLO, SamplingParams
 
 _MISSING = object()
@@ -28,9 +31,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of > 1 is not implemented; send separate requests"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not implemented"),
     "echo": (lambda v: v in (None, False), "echo is not implemented; the prompt is the client's to prepend"),
-    "tools": (lambda v: not v, "tool calling is not implemented"),
-    "response_format": (lambda v: v in (None, {}) or (isinstance(v, dict) and v.get("type") == "text"),
-                        "structured output (response_format other than text) is not implemented"),
 }
 
 
@@ -43,6 +43,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+    tools: ToolRequest | None = None  # chat with tools: rendered by the template, calls parsed from the answer
 
 
 def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
@@ -63,12 +64,14 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
         raise _bad("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
     if body.get("logprobs") is not None:
         raise _bad("logprobs", "log probabilities are not implemented by this server; omit logprobs")
+    if body.get("tools"):
+        raise _bad("tools", "are for /v1/chat/completions, whose chat template renders them")
     return _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
 
 
-def parse_chat(body: Any, render: Callable[[list[dict]], str], *, model: str, default_max_tokens: int,
-               slo: SLO | None) -> CompletionRequest:
-    """A /v1/chat/completions body: `messages` rendered to one prompt by `render` (the chat template)."""
+def parse_chat(body: Any, render: Callable[[list[dict], list[dict] | None], str], *, model: str,
+               default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
+    """A /v1/chat/completions body: `messages` (and `tools`) rendered to one prompt by `render` (the chat template)."""
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -77,12 +80,15 @@ def parse_chat(body: Any, render: Callable[[list[dict]], str], *, model: str, de
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise _bad("logprobs", "log probabilities are not implemented by this server; omit logprobs")
     _check_type(body, "add_generation_prompt", bool)
+    tools = parse_tools(body)
     try:
-        prompt = render(clean)
+        prompt = render(clean, tools.tools if tools else None)
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param="messages") from None
-    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
+    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo,
+                       grammar=tools.grammar if tools else None)
     request.parsed.add_special_tokens = False
+    request.tools = tools if tools and tools.parses else None
     return request
 
 
@@ -109,11 +115,12 @@ def _message(index: int, message: Any) -> dict:
     out = {"role": role, "content": content}
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
+    out.update(message_tool_fields(field, message))
     return out
 
 
 def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int,
-             slo: SLO | None) -> CompletionRequest:
+             slo: SLO | None, grammar: str | None = None) -> CompletionRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if not neutral(body.get(name)):
             raise _bad(name, f"{why}; omit it")
@@ -149,11 +156,15 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {_kind(options)}")
     include_usage = _bool(options or {}, "include_usage", False, field="stream_options.include_usage")
+    structured = structured_grammar(body)
+    if structured is not None and grammar is not None:
+        raise _bad(structured[0], "cannot constrain a request whose tool_choice already does; drop one of them")
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_int(body, "seed", None),
-            stop_token_ids=stop_ids, stop=stop, ignore_eos=_bool(body, "ignore_eos", False))
+            stop_token_ids=stop_ids, stop=stop, ignore_eos=_bool(body, "ignore_eos", False),
+            grammar=structured[1] if structured is not None else grammar)
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     priority = _int(body, "priority", 0)
