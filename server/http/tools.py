@@ -21,6 +21,7 @@ from typing import Any
 
 from sloserve.http.errors import HttpError
 from sloserve.http.structured import grammar_in
+from sloserve.structured import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -58,7 +59,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if choice in ("auto", "none"):
         return request
     chosen = [t for t in clean if choice == "required" or t["function"]["name"] == choice]
-    calls = {"anyOf": [_call_schema(t["function"]) for t in chosen]}
+    calls = {"anyOf": [_call_schema(t["function"]) for t in chosen], "x-guidance": JSON_OPTIONS}
     several = choice == "required" and body.get("parallel_tool_calls") is not False
     repeat = ' ("\\n" call)*' if several else ""
     lark = f'start: call{repeat}\ncall: "{OPEN}\\n" %json {json.dumps(calls)} "\\n{CLOSE}"\n'

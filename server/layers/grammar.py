@@ -93,6 +93,7 @@ class GrammarMasks:
                                          self._words * 4, len(rows))
         return PendingMask(matchers, rows, bitmask, filled)
 
+    @torch.inference_mode()  # the forward's logits may be inference tensors: updated in place only inside it
     def apply(self, pending: PendingMask, logits: torch.Tensor) -> None:
         """Set the logits[S, V] of tokens the grammar rows may not take to -inf, in place."""
         if pending.filled is not None:
