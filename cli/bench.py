@@ -13,6 +13,7 @@ from sloserve.bench.report import build_report, format_table, rate_label, write_
 from sloserve.bench.stats import RequestRecord, summarise
 from sloserve.bench.workloads import default_workload, load_workload
 from sloserve.sampling_params import SLO
+from sloserve.structured import arc_grid_lark
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
 
@@ -105,6 +106,9 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
 @click.option("--slo-e2e", type=float, default=None, help="End-to-end objective (s).")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="Sampling temperature (0 = greedy).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly max_tokens for every request.")
+@click.option("--arc-grid-grammar", is_flag=True,
+              help="Constrain every answer to one ARC grid (digit rows of one width, then EOS) by the server's "
+                   "structured output.")
 @click.option("--request-timeout", default=600.0, show_default=True, type=float,
               help="Cancel and count as failed a request open this long (s).")
 @click.option("--connect-timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
@@ -116,7 +120,7 @@ async def _run(server: str, items: list, specs: list[LoadSpec], connect_timeout:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write latency CDFs (and, for a sweep, attainment and P99 vs rate) as a PNG.")
 def bench(server, url, workload, attempts, max_tokens, num_requests, duration, rate, concurrency, streams, seed,
-          slo_ttft, slo_tpot, slo_e2e, temperature, ignore_eos, request_timeout, connect_timeout,
+          slo_ttft, slo_tpot, slo_e2e, temperature, ignore_eos, arc_grid_grammar, request_timeout, connect_timeout,
           ready_timeout, auth_token, json_path, plot_path) -> None:
     """Send a workload to a running server and report latency, throughput, SLO attainment, goodput.
 
@@ -147,7 +151,8 @@ def bench(server, url, workload, attempts, max_tokens, num_requests, duration, r
         specs = [LoadSpec(rate=r, concurrency=concurrency, num_requests=num_requests,
                           duration_s=duration, streams=streams, seed=seed + i, slo=slo,
                           temperature=temperature, ignore_eos=ignore_eos,
-                          request_timeout_s=request_timeout, auth_token=auth_token)
+                          request_timeout_s=request_timeout, auth_token=auth_token,
+                          grammar=arc_grid_lark() if arc_grid_grammar else None)
                  for i, r in enumerate(rates)]
     except ValueError as exc:
         raise BenchInputError(str(exc)) from None
@@ -177,6 +182,7 @@ def bench(server, url, workload, attempts, max_tokens, num_requests, duration, r
     config = {"attempts": attempts, "max_tokens": max_tokens, "num_requests": num_requests, "duration_s": duration,
               "rates": [rate_label(r) for r in rates], "concurrency": concurrency, "streams": streams,
               "seed": seed, "temperature": temperature, "ignore_eos": ignore_eos,
+              "arc_grid_grammar": arc_grid_grammar,
               "slo": None if slo is None else {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}}
     target = url or server
     report = build_report(target, info, workload, config, runs)
