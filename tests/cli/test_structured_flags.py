@@ -36,3 +36,20 @@ def test_bench_requests_carry_the_grammar_over_grpc_and_http():
     _, body, _ = http_client.build_request("r", item, spec, None)
     assert body["structured_outputs"] == {"grammar": arc_grid_lark()}
     assert not client.build_request("r", item, client.LoadSpec(), None).sampling.HasField("structured")
+
+
+def test_grammar_cache_reaches_the_model_config_and_a_bad_one_names_its_flag():
+    import click
+    from sloserve.cli.options import build_config, engine_options, pop_engine_options
+
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def command(**kwargs) -> None:
+        seen["config"] = build_config(pop_engine_options(kwargs))
+
+    assert CliRunner().invoke(command, ["--grammar-cache", "8"]).exit_code == 0
+    assert seen["config"].model.grammar_cache == 8
+    result = CliRunner().invoke(command, ["--grammar-cache", "0"])
+    assert result.exit_code != 0 and "--grammar-cache: grammar cache must be >= 1, got 0" in result.output

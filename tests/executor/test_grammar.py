@@ -118,3 +118,14 @@ def test_arc_grid_grammar_makes_the_built_in_model_write_grids():
                                                      grammar=arc_grid_grammar())])
     for out in outs:
         assert out.finish_reason == "stop" and parse_grid_text(out.text) is not None, out.text
+
+
+def test_compiled_grammars_are_cached_by_text_and_bounded():
+    tok = Tokenizer(byte_level_tokenizer(), eos_token="</s>")
+    masks = GrammarMasks(tok.to_json(), 260, [257], torch.device("cpu"), cache_size=2)
+    specs = [SamplingParams(grammar=grammar_for("choice", [word])) for word in ("a", "b", "c")]
+    for i, params in enumerate(specs + specs[:1]):
+        masks.begin([params], [f"r{i}"]).filled.result()
+    assert masks.compiled == 2 and len(masks) == 4
+    masks.drop([f"r{i}" for i in range(4)])
+    assert len(masks) == 0
