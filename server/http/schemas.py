@@ -69,8 +69,8 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
     return _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo)
 
 
-def parse_chat(body: Any, render: Callable[[list[dict], list[dict] | None], str], *, model: str,
-               default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
+def parse_chat(body: Any, render: Callable[..., str], *, model: str, default_max_tokens: int,
+               slo: SLO | None) -> CompletionRequest:
     """A /v1/chat/completions body: `messages` (and `tools`) rendered to one prompt by `render` (the chat template)."""
     body = _object(body)
     messages = body.get("messages")
@@ -82,7 +82,7 @@ def parse_chat(body: Any, render: Callable[[list[dict], list[dict] | None], str]
     _check_type(body, "add_generation_prompt", bool)
     tools = parse_tools(body)
     try:
-        prompt = render(clean, tools.tools if tools else None)
+        prompt = render(clean, tools.tools) if tools else render(clean)
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param="messages") from None
     request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo,
