@@ -239,8 +239,10 @@ class ModelRunner:
         return self._step(out, step)
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
-        sampled = self._sampled(out, step)
-        masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
+        masks = None
+        if self.shard.rank == 0:  # only rank 0's tokens are used (parallel/runner.py): only it needs a mask
+            sampled = self._sampled(out, step)
+            masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step), masks)
         if isinstance(step, StepInputs | TokenRows):
