@@ -239,10 +239,9 @@ class ModelRunner:
         return self._step(out, step)
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
-        masks = None
-        if self.shard.rank == 0:  # only rank 0's tokens are used (parallel/runner.py): only it needs a mask
-            sampled = self._sampled(out, step)
-            masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
+        sampled = self._sampled(out, step)
+        # NOTE: every rank masks: in a run of steps each rank feeds its own sampled tokens to the next step
+        masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step), masks)
         if isinstance(step, StepInputs | TokenRows):
