@@ -7,7 +7,9 @@ Three parts, each optional (--parts):
 - step: `ModelRunner.execute` of one decode step of B sequences (each on pages of its own at
   --context), greedy, without a grammar and with one per sequence (a JSON schema; fresh matchers
   each round, so they are mid-document), in alternating rounds; the best round of each counts.
-  The mask is filled in a worker thread while the forward runs, then applied before sampling.
+  As served, the mask is filled in a worker thread while the forward runs, then applied before
+  sampling; a third arm fills it inline before the forward (on 2 busy cores the worker thread
+  competes with the forward's threads).
 - arc: the built-in ARC model, greedy, on the ARC-AGI-2 training tasks held out from its training
   (tools/train_default.py's split): the share of well-formed grids ending in EOS with and without
   the ARC grid grammar.
@@ -99,24 +101,33 @@ def seconds_per_step(runner: ModelRunner, out: SchedulerOutput, steps: int) -> f
 
 
 def step_ratio(model: str, device: str, batches: list[int], context: int, steps: int, rounds: int) -> list[dict]:
-    """Decode step time with a grammar per sequence over without, per batch."""
+    """Decode step time with a grammar per sequence over without, per batch: the mask filled in a worker
+    thread during the forward (as served) and, for comparison, inline before it."""
     grammar = grammar_for("json_schema", STEP_SCHEMA)
     runner = make_runner(model, device, max(batches), context)
     rows = []
     for batch in batches:
         plain = decode_step(runner, batch, context, None, "plain")
-        best = {"plain": float("inf"), "masked": float("inf")}
+        best = {"plain": float("inf"), "overlapped": float("inf"), "inline": float("inf")}
+        arms = ["plain", "overlapped", "inline"]
         for r in range(rounds):
-            best["plain"] = min(best["plain"], seconds_per_step(runner, plain, steps))
-            masked = decode_step(runner, batch, context, grammar, f"r{r}b{batch}-")
-            runner.execute(masked)  # the matchers are made outside the timing (the compile is cached)
-            best["masked"] = min(best["masked"], seconds_per_step(runner, masked, steps))
-            runner.grammar.drop([s.req_id for s in masked.sequences])
-        ratio = best["masked"] / best["plain"]
-        rows.append({"batch": batch, "plain_ms": round(best["plain"] * 1e3, 3),
-                     "masked_ms": round(best["masked"] * 1e3, 3), "masked_over_plain": round(ratio, 3)})
-        print(f"  batch {batch:>3}: {best['plain'] * 1e3:8.2f} ms plain, {best['masked'] * 1e3:8.2f} ms masked, "
-              f"x{ratio:.3f}", flush=True)
+            for arm in arms[r % 3:] + arms[: r % 3]:  # each arm leads in turn
+                if arm == "plain":
+                    best["plain"] = min(best["plain"], seconds_per_step(runner, plain, steps))
+                    continue
+                runner.grammar.overlap = arm == "overlapped"
+                masked = decode_step(runner, batch, context, grammar, f"{arm}{r}b{batch}-")
+                runner.execute(masked)  # the matchers are made outside the timing (the compile is cached)
+                best[arm] = min(best[arm], seconds_per_step(runner, masked, steps))
+                runner.grammar.drop([s.req_id for s in masked.sequences])
+        runner.grammar.overlap = True
+        row = {"batch": batch, **{f"{arm}_ms": round(t * 1e3, 3) for arm, t in best.items()},
+               "masked_over_plain": round(best["overlapped"] / best["plain"], 3),
+               "inline_over_plain": round(best["inline"] / best["plain"], 3)}
+        rows.append(row)
+        print(f"  batch {batch:>3}: {best['plain'] * 1e3:8.2f} ms plain, {best['overlapped'] * 1e3:8.2f} ms masked "
+              f"(x{row['masked_over_plain']:.3f}), {best['inline'] * 1e3:8.2f} ms with the mask inline "
+              f"(x{row['inline_over_plain']:.3f})", flush=True)
     return rows
 
 

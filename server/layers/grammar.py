@@ -61,6 +61,7 @@ class GrammarMasks:
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._host: torch.Tensor | None = None
         self.unpack_on_host = device.type == "cpu"  # else the packed words go to the device and unpack there
+        self.overlap = True  # fill the mask in a worker thread during the forward (False: inline, before it)
 
     def __len__(self) -> int:
         """Live matchers (one per running request with a grammar)."""
@@ -89,10 +90,15 @@ class GrammarMasks:
         live = [(m, j) for j, m in enumerate(matchers) if not m.is_error()]  # a stopped one allows EOS alone
         filled = None
         if live:
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+            if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            filled = self._thread.submit(self._fill, live, bitmask)
+            if self.overlap:
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+                filled = self._thread.submit(self._fill, live, bitmask)
+            else:
+                filled = Future()
+                filled.set_result(self._fill(live, bitmask))
         return PendingMask(matchers, rows, bitmask, filled)
 
     def _fill(self, live: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> torch.Tensor | None:
