@@ -2,9 +2,9 @@
 
 The step's order, per sampled row that carries `SamplingParams.grammar`:
 
-    begin(rows)   before the forward: the matchers fill the bitmask in a worker thread (llguidance
-                  releases the GIL), which on a CPU also unpacks it to one flag per token, so the
-                  mask is computed while the model runs
+    begin(rows)   before the forward: the matchers fill the bitmask (on a CPU also unpacked to one
+                  flag per token); on a GPU in a worker thread (llguidance releases the GIL), so
+                  the mask is computed while the model runs
     apply(logits) after the forward: wait for the mask, set every token it forbids to -inf
                   (before argmax and before any filter, so greedy and sampled rows obey it)
     accept(ids)   after sampling: each matcher consumes its row's token
@@ -61,7 +61,10 @@ class GrammarMasks:
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._host: torch.Tensor | None = None
         self.unpack_on_host = device.type == "cpu"  # else the packed words go to the device and unpack there
-        self.overlap = True  # fill the mask in a worker thread during the forward (False: inline, before it)
+        # NOTE: on a GPU the host is idle during the forward, so a worker thread fills the mask then; a
+        # CPU forward already runs on every core (the fused decode team spins), and handing the
+        # thread the GIL cost more than the fill itself there (benchmarks/structured.py): inline.
+        self.overlap = device.type != "cpu"
 
     def __len__(self) -> int:
         """Live matchers (one per running request with a grammar)."""

@@ -65,11 +65,13 @@ def test_regex_and_choice_hold_on_every_decode_path(checkpoint):
     assert all(o.text in ("yes", "no", "maybe") and o.finish_reason == "stop" for o in outs[3:])
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["unpacked-on-host", "unpacked-on-device"])
-def test_mask_comes_before_argmax_and_leaves_other_rows_alone(on_host):
+@pytest.mark.parametrize(("on_host", "overlap"), [(True, False), (False, True)],
+                         ids=["cpu-path", "gpu-path"])
+def test_mask_comes_before_argmax_and_leaves_other_rows_alone(on_host, overlap):
     tok = Tokenizer(byte_level_tokenizer(), eos_token="</s>")
     masks = GrammarMasks(tok.to_json(), 260, [257], torch.device("cpu"))
-    masks.unpack_on_host = on_host  # a GPU's path: the packed words unpacked by torch where the logits are
+    # a GPU's path: filled in a worker thread, the packed words unpacked by torch where the logits are
+    masks.unpack_on_host, masks.overlap = on_host, overlap
     free = SamplingParams()
     fixed = SamplingParams(grammar=grammar_for("choice", ["B"]))
     logits = torch.zeros(3, 260)
