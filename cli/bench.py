@@ -31,6 +31,7 @@ from sloserve.cli.bench_common import (
     workload_plan,
 )
 from sloserve.cli.bench_compare import compare
+from sloserve.structured import arc_grid_lark
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
 
@@ -100,6 +101,9 @@ async def _session(server: str, url: str | None, auth_token: str | None, connect
               help="--goodput-search stops when its bracket is this close (relative).")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="Sampling temperature (0 = greedy).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly max_tokens for every request.")
+@click.option("--arc-grid-grammar", is_flag=True,
+              help="Constrain every answer to one ARC grid (digit rows of one width, then EOS) by the server's "
+                   "structured output.")
 @click.option("--request-timeout", default=600.0, show_default=True, type=float,
               help="Cancel and count as failed a request open this long (s).")
 @click.option("--connect-timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
@@ -114,7 +118,8 @@ async def _session(server: str, url: str | None, auth_token: str | None, connect
 @click.pass_context
 def bench(ctx, server, url, workload, attempts, max_tokens, length_scale, time_scale, slo_rules, slo_rules_file, seed,
           num_requests, duration, rate, concurrency, streams, slo_ttft, slo_tpot, slo_e2e, goodput_search, attainment,
-          search_repeats, search_tolerance, temperature, ignore_eos, request_timeout, connect_timeout,
+          search_repeats, search_tolerance, temperature, ignore_eos, arc_grid_grammar,
+          request_timeout, connect_timeout,
           ready_timeout, auth_token, json_path, plot_path) -> None:
     """Send a workload to a running server and report latency, throughput, SLO attainment, goodput.
 
@@ -149,7 +154,8 @@ def bench(ctx, server, url, workload, attempts, max_tokens, length_scale, time_s
         specs = [LoadSpec(rate=r, concurrency=concurrency, num_requests=num_requests,
                           duration_s=duration, streams=streams, seed=seed + i, slo=slo,
                           temperature=temperature, ignore_eos=ignore_eos,
-                          request_timeout_s=request_timeout, auth_token=auth_token)
+                          request_timeout_s=request_timeout, auth_token=auth_token,
+                          grammar=arc_grid_lark() if arc_grid_grammar else None)
                  for i, r in enumerate(rates)]
         total = len(plan.items())  # reads the workload: its errors before connecting
     except ValueError as exc:
@@ -176,6 +182,7 @@ def bench(ctx, server, url, workload, attempts, max_tokens, length_scale, time_s
               "rates": [rate_label(r) for r in rates], "concurrency": concurrency, "streams": streams,
               "seed": seed, "temperature": temperature, "ignore_eos": ignore_eos,
               "length_scale": length_scale, "time_scale": time_scale, "slo_rules": [r.text for r in plan.rules],
+              "arc_grid_grammar": arc_grid_grammar,
               "slo": None if slo is None else {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}}
     target = url or server
     report = build_report(target, info, workload, config, runs)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import click
 import grpc
 import orjson
+from sloserve import structured
 from sloserve.cli.common import (
     RANDOM_MODELS,
     RANDOM_WEIGHTS_NOTE,
@@ -57,13 +58,16 @@ class Completion:
 @click.option("--seed", default=None, type=int, help="Seed of this request's sampler.")
 @click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past end-of-sequence until --max-tokens.")
+@click.option("--arc-grid-grammar", is_flag=True,
+              help="Constrain the answer to one ARC grid: rows of digits of one width, each ending in a newline, "
+                   "then EOS (give --max-tokens 931 for room for a 30x30 grid).")
 @click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
               help="Bearer token of the server (--api-key: the same).")
 @click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text.")
-def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, auth_token,
-             tls_ca, timeout, as_json, **kwargs) -> None:
+def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, arc_grid_grammar,
+             auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
     """Generate a completion of PROMPT, printing text as it streams."""
     engine_opts = pop_engine_options(kwargs)
     if not prompt:
@@ -72,7 +76,8 @@ def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, 
         raise CliError("give either --server (use a running server) or --model (load in process), not both")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+                                seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+                                grammar=structured.arc_grid_grammar() if arc_grid_grammar else None)
     except InvalidRequestError as exc:
         raise CliError(_flagged(str(exc))) from None
     if server is not None:
@@ -114,6 +119,8 @@ async def _remote(server: str, prompt: str, params: SamplingParams, token: str |
     if params.seed is not None:
         s.seed = params.seed
     s.stop.extend(params.stop)
+    if params.grammar is not None:
+        s.structured.grammar = structured.arc_grid_lark()  # the only grammar this command sends
     result = Completion()
     channel = await open_channel(server, tls_ca, timeout)
     try:

@@ -48,6 +48,9 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--host-malloc", default="keep", show_default=True, type=click.Choice(["keep", "system"]),
                      help="On a CPU, keep freed activation memory in the heap (glibc thresholds raised: no page "
                           "faults per step, RSS stays at its peak), or leave malloc as it is."),
+        click.option("--grammar-cache", default=64, show_default=True, type=int,
+                     help="Structured output: compiled grammars the engine keeps (LRU), one per distinct "
+                          "schema, regex or grammar."),
         click.option("--kv-pool-size", default=None, help="Bytes for the KV cache pool, e.g. 512MiB or 2GiB "
                      "[default: suits the device]."),
         click.option("--block-size", default=None, type=int,
@@ -116,7 +119,8 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
             model=ModelConfig(path=opts["model"], device=opts["device"], dtype=opts["dtype"],
                               attention_backend=opts["attention_backend"], max_model_len=opts["max_model_len"],
                               enforce_eager=opts.get("enforce_eager"), cpu_gemm=opts.get("cpu_gemm", "auto"),
-                              host_malloc=opts.get("host_malloc", "keep")),
+                              host_malloc=opts.get("host_malloc", "keep"),
+                              grammar_cache=opts.get("grammar_cache", 64)),
             cache=CacheConfig(block_size=opts["block_size"], kv_pool_bytes=sizes["kv_pool_size"],
                               prefix_cache=opts["prefix_cache"], memory_budget_bytes=sizes["memory_budget"],
                               expert_slots_per_layer=opts.get("expert_slots_per_layer"),
@@ -152,7 +156,8 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("num scheduler steps", "--num-scheduler-steps"),
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
           ("master port", "--master-port"), ("idle spin", "--idle-spin"),
-          ("max logprobs", "--max-logprobs"), ("max n", "--max-n"), ("frontends", "--frontends"))
+          ("max logprobs", "--max-logprobs"), ("max n", "--max-n"), ("frontends", "--frontends"),
+          ("grammar cache", "--grammar-cache"))
 
 
 def with_flag(message: str) -> str:
@@ -167,7 +172,7 @@ def pop_engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Remove the engine flags from a command's kwargs and return them."""
     names = ("model", "device", "dtype", "attention_backend", "max_model_len", "kv_pool_size", "block_size",
              "prefix_cache", "policy", "max_batch", "chunked_prefill", "enforce_eager", "cpu_gemm", "host_malloc",
-             "memory_budget",
+             "grammar_cache", "memory_budget",
              "expert_slots_per_layer", "expert_memory", "expert_preload", "deadline_steps", "slack_preemption",
              "admission_control", "max_wait_s", "finish_margin", "num_scheduler_steps", "tensor_parallel_size", "nnodes", "node_rank", "master_addr",
              "master_port")

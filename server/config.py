@@ -56,8 +56,10 @@ class ModelConfig:
     # reuse heap pages instead of faulting fresh ones in (executor/host_memory.py); RSS then stays
     # at its peak. 'system' leaves malloc as it is.
     host_malloc: str = "keep"
+    grammar_cache: int = 64  # structured output: compiled grammars kept per engine (LRU), one per distinct spec
 
     def __post_init__(self) -> None:
+        _require(self.grammar_cache >= 1, f"grammar cache must be >= 1, got {self.grammar_cache}")
         _require(self.host_malloc in ("keep", "system"), f"host malloc must be keep or system, got {self.host_malloc!r}")
         _require(self.cpu_gemm in ("auto", "onednn", "blas"),
                  f"cpu gemm must be auto, onednn or blas, got {self.cpu_gemm!r}")

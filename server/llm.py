@@ -18,6 +18,7 @@ from sloserve.config import (
 from sloserve.engine.core import EngineCore
 from sloserve.logprobs import Logprob
 from sloserve.sampling_params import SamplingParams
+from sloserve.structured import check_grammar
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
              "parallel": ParallelConfig}
@@ -98,6 +99,8 @@ class LLM:
             priorities = priority
         else:
             priorities = [priority] * len(prompts)
+        for grammar in {p.grammar for p in per_prompt if p.grammar is not None}:
+            check_grammar(grammar)  # a bad one raises here, before anything runs
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(ids, per_prompt, priorities)
 

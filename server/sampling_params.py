@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     logprobs: int | None = None  # top log-probabilities per output token (0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
+    grammar: str | None = None  # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -72,6 +73,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequestError("grammar must be llguidance grammar text (see sloserve.structured.grammar_for)")
 
     @property
     def greedy(self) -> bool:

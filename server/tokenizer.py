@@ -91,6 +91,10 @@ class Tokenizer:
         """The token's own string in the vocabulary (e.g. 'Ġhello' for byte-level BPE)."""
         return self._tok.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what a grammar library builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def incremental(self, prompt_ids: list[int] | None = None) -> IncrementalDecoder:
         return IncrementalDecoder(self, prompt_ids or [])
 

@@ -43,6 +43,7 @@ class LoadSpec:
     ignore_eos: bool = False
     request_timeout_s: float = 600.0  # a request still open this long is cancelled and failed
     auth_token: str | None = None
+    grammar: str | None = None  # a Lark grammar every answer must follow (structured output), e.g. the ARC grid's
 
     def __post_init__(self) -> None:
         if not (self.rate > 0):
@@ -169,6 +170,8 @@ def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec,
     """The GenerateRequest for one workload item."""
     sampling = pb.SamplingParams(temperature=spec.temperature,
                                  ignore_eos=item.ignore_eos or spec.ignore_eos)
+    if spec.grammar is not None:
+        sampling.structured.grammar = spec.grammar
     message = pb.GenerateRequest(request_id=request_id, text=item.prompt,
                                  max_tokens=item.max_tokens, sampling=sampling)
     if slo is not None:

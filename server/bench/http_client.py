@@ -75,6 +75,8 @@ def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec, slo: SLO 
             "stream_options": {"include_usage": True}, "return_token_ids": True}
     if item.priority is not None:
         body["priority"] = item.priority
+    if spec.grammar is not None:
+        body["structured_outputs"] = {"grammar": spec.grammar}
     headers = {"x-request-id": request_id}
     if slo is not None:
         for name, header in (("ttft_s", "x-slo-ttft-ms"), ("tpot_s", "x-slo-tpot-ms"), ("e2e_s", "x-slo-e2e-ms")):

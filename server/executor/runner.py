@@ -24,6 +24,7 @@ from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, Tok
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.attention import CapturableDecode, select_backend
+from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
 from sloserve.layers.logprobs import gather_logprobs
 from sloserve.layers.penalties import process_logits
@@ -184,6 +185,8 @@ class ModelRunner:
                                   self.device, self.dtype, reduce, _dense_linear(mc.cpu_gemm, weights,
                                                                                  self.device, self.dtype))
         self.sampler = Sampler(self.device)
+        self.grammar = GrammarMasks(self.tokenizer.to_json(), spec.vocab_size, self.eos_token_ids, self.device,
+                                    mc.grammar_cache)
         self.decode_step = self._decode_step(mc.enforce_eager, plan.max_seqs, shard)
         self._logprobs: dict[str, list[Logprob]] = {}  # kept by sample() until take_logprobs
         self._prompt_logprobs: dict[str, list[tuple[int, list[Logprob]]]] = {}
@@ -261,8 +264,11 @@ class ModelRunner:
         return self._step(out, step)
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
+        sampled = self._sampled(out, step)
+        # NOTE: every rank masks: in a run of steps each rank feeds its own sampled tokens to the next step
+        masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
         if self.prefetcher is None:
-            return self.sample(out, step, self.forward(step))
+            return self.sample(out, step, self.forward(step), masks)
         if isinstance(step, StepInputs | TokenRows):
             sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx[:len(step.sampled)]
         else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
@@ -270,7 +276,7 @@ class ModelRunner:
             rows = torch.arange(step.num_seqs, device=self.device)
         self.prefetcher.begin([s.req_id for s in out.sequences], sampled, rows)
         try:
-            return self.sample(out, step, self.forward(step))
+            return self.sample(out, step, self.forward(step), masks)
         finally:
             self.prefetcher.end(sampled)
 
@@ -312,6 +318,7 @@ class ModelRunner:
             copy_blocks(self.host_kv, self.kv, out.swap_in)
         if out.finished_req_ids:
             self.sampler.drop(out.finished_req_ids)
+            self.grammar.drop(out.finished_req_ids)
             if self.prefetcher is not None:
                 self.prefetcher.forget(out.finished_req_ids)
         seqs = out.sequences
@@ -344,9 +351,9 @@ class ModelRunner:
                 self._threads_now = want
 
     def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows,
-               logits: torch.Tensor) -> list[int]:
-        """One token id per sampled sequence, in the order of out.sequences; the logprobs asked for
-        are kept for take_logprobs (from the raw logits, before any processing)."""
+               logits: torch.Tensor, masks: PendingMask | None = None) -> list[int]:
+        """One token id per sampled sequence, in the order of out.sequences (grammar rows masked first);
+        the logprobs asked for are kept for take_logprobs (from the raw logits, before any processing)."""
         seqs = out.sequences
         if isinstance(step, DecodeInputs):
             rows, logits = seqs, logits[: step.num_seqs]
@@ -356,14 +363,18 @@ class ModelRunner:
                 self._keep_prompt_logprobs(seqs, step.prompt_rows, logits[len(rows):])
                 logits = logits[: len(rows)]
         params = [s.sampling for s in rows]
-        raw = logits
+        wanted = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
+        raw = logits.clone() if wanted and masks is not None else logits  # the mask writes in place
+        if masks is not None:
+            self.grammar.apply(masks, logits)
         # NOTE: attribute reads only: a step where nobody asks pays no call per row
         if any(s.context is not None or s.sampling.logit_bias or s.sampling.min_tokens > s.num_generated
                for s in rows):
             logits = process_logits(logits, params, [s.context for s in rows], [s.num_generated for s in rows],
                                     self._eos)
         tokens = self.sampler.sample(logits, params, [s.req_id for s in rows])
-        wanted = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
+        if masks is not None:
+            self.grammar.accept(masks, tokens)
         if wanted:
             picked = raw if len(wanted) == len(rows) else raw[wanted]
             found = gather_logprobs(picked, [tokens[i] for i in wanted], [params[i].logprobs for i in wanted])
@@ -391,6 +402,13 @@ class ModelRunner:
         if taken[0] or taken[1]:
             self._logprobs, self._prompt_logprobs = {}, {}
         return taken
+
+    @staticmethod
+    def _sampled(out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[ScheduledSequence]:
+        """The sequences that sample this step, in the order of the logits' rows."""
+        if isinstance(step, DecodeInputs):
+            return out.sequences
+        return [out.sequences[i] for i in step.sampled]
 
     def warmup(self) -> None:
         """Capture (or compile) the decode step's buckets, then one prefill and one decode step on the

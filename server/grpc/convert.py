@@ -17,6 +17,7 @@ from sloserve.frontend import (
 )
 from sloserve.pb import serving_pb2 as pb
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.structured import grammar_for
 
 STATUS = {  # the one place a front-end failure becomes a gRPC status
     FailureCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,8 +73,21 @@ def from_pb(req: pb.GenerateRequest, *, default_max_tokens: int,
         stop_token_ids=list(s.stop_token_ids),
         stop=list(s.stop),
         ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else False,
+        grammar=grammar_from_pb(s.structured) if s.HasField("structured") else None,
     )
     return ParsedRequest(prompt, params, slo_from_pb(req.slo, time_remaining), priority=req.priority)
+
+
+def grammar_from_pb(spec: pb.StructuredOutput) -> str | None:
+    """The checked grammar of a StructuredOutput (None: none set); InvalidRequestError says why not."""
+    kind = spec.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not spec.json_object):
+        return None
+    value = list(spec.choice.values) if kind == "choice" else getattr(spec, kind)
+    try:
+        return grammar_for(kind, value)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.structured.{kind}: {exc}") from None
 
 
 def slo_from_pb(slo: pb.Slo, time_remaining: float | None) -> SLO | None:

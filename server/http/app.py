@@ -103,13 +103,20 @@ class HttpApi:
         if req.echo:
             prompt = req.parsed.prompt
             echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        return Shape(chat, self.model, req.return_token_ids, logprobs, echo, req.include_usage)
+        return Shape(chat, self.model, req.return_token_ids, logprobs, echo, req.include_usage,
+                     tools=req.tools is not None)
 
-    def _render(self, messages: list[dict], **options: Any) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> str:
         template = self._chat_template()
         if template is None:
             raise HttpError(400, NO_TEMPLATE, param="messages", code="no_chat_template")
-        return template.render(messages, **options)
+        if not tools:
+            return template.render(messages, **options)
+        prompt = template.render(messages, tools=tools, **options)
+        if prompt == template.render(messages, **options):  # the model would never see them
+            raise HttpError(400, f"tools: this model's chat template ({template.origin}) does not render tools; "
+                            "start the server with a --chat-template that does, or omit tools", param="tools")
+        return prompt
 
     def _chat_template(self) -> ChatTemplate | None:
         """--chat-template, else the checkpoint's; resolved once the model (its folder) is loaded."""

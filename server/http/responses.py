@@ -8,6 +8,7 @@ import uuid
 
 from sloserve.frontend import Finished, Tokens
 from sloserve.http.logprobs import LogprobFormat
+from sloserve.http.tools import ToolStream, parse_calls
 from sloserve.logprobs import Logprob
 
 _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') has no OpenAI name
@@ -17,8 +18,9 @@ class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
     def __init__(self, chat: bool, model: str, token_ids: bool = False, logprobs: LogprobFormat | None = None,
-                 echo: str | None = None, include_usage: bool = False) -> None:
+                 echo: str | None = None, include_usage: bool = False, tools: bool = False) -> None:
         self.chat = chat
+        self.tools = ToolStream() if tools else None  # chat with tools: `<tool_call>` blocks become tool_calls
         self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
         self.logprobs = logprobs  # set when the request asked for logprobs
         self.echo = echo  # completions' echo: the prompt's text, put before the first text
@@ -37,8 +39,14 @@ class Shape:
         logprobs, when echo asked for them)."""
         lp = self._logprobs(text, token_ids, logprobs, prompt)
         if self.chat:
-            choice = {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish_reason(done)}
+            message = {"role": "assistant", "content": text}
+            reason = finish_reason(done)
+            if self.tools is not None:
+                message["content"], calls = parse_calls(text)
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": finish_reason(done)}
         if self.token_ids:
@@ -50,6 +58,8 @@ class Shape:
         """A Shape of the same response for choice `index` (its own echo and text offsets)."""
         shape = copy.copy(self)
         shape.index = index
+        if self.tools is not None:  # each choice parses its own calls
+            shape.tools = ToolStream()
         return shape
 
     def first(self) -> dict | None:
@@ -62,6 +72,8 @@ class Shape:
     def delta(self, text: str, token_ids: list[int], event: Tokens | None = None) -> dict:
         """A chunk of new text (`event`: the Tokens it came from, for its logprobs)."""
         lp = None if event is None else self._logprobs(text, token_ids, event.logprobs, event)
+        if self.tools is not None:
+            text = self.tools.feed(text)
         if self.chat:
             choice = {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
@@ -95,7 +107,15 @@ class Shape:
     def last(self, done: Finished) -> dict:
         """The chunk with the finish reason."""
         if self.chat:
-            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+            delta, reason = {}, finish_reason(done)
+            if self.tools is not None:
+                rest = self.tools.finish()
+                if rest:
+                    delta["content"] = rest
+                if self.tools.calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self.tools.calls)]
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
         return self._chunk(choice)

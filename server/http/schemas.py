@@ -1,8 +1,9 @@
 """OpenAI request JSON -> the front end's ParsedRequest; every known field checked, unknown ones ignored.
 
-A field with a bad value raises HttpError 400 naming the field and what to change. Fields this
-server cannot honour (best_of, suffix, tools, ...) are 400 too, saying so, rather than silently
-ignored; their neutral values are accepted (routers send them).
+A field with a bad value raises HttpError 400 naming the field and what to change. Structured
+output and tools are read by http/structured.py and http/tools.py. Fields this server cannot
+honour (best_of, suffix) are 400 too, saying so, rather than silently ignored; their neutral
+values are accepted (routers send them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend import ParsedRequest
 from sloserve.http.errors import HttpError
+from sloserve.http.structured import structured_grammar
+from sloserve.http.tools import ToolRequest, parse_tools
 from sloserve.sampling_params import SLO, SamplingParams
 
 _MISSING = object()
@@ -24,9 +27,6 @@ _MISSING = object()
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of > 1 is not implemented; send separate requests"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not implemented"),
-    "tools": (lambda v: not v, "tool calling is not implemented"),
-    "response_format": (lambda v: v in (None, {}) or (isinstance(v, dict) and v.get("type") == "text"),
-                        "structured output (response_format other than text) is not implemented"),
 }
 
 
@@ -41,6 +41,7 @@ class CompletionRequest:
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
     echo: bool = False  # completions: the prompt leads the text (and its logprobs, with logprobs)
     logprobs: bool = False  # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
+    tools: ToolRequest | None = None  # chat with tools: rendered by the template, calls parsed from the answer
 
 
 def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
@@ -59,6 +60,8 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
             raise _bad("prompt", "must be a string or a list of non-negative integer token ids")
     elif not isinstance(prompt, str):
         raise _bad("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    if body.get("tools"):
+        raise _bad("tools", "are for /v1/chat/completions, whose chat template renders them")
     logprobs = _int(body, "logprobs", None, minimum=0)
     echo = _bool(body, "echo", False)
     request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo,
@@ -69,21 +72,24 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
 
 def parse_chat(body: Any, render: Callable[..., str], *, model: str, default_max_tokens: int,
                slo: SLO | None) -> CompletionRequest:
-    """A /v1/chat/completions body: `messages` rendered to one prompt by `render` (the chat template),
-    with add_generation_prompt, continue_final_message and chat_template_kwargs passed through."""
+    """A /v1/chat/completions body: `messages` (and `tools`) rendered to one prompt by `render` (the chat
+    template), with add_generation_prompt, continue_final_message and chat_template_kwargs passed through."""
     body = _object(body)
     top_logprobs = _int(body, "top_logprobs", None, minimum=0)
     if top_logprobs and not _bool(body, "logprobs", False):
         raise _bad("top_logprobs", "needs logprobs: true")
-    prompt = render_messages(body, render)
+    tools = parse_tools(body)
+    prompt = render_messages(body, render, tools.tools if tools else None)
     logprobs = (top_logprobs or 0) if _bool(body, "logprobs", False) else None
-    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo, logprobs=logprobs)
+    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo, logprobs=logprobs,
+                       grammar=tools.grammar if tools else None)
     request.parsed.add_special_tokens = _bool(body, "add_special_tokens", False)  # the template wrote them
+    request.tools = tools if tools and tools.parses else None
     return request
 
 
-def render_messages(body: dict, render: Callable[..., str]) -> str:
-    """The chat fields of `body` (messages, add_generation_prompt, ...) rendered to the prompt text."""
+def render_messages(body: dict, render: Callable[..., str], tools: list[dict] | None = None) -> str:
+    """The chat fields of `body` (messages, add_generation_prompt, ...) and `tools` rendered to the prompt text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "is required: a non-empty list of {role, content} objects")
@@ -97,6 +103,8 @@ def render_messages(body: dict, render: Callable[..., str]) -> str:
             raise _bad("chat_template_kwargs", f"must be an object such as {{\"enable_thinking\": false}}, "
                        f"got {_kind(kwargs)}")
         options["template_kwargs"] = kwargs
+    if tools:
+        options["tools"] = tools
     try:
         return render(clean, **options)
     except InvalidRequestError as exc:
@@ -152,7 +160,8 @@ def _tool_calls(field: str, calls: Any) -> list[dict]:
 
 
 def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int,
-             slo: SLO | None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> CompletionRequest:
+             slo: SLO | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
+             grammar: str | None = None) -> CompletionRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if not neutral(body.get(name)):
             raise HttpError(400, f"{why}; omit {name}", param=name)
@@ -182,6 +191,9 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {_kind(options)}")
     include_usage = _bool(options or {}, "include_usage", False, field="stream_options.include_usage")
+    structured = structured_grammar(body)
+    if structured is not None and grammar is not None:
+        raise _bad(structured[0], "cannot constrain a request whose tool_choice already does; drop one of them")
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
@@ -191,7 +203,8 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0), min_p=_number(body, "min_p", 0.0),
-            logit_bias=_logit_bias(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logit_bias=_logit_bias(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            grammar=structured[1] if structured is not None else grammar)
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     priority = _int(body, "priority", 0)
