@@ -45,16 +45,26 @@ def parse_server(text: str) -> str:
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:
-    """The bearer token from --auth-token or --auth-token-file (first line, stripped)."""
+    """The bearer token from --auth-token or --auth-token-file (one line; surrounding blank space ignored).
+
+    A file with more than one non-empty line is refused, not cut to its first: a token with a
+    line break in it could never match a header, and a wrong file (a key, a list) should not
+    quietly become the token.
+    """
     if token and token_file:
         raise CliError("give either --auth-token or --auth-token-file, not both")
     if token_file:
         try:
             token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise CliError(f"cannot read --auth-token-file {token_file!r}: {exc.strerror}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read --auth-token-file {token_file!r}: {getattr(exc, 'strerror', exc)}") from None
         if not token:
             raise CliError(f"--auth-token-file {token_file!r} is empty: put the token on its first line")
+        lines = [line for line in token.splitlines() if line.strip()]
+        if len(lines) > 1:
+            raise CliError(f"--auth-token-file {token_file!r} has {len(lines)} non-empty lines: a token is one "
+                           "line; leave only the token in the file")
+        token = token.strip()
     if token is not None and not token.strip():
         raise CliError("--auth-token must not be empty")
     return token

@@ -148,7 +148,8 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("memory budget", "--memory-budget"), ("max wait", "--max-wait"), ("finish margin", "--finish-margin"),
           ("num scheduler steps", "--num-scheduler-steps"),
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
-          ("master port", "--master-port"), ("idle spin", "--idle-spin"))
+          ("master port", "--master-port"), ("idle spin", "--idle-spin"), ("tls ca", "--tls-ca"),
+          ("metrics token", "--metrics-token"))
 
 
 def with_flag(message: str) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import time
 from datetime import UTC, datetime
 
 import orjson
@@ -37,3 +39,27 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class Throttled:
+    """At most one line per `interval_s` for each kind of event; the next line says how many were held back.
+
+    For events a hostile client can repeat at will (timeouts, refusals): the log stays readable
+    and cheap under a flood. Kinds are a small fixed set, so the table stays bounded.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}  # kind -> (when last logged, how many held back since)
+
+    def log(self, level: int, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        last, held = self._last.get(kind, (-math.inf, 0))
+        if now - last < self._interval_s:
+            self._last[kind] = (last, held + 1)
+            return
+        if held:
+            message += f" (and {held} more like it in the last {self._interval_s:g} s)"
+        self._last[kind] = (now, 0)
+        self._logger.log(level, message, *args)

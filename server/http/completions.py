@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,8 +15,12 @@ from sloserve.http import sse
 from sloserve.http.errors import STATUS, error_body, failure_response
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest
+from sloserve.logs import Throttled
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+
+log = logging.getLogger(__name__)
+_notices = Throttled(log)
 
 SHUTDOWN = Failure(FailureCode.UNAVAILABLE, "shutdown", "the server shut down before this request finished "
                    "(drain grace period over); retry it on another replica")
@@ -29,8 +35,9 @@ class Completions:
     status. `live` holds every running request's handle until its response ends.
     """
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, stall_s: float = 30.0) -> None:
         self.frontend = frontend
+        self.stall_s = stall_s  # a stream whose client read nothing this long is aborted
         self.live: dict[str, RequestHandle] = {}  # engine id -> handle
         self.shutting_down = False
 
@@ -56,13 +63,20 @@ class Completions:
                 async def close() -> None:  # the client went away: the front end aborts it in the engine
                     await events.aclose()
                     self.live.pop(handle.engine_id, None)
-                return sse.EventStream(self._stream(events, first, req, shape), watcher, close)
+                return sse.EventStream(self._stream(events, first, req, shape), watcher, close, self.stall_s,
+                                       functools.partial(self._stalled, handle.engine_id))
             return await self._whole(events, first, req, shape)
         finally:
             if not streaming:
                 watcher.cancel()
                 await events.aclose()
                 self.live.pop(handle.engine_id, None)
+
+    def _stalled(self, engine_id: str) -> None:
+        _notices.log(logging.WARNING, "stall", "aborted request %s: its client read none of its stream for "
+                     "%g s (--http-stream-stall-timeout)", engine_id, self.stall_s)
+        if self.frontend.metrics is not None:
+            self.frontend.metrics.limit_refused("http_stream_stall")
 
     async def _whole(self, events: AsyncIterator[Any], event: Any, req: CompletionRequest, shape: Shape) -> Response:
         """Collect a request's tokens into one response (or a stream that ended before its first token)."""

@@ -40,6 +40,8 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
+    if status == 413:  # the rest of the body is not read: end the connection, not wait for it
+        headers = {"Connection": "close"}
     return Response(orjson.dumps(error_body(status, message, param=param, code=code)), status_code=status,
                     headers=headers, media_type="application/json")
 

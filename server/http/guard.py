@@ -1,0 +1,139 @@
+"""What uvicorn does not bound on a connection: how many are open, and how long headers and bodies take.
+
+uvicorn (0.30+) has a keep-alive timeout but no header or body read timeout, and its
+`limit_concurrency` acts only once a request's headers are complete, so a client that opens
+connections and sends its headers a byte at a time (slowloris) holds them for ever. This is
+uvicorn's httptools protocol with three guards added, each counted in
+`sloserve_limit_refusals_total{limit=...}` and logged at most once per 10 s per kind:
+
+- `http_connections`: a connection past --http-max-connections is answered 503 and closed at once;
+- `http_header_timeout`: a request's headers must all arrive within --http-header-timeout of its
+  first byte (of the connection, for the first request), else 408 and the connection closes;
+- `http_body_timeout`: its whole body must arrive within --http-body-timeout of its headers, else
+  408 (if nothing was answered yet) and the connection closes; the app sees a disconnect.
+
+The keep-alive idle timeout between requests is uvicorn's own (--http-keep-alive).
+NOTE: with TLS, asyncio calls connection_made only after the handshake, so a client stalling
+its handshake is bounded by asyncio's 60 s SSL handshake timeout, not by these guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import ClassVar
+
+import orjson
+from sloserve.http.config import HttpConfig
+from sloserve.http.errors import error_body
+from sloserve.http.sse import ABORT_EXTENSION
+from sloserve.logs import Throttled
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+log = logging.getLogger(__name__)
+_notices = Throttled(log)
+
+
+def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response in OpenAI's error shape that closes the connection."""
+    body = orjson.dumps(error_body(status, message, code=code))
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n")
+    if status == 503:
+        head += "retry-after: 1\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol plus a connection cap, a header timeout and a whole-body timeout."""
+
+    limits: ClassVar[HttpConfig]
+    refused: ClassVar[Callable[[str], None]]  # counts a refusal by the name of its limit
+
+    _timer: asyncio.TimerHandle | None = None
+    _accepted = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self._refuse(transport)
+            return
+        self._accepted = True
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, "header")
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        cap = self.limits.max_connections
+        self.refused("http_connections")
+        _notices.log(logging.WARNING, "connections", "refused an HTTP connection: %d are open, the limit "
+                     "(--http-max-connections)", cap)
+        transport.write(_raw_response(503, "Service Unavailable", f"this server holds at most {cap} HTTP "
+                                      "connections (--http-max-connections); retry later", "too_many_connections"))
+        transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._accepted:
+            return  # refused in connection_made: uvicorn never saw it
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # bytes between requests (the next request's first, or junk): its headers' clock starts
+        if self._timer is None and (self.cycle is None or self.cycle.response_complete) \
+                and not self.transport.is_closing():
+            self._arm(self.limits.header_timeout_s, "header")
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # the app may drop a stalled stream
+            self.scope["extensions"] = {ABORT_EXTENSION: functools.partial(_abort, self.cycle, self.transport)}
+        self._arm(self.limits.body_timeout_s, "body")  # on_message_complete disarms it
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    # ---- the one timer: the header phase, then the body phase --------------------------------
+    def _arm(self, seconds: float, phase: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._expired, phase, seconds)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, phase: str, seconds: float) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        flag = f"--http-{phase}-timeout"
+        self.refused(f"http_{phase}_timeout")
+        _notices.log(logging.WARNING, phase, "closed an HTTP connection from %s: its request %s did not "
+                     "arrive within %g s (%s)", _peer(self.client), "headers" if phase == "header" else "body",
+                     seconds, flag)
+        answered = phase == "body" and self.cycle is not None and self.cycle.response_started
+        if not answered:
+            what = "headers" if phase == "header" else "body"
+            self.transport.write(_raw_response(408, "Request Timeout", f"the request {what} did not arrive "
+                                               f"within {seconds:g} s ({flag})", f"{phase}_timeout"))
+        self.transport.close()  # the app, if it runs, reads a disconnect
+
+
+def _abort(cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
+    """Drop the connection now, with what is buffered for it; the app's sends and receives see it gone."""
+    cycle.disconnected = True
+    cycle.message_event.set()
+    transport.abort()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown peer"
+
+
+def protocol_class(limits: HttpConfig, refused: Callable[[str], None]) -> type[GuardedProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to these limits and counter."""
+    return type("GuardedHttpProtocol", (GuardedProtocol,), {"limits": limits, "refused": staticmethod(refused)})
