@@ -1,5 +1,6 @@
 """The Prometheus port: /metrics in a thread of its own, behind the server's TLS (mTLS with --tls-ca)
-and, with --metrics-token, a bearer token; slow or silent clients are cut after READ_TIMEOUT_S."""
+and, with --metrics-token, a bearer token; slow or silent clients are cut after READ_TIMEOUT_S, and
+at most MAX_SCRAPES connections are served at once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from sloserve.frontend.bearer import bearer_matches
 
 READ_TIMEOUT_S = 10.0  # a scrape's handshake and request must arrive within this
+MAX_SCRAPES = 16  # connections served at once; more are closed at once (Prometheus scrapes one at a time)
 
 
 class _Handler(WSGIRequestHandler):
@@ -26,6 +28,23 @@ class _Handler(WSGIRequestHandler):
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     tls: ssl.SSLContext | None = None
+    slots: threading.BoundedSemaphore  # one per connection being served: a flood cannot start threads without end
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
+        if not self.slots.acquire(blocking=False):  # MAX_SCRAPES already open: drop this one
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def finish_request(self, request: socket.socket, client_address: tuple) -> None:
         """In the connection's own thread: the TLS handshake (refused clients end here, quietly), then HTTP."""
@@ -70,7 +89,8 @@ def serve(registry: CollectorRegistry, host: str, port: int, *, tls: ssl.SSLCont
           token: str | None = None) -> WSGIServer:
     """Serve `registry` on host:port (0 picks a port) in a daemon thread; OSError if it cannot bind."""
     server_class = type("MetricsServer", (_Server,), {
-        "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET, "tls": tls})
+        "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET, "tls": tls,
+        "slots": threading.BoundedSemaphore(MAX_SCRAPES)})
     server = make_server(host, port, _guarded(make_wsgi_app(registry), token), server_class, _Handler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

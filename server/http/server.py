@@ -12,6 +12,7 @@ from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.http.app import HttpApi
 from sloserve.http.config import HttpConfig
 from sloserve.http.guard import protocol_class
+from sloserve.logs import ThrottleWarnings
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class HttpServer:
             raise ValueError(f"cannot serve HTTPS with --tls-cert/--tls-key/--tls-ca: {exc}") from None
         self._sock = _bind(cfg.host, self.http.port)
         self.port = self._sock.getsockname()[1]
+        _throttle_uvicorn_warnings()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[self._sock])
@@ -81,6 +83,13 @@ class HttpServer:
             await task
         await server.shutdown(sockets=[self._sock] if self._sock else None)
         self._sock = None
+
+
+def _throttle_uvicorn_warnings() -> None:
+    """uvicorn warns once per malformed request: at most once per 10 s per message, so a flood stays readable."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, ThrottleWarnings) for f in logger.filters):
+        logger.addFilter(ThrottleWarnings())
 
 
 def _bind(host: str, port: int) -> socket.socket:

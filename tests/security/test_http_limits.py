@@ -8,6 +8,7 @@ seconds (nothing here measures time); every loop is bounded.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sloserve.frontend.metrics_http import MAX_SCRAPES
 
 from tests.http.conftest import AUTH, TOKEN, HttpServerProcess, start
 
@@ -28,7 +30,8 @@ WAIT_S = 30.0  # the longest any socket read below waits: ten times a limit
 def server(tiny_llama: Path) -> Iterator[HttpServerProcess]:
     server = start(tiny_llama, None, "--auth-token", TOKEN, "--http-max-connections", str(MAX_CONNECTIONS),
                    "--http-header-timeout", str(HEADER_S), "--http-body-timeout", str(BODY_S),
-                   "--http-keep-alive", str(KEEP_ALIVE_S), "--http-max-body-size", f"{MAX_BODY // 1024}KiB")
+                   "--http-keep-alive", str(KEEP_ALIVE_S), "--http-max-body-size", f"{MAX_BODY // 1024}KiB",
+                   "--metrics-port", "0")
     try:
         yield server
     finally:
@@ -163,3 +166,31 @@ def test_the_bearer_scheme_is_case_insensitive(server, scheme):
     assert reply.status_code == 200, reply.text
     wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"{scheme} {TOKEN}x"}, timeout=10)
     assert wrong.status_code == 401
+
+
+def test_a_flood_of_malformed_requests_logs_a_few_lines_not_one_each(server):
+    for _ in range(30):
+        with _connect(server) as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert _read_until_closed(sock).startswith(b"HTTP/1.1 400 ")
+    server.wait_log(lambda m: m.startswith("Invalid HTTP request"), 10)
+    lines = [m for m in server.messages() if m.startswith("Invalid HTTP request")]
+    assert 1 <= len(lines) <= 5, lines
+
+
+def test_the_metrics_port_cuts_silent_clients_and_caps_connections(server):
+    line = server.wait_log(lambda m: m.startswith("listening on "), 5)
+    port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line).group(1))
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) for _ in range(MAX_SCRAPES)]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as extra:
+            with contextlib.suppress(ConnectionResetError):
+                assert _read_until_closed(extra) == b""  # closed unanswered: every slot is taken
+        for sock in silent:  # each is cut after the read timeout, unanswered
+            sock.settimeout(WAIT_S)
+            with contextlib.suppress(ConnectionResetError):
+                assert _read_until_closed(sock) == b""
+    finally:
+        for sock in silent:
+            sock.close()
+    assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
