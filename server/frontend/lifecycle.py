@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from sloserve.config import SloserveConfig
 from sloserve.frontend.frontend import Frontend
+from sloserve.frontend.heap import trim_when_idle
 from sloserve.frontend.metrics import Metrics
 from sloserve.frontend.metrics_http import tls_context
 
@@ -86,6 +87,9 @@ class Lifecycle:
         if start_engine:
             self._tasks.append(asyncio.create_task(self._start_engine()))
         self._tasks.append(asyncio.create_task(self._watchdog()))
+        cfg = self.config
+        if cfg.server.engine_process or cfg.model.host_malloc == "system":  # see frontend/heap.py
+            self._tasks.append(asyncio.create_task(trim_when_idle(lambda: self.frontend.inflight)))
 
     async def _start_engine(self) -> None:
         try:
