@@ -3,12 +3,14 @@
 uvicorn (0.30+) has a keep-alive timeout but no header or body read timeout, and its
 `limit_concurrency` acts only once a request's headers are complete, so a client that opens
 connections and sends its headers a byte at a time (slowloris) holds them for ever. This is
-uvicorn's httptools protocol with three guards added, each counted in
+uvicorn's httptools protocol with four guards added, each counted in
 `sloserve_limit_refusals_total{limit=...}` and logged at most once per 10 s per kind:
 
 - `http_connections`: a connection past --http-max-connections is answered 503 and closed at once;
 - `http_header_timeout`: a request's headers must all arrive within --http-header-timeout of its
   first byte (of the connection, for the first request), else 408 and the connection closes;
+- `http_header_size`: its request line and headers may take --http-max-header-size bytes (httptools
+  itself buffers a header of any length), else 431 and the connection closes;
 - `http_body_timeout`: its whole body must arrive within --http-body-timeout of its headers, else
   408 (if nothing was answered yet) and the connection closes; the app sees a disconnect.
 
@@ -53,6 +55,8 @@ class GuardedProtocol(HttpToolsProtocol):
     refused: ClassVar[Callable[[str], None]]  # counts a refusal by the name of its limit
 
     _timer: asyncio.TimerHandle | None = None
+    _phase: str | None = None  # 'header' or 'body' while its timer runs
+    _header_bytes = 0  # bytes received in the current header phase
     _accepted = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -80,13 +84,29 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.transport.is_closing():
+            return
         # bytes between requests (the next request's first, or junk): its headers' clock starts
-        if self._timer is None and (self.cycle is None or self.cycle.response_complete) \
-                and not self.transport.is_closing():
+        if self._timer is None and (self.cycle is None or self.cycle.response_complete):
             self._arm(self.limits.header_timeout_s, "header")
+        if self._phase == "header":  # the parser holds these until the headers end: bound them
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._too_large()
+
+    def _too_large(self) -> None:
+        cap = self.limits.max_header_bytes
+        self._disarm()
+        self.refused("http_header_size")
+        _notices.log(logging.WARNING, "header_size", "closed an HTTP connection from %s: its request line and "
+                     "headers passed %d bytes (--http-max-header-size)", _peer(self.client), cap)
+        self.transport.write(_raw_response(431, "Request Header Fields Too Large", f"the request line and headers "
+                                           f"passed {cap} bytes (--http-max-header-size)", "headers_too_large"))
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._header_bytes = 0
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:  # the app may drop a stalled stream
             self.scope["extensions"] = {ABORT_EXTENSION: functools.partial(_abort, self.cycle, self.transport)}
@@ -99,15 +119,18 @@ class GuardedProtocol(HttpToolsProtocol):
     # ---- the one timer: the header phase, then the body phase --------------------------------
     def _arm(self, seconds: float, phase: str) -> None:
         self._disarm()
+        self._phase = phase
         self._timer = self.loop.call_later(seconds, self._expired, phase, seconds)
 
     def _disarm(self) -> None:
+        self._phase = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _expired(self, phase: str, seconds: float) -> None:
         self._timer = None
+        self._phase = None
         if self.transport.is_closing():
             return
         flag = f"--http-{phase}-timeout"

@@ -15,6 +15,7 @@ CASES = [
     (["--http-keep-alive", "-1"], "--http-keep-alive must be in (0, 3600] seconds"),
     (["--http-stream-stall-timeout", "1e9"], "--http-stream-stall-timeout must be in (0, 3600] seconds"),
     (["--http-max-body-size", "lots"], "--http-max-body-size: cannot read size 'lots'"),
+    (["--http-max-header-size", "100"], "--http-max-header-size must be >= 1KiB"),
     (["--tls-ca", "{file}"], "--tls-ca: tls ca (client certificates) needs TLS on"),
     (["--tls-ca", "/no/ca.pem"], "--tls-ca '/no/ca.pem' is not a readable file"),
     (["--metrics-token", " "], "--metrics-token: metrics token must not be empty"),

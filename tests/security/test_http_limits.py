@@ -1,7 +1,7 @@
 """Hostile HTTP clients against a real `sloserve serve`: each attack is cut by its limit, on loopback.
 
-One server with small limits: 16 connections, headers within 3 s, a body within 3 s, 64 KiB
-bodies, 2 s of keep-alive idle. Every wait below is a generous bound on a limit of a few
+One server with small limits: 16 connections, 16 KiB of headers within 3 s, a body within 3 s,
+64 KiB bodies, 2 s of keep-alive idle. Every wait below is a generous bound on a limit of a few
 seconds (nothing here measures time); every loop is bounded.
 """
 
@@ -22,7 +22,7 @@ from tests.http.conftest import AUTH, TOKEN, HttpServerProcess, start
 
 pytestmark = pytest.mark.timeout(180)
 
-MAX_CONNECTIONS, HEADER_S, BODY_S, KEEP_ALIVE_S, MAX_BODY = 16, 3, 3, 2, 64 * 1024
+MAX_CONNECTIONS, HEADER_S, BODY_S, KEEP_ALIVE_S, MAX_BODY, MAX_HEADER = 16, 3, 3, 2, 64 * 1024, 16 * 1024
 WAIT_S = 30.0  # the longest any socket read below waits: ten times a limit
 
 
@@ -31,7 +31,7 @@ def server(tiny_llama: Path) -> Iterator[HttpServerProcess]:
     server = start(tiny_llama, None, "--auth-token", TOKEN, "--http-max-connections", str(MAX_CONNECTIONS),
                    "--http-header-timeout", str(HEADER_S), "--http-body-timeout", str(BODY_S),
                    "--http-keep-alive", str(KEEP_ALIVE_S), "--http-max-body-size", f"{MAX_BODY // 1024}KiB",
-                   "--metrics-port", "0")
+                   "--http-max-header-size", f"{MAX_HEADER // 1024}KiB", "--metrics-port", "0")
     try:
         yield server
     finally:
@@ -86,6 +86,15 @@ def test_slowloris_headers_are_closed_after_the_header_timeout(server):
             sock.close()
     assert all(reply.startswith(b"HTTP/1.1 408 ") and b"--http-header-timeout" in reply for reply in replies), replies
     assert _refusals(server, "http_header_timeout") >= before + len(socks)
+
+
+def test_endless_headers_are_refused_past_the_header_size(server):
+    before = _refusals(server, "http_header_size")
+    with _connect(server) as sock:  # one header that never ends: httptools alone would buffer it all
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (MAX_HEADER + 1024))
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 431 ") and b"--http-max-header-size" in reply, reply
+    assert _refusals(server, "http_header_size") == before + 1
 
 
 def test_the_connection_cap_refuses_with_503(server):
