@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ class Completions:
     def __init__(self, frontend: Frontend, stall_s: float = 30.0) -> None:
         self.frontend = frontend
         self.stall_s = stall_s  # a stream whose client read nothing this long is aborted
+        self.streams: set[sse.EventStream] = set()  # live event streams, watched for stalls
+        self._stall_watch: asyncio.Task | None = None
         self.live: dict[str, RequestHandle] = {}  # engine id -> handle
         self.shutting_down = False
 
@@ -61,16 +64,35 @@ class Completions:
                 streaming = True  # the stream owns the events and the watcher from here
 
                 async def close() -> None:  # the client went away: the front end aborts it in the engine
+                    self.streams.discard(stream)
                     await events.aclose()
                     self.live.pop(handle.engine_id, None)
-                return sse.EventStream(self._stream(events, first, req, shape), watcher, close, self.stall_s,
-                                       functools.partial(self._stalled, handle.engine_id))
+                stream = sse.EventStream(self._stream(events, first, req, shape), watcher, close,
+                                         functools.partial(self._stalled, handle.engine_id))
+                self._watch(stream)
+                return stream
             return await self._whole(events, first, req, shape)
         finally:
             if not streaming:
                 watcher.cancel()
                 await events.aclose()
                 self.live.pop(handle.engine_id, None)
+
+    def _watch(self, stream: sse.EventStream) -> None:
+        """Watch a stream for a send blocked past the stall limit (one watcher task while any stream is live)."""
+        self.streams.add(stream)
+        if self._stall_watch is None or self._stall_watch.done():
+            self._stall_watch = asyncio.create_task(self._watch_stalls())
+
+    async def _watch_stalls(self) -> None:
+        period = min(self.stall_s / 4, 1.0)
+        while self.streams:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for stream in list(self.streams):
+                since = stream.sending_since
+                if since is not None and now - since > self.stall_s:
+                    stream.stall()
 
     def _stalled(self, engine_id: str) -> None:
         _notices.log(logging.WARNING, "stall", "aborted request %s: its client read none of its stream for "

@@ -57,6 +57,7 @@ async def test_a_stream_whose_client_stopped_reading_is_aborted_in_the_engine(ca
 
 async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
     made, sent, stalled, aborted, closed = 0, [], [], [], []
+    unblocked = asyncio.Event()
 
     async def body():
         nonlocal made
@@ -65,16 +66,27 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
             yield b"data: {}\n\n"
 
     async def send(message: dict) -> None:
-        if len(sent) == 3:  # the client's window is full: this write never completes
-            await asyncio.Event().wait()
+        if len(sent) == 3:  # the client's window is full: this write completes only once the connection drops
+            await unblocked.wait()
+            return
         sent.append(message)
 
     async def close() -> None:
         closed.append(True)
 
+    def abort() -> None:  # what http/guard.py's hook does: drop the connection, the blocked send returns
+        aborted.append(True)
+        unblocked.set()
+
     watcher = asyncio.create_task(asyncio.sleep(3600))
-    stream = sse.EventStream(body(), watcher, close, STALL_S, lambda: stalled.append(True))
-    await asyncio.wait_for(stream({"extensions": {sse.ABORT_EXTENSION: lambda: aborted.append(True)}}, None, send), 30)
-    await asyncio.sleep(0)
+    stream = sse.EventStream(body(), watcher, close, lambda: stalled.append(True))
+    task = asyncio.create_task(stream({"extensions": {sse.ABORT_EXTENSION: abort}}, None, send))
+    for _ in range(1000):  # until the send is blocked (bounded)
+        if stream.sending_since is not None and len(sent) == 3:
+            break
+        await asyncio.sleep(0.001)
+    assert stream.sending_since is not None
+    stream.stall()
+    await asyncio.wait_for(task, 30)
     assert made == 3 and len(sent) == 3  # the start, two chunks sent, the third blocked: nothing more made
     assert stalled == aborted == closed == [True] and watcher.cancelled()
