@@ -91,13 +91,34 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-async def open_channel(server: str, tls_ca: str | None, timeout_s: float) -> grpc.aio.Channel:
-    """A connected channel (TLS when --tls-ca is given); CliError when the server cannot be reached."""
+def client_tls_options(fn):
+    """--tls-ca, and the client certificate --tls-cert/--tls-key for a server that wants one (its --tls-ca)."""
+    for option in reversed([
+        click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server."),
+        click.option("--tls-cert", default=None, help="PEM client certificate, for a server with --tls-ca (mTLS)."),
+        click.option("--tls-key", default=None, help="PEM private key of --tls-cert."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+async def open_channel(server: str, tls_ca: str | None, timeout_s: float, cert: str | None = None,
+                       key: str | None = None) -> grpc.aio.Channel:
+    """A connected channel (TLS when --tls-ca is given, with a client certificate when --tls-cert is);
+    CliError when the server cannot be reached."""
+    if (cert is None) != (key is None):
+        raise CliError("a client certificate needs both --tls-cert and --tls-key")
+    if cert is not None and not tls_ca:
+        raise CliError("--tls-cert needs --tls-ca (the server's root certificate)")
     if tls_ca:
-        try:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-        except OSError as exc:
-            raise CliError(f"cannot read --tls-ca {tls_ca!r}: {exc.strerror}") from None
+        pems = {}
+        for flag, path in (("--tls-ca", tls_ca), ("--tls-cert", cert), ("--tls-key", key)):
+            try:
+                pems[flag] = Path(path).read_bytes() if path else None
+            except OSError as exc:
+                raise CliError(f"cannot read {flag} {path!r}: {exc.strerror}") from None
+        creds = grpc.ssl_channel_credentials(root_certificates=pems["--tls-ca"], private_key=pems["--tls-key"],
+                                             certificate_chain=pems["--tls-cert"])
         channel = grpc.aio.secure_channel(server, creds)
     else:
         channel = grpc.aio.insecure_channel(server)
@@ -106,7 +127,8 @@ async def open_channel(server: str, tls_ca: str | None, timeout_s: float) -> grp
     except (TimeoutError, asyncio.CancelledError):
         await channel.close()
         raise CliError(f"cannot reach a sloserve server at {server} within {timeout_s:g} s: start one with "
-                       "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS)") from None
+                       "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS, --tls-cert/--tls-key "
+                       "if it wants a client certificate)") from None
     return channel
 
 

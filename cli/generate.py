@@ -15,6 +15,7 @@ from sloserve.cli.common import (
     CliError,
     OneLineCommand,
     check_model,
+    client_tls_options,
     metadata,
     open_channel,
     parse_server,
@@ -58,11 +59,11 @@ class Completion:
 @click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past end-of-sequence until --max-tokens.")
 @click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
-@click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
+@client_tls_options
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text.")
 def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, auth_token,
-             tls_ca, timeout, as_json, **kwargs) -> None:
+             tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Generate a completion of PROMPT, printing text as it streams."""
     engine_opts = pop_engine_options(kwargs)
     if not prompt:
@@ -75,7 +76,8 @@ def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, 
     except InvalidRequestError as exc:
         raise CliError(_flagged(str(exc))) from None
     if server is not None:
-        result = asyncio.run(_remote(parse_server(server), prompt, params, auth_token, tls_ca, timeout, not as_json))
+        result = asyncio.run(_remote(parse_server(server), prompt, params, auth_token, (tls_ca, tls_cert, tls_key),
+                                     timeout, not as_json))
     else:
         check_model(engine_opts["model"])
         config = build_config(engine_opts)
@@ -102,8 +104,8 @@ def _flagged(message: str) -> str:
     return message
 
 
-async def _remote(server: str, prompt: str, params: SamplingParams, token: str | None, tls_ca: str | None,
-                  timeout: float, echo: bool) -> Completion:
+async def _remote(server: str, prompt: str, params: SamplingParams, token: str | None,
+                  tls: tuple[str | None, str | None, str | None], timeout: float, echo: bool) -> Completion:
     from sloserve.pb import serving_pb2 as pb
     from sloserve.pb import serving_pb2_grpc as pb_grpc
 
@@ -114,7 +116,8 @@ async def _remote(server: str, prompt: str, params: SamplingParams, token: str |
         s.seed = params.seed
     s.stop.extend(params.stop)
     result = Completion()
-    channel = await open_channel(server, tls_ca, timeout)
+    tls_ca, cert, key = tls
+    channel = await open_channel(server, tls_ca, timeout, cert, key)
     try:
         async for msg in pb_grpc.SloserveStub(channel).Generate(request, metadata=metadata(token)):
             if msg.WhichOneof("kind") == "chunk":

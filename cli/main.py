@@ -16,6 +16,7 @@ from sloserve.cli.common import (
     CliError,
     OneLineCommand,
     check_model,
+    client_tls_options,
     metadata,
     open_channel,
     parse_server,
@@ -188,14 +189,14 @@ INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", 
 @click.option("--server", default=None, help="HOST:PORT of a running server [default: load --model in process].")
 @engine_options
 @click.option("--auth-token", envvar="SLOSERVE_AUTH_TOKEN", default=None, help="Bearer token of the server.")
-@click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
+@client_tls_options
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def info(server, auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
+def info(server, auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Server state (loading, serving, draining, engine_dead), model, limits and live engine statistics."""
     engine_opts = pop_engine_options(kwargs)
     if server is not None:
-        data = asyncio.run(_remote_info(parse_server(server), auth_token, tls_ca, timeout))
+        data = asyncio.run(_remote_info(parse_server(server), auth_token, (tls_ca, tls_cert, tls_key), timeout))
     else:
         check_model(engine_opts["model"])
         data = asyncio.run(with_engine(build_config(engine_opts), _local_info))
@@ -207,12 +208,13 @@ def info(server, auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
         click.echo(f"{key:<{width}}  {value}")
 
 
-async def _remote_info(server: str, token: str | None, tls_ca: str | None, timeout: float) -> dict:
+async def _remote_info(server: str, token: str | None, tls: tuple[str | None, str | None, str | None],
+                       timeout: float) -> dict:
     from google.protobuf.json_format import MessageToDict
     from sloserve.pb import serving_pb2 as pb
     from sloserve.pb import serving_pb2_grpc as pb_grpc
 
-    channel = await open_channel(server, tls_ca, timeout)
+    channel = await open_channel(server, tls[0], timeout, tls[1], tls[2])
     try:
         reply = await pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), metadata=metadata(token), timeout=timeout)
     except grpc.aio.AioRpcError as exc:

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import grpc
 import httpx
+import orjson
 import pytest
+from click.testing import CliRunner
+from sloserve.cli.main import cli
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
@@ -106,3 +109,17 @@ def test_the_metrics_port_wants_the_certificate_and_the_token(server, pki):
     http_metrics = server.url.replace("http://", "https://") + "/metrics"
     assert httpx.get(http_metrics, verify=pki.ssl_context(pki.client), timeout=10).status_code == 401
     assert httpx.get(http_metrics, headers=good, verify=pki.ssl_context(pki.client), timeout=10).status_code == 200
+
+
+def test_the_cli_clients_present_a_client_certificate(server, pki):
+    cert, key = pki.client
+    common = ["--server", f"127.0.0.1:{server.port}", "--tls-ca", str(pki.ca.cert), "--timeout", "5"]
+    info = CliRunner().invoke(cli, ["info", *common, "--tls-cert", str(cert), "--tls-key", str(key), "--json"])
+    assert info.exit_code == 0 and orjson.loads(info.stdout)["state"] == "serving", info.output
+    generated = CliRunner().invoke(cli, ["generate", "hi", "--max-tokens", "2", *common, "--tls-cert", str(cert),
+                                         "--tls-key", str(key), "--json"])
+    assert generated.exit_code == 0 and orjson.loads(generated.stdout)["finish_reason"], generated.output
+    refused = CliRunner().invoke(cli, ["info", *common])  # no client certificate: the handshake fails
+    assert refused.exit_code == 2 and "--tls-cert/--tls-key" in refused.output, refused.output
+    half = CliRunner().invoke(cli, ["info", *common, "--tls-cert", str(cert)])
+    assert half.exit_code == 2 and "needs both --tls-cert and --tls-key" in half.output, half.output
