@@ -14,7 +14,10 @@ uvicorn's httptools protocol with four guards added, each counted in
 - `http_body_timeout`: its whole body must arrive within --http-body-timeout of its headers, else
   408 (if nothing was answered yet) and the connection closes; the app sees a disconnect.
 
-The keep-alive idle timeout between requests is uvicorn's own (--http-keep-alive).
+The keep-alive idle timeout between requests is uvicorn's own (--http-keep-alive); bytes that
+begin no request (blank lines) reset it in uvicorn, so they start the header clock here. A 408 is
+written only where no response is on the wire; a request pipelined behind another is not read
+until that one ends, so its body has no clock until then.
 NOTE: with TLS, asyncio calls connection_made only after the handshake, so a client stalling
 its handshake is bounded by asyncio's 60 s SSL handshake timeout, not by these guards.
 """
@@ -57,6 +60,7 @@ class GuardedProtocol(HttpToolsProtocol):
     _timer: asyncio.TimerHandle | None = None
     _phase: str | None = None  # 'header' or 'body' while its timer runs
     _header_bytes = 0  # bytes received in the current header phase
+    _begun = 0  # requests begun on this connection
     _accepted = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -83,13 +87,19 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        in_headers, begun = self._phase == "header", self._begun
         super().data_received(data)
         if self.transport.is_closing():
             return
-        # bytes between requests (the next request's first, or junk): its headers' clock starts
+        # bytes on an idle connection that began no request (blank lines, junk): uvicorn dropped its
+        # keep-alive timer on them, so the header clock runs instead
         if self._timer is None and (self.cycle is None or self.cycle.response_complete):
             self._arm(self.limits.header_timeout_s, "header")
-        if self._phase == "header":  # the parser holds these until the headers end: bound them
+        # the parser holds header bytes until the headers end: bound them. Reads that are wholly header
+        # bytes count: the connection's first, and any within one request's header phase (a read that
+        # began a later request may also hold the previous body, so it does not: one read of slack).
+        wholly_headers = self._begun == begun or (begun == 0 and self._begun == 1)
+        if in_headers and self._phase == "header" and wholly_headers:
             self._header_bytes += len(data)
             if self._header_bytes > self.limits.max_header_bytes:
                 self._too_large()
@@ -104,13 +114,21 @@ class GuardedProtocol(HttpToolsProtocol):
                                            f"passed {cap} bytes (--http-max-header-size)", "headers_too_large"))
         self.transport.close()
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._begun += 1
+        if self._phase != "header":  # a request after the first (kept alive, or pipelined behind a response)
+            self._header_bytes = 0
+            self._arm(self.limits.header_timeout_s, "header")
+
     def on_headers_complete(self) -> None:
         self._disarm()
         self._header_bytes = 0
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:  # the app may drop a stalled stream
             self.scope["extensions"] = {ABORT_EXTENSION: functools.partial(_abort, self.cycle, self.transport)}
-        self._arm(self.limits.body_timeout_s, "body")  # on_message_complete disarms it
+        if not (self.pipeline and self.pipeline[0][0] is self.cycle):  # NOTE: a request queued behind
+            self._arm(self.limits.body_timeout_s, "body")  # another (pipelined) is not read: no clock
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -138,8 +156,14 @@ class GuardedProtocol(HttpToolsProtocol):
         _notices.log(logging.WARNING, phase, "closed an HTTP connection from %s: its request %s did not "
                      "arrive within %g s (%s)", _peer(self.client), "headers" if phase == "header" else "body",
                      seconds, flag)
-        answered = phase == "body" and self.cycle is not None and self.cycle.response_started
-        if not answered:
+        # a 408 only where no response is on the wire: not inside one a pipelined request waits behind,
+        # nor after one the app already gave this request
+        cycle = self.cycle
+        if phase == "header":
+            quiet = cycle is not None and not cycle.response_complete
+        else:
+            quiet = cycle is not None and cycle.response_started
+        if not quiet:
             what = "headers" if phase == "header" else "body"
             self.transport.write(_raw_response(408, "Request Timeout", f"the request {what} did not arrive "
                                                f"within {seconds:g} s ({flag})", f"{phase}_timeout"))
