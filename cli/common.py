@@ -45,16 +45,26 @@ def parse_server(text: str) -> str:
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:
-    """The bearer token from --auth-token or --auth-token-file (first line, stripped)."""
+    """The bearer token from --auth-token or --auth-token-file (one line; surrounding blank space ignored).
+
+    A file with more than one non-empty line is refused, not cut to its first: a token with a
+    line break in it could never match a header, and a wrong file (a key, a list) should not
+    quietly become the token.
+    """
     if token and token_file:
         raise CliError("give either --auth-token or --auth-token-file, not both")
     if token_file:
         try:
             token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise CliError(f"cannot read --auth-token-file {token_file!r}: {exc.strerror}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read --auth-token-file {token_file!r}: {getattr(exc, 'strerror', exc)}") from None
         if not token:
             raise CliError(f"--auth-token-file {token_file!r} is empty: put the token on its first line")
+        lines = [line for line in token.splitlines() if line.strip()]
+        if len(lines) > 1:
+            raise CliError(f"--auth-token-file {token_file!r} has {len(lines)} non-empty lines: a token is one "
+                           "line; leave only the token in the file")
+        token = token.strip()
     if token is not None and not token.strip():
         raise CliError("--auth-token must not be empty")
     return token
@@ -81,13 +91,34 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-async def open_channel(server: str, tls_ca: str | None, timeout_s: float) -> grpc.aio.Channel:
-    """A connected channel (TLS when --tls-ca is given); CliError when the server cannot be reached."""
+def client_tls_options(fn):
+    """--tls-ca, and the client certificate --tls-cert/--tls-key for a server that wants one (its --tls-ca)."""
+    for option in reversed([
+        click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server."),
+        click.option("--tls-cert", default=None, help="PEM client certificate, for a server with --tls-ca (mTLS)."),
+        click.option("--tls-key", default=None, help="PEM private key of --tls-cert."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+async def open_channel(server: str, tls_ca: str | None, timeout_s: float, cert: str | None = None,
+                       key: str | None = None) -> grpc.aio.Channel:
+    """A connected channel (TLS when --tls-ca is given, with a client certificate when --tls-cert is);
+    CliError when the server cannot be reached."""
+    if (cert is None) != (key is None):
+        raise CliError("a client certificate needs both --tls-cert and --tls-key")
+    if cert is not None and not tls_ca:
+        raise CliError("--tls-cert needs --tls-ca (the server's root certificate)")
     if tls_ca:
-        try:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-        except OSError as exc:
-            raise CliError(f"cannot read --tls-ca {tls_ca!r}: {exc.strerror}") from None
+        pems = {}
+        for flag, path in (("--tls-ca", tls_ca), ("--tls-cert", cert), ("--tls-key", key)):
+            try:
+                pems[flag] = Path(path).read_bytes() if path else None
+            except OSError as exc:
+                raise CliError(f"cannot read {flag} {path!r}: {exc.strerror}") from None
+        creds = grpc.ssl_channel_credentials(root_certificates=pems["--tls-ca"], private_key=pems["--tls-key"],
+                                             certificate_chain=pems["--tls-cert"])
         channel = grpc.aio.secure_channel(server, creds)
     else:
         channel = grpc.aio.insecure_channel(server)
@@ -96,7 +127,8 @@ async def open_channel(server: str, tls_ca: str | None, timeout_s: float) -> grp
     except (TimeoutError, asyncio.CancelledError):
         await channel.close()
         raise CliError(f"cannot reach a sloserve server at {server} within {timeout_s:g} s: start one with "
-                       "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS)") from None
+                       "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS, --tls-cert/--tls-key "
+                       "if it wants a client certificate)") from None
     return channel
 
 

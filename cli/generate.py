@@ -16,6 +16,7 @@ from sloserve.cli.common import (
     CliError,
     OneLineCommand,
     check_model,
+    client_tls_options,
     metadata,
     open_channel,
     parse_server,
@@ -63,11 +64,11 @@ class Completion:
                    "then EOS (give --max-tokens 931 for room for a 30x30 grid).")
 @click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
               help="Bearer token of the server (--api-key: the same).")
-@click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
+@client_tls_options
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text.")
 def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, arc_grid_grammar,
-             auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
+             auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Generate a completion of PROMPT, printing text as it streams."""
     engine_opts = pop_engine_options(kwargs)
     if not prompt:
@@ -81,7 +82,8 @@ def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, 
     except InvalidRequestError as exc:
         raise CliError(_flagged(str(exc))) from None
     if server is not None:
-        result = asyncio.run(_remote(parse_server(server), prompt, params, auth_token, tls_ca, timeout, not as_json))
+        result = asyncio.run(_remote(parse_server(server), prompt, params, auth_token, (tls_ca, tls_cert, tls_key),
+                                     timeout, not as_json))
     else:
         check_model(engine_opts["model"])
         config = build_config(engine_opts)
@@ -108,8 +110,8 @@ def _flagged(message: str) -> str:
     return message
 
 
-async def _remote(server: str, prompt: str, params: SamplingParams, token: str | None, tls_ca: str | None,
-                  timeout: float, echo: bool) -> Completion:
+async def _remote(server: str, prompt: str, params: SamplingParams, token: str | None,
+                  tls: tuple[str | None, str | None, str | None], timeout: float, echo: bool) -> Completion:
     from sloserve.pb import serving_pb2 as pb
     from sloserve.pb import serving_pb2_grpc as pb_grpc
 
@@ -122,7 +124,8 @@ async def _remote(server: str, prompt: str, params: SamplingParams, token: str |
     if params.grammar is not None:
         s.structured.grammar = structured.arc_grid_lark()  # the only grammar this command sends
     result = Completion()
-    channel = await open_channel(server, tls_ca, timeout)
+    tls_ca, cert, key = tls
+    channel = await open_channel(server, tls_ca, timeout, cert, key)
     try:
         async for msg in pb_grpc.SloserveStub(channel).Generate(request, metadata=metadata(token)):
             if msg.WhichOneof("kind") == "chunk":

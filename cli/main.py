@@ -16,6 +16,7 @@ from sloserve.cli.common import (
     CliError,
     OneLineCommand,
     check_model,
+    client_tls_options,
     metadata,
     open_channel,
     parse_server,
@@ -23,6 +24,7 @@ from sloserve.cli.common import (
     rpc_error,
 )
 from sloserve.cli.generate import generate
+from sloserve.cli.http_options import http_limit_options, pop_http_limits
 from sloserve.cli.options import (
     build_config,
     engine_options,
@@ -81,6 +83,12 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--auth-token-file", default=None, help="Read the bearer token from this file.")
 @click.option("--tls-cert", default=None, help="PEM certificate chain (TLS on; needs --tls-key).")
 @click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
+@click.option("--tls-ca", default=None, help="PEM CA certificates: clients must present a certificate signed by "
+              "one of them (mTLS) on the gRPC, HTTP and metrics ports; needs --tls-cert.")
+@click.option("--metrics-host", default=None, help="Address the Prometheus port binds, e.g. 127.0.0.1 to keep "
+              "it local [default: --host].")
+@click.option("--metrics-token", envvar="SLOSERVE_METRICS_TOKEN", default=None,
+              help="Require 'authorization: Bearer TOKEN' on the Prometheus port [default: open].")
 @click.option("--max-tokens-limit", default=4096, show_default=True, type=int, help="Largest max_tokens accepted.")
 @click.option("--max-logprobs", default=20, show_default=True, type=int,
               help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).")
@@ -102,22 +110,27 @@ def _metrics_port(text: str) -> int | None:
               help="Front-end processes (gRPC + HTTP intake, tokenizing) sharing one engine process and the same "
                    "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
                    "metrics, front end k on --metrics-port + k.")
+@http_limit_options
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
-                   "(see sloserve.faults) [default: off].")
+                   "(see sloserve.faults) [default: off]. Refused unless --allow-fault-injection.")
+@click.option("--allow-fault-injection", envvar="SLOSERVE_ALLOW_FAULT_INJECTION", is_flag=True, hidden=True,
+              help="Tests only: let --inject-faults act (clients trigger faults by request id).")
 def serve(**kwargs) -> None:
     """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
     engine_opts = pop_engine_options(kwargs)
+    http_limits = pop_http_limits(kwargs)
     check_model(engine_opts["model"])
     token = read_token(kwargs["auth_token"], kwargs["auth_token_file"])
-    for flag in ("tls_cert", "tls_key"):
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
         path = kwargs[flag]
         if path is not None and not Path(path).is_file():
             raise CliError(f"--{flag.replace('_', '-')} {path!r} is not a readable file")
     try:
         server = ServerConfig(
             host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
-            auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
+            auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"], tls_ca=kwargs["tls_ca"],
+            metrics_host=kwargs["metrics_host"], metrics_token=kwargs["metrics_token"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
             max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
             max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
@@ -130,11 +143,18 @@ def serve(**kwargs) -> None:
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
     config = build_config(engine_opts, server, faults=kwargs["inject_faults"])
+    if config.faults:
+        if not kwargs["allow_fault_injection"]:
+            raise CliError("--inject-faults is for tests only (any client can trigger a fault through its request "
+                           "id); a test that means it sets SLOSERVE_ALLOW_FAULT_INJECTION=1")
+        click.echo(f"WARNING: fault injection is ON ({config.faults}): any client can fail or stall requests "
+                   "through its request id. Never run this in production.", err=True)
     if config.parallel.node_rank > 0:
         sys.exit(_serve_node(config))
-    http = _http_config(kwargs)
+    http = _http_config(kwargs, http_limits)
     click.echo(f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
-               f" ({'TLS' if server.tls_cert else 'plaintext'}, auth {'on' if token else 'off'})"
+               f" ({'mTLS' if server.tls_ca else 'TLS' if server.tls_cert else 'plaintext'}, "
+               f"auth {'on' if token else 'off'})"
                + (f", HTTP on {server.host}:{http.port or 'auto'}" if http else ", HTTP off"), err=True)
     if config.model.path in RANDOM_MODELS:
         click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
@@ -162,7 +182,7 @@ def _serve_node(config) -> int:
         raise CliError(f"cannot load model {config.model.path!r}: {exc}") from None
 
 
-def _http_config(kwargs: dict):
+def _http_config(kwargs: dict, limits: dict):
     """The HTTP edge's settings, or None for --http-port off."""
     from sloserve.http.config import HttpConfig
 
@@ -172,7 +192,10 @@ def _http_config(kwargs: dict):
         raise CliError(f"--chat-template {template!r} is not a readable file")
     if port is None:
         return None
-    return HttpConfig(port=port, chat_template=template, model_name=kwargs["served_model_name"])
+    try:
+        return HttpConfig(port=port, chat_template=template, model_name=kwargs["served_model_name"], **limits)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", "max_model_len",
@@ -185,14 +208,14 @@ INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", 
 @engine_options
 @click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
               help="Bearer token of the server (--api-key: the same).")
-@click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server.")
+@client_tls_options
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def info(server, auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
+def info(server, auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Server state (loading, serving, draining, engine_dead), model, limits and live engine statistics."""
     engine_opts = pop_engine_options(kwargs)
     if server is not None:
-        data = asyncio.run(_remote_info(parse_server(server), auth_token, tls_ca, timeout))
+        data = asyncio.run(_remote_info(parse_server(server), auth_token, (tls_ca, tls_cert, tls_key), timeout))
     else:
         check_model(engine_opts["model"])
         data = asyncio.run(with_engine(build_config(engine_opts), _local_info))
@@ -204,12 +227,13 @@ def info(server, auth_token, tls_ca, timeout, as_json, **kwargs) -> None:
         click.echo(f"{key:<{width}}  {value}")
 
 
-async def _remote_info(server: str, token: str | None, tls_ca: str | None, timeout: float) -> dict:
+async def _remote_info(server: str, token: str | None, tls: tuple[str | None, str | None, str | None],
+                       timeout: float) -> dict:
     from google.protobuf.json_format import MessageToDict
     from sloserve.pb import serving_pb2 as pb
     from sloserve.pb import serving_pb2_grpc as pb_grpc
 
-    channel = await open_channel(server, tls_ca, timeout)
+    channel = await open_channel(server, tls[0], timeout, tls[1], tls[2])
     try:
         reply = await pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), metadata=metadata(token), timeout=timeout)
     except grpc.aio.AioRpcError as exc:

@@ -157,7 +157,8 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
           ("master port", "--master-port"), ("idle spin", "--idle-spin"),
           ("max logprobs", "--max-logprobs"), ("max n", "--max-n"), ("frontends", "--frontends"),
-          ("grammar cache", "--grammar-cache"))
+          ("grammar cache", "--grammar-cache"),
+          ("tls ca", "--tls-ca"), ("metrics token", "--metrics-token"))
 
 
 def with_flag(message: str) -> str:

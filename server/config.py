@@ -175,6 +175,9 @@ class ServerConfig:
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS), on every port
+    metrics_host: str | None = None  # address the Prometheus port binds [default: host]
+    metrics_token: str | None = None  # bearer token the Prometheus port requires (None: open)
     grace_s: float = 10.0
     log_format: str = "text"
     engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
@@ -185,6 +188,9 @@ class ServerConfig:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
         _require(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics port must be in 0..65535")
         _require((self.tls_cert is None) == (self.tls_key is None), "TLS needs both --tls-cert and --tls-key")
+        _require(self.tls_ca is None or self.tls_cert is not None,
+                 "tls ca (client certificates) needs TLS on: give --tls-cert and --tls-key too")
+        _require(self.metrics_token is None or bool(self.metrics_token.strip()), "metrics token must not be empty")
         _require(self.log_format in ("text", "json"), "log format must be 'text' or 'json'")
         _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
         _require(self.max_logprobs >= 0, f"max logprobs must be >= 0, got {self.max_logprobs}")

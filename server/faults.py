@@ -12,7 +12,9 @@ every request whose id contains MARKER (request ids reach the engine as
                       (holds a request past a grace period on any machine, by construction)
 
 Set it with ``SloserveConfig(faults=...)``, ``sloserve serve --inject-faults SPEC`` or the
-``SLOSERVE_INJECT_FAULTS`` environment variable read by the CLI. Never enable it in production.
+``SLOSERVE_INJECT_FAULTS`` environment variable read by the CLI; `sloserve serve` refuses either
+unless ``SLOSERVE_ALLOW_FAULT_INJECTION=1`` (which only tests set), since any client can name a
+marker in its request id. Never enable it in production.
 """
 
 from __future__ import annotations

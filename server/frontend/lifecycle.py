@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any, Protocol
 
 from sloserve.config import SloserveConfig
 from sloserve.frontend.frontend import Frontend
+from sloserve.frontend.heap import trim_when_idle
 from sloserve.frontend.metrics import Metrics
+from sloserve.frontend.metrics_http import tls_context
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,35 @@ class Lifecycle:
         cfg = self.config.server
         if cfg.metrics_port is None or self.metrics_port is not None:
             return
+        tls = None
+        if cfg.tls_cert and cfg.tls_key:  # the same TLS (and client certificates) as the API ports
+            try:
+                tls = tls_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot serve metrics with --tls-cert/--tls-key/--tls-ca: {exc}") from None
+        host = cfg.metrics_host or cfg.host
         try:
-            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, host, tls=tls, token=cfg.metrics_token)
         except OSError as exc:
-            raise ValueError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {exc.strerror}; "
-                             "pick another --metrics-port (or --metrics-port off)") from None
+            raise ValueError(f"cannot serve metrics on {host}:{cfg.metrics_port}: {exc.strerror}; "
+                             "pick another --metrics-port or --metrics-host (or --metrics-port off)") from None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes this server, once the port is bound."""
+        if self.metrics_port is None:
+            return None
+        cfg = self.config.server
+        return f"{'https' if cfg.tls_cert else 'http'}://{cfg.metrics_host or cfg.host}:{self.metrics_port}/metrics"
 
     def start(self, *, start_engine: bool = True) -> None:
         """Load the engine in the background and start the watchdog."""
         if start_engine:
             self._tasks.append(asyncio.create_task(self._start_engine()))
         self._tasks.append(asyncio.create_task(self._watchdog()))
+        cfg = self.config
+        if cfg.server.engine_process or cfg.model.host_malloc == "system":  # see frontend/heap.py
+            self._tasks.append(asyncio.create_task(trim_when_idle(lambda: self.frontend.inflight)))
 
     async def _start_engine(self) -> None:
         try:

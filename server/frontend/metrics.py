@@ -24,12 +24,14 @@ Besides outcomes, latencies and engine gauges:
 from __future__ import annotations
 
 import collections
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sloserve.frontend import metrics_http
 from sloserve.frontend.failures import FailureCode
 from sloserve.frontend.requests import Finished, ParsedRequest
 from sloserve.sampling_params import SLO
@@ -82,6 +84,8 @@ class Metrics:
         for label in SLO_CLASSES:  # every series from the start, so rates need no first sample
             for outcome in SLO_OUTCOMES:
                 self.slo_requests.labels(slo_class=label, outcome=outcome)
+        self.limit_refusals = Counter("sloserve_limit_refusals", "Connections, requests and streams refused "
+                                      "or cut by an edge's limit, by limit.", ["limit"], registry=self.registry)
         self.service_refusals: collections.Counter[str] = collections.Counter()
         if engine_stats is not None:
             self.registry.register(_EngineCollector(engine_stats, self.service_refusals))
@@ -105,6 +109,10 @@ class Metrics:
                 self.tpot.observe(max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1))
         self.e2e.observe(finished.e2e_s)
 
+    def limit_refused(self, limit: str) -> None:
+        """Count one refusal by an edge's limit (a bounded name such as http_header_timeout)."""
+        self.limit_refusals.labels(limit=limit).inc()
+
     def request_failed(self, code: FailureCode, reason: str, request: ParsedRequest | None = None) -> None:
         """Count a request that failed; refusals for the server's state are also counted by reason.
 
@@ -117,9 +125,11 @@ class Metrics:
         if code == FailureCode.UNAVAILABLE and reason in ("draining", "not_ready"):
             self.service_refusals[reason] += 1
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks one)."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", *, tls: ssl.SSLContext | None = None,
+              token: str | None = None) -> int:
+        """Serve /metrics in a daemon thread (HTTPS with `tls`, a bearer `token` required if given);
+        returns the bound port (port 0 picks one)."""
+        self._http = metrics_http.serve(self.registry, host, port, tls=tls, token=token)
         return self._http.server_port
 
     def stop(self) -> None:

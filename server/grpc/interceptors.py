@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from sloserve.frontend.bearer import bearer_matches
 from sloserve.frontend.failures import failure_from_exception
 from sloserve.grpc.convert import STATUS
 
@@ -59,7 +59,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -69,7 +69,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        if isinstance(got, str) and hmac.compare_digest(got.encode(), self._expected):
+        if isinstance(got, str) and bearer_matches(got, self._token):
             return handler
         message = ("missing bearer token: send metadata 'authorization: Bearer <token>'" if got is None
                    else "wrong bearer token: check the token given to the server with --auth-token")

@@ -27,15 +27,20 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STREAM_LINGER_S = 1.0  # after a drain, how long idle Streams stay open for late writers
 
 
-def read_tls(cert: str, key: str) -> grpc.ServerCredentials:
-    """Server credentials from PEM files; ValueError names the file that cannot be read."""
+def read_tls(cert: str, key: str, ca: str | None = None) -> grpc.ServerCredentials:
+    """Server credentials from PEM files (`ca`: client certificates it signed are required, mTLS);
+    ValueError names the file that cannot be read."""
     pems = []
-    for flag, path in (("--tls-key", key), ("--tls-cert", cert)):
+    for flag, path in (("--tls-key", key), ("--tls-cert", cert), ("--tls-ca", ca)):
+        if path is None:
+            pems.append(None)
+            continue
         try:
             pems.append(Path(path).read_bytes())
         except OSError as exc:
             raise ValueError(f"cannot read {flag} file {path!r}: {exc.strerror}") from None
-    return grpc.ssl_server_credentials([(pems[0], pems[1])])
+    return grpc.ssl_server_credentials([(pems[0], pems[1])], root_certificates=pems[2],
+                                       require_client_auth=pems[2] is not None)
 
 
 class SloserveServer:
@@ -101,7 +106,7 @@ class SloserveServer:
         address = f"{cfg.host}:{cfg.port}"
         try:
             if cfg.tls_cert and cfg.tls_key:
-                self.port = server.add_secure_port(address, read_tls(cfg.tls_cert, cfg.tls_key))
+                self.port = server.add_secure_port(address, read_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
             else:
                 self.port = server.add_insecure_port(address)
         except RuntimeError:
@@ -115,8 +120,8 @@ class SloserveServer:
         await server.start()
         self._server = server
         metrics_port = self.lifecycle.metrics_port
-        log.info("listening on %s:%d (%s)%s", cfg.host, self.port, "TLS" if cfg.tls_cert else "plaintext",
-                 f", metrics on http://{cfg.host}:{metrics_port}/metrics" if metrics_port else "")
+        log.info("listening on %s:%d (%s)%s", cfg.host, self.port, _security(cfg),
+                 f", metrics on {self.lifecycle.metrics_url}" if metrics_port else "")
         if self._owns_lifecycle:
             self.lifecycle.start(start_engine=start_engine)
 
@@ -152,3 +157,7 @@ class SloserveServer:
             await server.stop(self._stop_grace_s)
         if self._owns_lifecycle:
             await self.lifecycle.stop()
+
+
+def _security(cfg) -> str:
+    return "mTLS" if cfg.tls_ca else "TLS" if cfg.tls_cert else "plaintext"

@@ -4,6 +4,7 @@ adapter over the front end."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -12,6 +13,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sloserve import __version__
 from sloserve.frontend import Failure, FailureCode, RequestHandle, ServerState
+from sloserve.frontend.bearer import bearer_matches
 from sloserve.frontend.chat import NO_TEMPLATE, ChatTemplate
 from sloserve.frontend.chat_files import template_from_checkpoint, template_from_file
 from sloserve.frontend.lifecycle import Lifecycle
@@ -25,11 +27,15 @@ from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest, parse_chat, parse_completion
 from sloserve.http.slo import slo_from_wire
 from sloserve.http.tokenize import Tokenization
+from sloserve.logs import Throttled
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+log = logging.getLogger(__name__)
+_notices = Throttled(log)
 
 
 class HttpApi:
@@ -41,7 +47,8 @@ class HttpApi:
         self.config = lifecycle.config
         self.model = http.model_name or self.config.model.path
         self.auth = BearerAuth(self.config.server.auth_token)
-        self.completions = Completions(self.frontend)
+        self.max_body_bytes = http.max_body_bytes
+        self.completions = Completions(self.frontend, http.stream_stall_s)
         self.created = int(time.time())
         # --chat-template is read (and must compile) at start-up; the checkpoint's once it is loaded
         self._override = template_from_file(http.chat_template) if http.chat_template else None
@@ -87,6 +94,11 @@ class HttpApi:
             if exc.status == 400:
                 frontend.count_failure(Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc)))
             return http_error_response(exc)
+        except ClientDisconnect:  # gone mid-body (or cut by --http-body-timeout): nothing to answer
+            _notices.log(logging.INFO, "disconnect", "an HTTP client went away before its request body arrived")
+            if frontend.metrics is not None:
+                frontend.metrics.request_done("cancelled")
+            return Response(status_code=499)  # never sent: the connection is gone
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             return failure_response(frontend.failure(exc), chat=chat)
         engine_id = f"http-{request.scope.get(GENERATED) or uuid.uuid4().hex}"
@@ -132,13 +144,19 @@ class HttpApi:
         return self._template
 
     async def _json(self, request: Request) -> Any:
-        limit = self.config.server.max_message_bytes
+        """The body as JSON, read chunk by chunk: a body past --http-max-body-size is refused as it
+        arrives (a chunked upload has no length to check first), never held whole."""
+        limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, f"the request body has {declared} bytes, over this server's limit of {limit}")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise HttpError(413, f"the request body has {len(raw)} bytes, over this server's limit of {limit}")
+            raise _too_large(f"{declared} bytes", limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit} bytes", limit)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -202,6 +220,11 @@ class HttpApi:
         return error_response(503, f"not ready: {reason}", code=reason)
 
     async def metrics(self, request: Request) -> Response:
+        """The Prometheus text; with --metrics-token, only to a scrape that sends it as a bearer token."""
+        token = self.config.server.metrics_token
+        if token is not None and not bearer_matches(request.headers.get("authorization"), token):
+            return error_response(401, "missing or wrong bearer token: scrape /metrics with "
+                                  "'Authorization: Bearer <--metrics-token>'", code="invalid_token")
         return Response(generate_latest(self.lifecycle.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self, request: Request) -> Response:
@@ -248,6 +271,11 @@ class HttpApi:
             return {}, error_response(503, "the model is still loading; retry when /health says 200",
                                       code="not_ready")
         return dict(self.frontend.engine.model_info), None
+
+
+def _too_large(size: str, limit: int) -> HttpError:
+    return HttpError(413, f"the request body has {size}, over this server's limit of {limit} "
+                     "(--http-max-body-size)", code="body_too_large")
 
 
 def _json(payload: dict) -> Response:

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import hmac
-
+from sloserve.frontend.bearer import bearer_matches
 from sloserve.http.errors import HttpError
 
 
 class BearerAuth:
-    """`Authorization: Bearer <token>`, compared in constant time; no token configured: all pass."""
+    """`Authorization: Bearer <token>` (the scheme in any case), compared in constant time; no token: all pass."""
 
     def __init__(self, token: str | None) -> None:
-        self._expected = f"Bearer {token}".encode() if token else None
+        self._token = token or None
 
     def check(self, authorization: str | None) -> None:
-        if self._expected is None:
+        if self._token is None:
             return
         if authorization is None:
             raise HttpError(401, "missing bearer token: send the header 'Authorization: Bearer <token>'",
                             code="missing_token")
-        if not hmac.compare_digest(authorization.encode(), self._expected):
+        if not bearer_matches(authorization, self._token):
             raise HttpError(401, "wrong bearer token: check the token given to the server with --auth-token",
                             code="invalid_token")

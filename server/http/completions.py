@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -14,8 +17,12 @@ from sloserve.http.choices import respond_n
 from sloserve.http.errors import STATUS, error_body, failure_response
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest
+from sloserve.logs import Throttled
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+
+log = logging.getLogger(__name__)
+_notices = Throttled(log)
 
 SHUTDOWN = Failure(FailureCode.UNAVAILABLE, "shutdown", "the server shut down before this request finished "
                    "(drain grace period over); retry it on another replica")
@@ -30,8 +37,11 @@ class Completions:
     status. `live` holds every running request's handle until its response ends.
     """
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, stall_s: float = 30.0) -> None:
         self.frontend = frontend
+        self.stall_s = stall_s  # a stream whose client read nothing this long is aborted
+        self.streams: set[sse.EventStream] = set()  # live event streams, watched for stalls
+        self._stall_watch: asyncio.Task | None = None
         self.live: dict[str, RequestHandle] = {}  # engine id -> handle
         self.shutting_down = False
 
@@ -58,15 +68,41 @@ class Completions:
                 streaming = True  # the stream owns the events and the watcher from here
 
                 async def close() -> None:  # the client went away: the front end aborts it in the engine
+                    self.streams.discard(stream)
                     await events.aclose()
                     self.live.pop(handle.engine_id, None)
-                return sse.EventStream(self._stream(events, first, req, shape), watcher, close)
+                stream = sse.EventStream(self._stream(events, first, req, shape), watcher, close,
+                                         functools.partial(self._stalled, handle.engine_id))
+                self._watch(stream)
+                return stream
             return await self._whole(events, first, req, shape)
         finally:
             if not streaming:
                 watcher.cancel()
                 await events.aclose()
                 self.live.pop(handle.engine_id, None)
+
+    def _watch(self, stream: sse.EventStream) -> None:
+        """Watch a stream for a send blocked past the stall limit (one watcher task while any stream is live)."""
+        self.streams.add(stream)
+        if self._stall_watch is None or self._stall_watch.done():
+            self._stall_watch = asyncio.create_task(self._watch_stalls())
+
+    async def _watch_stalls(self) -> None:
+        period = min(self.stall_s / 4, 1.0)
+        while self.streams:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for stream in list(self.streams):
+                since = stream.sending_since
+                if since is not None and now - since > self.stall_s:
+                    stream.stall()
+
+    def _stalled(self, engine_id: str) -> None:
+        _notices.log(logging.WARNING, "stall", "aborted request %s: its client read none of its stream for "
+                     "%g s (--http-stream-stall-timeout)", engine_id, self.stall_s)
+        if self.frontend.metrics is not None:
+            self.frontend.metrics.limit_refused("http_stream_stall")
 
     async def _whole(self, events: AsyncIterator[Any], event: Any, req: CompletionRequest, shape: Shape) -> Response:
         """Collect a request's tokens into one response (or a stream that ended before its first token)."""

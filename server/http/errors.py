@@ -50,6 +50,8 @@ def retry_headers(status: int, code: str | None) -> dict[str, str]:
     """Whether and when a client should retry: x-should-retry: false where a retry cannot help
     (every 4xx but 429, and the refusals of NO_RETRY_CODES), Retry-After (+ -ms) where one can."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if status == 413:  # the rest of the body is not read: end the connection, not wait for it
+        headers["Connection"] = "close"
     if code in NO_RETRY_CODES or (400 <= status < 500 and status != 429):
         headers["x-should-retry"] = "false"
     elif status in (429, 503):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 
 import uvicorn
 from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.http.app import HttpApi
 from sloserve.http.config import HttpConfig
+from sloserve.http.guard import protocol_class
+from sloserve.logs import ThrottleWarnings
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +39,30 @@ class HttpServer:
 
     async def start(self) -> None:
         cfg = self.lifecycle.config.server
+        http = self.http
         tls = bool(cfg.tls_cert and cfg.tls_key)
-        config = uvicorn.Config(self.api.app, host=cfg.host, port=self.http.port, log_config=None,
+        mtls = tls and cfg.tls_ca is not None
+        protocol = protocol_class(http, self.lifecycle.metrics.limit_refused)
+        config = uvicorn.Config(self.api.app, host=cfg.host, port=http.port, log_config=None, http=protocol,
                                 access_log=False, lifespan="off", ws="none", server_header=False,
-                                timeout_graceful_shutdown=SHUTDOWN_S, timeout_keep_alive=30,
-                                ssl_certfile=cfg.tls_cert if tls else None, ssl_keyfile=cfg.tls_key if tls else None)
+                                timeout_graceful_shutdown=SHUTDOWN_S, timeout_keep_alive=http.keep_alive_s,
+                                ssl_certfile=cfg.tls_cert if tls else None, ssl_keyfile=cfg.tls_key if tls else None,
+                                ssl_ca_certs=cfg.tls_ca if mtls else None,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if mtls else ssl.CERT_NONE)
         try:
             config.load()
-        except (OSError, ValueError) as exc:  # an unreadable or mismatched certificate/key
-            raise ValueError(f"cannot serve HTTPS with --tls-cert/--tls-key: {exc}") from None
+        except (OSError, ValueError) as exc:  # an unreadable or mismatched certificate/key/CA
+            raise ValueError(f"cannot serve HTTPS with --tls-cert/--tls-key/--tls-ca: {exc}") from None
         self._sock = _bind(cfg.host, self.http.port, reuse_port=cfg.frontends > 1)
         self.port = self._sock.getsockname()[1]
+        _throttle_uvicorn_warnings()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[self._sock])
         self._server = server
         self._task = asyncio.create_task(server.main_loop())
         log.info("http listening on %s:%d (%s): OpenAI-compatible /v1/completions, /v1/chat/completions",
-                 cfg.host, self.port, "TLS" if tls else "plaintext")
+                 cfg.host, self.port, "mTLS" if mtls else "TLS" if tls else "plaintext")
 
     # ---- Edge ------------------------------------------------------------------------------
     async def readiness(self, ready: bool, alive: bool) -> None:
@@ -74,6 +83,13 @@ class HttpServer:
             await task
         await server.shutdown(sockets=[self._sock] if self._sock else None)
         self._sock = None
+
+
+def _throttle_uvicorn_warnings() -> None:
+    """uvicorn warns once per malformed request: at most once per 10 s per message, so a flood stays readable."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, ThrottleWarnings) for f in logger.filters):
+        logger.addFilter(ThrottleWarnings())
 
 
 def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:

@@ -27,6 +27,10 @@ SERVICE_NAME = "sloserve.v1.Sloserve"
 FULL = os.environ.get("SLOSERVE_FULL") == "1"
 
 
+# Servers started here may use --inject-faults, which `serve` refuses without this (tests only).
+ALLOW_FAULTS = {"SLOSERVE_ALLOW_FAULT_INJECTION": "1"}
+
+
 def count(ci: int, full: int) -> int:
     """The CI count, or the full one with SLOSERVE_FULL=1."""
     return full if FULL else ci
@@ -43,7 +47,7 @@ class ServerProcess:
         self._cond = threading.Condition()
         self.proc = subprocess.Popen(
             self.argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **ALLOW_FAULTS, **(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         try:
