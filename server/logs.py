@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 
 import orjson
@@ -37,3 +38,24 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class Throttled:
+    """Warnings an attacker could repeat at will, logged at most once per `interval_s` per key (with a count)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self.interval_s) < self.interval_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            message += f" ({suppressed} more like it since the last one)"
+        self.logger.warning(message, *args)

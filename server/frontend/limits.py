@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sloserve.errors import InvalidRequestError
+from sloserve.frontend.failures import LimitExceeded
 from sloserve.frontend.requests import ParsedRequest
 
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused before tokenizing
@@ -21,18 +22,19 @@ class Limits:
         if not prompt:
             raise InvalidRequestError("prompt is empty: send some text or token ids")
         if parsed.params.max_tokens > self.max_tokens_limit:
-            raise InvalidRequestError(f"max_tokens {parsed.params.max_tokens} is over this server's limit of "
-                                      f"{self.max_tokens_limit}; ask for fewer")
+            raise LimitExceeded("max_tokens", f"max_tokens {parsed.params.max_tokens} is over this server's "
+                                f"limit of {self.max_tokens_limit}; ask for fewer", reason="invalid_argument")
         if isinstance(prompt, list):
             self.check_tokens(len(prompt))
         elif max_model_len and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} characters, over this server's limit of "
+            raise LimitExceeded(
+                "prompt_chars", f"prompt has {len(prompt)} characters, over this server's limit of "
                 f"{max_model_len * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token of the model's "
-                f"{max_model_len}-token context); shorten it")
+                f"{max_model_len}-token context); shorten it", reason="invalid_argument")
 
     def check_tokens(self, n: int) -> None:
         """The prompt's token count against --max-prompt-tokens."""
         limit = self.max_prompt_tokens
         if limit is not None and n > limit:
-            raise InvalidRequestError(f"prompt has {n} tokens, over this server's limit of {limit}; shorten it")
+            raise LimitExceeded("prompt_tokens", f"prompt has {n} tokens, over this server's limit of {limit}; "
+                                "shorten it", reason="invalid_argument")

@@ -4,27 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 from sloserve import __version__
+from sloserve.config import GrpcConfig
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend import Failure, FailureCode, Frontend, RequestHandle, Tokens
+from sloserve.grpc import limits
 from sloserve.grpc.convert import STATUS, chunk_pb, final_pb, from_pb, info_pb
 from sloserve.grpc.handlers import Undecodable
 from sloserve.grpc.interceptors import end_call
 from sloserve.grpc.session import StreamSession
+from sloserve.logs import Throttled
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 
 class SloserveService(pb_grpc.SloserveServicer):
-    """Stream / Generate / Info over one front end; tracks open Streams for graceful drain."""
+    """Stream / Generate / Info over one front end; tracks open Streams for graceful drain and their cap."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, config: GrpcConfig | None = None) -> None:
         self.frontend = frontend
+        self.config = config or GrpcConfig()
+        self._warn = Throttled(log)
         self._sessions: set[StreamSession] = set()
         self._no_streams = asyncio.Event()
         self._no_streams.set()
@@ -46,26 +54,62 @@ class SloserveService(pb_grpc.SloserveServicer):
         except TimeoutError:
             return False
 
-    async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable], context) -> AsyncIterator[pb.ServerMessage]:
-        session = StreamSession(self.frontend, context)
+    async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable], context) -> None:
+        """Read client messages in one task, write server messages here (explicit writes, so that a write
+        that cannot go out, to a client gone or not reading, is ours to end quietly)."""
+        if len(self._sessions) >= self.config.max_streams:
+            failure = limits.too_many_streams(self.config)
+            self.frontend.limit_refused(failure.limit)
+            self._warn.warning("grpc_max_streams", "refusing Streams: %d open (--grpc-max-streams)",
+                               len(self._sessions))
+            await end_call(context, STATUS[failure.code], failure.message)
+            return
+        session = StreamSession(self.frontend, context, self.config)
         self._sessions.add(session)
         self._no_streams.clear()
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while (msg := await session.next_message()) is not None:
-                if isinstance(msg, Failure):  # the stream itself is broken: end every request, then it
-                    for error in session.fail_live(Failure(msg.code, msg.reason, "this request was ended "
-                                                           f"because its stream broke: {msg.message}")):
-                        yield error
-                    await end_call(context, STATUS[msg.code], msg.message)
+                if isinstance(msg, Failure):  # the stream itself is broken or idle: end every request, then it
+                    await self._end(session, msg)
                     return
-                yield msg
+                if not await self._write(session, msg):
+                    return
         finally:
             self._sessions.discard(session)
             if not self._sessions:
                 self._no_streams.set()
             reader.cancel()
             session.abort_all()
+
+    async def _write(self, session: StreamSession, msg: pb.ServerMessage) -> bool:
+        """Write one message; False when the stream is over (client gone, or stalled and now ended)."""
+        try:
+            async with asyncio.timeout(self.config.stream_stall_s):
+                await session.context.write(msg)
+            return True
+        except TimeoutError:
+            failure = limits.stalled(self.config)
+            self.frontend.limit_refused(failure.limit)
+            self._warn.warning("grpc_stream_stalled", "ending a Stream whose client reads nothing (%s)",
+                               session.context.peer())
+            session.drop_queued()
+            await self._end(session, failure, write=False)
+        except Exception as exc:  # noqa: BLE001 - ExecuteBatchError, AbortError: the call is over
+            log.info("stream %s ended by its client: %s", session.context.peer(), type(exc).__name__)
+        return False
+
+    async def _end(self, session: StreamSession, failure: Failure, *, write: bool = True) -> None:
+        """End the call with `failure`'s status; each live request first gets a RequestError (if `write`)."""
+        errors = session.fail_live(Failure(failure.code, failure.reason, "this request was ended because its "
+                                           f"stream broke: {failure.message}"))
+        for error in errors if write else ():
+            if not await self._write(session, error):
+                return
+        try:
+            await end_call(session.context, STATUS[failure.code], failure.message)
+        except grpc.aio.AbortError:
+            pass  # the status is on its way (after what the client has not read yet)
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable, context) -> AsyncIterator[pb.ServerMessage]:
         arrival = time.monotonic()  # the one arrival stamp: grpc has just read the request
