@@ -26,7 +26,9 @@ from sloserve.cli.generate import generate
 from sloserve.cli.options import (
     build_config,
     engine_options,
+    grpc_options,
     pop_engine_options,
+    pop_grpc_config,
     with_engine,
     with_flag,
 )
@@ -86,12 +88,17 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--idle-spin", default=1.0, show_default=True, type=float, metavar="SECONDS",
               help="The engine process keeps polling for input this long after its last step before it sleeps: "
                    "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).")
+@click.option("--metrics-compat", default="none", show_default=True, type=click.Choice(["none", "vllm"]),
+              help="vllm: also export the vllm:-named series gateways (the Inference Extension's endpoint picker) "
+                   "and dashboards scrape.")
+@grpc_options
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
                    "(see sloserve.faults) [default: off].")
 def serve(**kwargs) -> None:
     """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
     engine_opts = pop_engine_options(kwargs)
+    grpc_config = pop_grpc_config(kwargs)
     check_model(engine_opts["model"])
     token = read_token(kwargs["auth_token"], kwargs["auth_token_file"])
     for flag in ("tls_cert", "tls_key"):
@@ -104,14 +111,14 @@ def serve(**kwargs) -> None:
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
-            idle_spin_s=kwargs["idle_spin"])
+            idle_spin_s=kwargs["idle_spin"], metrics_compat=kwargs["metrics_compat"])
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:
         raise CliError("--max-prompt-tokens must be >= 1")
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
-    config = build_config(engine_opts, server, faults=kwargs["inject_faults"])
+    config = build_config(engine_opts, server, faults=kwargs["inject_faults"], grpc=grpc_config)
     if config.parallel.node_rank > 0:
         sys.exit(_serve_node(config))
     http = _http_config(kwargs)

@@ -186,7 +186,8 @@ class ServerConfig:
 class GrpcConfig:
     """What one gRPC client may hold: streams, requests, queued output, idle time (docs/threat-model.md).
 
-    Durations are seconds; 0 turns an idle or age limit off.
+    Durations are seconds; 0 turns an idle or age limit off. An error starts with the field's name
+    (the CLI puts its flag there).
     """
 
     max_request_id_length: int = 256  # characters of a request_id, printable ASCII only
@@ -208,15 +209,14 @@ class GrpcConfig:
         for name in ("max_request_id_length", "max_streams", "max_streams_per_connection", "max_connections",
                      "max_requests_per_stream", "stream_queue"):
             value = getattr(self, name)
-            _require(1 <= value <= 2**31 - 1, f"grpc {name.replace('_', ' ')} must be in 1..2147483647, got {value}")
+            _require(1 <= value <= 2**31 - 1, f"{name} must be in 1..2147483647, got {value}")
         for name in ("stream_stall_s", "keepalive_time_s", "keepalive_timeout_s"):
             value = getattr(self, name)
-            _require(math.isfinite(value) and value > 0, f"grpc {_seconds_name(name)} must be > 0 seconds, got {value}")
+            _require(math.isfinite(value) and value > 0, f"{name} must be > 0 seconds, got {value}")
         for name in ("stream_idle_s", "max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s",
                      "min_ping_interval_s"):
             value = getattr(self, name)
-            _require(math.isfinite(value) and value >= 0,
-                     f"grpc {_seconds_name(name)} must be >= 0 seconds (0: off), got {value}")
+            _require(math.isfinite(value) and value >= 0, f"{name} must be >= 0 seconds (0: off), got {value}")
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The grpc core server options these limits set (0 leaves an idle or age limit at grpc's: off)."""
@@ -231,11 +231,6 @@ class GrpcConfig:
         return [*options, ("grpc.max_concurrent_streams", self.max_streams_per_connection),
                 ("grpc.max_allowed_incoming_connections", self.max_connections),
                 ("grpc.http2.max_ping_strikes", 2)]
-
-
-def _seconds_name(field_name: str) -> str:
-    """'stream_stall_s' -> 'stream stall' (the words of the flag without its dashes)."""
-    return field_name.removesuffix("_s").replace("_", " ")
 
 
 @dataclass(slots=True)

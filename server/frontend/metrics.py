@@ -34,7 +34,13 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 from sloserve.frontend.engine_metrics import EngineCollector
 from sloserve.frontend.failures import FailureCode
 from sloserve.frontend.requests import Finished, ParsedRequest

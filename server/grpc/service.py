@@ -83,24 +83,32 @@ class SloserveService(pb_grpc.SloserveServicer):
             session.abort_all()
 
     async def _write(self, session: StreamSession, msg: pb.ServerMessage) -> bool:
-        """Write one message; False when the stream is over (client gone, or stalled and now ended)."""
+        """Write one message; False when the stream is over (client gone, or stalled and ended).
+
+        A write still blocked after `stream_stall_s` (a client that reads nothing) ends the Stream
+        from a task of its own: the write is left pending, not cancelled, so that the status goes
+        out after what is already on its way.
+        """
+        timer = asyncio.get_running_loop().call_later(self.config.stream_stall_s, self._stalled, session)
         try:
-            async with asyncio.timeout(self.config.stream_stall_s):
-                await session.context.write(msg)
+            await session.context.write(msg)
             return True
-        except TimeoutError:
-            failure = limits.stalled(self.config)
-            self.frontend.limit_refused(failure.limit)
-            self._warn.warning("grpc_stream_stalled", "ending a Stream whose client reads nothing (%s)",
-                               session.context.peer())
-            session.drop_queued()
-            await self._end(session, failure, write=False)
         except Exception as exc:  # noqa: BLE001 - ExecuteBatchError, AbortError: the call is over
-            log.info("stream %s ended by its client: %s", session.context.peer(), type(exc).__name__)
-        return False
+            log.info("stream %s ended: %s", session.context.peer(), type(exc).__name__)
+            return False
+        finally:
+            timer.cancel()
+
+    def _stalled(self, session: StreamSession) -> None:
+        self._warn.warning("grpc_stream_stalled", "ending a Stream whose client reads nothing (%s)",
+                           session.context.peer())
+        session.drop_queued()
+        session.ending = asyncio.create_task(self._end(session, limits.stalled(self.config), write=False))
 
     async def _end(self, session: StreamSession, failure: Failure, *, write: bool = True) -> None:
         """End the call with `failure`'s status; each live request first gets a RequestError (if `write`)."""
+        if failure.limit is not None:
+            self.frontend.limit_refused(failure.limit)
         errors = session.fail_live(Failure(failure.code, failure.reason, "this request was ended because its "
                                            f"stream broke: {failure.message}"))
         for error in errors if write else ():
@@ -116,6 +124,7 @@ class SloserveService(pb_grpc.SloserveServicer):
         try:
             if isinstance(request, Undecodable):
                 raise InvalidRequestError(request.message)
+            limits.check_request_id(request.request_id, self.config)
             parsed = from_pb(request, default_max_tokens=self.frontend.default_max_tokens,
                              time_remaining=context.time_remaining())
             self.frontend.check(parsed)

@@ -67,6 +67,7 @@ class StreamSession:
         self._room = asyncio.Event()  # set while `out` has room for another message
         self._room.set()
         self.last_read = time.monotonic()  # when the client's last message was read
+        self.ending: asyncio.Task | None = None  # the task that ends a stalled stream
         self._waiting_chunks: dict[str, pb.ServerMessage] = {}  # client id -> its chunk queued on `out`
         self.live: dict[str, _Live] = {}  # client id -> its state
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -208,7 +209,6 @@ class StreamSession:
         while not self.out.empty():
             self.out.get_nowait()
         self._waiting_chunks.clear()
-        self._room.set()
 
     def fail_live(self, failure: Failure) -> list[pb.ServerMessage]:
         """Stop every live request (the stream broke, or shutdown); returns one RequestError for each."""

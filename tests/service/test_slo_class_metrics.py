@@ -10,7 +10,14 @@ from sloserve.config import SloserveConfig
 from sloserve.engine.outputs import EngineStats
 from sloserve.frontend import Frontend, ParsedRequest, RequestHandle
 from sloserve.frontend.failures import FailureCode
-from sloserve.frontend.metrics import SLO_CLASSES, SLO_OUTCOMES, Metrics, slo_class, slo_outcome, slo_outcomes
+from sloserve.frontend.metrics import (
+    SLO_CLASSES,
+    SLO_OUTCOMES,
+    Metrics,
+    slo_class,
+    slo_outcome,
+    slo_outcomes,
+)
 from sloserve.frontend.requests import Finished
 from sloserve.sampling_params import SLO, SamplingParams
 
