@@ -49,3 +49,20 @@ async def test_a_disconnect_mid_stream_logs_no_error_and_counts_cancelled(how, c
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
     assert not [r for r in caplog.records if r.exc_info], "a disconnect logged a traceback"
+
+
+async def test_a_disconnect_mid_generate_logs_no_error(caplog):
+    caplog.set_level(logging.INFO)
+    engine = FakeEngine(step_s=0.005, max_running=8)
+    async with live_server(engine) as (server, _, _channel):
+        for trial in range(3):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=OWN)
+            call = pb_grpc.SloserveStub(channel).Generate(gen(f"g{trial}", text="x" * 32, max_tokens=150).generate)
+            first = await call.read()
+            assert first.WhichOneof("kind") == "chunk"
+            if trial == 1:
+                call.cancel()
+            await channel.close()
+        await wait_for(lambda: _cancelled(server) >= 3 and not engine.stats().running, timeout=20)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]

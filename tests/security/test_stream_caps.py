@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from sloserve.config import GrpcConfig
@@ -15,13 +17,16 @@ from tests.service.helpers import Transcript, gen, live_server, read_until
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_streams_past_the_cap_are_refused_resource_exhausted():
+async def test_streams_past_the_cap_are_refused_resource_exhausted(caplog):
     async with live_server(grpc_config=GrpcConfig(max_streams=3)) as (server, stub, _):
         calls = [await open_stream(stub) for _ in range(3)]
-        code, details = await status(stub.Stream())
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--grpc-max-streams" in details
-        assert refusals(server, "grpc_max_streams") == 1
+        for _ in range(20):
+            code, details = await status(stub.Stream())
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--grpc-max-streams" in details
+        assert refusals(server, "grpc_max_streams") == 20
+        warnings = [r for r in caplog.records if "--grpc-max-streams" in r.getMessage()]
+        assert len(warnings) == 1, "a refusal a client can repeat is a rate-limited warning"
         await calls[0].done_writing()  # one closes: a new Stream is served again
         assert (await status(calls[0]))[0] == grpc.StatusCode.OK
         calls[0] = await open_stream(stub)
@@ -67,6 +72,34 @@ async def test_connections_past_the_cap_are_closed_at_accept():
         finally:
             for channel in channels:
                 await channel.close()
+
+
+async def test_streams_past_the_per_connection_cap_wait_for_a_free_slot():
+    async with live_server(grpc_config=GrpcConfig(max_streams_per_connection=2)) as (_, stub, _channel):
+        calls = [await open_stream(stub) for _ in range(2)]
+        third = stub.Stream()
+        writing = asyncio.ensure_future(third.write(gen("third", max_tokens=1)))
+        first = asyncio.ensure_future(third.read())
+        done, _ = await asyncio.wait({first}, timeout=0.5)
+        assert not done, "HTTP/2 holds the third Stream in the client until a slot frees"
+        await calls[0].done_writing()
+        await status(calls[0])
+        await asyncio.wait_for(writing, 10)
+        transcript = Transcript([await asyncio.wait_for(first, 10)])
+        await read_until(third, transcript, {"third"})
+        assert transcript.terminal("third").WhichOneof("kind") == "final"
+        for call in (calls[1], third):
+            call.cancel()
+
+
+async def test_a_client_pinging_too_often_is_sent_goaway():
+    pings = [("grpc.keepalive_time_ms", 50), ("grpc.keepalive_permit_without_calls", 1),
+             ("grpc.http2.max_pings_without_data", 0), ("grpc.use_local_subchannel_pool", 1)]
+    async with live_server(grpc_config=GrpcConfig(min_ping_interval_s=5.0)) as (server, _, _channel):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=pings) as channel:
+            call = await open_stream(pb_grpc.SloserveStub(channel))
+            code, details = await status(call, timeout=20)
+            assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
 
 
 async def test_an_idle_stream_ends_unavailable_naming_the_flag():
