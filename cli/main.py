@@ -111,7 +111,8 @@ def serve(**kwargs) -> None:
             auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"],
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
-            idle_spin_s=kwargs["idle_spin"], metrics_compat=kwargs["metrics_compat"])
+            idle_spin_s=kwargs["idle_spin"], metrics_compat=kwargs["metrics_compat"],
+            served_model_name=kwargs["served_model_name"])
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:

@@ -171,6 +171,7 @@ class ServerConfig:
     engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
     idle_spin_s: float = 1.0  # engine process: keeps polling this long after its last step before it sleeps
     metrics_compat: str = "none"  # 'vllm': also export the vllm:-named series gateways and dashboards read
+    served_model_name: str | None = None  # the model_name label of every metric [default: the model path]
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")

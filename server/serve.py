@@ -29,7 +29,7 @@ def build_engine_client(config: SloserveConfig) -> Any:
 
 async def start_edges(config: SloserveConfig, engine: Any, http: HttpConfig | None) -> Lifecycle:
     """The lifecycle over `engine`, its gRPC edge and (unless `http` is None) its HTTP edge, all started."""
-    lifecycle = Lifecycle(config, engine, model_name=http.model_name if http is not None else None)
+    lifecycle = Lifecycle(config, engine)
     grpc_server = SloserveServer(config, engine, lifecycle=lifecycle)
     try:
         await grpc_server.start()

@@ -39,13 +39,11 @@ class Lifecycle:
     engine, in that order.
     """
 
-    def __init__(self, config: SloserveConfig, engine: Any, *, watchdog_interval_s: float = 0.5,
-                 model_name: str | None = None) -> None:
+    def __init__(self, config: SloserveConfig, engine: Any, *, watchdog_interval_s: float = 0.5) -> None:
         self.config = config
         self.engine = engine
         self.watchdog_interval_s = watchdog_interval_s
-        # model_name: the served model name, the label of every metric [default: --model]
-        self.metrics = Metrics(engine.stats, model_name=model_name or config.model.path,
+        self.metrics = Metrics(engine.stats, model_name=config.server.served_model_name or config.model.path,
                                compat=config.server.metrics_compat)
         self.frontend = Frontend(engine, config, self.metrics)
         self.edges: list[Edge] = []

@@ -69,18 +69,23 @@ class SloserveService(pb_grpc.SloserveServicer):
         self._no_streams.clear()
         reader = asyncio.create_task(session.read(request_iterator))
         try:
-            while (msg := await session.next_message()) is not None:
-                if isinstance(msg, Failure):  # the stream itself is broken or idle: end every request, then it
-                    await self._end(session, msg)
-                    return
-                if not await self._write(session, msg):
-                    return
+            await self._serve(session)
+            if session.ending is not None:  # stalled: its status goes out before the handler returns
+                await session.ending
         finally:
             self._sessions.discard(session)
             if not self._sessions:
                 self._no_streams.set()
             reader.cancel()
             session.abort_all()
+
+    async def _serve(self, session: StreamSession) -> None:
+        while (msg := await session.next_message()) is not None:
+            if isinstance(msg, Failure):  # the stream itself is broken or idle: end every request, then it
+                await self._end(session, msg)
+                return
+            if not await self._write(session, msg):
+                return
 
     async def _write(self, session: StreamSession, msg: pb.ServerMessage) -> bool:
         """Write one message; False when the stream is over (client gone, or stalled and ended).
@@ -103,6 +108,7 @@ class SloserveService(pb_grpc.SloserveServicer):
         self._warn.warning("grpc_stream_stalled", "ending a Stream whose client reads nothing (%s)",
                            session.context.peer())
         session.drop_queued()
+        session.out.put_nowait(None)  # should the blocked write go out after all, nothing follows it
         session.ending = asyncio.create_task(self._end(session, limits.stalled(self.config), write=False))
 
     async def _end(self, session: StreamSession, failure: Failure, *, write: bool = True) -> None:

@@ -27,8 +27,11 @@ async def _scrape(port: int) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+MODEL = "served-name"  # --served-model-name: the model_name label
+
+
 def _value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted({"model_name": "default", **labels}.items())))]
+    return samples[(name, tuple(sorted({"model_name": MODEL, **labels}.items())))]
 
 
 async def _traffic(server, stub, engine) -> None:
@@ -38,7 +41,7 @@ async def _traffic(server, stub, engine) -> None:
     for rid, with_slo in (("a", True), ("b", True), ("c", False)):
         await call.write(gen(rid, max_tokens=12, slo=slo) if with_slo else gen(rid, max_tokens=12))
     await wait_for(lambda: engine.stats().running == 3)
-    usage = server.metrics.registry.get_sample_value("sloserve_kv_cache_usage_ratio", {"model_name": "default"})
+    usage = server.metrics.registry.get_sample_value("sloserve_kv_cache_usage_ratio", {"model_name": MODEL})
     assert 0 < usage <= 1
     await call.write(gen("bad\x00id"))
     await read_until(call, Transcript(), {"a", "b", "c"})
@@ -48,17 +51,18 @@ async def _traffic(server, stub, engine) -> None:
 @pytest.mark.parametrize("compat", ["none", "vllm"])
 async def test_the_metrics_page_has_the_series_gateways_read(compat):
     engine = FakeEngine(step_s=0.01, max_running=8)
-    async with live_server(engine, metrics_port=0, metrics_compat=compat) as (server, stub, _):
+    async with live_server(engine, metrics_port=0, metrics_compat=compat,
+                           served_model_name=MODEL) as (server, stub, _):
         await _traffic(server, stub, engine)
         samples = await _scrape(server.metrics_port)
-    assert all(dict(labels).get("model_name") == "default" for _, labels in samples)
+    assert all(dict(labels).get("model_name") == MODEL for _, labels in samples)
     assert not [name for name, _ in samples if name.endswith("_created")]
     assert _value(samples, "sloserve_kv_cache_usage_ratio") == 0  # every block is back
     assert _value(samples, "sloserve_queue_seconds_count") == 3
     assert _value(samples, "sloserve_inter_token_latency_seconds_count") >= 3
     assert _value(samples, "sloserve_slo_requests_total", slo_class="none", outcome="unjudged") == 1
     assert _value(samples, "sloserve_slo_requests_total", slo_class="interactive", outcome="met") == 2
-    assert ("sloserve_slo_requests_total", tuple(sorted({"model_name": "default", "slo_class": "none",
+    assert ("sloserve_slo_requests_total", tuple(sorted({"model_name": MODEL, "slo_class": "none",
                                                          "outcome": "met"}.items()))) not in samples
     assert _value(samples, "sloserve_limit_refusals_total", limit="request_id_charset") == 1
     names = {name for name, _ in samples}
