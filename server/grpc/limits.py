@@ -30,8 +30,8 @@ def too_many_requests(config: GrpcConfig) -> LimitExceeded:
 
 def too_many_streams(config: GrpcConfig) -> Failure:
     return Failure(FailureCode.RESOURCE_EXHAUSTED, "grpc_max_streams", f"this server already has "
-                   f"{config.max_streams} Streams open (--grpc-max-streams); close one, retry later or use "
-                   "another replica", "grpc_max_streams")
+                   f"{config.max_streams} Stream and Generate calls open (--grpc-max-streams); close one, retry "
+                   "later or use another replica", "grpc_max_streams")
 
 
 def stalled(config: GrpcConfig) -> Failure:

@@ -24,6 +24,7 @@ from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
 from tests.security.helpers import refusals, status
+from tests.service.fake_engine import FakeEngine
 from tests.service.helpers import Transcript, gen, live_server, read_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = 200_000
 RSS_MARGIN = 24 * 1024 * 1024  # unbounded, 200k answers held ~135 MiB
 STALL_S = 2.0
+# a client whose HTTP/2 window holds a few dozen answers
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 8192), ("grpc.use_local_subchannel_pool", 1)]
 
 
 def _rss(pid: int) -> int:
@@ -121,11 +124,9 @@ async def test_a_client_that_never_reads_holds_bounded_memory():
 async def test_the_stalled_stream_ends_resource_exhausted_naming_the_flag():
     config = GrpcConfig(stream_queue=16, stream_stall_s=0.5)
     async with live_server(grpc_config=config) as (server, _, _channel):
-        # a client whose HTTP/2 window holds a few dozen answers: it stops writing before its own
-        # sends block (a send left blocked when the stream ends is failed by grpc.aio as INTERNAL)
-        small = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 8192),
-                 ("grpc.use_local_subchannel_pool", 1)]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=small) as channel:
+        # a small window: the client stops writing before its own sends block (a send left
+        # blocked when the stream ends is failed by grpc.aio as INTERNAL)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=SMALL_WINDOW) as channel:
             stub = pb_grpc.SloserveStub(channel)
             call = stub.Stream()
             for i in range(200):  # answers enough to fill that window, never read
@@ -146,3 +147,15 @@ async def test_the_stalled_stream_ends_resource_exhausted_naming_the_flag():
 async def _until(predicate) -> None:
     while not predicate():
         await asyncio.sleep(0.05)
+
+
+async def test_a_generate_call_never_read_ends_resource_exhausted_and_frees_its_request():
+    engine = FakeEngine(step_s=0.001, max_model_len=4096, num_blocks=512)
+    async with live_server(engine, grpc_config=GrpcConfig(stream_stall_s=0.5)) as (server, _, _channel):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=SMALL_WINDOW) as channel:
+            call = pb_grpc.SloserveStub(channel).Generate(gen("never-read", max_tokens=3000).generate)
+            await asyncio.wait_for(_until(lambda: refusals(server, "grpc_stream_stalled")), 30)
+            await asyncio.wait_for(_until(lambda: not engine.stats().running), 30)  # its KV blocks are back
+            code, details = await status(call, timeout=30)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+            assert "--grpc-stream-stall-timeout" in details

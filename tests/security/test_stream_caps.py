@@ -24,7 +24,11 @@ async def test_streams_past_the_cap_are_refused_resource_exhausted(caplog):
             code, details = await status(stub.Stream())
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--grpc-max-streams" in details
-        assert refusals(server, "grpc_max_streams") == 20
+        with pytest.raises(grpc.aio.AioRpcError) as generate:  # Generate calls count in the same cap
+            async for _ in stub.Generate(gen("g").generate):
+                pass
+        assert generate.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refusals(server, "grpc_max_streams") == 21
         warnings = [r for r in caplog.records if "--grpc-max-streams" in r.getMessage()]
         assert len(warnings) == 1, "a refusal a client can repeat is a rate-limited warning"
         await calls[0].done_writing()  # one closes: a new Stream is served again
