@@ -28,7 +28,9 @@ from sloserve.cli.http_options import http_limit_options, pop_http_limits
 from sloserve.cli.options import (
     build_config,
     engine_options,
+    grpc_options,
     pop_engine_options,
+    pop_grpc_config,
     with_engine,
     with_flag,
 )
@@ -111,6 +113,10 @@ def _metrics_port(text: str) -> int | None:
                    "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
                    "metrics, front end k on --metrics-port + k.")
 @http_limit_options
+@click.option("--metrics-compat", default="none", show_default=True, type=click.Choice(["none", "vllm"]),
+              help="vllm: also export the vllm:-named series gateways (the Inference Extension's endpoint picker) "
+                   "and dashboards scrape.")
+@grpc_options
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
                    "(see sloserve.faults) [default: off]. Refused unless --allow-fault-injection.")
@@ -120,6 +126,7 @@ def serve(**kwargs) -> None:
     """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
     engine_opts = pop_engine_options(kwargs)
     http_limits = pop_http_limits(kwargs)
+    grpc_config = pop_grpc_config(kwargs)
     check_model(engine_opts["model"])
     token = read_token(kwargs["auth_token"], kwargs["auth_token_file"])
     for flag in ("tls_cert", "tls_key", "tls_ca"):
@@ -135,14 +142,15 @@ def serve(**kwargs) -> None:
             max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
             max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
-            idle_spin_s=kwargs["idle_spin"], frontends=kwargs["frontends"])
+            idle_spin_s=kwargs["idle_spin"], frontends=kwargs["frontends"], metrics_compat=kwargs["metrics_compat"],
+            served_model_name=kwargs["served_model_name"])
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:
         raise CliError("--max-prompt-tokens must be >= 1")
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
-    config = build_config(engine_opts, server, faults=kwargs["inject_faults"])
+    config = build_config(engine_opts, server, faults=kwargs["inject_faults"], grpc=grpc_config)
     if config.faults:
         if not kwargs["allow_fault_injection"]:
             raise CliError("--inject-faults is for tests only (any client can trigger a fault through its request "

@@ -13,6 +13,7 @@ from sloserve.config import (
     DEFAULT_SCHEDULER_STEPS,
     POLICIES,
     CacheConfig,
+    GrpcConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -103,7 +104,8 @@ def engine_options(fn: Callable) -> Callable:
     return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
 
 
-def build_config(opts: dict[str, Any], server: ServerConfig | None = None, faults: str = "") -> SloserveConfig:
+def build_config(opts: dict[str, Any], server: ServerConfig | None = None, faults: str = "",
+                 grpc: GrpcConfig | None = None) -> SloserveConfig:
     """SloserveConfig from the engine flags; every ValueError becomes a one-line CliError."""
     if not _DEVICE_RE.match(opts["device"]):
         raise CliError(f"--device must be auto, cpu, cuda or cuda:N, got {opts['device']!r}")
@@ -136,6 +138,7 @@ def build_config(opts: dict[str, Any], server: ServerConfig | None = None, fault
                                       num_scheduler_steps=opts.get("num_scheduler_steps",
                                                                    DEFAULT_SCHEDULER_STEPS)),
             server=server or ServerConfig(),
+            grpc=grpc or GrpcConfig(),
             parallel=ParallelConfig(tensor_parallel_size=opts.get("tensor_parallel_size", 1),
                                     nnodes=opts.get("nnodes", 1), node_rank=opts.get("node_rank", 0),
                                     master_addr=opts.get("master_addr", "127.0.0.1"),
@@ -158,7 +161,7 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("master port", "--master-port"), ("idle spin", "--idle-spin"),
           ("max logprobs", "--max-logprobs"), ("max n", "--max-n"), ("frontends", "--frontends"),
           ("grammar cache", "--grammar-cache"),
-          ("tls ca", "--tls-ca"), ("metrics token", "--metrics-token"))
+          ("tls ca", "--tls-ca"), ("metrics token", "--metrics-token"), ("metrics compat", "--metrics-compat"))
 
 
 def with_flag(message: str) -> str:
@@ -193,3 +196,54 @@ async def with_engine(config: SloserveConfig, body: Callable[[Any], Any]) -> Any
         return await body(engine)
     finally:
         await engine.stop()
+
+
+# GrpcConfig field -> (flag, type, help); defaults are GrpcConfig's
+_GRPC_FLAGS = {
+    "max_request_id_length": ("--grpc-max-request-id-length", int, "Longest request_id accepted, in characters "
+                              "(printable ASCII only)."),
+    "max_streams": ("--grpc-max-streams", int, "Stream calls open at once, server-wide; more are refused "
+                    "RESOURCE_EXHAUSTED."),
+    "max_streams_per_connection": ("--grpc-max-streams-per-connection", int, "Concurrent calls on one "
+                                   "connection (HTTP/2 MAX_CONCURRENT_STREAMS; more wait at the client)."),
+    "max_connections": ("--grpc-max-connections", int, "Connections open at once; more are closed at accept."),
+    "max_requests_per_stream": ("--grpc-max-requests-per-stream", int, "Requests live on one Stream; more "
+                                "are refused RESOURCE_EXHAUSTED."),
+    "stream_queue": ("--grpc-stream-queue", int, "Messages waiting to be written on one Stream before the "
+                     "server stops reading it (back-pressure)."),
+    "stream_stall_s": ("--grpc-stream-stall-timeout", float, "Seconds one write may wait for a client that "
+                       "reads nothing before its Stream ends RESOURCE_EXHAUSTED."),
+    "stream_idle_s": ("--grpc-stream-idle-timeout", float, "Seconds a Stream may stay open with no live request "
+                      "and no message before it ends UNAVAILABLE (0: never)."),
+    "max_connection_idle_s": ("--grpc-max-connection-idle", float, "Seconds a connection with no call stays "
+                              "open (then GOAWAY; 0: forever)."),
+    "max_connection_age_s": ("--grpc-max-connection-age", float, "Seconds a connection may live (then GOAWAY; "
+                             "0: forever)."),
+    "max_connection_age_grace_s": ("--grpc-max-connection-age-grace", float, "Seconds the calls of a connection "
+                                   "past its age get to finish."),
+    "keepalive_time_s": ("--grpc-keepalive-time", float, "Seconds between the server's pings on a quiet "
+                         "connection (finds dead peers)."),
+    "keepalive_timeout_s": ("--grpc-keepalive-timeout", float, "Seconds a ping may go unanswered before the "
+                            "connection is closed."),
+    "min_ping_interval_s": ("--grpc-min-ping-interval", float, "Clients that ping more often than this without "
+                            "data are sent GOAWAY (too_many_pings)."),
+}
+
+
+def grpc_options(fn: Callable) -> Callable:
+    """The gRPC edge's limits (GrpcConfig), one flag each."""
+    defaults = GrpcConfig()
+    decorators = [click.option(flag, name, type=kind, default=getattr(defaults, name), show_default=True,
+                               metavar="SECONDS" if kind is float else None, help=text)
+                  for name, (flag, kind, text) in _GRPC_FLAGS.items()]
+    return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
+
+
+def pop_grpc_config(kwargs: dict[str, Any]) -> GrpcConfig:
+    """Remove the gRPC flags from a command's kwargs; their GrpcConfig, or a CliError naming the flag."""
+    values = {name: kwargs.pop(name) for name in _GRPC_FLAGS}
+    try:
+        return GrpcConfig(**values)
+    except ValueError as exc:
+        name, _, rest = str(exc).partition(" ")
+        raise CliError(f"{_GRPC_FLAGS[name][0]} {rest}" if name in _GRPC_FLAGS else str(exc)) from None

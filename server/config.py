@@ -183,6 +183,8 @@ class ServerConfig:
     engine_process: bool = True  # run EngineCore in a process of its own (False: a thread of this one)
     idle_spin_s: float = 1.0  # engine process: keeps polling this long after its last step before it sleeps
     frontends: int = 1  # front-end processes sharing the engine process and the ports (SO_REUSEPORT)
+    metrics_compat: str = "none"  # 'vllm': also export the vllm:-named series gateways and dashboards read
+    served_model_name: str | None = None  # the model_name label of every metric [default: the model path]
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -202,6 +204,58 @@ class ServerConfig:
         _require(1 <= self.frontends <= 64, f"frontends must be in 1..64, got {self.frontends}")
         _require(self.frontends == 1 or self.engine_process,
                  "frontends > 1 needs the engine in a process of its own (drop --no-engine-process)")
+        _require(self.metrics_compat in ("none", "vllm"), f"metrics compat must be none or vllm, got {self.metrics_compat!r}")
+
+
+@dataclass(slots=True)
+class GrpcConfig:
+    """What one gRPC client may hold: streams, requests, queued output, idle time (docs/threat-model.md).
+
+    Durations are seconds; 0 turns an idle or age limit off. An error starts with the field's name
+    (the CLI puts its flag there).
+    """
+
+    max_request_id_length: int = 256  # characters of a request_id, printable ASCII only
+    max_streams: int = 1024  # Stream calls open at once, server-wide
+    max_streams_per_connection: int = 128  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
+    max_connections: int = 1024  # connections open at once; more are closed at accept
+    max_requests_per_stream: int = 512  # requests live on one Stream
+    stream_queue: int = 256  # messages waiting to go out on one Stream before it stops reading
+    stream_stall_s: float = 30.0  # one write blocked this long (the client reads nothing) ends the Stream
+    stream_idle_s: float = 600.0  # a Stream with no live request and no message for this long ends
+    max_connection_idle_s: float = 900.0  # a connection with no call for this long gets GOAWAY
+    max_connection_age_s: float = 0.0  # a connection older than this gets GOAWAY (off by default)
+    max_connection_age_grace_s: float = 300.0  # then its calls get this long to finish
+    keepalive_time_s: float = 60.0  # ping an idle connection this often, to find dead peers
+    keepalive_timeout_s: float = 20.0  # a ping unanswered this long closes the connection
+    min_ping_interval_s: float = 10.0  # a client pinging more often without data is sent GOAWAY
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_id_length", "max_streams", "max_streams_per_connection", "max_connections",
+                     "max_requests_per_stream", "stream_queue"):
+            value = getattr(self, name)
+            _require(1 <= value <= 2**31 - 1, f"{name} must be in 1..2147483647, got {value}")
+        for name in ("stream_stall_s", "keepalive_time_s", "keepalive_timeout_s"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, f"{name} must be > 0 seconds, got {value}")
+        for name in ("stream_idle_s", "max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s",
+                     "min_ping_interval_s"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0, f"{name} must be >= 0 seconds (0: off), got {value}")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """The grpc core server options these limits set (0 leaves an idle or age limit at grpc's: off)."""
+        ms = {"grpc.max_connection_idle_ms": self.max_connection_idle_s,
+              "grpc.max_connection_age_ms": self.max_connection_age_s,
+              "grpc.max_connection_age_grace_ms": self.max_connection_age_grace_s,
+              "grpc.keepalive_time_ms": self.keepalive_time_s,
+              "grpc.keepalive_timeout_ms": self.keepalive_timeout_s,
+              "grpc.http2.min_ping_interval_without_data_ms": self.min_ping_interval_s}
+        options = [(key, int(value * 1000)) for key, value in ms.items()
+                   if value > 0 or key == "grpc.http2.min_ping_interval_without_data_ms"]
+        return [*options, ("grpc.max_concurrent_streams", self.max_streams_per_connection),
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.http2.max_ping_strikes", 2)]
 
 
 @dataclass(slots=True)
@@ -242,6 +296,7 @@ class SloserveConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    grpc: GrpcConfig = field(default_factory=GrpcConfig)
     faults: str = ""  # fault injection for tests (sloserve.faults); empty = off
 
     def __post_init__(self) -> None:

@@ -71,6 +71,9 @@ class Throttled:
             message += f" (and {held} more like it in the last {self._interval_s:g} s)"
         self._logger.log(level, message, *args)
 
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        self.log(logging.WARNING, kind, message, *args)
+
 
 class ThrottleWarnings(logging.Filter):
     """A filter for a library's logger (uvicorn's): its warnings, which any client can provoke (a

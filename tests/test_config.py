@@ -5,6 +5,7 @@ import math
 import pytest
 from sloserve.config import (
     CacheConfig,
+    GrpcConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -80,3 +81,21 @@ def test_sampling_params_reject_bad_values(kwargs, match):
 def test_slo_must_be_positive_finite(value):
     with pytest.raises(InvalidRequestError, match="SLO ttft_s"):
         SLO(ttft_s=value)
+
+
+def test_grpc_limits_become_grpc_core_options_and_off_means_left_out():
+    options = dict(GrpcConfig(max_connection_age_s=0, max_connection_idle_s=60, max_streams_per_connection=8,
+                              max_connections=4, keepalive_time_s=30).channel_options())
+    assert "grpc.max_connection_age_ms" not in options  # 0: off, not "close at once"
+    assert options["grpc.max_connection_idle_ms"] == 60_000
+    assert options["grpc.max_concurrent_streams"] == 8
+    assert options["grpc.max_allowed_incoming_connections"] == 4
+    assert options["grpc.keepalive_time_ms"] == 30_000
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_streams", 0), ("stream_queue", -1), ("stream_stall_s", 0.0),
+                                              ("stream_idle_s", -1.0), ("keepalive_time_s", float("nan"))])
+def test_grpc_limits_out_of_range_name_their_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        GrpcConfig(**{field: value})

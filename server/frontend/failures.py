@@ -31,6 +31,7 @@ class Failure:
     code: FailureCode
     reason: str
     message: str
+    limit: str | None = None  # the server limit that refused it (sloserve_limit_refusals_total{limit})
 
 
 class RequestFailed(Exception):
@@ -42,8 +43,19 @@ class RequestFailed(Exception):
         self.reason = reason
 
 
+class LimitExceeded(RequestFailed):
+    """Refused by one of the server's limits on input; `limit` names it (a flag's words, a metrics label)."""
+
+    def __init__(self, limit: str, message: str, *, code: FailureCode = FailureCode.INVALID_ARGUMENT,
+                 reason: str | None = None) -> None:
+        super().__init__(code, reason or limit, message)
+        self.limit = limit
+
+
 def failure_from_exception(exc: BaseException) -> Failure:
     """Map an engine or front-end exception to a Failure (INTERNAL if unknown)."""
+    if isinstance(exc, LimitExceeded):
+        return Failure(exc.code, exc.reason, str(exc), exc.limit)
     if isinstance(exc, RequestFailed):
         return Failure(exc.code, exc.reason, str(exc))
     if isinstance(exc, ContextLengthError):

@@ -135,6 +135,13 @@ class Frontend:
     def count_failure(self, failure: Failure, request: ParsedRequest | None = None) -> None:
         if self.metrics is not None:
             self.metrics.request_failed(failure.code, failure.reason, request)
+            if failure.limit is not None:
+                self.metrics.limit_refused(failure.limit)
+
+    def limit_refused(self, limit: str) -> None:
+        """Count a refusal by an edge's own limit that ends no request (a stream, a connection)."""
+        if self.metrics is not None:
+            self.metrics.limit_refused(limit)
 
     # ---- one request -----------------------------------------------------------------------
     def cancel(self, handle: RequestHandle) -> None:
@@ -171,6 +178,7 @@ class Frontend:
             self._inflight += 1
             self._idle.clear()
             first: float | None = None
+            last = 0.0  # when the previous tokens were delivered
             async for out in stream:
                 now = _since(handle.arrival)
                 behind = stream.take_ready()  # steps that queued up while we were busy: one event
@@ -181,6 +189,9 @@ class Frontend:
                         first = now
                         if out.first_token_time is not None:  # admission prices this backlog
                             self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)
+                    elif self.metrics is not None:
+                        self.metrics.tokens_delivered(now - last, len(out.new_token_ids))
+                    last = now
                     yield Tokens(list(out.new_token_ids), out.new_text or "", now, out.new_logprobs,
                                  out.prompt_logprobs, token_ids if out.prompt_logprobs is not None else None)
                 if out.finished:

@@ -46,7 +46,8 @@ class Lifecycle:
         self.config = config
         self.engine = engine
         self.watchdog_interval_s = watchdog_interval_s
-        self.metrics = Metrics(engine.stats)
+        self.metrics = Metrics(engine.stats, model_name=config.server.served_model_name or config.model.path,
+                               compat=config.server.metrics_compat)
         self.frontend = Frontend(engine, config, self.metrics)
         self.edges: list[Edge] = []
         self.dead = asyncio.Event()

@@ -1,15 +1,22 @@
 """Prometheus metrics of one server: its own CollectorRegistry, served on the metrics port.
 
-Besides outcomes, latencies and engine gauges:
+Every series carries a ``model_name`` label (the served model name); no ``_created`` series.
+Besides outcomes, latencies (TTFT, TPOT, end-to-end, queue time, inter-token latency) and engine
+gauges (among them ``sloserve_kv_cache_usage_ratio``, 0-1):
 
 - ``sloserve_slo_requests_total{slo_class, outcome}``: every request the front end ran, by the
   class of its objectives (``interactive``: a TTFT or TPOT objective; ``batch``: only an
   end-to-end one, which a gRPC deadline or HTTP timeout also sets; ``none``) and by outcome:
   ``met`` (it finished and every objective held, judged from the server's own timings, counted
   from arrival), ``missed`` (it finished late, or was cancelled before it finished), ``refused``
-  (admission refused it for load or because its deadline passed) or ``failed`` (any other
-  failure). Attainment of a class is met / all. Requests an edge rejected before running them
-  (bad input, draining, not ready) are counted only in ``sloserve_requests``.
+  (admission refused it for load or because its deadline passed), ``failed`` (any other
+  failure) or, for class ``none`` only, ``unjudged`` (it ended with no objective to meet).
+  Attainment of a class is met / all. Requests an edge rejected before running them (bad input,
+  draining, not ready) are counted only in ``sloserve_requests``.
+- ``sloserve_limit_refusals_total{limit}``: requests, messages, streams and connections refused
+  by one of the server's input limits (``max_tokens``, ``grpc_max_streams``, ...), by limit.
+- ``sloserve_inter_token_latency_seconds``: the wait between deliveries of tokens after the
+  first, per token (a delivery of n tokens counts n waits of 1/n of it).
 - ``sloserve_ttft_prediction_error_seconds{quantile="0.5"|"0.9"}``: admission's predicted minus
   actual time to first token over recent requests (positive: the token came sooner than
   predicted), and ``sloserve_ttft_predictions``, the admitted requests whose prediction could
@@ -25,22 +32,28 @@ from __future__ import annotations
 
 import collections
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from sloserve.frontend import metrics_http
+from sloserve.frontend.engine_metrics import EngineCollector
 from sloserve.frontend.failures import FailureCode
 from sloserve.frontend.requests import Finished, ParsedRequest
+from sloserve.frontend.vllm_metrics import VllmCollector
 from sloserve.sampling_params import SLO
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 SLO_CLASSES = ("interactive", "batch", "none")
-SLO_OUTCOMES = ("met", "missed", "refused", "failed")
+SLO_OUTCOMES = ("met", "missed", "refused", "failed", "unjudged")
 _REFUSED = (FailureCode.RESOURCE_EXHAUSTED, FailureCode.DEADLINE_EXCEEDED)  # admission's refusal codes
+METRICS_COMPAT = ("none", "vllm")
+
+
+def slo_outcomes(label: str) -> tuple[str, ...]:
+    """The outcomes a class can have: only a request without objectives is `unjudged`, and never met or missed."""
+    return ("unjudged", "refused", "failed") if label == "none" else ("met", "missed", "refused", "failed")
 
 
 def slo_class(slo: SLO | None) -> str:
@@ -50,12 +63,13 @@ def slo_class(slo: SLO | None) -> str:
     return "interactive" if slo.ttft_s is not None or slo.tpot_s is not None else "batch"
 
 
-def slo_outcome(slo: SLO | None, finished: Finished) -> str:
-    """met or missed: a request that ran to 'stop' or 'length', judged by its server-side timings."""
-    if finished.finish_reason not in ("stop", "length"):
+def slo_outcome(slo: SLO | None, finished: Finished | None) -> str:
+    """met or missed for a request that ran (None: it never finished), judged by its server-side timings;
+    unjudged when it had no objective."""
+    if slo_class(slo) == "none":
+        return "unjudged"
+    if finished is None or finished.finish_reason not in ("stop", "length"):
         return "missed"  # cancelled: it never completed
-    if slo is None:
-        return "met"
     tpot = 0.0  # one token (or none): no time per token to judge
     if finished.ttft_s is not None and finished.completion_tokens > 1:
         tpot = max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1)
@@ -65,31 +79,66 @@ def slo_outcome(slo: SLO | None, finished: Finished) -> str:
 
 
 class Metrics:
-    """Request outcomes and latencies (observed by the front end) plus live engine gauges (at scrape)."""
+    """Request outcomes and latencies (observed by the front end) plus live engine gauges (at scrape).
 
-    def __init__(self, engine_stats: Callable[[], Any] | None = None) -> None:
+    `model_name` labels every series; `compat` "vllm" adds the vllm:-named series (vllm_metrics.py).
+    """
+
+    def __init__(self, engine_stats: Callable[[], Any] | None = None, *, model_name: str = "default",
+                 compat: str = "none") -> None:
+        if compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics compat must be one of {', '.join(METRICS_COMPAT)}, got {compat!r}")
+        disable_created_metrics()  # NOTE: process-wide; no series of sloserve's needs a _created twin
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model_name"]
         self.requests = Counter("sloserve_requests", "Requests by outcome (finish reason or status).",
-                                ["outcome"], registry=self.registry)
-        self.ttft = Histogram("sloserve_ttft_seconds", "Time from arrival to the first token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("sloserve_tpot_seconds", "Mean time per output token after the first.",
-                              buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("sloserve_e2e_seconds", "Time from arrival to the last token.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                [*m, "outcome"], registry=r)
+        self.histograms = {
+            "ttft": Histogram("sloserve_ttft_seconds", "Time from arrival to the first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r),
+            "tpot": Histogram("sloserve_tpot_seconds", "Mean time per output token after the first.", m,
+                              buckets=_TPOT_BUCKETS, registry=r),
+            "itl": Histogram("sloserve_inter_token_latency_seconds", "Wait between token deliveries after the "
+                             "first, per token (n tokens delivered together: n waits of 1/n).", m,
+                             buckets=_TPOT_BUCKETS, registry=r),
+            "e2e": Histogram("sloserve_e2e_seconds", "Time from arrival to the last token.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r),
+            "queue": Histogram("sloserve_queue_seconds", "Time from arrival to the first scheduled step.", m,
+                               buckets=_LATENCY_BUCKETS, registry=r),
+        }
+        self.ttft, self.tpot, self.itl, self.e2e, self.queue = (h.labels(model_name) for h in self.histograms.values())
         self.slo_requests = Counter("sloserve_slo_requests", "Requests the front end ran, by the class of "
                                     "their objectives (interactive, batch, none) and outcome "
-                                    "(met, missed, refused, failed).", ["slo_class", "outcome"],
-                                    registry=self.registry)
+                                    "(met, missed, refused, failed; unjudged: no objective).",
+                                    [*m, "slo_class", "outcome"], registry=r)
         for label in SLO_CLASSES:  # every series from the start, so rates need no first sample
-            for outcome in SLO_OUTCOMES:
-                self.slo_requests.labels(slo_class=label, outcome=outcome)
-        self.limit_refusals = Counter("sloserve_limit_refusals", "Connections, requests and streams refused "
-                                      "or cut by an edge's limit, by limit.", ["limit"], registry=self.registry)
+            for outcome in slo_outcomes(label):
+                self.slo_requests.labels(model_name, label, outcome)
+        self.limit_refusals = Counter("sloserve_limit_refusals", "Requests, messages, streams and connections "
+                                      "refused by one of the server's input limits, by limit.",
+                                      [*m, "limit"], registry=r)
         self.service_refusals: collections.Counter[str] = collections.Counter()
         if engine_stats is not None:
-            self.registry.register(_EngineCollector(engine_stats, self.service_refusals))
+            r.register(EngineCollector(engine_stats, self.service_refusals, model_name))
+        if compat == "vllm":
+            h = self.histograms
+            r.register(VllmCollector(engine_stats or _no_stats, model_name, requests=self.requests, histograms={
+                "vllm:time_to_first_token_seconds": h["ttft"], "vllm:time_per_output_token_seconds": h["itl"],
+                "vllm:inter_token_latency_seconds": h["itl"], "vllm:e2e_request_latency_seconds": h["e2e"],
+                "vllm:request_queue_time_seconds": h["queue"]}))
         self._http: Any = None
+
+    def limit_refused(self, limit: str) -> None:
+        """Count one refusal by the input limit named `limit` (a bounded name such as http_header_timeout)."""
+        self.limit_refusals.labels(self.model_name, limit).inc()
+
+    def tokens_delivered(self, wait_s: float, count: int) -> None:
+        """`count` tokens delivered together `wait_s` after the previous delivery (not the first one)."""
+        if count > 0:
+            per_token = max(0.0, wait_s) / count
+            for _ in range(count):
+                self.itl.observe(per_token)
 
     def request_done(self, outcome: str, finished: Finished | None = None,
                      request: ParsedRequest | None = None) -> None:
@@ -97,31 +146,29 @@ class Metrics:
 
         `request`: the request the front end ran, whose objectives class it in sloserve_slo_requests.
         """
-        self.requests.labels(outcome=outcome).inc()
+        self.requests.labels(self.model_name, outcome).inc()
         if request is not None:
-            judged = slo_outcome(request.slo, finished) if finished is not None else "missed"
-            self.slo_requests.labels(slo_class=slo_class(request.slo), outcome=judged).inc()
+            self.slo_requests.labels(self.model_name, slo_class(request.slo), slo_outcome(request.slo, finished)).inc()
         if finished is None:
             return
         if finished.ttft_s is not None:
             self.ttft.observe(finished.ttft_s)
             if finished.completion_tokens > 1:
                 self.tpot.observe(max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1))
+        if finished.queue_s is not None:
+            self.queue.observe(finished.queue_s)
         self.e2e.observe(finished.e2e_s)
-
-    def limit_refused(self, limit: str) -> None:
-        """Count one refusal by an edge's limit (a bounded name such as http_header_timeout)."""
-        self.limit_refusals.labels(limit=limit).inc()
 
     def request_failed(self, code: FailureCode, reason: str, request: ParsedRequest | None = None) -> None:
         """Count a request that failed; refusals for the server's state are also counted by reason.
 
         `request`: the request the front end ran, whose objectives class it in sloserve_slo_requests.
         """
-        self.requests.labels(outcome=code.value).inc()
+        self.requests.labels(self.model_name, code.value).inc()
         if request is not None:
-            self.slo_requests.labels(slo_class=slo_class(request.slo),
-                                     outcome="refused" if code in _REFUSED else "failed").inc()
+            label = slo_class(request.slo)
+            outcome = "refused" if code in _REFUSED else "failed"
+            self.slo_requests.labels(self.model_name, label, outcome).inc()
         if code == FailureCode.UNAVAILABLE and reason in ("draining", "not_ready"):
             self.service_refusals[reason] += 1
 
@@ -139,90 +186,5 @@ class Metrics:
             self._http = None
 
 
-class _EngineCollector(Collector):
-    """Reads engine.stats() at scrape time, so gauges are never stale."""
-
-    def __init__(self, engine_stats: Callable[[], Any], service_refusals: collections.Counter[str]) -> None:
-        self._stats = engine_stats
-        self._service_refusals = service_refusals
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        try:
-            s = self._stats()
-        except Exception:  # noqa: BLE001 - an engine not yet started has no stats to report
-            return
-        yield GaugeMetricFamily("sloserve_waiting_requests", "Requests waiting to be scheduled.", value=s.waiting)
-        yield GaugeMetricFamily("sloserve_running_requests", "Requests in the running batch.", value=s.running)
-        yield GaugeMetricFamily("sloserve_kv_blocks_total", "KV cache blocks in the pool.", value=s.kv_blocks_total)
-        yield GaugeMetricFamily("sloserve_kv_blocks_in_use", "KV cache blocks held by requests.",
-                                value=s.kv_blocks_total - s.kv_blocks_free)
-        yield GaugeMetricFamily("sloserve_kv_blocks_cached", "Free KV blocks that still hold a reusable prefix.",
-                                value=s.kv_blocks_cached)
-        rate = s.prefix_hit_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0
-        yield GaugeMetricFamily("sloserve_prefix_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens.",
-                                value=rate)
-        yield CounterMetricFamily("sloserve_prompt_tokens", "Prompt tokens received.", value=s.prompt_tokens_total)
-        yield CounterMetricFamily("sloserve_prefix_hit_tokens", "Prompt tokens whose KV was reused.",
-                                  value=s.prefix_hit_tokens_total)
-        yield CounterMetricFamily("sloserve_generated_tokens", "Tokens generated.", value=s.generated_tokens_total)
-        yield CounterMetricFamily("sloserve_preemptions", "Running requests preempted.", value=s.preemptions_total)
-        refusals = CounterMetricFamily("sloserve_refusals", "Requests refused, by reason.", labels=["reason"])
-        merged = collections.Counter({str(k): int(v) for k, v in (s.refusals or {}).items()})
-        merged.update(self._service_refusals)
-        for reason, count in sorted(merged.items()):
-            refusals.add_metric([reason], count)
-        yield refusals
-        yield GaugeMetricFamily("sloserve_step_time_seconds", "Mean engine step time over recent steps.",
-                                value=s.step_time_s)
-        yield CounterMetricFamily("sloserve_engine_steps", "Model steps the engine ran (a run of n decode steps "
-                                  "counts n), warm-up excluded.", value=getattr(s, "steps_total", 0))
-        yield CounterMetricFamily("sloserve_engine_busy_seconds", "Wall time the runner spent on those steps.",
-                                  value=getattr(s, "busy_seconds_total", 0.0))
-        yield CounterMetricFamily("sloserve_computed_prompt_tokens", "Prompt tokens the engine computed "
-                                  "(prefix-cache hits excluded, recomputes after preemption included).",
-                                  value=getattr(s, "computed_prompt_tokens_total", 0))
-        error = GaugeMetricFamily("sloserve_ttft_prediction_error_seconds",
-                                  "Admission's predicted minus actual time to first token, over recent requests.",
-                                  labels=["quantile"])
-        error.add_metric(["0.5"], getattr(s, "ttft_prediction_error_p50_s", 0.0))
-        error.add_metric(["0.9"], getattr(s, "ttft_prediction_error_p90_s", 0.0))
-        yield error
-        yield CounterMetricFamily("sloserve_ttft_predictions",
-                                  "Admitted requests whose predicted time to first token was checked.",
-                                  value=getattr(s, "ttft_predictions", 0))
-        yield from _expert_metrics(s)
-
-
-def _expert_metrics(s: Any) -> Iterator[Any]:
-    """The expert cache's gauges and counters; nothing for a dense model."""
-    resident_per_layer = getattr(s, "expert_resident_per_layer", None)
-    if not resident_per_layer:
-        return
-    resident = GaugeMetricFamily("sloserve_expert_resident", "Routed experts on the device, per MoE layer.",
-                                 labels=["moe_layer"])
-    for layer, count in enumerate(resident_per_layer):
-        resident.add_metric([str(layer)], count)
-    yield resident
-    yield CounterMetricFamily("sloserve_expert_hits", "Expert uses (one expert, one MoE layer, one step) "
-                              "whose weights were already on the device.", value=s.expert_hits_total)
-    yield CounterMetricFamily("sloserve_expert_misses", "Expert uses that waited for a copy from host memory.",
-                              value=s.expert_misses_total)
-    yield GaugeMetricFamily("sloserve_expert_hit_rate", "Expert hits / (hits + misses) since warm-up.",
-                            value=s.expert_hit_rate)
-    yield CounterMetricFamily("sloserve_expert_prefetches", "Experts copied in ahead of their layer.",
-                              value=s.expert_prefetches_total)
-    yield GaugeMetricFamily("sloserve_expert_prefetch_accuracy", "Share of prefetched experts their layer used.",
-                            value=s.expert_prefetch_accuracy)
-    yield GaugeMetricFamily("sloserve_expert_prediction_recall",
-                            "Share of the experts layers used that the prediction named.",
-                            value=s.expert_prediction_recall)
-    yield CounterMetricFamily("sloserve_expert_copied_bytes", "Expert bytes copied from host to device memory.",
-                              value=s.expert_bytes_copied_total)
-    yield GaugeMetricFamily("sloserve_expert_copied_bytes_per_step",
-                            "Expert bytes copied per engine step (mean of the last 64 steps).",
-                            value=s.expert_bytes_per_step)
-    yield CounterMetricFamily("sloserve_expert_miss_stall_seconds", "Time spent waiting for expert copies on misses.",
-                              value=s.expert_miss_stall_s_total)
+def _no_stats() -> Any:
+    raise RuntimeError("no engine stats")

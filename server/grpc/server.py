@@ -60,7 +60,7 @@ class SloserveServer:
         self._owns_lifecycle = lifecycle is None
         self.lifecycle = lifecycle or Lifecycle(config, engine, watchdog_interval_s=watchdog_interval_s)
         self.lifecycle.edges.append(self)
-        self.service = SloserveService(self.frontend)
+        self.service = SloserveService(self.frontend, config.grpc)
         self.health = health_aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -96,7 +96,8 @@ class SloserveServer:
         interceptors.append(ExceptionInterceptor())
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
-                   ("grpc.so_reuseport", int(cfg.frontends > 1))]  # several front ends share the port
+                   ("grpc.so_reuseport", int(cfg.frontends > 1)),  # several front ends share the port
+                   *self.config.grpc.channel_options()]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         handlers.add_to_server(self.service, server)  # undecodable requests -> INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from sloserve.config import GrpcConfig
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend import Failure, FailureCode, Frontend, ParsedRequest, RequestHandle, Tokens
+from sloserve.grpc import limits
 from sloserve.grpc.convert import chunk_pb, error_pb, final_pb, from_pb
 from sloserve.grpc.handlers import Undecodable
 from sloserve.pb import serving_pb2 as pb
@@ -48,13 +50,24 @@ class StreamSession:
     At most one TokenChunk per request waits on `out`: tokens that arrive while the stream is
     still writing earlier messages join that waiting chunk (its time_s stays the first token's),
     so a slow client or a flood costs fewer, larger writes instead of an ever longer queue.
+
+    Bounded memory: `out` holds at most `stream_queue` messages that answer the client's own
+    messages (errors) plus one chunk and one terminal per live request (at most
+    `max_requests_per_stream`): while it is full the reader reads nothing more, so HTTP/2 flow
+    control stops the client's writes. A stream whose client stops reading then ends when its
+    blocked write times out (the servicer's `--grpc-stream-stall-timeout`).
     """
 
-    def __init__(self, frontend: Frontend, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, frontend: Frontend, context: grpc.aio.ServicerContext, config: GrpcConfig | None = None) -> None:
         self.frontend = frontend
         self.context = context
+        self.config = config or GrpcConfig()
         self.prefix = uuid.uuid4().hex
         self.out: asyncio.Queue[pb.ServerMessage | Failure | None] = asyncio.Queue()
+        self._room = asyncio.Event()  # set while `out` has room for another message
+        self._room.set()
+        self.last_read = time.monotonic()  # when the client's last message was read
+        self.ending: asyncio.Task | None = None  # the task that ends a stalled stream
         self._waiting_chunks: dict[str, pb.ServerMessage] = {}  # client id -> its chunk queued on `out`
         self.live: dict[str, _Live] = {}  # client id -> its state
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -62,7 +75,7 @@ class StreamSession:
     async def read(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable]) -> None:
         try:
             async for msg in request_iterator:
-                arrival = time.monotonic()  # the one arrival stamp of a request read now
+                arrival = self.last_read = time.monotonic()  # the one arrival stamp of a request read now
                 if isinstance(msg, Undecodable):
                     self.out.put_nowait(Failure(FailureCode.INVALID_ARGUMENT, "undecodable", msg.message))
                     return
@@ -73,6 +86,9 @@ class StreamSession:
                     self.cancel(msg.cancel.request_id)
                 else:
                     self.reject("", InvalidRequestError("empty ClientMessage: set generate or cancel"))
+                if self.out.qsize() >= self.config.stream_queue:  # back-pressure: read on once it drains
+                    self._room.clear()
+                    await self._room.wait()
             # The client half-closed: let the live requests finish, then end the stream.
             while self.live:
                 await asyncio.gather(*(entry.task for entry in list(self.live.values()) if entry.task),
@@ -88,11 +104,19 @@ class StreamSession:
         self.out.put_nowait(None)
 
     def generate(self, req: pb.GenerateRequest, arrival: float) -> None:
-        """Check at once (fields, reused id, limits); tokenize and admit in its task."""
+        """Check at once (id, reused id, stream and request limits); tokenize and admit in its task."""
+        try:
+            limits.check_request_id(req.request_id, self.config)
+        except Exception as exc:  # noqa: BLE001 - answered without the id: it is not one to echo
+            self.reject("", exc)
+            return
         if req.request_id in self.live:
             self.reject("", InvalidRequestError(
                 f"request_id {req.request_id!r} is already live on this stream; that request goes on "
                 "unaffected; use a new id"), reason="duplicate_id")
+            return
+        if len(self.live) >= self.config.max_requests_per_stream:
+            self.reject(req.request_id, limits.too_many_requests(self.config))
             return
         try:
             parsed = from_pb(req, default_max_tokens=self.frontend.default_max_tokens,
@@ -107,6 +131,11 @@ class StreamSession:
         entry.task = asyncio.create_task(self._run(req.request_id, parsed, entry))
 
     def cancel(self, request_id: str) -> None:
+        try:
+            limits.check_request_id(request_id, self.config)
+        except Exception as exc:  # noqa: BLE001 - answered without the id: it is not one to echo
+            self.reject("", exc)
+            return
         entry = self.live.get(request_id)
         if entry is not None:
             self.frontend.cancel(entry.handle)  # its task sends the Final
@@ -151,13 +180,35 @@ class StreamSession:
         self.out.put_nowait(msg)
 
     async def next_message(self) -> pb.ServerMessage | Failure | None:
-        """The next message to write (a chunk taken here no longer accepts tokens)."""
-        msg = await self.out.get()
+        """The next message to write (a chunk taken here no longer accepts tokens); an idle Failure when
+        the stream had no live request and no message for `stream_idle_s`."""
+        msg = await self._next_or_idle()
+        if self.out.qsize() < self.config.stream_queue:
+            self._room.set()
         if isinstance(msg, pb.ServerMessage) and msg.HasField("chunk"):
             rid = msg.chunk.request_id
             if self._waiting_chunks.get(rid) is msg:
                 del self._waiting_chunks[rid]
         return msg
+
+    async def _next_or_idle(self) -> pb.ServerMessage | Failure | None:
+        idle_s = self.config.stream_idle_s
+        while idle_s > 0 and not self.live and self.out.empty():
+            remaining = self.last_read + idle_s - time.monotonic()
+            if remaining <= 0:
+                return limits.idle(self.config)
+            try:
+                async with asyncio.timeout(remaining):
+                    return await self.out.get()
+            except TimeoutError:
+                continue  # idle, or a request went live meanwhile: the loop's test tells which
+        return await self.out.get()
+
+    def drop_queued(self) -> None:
+        """Forget every message not yet written (the stream is ending without writing them)."""
+        while not self.out.empty():
+            self.out.get_nowait()
+        self._waiting_chunks.clear()
 
     def fail_live(self, failure: Failure) -> list[pb.ServerMessage]:
         """Stop every live request (the stream broke, or shutdown); returns one RequestError for each."""

@@ -22,7 +22,7 @@ def test_demo_runs_end_to_end(tiny_llama):
     assert "cancel-me  cancelled" in out and len(re.findall(r"  (length|stop) ", out)) >= 3
     assert "mirror: test input -> model's answer" in out
     assert re.search(r"completed / sent +4/4", out), out
-    assert 'sloserve_requests_total{outcome="length"}' in out
+    assert re.search(r'sloserve_requests_total\{model_name="[^"]+",outcome="length"\}', out), out
     for rid in ("drain-1", "drain-2", "drain-3"):
         assert f"{rid}  finished, 6 tokens" in out
     assert "late     UNAVAILABLE: the server is shutting down" in out

@@ -72,7 +72,9 @@ def test_the_counters_cross_the_wire_and_reach_info_and_prometheus():
     assert wire.decode_from_engine(wire.encode(wire.StepOutputs([], stats))).stats == stats
     msg = stats_pb(stats)
     assert (msg.steps_total, msg.busy_seconds_total, msg.computed_prompt_tokens_total) == (12, 0.375, 640)
-    value = Metrics(lambda: stats).registry.get_sample_value
+    registry = Metrics(lambda: stats, model_name="m").registry
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m"})
     assert value("sloserve_engine_steps_total") == 12
     assert value("sloserve_engine_busy_seconds_total") == 0.375
     assert value("sloserve_computed_prompt_tokens_total") == 640

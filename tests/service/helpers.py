@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from sloserve.config import ServerConfig, SloserveConfig
+from sloserve.config import GrpcConfig, ServerConfig, SloserveConfig
 from sloserve.grpc.server import SloserveServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
@@ -18,12 +18,12 @@ from tests.service.fake_engine import FakeEngine
 
 @contextlib.asynccontextmanager
 async def live_server(engine: FakeEngine | None = None, *, start_engine: bool = True,
-                      credentials: grpc.ChannelCredentials | None = None,
+                      credentials: grpc.ChannelCredentials | None = None, grpc_config: GrpcConfig | None = None,
                       **server_kw) -> AsyncIterator[tuple[SloserveServer, pb_grpc.SloserveStub, grpc.aio.Channel]]:
     """A SloserveServer on an ephemeral port with a connected channel; stopped on exit."""
     engine = engine or FakeEngine()
     server_kw.setdefault("metrics_port", None)  # the metrics test turns it on
-    config = SloserveConfig(server=ServerConfig(host="127.0.0.1", port=0, **server_kw))
+    config = SloserveConfig(server=ServerConfig(host="127.0.0.1", port=0, **server_kw), grpc=grpc_config or GrpcConfig())
     server = SloserveServer(config, engine, watchdog_interval_s=0.02)
     await server.start(start_engine=start_engine)
     if start_engine:

@@ -150,7 +150,9 @@ async def test_metrics_page_parses_and_counts():
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert all(s.labels["model_name"] == "default" for f in families.values() for s in f.samples)
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+               for f in families.values() for s in f.samples}
     assert samples[("sloserve_requests_total", (("outcome", "length"),))] == 2
     assert samples[("sloserve_requests_total", (("outcome", "resource_exhausted"),))] == 1
     assert samples[("sloserve_requests_total", (("outcome", "invalid_argument"),))] == 1

@@ -10,7 +10,14 @@ from sloserve.config import SloserveConfig
 from sloserve.engine.outputs import EngineStats
 from sloserve.frontend import Frontend, ParsedRequest, RequestHandle
 from sloserve.frontend.failures import FailureCode
-from sloserve.frontend.metrics import SLO_CLASSES, SLO_OUTCOMES, Metrics, slo_class, slo_outcome
+from sloserve.frontend.metrics import (
+    SLO_CLASSES,
+    SLO_OUTCOMES,
+    Metrics,
+    slo_class,
+    slo_outcome,
+    slo_outcomes,
+)
 from sloserve.frontend.requests import Finished
 from sloserve.sampling_params import SLO, SamplingParams
 
@@ -26,9 +33,10 @@ def _counts(metrics: Metrics) -> dict[tuple[str, str], float]:
     counts = {}
     for label in SLO_CLASSES:
         for outcome in SLO_OUTCOMES:
-            value = metrics.registry.get_sample_value("sloserve_slo_requests_total",
-                                                      {"slo_class": label, "outcome": outcome})
-            assert value is not None  # every series exists from the start
+            value = metrics.registry.get_sample_value("sloserve_slo_requests_total", {
+                "model_name": metrics.model_name, "slo_class": label, "outcome": outcome})
+            # every series a class can have exists from the start, and no other
+            assert (value is not None) == (outcome in slo_outcomes(label)), (label, outcome)
             if value:
                 counts[label, outcome] = value
     return counts
@@ -57,8 +65,9 @@ def test_the_class_is_a_bounded_label_of_the_objectives(slo, label):
     (SLO(e2e_s=1.0), _finished(0.2, 1.5), "missed"),
     (SLO(tpot_s=0.001), _finished(0.2, 0.2, tokens=1), "met"),  # one token: TPOT 0
     (SLO(ttft_s=1.0), _finished(None, 0.1, tokens=0), "missed"),  # no first token to judge
-    (None, _finished(5.0, 50.0), "met"),
-    (None, _finished(0.1, 0.2, reason="cancelled"), "missed"),
+    (None, _finished(5.0, 50.0), "unjudged"),  # no objective: never counted as met
+    (SLO(), _finished(5.0, 50.0), "unjudged"),
+    (None, _finished(0.1, 0.2, reason="cancelled"), "unjudged"),
     (SLO(e2e_s=30.0), _finished(0.1, 0.2, reason="stop"), "met"),
 ])
 def test_met_or_missed_from_the_server_timings(slo, finished, outcome):
@@ -82,9 +91,10 @@ def test_request_done_and_failed_count_by_class_and_outcome():
     assert _counts(metrics) == {
         ("interactive", "met"): 1, ("interactive", "missed"): 1, ("interactive", "refused"): 1,
         ("batch", "met"): 1, ("batch", "refused"): 1, ("batch", "failed"): 1,
-        ("none", "missed"): 1, ("none", "failed"): 1,
+        ("none", "unjudged"): 1, ("none", "failed"): 1,
     }
-    assert metrics.registry.get_sample_value("sloserve_requests_total", {"outcome": "length"}) == 3
+    assert metrics.registry.get_sample_value("sloserve_requests_total",
+                                             {"model_name": "default", "outcome": "length"}) == 3
 
 
 async def _frontend(engine: FakeEngine) -> tuple[Frontend, Metrics]:
@@ -104,7 +114,7 @@ async def test_the_front_end_counts_what_it_ran_under_the_request_class():
     await _run(frontend, ParsedRequest("abc", SamplingParams(max_tokens=3), SLO(e2e_s=1e-6)), "b")
     await _run(frontend, ParsedRequest("abc", SamplingParams(max_tokens=3)), "c")
     frontend.failure(ValueError("bad input at the edge"))  # no request: not in the class counter
-    assert _counts(metrics) == {("interactive", "met"): 1, ("batch", "missed"): 1, ("none", "met"): 1}
+    assert _counts(metrics) == {("interactive", "met"): 1, ("batch", "missed"): 1, ("none", "unjudged"): 1}
 
 
 async def test_an_admission_refusal_counts_as_refused():
@@ -122,10 +132,15 @@ async def test_an_abandoned_request_counts_as_missed():
     assert _counts(metrics) == {("batch", "missed"): 1}
 
 
+def _value(metrics: Metrics):
+    """get_sample_value with the model_name label every series carries."""
+    return lambda name, labels=None: metrics.registry.get_sample_value(
+        name, {"model_name": metrics.model_name, **(labels or {})})
+
+
 def test_ttft_prediction_error_gauges_from_engine_stats():
     stats = EngineStats(ttft_predictions=7, ttft_prediction_error_p50_s=-0.01, ttft_prediction_error_p90_s=0.25)
-    metrics = Metrics(lambda: stats)
-    value = metrics.registry.get_sample_value
+    value = _value(Metrics(lambda: stats))
     assert value("sloserve_ttft_prediction_error_seconds", {"quantile": "0.5"}) == pytest.approx(-0.01)
     assert value("sloserve_ttft_prediction_error_seconds", {"quantile": "0.9"}) == pytest.approx(0.25)
     assert value("sloserve_ttft_predictions_total") == 7
@@ -136,6 +151,6 @@ def test_stats_without_prediction_fields_read_as_zero():
               "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total",
               "preemptions_total", "step_time_s")
     older = SimpleNamespace(**dict.fromkeys(fields, 0), refusals={})  # an engine from before the fields
-    value = Metrics(lambda: older).registry.get_sample_value
+    value = _value(Metrics(lambda: older))
     assert value("sloserve_ttft_prediction_error_seconds", {"quantile": "0.9"}) == 0.0
     assert value("sloserve_ttft_predictions_total") == 0
