@@ -174,8 +174,8 @@ class Frontend:
                 behind = stream.take_ready()  # steps that queued up while we were busy: one event
                 if behind:
                     out = _merge(out, behind)
-                if out.new_token_ids or out.new_text:
-                    if first is None:
+                if out.new_token_ids or out.new_text or out.prompt_logprobs is not None:
+                    if first is None and (out.new_token_ids or out.new_text):  # a prompt-only one has none
                         first = now
                         if out.first_token_time is not None:  # admission prices this backlog
                             self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)
