@@ -40,8 +40,8 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise InvalidRequestError("max_tokens must be >= 1 (0, which only scores the prompt, needs "
-                                      "prompt_logprobs)")
+            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0, which only scores the "
+                                      "prompt, needs prompt_logprobs)")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:

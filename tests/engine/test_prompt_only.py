@@ -21,7 +21,7 @@ PROMPT = [ord(c) for c in "the quick brown fox jumps"]
 
 
 def test_max_tokens_zero_needs_prompt_logprobs():
-    with pytest.raises(InvalidRequestError, match="max_tokens must be >= 1.*prompt_logprobs"):
+    with pytest.raises(InvalidRequestError, match="max_tokens must be an integer >= 1.*prompt_logprobs"):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         SamplingParams(max_tokens=-1, prompt_logprobs=0)
