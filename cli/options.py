@@ -150,7 +150,8 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("num scheduler steps", "--num-scheduler-steps"),
           ("tensor parallel size", "--tensor-parallel-size"), ("nnodes", "--nnodes"), ("node rank", "--node-rank"),
           ("master port", "--master-port"), ("idle spin", "--idle-spin"),
-          ("max logprobs", "--max-logprobs"), ("max n", "--max-n"))
+          ("max logprobs", "--max-logprobs"), ("max n", "--max-n"),
+          ("max prompts per request", "--max-prompts-per-request"))
 
 
 def with_flag(message: str) -> str:

@@ -165,6 +165,7 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     max_logprobs: int = 20  # most top log-probabilities per token a request may ask for (OpenAI's limit)
     max_n: int = 16  # most choices (n) one request may ask for
+    max_prompts_per_request: int = 64  # most prompts in one completions request (a list of prompts)
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -181,6 +182,8 @@ class ServerConfig:
         _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
         _require(self.max_logprobs >= 0, f"max logprobs must be >= 0, got {self.max_logprobs}")
         _require(self.max_n >= 1, f"max n must be >= 1, got {self.max_n}")
+        _require(self.max_prompts_per_request >= 1,
+                 f"max prompts per request must be >= 1, got {self.max_prompts_per_request}")
         _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")
 
 

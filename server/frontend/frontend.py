@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,8 @@ class Frontend:
         self.metrics = metrics
         self.limits = Limits(max_tokens_limit=config.server.max_tokens_limit,
                              max_prompt_tokens=config.server.max_prompt_tokens,
-                             max_logprobs=config.server.max_logprobs, max_n=config.server.max_n)
+                             max_logprobs=config.server.max_logprobs, max_n=config.server.max_n,
+                             max_prompts=config.server.max_prompts_per_request)
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -110,10 +111,14 @@ class Frontend:
             raise RequestFailed(FailureCode.UNAVAILABLE, "not_ready",
                                 "the model is still loading; retry when health says SERVING")
 
-    def check(self, parsed: ParsedRequest) -> None:
-        """Every check that needs no tokenizer: the server is open, the request within limits."""
+    def check(self, parsed: ParsedRequest, prompts: Sequence[str | list[int]] = ()) -> None:
+        """Every check that needs no tokenizer: the server is open, the request within limits
+        (`prompts`: a batch's, each checked as `parsed`'s own, their number against the limit)."""
         self.check_open()
-        self.limits.check_request(parsed, int(self.engine.model_info.get("max_model_len") or 0))
+        max_model_len = int(self.engine.model_info.get("max_model_len") or 0)
+        self.limits.check_prompts(len(prompts))
+        for prompt in prompts or (parsed.prompt,):
+            self.limits.check_request(dataclasses.replace(parsed, prompt=prompt), max_model_len)
         low, high = PRIORITY_RANGE
         if not low <= parsed.priority <= high:
             raise InvalidRequestError(f"priority {parsed.priority} is outside [{low}, {high}]; lower runs first")

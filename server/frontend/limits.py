@@ -9,14 +9,16 @@ MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused
 
 
 class Limits:
-    """max_tokens, prompt tokens and characters, top logprobs and choices; `max_model_len` 0: not known yet."""
+    """max_tokens, prompt tokens and characters, top logprobs, choices and prompts per request;
+    `max_model_len` 0: not known yet."""
 
     def __init__(self, *, max_tokens_limit: int, max_prompt_tokens: int | None, max_logprobs: int = 20,
-                 max_n: int = 16) -> None:
+                 max_n: int = 16, max_prompts: int = 64) -> None:
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
         self.max_logprobs = max_logprobs
         self.max_n = max_n
+        self.max_prompts = max_prompts
 
     def check_request(self, parsed: ParsedRequest, max_model_len: int) -> None:
         """Cheap checks before any tokenizing: a prompt, max_tokens, characters or token ids."""
@@ -41,6 +43,12 @@ class Limits:
                 f"prompt has {len(prompt)} characters, over this server's limit of "
                 f"{max_model_len * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} per token of the model's "
                 f"{max_model_len}-token context); shorten it")
+
+    def check_prompts(self, count: int) -> None:
+        """A batch's number of prompts against --max-prompts-per-request."""
+        if count > self.max_prompts:
+            raise InvalidRequestError(f"prompt holds {count} prompts, over this server's limit of {self.max_prompts} "
+                                      "(--max-prompts-per-request); send fewer per request")
 
     def check_tokens(self, n: int) -> None:
         """The prompt's token count against --max-prompt-tokens."""
