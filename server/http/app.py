@@ -70,7 +70,7 @@ class HttpApi:
             slo = slo_from_wire(request.headers, body)
             common = {"model": self.model, "default_max_tokens": frontend.default_max_tokens, "slo": slo}
             req = (parse_chat(body, self._render, **common) if chat else parse_completion(body, **common))
-            frontend.check(req.parsed)
+            frontend.check(req.parsed, req.prompts or ())
         except HttpError as exc:
             if exc.status == 400:
                 frontend.count_failure(Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc)))
@@ -89,8 +89,8 @@ class HttpApi:
         logprobs = LogprobFormat(tokenizer.decode) if req.logprobs else None
         echo = None
         if req.echo:
-            prompt = req.parsed.prompt
-            echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts or [req.parsed.prompt]]
+            echo = texts if req.prompts else texts[0]
         return Shape(chat, self.model, req.return_token_ids, logprobs, echo)
 
     def _render(self, messages: list[dict]) -> str:
