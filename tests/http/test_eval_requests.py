@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 
+import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from sloserve.tokenizer import Tokenizer
 
 from tests.checkpoints import load_hf_model
@@ -139,3 +141,36 @@ def test_bad_batches_are_400_naming_the_field_and_reach_no_engine(client, model,
     stats = http_server.info(metadata=META).stats
     assert quiescent(stats), describe(stats)
     assert stats.requests_finished_total == before.requests_finished_total  # the engine never saw it
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_scored_prompt_counts_as_a_request_without_a_first_token(client, model, http_server):
+    """It finishes 'length', with an end-to-end time and no TTFT observed; an SLO judges its TTFT
+    by its answer (a generous one is met)."""
+    before = _metrics(http_server.url)
+    client.completions.create(model=model, prompt=CONTEXTS[1], max_tokens=0, echo=True, logprobs=1,
+                              extra_body={"slo": {"ttft_s": 60}})
+    after = _metrics(http_server.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("sloserve_requests_total", outcome="length") == 1
+    assert delta("sloserve_e2e_seconds_count") == 1 and delta("sloserve_ttft_seconds_count") == 0
+    assert sum(v - before.get(k, 0.0) for k, v in after.items()
+               if k[0] == "sloserve_slo_requests_total" and ("outcome", "met") in k[1]) == 1
+
+
+def test_one_bad_prompt_fails_the_batch_and_frees_the_others(client, model, http_server):
+    with pytest.raises(openai.BadRequestError) as err:  # a token id past the vocabulary: the engine refuses it
+        client.completions.create(model=model, prompt=[CONTEXTS[0], [1, 10**6]], max_tokens=0, echo=True,
+                                  logprobs=1)
+    assert "token" in err.value.message
+    stats = http_server.wait_quiescent(30, metadata=META)
+    assert quiescent(stats), describe(stats)
