@@ -69,3 +69,21 @@ def test_prompt_only_logprobs_equal_transformers(make_checkpoint):
     assert out.prompt_logprobs[0] is None
     got = [e.logprob for e in out.prompt_logprobs[1:]]
     assert got == pytest.approx([ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=TOL)
+
+
+def test_prompt_only_requests_beside_generating_ones_on_every_step_path(make_checkpoint):
+    """A one-token prompt (nothing to score), and prompt-only requests in steps with decodes and
+    runs of decode steps: the generating requests' tokens are those they get alone."""
+    folder = make_checkpoint("llama")
+    prompts = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 70)), [256, 1, 2, 3]]
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    made = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(str(folder), device="cpu", max_model_len=64, block_size=4, max_batched_tokens=16,
+             num_scheduler_steps=4) as llm:
+        alone = llm.generate(prompts[2:], made)
+        outs = llm.generate(prompts, [scored, scored, made, made])
+        bm = llm.engine.scheduler.block_manager
+        assert bm.num_free == bm.num_usable
+    assert outs[0].prompt_logprobs == [None] and outs[0].token_ids == [] and outs[0].finish_reason == "length"
+    assert len(outs[1].prompt_logprobs) == 6 and outs[1].token_ids == []
+    assert [o.token_ids for o in outs[2:]] == [o.token_ids for o in alone]
