@@ -117,8 +117,13 @@ class Frontend:
         self.check_open()
         max_model_len = int(self.engine.model_info.get("max_model_len") or 0)
         self.limits.check_prompts(len(prompts))
-        for prompt in prompts or (parsed.prompt,):
-            self.limits.check_request(dataclasses.replace(parsed, prompt=prompt), max_model_len)
+        if not prompts:
+            self.limits.check_request(parsed, max_model_len)
+        for i, prompt in enumerate(prompts):
+            try:
+                self.limits.check_request(dataclasses.replace(parsed, prompt=prompt), max_model_len)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompt[{i}]: {exc}") from None
         low, high = PRIORITY_RANGE
         if not low <= parsed.priority <= high:
             raise InvalidRequestError(f"priority {parsed.priority} is outside [{low}, {high}]; lower runs first")

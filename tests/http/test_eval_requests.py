@@ -130,9 +130,11 @@ def test_a_list_of_prompts_times_n_is_prompt_major_streamed_and_not(client, mode
     ({"prompt": []}, "prompt"),
     ({"prompt": ["x", ""]}, "prompt[1]"),
     ({"prompt": [[1, 2], [3, -1]]}, "prompt[1]"),
+    ({"prompt": ["x", "y" * 5000]}, "prompt[1]: prompt has 5000 characters"),  # over 16 per token of 256
     ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
     ({"prompt": ["x", "y"], "max_tokens": 0}, "max_tokens"),
-], ids=["too-many-prompts", "empty-list", "empty-prompt", "bad-token", "max-tokens-0-no-echo", "batch-no-echo"])
+], ids=["too-many-prompts", "empty-list", "empty-prompt", "bad-token", "too-long", "max-tokens-0-no-echo",
+        "batch-no-echo"])
 def test_bad_batches_are_400_naming_the_field_and_reach_no_engine(client, model, http_server, body, field):
     before = http_server.info(metadata=META).stats
     with pytest.raises(openai.BadRequestError) as err:
