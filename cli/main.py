@@ -95,6 +95,8 @@ def _metrics_port(text: str) -> int | None:
 @click.option("--max-logprobs", default=20, show_default=True, type=int,
               help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).")
 @click.option("--max-n", default=16, show_default=True, type=int, help="Most choices (n) one request may ask for.")
+@click.option("--max-prompts-per-request", default=64, show_default=True, type=int,
+              help="Most prompts one /v1/completions request may batch (a list of prompts).")
 @click.option("--max-prompt-tokens", default=None, type=int, help="Longest prompt accepted [default: context length].")
 @click.option("--max-stop-strings", default=16, show_default=True, type=int,
               help="Most stop strings one request may give (0: none allowed).")
@@ -141,6 +143,7 @@ def serve(**kwargs) -> None:
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
             max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
             max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
+            max_prompts_per_request=kwargs["max_prompts_per_request"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
             idle_spin_s=kwargs["idle_spin"], frontends=kwargs["frontends"], metrics_compat=kwargs["metrics_compat"],
             served_model_name=kwargs["served_model_name"])

@@ -161,7 +161,8 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("master port", "--master-port"), ("idle spin", "--idle-spin"),
           ("max logprobs", "--max-logprobs"), ("max n", "--max-n"), ("frontends", "--frontends"),
           ("grammar cache", "--grammar-cache"),
-          ("tls ca", "--tls-ca"), ("metrics token", "--metrics-token"), ("metrics compat", "--metrics-compat"))
+          ("tls ca", "--tls-ca"), ("metrics token", "--metrics-token"), ("metrics compat", "--metrics-compat"),
+          ("max prompts per request", "--max-prompts-per-request"))
 
 
 def with_flag(message: str) -> str:

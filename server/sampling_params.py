@@ -19,7 +19,7 @@ class SamplingParams:
     model's raw log-softmax, before any of them (layers/logprobs.py).
     """
 
-    max_tokens: int = 64
+    max_tokens: int = 64  # 0 (with prompt_logprobs): compute and score the prompt, sample nothing
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -38,8 +38,11 @@ class SamplingParams:
     grammar: str | None = None  # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0, which only scores the "
+                                      "prompt, needs prompt_logprobs)")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -75,6 +78,11 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise InvalidRequestError("grammar must be llguidance grammar text (see sloserve.structured.grammar_for)")
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: the request computes its prompt (for its prompt logprobs) and samples nothing."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

@@ -82,7 +82,8 @@ def take_output(req: Request) -> RequestOutput:
     new_ids = req.output_token_ids[req.sent_token_len:]
     new_logprobs = None if req.output_logprobs is None else req.output_logprobs[req.sent_token_len:]
     prompt_logprobs = None
-    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or req.is_finished):
+    scored = req.sampling.prompt_only and req.status == RequestStatus.FINISHED_LENGTH  # its prompt, whole
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or scored):
         prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
     req.sent_token_len = req.num_output_tokens
     return RequestOutput(

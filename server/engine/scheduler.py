@@ -396,13 +396,16 @@ class Scheduler:
                logprobs: list[Logprob] | None = None) -> bool:
         """Advance `req` by its computed chunk of `n` tokens and then one token per further step of
         the run, appending each sampled token (and its logprobs, when asked) until one finishes it;
-        False when nothing was sampled."""
+        False when nothing was sampled (and no prompt-only request finished)."""
         for i, token in enumerate(run):
             start = req.num_computed_tokens
             req.num_computed_tokens += n if i == 0 else 1
             self.block_manager.commit(req)
             self.computed_prompt_tokens_total += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - start)
             if token is None:
+                if req.sampling.prompt_only and req.num_computed_tokens >= req.num_tokens:
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)  # scored its prompt: nothing to sample
+                    return True
                 return False
             if req.resumed_step is not None and self.step_count > req.resumed_step:
                 req.resumed_step = None
@@ -523,7 +526,8 @@ class Scheduler:
         kv_present = max(0, len(req.block_hashes) * self.block_size - start)
         out.sequences.append(ScheduledSequence(
             req_id=req.request_id, token_ids=req.all_token_ids[start:end], start_pos=start,
-            block_table=req.block_table[:bm.blocks_for(end)], sample=end == req.num_tokens,
+            block_table=req.block_table[:bm.blocks_for(end)],
+            sample=end == req.num_tokens and not req.sampling.prompt_only,
             sampling=req.sampling, num_generated=req.num_output_tokens, kv_present=kv_present,
             context=req.all_token_ids if req.sampling.needs_context else None))
         if req.first_scheduled_time is None:

@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,7 @@ class Frontend:
         server = config.server
         self.limits = Limits(max_tokens_limit=server.max_tokens_limit, max_prompt_tokens=server.max_prompt_tokens,
                              max_logprobs=server.max_logprobs, max_n=server.max_n,
+                             max_prompts=server.max_prompts_per_request,
                              max_stop_strings=server.max_stop_strings,
                              max_stop_string_chars=server.max_stop_string_chars)
         self.draining = False
@@ -112,10 +113,19 @@ class Frontend:
             raise RequestFailed(FailureCode.UNAVAILABLE, "not_ready",
                                 "the model is still loading; retry when health says SERVING")
 
-    def check(self, parsed: ParsedRequest) -> None:
-        """Every check that needs no tokenizer: the server is open, the request within limits."""
+    def check(self, parsed: ParsedRequest, prompts: Sequence[str | list[int]] = ()) -> None:
+        """Every check that needs no tokenizer: the server is open, the request within limits
+        (`prompts`: a batch's, each checked as `parsed`'s own, their number against the limit)."""
         self.check_open()
-        self.limits.check_request(parsed, int(self.engine.model_info.get("max_model_len") or 0))
+        max_model_len = int(self.engine.model_info.get("max_model_len") or 0)
+        self.limits.check_prompts(len(prompts))
+        if not prompts:
+            self.limits.check_request(parsed, max_model_len)
+        for i, prompt in enumerate(prompts):
+            try:
+                self.limits.check_request(dataclasses.replace(parsed, prompt=prompt), max_model_len)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompt[{i}]: {exc}") from None
         low, high = PRIORITY_RANGE
         if not low <= parsed.priority <= high:
             raise InvalidRequestError(f"priority {parsed.priority} is outside [{low}, {high}]; lower runs first")
@@ -184,8 +194,8 @@ class Frontend:
                 behind = stream.take_ready()  # steps that queued up while we were busy: one event
                 if behind:
                     out = _merge(out, behind)
-                if out.new_token_ids or out.new_text:
-                    if first is None:
+                if out.new_token_ids or out.new_text or out.prompt_logprobs is not None:
+                    if first is None and (out.new_token_ids or out.new_text):  # a prompt-only one has none
                         first = now
                         if out.first_token_time is not None:  # admission prices this backlog
                             self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)

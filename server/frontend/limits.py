@@ -11,15 +11,17 @@ CONTEXT_LENGTH = "context_length_exceeded"  # the reason (error code) clients lo
 
 
 class Limits:
-    """max_tokens, prompt tokens and characters, top logprobs, choices and stop strings; `max_model_len`
-    0 means not known yet."""
+    """max_tokens, prompt tokens and characters, top logprobs, choices, prompts per request and stop
+    strings; `max_model_len` 0 means not known yet."""
 
     def __init__(self, *, max_tokens_limit: int, max_prompt_tokens: int | None, max_logprobs: int = 20,
-                 max_n: int = 16, max_stop_strings: int = 16, max_stop_string_chars: int = 256) -> None:
+                 max_n: int = 16, max_prompts: int = 64, max_stop_strings: int = 16,
+                 max_stop_string_chars: int = 256) -> None:
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
         self.max_logprobs = max_logprobs
         self.max_n = max_n
+        self.max_prompts = max_prompts
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_chars = max_stop_string_chars
 
@@ -59,6 +61,13 @@ class Limits:
         if longest > self.max_stop_string_chars:
             raise LimitExceeded("max_stop_string_chars", f"a stop string has {longest} characters, over this "
                                 f"server's limit of {self.max_stop_string_chars} (--max-stop-string-chars); shorten it",
+                                reason="invalid_argument")
+
+    def check_prompts(self, count: int) -> None:
+        """A batch's number of prompts against --max-prompts-per-request."""
+        if count > self.max_prompts:
+            raise LimitExceeded("max_prompts_per_request", f"prompt holds {count} prompts, over this server's "
+                                f"limit of {self.max_prompts} (--max-prompts-per-request); send fewer per request",
                                 reason="invalid_argument")
 
     def check_tokens(self, n: int, max_model_len: int = 0) -> None:

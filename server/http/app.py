@@ -89,7 +89,7 @@ class HttpApi:
             default = frontend.limits.max_tokens_limit if chat else frontend.default_max_tokens
             common = {"model": self.model, "default_max_tokens": default, "slo": slo}
             req = (parse_chat(body, self._render, **common) if chat else parse_completion(body, **common))
-            frontend.check(req.parsed)
+            frontend.check(req.parsed, req.prompts or ())
         except HttpError as exc:
             if exc.status == 400:
                 frontend.count_failure(Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc)))
@@ -113,8 +113,8 @@ class HttpApi:
         logprobs = LogprobFormat(tokenizer.decode) if req.logprobs else None
         echo = None
         if req.echo:
-            prompt = req.parsed.prompt
-            echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts or [req.parsed.prompt]]
+            echo = texts if req.prompts else texts[0]
         return Shape(chat, self.model, req.return_token_ids, logprobs, echo, req.include_usage,
                      tools=req.tools is not None)
 

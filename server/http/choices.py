@@ -1,10 +1,11 @@
-"""n > 1: a request's n choices run as n engine requests over one prompt, combined into one
-response (or one stream) with choices[0..n-1].
+"""n > 1 or a list of prompts: a request's choices run as engine requests of their own, combined
+into one response (or one stream) with choices[0..P*n-1], prompt-major as OpenAI orders them
+(choice p*n + j is prompt p's j-th).
 
-The prompt is computed once: the choices share its full KV blocks through the prefix cache (the
+A prompt is computed once: its n choices share its full KV blocks through the prefix cache (the
 first computes a block, the others wait for it and take it, see Scheduler._admit_waiting). A
-seeded request gives choice i the seed + i, as vLLM does, so the choices differ. Each choice
-counts as a request in the metrics. The first failure ends the whole request with its status.
+seeded request gives choice j of each prompt the seed + j, as vLLM does, so the choices differ.
+Each choice counts as a request in the metrics. The first failure ends the whole request with its status.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import orjson
 from sloserve.frontend import Failure, Finished, ParsedRequest, RequestHandle, Tokens
 from sloserve.http import sse
 from sloserve.http.errors import STATUS, error_body, failure_response
-from sloserve.http.responses import Shape, usage
+from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest
 from starlette.responses import Response
 
@@ -33,17 +34,19 @@ def choice_request(parsed: ParsedRequest, index: int) -> ParsedRequest:
 
 
 class Choices:
-    """The n engine requests of one HTTP request, their events merged into one queue."""
+    """The engine requests of one HTTP request (n per prompt), their events merged into one queue."""
 
     def __init__(self, owner: Any, handle: RequestHandle, req: CompletionRequest) -> None:
         self.owner = owner
         n = req.parsed.n
-        self.handles = [RequestHandle(f"{handle.engine_id}-{i}", handle.arrival) for i in range(n)]
+        requests = [choice_request(req.for_prompt(p), j) for p in range(len(req.prompts or ()) or 1)
+                    for j in range(n)]
+        self.handles = [RequestHandle(f"{handle.engine_id}-{i}", handle.arrival) for i in range(len(requests))]
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         for h in self.handles:
             owner.live[h.engine_id] = h
-        self.tasks = [asyncio.create_task(self._pump(i, h, choice_request(req.parsed, i)))
-                      for i, h in enumerate(self.handles)]
+        self.tasks = [asyncio.create_task(self._pump(i, h, parsed))
+                      for i, (h, parsed) in enumerate(zip(self.handles, requests, strict=True))]
 
     async def _pump(self, index: int, handle: RequestHandle, parsed: ParsedRequest) -> None:
         async with contextlib.aclosing(self.owner.frontend.run(handle, parsed)) as events:
@@ -65,10 +68,11 @@ class Choices:
 
 async def respond_n(owner: Any, handle: RequestHandle, req: CompletionRequest, shape: Shape, *,
                     watch: Callable[[Callable[[], None]], asyncio.Task], shutdown: Failure) -> Response:
-    """The response of a request with n > 1 choices (see the module docstring). owner: the edge's
-    Completions; watch(on_disconnect): the task that watches for the client going away."""
+    """The response of a request with n > 1 choices or a list of prompts (see the module docstring).
+    owner: the edge's Completions; watch(on_disconnect): the task that watches for the client going away."""
     choices = Choices(owner, handle, req)
-    shapes = [shape.for_choice(i) for i in range(len(choices.handles))]
+    n = req.parsed.n
+    shapes = [shape.for_choice(i, prompt=i // n) for i in range(len(choices.handles))]
     watcher = watch(choices.cancel)
     streaming = False
     try:
@@ -105,7 +109,7 @@ async def respond_n(owner: Any, handle: RequestHandle, req: CompletionRequest, s
                   for s, t, d_ids, d, lp, p in zip(shapes, texts, ids, done, logprobs, prompts, strict=True)]
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
-        body["usage"] = combined_usage(done)
+        body["usage"] = combined_usage(done, n)
         return Response(orjson.dumps(body), media_type="application/json")
     finally:
         if not streaming:
@@ -140,7 +144,7 @@ async def _stream(choices: Choices, first: tuple[int, Any], req: CompletionReque
             if all(d is not None for d in done):
                 if req.include_usage:
                     chunk = shapes[0].usage_chunk(event)
-                    chunk["usage"] = combined_usage(done)
+                    chunk["usage"] = combined_usage(done, req.parsed.n)
                     yield sse.event(chunk)
                 yield sse.DONE
                 return
@@ -151,9 +155,10 @@ def _error_event(failure: Failure) -> bytes:
     return sse.event(error_body(STATUS[failure.code], failure.message, code=failure.reason))
 
 
-def combined_usage(done: list[Finished]) -> dict:
-    """The prompt counted once (it is computed once), the completions of every choice summed."""
-    total = usage(done[0])
+def combined_usage(done: list[Finished], n: int) -> dict:
+    """Each prompt counted once (it is computed once for its n choices), every choice's completion summed."""
+    firsts = done[::n]  # the first choice of each prompt
+    prompt = sum(d.prompt_tokens for d in firsts)
     completion = sum(d.completion_tokens for d in done)
-    total.update(completion_tokens=completion, total_tokens=total["prompt_tokens"] + completion)
-    return total
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)}}

@@ -53,7 +53,7 @@ class Completions:
 
     async def respond(self, request: Request, handle: RequestHandle, req: CompletionRequest,
                       shape: Shape) -> Response:
-        if req.parsed.n > 1:
+        if req.parsed.n > 1 or req.prompts:
             return await respond_n(self, handle, req, shape, shutdown=SHUTDOWN,
                                    watch=lambda cancel: asyncio.create_task(_disconnected(request.receive, cancel)))
         events = self.frontend.run(handle, req.parsed)

@@ -18,12 +18,14 @@ class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
     def __init__(self, chat: bool, model: str, token_ids: bool = False, logprobs: LogprobFormat | None = None,
-                 echo: str | None = None, include_usage: bool = False, tools: bool = False) -> None:
+                 echo: str | list[str] | None = None, include_usage: bool = False, tools: bool = False) -> None:
         self.chat = chat
         self.tools = ToolStream() if tools else None  # chat with tools: `<tool_call>` blocks become tool_calls
         self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
         self.logprobs = logprobs  # set when the request asked for logprobs
-        self.echo = echo  # completions' echo: the prompt's text, put before the first text
+        # completions' echo: the prompt's text, put before the first text (a list of prompts: each one's)
+        self._echoes = echo if isinstance(echo, list) else None
+        self.echo = echo[0] if isinstance(echo, list) else echo
         self.include_usage = include_usage  # stream_options.include_usage: every chunk has `usage` (null till the last)
         self._offset = 0  # characters of completion text sent so far (completions' text_offset)
         self.index = 0  # the choice's index (n > 1: one Shape per choice, see for_choice)
@@ -54,12 +56,14 @@ class Shape:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(done)}
 
-    def for_choice(self, index: int) -> Shape:
-        """A Shape of the same response for choice `index` (its own echo and text offsets)."""
+    def for_choice(self, index: int, prompt: int = 0) -> Shape:
+        """A Shape of the same response for choice `index` of prompt `prompt` (its own echo and text offsets)."""
         shape = copy.copy(self)
         shape.index = index
         if self.tools is not None:  # each choice parses its own calls
             shape.tools = ToolStream()
+        if self._echoes is not None:
+            shape.echo = self._echoes[prompt]
         return shape
 
     def first(self) -> dict | None:

@@ -8,6 +8,7 @@ values are accepted (routers send them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -42,32 +43,66 @@ class CompletionRequest:
     echo: bool = False  # completions: the prompt leads the text (and its logprobs, with logprobs)
     logprobs: bool = False  # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
     tools: ToolRequest | None = None  # chat with tools: rendered by the template, calls parsed from the answer
+    prompts: list[str | list[int]] | None = None  # completions' list of prompts (parsed has the first); None: one
+
+    def for_prompt(self, index: int) -> ParsedRequest:
+        """The request of prompt `index` of a list of prompts (all share every other field)."""
+        return self.parsed if self.prompts is None else dataclasses.replace(self.parsed, prompt=self.prompts[index])
 
 
 def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
-    """A /v1/completions body: `prompt` is a string, token ids, or a list of one of either."""
+    """A /v1/completions body: `prompt` is a string, token ids, or a list of either (one choice per
+    prompt). max_tokens 0 with echo scores the prompt only (its logprobs; nothing is generated)."""
     body = _object(body)
-    prompt = body.get("prompt", _MISSING)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if prompt is _MISSING or prompt is None:
-        raise _bad("prompt", "is required: a string or a list of token ids")
-    if isinstance(prompt, list):
-        if prompt and all(isinstance(p, str | list) for p in prompt):
-            raise _bad("prompt", f"holds {len(prompt)} prompts; this server takes one per request "
-                       "(send them as separate requests)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise _bad("prompt", "must be a string or a list of non-negative integer token ids")
-    elif not isinstance(prompt, str):
-        raise _bad("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    prompts = _prompts(body.get("prompt", _MISSING))
     if body.get("tools"):
         raise _bad("tools", "are for /v1/chat/completions, whose chat template renders them")
     logprobs = _int(body, "logprobs", None, minimum=0)
     echo = _bool(body, "echo", False)
-    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo,
-                       logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+    prompt_logprobs = logprobs if echo else None
+    zero = _asks_no_tokens(body)
+    if zero and not echo:
+        raise _bad(zero, "must be >= 1, got 0 (0 only with echo: true, which returns the prompt and, with "
+                   "logprobs, its logprobs)")
+    if zero:
+        prompt_logprobs = logprobs or 0  # the engine scores the prompt; without logprobs none is shown
+    request = _request(body, prompts[0], model=model, default_max_tokens=default_max_tokens, slo=slo,
+                       logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_max_tokens=0 if zero else 1)
     request.echo = echo
+    request.prompts = prompts if len(prompts) > 1 else None
     return request
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: a string, token ids, or a non-empty list of either."""
+    if prompt is _MISSING or prompt is None:
+        raise _bad("prompt", "is required: a string, a list of token ids, or a list of either")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise _bad("prompt", f"must be a string, a list of token ids, or a list of either, got {_kind(prompt)}")
+    if not prompt:
+        raise _bad("prompt", "is an empty list: send a string, token ids, or a non-empty list of either")
+    if not all(isinstance(p, str | list) for p in prompt):
+        return [_token_ids("prompt", prompt)]
+    for i, p in enumerate(prompt):
+        if isinstance(p, list):
+            _token_ids(f"prompt[{i}]", p)
+        if not p:
+            raise _bad(f"prompt[{i}]", "is empty: send some text or token ids")
+    return prompt
+
+
+def _asks_no_tokens(body: dict) -> str | None:
+    """The field that asks for 0 tokens (max_completion_tokens wins over max_tokens), else None."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return name if _int(body, name, None) == 0 else None
+
+
+def _token_ids(field: str, ids: list) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise _bad(field, "must be a string or a list of non-negative integer token ids")
+    return ids
 
 
 def parse_chat(body: Any, render: Callable[..., str], *, model: str, default_max_tokens: int,
@@ -159,9 +194,9 @@ def _tool_calls(field: str, calls: Any) -> list[dict]:
     return out
 
 
-def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int,
-             slo: SLO | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-             grammar: str | None = None) -> CompletionRequest:
+def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int, slo: SLO | None,
+             logprobs: int | None = None, prompt_logprobs: int | None = None, grammar: str | None = None,
+             min_max_tokens: int = 1) -> CompletionRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if not neutral(body.get(name)):
             raise HttpError(400, f"{why}; omit {name}", param=name)
@@ -172,9 +207,9 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
         raise HttpError(404, f"model {requested!r} is not served here; this server serves {model!r} "
                         "(see GET /v1/models)", param="model", code="model_not_found")
     n = _int(body, "n", 1, minimum=1)
-    max_tokens = _int(body, "max_completion_tokens", None, minimum=1)
+    max_tokens = _int(body, "max_completion_tokens", None, minimum=min_max_tokens)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", default_max_tokens, minimum=1)
+        max_tokens = _int(body, "max_tokens", default_max_tokens, minimum=min_max_tokens)
     top_k = _int(body, "top_k", 0, minimum=-1)
     stop = body.get("stop")
     if stop is None:

@@ -57,6 +57,8 @@ CASES = [
     (["serve", "--max-tokens-limit", "0"], "--max-tokens-limit: max tokens limit must be >= 1"),
     (["serve", "--max-logprobs", "-1"], "--max-logprobs: max logprobs must be >= 0, got -1"),
     (["serve", "--max-n", "0"], "--max-n: max n must be >= 1, got 0"),
+    (["serve", "--max-prompts-per-request", "0"],
+     "--max-prompts-per-request: max prompts per request must be >= 1, got 0"),
     (["serve", "--grace", "-1"], "--grace must be >= 0 seconds"),
     (["serve", "--max-stop-strings", "-1"], "--max-stop-strings: max stop strings must be >= 0, got -1"),
     (["serve", "--max-stop-string-chars", "0"], "--max-stop-string-chars: max stop string chars must be >= 1, got 0"),

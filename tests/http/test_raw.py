@@ -85,7 +85,12 @@ BAD = [  # (body, status, param or code the error names)
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": ""}, 400, "invalid_argument"),
     ({"prompt": [1, -2]}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 400, "prompt[1]"),
+    ({"prompt": ["a", [1, "b"]]}, 400, "prompt[1]"),
+    ({"prompt": ["a"] * 65}, 400, "invalid_argument"),  # over --max-prompts-per-request
+    ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens"),  # 0 only with echo
+    ({"prompt": "x", "max_completion_tokens": 0, "echo": False}, 400, "max_completion_tokens"),
     ({}, 400, "prompt"),
     ({"prompt": "x", "model": "other"}, 404, "model"),
 ]

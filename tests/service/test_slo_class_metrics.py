@@ -64,7 +64,8 @@ def test_the_class_is_a_bounded_label_of_the_objectives(slo, label):
     (INTERACTIVE, _finished(0.2, 0.28), "missed"),  # TPOT 40 ms
     (SLO(e2e_s=1.0), _finished(0.2, 1.5), "missed"),
     (SLO(tpot_s=0.001), _finished(0.2, 0.2, tokens=1), "met"),  # one token: TPOT 0
-    (SLO(ttft_s=1.0), _finished(None, 0.1, tokens=0), "missed"),  # no first token to judge
+    (SLO(ttft_s=1.0), _finished(None, 0.1, tokens=0), "met"),  # no token (max_tokens 0): its answer is judged
+    (SLO(ttft_s=1.0), _finished(None, 1.5, tokens=0), "missed"),
     (None, _finished(5.0, 50.0), "unjudged"),  # no objective: never counted as met
     (SLO(), _finished(5.0, 50.0), "unjudged"),
     (None, _finished(0.1, 0.2, reason="cancelled"), "unjudged"),
