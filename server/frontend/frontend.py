@@ -16,6 +16,7 @@ from sloserve.errors import InvalidRequestError
 from sloserve.frontend.failures import (
     Failure,
     FailureCode,
+    LimitExceeded,
     RequestFailed,
     failure_from_exception,
     failure_from_output,
@@ -124,6 +125,8 @@ class Frontend:
         for i, prompt in enumerate(prompts):
             try:
                 self.limits.check_request(dataclasses.replace(parsed, prompt=prompt), max_model_len)
+            except LimitExceeded as exc:
+                raise LimitExceeded(exc.limit, f"prompt[{i}]: {exc}", code=exc.code, reason=exc.reason) from None
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"prompt[{i}]: {exc}") from None
         low, high = PRIORITY_RANGE

@@ -95,14 +95,21 @@ def tally(small_pool_server):
     return collections.Counter(log_mark=len(small_pool_server.logs))
 
 
+def _echoable(request_id: str) -> bool:
+    """An id the server echoes: at most --grpc-max-request-id-length (256) printable ASCII characters."""
+    return len(request_id) <= 256 and request_id.isascii() and request_id.isprintable()
+
+
 def _expected_terminals(messages: list[pb.ClientMessage]) -> collections.Counter[str]:
     want: collections.Counter[str] = collections.Counter()
     for msg in messages:
         kind = msg.WhichOneof("kind")
-        if kind == "generate":
-            want[msg.generate.request_id] += 1
+        if kind == "generate":  # a refused id is answered without it
+            want[msg.generate.request_id if _echoable(msg.generate.request_id) else ""] += 1
         elif kind is None:
             want[""] += 1  # answered with an error whose request_id is empty
+        elif kind == "cancel" and not _echoable(msg.cancel.request_id):
+            want[""] += 1  # its id is refused (request_id_length / request_id_charset), without the id
     return want
 
 

@@ -19,6 +19,7 @@ import pytest
 from sloserve.frontend.metrics_http import MAX_SCRAPES
 
 from tests.http.conftest import AUTH, TOKEN, HttpServerProcess, start
+from tests.metrics_text import sample_spec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,10 +59,7 @@ def _refusals(server: HttpServerProcess, limit: str) -> float:
 
 
 def _sample(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
+    return sample_spec(text, name)
 
 
 def _errors(server: HttpServerProcess) -> list[dict]:

@@ -46,9 +46,9 @@ async def test_a_stream_whose_client_stopped_reading_is_aborted_in_the_engine(ca
         stalls = [r for r in caplog.records if "--http-stream-stall-timeout" in r.getMessage()]
         assert stalls and stalls[0].levelno == logging.WARNING, caplog.text
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-        refusals = lifecycle.metrics.limit_refusals.labels(limit="http_stream_stall")._value.get()
+        refusals = lifecycle.metrics.limit_refusals.labels(lifecycle.metrics.model_name, "http_stream_stall")._value.get()
         assert refusals == 1
-        assert lifecycle.metrics.requests.labels(outcome="cancelled")._value.get() == 1
+        assert lifecycle.metrics.requests.labels(lifecycle.metrics.model_name, "cancelled")._value.get() == 1
     finally:
         sock.close()
         await lifecycle.stop()

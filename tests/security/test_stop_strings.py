@@ -16,8 +16,8 @@ from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.output_processor import process_token, take_output
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.stop_strings import StopMatcher
-from sloserve.errors import InvalidRequestError
 from sloserve.frontend import Frontend, Metrics, ParsedRequest
+from sloserve.frontend.failures import LimitExceeded
 from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.grpc.server import SloserveServer
 from sloserve.http.config import HttpConfig
@@ -41,7 +41,7 @@ async def test_the_front_end_refuses_past_the_default_limits(stop, needle):
     engine = FakeEngine()
     await engine.start()
     frontend = Frontend(engine, SloserveConfig(server=ServerConfig()), Metrics(engine.stats))
-    with pytest.raises(InvalidRequestError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(LimitExceeded, match=needle.replace("(", r"\(").replace(")", r"\)")):
         frontend.check(ParsedRequest("hi", SamplingParams(stop=stop)))
     frontend.check(ParsedRequest("hi", SamplingParams(stop=["z" * 256] * 16)))  # at the limit: accepted
     await engine.stop()
@@ -53,10 +53,10 @@ async def test_the_limits_follow_the_config():
     config = SloserveConfig(server=ServerConfig(max_stop_strings=0, max_stop_string_chars=3))
     frontend = Frontend(engine, config, Metrics(engine.stats))
     frontend.check(ParsedRequest("hi", SamplingParams()))
-    with pytest.raises(InvalidRequestError, match="limit of 0"):
+    with pytest.raises(LimitExceeded, match="limit of 0"):
         frontend.check(ParsedRequest("hi", SamplingParams(stop=["a"])))
     frontend.limits.max_stop_strings = 1
-    with pytest.raises(InvalidRequestError, match="4 characters, over this server's limit of 3"):
+    with pytest.raises(LimitExceeded, match="4 characters, over this server's limit of 3"):
         frontend.check(ParsedRequest("hi", SamplingParams(stop=["abcd"])))
     await engine.stop()
 

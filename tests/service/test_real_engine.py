@@ -122,7 +122,7 @@ async def test_engine_errors_reach_the_client(served):
     await read_until(call, transcript, {"long", "ok", "oov"})
     await call.done_writing()
     long = transcript.terminal("long").error
-    assert long.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "at most 255" in long.message, long
+    assert long.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "maximum context length is 256" in long.message, long
     oov = transcript.terminal("oov").error
     assert oov.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "outside the vocabulary" in oov.message
     assert transcript.tokens("ok") == reference_tokens(runner, list(b"fine"), 3)
