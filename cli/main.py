@@ -102,6 +102,8 @@ def _metrics_port(text: str) -> int | None:
               help="Most stop strings one request may give (0: none allowed).")
 @click.option("--max-stop-string-chars", default=256, show_default=True, type=int,
               help="Longest stop string accepted, in characters.")
+@click.option("--max-stop-token-ids", default=64, show_default=True, type=int,
+              help="Most stop_token_ids one request may give (0: none allowed).")
 @click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
@@ -143,6 +145,7 @@ def serve(**kwargs) -> None:
             max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
             max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
             max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
+            max_stop_token_ids=kwargs["max_stop_token_ids"],
             max_prompts_per_request=kwargs["max_prompts_per_request"],
             grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
             idle_spin_s=kwargs["idle_spin"], frontends=kwargs["frontends"], metrics_compat=kwargs["metrics_compat"],

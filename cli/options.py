@@ -153,6 +153,7 @@ _FLAGS = (("max batch", "--max-batch"), ("block_size", "--block-size"), ("max_mo
           ("kv pool", "--kv-pool-size"), ("model path", "--model"), ("metrics port", "--metrics-port"),
           ("port must", "--port"), ("max tokens limit", "--max-tokens-limit"),
           ("max stop strings", "--max-stop-strings"), ("max stop string chars", "--max-stop-string-chars"),
+          ("max stop token ids", "--max-stop-token-ids"),
           ("log format", "--log-format"),
           ("fault rule", "--inject-faults"), ("expert slots", "--expert-slots-per-layer"), ("expert memory", "--expert-memory"),
           ("memory budget", "--memory-budget"), ("max wait", "--max-wait"), ("finish margin", "--finish-margin"),

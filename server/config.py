@@ -172,6 +172,7 @@ class ServerConfig:
     # request's automaton has <= 4096 nodes (~130 KB while it runs, ~0.1 ms to build).
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64  # stop_token_ids checked on every token: bounded like the strings
     max_prompts_per_request: int = 64  # most prompts in one completions request (a list of prompts)
     auth_token: str | None = None
     tls_cert: str | None = None
@@ -201,6 +202,7 @@ class ServerConfig:
         _require(self.max_stop_strings >= 0, f"max stop strings must be >= 0, got {self.max_stop_strings}")
         _require(self.max_stop_string_chars >= 1,
                  f"max stop string chars must be >= 1, got {self.max_stop_string_chars}")
+        _require(self.max_stop_token_ids >= 0, f"max stop token ids must be >= 0, got {self.max_stop_token_ids}")
         _require(self.max_prompts_per_request >= 1,
                  f"max prompts per request must be >= 1, got {self.max_prompts_per_request}")
         _require(0 <= self.idle_spin_s <= 60, f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}")

@@ -69,7 +69,8 @@ class Frontend:
                              max_logprobs=server.max_logprobs, max_n=server.max_n,
                              max_prompts=server.max_prompts_per_request,
                              max_stop_strings=server.max_stop_strings,
-                             max_stop_string_chars=server.max_stop_string_chars)
+                             max_stop_string_chars=server.max_stop_string_chars,
+                             max_stop_token_ids=server.max_stop_token_ids)
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()

@@ -16,7 +16,7 @@ class Limits:
 
     def __init__(self, *, max_tokens_limit: int, max_prompt_tokens: int | None, max_logprobs: int = 20,
                  max_n: int = 16, max_prompts: int = 64, max_stop_strings: int = 16,
-                 max_stop_string_chars: int = 256) -> None:
+                 max_stop_string_chars: int = 256, max_stop_token_ids: int = 64) -> None:
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
         self.max_logprobs = max_logprobs
@@ -24,6 +24,7 @@ class Limits:
         self.max_prompts = max_prompts
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_chars = max_stop_string_chars
+        self.max_stop_token_ids = max_stop_token_ids
 
     def check_request(self, parsed: ParsedRequest, max_model_len: int) -> None:
         """Cheap checks before any tokenizing: a prompt, max_tokens, characters or token ids."""
@@ -43,6 +44,10 @@ class Limits:
             raise LimitExceeded("max_n", f"n {parsed.n} is over this server's limit of {self.max_n} choices "
                                 "(--max-n); ask for fewer", reason="invalid_argument")
         self.check_stop_strings(parsed.params.stop)
+        if len(parsed.params.stop_token_ids) > self.max_stop_token_ids:
+            raise LimitExceeded("max_stop_token_ids", f"stop_token_ids has {len(parsed.params.stop_token_ids)} ids, "
+                                f"over this server's limit of {self.max_stop_token_ids} (--max-stop-token-ids); "
+                                "send fewer", reason="invalid_argument")
         if isinstance(prompt, list):
             self.check_tokens(len(prompt), max_model_len)
         elif max_model_len and len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:

@@ -63,6 +63,7 @@ CASES = [
     (["serve", "--max-stop-strings", "-1"], "--max-stop-strings: max stop strings must be >= 0, got -1"),
     (["serve", "--max-stop-string-chars", "0"], "--max-stop-string-chars: max stop string chars must be >= 1, got 0"),
     (["serve", "--idle-spin", "-1"], "--idle-spin: idle spin must be in 0..60 seconds, got -1.0"),
+    (["serve", "--max-stop-token-ids", "-1"], "--max-stop-token-ids: max stop token ids must be >= 0, got -1"),
     (["serve", "--frontends", "0"], "--frontends: frontends must be in 1..64, got 0"),
     (["serve", "--frontends", "2", "--no-engine-process"], "--frontends: frontends > 1 needs the engine in a process"),
     (["serve", "--grpc-max-streams", "0"], "--grpc-max-streams must be in 1..2147483647, got 0"),

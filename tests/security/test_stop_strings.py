@@ -165,3 +165,16 @@ def test_the_piece_that_ends_a_request_reads_at_most_its_matches():
     matcher = StopMatcher(["a" * n for n in range(1, 17)])
     assert matcher.feed("b" * 100) is None and matcher.steps == 100
     assert matcher.feed("xaaa") == 101 and matcher.steps == 100 + 4 + 6  # a, aa, aaa ending at 3 places
+
+
+async def test_stop_token_ids_are_bounded_too():
+    """Checked on every token like the strings: at most --max-stop-token-ids (64), counted as a limit refusal."""
+    engine = FakeEngine()
+    await engine.start()
+    metrics = Metrics(engine.stats)
+    frontend = Frontend(engine, SloserveConfig(server=ServerConfig()), metrics)
+    frontend.check(ParsedRequest("hi", SamplingParams(stop_token_ids=list(range(64)))))
+    with pytest.raises(LimitExceeded, match=r"65 ids, over this server's limit of 64 \(--max-stop-token-ids\)") as err:
+        frontend.check(ParsedRequest("hi", SamplingParams(stop_token_ids=list(range(65)))))
+    assert err.value.limit == "max_stop_token_ids"
+    await engine.stop()
