@@ -108,7 +108,7 @@ def main() -> None:
         with contextlib.suppress(httpx.HTTPError):
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
             report["limit_refusals"] = {m[0]: float(m[1]) for m in re.findall(
-                r'sloserve_limit_refusals_total\{limit="(\w+)"\} (\S+)', metrics)}
+                r'sloserve_limit_refusals_total\{[^}]*limit="(\w+)"[^}]*\} (\S+)', metrics)}
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     finally:
         proc.terminate()
