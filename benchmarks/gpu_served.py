@@ -27,14 +27,20 @@ H200_BANDWIDTH = 4.3e12  # bytes/s, HBM3e peak
 PORT = 52311
 
 
+def llama_dims(gpu: bool) -> dict:
+    """The Llama of the GPU measurements (~0.9B parameters), or a tiny one for a CPU dry run."""
+    if gpu:
+        return dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                    num_attention_heads=16, num_key_value_heads=8)
+    return dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+
+
 def _save_llama(folder: Path, gpu: bool, device: str) -> tuple[dict, torch.nn.Module]:
     from sloserve.tokenizer import save_byte_level_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    dims = (dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                 num_attention_heads=16, num_key_value_heads=8) if gpu else
-            dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2))
+    dims = llama_dims(gpu)
     config = LlamaConfig(**dims, max_position_embeddings=4096, bos_token_id=256, eos_token_id=257,
                          pad_token_id=258, tie_word_embeddings=False)
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ lazily so that test areas which never build a checkpoint do not pay for it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -104,3 +105,12 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
             assert out.shape[1] == len(prompt) + max_new_tokens, "generate stopped early"
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+@functools.cache
+def hf_log_softmax(folder: Path, tokens: tuple[int, ...]):
+    """transformers' float32 log-softmax [T, V] of a checkpoint's logits at every position of `tokens`."""
+    import torch
+
+    with torch.no_grad():
+        return load_hf_model(folder)(torch.tensor([tokens])).logits[0].float().log_softmax(dim=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.reliability.harness import ServerProcess
@@ -57,3 +58,15 @@ def http_server(tiny_llama: Path, chat_template: Path) -> Iterator[HttpServerPro
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(http_server) -> openai.OpenAI:
+    """The official openai client on the session's server (no retries: a test sees every answer)."""
+    with openai.OpenAI(base_url=f"{http_server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

@@ -4,16 +4,13 @@ prompts, scored against transformers' log_softmax of the served checkpoint (floa
 
 from __future__ import annotations
 
-import functools
-
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from sloserve.tokenizer import Tokenizer
 
-from tests.checkpoints import load_hf_model
+from tests.checkpoints import hf_log_softmax
 from tests.http.conftest import TOKEN
 from tests.reliability.harness import describe, quiescent
 
@@ -24,26 +21,9 @@ CONTEXTS = [[256] + [(i * 37) % 250 for i in range(30)], [256, 72, 101, 108, 108
 CONTINUATIONS = [[(i * 11) % 250 for i in range(5)], [119, 111, 114, 108, 100], [61]]
 
 
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{http_server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@functools.cache
-def _log_softmax(folder, tokens: tuple[int, ...]) -> torch.Tensor:
-    with torch.no_grad():
-        return load_hf_model(folder)(torch.tensor([tokens])).logits[0].float().log_softmax(dim=-1)
-
-
 def _check_prompt_logprobs(folder, prompt: list[int], lp) -> None:
     """Every prompt token's logprob equals transformers' (the first has none), top_logprobs holds it."""
-    ref = _log_softmax(folder, tuple(prompt))
+    ref = hf_log_softmax(folder, tuple(prompt))
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for p in range(1, len(prompt)):
@@ -63,7 +43,7 @@ def test_a_loglikelihood_request_like_lm_evals_scores_the_prompt_and_generates_n
     _check_prompt_logprobs(tiny_llama, prompt, choice.logprobs)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 0
     # lm-eval sums the continuation's logprobs and checks each is the greedy pick
-    ref = _log_softmax(tiny_llama, tuple(prompt))
+    ref = hf_log_softmax(tiny_llama, tuple(prompt))
     want = sum(ref[p - 1, prompt[p]].item() for p in range(len(CONTEXTS[0]), len(prompt)))
     assert sum(choice.logprobs.token_logprobs[len(CONTEXTS[0]):]) == pytest.approx(want, abs=5 * TOL)
     after = http_server.info(metadata=META).stats

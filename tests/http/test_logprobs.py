@@ -3,14 +3,11 @@ against transformers' log_softmax of the served checkpoint (float32, within 1e-4
 
 from __future__ import annotations
 
-import functools
-
 import openai
 import pytest
-import torch
 from sloserve.tokenizer import Tokenizer
 
-from tests.checkpoints import load_hf_model
+from tests.checkpoints import hf_log_softmax
 from tests.http.conftest import TOKEN
 from tests.reliability.harness import describe, quiescent
 
@@ -20,30 +17,13 @@ TOL = 1e-4
 PROMPT = [256] + [(i * 37) % 250 for i in range(40)]
 
 
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{http_server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@functools.cache
-def _log_softmax(folder, tokens: tuple[int, ...]) -> torch.Tensor:
-    with torch.no_grad():
-        return load_hf_model(folder)(torch.tensor([tokens])).logits[0].float().log_softmax(dim=-1)
-
-
 def test_chat_logprobs_equal_transformers_streamed_and_not(client, model, tiny_llama):
     kw = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
           "logprobs": True, "top_logprobs": 3, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
     reply = client.chat.completions.create(**kw)
     ids = reply.choices[0].model_extra["token_ids"]
     prompt = Tokenizer.from_pretrained(tiny_llama).encode("<|user|>hi\n<|assistant|>", add_special_tokens=False)
-    ref = _log_softmax(tiny_llama, tuple(prompt + ids))
+    ref = hf_log_softmax(tiny_llama, tuple(prompt + ids))
     content = reply.choices[0].logprobs.content
     assert len(content) == len(ids) == 6
     for i, (token, entry) in enumerate(zip(ids, content, strict=True)):
@@ -62,7 +42,7 @@ def test_completion_logprobs_and_echo_equal_transformers(client, model, tiny_lla
     reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     ids = reply.choices[0].model_extra["token_ids"]
-    ref = _log_softmax(tiny_llama, tuple(PROMPT + ids))
+    ref = hf_log_softmax(tiny_llama, tuple(PROMPT + ids))
     lp = reply.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
     for i, token in enumerate(ids):

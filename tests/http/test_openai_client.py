@@ -17,17 +17,6 @@ from tests.reliability.client import generate
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def client(http_server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{http_server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_list_names_the_served_model(client, tiny_llama):
     models = client.models.list().data
     assert [m.id for m in models] == [str(tiny_llama)]
