@@ -18,8 +18,8 @@ view of the graph's static output: the caller samples them before the next repla
 
 `Capture` turns a no-argument step into a replayable one: `CudaGraphCapture` records a CUDA graph
 (all buckets share one memory pool, largest first); `EagerCapture` reruns the step each time (the
---enforce-eager path, and the CPU stand-in that tests the buckets, padding and buffer reuse); it
-checks that every replay reads the same input buffers the capture saw.
+--enforce-eager path, and the CPU stand-in that tests the buckets, padding and buffer reuse).
+GraphDecode refuses a step whose inputs are not the buffers its bucket was captured on.
 """
 
 from __future__ import annotations
@@ -71,45 +71,26 @@ def graph_reason(model: DecoderModel, capturable_attention: bool) -> str | None:
     return None
 
 
-class Replay(Protocol):
-    def __call__(self) -> torch.Tensor: ...
-
-
 class Capture(Protocol):
-    """Turns a step (no arguments, reads static buffers) into a replayable one."""
+    """Turns a step (no arguments, reads static buffers) into one that replays it."""
 
     name: str
 
-    def capture(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> Replay: ...
+    def capture(self, step: Step) -> Step: ...
 
     def bytes_used(self) -> int: ...
 
 
 class EagerCapture:
-    """Runs the step again at each replay; checks the replay reads the captured buffers."""
+    """Runs the step again at each replay (GraphDecode still checks its inputs stayed in place)."""
 
     name = "eager"
 
-    def capture(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> Replay:
-        return _EagerReplay(step, inputs)
+    def capture(self, step: Step) -> Step:
+        return step
 
     def bytes_used(self) -> int:
         return 0
-
-
-class _EagerReplay:
-    def __init__(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> None:
-        self.step = step
-        self.addresses = _addresses(inputs)
-        self.inputs = inputs
-
-    def __call__(self) -> torch.Tensor:
-        return self.step()
-
-    def check(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        if _addresses(inputs) != self.addresses:
-            raise RuntimeError("a decode step's inputs moved since its bucket was captured: the input "
-                               "builder must write in place into the same buffers")
 
 
 class CudaGraphCapture:
@@ -120,10 +101,9 @@ class CudaGraphCapture:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: list[torch.cuda.CUDAGraph] = []
         self._base = torch.cuda.memory_reserved(device)
 
-    def capture(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> Replay:
+    def capture(self, step: Step) -> Step:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles Triton kernels, sets up cuBLAS workspaces
@@ -133,25 +113,15 @@ class CudaGraphCapture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
-        self._graphs.append(graph)
-        return _GraphReplay(graph, out, _addresses(inputs))
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
 
     def bytes_used(self) -> int:
         return torch.cuda.memory_reserved(self.device) - self._base
-
-
-class _GraphReplay:
-    def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor, addresses: tuple[int, ...]) -> None:
-        self.graph, self.out, self.addresses = graph, out, addresses
-
-    def __call__(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.out
-
-    def check(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        if _addresses(inputs) != self.addresses:
-            raise RuntimeError("a decode step's inputs moved since its graph was captured: the input "
-                               "builder must write in place into the same buffers")
 
 
 def _addresses(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
@@ -167,7 +137,6 @@ class GraphDecode:
 
     compiled = False
     fused = None  # the CPU one-call kernel never runs here (see executor/fused.py)
-    pads = True
 
     def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, forward: DecodeForward,
                  capture: Capture) -> None:
@@ -176,7 +145,7 @@ class GraphDecode:
             raise ValueError(f"decode steps cannot be captured: {why_not}")
         self.model, self.kv, self.forward, self.capturer = model, kv, forward, capture
         self.buckets = graph_buckets(max_seqs)
-        self._replays: dict[int, _EagerReplay | _GraphReplay] = {}
+        self._replays: dict[int, tuple[Step, tuple[int, ...]]] = {}  # bucket -> (replay, its inputs' addresses)
         self.capture_time_s = 0.0
         self.capture_bytes = 0
 
@@ -191,42 +160,40 @@ class GraphDecode:
                 return size
         raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}")
 
-    def capture_all(self, build: Callable[[int], DecodeInputs]) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its pool), on the null page."""
+    def warm_up(self, build: Callable[[int], DecodeInputs]) -> float:
+        """Capture every bucket, largest first (the smaller ones reuse its pool), on the null page
+        (the runner's start-up hook); seconds taken."""
         started = time.monotonic()
         for size in reversed(self.buckets):
-            step = build(size)
-            args = _args(step)
-            self._replays[size] = self.capturer.capture(self._stepper(args), args)
+            self._capture(build(size))
         self.capture_time_s = time.monotonic() - started
         self.capture_bytes = self.capturer.bytes_used()
         log.info("decode step (%s): %d batch buckets %s captured in %.2fs, %.1f MiB", self.mode,
                  len(self.buckets), self.buckets, self.capture_time_s, self.capture_bytes / 2**20)
+        return self.capture_time_s
 
-    def _stepper(self, args: tuple[torch.Tensor, ...]) -> Step:
+    def _capture(self, step: DecodeInputs) -> tuple[Step, tuple[int, ...]]:
+        args = _args(step)
         forward, kv = self.forward, self.kv
 
-        def step() -> torch.Tensor:
+        def run() -> torch.Tensor:
             with torch.inference_mode():
                 return forward(*args, kv)
 
-        return step
+        entry = self._replays[step.input_ids.shape[0]] = (self.capturer.capture(run), _addresses(args))
+        return entry
 
     def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32, a view of static memory
-        size = step.input_ids.shape[0]
-        replay = self._replays.get(size)
-        if replay is None:  # a runner used before warmup(): capture this bucket now (a step's inputs
+        entry = self._replays.get(step.input_ids.shape[0])
+        if entry is None:  # a runner used before warm_up(): capture this bucket now (a step's inputs
             # are rewritten in place, so running it again while capturing computes the same values)
-            log.info("decode step (%s): capturing batch bucket %d on first use", self.mode, size)
-            args = _args(step)
-            replay = self._replays[size] = self.capturer.capture(self._stepper(args), args)
-        replay.check(_args(step))
+            log.info("decode step (%s): capturing batch bucket %d on first use", self.mode, step.input_ids.shape[0])
+            entry = self._capture(step)
+        replay, addresses = entry
+        if _addresses(_args(step)) != addresses:
+            raise RuntimeError("a decode step's inputs moved since its bucket was captured: the input "
+                               "builder must write in place into the same buffers")
         return replay()
-
-    def warm_up(self, build: Callable[[int], DecodeInputs]) -> float:
-        """Capture every bucket (the runner's start-up hook); seconds taken."""
-        self.capture_all(build)
-        return self.capture_time_s
 
 
 def decode_forward(model: DecoderModel, attention: CapturableDecode) -> DecodeForward:

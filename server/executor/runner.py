@@ -264,21 +264,23 @@ class ModelRunner:
         return self._step(out, step)
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
+        masks = None
         sampled = self._sampled(out, step)
-        # NOTE: every rank masks: in a run of steps each rank feeds its own sampled tokens to the next step
-        masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])  # beside the forward
+        if any(s.sampling.grammar is not None for s in sampled):  # filled beside the forward
+            # NOTE: every rank masks: in a run of steps each rank feeds its own sampled tokens to the next step
+            masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])
         if self.prefetcher is None:
             return self.sample(out, step, self.forward(step), masks)
+        sampled_ids = [s.req_id for s in sampled]
         if isinstance(step, StepInputs | TokenRows):
-            sampled, rows = [out.sequences[i].req_id for i in step.sampled], step.sample_idx[:len(step.sampled)]
+            rows = step.sample_idx[:len(step.sampled)]
         else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
-            sampled = [s.req_id for s in out.sequences]
             rows = torch.arange(step.num_seqs, device=self.device)
-        self.prefetcher.begin([s.req_id for s in out.sequences], sampled, rows)
+        self.prefetcher.begin([s.req_id for s in out.sequences], sampled_ids, rows)
         try:
             return self.sample(out, step, self.forward(step), masks)
         finally:
-            self.prefetcher.end(sampled)
+            self.prefetcher.end(sampled_ids)
 
     def _run_steps(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[list[int]]:
         """out.num_steps decode steps back to back, each step's tokens the next one's inputs (the

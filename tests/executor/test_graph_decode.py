@@ -27,26 +27,20 @@ NEW_TOKENS = 6
 
 
 class CountingCapture(EagerCapture):
-    """EagerCapture that counts its captures and replays."""
+    """EagerCapture that records each captured step's batch and counts the replays."""
 
     def __init__(self) -> None:
         self.captured: list[int] = []
         self.replays = 0
 
-    def capture(self, step, inputs):
-        self.captured.append(inputs[0].shape[0])
-        replay = super().capture(step, inputs)
-        outer = self
+    def capture(self, step):
+        self.captured.append(step().shape[0])  # an eager run: it writes what the step writes anyway
 
-        class Counted:
-            def __call__(self):
-                outer.replays += 1
-                return replay()
+        def replay():
+            self.replays += 1
+            return step()
 
-            def check(self, args):
-                replay.check(args)
-
-        return Counted()
+        return replay
 
 
 def eager_forward(runner):
