@@ -169,7 +169,7 @@ class ServerConfig:
     max_n: int = 16  # most choices (n) one request may ask for
     # Stop strings: OpenAI takes 4, TGI 4 by default; 16 leaves room for a chat template's end
     # markers plus a client's own, and 256 characters for any delimiter. At the limit a
-    # request's automaton has <= 4096 nodes (~130 KB while it runs, ~0.1 ms to build).
+    # request's automaton has <= 4096 nodes.
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64  # stop_token_ids checked on every token: bounded like the strings

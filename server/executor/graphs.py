@@ -1,8 +1,8 @@
 """Decode steps replayed from graphs captured once per batch bucket (CUDA graphs on a GPU).
 
 A decode step on a GPU is ~20 kernels per layer; launched one by one from Python it costs far
-more host time than the GPU spends on them (13.6 ms a step for 16 layers on an H200, flat in the
-batch). Captured into a CUDA graph, the whole step is one launch.
+more host time than the GPU spends on them, whatever the batch. Captured into a CUDA graph, the
+whole step is one launch.
 
 The contract that makes a replay correct::
 
