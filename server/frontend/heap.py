@@ -2,8 +2,7 @@
 
 Request bodies, JSON and token buffers of a burst are freed when it ends, but glibc keeps most
 of those pages in the process (only the heap's free top is returned, past its trim threshold),
-so RSS stayed at its peak. With 200 requests of 2 MiB bodies in process, RSS went 41 -> 83 MiB
-and one malloc_trim(0) took it back to 50 MiB. When no request is in flight, the trimmer calls
+so RSS stayed at its peak; malloc_trim(0) returns most of them. When no request is in flight, the trimmer calls
 it at most once per interval, and only when RSS grew past what the last call left.
 NOTE: not when the engine runs in this process with --host-malloc keep: that engine keeps freed
 activation pages on purpose (executor/host_memory.py).
