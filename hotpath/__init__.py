@@ -25,7 +25,7 @@ from ._limits import (
     MAX_WORKSPACE_ROWS,
 )
 
-# NOTE: the one environment read at import time that the project allows (see HELPERS.md).
+# NOTE: the one environment read at import time that the project allows (see docs/architecture.md).
 _FORCE_PYTHON = os.environ.get("SLOSERVE_NO_EXTENSIONS", "").strip() not in ("", "0")
 
 if _FORCE_PYTHON:

@@ -3,8 +3,8 @@
  * A decode step of a small batch takes ~0.2 ms on two threads, and the engine calls it again
  * ~0.05-0.3 ms later (sampling, the next run's schedule). An OpenMP parallel region per call
  * under OMP_WAIT_POLICY=PASSIVE (the CLI's default, so that torch's idle workers never burn a
- * core) puts its worker to sleep after every call and pays a futex wake-up at the next one; a
- * run of 4 steps measured 2.2 ms that way against 1.3 ms with spinning workers. This team's
+ * core) puts its worker to sleep after every call and pays a futex wake-up at the next one
+ * (docs/design/cpu-decode.md: it made small steps far slower). This team's
  * workers spin for SLOSERVE_TEAM_SPIN_NS after a job (yielding the core to anything runnable
  * after the first few thousand pauses), and only then sleep on a futex: back-to-back steps never
  * wait for a wake-up, and an idle engine costs nothing after that window.

@@ -106,7 +106,7 @@ class CacheConfig:
 
 POLICIES = ("slo", "priority", "fifo")
 MAX_SCHEDULER_STEPS = 64  # a longer run would hold a newcomer back for too many steps
-DEFAULT_SCHEDULER_STEPS = 8  # benchmarks/peer_llamacpp.py: TPOT at concurrency 1 (README; 4 until stop 27)
+DEFAULT_SCHEDULER_STEPS = 8  # 8 beat 4 on TPOT at concurrency 1 (docs/design/cpu-decode.md)
 
 
 @dataclass(slots=True)
@@ -127,7 +127,7 @@ class SchedulerConfig:
     batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
     adaptive_batch: bool = False  # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
     aging: float = 0.95  # key multiplier per step waited
-    max_wait_s: float = 2.0  # starvation bound (the write-up's 200 ms costs goodput and interactive attainment: README)
+    max_wait_s: float = 2.0  # starvation bound; the write-up's 200 ms cost goodput (docs/scheduling.md)
     length_weight_s: float = 1e-4  # seconds of urgency per prompt token
     default_ttft_s: float = 2.0  # first-token objective when a request gives none
     max_waiting: int = 1024  # admission: queue cap

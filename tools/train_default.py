@@ -12,7 +12,7 @@ augment: a random pair is the query, pairs are shuffled, colours 1-9 permuted, a
 rotated/reflected, all from one seeded generator.
 
     .venv/bin/python tools/train_default.py                 # the first run (then --init continuations:
-                                                            # the commands are in the README's model card)
+                                                            # docs/design/builtin-model.md lists them)
     .venv/bin/python tools/train_default.py --measure       # tokens/s of candidate sizes
 """
 

@@ -45,7 +45,7 @@ class _Req:
 
 
 class FakeEngine:
-    """Contract-compatible stand-in for sloserve.engine.AsyncEngine (see HELPERS.md)."""
+    """Contract-compatible stand-in for sloserve.engine.AsyncEngine (see docs/architecture.md)."""
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 16, max_model_len: int = 256,
                  step_s: float = 0.01, max_running: int = 8, start_delay_s: float = 0.0) -> None:
