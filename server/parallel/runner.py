@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from sloserve.config import SloserveConfig
+from sloserve.logprobs import StepLogprobs
 from sloserve.models.loader import resolve_model_path
 from sloserve.models.shard import check_divisible
 from sloserve.models.spec import load_spec
@@ -77,6 +78,21 @@ class TensorParallelRunner:
         if name in _OWN:  # not set yet (a failed __init__): no delegation
             raise AttributeError(name)
         return getattr(self.runner, name)
+
+    # ---- the capabilities the engine relies on, declared (rank 0's) -----------------------------
+    runs_steps = True  # every rank runs the same run of decode steps
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def take_logprobs(self) -> StepLogprobs:
+        """Rank 0's kept logprobs (the other ranks drop theirs after each command)."""
+        return self.runner.take_logprobs()
+
+    def expert_stats(self) -> dict:
+        """Rank 0's expert counters ({} for a dense model)."""
+        return self.runner.expert_stats()
 
     # ---- the calls every rank runs ---------------------------------------------------------------
     def execute(self, out) -> list[int]:
