@@ -18,14 +18,13 @@ import threading
 import time
 from typing import Any
 
-import torch
 from sloserve.config import SloserveConfig
 from sloserve.logprobs import StepLogprobs
 from sloserve.models.loader import resolve_model_path
 from sloserve.models.shard import check_divisible
 from sloserve.models.spec import load_spec
 from sloserve.parallel.group import host_store, join, wait_for_ranks
-from sloserve.parallel.worker import build_rank, cpu_threads, launch, rank_device
+from sloserve.parallel.worker import build_rank, enter_rank, launch, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,7 @@ class TensorParallelRunner:
         world = pc.tensor_parallel_size
         # NOTE: a size the model cannot split is refused before any worker starts
         check_divisible(load_spec(resolve_model_path(config.model.path)), world)
-        device = torch.device(rank_device(config, 0))
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads(config))
+        device = enter_rank(config, 0)
         self._broken: str | None = None
         self._closing = False
         self._dead: dict[int, str] = {}
