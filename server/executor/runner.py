@@ -12,15 +12,15 @@ from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.build import allocate, build_model, choose_backend, choose_decode_path, load
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
+from sloserve.executor.kept_logprobs import KeptLogprobs
 from sloserve.executor.plan import plan_memory
 from sloserve.executor.report import expert_info, expert_stats, runner_info
 from sloserve.executor.swap import copy_blocks
 from sloserve.executor.warmup import probe, time_steps, warm_up
 from sloserve.layers.grammar import GrammarMasks, PendingMask
-from sloserve.layers.logprobs import gather_logprobs
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
-from sloserve.logprobs import Logprob, StepLogprobs
+from sloserve.logprobs import StepLogprobs
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
 
@@ -82,8 +82,7 @@ class ModelRunner:
                                     mc.grammar_cache)
         self.decode_step = choose_decode_path(self.model, self.backend, self.kv, self.device, plan.max_seqs,
                                               mc.enforce_eager, shard, max(1, self._cpu_threads))
-        self._logprobs: dict[str, list[Logprob]] = {}  # kept by sample() until take_logprobs
-        self._prompt_logprobs: dict[str, list[tuple[int, list[Logprob]]]] = {}
+        self.kept = KeptLogprobs()  # by sample(), until take_logprobs
         self.split_mixed_steps = True  # see split_mixed (benchmarks and tests turn it off to compare)
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
@@ -231,7 +230,7 @@ class ModelRunner:
         else:
             rows = [seqs[i] for i in step.sampled]
             if step.prompt_rows:
-                self._keep_prompt_logprobs(seqs, step.prompt_rows, logits[len(rows):])
+                self.kept.keep_prompt(seqs, step.prompt_rows, logits[len(rows):])
                 logits = logits[: len(rows)]
         params = [s.sampling for s in rows]
         wanted = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
@@ -248,31 +247,14 @@ class ModelRunner:
             self.grammar.accept(masks, tokens)
         if wanted:
             picked = raw if len(wanted) == len(rows) else raw[wanted]
-            found = gather_logprobs(picked, [tokens[i] for i in wanted], [params[i].logprobs for i in wanted])
-            for i, entry in zip(wanted, found, strict=True):
-                self._logprobs.setdefault(rows[i].req_id, []).append(entry)
+            self.kept.keep_sampled([rows[i].req_id for i in wanted], picked, [tokens[i] for i in wanted],
+                                   [params[i].logprobs for i in wanted])
         return tokens
-
-    def _keep_prompt_logprobs(self, seqs: list[ScheduledSequence], prompt_rows: list[tuple[int, range]],
-                              logits: torch.Tensor) -> None:
-        """Each prompt row's logprob of the prompt token after it, kept as (first position, entries)."""
-        targets, tops = [], []
-        for i, positions in prompt_rows:
-            seq = seqs[i]
-            targets += seq.context[positions.start + 1:positions.stop + 1]
-            tops += [seq.sampling.prompt_logprobs] * len(positions)
-        found = iter(gather_logprobs(logits, targets, tops))
-        for i, positions in prompt_rows:
-            entries = [next(found) for _ in positions]
-            self._prompt_logprobs.setdefault(seqs[i].req_id, []).append((positions.start + 1, entries))
 
     def take_logprobs(self) -> StepLogprobs:
         """The logprobs kept since the last call: per request, its sampled tokens' in order; and its
         prompt tokens' as (position of the first, entries) runs. Empty when nobody asked."""
-        taken = self._logprobs, self._prompt_logprobs
-        if taken[0] or taken[1]:
-            self._logprobs, self._prompt_logprobs = {}, {}
-        return taken
+        return self.kept.take()
 
     @staticmethod
     def _sampled(out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[ScheduledSequence]:
