@@ -1,8 +1,8 @@
 """The decode step of a small batch as one C call (`sloserve.hotpath._decode_step`).
 
 At a few sequences a decode step's arithmetic is matrix-vector products that stream the weights
-once; eager torch spends longer than that dispatching the ~20 ops per layer around them (a
-3M-parameter model: ~0.8 ms per step, of which ~0.3 ms is matmuls). The kernel runs the same
+once; eager torch spends longer than that dispatching the ~20 ops per layer around them (on a
+small model, most of the step). The kernel runs the same
 step, layer by layer, in one nogil call over the weights and the paged KV cache in place.
 
 A small mixed step (prefill chunks beside decodes, at most max_batch tokens in all) runs the same
@@ -35,16 +35,13 @@ try:
 except ImportError:  # not built, or forced off: DecoderModel.decode runs every step
     DecodeKernel = None
 
-# Largest decode batch the kernel takes (its workspace limit, SLOSERVE_MAX_BATCH). Measured on 2
-# cores (benchmarks/results/decode_kernel*.json): the kernel took x0.27 of the torch path's time
-# at batch 1 and x0.59 at batch 64 on the 3M `default` (800-token contexts); x0.46 and x0.78 on
-# the 40M `default-random` (128 tokens). A larger batch runs the torch path.
+# Largest decode batch the kernel takes (its workspace limit, SLOSERVE_MAX_BATCH); it beats the
+# torch path up to here (docs/design/cpu-decode.md). A larger batch runs the torch path.
 FUSED_MAX_BATCH = 64
 # With the dense projections on oneDNN (layers/linear.py) the torch path's products of 16 rows and
-# more run ~2x faster than on MKL, and it wins from there on larger models: the 40M
-# `default-random` took x0.87 / x0.60 of the kernel's time at batch 16 / 32 (128-token contexts),
-# the 3M `default` x1.34-1.55 of it up to batch 64 at 800 tokens. So a batch of at least
-# MIN_PACKED_ROWS whose arithmetic (sequences x parameters) exceeds this goes to the torch path.
+# more run ~2x faster than on MKL, so on larger models it wins from there (docs/design/cpu-decode.md):
+# a batch of at least MIN_PACKED_ROWS whose arithmetic (sequences x parameters) exceeds this goes
+# to the torch path.
 FUSED_MAX_MACS_PACKED = 1 << 28
 
 _LAYER_FIELDS = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b")

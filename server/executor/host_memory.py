@@ -3,11 +3,10 @@
 A CPU forward allocates its activations as torch tensors from glibc's malloc. glibc serves a
 block larger than its mmap threshold with a fresh mmap and unmaps it on free, and returns the
 free top of its heap to the OS past the trim threshold. Both thresholds start at 128 KiB and
-adapt only partly, so a prefill step often maps fresh pages for its larger activations (an
-800-token chunk of the 3M `default`: a few MiB per layer) and each page's first touch faults:
-1,200-2,550 faults per 800-token prefill in most processes here, at ~3 us each in this VM. With
-the thresholds raised the allocations reuse the heap's pages: 2-3 faults per prefill, and
-800-token prefills took x0.84 of the time (`benchmarks/host_memory.py`). The cost: RSS stays
+adapt only partly, so a prefill step often maps fresh pages for its larger activations (a few
+MiB per layer) and each page's first touch faults. With the thresholds raised the allocations
+reuse the heap's pages and prefills fault almost never (docs/design/cpu-decode.md,
+`benchmarks/host_memory.py`). The cost: RSS stays
 at its peak, as with jemalloc or tcmalloc, which PyTorch's CPU tuning guide preloads for the
 same reason.
 

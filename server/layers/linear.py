@@ -1,22 +1,17 @@
 """Dense projections on a CPU through oneDNN, with the weights packed once at load.
 
-torch's CPU `F.linear` calls MKL's sgemm. On the AMD EPYC this project is measured on, MKL
-reaches ~90 GFLOP/s on one core for a [1000, 256] x [256, 1408] product, about the AVX2 rate (it
-appears to take its non-Intel path), where oneDNN
-(bundled with torch, dispatched on CPU features, not on the vendor) runs AVX-512 at ~215
-(`benchmarks/cpu_gemm.py`). oneDNN is fastest on weights reordered to its blocked layout, so
+torch's CPU `F.linear` calls MKL's sgemm, which on AMD CPUs takes its non-Intel (AVX2) path;
+oneDNN (bundled with torch, dispatched on CPU features, not on the vendor) runs AVX-512 there,
+about twice as fast (docs/design/cpu-decode.md, `benchmarks/cpu_gemm.py`). oneDNN is fastest on weights reordered to its blocked layout, so
 `PackedLinears` holds that copy of every dense projection next to the plain one. The plain
 weights stay: the fused decode kernel, tensor-parallel shards, GPUs and `torch.compile` read them.
 Memory: the dense projections are held twice on a CPU (`--cpu-gemm blas` holds them once).
 
 oneDNN builds (and caches) a primitive for every row count it sees, each holding memory of its
-own: products of 16 to 2,048 rows in steps of 7 grew the process by 163 MB for one weight, and
-the soak test caught the server's RSS growing 23%. So a product runs in row tiles of the few
-sizes in TILE_ROWS (the last one padded): the same traffic left 49 MB that stopped growing after
-the first pass, at ~0.75-0.9x the speed of one untiled call. Each tile is an OpenMP region, which
-under passive waiting wakes the second thread: on 2 threads the narrow O and QKV projections of
-the 3M `default` ran x0.74-1.04 of MKL's speed at 300-1,000 rows, the MLP's x1.13-1.3; a whole
-prefill x1.07-1.22 (`benchmarks/cpu_gemm.py`).
+own, so memory grows with every new row count. So a product runs in row tiles of the few sizes
+in TILE_ROWS (the last one padded): the memory stops growing after the first pass, at a little
+less speed than one untiled call (docs/design/cpu-decode.md). Each tile is an OpenMP region,
+which under passive waiting wakes the second thread.
 
 Numerics: oneDNN sums in another order than MKL, so logits differ in the last bits. A row's
 result does not depend on how many rows share a packed product (measured from 1 to 1024 rows);
@@ -38,8 +33,8 @@ CPU_GEMMS = ("auto", "onednn", "blas")
 _PACK_ROWS_HINT = 512
 # Row tiles of a packed product, largest first (see the module docstring).
 TILE_ROWS = (512, 256, 128, 64, 32, 16)
-# Fewer rows than this run F.linear: oneDNN's packed product lost to MKL below it on every
-# projection of the 3M `default` (one row: x0.37-0.81 on one thread; 16 rows: x1.15-1.95).
+# Fewer rows than this run F.linear: oneDNN's packed product loses to MKL below it
+# (docs/design/cpu-decode.md).
 MIN_PACKED_ROWS = 16
 
 

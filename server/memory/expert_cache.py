@@ -121,7 +121,7 @@ class ExpertStore:
         """Whether torch's grouped GEMM runs here, without a host sync, on both of a layer's
         projections laid out like ours (a tiny probe under CUDA's sync-debug mode).
 
-        Two ways it fails on a CUDA machine (the first GPU run, benchmarks/README.md, stop 39):
+        Two ways it fails on a CUDA machine (seen on the first GPU, docs/design/moe-offload.md):
         torch's kernel wants every stride a multiple of 16 bytes, which an intermediate size of 12
         in bf16 is not (24 bytes a row of the activations); and where it has no kernel for the
         dtype (fp32) torch loops over the groups on the host, reading the offsets back each

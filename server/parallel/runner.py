@@ -18,13 +18,13 @@ import threading
 import time
 from typing import Any
 
-import torch
 from sloserve.config import SloserveConfig
+from sloserve.logprobs import StepLogprobs
 from sloserve.models.loader import resolve_model_path
 from sloserve.models.shard import check_divisible
 from sloserve.models.spec import load_spec
 from sloserve.parallel.group import host_store, join, wait_for_ranks
-from sloserve.parallel.worker import build_rank, cpu_threads, launch, rank_device
+from sloserve.parallel.worker import build_rank, enter_rank, launch, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,7 @@ class TensorParallelRunner:
         world = pc.tensor_parallel_size
         # NOTE: a size the model cannot split is refused before any worker starts
         check_divisible(load_spec(resolve_model_path(config.model.path)), world)
-        device = torch.device(rank_device(config, 0))
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads(config))
+        device = enter_rank(config, 0)
         self._broken: str | None = None
         self._closing = False
         self._dead: dict[int, str] = {}
@@ -77,6 +75,21 @@ class TensorParallelRunner:
         if name in _OWN:  # not set yet (a failed __init__): no delegation
             raise AttributeError(name)
         return getattr(self.runner, name)
+
+    # ---- the capabilities the engine relies on, declared (rank 0's) -----------------------------
+    runs_steps = True  # every rank runs the same run of decode steps
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def take_logprobs(self) -> StepLogprobs:
+        """Rank 0's kept logprobs (the other ranks drop theirs after each command)."""
+        return self.runner.take_logprobs()
+
+    def expert_stats(self) -> dict:
+        """Rank 0's expert counters ({} for a dense model)."""
+        return self.runner.expert_stats()
 
     # ---- the calls every rank runs ---------------------------------------------------------------
     def execute(self, out) -> list[int]:

@@ -53,6 +53,14 @@ def cpu_threads(config: SloserveConfig) -> int:
     return max(1, (os.cpu_count() or 1) // config.parallel.ranks_per_node)
 
 
+def enter_rank(config: SloserveConfig, rank: int) -> torch.device:
+    """This rank's device; on a CPU, torch's thread count set to the rank's share of the node's cores."""
+    device = torch.device(rank_device(config, rank))
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(config))
+    return device
+
+
 def build_rank(config: SloserveConfig, group: RankGroup) -> ModelRunner:
     """This rank's runner, once every rank has built its own: raises (on every rank) if any failed.
 
@@ -92,9 +100,7 @@ def serve_commands(runner: ModelRunner, group: RankGroup) -> None:
 def run_worker(config: SloserveConfig, rank: int, addr: str, port: int, timeout_s: float) -> None:
     """Entry point of one rank > 0."""
     world = config.parallel.tensor_parallel_size
-    device = torch.device(rank_device(config, rank))
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(config))
+    device = enter_rank(config, rank)
     group = join(rank, world, device, addr=addr, port=port, timeout_s=timeout_s)
     try:
         runner = build_rank(config, group)

@@ -147,8 +147,7 @@ def test_moe_intermediates_come_from_the_pool(make_checkpoint, make_runner, arch
 
 
 def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkeypatch):
-    import sloserve.executor.runner as runner_module
-    import sloserve.layers.moe as moe
+    import sloserve.executor.build as build
     from sloserve.config import CacheConfig
     from sloserve.executor import ModelRunner
 
@@ -158,7 +157,7 @@ def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkey
     cfg = runner_config(tiny_mixtral)
     cfg.cache = CacheConfig(block_size=4, kv_pool_bytes=2 * 2**20, expert_slots_per_layer=2)
     loads, given = [], []
-    real_load, real_store = runner_module.load_checkpoint, moe.ExpertStore
+    real_load, real_store = build.load_checkpoint, build.ExpertStore
 
     def spy_load(*args, **kw):
         loads.append(kw.get("experts_on_host"))
@@ -168,8 +167,8 @@ def test_partial_expert_residency_matches_full(tiny_mixtral, make_runner, monkey
         given.extend(t.device.type for pair in weights.values() for t in pair)
         return real_store(weights, **kw)
 
-    monkeypatch.setattr(runner_module, "load_checkpoint", spy_load)
-    monkeypatch.setattr(moe, "ExpertStore", spy_store)
+    monkeypatch.setattr(build, "load_checkpoint", spy_load)
+    monkeypatch.setattr(build, "ExpertStore", spy_store)
     partial = ModelRunner(cfg)
     # The loader is told to keep experts on the host until residency is decided (test_loader checks it
     # does), and the store gets host tensors.

@@ -1,0 +1,232 @@
+"""A runner built in stages, each a function returning a small typed value:
+
+load (checkpoint + config) -> choose the attention backend -> plan memory -> allocate the KV pool
+-> build the model -> choose the decode path.
+
+ModelRunner runs them in this order on every tensor-parallel rank alike (a rank passes its
+shard and all-reduce); the order is part of the contract: the backend fixes the page size the
+plan needs, and the pool is carved KV first, then expert slots, then the step's inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from sloserve.config import SloserveConfig
+from sloserve.executor.compiled import DecodeStep, decode_path_reason
+from sloserve.executor.experts import ExpertPrefetcher
+from sloserve.executor.graphs import (
+    CudaGraphCapture,
+    EagerCapture,
+    GraphDecode,
+    decode_forward,
+    graph_reason,
+)
+from sloserve.executor.host_memory import keep_freed_memory
+from sloserve.executor.plan import MemoryPlan
+from sloserve.layers.attention import (
+    AttentionBackend,
+    BackendChoice,
+    CapturableDecode,
+    select_backend,
+)
+from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
+from sloserve.memory.expert_cache import ExpertStore
+from sloserve.memory.pool import DevicePool
+from sloserve.models.decoder import DecoderModel
+from sloserve.models.loader import load_checkpoint, resolve_model_path
+from sloserve.models.shard import Shard
+from sloserve.models.spec import ModelSpec
+from sloserve.models.weights import ModelWeights
+from sloserve.tokenizer import Tokenizer
+
+log = logging.getLogger("sloserve.executor.runner")  # NOTE: the start-up lines keep the runner's logger
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; a CUDA device that is absent -> ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was requested but CUDA is not available; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> float32 on a CPU (bf16 matmuls are ~100x slower there), bfloat16 on a GPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+# ---- 1. load -------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Loaded:
+    """The checkpoint on its device (routed experts still on the host) and what it fixes."""
+
+    path: Path
+    spec: ModelSpec
+    weights: ModelWeights
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: list[int]
+    num_parameters: int  # counted before build_model hands the experts to their store
+
+
+def load(config: SloserveConfig, shard: Shard) -> Loaded:
+    """Resolve device and dtype, read the checkpoint (this rank's shard) and its tokenizer, check max_model_len."""
+    mc = config.model
+    device = resolve_device(mc.device)
+    dtype = resolve_dtype(mc.dtype, device)
+    if device.type == "cpu" and mc.host_malloc == "keep":
+        keep_freed_memory()
+    path = resolve_model_path(mc.path)
+    # NOTE: routed experts stay on the host until the residency is decided, which needs the device
+    # budget left after the dense weights (executor/residency.py); build_model's ExpertStore places them.
+    spec, weights = load_checkpoint(path, device, dtype, experts_on_host=True, shard=shard)
+    tokenizer = Tokenizer.from_pretrained(path)
+    limit = spec.context_limit
+    if mc.max_model_len is not None and mc.max_model_len > limit:
+        raise ValueError(f"max_model_len {mc.max_model_len} exceeds what {spec.architecture} at "
+                         f"{path} supports ({limit}); lower it")
+    eos = list(spec.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return Loaded(path, spec, weights, tokenizer, device, dtype, mc.max_model_len or limit, eos,
+                  weights.num_parameters())
+
+
+# ---- 2. choose the attention backend ---------------------------------------------------------------
+def choose_backend(config: SloserveConfig, loaded: Loaded) -> BackendChoice:
+    """The backend and its page size (flash-attn needs 256 when the config sets none).
+
+    Everything after this stage reads the choice's block_size, never config.cache.block_size.
+    """
+    choice = select_backend(config.model.attention_backend, loaded.device, dtype=loaded.dtype,
+                            block_size=config.cache.block_size, head_dim=loaded.spec.head_dim)
+    log.info("attention backend: %s (%s)", choice.name, choice.reason)
+    return choice
+
+
+# ---- 3. plan memory: executor/plan.py's plan_memory -> MemoryPlan -----------------------------------
+
+
+# ---- 4. allocate the KV pool ---------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class KVCache:
+    """The one device pool with the KV pages carved first, and the optional host swap pages."""
+
+    pool: DevicePool
+    kv: torch.Tensor  # [layers, 2, pages, block, kv heads, head dim]
+    host_pool: DevicePool | None
+    host_kv: torch.Tensor | None  # the same shape with the host's pages
+    num_pages: int
+    num_host_pages: int
+    page_bytes: int
+    block_bytes: int  # one block, all layers, K and V
+
+
+def allocate(plan: MemoryPlan, loaded: Loaded, block_size: int) -> KVCache:
+    """The device pool of plan.pool_bytes, its KV carve, and the host swap pool when swap is on."""
+    spec, dtype, device = loaded.spec, loaded.dtype, loaded.device
+    # NOTE: KV first, at offset 0; the small carves follow it, so arena alignment wastes little.
+    pool = DevicePool(plan.pool_bytes, plan.arena_bytes, device)
+    kv_shape = (spec.num_layers, 2, plan.num_pages, block_size, spec.num_kv_heads, spec.head_dim)
+    kv = pool.carve("kv", kv_shape, dtype)
+    layers, pair, _, *page = kv.shape  # one block: every dim but the pages one, K and V
+    block_bytes = layers * pair * math.prod(page) * kv.element_size()
+    host_pages = plan.num_host_pages
+    host_pool = host_kv = None
+    if host_pages > 0:
+        host_pool = DevicePool(host_pages * plan.page_bytes, None, "cpu", pin_memory=device.type == "cuda",
+                               zero=False)
+        host_kv = host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), dtype)
+    return KVCache(pool, kv, host_pool, host_kv, plan.num_pages, host_pages, plan.page_bytes, block_bytes)
+
+
+# ---- 5. build the model --------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class BuiltModel:
+    """The decoder, and for a MoE model the store placing its experts and the prefetcher feeding it."""
+
+    model: DecoderModel
+    experts: ExpertStore | None
+    prefetcher: ExpertPrefetcher | None
+
+
+def build_model(config: SloserveConfig, loaded: Loaded, backend: AttentionBackend, plan: MemoryPlan,
+                cache: KVCache, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> BuiltModel:
+    """Place the experts (their slots and workspace carved after the KV), pack the dense
+    projections, build the decoder."""
+    cc, spec, weights = config.cache, loaded.spec, loaded.weights
+    experts = prefetcher = None
+    if spec.moe_layers:
+        automatic = cc.expert_slots_per_layer is None and cc.expert_memory_bytes is None
+        (log.warning if plan.residency.partial and automatic else log.info)("experts: %s", plan.residency.reason)
+        # The pool backs the slots and the per-layer workspace (reused by every MoE layer of a
+        # step); all-resident experts are moved to the device as tensors of their own.
+        experts = ExpertStore(weights.experts, device=loaded.device, dtype=loaded.dtype,
+                              slots_per_layer=plan.expert_slots, pool=cache.pool,
+                              workspace_rows=plan.moe_workspace_rows, resident_in_pool=False,
+                              max_seqs=plan.max_seqs)
+        weights.experts.clear()  # the store holds its own (resident or host) copies
+        prefetcher = ExpertPrefetcher(experts, cc.expert_preload)
+    dense = dense_linear(config.model.cpu_gemm, weights, loaded.device, loaded.dtype)
+    model = DecoderModel(spec, weights, backend, experts, loaded.max_model_len, loaded.device, loaded.dtype,
+                         reduce, dense)
+    return BuiltModel(model, experts, prefetcher)
+
+
+def dense_linear(choice: str, weights: ModelWeights, device: torch.device,
+                 dtype: torch.dtype) -> PackedLinears | None:
+    """The dense projections' oneDNN-packed weights (layers/linear.py), None for torch's F.linear."""
+    why_not = cpu_gemm_reason(choice, device, dtype)
+    if why_not:
+        if choice == "onednn":
+            raise ValueError(f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas")
+        log.debug("dense projections on F.linear: %s", why_not)
+        return None
+    started = time.monotonic()
+    packed = PackedLinears(w for layer in weights.layers
+                           for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w) if w is not None)
+    log.info("dense projections on oneDNN: %d weights packed (%.1f MiB held twice) in %.2fs", len(packed),
+             packed.nbytes() / 2**20, time.monotonic() - started)
+    return packed
+
+
+# ---- 6. choose the decode path -------------------------------------------------------------------
+def choose_decode_path(model: DecoderModel, backend: AttentionBackend, kv: torch.Tensor, device: torch.device,
+                       max_seqs: int, enforce_eager: bool | None, shard: Shard,
+                       threads: int) -> DecodeStep | GraphDecode | None:
+    """The decode-only step's path: on a CPU the in-place kernel (eager, or compiled when asked);
+    on a GPU the step captured per batch bucket in CUDA graphs (eager when --enforce-eager).
+    None: decode steps take the general path."""
+    if device.type == "cuda":
+        why_not = graph_reason(model, isinstance(backend, CapturableDecode))
+        if why_not:
+            log.info("decode steps run the general path: %s", why_not)
+            return None
+        capture = EagerCapture() if enforce_eager else CudaGraphCapture(device)
+        return GraphDecode(model, kv, max_seqs, decode_forward(model, backend), capture)
+    # Decode-only steps of a float32 model on a CPU take the in-place fast path; compiled
+    # only when asked (enforce_eager False): eager is the CPU default (see executor/compiled.py).
+    why_not = decode_path_reason(model, kv)
+    compiled = enforce_eager is False
+    if compiled and shard.size > 1:
+        raise ValueError("the compiled decode step (--compile) does not run with tensor parallelism yet: "
+                         "drop --compile (or pass --enforce-eager)")
+    if compiled and why_not:
+        raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
+                         "drop --compile (or pass --enforce-eager)")
+    return None if why_not else DecodeStep(model, kv, max_seqs, compiled, threads=threads)
