@@ -139,8 +139,7 @@ class LLM:
 
     def close(self) -> None:
         """Abort anything left and stop tensor-parallel workers (there is no thread or loop to stop)."""
-        for request_id in list(self._core.scheduler.requests):
-            self._core.abort(request_id)
+        self._core.abort_all()
         self._core.close()
 
     def __enter__(self) -> LLM:

@@ -20,10 +20,10 @@ from typing import Any
 from sloserve.config import SloserveConfig
 from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats, RequestOutput
-from sloserve.engine.scheduler import Scheduler
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,9 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
         if self._core is not None:
             with self._lock:
-                for request_id in list(self._core.scheduler.requests):
-                    out = self._core.abort(request_id)
-                    if out is not None:
-                        self._deliver([out])
+                outputs = self._core.abort_all()
+                if outputs:
+                    self._deliver(outputs)
             self._core.close()
         self.ready = False
 

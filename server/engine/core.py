@@ -14,15 +14,16 @@ import time
 from collections import deque
 from typing import Any
 
-from sloserve.batch import SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
-from sloserve.engine.priming import prime
-from sloserve.engine.scheduler import Scheduler
+from sloserve.engine.output_processor import OutputProcessor, take_output
+from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.errors import InvalidRequestError
-from sloserve.faults import FaultPlan, FaultyRunner
 from sloserve.logprobs import StepLogprobs
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.output import SchedulerOutput
+from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.scheduler import Scheduler
+from sloserve.sched.slo.priming import prime
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +41,22 @@ class EngineCore:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         if runner is None:
             runner = _load_runner(config)
-        plan = FaultPlan.parse(config.faults)
-        if plan:
+        self._faults = None
+        if config.faults:  # the test-only gate (`sloserve serve` refuses it unless tests allow it)
+            from sloserve.testing.faults import FaultPlan, FaultyRunner
+
             log.warning("fault injection is ON (%s): for tests only", config.faults)
-            runner = FaultyRunner(runner, plan)
+            self._faults = FaultPlan.parse(config.faults)
+            runner = FaultyRunner(runner, self._faults)
         runner.warmup()
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(
             config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
-            eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
+            eos_token_ids=runner.eos_token_ids)
+        on_token = None if self._faults is None else self._faults.on_token
+        self.output = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids, on_token)
         if not getattr(runner, "runs_steps", False):  # a runner that runs one step per call
             self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
@@ -91,7 +97,12 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a live request as 'cancelled' and free its blocks now; None if it is not live."""
-        return self.scheduler.abort(request_id)
+        req = self.scheduler.abort(request_id)
+        return None if req is None else take_output(req)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Finish every live request as 'cancelled' (shutdown, a dead engine loop): their last outputs."""
+        return [take_output(req) for req in self.scheduler.abort_all()]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -104,6 +115,8 @@ class EngineCore:
         return self.update(out, sampled, errors, seconds)
 
     def schedule(self) -> SchedulerOutput:
+        if self._faults is not None:
+            self._faults.check("kill-loop", self.scheduler.requests)
         return self.scheduler.schedule()
 
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, str] | None, float]:
@@ -127,7 +140,7 @@ class EngineCore:
     def update(self, out: SchedulerOutput, sampled: list[int | None], errors: dict[str, str] | None,
                seconds: float) -> list[RequestOutput]:
         logprobs, self._logprobs = self._logprobs, None
-        outputs = self.scheduler.update(out, sampled, errors, logprobs)
+        outputs = self.output.process(self.scheduler.update(out, sampled, errors, logprobs), self.scheduler)
         if out.sequences:
             tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
             for _ in range(out.num_steps):
@@ -186,7 +199,7 @@ class EngineCore:
     # ---- inspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Scheduler stats plus step times: mean of the last 64 steps, p50/p99 of the last 512."""
-        stats = self.scheduler.stats()
+        stats = EngineStats(**self.scheduler.stats())
         recent = list(itertools.islice(reversed(self._steps), MEAN_OVER_STEPS))
         if recent:
             stats.step_time_s = sum(s for s, _ in recent) / len(recent)

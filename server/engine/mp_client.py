@@ -207,11 +207,6 @@ class MPEngineClient:
     def model_info(self) -> dict:
         return dict(self._info)
 
-    @property
-    def scheduler(self) -> None:
-        """Not inspectable across the process boundary (use stats())."""
-        return None
-
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None, arrival_time: float | None = None, *,

@@ -1,40 +1,74 @@
-"""Per-token post-processing: stop conditions, detokenized text and the deltas streamed out."""
+"""The engine's output stage: detokenized text, stop strings and the deltas streamed out.
+
+It runs after the scheduler has applied a step's tokens (the scheduler stops requests on stop
+tokens and length only): each new token is turned into text in order, and a stop string ends
+its request there, the step's later tokens dropped (Scheduler.stop_early), exactly as if the
+string had been matched while the tokens were applied.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
+from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.outputs import RequestOutput
-from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.stop_strings import StopMatcher
-from sloserve.logprobs import Logprob
+from sloserve.sched.request import Request, RequestStatus
+from sloserve.sched.scheduler import Scheduler
 
 
-def process_token(req: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int,
-                  logprob: Logprob | None = None) -> None:
-    """Append a sampled token (and its logprobs, when asked), extend the text and set a FINISHED_*
-    status if a stop condition holds.
+class OutputProcessor:
+    """Turns the requests a step moved into RequestOutputs, their text included."""
 
-    Order: EOS (unless ignore_eos) and stop token ids end the request without adding text; a stop
-    string ends it with the text cut just before the string; then max_tokens and the context
-    length give 'length'. Before min_tokens outputs, no stop condition but length applies.
-    """
-    req.append_token(token)
-    if req.output_logprobs is not None and logprob is not None:
-        req.output_logprobs.append(logprob)
-    params = req.sampling
-    early = req.num_output_tokens < params.min_tokens
-    if not early and params.stops_on(token, eos_token_ids):
-        req.status = RequestStatus.FINISHED_STOPPED
-        _flush_text(req)
-        return
-    if req.detokenizer is not None:
-        before = len(req.output_text)
-        req.output_text += req.detokenizer.add(token)
-        if params.stop and not early and _cut_at_stop_string(req, before):
-            req.status = RequestStatus.FINISHED_STOPPED
+    def __init__(self, decode: Callable[[list[int]], str] | None, eos_token_ids: Sequence[int] = (),
+                 on_token: Callable[[str], None] | None = None) -> None:
+        """`on_token(request_id)` runs before each new token is processed (the test-only fault hook)."""
+        self._decode = decode
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._on_token = on_token
+
+    def process(self, requests: Iterable[Request], scheduler: Scheduler) -> list[RequestOutput]:
+        """The outputs of `requests`; one request's failure finishes it alone with 'error'."""
+        outputs = []
+        for req in requests:
+            try:
+                self._add_text(req, scheduler)
+            except Exception as exc:  # one request's failure must not fail the batch
+                scheduler.stop_early(req, req.text_token_len, RequestStatus.FINISHED_ERROR,
+                                     f"{type(exc).__name__}: {exc}")
+            outputs.append(take_output(req))
+        return outputs
+
+    def _add_text(self, req: Request, scheduler: Scheduler) -> None:
+        """Detokenize the output tokens not yet seen; a stop string completed by one of them ends
+        `req` there, with the text cut just before the string.
+
+        Before min_tokens outputs no stop condition applies; a stop token (ended by the
+        scheduler) adds no text; a request ended by length flushes what the detokenizer holds.
+        """
+        tokens = req.output_token_ids
+        if req.text_token_len >= len(tokens):
             return
-    if req.num_output_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
-        req.status = RequestStatus.FINISHED_LENGTH
-        _flush_text(req)
+        if req.detokenizer is None and self._decode is not None:
+            req.detokenizer = IncrementalDetokenizer(self._decode, req.prompt_token_ids)
+        params = req.sampling
+        for i in range(req.text_token_len, len(tokens)):
+            if self._on_token is not None:
+                self._on_token(req.request_id)
+            req.text_token_len = i + 1
+            token = tokens[i]
+            early = i + 1 < params.min_tokens
+            if not early and params.stops_on(token, self._eos_token_ids):
+                _flush_text(req)
+                return
+            if req.detokenizer is not None:
+                before = len(req.output_text)
+                req.output_text += req.detokenizer.add(token)
+                if params.stop and not early and _cut_at_stop_string(req, before):
+                    scheduler.stop_early(req, i + 1, RequestStatus.FINISHED_STOPPED)
+                    return
+        if req.status == RequestStatus.FINISHED_LENGTH:
+            _flush_text(req)
 
 
 def _flush_text(req: Request) -> None:
@@ -59,17 +93,6 @@ def _cut_at_stop_string(req: Request, before: int) -> bool:
         return False
     req.output_text = req.output_text[:start]
     return True
-
-
-def keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) -> None:
-    """Store the prompt positions' logprobs the runner computed (a recompute after preemption
-    computes them again: the first ones stay)."""
-    if req.prompt_logprobs is None:
-        return
-    for first, entries in runs:
-        for position, entry in enumerate(entries, first):
-            if position < len(req.prompt_logprobs) and req.prompt_logprobs[position] is None:
-                req.prompt_logprobs[position] = entry
 
 
 def take_output(req: Request) -> RequestOutput:

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.compiled import DecodeStep, decode_path_reason
 from sloserve.executor.graphs import (
@@ -36,6 +35,7 @@ from sloserve.models.loader import load_checkpoint, resolve_model_path
 from sloserve.models.shard import Shard
 from sloserve.models.weights import ModelWeights
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from sloserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

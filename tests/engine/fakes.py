@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 EOS = 3
 

@@ -10,11 +10,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sloserve.config import SchedulerConfig
-from sloserve.engine.deadlines import StepPrice
-from sloserve.engine.outputs import nearest_rank
-from sloserve.engine.request import Request
-from sloserve.engine.step_model import MixedStepModel
 from sloserve.errors import RequestRefusedError
+from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.request import Request
+from sloserve.sched.slo.deadlines import StepPrice
+from sloserve.sched.slo.step_model import MixedStepModel
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 SLO_MARGIN = 0.6  # with others running or waiting, the estimate must fit in this share of the time left

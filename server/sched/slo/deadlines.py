@@ -94,7 +94,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sloserve.engine.request import Request
+from sloserve.sched.request import Request
 
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from sloserve.config import SchedulerConfig
-from sloserve.engine.admission import AdmissionControl
+from sloserve.sched.slo.admission import AdmissionControl
 
 
 def priming_shapes(config: SchedulerConfig, max_model_len: int) -> list[tuple[int, int]]:

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sloserve.engine.request import Request
 from sloserve.hotpath import BlockAllocator
+from sloserve.sched.request import Request
 
 _ROOT_HASH = 0
 
