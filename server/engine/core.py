@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sloserve.config import SloserveConfig
 from sloserve.engine.output_processor import OutputProcessor, take_output
@@ -22,8 +22,12 @@ from sloserve.logprobs import StepLogprobs
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.output import SchedulerOutput
 from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.runner import Runner
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.slo.priming import prime
+
+if TYPE_CHECKING:
+    from sloserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +38,7 @@ PERCENTILE_EVERY = 64  # steps between re-sorts for the step-time percentiles
 class EngineCore:
     """One scheduler and one runner; every call comes from one thread at a time (callers serialise)."""
 
-    def __init__(self, config: SloserveConfig, runner: Any = None, *,
+    def __init__(self, config: SloserveConfig, runner: Runner | None = None, *,
                  lock: contextlib.AbstractContextManager | None = None) -> None:
         """Load (unless `runner` is given) and warm up. `lock` guards the scheduler where execute()
         touches it, for a caller that runs add/abort concurrently with execute (AsyncEngine)."""
@@ -57,7 +61,7 @@ class EngineCore:
             eos_token_ids=runner.eos_token_ids)
         on_token = None if self._faults is None else self._faults.on_token
         self.output = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids, on_token)
-        if not getattr(runner, "runs_steps", False):  # a runner that runs one step per call
+        if not runner.runs_steps:  # a runner that runs one step per call
             self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
             # NOTE: before ready, so a flood right after start-up is priced, not let in blindly
@@ -80,7 +84,7 @@ class EngineCore:
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(token_ids, list | tuple) or not all(isinstance(t, int) for t in token_ids):
             raise InvalidRequestError("the prompt must be a list of integer token ids")
-        vocab = getattr(self.runner, "vocab_size", None)
+        vocab = self.runner.vocab_size
         bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -127,15 +131,10 @@ class EngineCore:
         try:
             sampled, errors = list(self.runner.execute(out)), None
         except Exception as exc:  # noqa: BLE001 - find whose request it was
-            self._take_logprobs()  # what the failed step kept: its sequences run again, alone
+            self.runner.take_logprobs()  # what the failed step kept: its sequences run again, alone
             sampled, errors = self._isolate(out, exc)
-        self._logprobs = self._take_logprobs()
+        self._logprobs = self.runner.take_logprobs()
         return sampled, errors, time.monotonic() - start
-
-    def _take_logprobs(self) -> StepLogprobs | None:
-        """The logprobs the runner kept for requests that asked (None: a runner without any)."""
-        take = getattr(self.runner, "take_logprobs", None)
-        return take() if take is not None else None
 
     def update(self, out: SchedulerOutput, sampled: list[int | None], errors: dict[str, str] | None,
                seconds: float) -> list[RequestOutput]:
@@ -186,12 +185,14 @@ class EngineCore:
     # ---- supervision -------------------------------------------------------------------
     def check_health(self) -> None:
         """Raise when the runner can no longer run steps (a tensor-parallel rank died); cheap, call when idle."""
+        # TODO(issue 43): ModelRunner does not inherit RunnerDefaults yet; then call runner.check_health()
         check = getattr(self.runner, "check_health", None)
         if check is not None:
             check()
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers)."""
+        # TODO(issue 43): ModelRunner does not inherit RunnerDefaults yet; then call runner.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -211,14 +212,12 @@ class EngineCore:
             self._steps_since_percentiles = 0
         stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
         stats.steps_total, stats.busy_seconds_total = self._steps_total, self._busy_seconds_total
-        expert_stats = getattr(self.runner, "expert_stats", None)  # MoE runners: host counters, no device read
-        if expert_stats is not None:
-            for name, value in expert_stats().items():
-                setattr(stats, name, value)
+        for name, value in self.runner.expert_stats().items():  # MoE runners: host counters, no device read
+            setattr(stats, name, value)
         return stats
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.runner.tokenizer
 
     @property
@@ -227,11 +226,11 @@ class EngineCore:
         info.setdefault("model", self.config.model.path)
         info["max_model_len"] = self.scheduler.max_model_len
         info["block_size"] = self.runner.block_size
-        info.setdefault("vocab_size", getattr(self.runner, "vocab_size", None))
+        info.setdefault("vocab_size", self.runner.vocab_size)
         return info
 
 
-def _load_runner(config: SloserveConfig) -> Any:
+def _load_runner(config: SloserveConfig) -> Runner:
     """The runner the config asks for: one ModelRunner, or rank 0 of a tensor-parallel group."""
     # NOTE: lazy imports, so the engine imports no torch until it loads a model
     if config.parallel.tensor_parallel_size > 1:
