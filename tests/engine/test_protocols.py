@@ -15,7 +15,7 @@ from sloserve.sched.runner import Runner
 from sloserve.testing.faults import FaultPlan, FaultyRunner
 
 from tests.engine.fakes import FakeRunner
-from tests.engine.test_admission_policy import _TimedRunner
+from tests.sched.test_admission_policy import _TimedRunner
 from tests.service.fake_engine import FakeEngine
 from tests.service.test_clock_and_state import TimedEngine
 from tests.service.test_frontend import _ErrorEngine

@@ -202,7 +202,7 @@ def _follower_after_one_chunk(**sched):
 
 def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
     """A follower whose TTFT cannot wait for the leader's prefill computes the prefix itself."""
-    from tests.engine.test_deadline_scheduling import price
+    from tests.sched.test_deadline_scheduling import price
 
     s, r, _, prompt = _follower_after_one_chunk(policy="slo", admission_control=False)
     for tokens in (1, 4, 64, 256, 512, 16):  # priced steps: the deadline plan is on
