@@ -495,9 +495,7 @@ class Scheduler:
         """Nobody else runs or waits: a prompt's chunk keeps no one's TPOT, so it may fill the step.
 
         The prefill_chunk cap bounds a step for the others' sake; alone, splitting a prompt only
-        costs (an 800-token prompt of the 3M `default` in one step took x0.90 of the time of two,
-        512 + 286: the second chunk's attention pays a mask over the first's keys, and every step
-        pays its fixed overhead).
+        costs (each chunk pays the step's overhead: docs/design/deadline-steps.md).
         """
         running = req.status == RequestStatus.RUNNING
         return len(self.running) == running and len(self.waiting) == (not running)

@@ -1,17 +1,13 @@
 """Step time from the step's mix: overhead + per prompt token + per decoding sequence.
 
 A decoding sequence costs several prompt tokens' worth (its attention reads its whole context,
-and it has per-sequence work: sampling, detokenizing, its block table), so pricing every token
-alike gets mixed steps wrong both ways. Measured on the built-in model at 40 req/s of the ARC mix
-(557 steps): one slope over all tokens left residuals of -6.7 / +9.1 ms (p10 / p90) and put the
-overhead at 8.1 ms; with a slope per kind the residuals were -3.5 / +2.3 ms, the overhead 2.3 ms,
-a prompt token 64 us and a decoding sequence 310 us.
-
-Steps still scatter around the fit (a few ms here), so a step filled exactly to a deadline
-overruns it about half the time; `margin` is the fit's recent error at the 80th percentile,
-which the deadline plan leaves free. The fit is exponentially weighted least squares over (prompt tokens, decoding sequences), kept
-as running sums, so observing a step is O(1); it is trusted only once both kinds have varied
-enough, and apart from each other, to tell their slopes apart.
+and it has per-sequence work), so one slope for every token gets mixed steps wrong both ways
+(docs/design/admission.md). Steps still scatter around the fit, so a step filled exactly to a
+deadline overruns it about half the time; `margin` is the fit's recent error at the 80th
+percentile, which the deadline plan leaves free. The fit is exponentially weighted least squares
+over (prompt tokens, decoding sequences), kept as running sums, so observing a step is O(1); it
+is trusted only once both kinds have varied enough, and apart from each other, to tell their
+slopes apart.
 """
 
 from __future__ import annotations
