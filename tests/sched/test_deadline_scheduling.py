@@ -281,7 +281,7 @@ def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
 
 
 def test_the_arrival_room_cuts_optional_prompt_chunks_not_decodes():
-    from sloserve.sched.slo.deadlines import StepPrice
+    from sloserve.sched.slo.step_model import StepPrice
 
     plan = DeadlinePlan(StepPrice(OVERHEAD_S, PER_TOKEN_S), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048,
                         arrival_ttft_s=0.3)

@@ -141,7 +141,7 @@ def test_queue_timeout_refuses_waiting_requests_and_frees_everything():
 
 
 def test_step_cost_model_separates_overhead_from_per_token_cost():
-    from sloserve.sched.slo.admission import StepCostModel
+    from sloserve.sched.slo.step_model import StepCostModel
 
     model = StepCostModel()
     for tokens in (1, 2, 500, 3, 1000, 1):

@@ -13,8 +13,7 @@ from sloserve.config import SchedulerConfig
 from sloserve.errors import RequestRefusedError
 from sloserve.sched.quantiles import nearest_rank
 from sloserve.sched.request import Request
-from sloserve.sched.slo.deadlines import StepPrice
-from sloserve.sched.slo.step_model import MixedStepModel
+from sloserve.sched.slo.step_model import MixedStepModel, StepCostModel, StepPrice
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 SLO_MARGIN = 0.6  # with others running or waiting, the estimate must fit in this share of the time left
@@ -28,69 +27,6 @@ LATE_MIN_SAMPLES = 8  # fewer recent first tokens than this: the SLO_MARGIN shar
 LATE_WINDOW_S = 10.0  # first tokens older than this say nothing of the load now
 PROMPT_STEP_MIN = 64  # prompt tokens: a step with at least this many tells what a prompt token costs
 PROMPT_STEPS_KEPT = 32  # recent prompt steps whose cost per prompt token prices a prompt alone
-
-
-class StepCostModel:
-    """Online fit of step time = overhead + per_token * tokens (exponentially weighted least squares).
-
-    Prefill speed cannot be read off tokens/second of all steps: small decode steps are dominated
-    by fixed per-step overhead and would make a prefill look many times slower than it is.
-    """
-
-    def __init__(self, decay: float = 0.98, min_steps: int = 3, min_spread: float = 4.0) -> None:
-        self.decay = decay
-        self.min_steps = min_steps
-        self.min_spread = min_spread  # tokens: the weighted std of step sizes needed to fit a slope
-        self.steps = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        d = self.decay
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + tokens
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + tokens * tokens
-        self._xy = self._xy * d + tokens * seconds
-        self.steps += 1
-
-    def fit(self) -> tuple[float, float] | None:
-        """(overhead_s, per_token_s), or None until enough varied steps were seen to trust it."""
-        if self.steps < self.min_steps:
-            return None
-        w, x, y = self._w, self._x, self._y
-        var = w * self._xx - x * x
-        # NOTE: one old odd-sized step (e.g. a cold first prefill) must not set the slope.
-        if var >= (self.min_spread * w) ** 2:
-            per_token = (w * self._xy - x * y) / var
-            if per_token > 0:
-                return max(0.0, (y - per_token * x) / w), per_token
-        mean_tokens = x / w
-        if mean_tokens >= 64:  # steps all alike but large: treat their time as per-token cost
-            return 0.0, y / x
-        return None
-
-    def seconds_for(self, tokens: int, step_tokens: int) -> float | None:
-        """Estimated time to compute `tokens` in steps of at most `step_tokens`."""
-        fit = self.fit()
-        if fit is None:
-            return None
-        overhead, per_token = fit
-        return tokens * per_token + -(-tokens // step_tokens) * overhead
-
-    def step_cost(self) -> tuple[float, float] | None:
-        """(overhead_s, per_token_s) to price steps with: the fit, else the mean step as pure overhead.
-
-        Before the fit can be trusted (e.g. only 1-token decode steps seen), the mean time of the
-        recent steps still prices a step of the same kind -- which is what a slot wait is made of.
-        """
-        fit = self.fit()
-        if fit is not None:
-            return fit
-        if self.steps < self.min_steps:
-            return None
-        return self._y / self._w, 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from sloserve.sched.request import Request
+from sloserve.sched.slo.step_model import StepPrice
 
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
@@ -44,27 +44,6 @@ TTFT_SAFETY = 0.25  # an urgent prompt is paced to be done this share of its TTF
 ARRIVAL_SHARE = 0.25  # of the tightest recent TTFT objective: the longest step optional prompt chunks make
 ARRIVAL_WINDOW_S = 10.0  # TTFT objectives seen this recently are expected of the next arrivals
 STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decode step, per output) one step may take
-
-
-@dataclass(frozen=True, slots=True)
-class StepPrice:
-    """Step time = overhead_s + per_token_s * prompt tokens + per_decode_s * decoding sequences.
-
-    Without a per-decode slope (None) a decoding sequence is priced as one token.
-    """
-
-    overhead_s: float
-    per_token_s: float
-    per_decode_s: float | None = None
-    margin_s: float = 0.0  # how much a step may overrun its price (DeadlinePlan leaves it free)
-
-    @property
-    def decode_s(self) -> float:
-        return self.per_token_s if self.per_decode_s is None else self.per_decode_s
-
-    def step_seconds(self, prompt_tokens: int, decodes: int) -> float:
-        """A step of `prompt_tokens` prompt tokens and `decodes` decoding sequences."""
-        return self.overhead_s + self.per_token_s * prompt_tokens + self.decode_s * decodes
 
 
 class DeadlinePlan:

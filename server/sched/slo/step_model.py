@@ -1,4 +1,6 @@
-"""Step time from the step's mix: overhead + per prompt token + per decoding sequence.
+"""The step-cost models: what a step of a given shape costs, fitted online from the steps run.
+
+MixedStepModel prices a step from its mix: overhead + per prompt token + per decoding sequence.
 
 A decoding sequence costs several prompt tokens' worth (its attention reads its whole context,
 and it has per-sequence work), so one slope for every token gets mixed steps wrong both ways
@@ -7,12 +9,15 @@ deadline overruns it about half the time; `margin` is the fit's recent error at 
 percentile, which the deadline plan leaves free. The fit is exponentially weighted least squares
 over (prompt tokens, decoding sequences), kept as running sums, so observing a step is O(1); it
 is trusted only once both kinds have varied enough, and apart from each other, to tell their
-slopes apart.
+slopes apart. StepCostModel is the one-slope fit (every token alike) that prices steps
+until the mix can be told apart, and times schedule-to-schedule cycles for admission; StepPrice is
+what the deadline plan reads of either.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 MIN_PROMPT_SPREAD = 4.0  # tokens: the weighted std of prompt tokens per step needed for a slope
 MIN_DECODE_SPREAD = 1.0  # sequences: the same for decoding sequences
@@ -81,3 +86,87 @@ class MixedStepModel:
             errors = sorted(self._errors)
             self._margin = max(0.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))])
         return self._margin
+
+
+class StepCostModel:
+    """Online fit of step time = overhead + per_token * tokens (exponentially weighted least squares).
+
+    Prefill speed cannot be read off tokens/second of all steps: small decode steps are dominated
+    by fixed per-step overhead and would make a prefill look many times slower than it is.
+    """
+
+    def __init__(self, decay: float = 0.98, min_steps: int = 3, min_spread: float = 4.0) -> None:
+        self.decay = decay
+        self.min_steps = min_steps
+        self.min_spread = min_spread  # tokens: the weighted std of step sizes needed to fit a slope
+        self.steps = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + tokens
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + tokens * tokens
+        self._xy = self._xy * d + tokens * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(overhead_s, per_token_s), or None until enough varied steps were seen to trust it."""
+        if self.steps < self.min_steps:
+            return None
+        w, x, y = self._w, self._x, self._y
+        var = w * self._xx - x * x
+        # NOTE: one old odd-sized step (e.g. a cold first prefill) must not set the slope.
+        if var >= (self.min_spread * w) ** 2:
+            per_token = (w * self._xy - x * y) / var
+            if per_token > 0:
+                return max(0.0, (y - per_token * x) / w), per_token
+        mean_tokens = x / w
+        if mean_tokens >= 64:  # steps all alike but large: treat their time as per-token cost
+            return 0.0, y / x
+        return None
+
+    def seconds_for(self, tokens: int, step_tokens: int) -> float | None:
+        """Estimated time to compute `tokens` in steps of at most `step_tokens`."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        overhead, per_token = fit
+        return tokens * per_token + -(-tokens // step_tokens) * overhead
+
+    def step_cost(self) -> tuple[float, float] | None:
+        """(overhead_s, per_token_s) to price steps with: the fit, else the mean step as pure overhead.
+
+        Before the fit can be trusted (e.g. only 1-token decode steps seen), the mean time of the
+        recent steps still prices a step of the same kind -- which is what a slot wait is made of.
+        """
+        fit = self.fit()
+        if fit is not None:
+            return fit
+        if self.steps < self.min_steps:
+            return None
+        return self._y / self._w, 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepPrice:
+    """Step time = overhead_s + per_token_s * prompt tokens + per_decode_s * decoding sequences.
+
+    Without a per-decode slope (None) a decoding sequence is priced as one token.
+    """
+
+    overhead_s: float
+    per_token_s: float
+    per_decode_s: float | None = None
+    margin_s: float = 0.0  # how much a step may overrun its price (DeadlinePlan leaves it free)
+
+    @property
+    def decode_s(self) -> float:
+        return self.per_token_s if self.per_decode_s is None else self.per_decode_s
+
+    def step_seconds(self, prompt_tokens: int, decodes: int) -> float:
+        """A step of `prompt_tokens` prompt tokens and `decodes` decoding sequences."""
+        return self.overhead_s + self.per_token_s * prompt_tokens + self.decode_s * decodes
