@@ -15,7 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from sloserve.config import SloserveConfig
-from sloserve.engine.output_processor import OutputProcessor, take_output
+from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.errors import InvalidRequestError
 from sloserve.logprobs import StepLogprobs
@@ -102,11 +102,11 @@ class EngineCore:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a live request as 'cancelled' and free its blocks now; None if it is not live."""
         req = self.scheduler.abort(request_id)
-        return None if req is None else take_output(req)
+        return None if req is None else self.output.process([req], self.scheduler)[0]
 
     def abort_all(self) -> list[RequestOutput]:
         """Finish every live request as 'cancelled' (shutdown, a dead engine loop): their last outputs."""
-        return [take_output(req) for req in self.scheduler.abort_all()]
+        return self.output.process(self.scheduler.abort_all(), self.scheduler)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

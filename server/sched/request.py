@@ -50,8 +50,7 @@ class Request:
         "sampling", "slo", "arrival_time", "deadline", "status",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
-        "finish_time", "error", "refusal_reason", "detokenizer", "stop_matcher", "output_text", "sent_text_len",
-        "text_token_len",
+        "finish_time", "error", "refusal_reason",
         "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
         "last_scheduled_time", "predicted_ttft_s", "model_ttft_s", "output_logprobs", "prompt_logprobs",
         "prompt_logprobs_sent",
@@ -99,12 +98,6 @@ class Request:
         self.finish_time: float | None = None
         self.error: str | None = None
         self.refusal_reason: str | None = None
-        # Text state, kept by the engine's output stage (the scheduler never reads it)
-        self.detokenizer = None
-        self.stop_matcher = None  # built from sampling.stop at the first text
-        self.output_text = ""
-        self.sent_text_len = 0
-        self.text_token_len = 0  # output tokens turned into text so far
         self.sent_token_len = 0
         self.ever_scheduled = False
         # Only when sampling asks: one entry per output token; per prompt token (position 0: None)

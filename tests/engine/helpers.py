@@ -33,17 +33,17 @@ def make_scheduler(runner: FakeRunner | None = None, clock: Clock | None = None,
     scheduler = Scheduler(config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
                           max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
                           eos_token_ids=runner.eos_token_ids, clock=clock)
-    _OUTPUT_STAGES[scheduler] = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids)
+    OUTPUT_STAGES[scheduler] = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids)
     return scheduler, runner, clock
 
 
 # The engine's output stage of each scheduler built here (text, stop strings), as EngineCore keeps one
-_OUTPUT_STAGES: weakref.WeakKeyDictionary[Scheduler, OutputProcessor] = weakref.WeakKeyDictionary()
+OUTPUT_STAGES: weakref.WeakKeyDictionary[Scheduler, OutputProcessor] = weakref.WeakKeyDictionary()
 
 
 def outputs_of(scheduler: Scheduler, requests) -> list[RequestOutput]:
     """What EngineCore makes of the requests a scheduler call returned: their outputs, text included."""
-    return _OUTPUT_STAGES[scheduler].process(requests, scheduler)
+    return OUTPUT_STAGES[scheduler].process(requests, scheduler)
 
 
 def update(scheduler: Scheduler, out, sampled, *args) -> list[RequestOutput]:

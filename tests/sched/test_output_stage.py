@@ -9,7 +9,7 @@ import pytest
 from sloserve.sampling_params import SamplingParams
 
 from tests.engine.fakes import FakeRunner, reference_tokens
-from tests.engine.helpers import drain, make_scheduler
+from tests.engine.helpers import OUTPUT_STAGES, abort, drain, make_scheduler, step
 
 
 def _prompt(i: int) -> list[int]:
@@ -42,6 +42,7 @@ def test_a_stop_string_ends_its_request_where_it_completes_even_inside_a_run(ste
         assert got[-1].finish_reason == "stop" and got[-1].num_output_tokens == len(tokens)
     assert s.stats()["generated_tokens_total"] == sum(len(t) for t, _ in expected.values())
     assert s.block_manager.num_free == s.block_manager.num_usable
+    assert OUTPUT_STAGES[s].live == 0  # every finished request's text is let go
     if steps > 1:
         assert max(out.num_steps for out in r.steps) > 1  # runs happened, and stops fell inside them
 
@@ -57,3 +58,13 @@ def test_a_stop_string_on_the_last_token_turns_length_into_stop():
     assert [t for o in out for t in o.new_token_ids] == tokens
     assert out[-1].finish_reason == "stop"
     assert "".join(o.new_text for o in out) == "".join(map(chr, tokens[:4]))
+
+
+def test_an_aborted_request_lets_go_of_its_text():
+    s, r, _ = make_scheduler(FakeRunner(num_blocks=64))
+    s.add_request("a", _prompt(0), SamplingParams(max_tokens=30, stop=["~~"]))
+    for _ in range(4):
+        step(s, r)
+    assert OUTPUT_STAGES[s].live == 1
+    out = abort(s, "a")
+    assert out.finish_reason == "cancelled" and OUTPUT_STAGES[s].live == 0
