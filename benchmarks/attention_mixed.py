@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.layers.attention import get_backend
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=1 << 20)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.layers.linear import PackedLinears, onednn_available
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 GREEDY = SamplingParams(max_tokens=1)
 

@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.executor import fused as fused_module
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 GREEDY = SamplingParams(max_tokens=1 << 20)
 

@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.models.default import ensure_default_model
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 BATCHES = (1, 8, 32, 64)
 GREEDY = SamplingParams(max_tokens=1 << 20)

@@ -177,8 +177,8 @@ def build_llama(folder: Path, gpu: bool, device: torch.device) -> dict:
 def decode_batch(runner, batch: int, pages, prompt_len: int, warmup: int, steady: int, gpu: bool,
                  token_budget: int) -> dict:
     """Prefill `batch` random prompts, then time `steady` decode steps after `warmup` ones."""
-    from sloserve.batch import ScheduledSequence, SchedulerOutput
     from sloserve.sampling_params import SamplingParams
+    from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
     greedy = SamplingParams(max_tokens=10**6, ignore_eos=True)
     block = runner.block_size

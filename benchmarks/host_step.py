@@ -52,11 +52,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batches", default="1,32,128")
     args = parser.parse_args()
-    from sloserve.batch import ScheduledSequence
     from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
     from sloserve.executor import ModelRunner
     from sloserve.executor.graphs import graph_buckets
     from sloserve.sampling_params import SamplingParams
+    from sloserve.sched.output import ScheduledSequence
 
     torch.set_num_threads(1)
     folder = Path(tempfile.mkdtemp(prefix="host_step_"))

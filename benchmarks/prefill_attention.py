@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.layers.attention import sdpa
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 
 def forms(length: int, heads: int, kv_heads: int, dim: int) -> dict:

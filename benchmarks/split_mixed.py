@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 from mixed_rows import make_runner, mixed_step, seconds_per_execute
-from sloserve.batch import SchedulerOutput
 from sloserve.executor import ModelRunner
+from sloserve.sched.output import SchedulerOutput
 
 
 def timed(runner: ModelRunner, out: SchedulerOutput, split: bool, steps: int) -> float:

@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.llm import LLM
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from sloserve.structured import arc_grid_grammar, grammar_for
 
 ROOT = Path(__file__).resolve().parents[1]

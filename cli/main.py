@@ -123,7 +123,7 @@ def _metrics_port(text: str) -> int | None:
 @grpc_options
 @click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
               help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
-                   "(see sloserve.faults) [default: off]. Refused unless --allow-fault-injection.")
+                   "(see sloserve.testing.faults) [default: off]. Refused unless --allow-fault-injection.")
 @click.option("--allow-fault-injection", envvar="SLOSERVE_ALLOW_FAULT_INJECTION", is_flag=True, hidden=True,
               help="Tests only: let --inject-faults act (clients trigger faults by request id).")
 def serve(**kwargs) -> None:

@@ -302,10 +302,11 @@ class SloserveConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
-    faults: str = ""  # fault injection for tests (sloserve.faults); empty = off
+    faults: str = ""  # fault injection for tests (sloserve.testing.faults); empty = off
 
     def __post_init__(self) -> None:
-        from sloserve.faults import FaultPlan  # NOTE: torch-free; validates the spec once, here
+        # NOTE: torch-free; validates the spec once, here
+        from sloserve.testing.faults import FaultPlan
 
         FaultPlan.parse(self.faults)
 

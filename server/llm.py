@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sloserve.config import (
     CacheConfig,
@@ -18,7 +18,11 @@ from sloserve.config import (
 from sloserve.engine.core import EngineCore
 from sloserve.logprobs import Logprob
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.runner import Runner
 from sloserve.structured import check_grammar
+
+if TYPE_CHECKING:
+    from sloserve.tokenizer import Tokenizer
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
              "parallel": ParallelConfig}
@@ -60,7 +64,7 @@ class LLM:
     The core is stepped right here, in the caller's thread: no engine thread, no event loop.
     """
 
-    def __init__(self, model: str = "default", *, runner: Any = None, config: SloserveConfig | None = None,
+    def __init__(self, model: str = "default", *, runner: Runner | None = None, config: SloserveConfig | None = None,
                  **options: Any) -> None:
         if config is not None and options:
             raise ValueError("pass either config= or individual options, not both")
@@ -73,7 +77,7 @@ class LLM:
         return self._core
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self._core.tokenizer
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
@@ -139,8 +143,7 @@ class LLM:
 
     def close(self) -> None:
         """Abort anything left and stop tensor-parallel workers (there is no thread or loop to stop)."""
-        for request_id in list(self._core.scheduler.requests):
-            self._core.abort(request_id)
+        self._core.abort_all()
         self._core.close()
 
     def __enter__(self) -> LLM:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from sloserve.config import SloserveConfig
+from sloserve.engine.client import EngineClient
 from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.frontend_procs import FrontendProcesses
 from sloserve.grpc.server import SloserveServer
@@ -19,7 +20,7 @@ from sloserve.logs import configure_logging
 log = logging.getLogger(__name__)
 
 
-def build_engine_client(config: SloserveConfig) -> Any:
+def build_engine_client(config: SloserveConfig) -> EngineClient:
     """The engine client: an engine process of its own (--engine-process, default) or an in-process thread."""
     if config.server.engine_process:
         from sloserve.engine.mp_client import MPEngineClient
@@ -30,7 +31,7 @@ def build_engine_client(config: SloserveConfig) -> Any:
     return AsyncEngine(config)
 
 
-async def start_edges(config: SloserveConfig, engine: Any, http: HttpConfig | None) -> Lifecycle:
+async def start_edges(config: SloserveConfig, engine: EngineClient, http: HttpConfig | None) -> Lifecycle:
     """The lifecycle over `engine`, its gRPC edge and (unless `http` is None) its HTTP edge, all started."""
     lifecycle = Lifecycle(config, engine)
     grpc_server = SloserveServer(config, engine, lifecycle=lifecycle)
@@ -48,7 +49,7 @@ async def start_edges(config: SloserveConfig, engine: Any, http: HttpConfig | No
     return lifecycle
 
 
-async def run(config: SloserveConfig, engine: Any | None = None, http: HttpConfig | None = None) -> int:
+async def run(config: SloserveConfig, engine: EngineClient | None = None, http: HttpConfig | None = None) -> int:
     """Serve until SIGTERM/SIGINT (drain, exit 0) or a dead engine (exit 1); returns the exit code.
 
     `http` None serves gRPC only. A model that cannot be loaded (a ValueError such as

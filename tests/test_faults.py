@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.faults import FaultPlan, FaultyRunner, InjectedFault
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.testing.faults import FaultPlan, FaultyRunner, InjectedFault
 
 
 def test_off_by_default():

@@ -1,4 +1,4 @@
-"""The engine: scheduler, block manager and the async step loop (imports no torch)."""
+"""The engine: the core, its process and clients, the wire and output processing (imports no torch)."""
 
 from sloserve.engine.async_engine import AsyncEngine
 from sloserve.engine.outputs import EngineStats, RequestOutput

@@ -15,15 +15,19 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sloserve.config import SloserveConfig
 from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats, RequestOutput
-from sloserve.engine.scheduler import Scheduler
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.runner import Runner
+from sloserve.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from sloserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     """Continuous batching over a ModelRunner (or anything with its API), in this process."""
 
-    def __init__(self, config: SloserveConfig, runner: Any = None, *, stuck_after_s: float = 120.0) -> None:
+    def __init__(self, config: SloserveConfig, runner: Runner | None = None, *, stuck_after_s: float = 120.0) -> None:
         self.config = config
         self.stuck_after_s = stuck_after_s
         self._runner = runner
@@ -63,10 +67,9 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
         if self._core is not None:
             with self._lock:
-                for request_id in list(self._core.scheduler.requests):
-                    out = self._core.abort(request_id)
-                    if out is not None:
-                        self._deliver([out])
+                outputs = self._core.abort_all()
+                if outputs:
+                    self._deliver(outputs)
             self._core.close()
         self.ready = False
 
@@ -89,7 +92,7 @@ class AsyncEngine:
         return self._dead_reason
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self._core.tokenizer if self._core is not None else None
 
     @property

@@ -12,17 +12,22 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
-from sloserve.batch import SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
-from sloserve.engine.priming import prime
-from sloserve.engine.scheduler import Scheduler
+from sloserve.engine.output_processor import OutputProcessor
+from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.errors import InvalidRequestError
-from sloserve.faults import FaultPlan, FaultyRunner
 from sloserve.logprobs import StepLogprobs
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.output import SchedulerOutput
+from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.runner import Runner
+from sloserve.sched.scheduler import Scheduler
+from sloserve.sched.slo.priming import prime
+
+if TYPE_CHECKING:
+    from sloserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -33,25 +38,30 @@ PERCENTILE_EVERY = 64  # steps between re-sorts for the step-time percentiles
 class EngineCore:
     """One scheduler and one runner; every call comes from one thread at a time (callers serialise)."""
 
-    def __init__(self, config: SloserveConfig, runner: Any = None, *,
+    def __init__(self, config: SloserveConfig, runner: Runner | None = None, *,
                  lock: contextlib.AbstractContextManager | None = None) -> None:
         """Load (unless `runner` is given) and warm up. `lock` guards the scheduler where execute()
         touches it, for a caller that runs add/abort concurrently with execute (AsyncEngine)."""
         self._lock = lock if lock is not None else contextlib.nullcontext()
         if runner is None:
             runner = _load_runner(config)
-        plan = FaultPlan.parse(config.faults)
-        if plan:
+        self._faults = None
+        if config.faults:  # the test-only gate (`sloserve serve` refuses it unless tests allow it)
+            from sloserve.testing.faults import FaultPlan, FaultyRunner
+
             log.warning("fault injection is ON (%s): for tests only", config.faults)
-            runner = FaultyRunner(runner, plan)
+            self._faults = FaultPlan.parse(config.faults)
+            runner = FaultyRunner(runner, self._faults)
         runner.warmup()
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(
             config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
-            eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode)
-        if not getattr(runner, "runs_steps", False):  # a runner that runs one step per call
+            eos_token_ids=runner.eos_token_ids)
+        on_token = None if self._faults is None else self._faults.on_token
+        self.output = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids, on_token)
+        if not runner.runs_steps:  # a runner that runs one step per call
             self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
             # NOTE: before ready, so a flood right after start-up is priced, not let in blindly
@@ -74,7 +84,7 @@ class EngineCore:
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(token_ids, list | tuple) or not all(isinstance(t, int) for t in token_ids):
             raise InvalidRequestError("the prompt must be a list of integer token ids")
-        vocab = getattr(self.runner, "vocab_size", None)
+        vocab = self.runner.vocab_size
         bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -91,7 +101,12 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a live request as 'cancelled' and free its blocks now; None if it is not live."""
-        return self.scheduler.abort(request_id)
+        req = self.scheduler.abort(request_id)
+        return None if req is None else self.output.process([req], self.scheduler)[0]
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Finish every live request as 'cancelled' (shutdown, a dead engine loop): their last outputs."""
+        return self.output.process(self.scheduler.abort_all(), self.scheduler)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -104,6 +119,8 @@ class EngineCore:
         return self.update(out, sampled, errors, seconds)
 
     def schedule(self) -> SchedulerOutput:
+        if self._faults is not None:
+            self._faults.check("kill-loop", self.scheduler.requests)
         return self.scheduler.schedule()
 
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, str] | None, float]:
@@ -114,20 +131,15 @@ class EngineCore:
         try:
             sampled, errors = list(self.runner.execute(out)), None
         except Exception as exc:  # noqa: BLE001 - find whose request it was
-            self._take_logprobs()  # what the failed step kept: its sequences run again, alone
+            self.runner.take_logprobs()  # what the failed step kept: its sequences run again, alone
             sampled, errors = self._isolate(out, exc)
-        self._logprobs = self._take_logprobs()
+        self._logprobs = self.runner.take_logprobs()
         return sampled, errors, time.monotonic() - start
-
-    def _take_logprobs(self) -> StepLogprobs | None:
-        """The logprobs the runner kept for requests that asked (None: a runner without any)."""
-        take = getattr(self.runner, "take_logprobs", None)
-        return take() if take is not None else None
 
     def update(self, out: SchedulerOutput, sampled: list[int | None], errors: dict[str, str] | None,
                seconds: float) -> list[RequestOutput]:
         logprobs, self._logprobs = self._logprobs, None
-        outputs = self.scheduler.update(out, sampled, errors, logprobs)
+        outputs = self.output.process(self.scheduler.update(out, sampled, errors, logprobs), self.scheduler)
         if out.sequences:
             tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
             for _ in range(out.num_steps):
@@ -173,20 +185,16 @@ class EngineCore:
     # ---- supervision -------------------------------------------------------------------
     def check_health(self) -> None:
         """Raise when the runner can no longer run steps (a tensor-parallel rank died); cheap, call when idle."""
-        check = getattr(self.runner, "check_health", None)
-        if check is not None:
-            check()
+        self.runner.check_health()
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     # ---- inspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Scheduler stats plus step times: mean of the last 64 steps, p50/p99 of the last 512."""
-        stats = self.scheduler.stats()
+        stats = EngineStats(**self.scheduler.stats())
         recent = list(itertools.islice(reversed(self._steps), MEAN_OVER_STEPS))
         if recent:
             stats.step_time_s = sum(s for s, _ in recent) / len(recent)
@@ -198,14 +206,12 @@ class EngineCore:
             self._steps_since_percentiles = 0
         stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
         stats.steps_total, stats.busy_seconds_total = self._steps_total, self._busy_seconds_total
-        expert_stats = getattr(self.runner, "expert_stats", None)  # MoE runners: host counters, no device read
-        if expert_stats is not None:
-            for name, value in expert_stats().items():
-                setattr(stats, name, value)
+        for name, value in self.runner.expert_stats().items():  # MoE runners: host counters, no device read
+            setattr(stats, name, value)
         return stats
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.runner.tokenizer
 
     @property
@@ -214,11 +220,11 @@ class EngineCore:
         info.setdefault("model", self.config.model.path)
         info["max_model_len"] = self.scheduler.max_model_len
         info["block_size"] = self.runner.block_size
-        info.setdefault("vocab_size", getattr(self.runner, "vocab_size", None))
+        info.setdefault("vocab_size", self.runner.vocab_size)
         return info
 
 
-def _load_runner(config: SloserveConfig) -> Any:
+def _load_runner(config: SloserveConfig) -> Runner:
     """The runner the config asks for: one ModelRunner, or rank 0 of a tensor-parallel group."""
     # NOTE: lazy imports, so the engine imports no torch until it loads a model
     if config.parallel.tensor_parallel_size > 1:

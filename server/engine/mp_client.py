@@ -24,7 +24,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -36,6 +36,9 @@ from sloserve.engine.stream import RequestStream
 from sloserve.engine.wire import EngineLink
 from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SLO, SamplingParams
+
+if TYPE_CHECKING:
+    from sloserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class MPEngineClient:
         self._flush_scheduled = False
         self._info: dict = {}
         self._stats = EngineStats()
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._dead_reason: str | None = None
         self._exited = asyncio.Event()
         self._final = asyncio.Event()
@@ -200,17 +203,12 @@ class MPEngineClient:
         return self._dead_reason
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
     @property
     def model_info(self) -> dict:
         return dict(self._info)
-
-    @property
-    def scheduler(self) -> None:
-        """Not inspectable across the process boundary (use stats())."""
-        return None
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,

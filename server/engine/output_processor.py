@@ -1,84 +1,129 @@
-"""Per-token post-processing: stop conditions, detokenized text and the deltas streamed out."""
+"""The engine's output stage: detokenized text, stop strings and the deltas streamed out.
+
+It runs after the scheduler has applied a step's tokens (the scheduler stops requests on stop
+tokens and length only): each new token is turned into text in order, and a stop string ends
+its request there, the step's later tokens dropped (Scheduler.stop_early), exactly as if the
+string had been matched while the tokens were applied. The text of a request lives here, from
+its first output until it finishes; the scheduler's Request holds only tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.outputs import RequestOutput
-from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.stop_strings import StopMatcher
-from sloserve.logprobs import Logprob
+from sloserve.sched.request import Request, RequestStatus
+from sloserve.sched.scheduler import Scheduler
 
 
-def process_token(req: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int,
-                  logprob: Logprob | None = None) -> None:
-    """Append a sampled token (and its logprobs, when asked), extend the text and set a FINISHED_*
-    status if a stop condition holds.
+@dataclass(slots=True)
+class RequestText:
+    """One live request's text: what it has produced, streamed and matched so far."""
 
-    Order: EOS (unless ignore_eos) and stop token ids end the request without adding text; a stop
-    string ends it with the text cut just before the string; then max_tokens and the context
-    length give 'length'. Before min_tokens outputs, no stop condition but length applies.
-    """
-    req.append_token(token)
-    if req.output_logprobs is not None and logprob is not None:
-        req.output_logprobs.append(logprob)
-    params = req.sampling
-    early = req.num_output_tokens < params.min_tokens
-    if not early and params.stops_on(token, eos_token_ids):
-        req.status = RequestStatus.FINISHED_STOPPED
-        _flush_text(req)
-        return
-    if req.detokenizer is not None:
-        before = len(req.output_text)
-        req.output_text += req.detokenizer.add(token)
-        if params.stop and not early and _cut_at_stop_string(req, before):
-            req.status = RequestStatus.FINISHED_STOPPED
+    detokenizer: IncrementalDetokenizer | None
+    stop_matcher: StopMatcher | None = None  # built from sampling.stop at the first text
+    text: str = ""
+    sent: int = 0  # characters already streamed
+    tokens: int = 0  # output tokens already turned into text
+
+
+class OutputProcessor:
+    """Turns the requests a step moved into RequestOutputs, their text included."""
+
+    def __init__(self, decode: Callable[[list[int]], str] | None, eos_token_ids: Sequence[int] = (),
+                 on_token: Callable[[str], None] | None = None) -> None:
+        """`on_token(request_id)` runs before each new token is processed (the test-only fault hook)."""
+        self._decode = decode
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._on_token = on_token
+        self._texts: dict[str, RequestText] = {}  # live requests that have had an output
+
+    @property
+    def live(self) -> int:
+        """Requests whose text is kept (each until it finishes)."""
+        return len(self._texts)
+
+    def process(self, requests: Iterable[Request], scheduler: Scheduler) -> list[RequestOutput]:
+        """The outputs of `requests`; one request's failure finishes it alone with 'error'."""
+        outputs = []
+        for req in requests:
+            state = self._texts.get(req.request_id)
+            if state is None:
+                detokenizer = None if self._decode is None else IncrementalDetokenizer(self._decode, req.prompt_token_ids)
+                state = self._texts[req.request_id] = RequestText(detokenizer)
+            try:
+                self._add_text(req, state, scheduler)
+            except Exception as exc:  # one request's failure must not fail the batch
+                scheduler.stop_early(req, state.tokens, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
+            outputs.append(_take_output(req, state))
+            if req.is_finished:
+                del self._texts[req.request_id]
+        return outputs
+
+    def _add_text(self, req: Request, state: RequestText, scheduler: Scheduler) -> None:
+        """Detokenize the output tokens not yet seen; a stop string completed by one of them ends
+        `req` there, with the text cut just before the string.
+
+        Before min_tokens outputs no stop condition applies; a stop token (ended by the
+        scheduler) adds no text; a request ended by length flushes what the detokenizer holds.
+        """
+        tokens = req.output_token_ids
+        if state.tokens >= len(tokens):
             return
-    if req.num_output_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
-        req.status = RequestStatus.FINISHED_LENGTH
-        _flush_text(req)
+        params = req.sampling
+        for i in range(state.tokens, len(tokens)):
+            if self._on_token is not None:
+                self._on_token(req.request_id)
+            state.tokens = i + 1
+            token = tokens[i]
+            early = i + 1 < params.min_tokens
+            if not early and params.stops_on(token, self._eos_token_ids):
+                _flush_text(state, params.stop)
+                return
+            if state.detokenizer is not None:
+                before = len(state.text)
+                state.text += state.detokenizer.add(token)
+                if params.stop and not early and _cut_at_stop_string(state, params.stop, before):
+                    scheduler.stop_early(req, i + 1, RequestStatus.FINISHED_STOPPED)
+                    return
+        if req.status == RequestStatus.FINISHED_LENGTH:
+            _flush_text(state, params.stop)
 
 
-def _flush_text(req: Request) -> None:
-    if req.detokenizer is None:
+def _flush_text(state: RequestText, stop: list[str] | None) -> None:
+    if state.detokenizer is None:
         return
-    before = len(req.output_text)
-    req.output_text += req.detokenizer.flush()
-    if req.sampling.stop:
-        _cut_at_stop_string(req, before)
+    before = len(state.text)
+    state.text += state.detokenizer.flush()
+    if stop:
+        _cut_at_stop_string(state, stop, before)
 
 
-def _cut_at_stop_string(req: Request, before: int) -> bool:
+def _cut_at_stop_string(state: RequestText, stop: list[str], before: int) -> bool:
     """Truncate the text before the earliest stop string that the new text completed.
 
     The automaton is built at the request's first text (so only requests that run hold one)
     and fed each piece of text once, so the work per token does not grow with the strings.
     """
-    if req.stop_matcher is None:
-        req.stop_matcher = StopMatcher(req.sampling.stop)
-    start = req.stop_matcher.feed(req.output_text[before:])
+    if state.stop_matcher is None:
+        state.stop_matcher = StopMatcher(stop)
+    start = state.stop_matcher.feed(state.text[before:])
     if start is None:
         return False
-    req.output_text = req.output_text[:start]
+    state.text = state.text[:start]
     return True
 
 
-def keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) -> None:
-    """Store the prompt positions' logprobs the runner computed (a recompute after preemption
-    computes them again: the first ones stay)."""
-    if req.prompt_logprobs is None:
-        return
-    for first, entries in runs:
-        for position, entry in enumerate(entries, first):
-            if position < len(req.prompt_logprobs) and req.prompt_logprobs[position] is None:
-                req.prompt_logprobs[position] = entry
-
-
-def take_output(req: Request) -> RequestOutput:
+def _take_output(req: Request, state: RequestText) -> RequestOutput:
     """The tokens and text not yet streamed; with stop strings, the last len-1 chars wait until known safe."""
-    text_end = len(req.output_text)
-    if req.stop_matcher is not None and not req.is_finished:
-        text_end = max(req.sent_text_len, text_end - (req.stop_matcher.max_len - 1))
-    new_text = req.output_text[req.sent_text_len:text_end]
-    req.sent_text_len = text_end
+    text_end = len(state.text)
+    if state.stop_matcher is not None and not req.is_finished:
+        text_end = max(state.sent, text_end - (state.stop_matcher.max_len - 1))
+    new_text = state.text[state.sent:text_end]
+    state.sent = text_end
     new_ids = req.output_token_ids[req.sent_token_len:]
     new_logprobs = None if req.output_logprobs is None else req.output_logprobs[req.sent_token_len:]
     prompt_logprobs = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from sloserve.logprobs import Logprob
@@ -36,11 +35,6 @@ class RequestOutput:
     # first tokens), its prompt's, one per prompt token (the first None).
     new_logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
-
-
-def nearest_rank(ordered: list[float], q: float) -> float:
-    """The q-quantile (0 < q <= 1) of an ascending, non-empty list by the nearest-rank method."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 @dataclass(slots=True)

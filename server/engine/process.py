@@ -222,10 +222,7 @@ class EngineLoop:
                 push.send(wire.encode(wire.StepOutputs(mine, stats, final)))
 
     def _shutdown(self, outputs: list[RequestOutput]) -> None:
-        for request_id in list(self.core.scheduler.requests):
-            out = self.core.abort(request_id)
-            if out is not None:
-                outputs.append(out)
+        outputs.extend(self.core.abort_all())
         self._send(outputs, final=True)
         self.core.close()
 

@@ -12,10 +12,10 @@ from itertools import chain
 
 import numpy as np
 import torch
-from sloserve.batch import ScheduledSequence
 from sloserve.layers.attention import AttentionMetadata, build_arrays
 from sloserve.layers.attention.metadata import MetadataArrays
 from sloserve.memory.pool import DevicePool
+from sloserve.sched.output import ScheduledSequence
 
 _BUFFERS = {  # name -> (dtype, length kind)
     "token_ids": (torch.int64, "tokens"),
@@ -298,7 +298,7 @@ class InputBuilder:
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:
     """Point the slots of each sequence's kv_present leading tokens (starting at flat row
-    firsts[i]) at the null page: a shared block already holds their K/V (see sloserve.batch)."""
+    firsts[i]) at the null page: a shared block already holds their K/V (see sloserve.sched.output)."""
     for seq, first in zip(seqs, firsts, strict=False):  # cu_seqlens has one more entry
         if seq.kv_present:
             slot_mapping[first:first + seq.kv_present] = 0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from sloserve.batch import ScheduledSequence
 from sloserve.layers.logprobs import gather_logprobs
 from sloserve.logprobs import Logprob, StepLogprobs
+from sloserve.sched.output import ScheduledSequence
 
 
 class KeptLogprobs:

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
 from sloserve.executor.build import allocate, build_model, choose_backend, choose_decode_path, load
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
@@ -23,6 +22,7 @@ from sloserve.layers.sampler import Sampler
 from sloserve.logprobs import StepLogprobs
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
     from sloserve.executor.runner import ModelRunner

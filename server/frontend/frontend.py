@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sloserve.config import SloserveConfig
+from sloserve.engine.client import EngineClient
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend.failures import (
     Failure,
@@ -60,7 +61,7 @@ class Frontend:
     once in the metrics. All times count from `RequestHandle.arrival`.
     """
 
-    def __init__(self, engine: Any, config: SloserveConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: EngineClient, config: SloserveConfig, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics

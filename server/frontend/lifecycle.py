@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from typing import Any, Protocol
+from typing import Protocol
 
 from sloserve.config import SloserveConfig
+from sloserve.engine.client import EngineClient
 from sloserve.frontend.frontend import Frontend
 from sloserve.frontend.heap import trim_when_idle
 from sloserve.frontend.metrics import Metrics
@@ -42,7 +43,7 @@ class Lifecycle:
     engine, in that order.
     """
 
-    def __init__(self, config: SloserveConfig, engine: Any, *, watchdog_interval_s: float = 0.5) -> None:
+    def __init__(self, config: SloserveConfig, engine: EngineClient, *, watchdog_interval_s: float = 0.5) -> None:
         self.config = config
         self.engine = engine
         self.watchdog_interval_s = watchdog_interval_s

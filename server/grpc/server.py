@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from sloserve.config import SloserveConfig
+from sloserve.engine.client import EngineClient
 from sloserve.frontend import Frontend, Metrics
 from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.grpc import handlers
@@ -53,7 +53,7 @@ class SloserveServer:
     HTTP edge on it); without one it makes and owns its own, so that start/drain/stop run it all.
     """
 
-    def __init__(self, config: SloserveConfig, engine: Any, *, watchdog_interval_s: float = 0.5,
+    def __init__(self, config: SloserveConfig, engine: EngineClient, *, watchdog_interval_s: float = 0.5,
                  lifecycle: Lifecycle | None = None) -> None:
         self.config = config
         self.engine = engine

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.sched.runner import RunnerDefaults
 
 EOS = 3
 
@@ -30,7 +31,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-class FakeRunner:
+class FakeRunner(RunnerDefaults):
     """Implements the ModelRunner API (execute, sizes, eos, tokenizer) in pure Python."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 16,

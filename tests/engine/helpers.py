@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import weakref
 
 from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
+from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
-from sloserve.engine.scheduler import Scheduler
+from sloserve.sched.scheduler import Scheduler
 
 from tests.engine.fakes import FakeRunner
 
@@ -30,13 +32,34 @@ def make_scheduler(runner: FakeRunner | None = None, clock: Clock | None = None,
                             scheduler=SchedulerConfig(**sched))
     scheduler = Scheduler(config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
                           max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
-                          eos_token_ids=runner.eos_token_ids, decode=runner.tokenizer.decode, clock=clock)
+                          eos_token_ids=runner.eos_token_ids, clock=clock)
+    OUTPUT_STAGES[scheduler] = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids)
     return scheduler, runner, clock
+
+
+# The engine's output stage of each scheduler built here (text, stop strings), as EngineCore keeps one
+OUTPUT_STAGES: weakref.WeakKeyDictionary[Scheduler, OutputProcessor] = weakref.WeakKeyDictionary()
+
+
+def outputs_of(scheduler: Scheduler, requests) -> list[RequestOutput]:
+    """What EngineCore makes of the requests a scheduler call returned: their outputs, text included."""
+    return OUTPUT_STAGES[scheduler].process(requests, scheduler)
+
+
+def update(scheduler: Scheduler, out, sampled, *args) -> list[RequestOutput]:
+    """scheduler.update followed by the output stage, as EngineCore.update runs them."""
+    return outputs_of(scheduler, scheduler.update(out, sampled, *args))
+
+
+def abort(scheduler: Scheduler, request_id: str) -> RequestOutput | None:
+    """scheduler.abort with its output, as EngineCore.abort returns it."""
+    req = scheduler.abort(request_id)
+    return None if req is None else outputs_of(scheduler, [req])[0]
 
 
 def step(scheduler: Scheduler, runner: FakeRunner):
     out = scheduler.schedule()
-    return out, scheduler.update(out, runner.execute(out))
+    return out, update(scheduler, out, runner.execute(out))
 
 
 def drain(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 20_000,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
-from sloserve.engine import AsyncEngine
+from sloserve.engine import AsyncEngine, output_processor
 from sloserve.errors import EngineDeadError, InvalidRequestError
 from sloserve.sampling_params import SamplingParams
 
@@ -116,17 +116,17 @@ async def test_a_failing_request_fails_alone():
     await engine.stop()
 
 
-async def test_a_post_processing_failure_fails_only_that_request():
-    engine, runner = await _engine()
-    bad = engine.add_request("bad", [97] * 5, SamplingParams(max_tokens=6))
-    good = engine.add_request("good", [98] * 5, SamplingParams(max_tokens=6))
-
+async def test_a_post_processing_failure_fails_only_that_request(monkeypatch):
     class Broken:
         def add(self, token):
             raise UnicodeError("cannot decode")
 
-    with engine._lock:
-        engine.scheduler.requests["bad"].detokenizer = Broken()
+    real = output_processor.IncrementalDetokenizer
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer",
+                        lambda decode, prompt: Broken() if list(prompt) == [97] * 5 else real(decode, prompt))
+    engine, runner = await _engine()
+    bad = engine.add_request("bad", [97] * 5, SamplingParams(max_tokens=6))
+    good = engine.add_request("good", [98] * 5, SamplingParams(max_tokens=6))
     _, outs = await _collect(bad)
     assert outs[-1].finish_reason == "error" and "cannot decode" in outs[-1].error
     assert (await _collect(good))[0] == reference_tokens(runner, [98] * 5, 6)

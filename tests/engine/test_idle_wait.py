@@ -47,7 +47,6 @@ class OneStepCore:
     def __init__(self) -> None:
         self.steps = 0
         self.health_checks = 0
-        self.scheduler = type("S", (), {"requests": {}})()
 
     def has_work(self) -> bool:
         return self.steps == 0
@@ -61,6 +60,9 @@ class OneStepCore:
 
     def check_health(self) -> None:
         self.health_checks += 1
+
+    def abort_all(self) -> list:
+        return []
 
     def close(self) -> None:
         pass

@@ -14,7 +14,7 @@ from sloserve.errors import InvalidRequestError
 from sloserve.sampling_params import SamplingParams
 
 from tests.checkpoints import load_hf_model
-from tests.engine.helpers import assert_all_free, drain, make_scheduler, step
+from tests.engine.helpers import abort, assert_all_free, drain, make_scheduler, step
 
 TOL = 1e-4
 PROMPT = [ord(c) for c in "the quick brown fox jumps"]
@@ -51,7 +51,7 @@ def test_an_aborted_prompt_only_request_sends_no_partial_prompt_logprobs():
     s, runner, _ = make_scheduler(chunked_prefill=True, prefill_chunk=4, max_batched_tokens=4)
     s.add_request("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=0))
     step(s, runner)  # its first chunk
-    out = s.abort("score")
+    out = abort(s, "score")
     assert out.finish_reason == "cancelled" and out.prompt_logprobs is None
     assert_all_free(s)
 

@@ -8,7 +8,6 @@ per arm). They travel from EngineCore through the wire and Info to Prometheus.
 from __future__ import annotations
 
 import pytest
-from sloserve.batch import SchedulerOutput
 from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine import wire
 from sloserve.engine.core import EngineCore
@@ -16,6 +15,7 @@ from sloserve.engine.outputs import EngineStats
 from sloserve.frontend.metrics import Metrics
 from sloserve.grpc.convert import stats_pb
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import SchedulerOutput
 
 from tests.engine.fakes import FakeRunner
 

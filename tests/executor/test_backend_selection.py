@@ -14,10 +14,10 @@ import types
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence
 from sloserve.layers.attention import BackendUnavailableError, select_backend
 from sloserve.layers.attention.sdpa import SdpaBackend
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence
 
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.conftest import CPU_AUTO_BACKEND

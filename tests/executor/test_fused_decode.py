@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.executor import fused
 from sloserve.executor.inputs import DecodeInputs, StepInputs, TokenRows
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate

@@ -12,11 +12,11 @@ import functools
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.executor.graphs import EagerCapture, GraphDecode, graph_buckets, graph_reason
 from sloserve.executor.inputs import DecodeInputs
 from sloserve.layers.attention import paged
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.executor.graphs import GraphDecode
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate

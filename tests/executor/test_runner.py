@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 from tests.executor.conftest import CPU_AUTO_BACKEND
 from tests.executor.driver import generate

@@ -12,7 +12,7 @@ from tests.reliability.harness import ServerProcess
 
 TOKEN = "http-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SLOW = "slowstep"  # a request whose x-request-id holds this takes 10 ms more per step (sloserve.faults)
+SLOW = "slowstep"  # a request whose x-request-id holds this takes 10 ms more per step (sloserve.testing.faults)
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

@@ -83,12 +83,12 @@ class FakeEngine:
         for rid in list(self.reqs):
             self.abort(rid)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, token_ids: str | list[int], params: SamplingParams,
                     slo: SLO | None = None, arrival_time: float | None = None, *,
                     priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None or self.stopped:
             raise EngineDeadError(self.dead_reason or "engine stopped")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else list(token_ids)
         if not ids:
             raise InvalidRequestError("prompt is empty")
         if len(ids) + params.max_tokens > self.max_model_len:

@@ -10,11 +10,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sloserve.config import SchedulerConfig
-from sloserve.engine.deadlines import StepPrice
-from sloserve.engine.outputs import nearest_rank
-from sloserve.engine.request import Request
-from sloserve.engine.step_model import MixedStepModel
 from sloserve.errors import RequestRefusedError
+from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.request import Request
+from sloserve.sched.slo.step_model import MixedStepModel, StepCostModel, StepPrice
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
 SLO_MARGIN = 0.6  # with others running or waiting, the estimate must fit in this share of the time left
@@ -28,69 +27,6 @@ LATE_MIN_SAMPLES = 8  # fewer recent first tokens than this: the SLO_MARGIN shar
 LATE_WINDOW_S = 10.0  # first tokens older than this say nothing of the load now
 PROMPT_STEP_MIN = 64  # prompt tokens: a step with at least this many tells what a prompt token costs
 PROMPT_STEPS_KEPT = 32  # recent prompt steps whose cost per prompt token prices a prompt alone
-
-
-class StepCostModel:
-    """Online fit of step time = overhead + per_token * tokens (exponentially weighted least squares).
-
-    Prefill speed cannot be read off tokens/second of all steps: small decode steps are dominated
-    by fixed per-step overhead and would make a prefill look many times slower than it is.
-    """
-
-    def __init__(self, decay: float = 0.98, min_steps: int = 3, min_spread: float = 4.0) -> None:
-        self.decay = decay
-        self.min_steps = min_steps
-        self.min_spread = min_spread  # tokens: the weighted std of step sizes needed to fit a slope
-        self.steps = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        d = self.decay
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + tokens
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + tokens * tokens
-        self._xy = self._xy * d + tokens * seconds
-        self.steps += 1
-
-    def fit(self) -> tuple[float, float] | None:
-        """(overhead_s, per_token_s), or None until enough varied steps were seen to trust it."""
-        if self.steps < self.min_steps:
-            return None
-        w, x, y = self._w, self._x, self._y
-        var = w * self._xx - x * x
-        # NOTE: one old odd-sized step (e.g. a cold first prefill) must not set the slope.
-        if var >= (self.min_spread * w) ** 2:
-            per_token = (w * self._xy - x * y) / var
-            if per_token > 0:
-                return max(0.0, (y - per_token * x) / w), per_token
-        mean_tokens = x / w
-        if mean_tokens >= 64:  # steps all alike but large: treat their time as per-token cost
-            return 0.0, y / x
-        return None
-
-    def seconds_for(self, tokens: int, step_tokens: int) -> float | None:
-        """Estimated time to compute `tokens` in steps of at most `step_tokens`."""
-        fit = self.fit()
-        if fit is None:
-            return None
-        overhead, per_token = fit
-        return tokens * per_token + -(-tokens // step_tokens) * overhead
-
-    def step_cost(self) -> tuple[float, float] | None:
-        """(overhead_s, per_token_s) to price steps with: the fit, else the mean step as pure overhead.
-
-        Before the fit can be trusted (e.g. only 1-token decode steps seen), the mean time of the
-        recent steps still prices a step of the same kind -- which is what a slot wait is made of.
-        """
-        fit = self.fit()
-        if fit is not None:
-            return fit
-        if self.steps < self.min_steps:
-            return None
-        return self._y / self._w, 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,16 +158,13 @@ class AdmissionControl:
         """`req` got its first token `ttft_s` after arrival: record how late it came against its
         estimate (see lateness) and calibrate the estimate by it.
 
-        The step-cost model prices the steps a newcomer waits for at today's step time; over a
-        long wait the machine changes under it (on 2 shared cores, steps of the same batch took
-        four times as long two seconds into a flood, as the streams it admitted woke the front end
-        and the client). The calibration is the CALIBRATION_QUANTILE of recent actual / estimated
-        ratios, never below 1 (an estimate that errs late refuses a little early, which the margin
-        already does), forgotten when the engine goes idle like the cycle times. It learns only
-        from requests with a TTFT objective (one without is overtaken by every tighter newcomer,
-        by design) and waits of CALIBRATION_MIN_S or more (a short wait is mostly fixed delays):
-        measured on goodput.py's mixed workload at 1x capacity, learning from every request
-        refused 7-27 of 200 requests per seed where none was refused without it.
+        The step-cost model prices the steps a newcomer waits for at today's step time, and over
+        a long wait the machine changes under it. The calibration is the CALIBRATION_QUANTILE of
+        recent actual / estimated ratios, never below 1 (an estimate that errs late refuses a
+        little early, which the margin already does), forgotten when the engine goes idle like the
+        cycle times. It learns only from requests with a TTFT objective (one without is overtaken
+        by every tighter newcomer, by design) and waits of CALIBRATION_MIN_S or more (a short wait
+        is mostly fixed delays). Evidence: docs/design/admission.md.
         """
         if req.ttft_deadline is None or req.predicted_ttft_s is None:
             return
@@ -250,13 +183,8 @@ class AdmissionControl:
 
         The margin of a request that starts at the next step, up to the share SLO_MARGIN leaves:
         its estimate is the step in flight and its own prefill, whose error the recent first
-        tokens measure. On 2 cores at 1x of goodput.py's mixed workload they came at most 92 ms
-        late (p90 18 ms), at 2x up to 199 ms (p90 130 ms): the share alone refused at light load
-        what would have met. Without that cap the margin outgrew the share at 1.5x and refused
-        more (79 against 51 interactive requests in 6 paired seeds, 239 against 282 met). With it,
-        6 paired seeds at 1x / 1.5x / 2x of 8.1 req/s: 351 / 294 / 240 interactive requests met
-        against 341 / 278 / 257 with the share alone (pairs won 5 / 4 / 0, lost 1 / 1 / 4),
-        refusals 5 / 35 / 67 against 15 / 50 / 69: it helps up to 1.5x and loses at 2x.
+        tokens measure (the share alone refused at light load what would have met; uncapped, the
+        margin refused more under load: docs/design/admission.md).
         """
         late = self._late
         while late and late[0][0] < now - LATE_WINDOW_S:
@@ -269,13 +197,9 @@ class AdmissionControl:
         """A prompt of `tokens` alone on an idle engine, at the median cost per prompt token of the
         last PROMPT_STEPS_KEPT steps of at least PROMPT_STEP_MIN prompt tokens (infinite before any).
 
-        An idle engine refuses a prompt only when even this misses: the step model's price of a
-        prompt step comes from a fit over every step, and under light load nearly every step is a
-        single decode, the fit cannot tell prompt tokens from decoding sequences, and prompt steps
-        themselves vary (a step after idle runs on cold threads). On seed_table.py's full arm at 1.5
-        req/s (a 119 ms TTFT) the fit priced 400-600-token prompts at 0.13-0.17 s on an idle engine
-        and refused up to 25 of 100, whose served neighbours got first tokens at p90 83-91 ms; its
-        per-token price swung 0.066-0.27 ms between checks (benchmarks/README.md, stop 39).
+        An idle engine refuses a prompt only when even this misses: under light load nearly every
+        step is a single decode, and the step model's fit cannot tell prompt tokens from decoding
+        sequences (docs/design/admission.md).
         """
         if not self._prompt_costs:
             return math.inf

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 from sloserve import LLM
-from sloserve.batch import ScheduledSequence, SchedulerOutput
-from sloserve.engine import scheduler as scheduler_module
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched import scheduler as scheduler_module
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 from tests.engine.fakes import FakeRunner, reference_tokens
 from tests.engine.helpers import drain, make_scheduler, step

@@ -50,7 +50,7 @@ class Request:
         "sampling", "slo", "arrival_time", "deadline", "status",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
         "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
-        "finish_time", "error", "refusal_reason", "detokenizer", "stop_matcher", "output_text", "sent_text_len",
+        "finish_time", "error", "refusal_reason",
         "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
         "last_scheduled_time", "predicted_ttft_s", "model_ttft_s", "output_logprobs", "prompt_logprobs",
         "prompt_logprobs_sent",
@@ -98,10 +98,6 @@ class Request:
         self.finish_time: float | None = None
         self.error: str | None = None
         self.refusal_reason: str | None = None
-        self.detokenizer = None
-        self.stop_matcher = None  # built from sampling.stop at the first text (output_processor)
-        self.output_text = ""
-        self.sent_text_len = 0
         self.sent_token_len = 0
         self.ever_scheduled = False
         # Only when sampling asks: one entry per output token; per prompt token (position 0: None)
@@ -142,6 +138,13 @@ class Request:
     def append_token(self, token: int) -> None:
         self.output_token_ids.append(token)
         self.all_token_ids.append(token)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens (and their logprobs) past the first `num_output_tokens`."""
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self.output_token_ids[num_output_tokens:]
+        if self.output_logprobs is not None:
+            del self.output_logprobs[num_output_tokens:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, "

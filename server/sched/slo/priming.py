@@ -9,10 +9,9 @@ and feeds them to the model the scheduler prices steps with.
 
 from __future__ import annotations
 
-from typing import Any
-
 from sloserve.config import SchedulerConfig
-from sloserve.engine.admission import AdmissionControl
+from sloserve.sched.runner import Runner
+from sloserve.sched.slo.admission import AdmissionControl
 
 
 def priming_shapes(config: SchedulerConfig, max_model_len: int) -> list[tuple[int, int]]:
@@ -25,15 +24,12 @@ def priming_shapes(config: SchedulerConfig, max_model_len: int) -> list[tuple[in
     return [(b, 1) for b in decode] + [(1, c) for c in prefill]
 
 
-def prime(runner: Any, admission: AdmissionControl, config: SchedulerConfig, max_model_len: int) -> int:
+def prime(runner: Runner, admission: AdmissionControl, config: SchedulerConfig, max_model_len: int) -> int:
     """Time the priming shapes with `runner.time_steps` and feed admission; returns the steps fed.
 
-    A runner without time_steps (a test double) leaves the model unprimed.
+    A runner that cannot time steps (RunnerDefaults: a test double) leaves the model unprimed.
     """
-    time_steps = getattr(runner, "time_steps", None)
-    if time_steps is None:
-        return 0
-    timings = time_steps(priming_shapes(config, max_model_len))
+    timings = runner.time_steps(priming_shapes(config, max_model_len))
     for seqs, each, seconds in timings:
         admission.on_compute(seqs * each, seconds, decodes=seqs if each == 1 else 0)
     return len(timings)

@@ -93,7 +93,7 @@ def test_queue_cap_refuses_and_counts():
     with pytest.raises(RequestRefusedError) as info:
         s.add_request("c", [1, 2], SamplingParams())
     assert info.value.reason == "queue_full"
-    assert s.stats().refusals == {"queue_full": 1}
+    assert s.stats()["refusals"] == {"queue_full": 1}
     s.abort("a")
     s.abort("b")
     assert_all_free(s)
@@ -135,13 +135,13 @@ def test_queue_timeout_refuses_waiting_requests_and_frees_everything():
     refused = [o for o in outputs if o.request_id == "waits"]
     assert refused[0].finished and refused[0].refusal_reason == "queue_timeout"
     assert "queue timeout" in refused[0].error
-    assert s.stats().refusals == {"queue_timeout": 1}
+    assert s.stats()["refusals"] == {"queue_timeout": 1}
     drain(s, r)
     assert_all_free(s)
 
 
 def test_step_cost_model_separates_overhead_from_per_token_cost():
-    from sloserve.engine.admission import StepCostModel
+    from sloserve.sched.slo.step_model import StepCostModel
 
     model = StepCostModel()
     for tokens in (1, 2, 500, 3, 1000, 1):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from sloserve.config import SchedulerConfig
-from sloserve.engine.queue_policy import make_queue
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.queue_policy import make_queue
 
 from tests.engine.fakes import reference_tokens
 from tests.engine.helpers import drain, make_scheduler, step, tokens_of

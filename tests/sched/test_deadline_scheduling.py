@@ -8,12 +8,12 @@ measure the mechanism rather than a lucky workload.
 
 from __future__ import annotations
 
-from sloserve.engine.deadlines import ARRIVAL_WINDOW_S, DeadlinePlan, TightestRecent
-from sloserve.engine.request import RequestStatus
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.request import RequestStatus
+from sloserve.sched.slo.deadlines import ARRIVAL_WINDOW_S, DeadlinePlan, TightestRecent
 
 from tests.engine.fakes import FakeRunner
-from tests.engine.helpers import make_scheduler
+from tests.engine.helpers import make_scheduler, update
 
 OVERHEAD_S, PER_TOKEN_S = 0.005, 0.0001  # a 512-token chunk: 56 ms; a decode of 4: 5.4 ms
 
@@ -40,7 +40,7 @@ def _run(s, r, clock, steps: int, arrivals: dict | None = None) -> dict[str, lis
         dt = price(out.num_tokens) if out.sequences else 0.001
         clock.t += dt
         s.admission.on_compute(out.num_tokens, dt)
-        for o in s.update(out, sampled):
+        for o in update(s, out, sampled):
             times.setdefault(o.request_id, []).extend([clock.t] * len(o.new_token_ids))
     return times
 
@@ -221,7 +221,7 @@ def test_an_urgent_prompt_runs_whole_when_the_paced_decodes_can_absorb_the_step(
 
 
 def test_without_spare_time_the_urgent_prompt_is_chunked_under_the_cap(monkeypatch):
-    monkeypatch.setattr("sloserve.engine.deadlines.STALL_SHARE", 0.0)
+    monkeypatch.setattr("sloserve.sched.slo.deadlines.STALL_SHARE", 0.0)
     chunked, chunked_tpot, _ = _urgent_prompt_beside_a_paced_decode(0.03)
     assert chunked > 1 and chunked_tpot <= 0.03
     # a 7 ms TPOT leaves ~1.9 ms an output over a decode step: a 45 ms step would break it
@@ -234,11 +234,11 @@ def test_a_chunked_urgent_prompt_is_done_a_quarter_of_its_objective_after_arriva
     objective after it arrived (75 ms of 0.3 s here, plus at most the step that returns its
     token), and the paced request still keeps its 7 ms TPOT. Aimed at half the objective, the
     same prompt's first token comes after that."""
-    monkeypatch.setattr("sloserve.engine.deadlines.STALL_SHARE", 0.0)
+    monkeypatch.setattr("sloserve.sched.slo.deadlines.STALL_SHARE", 0.0)
     steps, tpot, ttft = _urgent_prompt_beside_a_paced_decode(0.007)
     assert steps > 1 and tpot <= 0.007
     assert ttft <= 0.25 * 0.3 + price(64)
-    monkeypatch.setattr("sloserve.engine.deadlines.TTFT_SAFETY", 0.5)
+    monkeypatch.setattr("sloserve.sched.slo.deadlines.TTFT_SAFETY", 0.5)
     _, half_tpot, half_ttft = _urgent_prompt_beside_a_paced_decode(0.007)
     assert half_tpot <= 0.007 and half_ttft > 0.25 * 0.3 + price(64)
 
@@ -281,7 +281,7 @@ def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
 
 
 def test_the_arrival_room_cuts_optional_prompt_chunks_not_decodes():
-    from sloserve.engine.deadlines import StepPrice
+    from sloserve.sched.slo.step_model import StepPrice
 
     plan = DeadlinePlan(StepPrice(OVERHEAD_S, PER_TOKEN_S), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048,
                         arrival_ttft_s=0.3)
@@ -310,7 +310,7 @@ def _steps_of_two_urgent_prompts(ttft_s: float, **sched) -> tuple[list[set[str]]
         dt = price(out.num_tokens)
         clock.t += dt
         s.admission.on_compute(out.num_tokens, dt)
-        for o in s.update(out, sampled):
+        for o in update(s, out, sampled):
             times.setdefault(o.request_id, []).extend([clock.t] * len(o.new_token_ids))
     return steps, times
 

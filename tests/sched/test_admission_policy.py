@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from sloserve.config import SchedulerConfig
-from sloserve.engine import admission
-from sloserve.engine.priming import prime, priming_shapes
+from sloserve.engine.outputs import EngineStats
 from sloserve.errors import RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.slo import admission
+from sloserve.sched.slo.priming import prime, priming_shapes
 
 from tests.engine.fakes import FakeRunner
 from tests.engine.helpers import drain, make_scheduler, step
@@ -55,7 +56,7 @@ def test_the_ttft_prediction_error_is_measured_when_first_tokens_come():
     predicted = s.requests["a"].predicted_ttft_s
     clock.t += 0.25
     drain(s, r)
-    stats = s.stats()
+    stats = EngineStats(**s.stats())
     assert stats.ttft_predictions == 1
     assert stats.ttft_prediction_error_p50_s == pytest.approx(predicted - 0.25)
 

@@ -23,18 +23,15 @@ hit for, its whole prompt at once, until each is computed (then hashed) or the r
 of its blocks. A newcomer whose next block is claimed by another request waits for that block
 rather than compute the same prefix alongside it (the scheduler lets an urgent one go ahead).
 Chunked prefill makes that window many steps long: a prompt cut to fit a step cap takes a dozen
-steps, and attempts at one ARC task arrive together. Measured at 2x capacity on the goodput mix
-(one seed), before claims, which covered only the blocks the current step finishes: `slo`
-computed 1,140 blocks that another request had computed already, `fifo` 385. With claims, the
-median prompt tokens `slo` computed over 3 seeds fell from 61.5k to 57.0k (fifo: 52.2k, 53.3k).
+steps, and attempts at one ARC task arrive together (docs/design/deadline-steps.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sloserve.engine.request import Request
 from sloserve.hotpath import BlockAllocator
+from sloserve.sched.request import Request
 
 _ROOT_HASH = 0
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sloserve.batch import SchedulerOutput
+from sloserve.sched.output import SchedulerOutput
 
 KINDS = ("fail-forward", "fail-postprocess", "kill-loop", "slow-step")
 
@@ -90,6 +90,10 @@ class FaultPlan:
         hit = self._first(kind, request_ids)
         if hit is not None:
             raise InjectedFault(f"injected {kind} fault for request {hit[1]!r}")
+
+    def on_token(self, request_id: str) -> None:
+        """The output stage's hook: fail-postprocess before each new token of `request_id`."""
+        self.check("fail-postprocess", (request_id,))
 
     def delay_s(self, request_ids: Sequence[str]) -> float:
         """Extra seconds a step over `request_ids` takes (the longest matching slow-step rule)."""

@@ -1,90 +1,32 @@
 """Deadline step composition (the `slo` policy): who computes in this step, and how much.
 
 Each request's *slack* is how long it can still wait before a step must compute it, priced
-with the measured step-cost model (seconds = overhead + per_token * tokens):
+with the step-cost model (overhead + per prompt token + per decoding sequence):
 
 - still prefilling, with a TTFT objective: the TTFT deadline minus the time its remaining
   prompt takes;
 - decoding, with a TPOT objective: when its next token is due to keep its mean TPOT on pace,
   ``first_token_time + tpot * outputs_so_far``, minus one step;
-- with an end-to-end objective: its finish-by time (below) minus its remaining outputs at one step each
-  (``max_tokens`` is an upper bound, so this errs early);
-- the smallest of those; infinite with no objective.
+- with an end-to-end objective: its finish-by time (``finish_margin`` of the objective early)
+  minus its remaining outputs at one step each (``max_tokens`` bounds them, so this errs early);
+- the smallest of those; infinite with no objective, and infinite for a request that has already
+  missed an objective for good (so lost requests do not run ahead of those that can still make it).
 
-A request that has already missed an objective for good (its TTFT deadline passed without a
-first token, or its end-to-end deadline passed) has infinite slack and no pace: under overload
-the lost requests would otherwise stay the most urgent of all and run every step, ahead of the
-ones that can still make it. Measured served at 3x capacity (9 paired runs): 30.3 of 60
-interactive requests met their objectives against 28.6 without, 6 pairs won and 3 lost; at 2x,
-no difference (45.0 against 44.6).
+Invariants:
+- A request with slack under the *horizon* (two full-budget steps) must run, and so must one not
+  computed for ``max_wait_s``: the starvation bound (a running request is computed at least once
+  every ``max_wait_s`` plus one step; a waiting one is offered a chunk once it has waited that long).
+- The step *cap* is the tightest pace among the must-run decodes (seconds per step that still
+  keep a request's mean TPOT and end-to-end deadline); optional work only fills the room under it
+  (Sarathi-Serve's stall-free budget, derived from deadlines). A must-run prefill makes at least
+  MIN_CHUNK tokens even past the cap.
+- While TTFT objectives keep arriving, optional prompt chunks keep each step under ARRIVAL_SHARE
+  of the tightest recent objective (room for the next first token); decodes ride along past it.
+- The first urgent prompt of a step runs whole when the paced decodes can absorb the longer step
+  (each loses at most STALL_SHARE of its spare time); the next ones get only the room unless
+  waiting a step would miss their TTFT.
 
-A request whose slack is under the *horizon* (two steps of the full token budget: after
-skipping one step it still has one) must run; so must one that has not been computed for ``max_wait_s`` (since
-its arrival if never). That is the starvation bound: a running request is computed at least
-once every ``max_wait_s`` plus one step, and a waiting one is offered a chunk as soon as it has
-waited ``max_wait_s`` (it still needs a free slot, blocks and token budget, and it waits while
-another request computes its next prefix block: see Claims in block_manager).
-
-An end-to-end deadline is aimed at ``finish_margin`` of its objective early (5% by default:
-0.1 s of a 2 s objective). The engine's clock starts when the front end reads the request and
-stops when the step that sampled the last token ends; the client also counts the trip to the
-server and the last token's way back, and a request paced to the very end of its objective
-misses it by those few milliseconds, or by the jitter of any step near the end. Measured served
-at 2x capacity (24 paired runs): 91-94% of interactive requests met their objectives with the
-margin against 84-88% without, and the margin won 20 of the 24 pairs.
-
-The step *cap* is the tightest *pace* among the must-run decodes: the seconds per step that
-still meet a request's mean TPOT and end-to-end deadline if each step from now computes one of
-its remaining outputs. A request that cannot keep its pace even in a step of the must-run
-decodes alone does not cap the others: it is lost for this step. Optional requests run only while the step
-still ends within the cap, and a prefill chunk is cut to what fits under it -- Sarathi-Serve's
-stall-free token budget, derived from deadlines instead of fixed. A must-run prefill makes at
-least MIN_CHUNK tokens even past the cap (every urgent one; one starving request per step).
-With no paced request running, the cap is infinite and every request runs (optional prompt
-chunks within the room below).
-
-Optional prompt chunks also leave room for the next arrival's first token: while requests with
-a TTFT objective keep coming (any seen in the last ARRIVAL_WINDOW_S, refused ones included), no
-optional chunk makes a step longer than ARRIVAL_SHARE of the tightest such objective, so a
-newcomer does not first wait out a step of the whole token budget (2,048 prompt tokens took
-~250 ms on stop 35's machine, most of a 0.3 s TTFT; cut to 75 ms a step still computes ~600
-tokens, where a token costs what it costs in the full budget). Without it a run could fall into
-a loop: a few refused interactive requests left no paced request running, steps grew to the
-whole budget, and the next arrivals were refused behind them. Decodes still ride along past
-it (a decoding sequence costs a fraction of a millisecond; held back by it, the decodes of a
-TTFT-only workload waited behind every prompt step, and more requests were refused for slots),
-and urgent prompts are not cut by it. It is not applied when even MIN_CHUNK tokens beside the
-running decodes would not fit under it.
-
-An urgent prompt with a TTFT objective runs whole (its full chunk in one step, past the cap) when
-the paced decodes can absorb that step: each paced request may lose STALL_SHARE of its *spare*
-time -- its pace less a decode step of the whole running set, times its remaining outputs -- and
-then still keep its pace in such steps. Cut to the cap, the same prompt would pay a step's
-overhead, and the small chunk's higher price per token, many times over: on 2 cores a prompt
-token cost ~230 us in a chunk of at most 64 rows and 110-130 us in one of 128 or more
-(benchmarks/README.md, stop 35), so an interactive prompt cut to the pace cost the machine about
-twice what it costs whole. Only that prompt joins the step past the cap (no room is left for
-optional work), so the spare time goes to a first token, not to batch work.
-
-Only the first urgent prompt of a step may go past the room: the next ones in slack order get
-only the room under the cap (often nothing) unless their slack is under the price of the step
-so far (waiting for it would miss their TTFT). In a burst of interactive arrivals every newcomer turns
-urgent at once, and their whole prompts together made steps of 60-110 ms, each one a stall of
-every running decode: on goodput.py's seed-0 2x point (ARC trace, 18.4 req/s capacity) a dozen
-long interactive answers fell behind their 2 s together and then, lost, waited seconds for their
-last tokens. One a step, each decode gets a token between the prompts and the first tokens come
-no later (the step that held them all ended after all of them). Measured (benchmarks/README.md,
-stop 40): that point met 88.3 / 96.7 / 95.0% of interactive requests against 83.3 / 81.7 / 81.7%
-(3 alternating pairs); seeds 1-4 at 1x / 1.5x / 2x met 240 / 239 / 238 of 240 against 240 / 240 / 233.
-
-Measured served (goodput.py's mixed workload at 1.5x and 2x of a 10 req/s capacity, paired
-points alternating builds; interactive requests met, summed): with this room and whole urgent
-prompts 465 against 380 without either (16 pairs: 12 won, 3 lost); whole prompts on top of the
-room alone 316 against 275 (12 pairs: 8 won, 4 lost); whole prompts alone 739 against 673 (24
-pairs: 11 won, 12 lost) -- the room is what stops the loop, and then the whole prompts help.
-Those builds held decodes to the room too; letting them ride along met 242 against 247 on this
-workload (8 pairs: 2 won, 6 lost) and stopped a loss on seed_table.py's TTFT-only one (see above;
-benchmarks/README.md, stop 36).
+Why each rule, with the measurements: docs/design/deadline-steps.md.
 """
 
 from __future__ import annotations
@@ -92,9 +34,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from sloserve.engine.request import Request
+from sloserve.sched.request import Request
+from sloserve.sched.slo.step_model import StepPrice
 
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
@@ -102,27 +44,6 @@ TTFT_SAFETY = 0.25  # an urgent prompt is paced to be done this share of its TTF
 ARRIVAL_SHARE = 0.25  # of the tightest recent TTFT objective: the longest step optional prompt chunks make
 ARRIVAL_WINDOW_S = 10.0  # TTFT objectives seen this recently are expected of the next arrivals
 STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decode step, per output) one step may take
-
-
-@dataclass(frozen=True, slots=True)
-class StepPrice:
-    """Step time = overhead_s + per_token_s * prompt tokens + per_decode_s * decoding sequences.
-
-    Without a per-decode slope (None) a decoding sequence is priced as one token.
-    """
-
-    overhead_s: float
-    per_token_s: float
-    per_decode_s: float | None = None
-    margin_s: float = 0.0  # how much a step may overrun its price (DeadlinePlan leaves it free)
-
-    @property
-    def decode_s(self) -> float:
-        return self.per_token_s if self.per_decode_s is None else self.per_decode_s
-
-    def step_seconds(self, prompt_tokens: int, decodes: int) -> float:
-        """A step of `prompt_tokens` prompt tokens and `decodes` decoding sequences."""
-        return self.overhead_s + self.per_token_s * prompt_tokens + self.decode_s * decodes
 
 
 class DeadlinePlan:
@@ -171,10 +92,8 @@ class DeadlinePlan:
         Only the first urgent prompt of a step is granted this; the next ones get the room under
         the cap (0 here) unless waiting one step would miss their TTFT -- see the module docstring.
 
-        The aim is fixed when the request arrives. Aimed at a share of the time left instead, it
-        receded with every step: the chunks shrank towards MIN_CHUNK and served first tokens landed
-        at 0.25-0.32 s of a 0.3 s objective, where any late step missed it (benchmarks/README.md,
-        stop 38)."""
+        The aim is fixed when the request arrives: aimed at a share of the time left, it recedes
+        every step (docs/design/deadline-steps.md)."""
         floor = min(n, MIN_CHUNK)
         if r.ttft_deadline is None or r.first_token_time is not None:
             return floor

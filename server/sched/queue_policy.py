@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from sloserve.config import POLICIES, SchedulerConfig
-from sloserve.engine.request import Request
 from sloserve.hotpath import RequestQueue
+from sloserve.sched.request import Request
 
 __all__ = ["POLICIES", "WaitingQueue", "make_queue"]
 

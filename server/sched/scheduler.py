@@ -13,21 +13,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from sloserve.batch import ScheduledSequence, SchedulerOutput
 from sloserve.config import SloserveConfig
-from sloserve.engine.admission import AdmissionControl
-from sloserve.engine.block_manager import BlockManager
-from sloserve.engine.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
-from sloserve.engine.detokenizer import IncrementalDetokenizer
-from sloserve.engine.output_processor import keep_prompt_logprobs, process_token, take_output
-from sloserve.engine.outputs import EngineStats, RequestOutput, nearest_rank
-from sloserve.engine.queue_policy import make_queue
-from sloserve.engine.request import Request, RequestStatus
 from sloserve.errors import InvalidRequestError
-from sloserve.faults import FaultPlan
 from sloserve.hotpath import target_batch_size
 from sloserve.logprobs import Logprob, StepLogprobs
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.block_manager import BlockManager
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.queue_policy import make_queue
+from sloserve.sched.request import Request, RequestStatus
+from sloserve.sched.slo.admission import AdmissionControl
+from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 
 PREDICTION_ERRORS_KEPT = 512
 # Longest run of decode steps (num_scheduler_steps) at the priced step time: what a newcomer may
@@ -40,7 +37,6 @@ class Scheduler:
 
     def __init__(self, config: SloserveConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, num_host_blocks: int = 0, eos_token_ids: Sequence[int] = (),
-                 decode: Callable[[list[int]], str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = sc = config.scheduler
         swap = sc.preemption_mode == "swap"
@@ -50,19 +46,17 @@ class Scheduler:
         # NOTE: a request alone must always fit in the pool, else it could preempt itself forever.
         self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.decode = decode
         self.clock = clock
         self.waiting = make_queue(sc)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.admission = AdmissionControl(sc, self.max_model_len)
-        self.faults = FaultPlan.parse(config.faults) or None  # None (the default): no checks at all
         self.step_count = 0
         self._handles = itertools.count()
         self.arrivals = TightestRecent()  # TTFT objectives of recent newcomers: the deadline plan leaves them room
         self._scheduled: list[tuple[Request, int]] = []
         self._swapped: list[Request] = []  # requests swapped in or out by the current step
-        self._outputs: list[RequestOutput] = []  # finished outside update() (queue timeouts)
+        self._outputs: list[Request] = []  # finished outside update() (queue timeouts)
         self._finished_ids: list[str] = []
         self.prompt_tokens_total = 0
         self.prefix_hit_tokens_total = 0
@@ -102,20 +96,36 @@ class Scheduler:
             cached = self.block_manager.hit_tokens(self._prefix(req)[0], req.num_tokens)
         self.admission.check_new(req, now, self.running, self.waiting, len(self.waiting),
                                  self._batch_target(extra=1), cached)
-        if self.decode is not None:
-            req.detokenizer = IncrementalDetokenizer(self.decode, req.prompt_token_ids)
         self.requests[request_id] = req
         self.waiting.add(req, now)
         self.admission.queued(req)
         return req
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> Request | None:
         """Finish a request as 'cancelled' and free its blocks now; None if it is not live."""
         req = self.requests.get(request_id)
         if req is None:
             return None
         self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return take_output(req)
+        return req
+
+    def abort_all(self) -> list[Request]:
+        """Finish every live request as 'cancelled' (shutdown, a dead engine loop)."""
+        return [req for request_id in list(self.requests) if (req := self.abort(request_id)) is not None]
+
+    def stop_early(self, req: Request, num_output_tokens: int, status: RequestStatus,
+                   error: str | None = None) -> None:
+        """The output stage ended `req` after its first `num_output_tokens` output tokens (a stop
+        string, a failure): later tokens of the step are dropped and its blocks freed."""
+        self.generated_tokens_total -= req.num_output_tokens - num_output_tokens
+        req.truncate_output(num_output_tokens)
+        req.error = error
+        if req.is_finished:
+            req.status = status  # already freed (a stop string on its last token)
+        else:
+            self._finish(req, status)
+        if not self.requests:
+            self.admission.on_idle()  # as update() does when its step finishes the last request
 
     def has_work(self) -> bool:
         """Live requests, undelivered outputs, or finished ids the executor has not been told about."""
@@ -125,8 +135,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work; call update() with the sampled tokens before scheduling again."""
         assert not self._scheduled, "update() must follow every schedule()"
-        if self.faults is not None:
-            self.faults.check("kill-loop", self.requests)
         now = self.clock()
         self.step_count += 1
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
@@ -348,7 +356,7 @@ class Scheduler:
         return True
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
-               errors: dict[str, str] | None = None, logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
+               errors: dict[str, str] | None = None, logprobs: StepLogprobs | None = None) -> list[Request]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.
 
         `sampled` has one entry per sequence with sample=True, in order (None: not computed); in a
@@ -357,6 +365,7 @@ class Scheduler:
         re-run alone after a failure, applies what it has). `errors` names requests whose
         computation failed -- they alone finish with 'error'. `logprobs` (the runner's take_logprobs)
         holds what requests that asked for logprobs got: per sampled token, and per prompt position.
+        Returns the requests with something new to report; their text is the output stage's.
         """
         n_sample = sum(1 for s in out.sequences if s.sample)
         if len(sampled) != n_sample:
@@ -372,20 +381,20 @@ class Scheduler:
             if errors and req.request_id in errors:
                 req.error = errors[req.request_id]
                 self._finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(take_output(req))
+                outputs.append(req)
                 continue
             if seq.sample and token is None:
                 continue
             try:
                 if req.request_id in prompt_logprobs:
-                    keep_prompt_logprobs(req, prompt_logprobs[req.request_id])
+                    _keep_prompt_logprobs(req, prompt_logprobs[req.request_id])
                 if self._apply(req, n, token if isinstance(token, list) else [token], now,
                                token_logprobs.get(req.request_id)):
-                    outputs.append(take_output(req))
+                    outputs.append(req)
             except Exception as exc:  # one request's failure must not fail the batch
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(take_output(req))
+                outputs.append(req)
         self._scheduled = []
         self.admission.forget()
         if not self.requests:
@@ -415,15 +424,25 @@ class Scheduler:
                     self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
                     self.admission.on_first_token(req, now - req.arrival_time)
                     self._error_quantiles = {}
-            if self.faults is not None:
-                self.faults.check("fail-postprocess", (req.request_id,))
-            process_token(req, token, self.eos_token_ids, self.max_model_len,
-                          logprobs[i] if logprobs is not None and i < len(logprobs) else None)
+            self._append_token(req, token, logprobs[i] if logprobs is not None and i < len(logprobs) else None)
             self.generated_tokens_total += 1
             if req.is_finished:
                 self._finish(req, req.status)
                 break
         return True
+
+    def _append_token(self, req: Request, token: int, logprob: Logprob | None) -> None:
+        """Append a sampled token (and its logprobs, when asked) and finish `req` on a stop token
+        (EOS unless ignore_eos, stop_token_ids) or at its length; before min_tokens outputs only
+        the length ends it. Stop strings are the output stage's (it may end the request earlier)."""
+        req.append_token(token)
+        if req.output_logprobs is not None and logprob is not None:
+            req.output_logprobs.append(logprob)
+        params = req.sampling
+        if req.num_output_tokens >= params.min_tokens and params.stops_on(token, self.eos_token_ids):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
 
     def recover_swaps(self) -> set[str]:
         """After a failed step: requests whose swap may not have happened restart by recompute.
@@ -476,9 +495,7 @@ class Scheduler:
         """Nobody else runs or waits: a prompt's chunk keeps no one's TPOT, so it may fill the step.
 
         The prefill_chunk cap bounds a step for the others' sake; alone, splitting a prompt only
-        costs (an 800-token prompt of the 3M `default` in one step took x0.90 of the time of two,
-        512 + 286: the second chunk's attention pays a mask over the first's keys, and every step
-        pays its fixed overhead).
+        costs (each chunk pays the step's overhead: docs/design/deadline-steps.md).
         """
         running = req.status == RequestStatus.RUNNING
         return len(self.running) == running and len(self.waiting) == (not running)
@@ -549,7 +566,7 @@ class Scheduler:
                 req.error = (f"refused: waited {now - req.arrival_time:.1f}s in the queue, past the "
                              f"{self.admission.queue_timeout_s:g}s queue timeout")
                 self._finish(req, RequestStatus.FINISHED_REFUSED)
-                self._outputs.append(take_output(req))
+                self._outputs.append(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.admission.forget()
@@ -565,9 +582,10 @@ class Scheduler:
         if req.ever_scheduled:
             self._finished_ids.append(req.request_id)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> dict:
+        """The scheduler's counters, named as EngineStats' fields."""
         bm = self.block_manager
-        return EngineStats(
+        return dict(
             waiting=len(self.waiting), running=len(self.running),
             kv_blocks_total=bm.num_usable, kv_blocks_free=bm.num_free, kv_blocks_cached=bm.num_cached,
             swap_blocks_total=bm.num_host_blocks, swap_blocks_free=bm.num_host_free,
@@ -587,3 +605,14 @@ class Scheduler:
                                      "ttft_prediction_error_p50_s": nearest_rank(errors, 0.5),
                                      "ttft_prediction_error_p90_s": nearest_rank(errors, 0.9)}
         return self._error_quantiles
+
+
+def _keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) -> None:
+    """Store the prompt positions' logprobs the runner computed (a recompute after preemption
+    computes them again: the first ones stay)."""
+    if req.prompt_logprobs is None:
+        return
+    for first, entries in runs:
+        for position, entry in enumerate(entries, first):
+            if position < len(req.prompt_logprobs) and req.prompt_logprobs[position] is None:
+                req.prompt_logprobs[position] = entry

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import pytest
-from sloserve.engine.request import RequestStatus
 from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.sched.request import RequestStatus
 
 from tests.engine.fakes import FakeRunner, reference_tokens
 from tests.engine.helpers import (
+    abort,
     assert_all_free,
     drain,
     make_scheduler,
     random_prompts,
     step,
     tokens_of,
+    update,
 )
 
 
@@ -127,7 +129,7 @@ def test_prefix_hit_serves_full_blocks_and_computes_at_least_the_last_token():
     out = s.schedule()
     seq = out.sequences[0]
     assert (seq.start_pos, seq.token_ids, seq.kv_present) == (8, prompt[8:], 0)  # the partial block computed
-    outputs = s.update(out, r.execute(out)) + drain(s, r)["warm"]
+    outputs = update(s, out, r.execute(out)) + drain(s, r)["warm"]
     assert tokens_of(outputs) == cold == reference_tokens(r, prompt, 4)
     assert outputs[-1].num_cached_tokens == 8
     assert_all_free(s)
@@ -149,7 +151,7 @@ def test_a_block_aligned_prompt_seen_before_computes_only_its_last_token_and_wri
     seq = out.sequences[0]
     assert (seq.start_pos, seq.token_ids, seq.kv_present) == (11, prompt[11:], 1)
     assert seq.block_table == shared
-    outputs = s.update(out, r.execute(out))
+    outputs = update(s, out, r.execute(out))
     assert r.kv == before  # the shared blocks are untouched
     outputs += drain(s, r)["warm"]
     assert tokens_of(outputs) == cold == reference_tokens(r, prompt, 4)
@@ -200,7 +202,7 @@ def _follower_after_one_chunk(**sched):
 
 def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
     """A follower whose TTFT cannot wait for the leader's prefill computes the prefix itself."""
-    from tests.engine.test_deadline_scheduling import price
+    from tests.sched.test_deadline_scheduling import price
 
     s, r, _, prompt = _follower_after_one_chunk(policy="slo", admission_control=False)
     for tokens in (1, 4, 64, 256, 512, 16):  # priced steps: the deadline plan is on
@@ -220,7 +222,7 @@ def test_abort_frees_blocks_at_once_and_mid_step_results_are_dropped():
     step(s, r)
     step(s, r)
     out = s.schedule()
-    final = s.abort("r1")  # while the step is 'on the device'
+    final = abort(s, "r1")  # while the step is 'on the device'
     assert final.finished and final.finish_reason == "cancelled"
     s.update(out, r.execute(out))
     assert "r1" not in s.requests

@@ -48,7 +48,7 @@ def test_a_full_batch_of_long_decodes_refuses_a_tight_slo():
         s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
     assert info.value.reason == "slo_unattainable"
     assert "198 steps for a slot in the full batch of 4" in str(info.value)
-    assert s.stats().refusals == {"slo_unattainable": 1}
+    assert s.stats()["refusals"] == {"slo_unattainable": 1}
     s.add_request("loose", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=5.0))
     drain(s, r)
     assert_all_free(s)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from sloserve.engine.deadlines import DeadlinePlan, StepPrice
-from sloserve.engine.step_model import MixedStepModel
+from sloserve.sched.slo.deadlines import DeadlinePlan
+from sloserve.sched.slo.step_model import MixedStepModel, StepPrice
 
 OVERHEAD, PER_TOKEN, PER_DECODE = 0.002, 6e-5, 3e-4
 

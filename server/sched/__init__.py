@@ -1,0 +1,1 @@
+"""The scheduler: which tokens of which requests run in each step (plain Python, no torch)."""

@@ -1,0 +1,1 @@
+"""Support shared by tests/ and benchmarks/ (never imported by the server itself)."""
