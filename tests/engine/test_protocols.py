@@ -22,8 +22,7 @@ from tests.service.test_frontend import _ErrorEngine
 from tests.service.test_real_engine import BlockingRunner, SlowRunner
 from tests.service.test_tokenizing import RecordingEngine
 
-# What a real runner does not declare yet, by class: each entry is a listed gap, and the test
-# fails when one is closed, so that the entry goes too.
+
 def _members(protocol: type) -> dict[str, object]:
     """The protocol's own members: annotated attributes (None), properties and methods."""
     members: dict[str, object] = dict.fromkeys(protocol.__annotations__)
