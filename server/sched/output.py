@@ -60,7 +60,7 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        """Sequences that compute one token (priced as decoding sequences, see engine/step_model.py)."""
+        """Sequences that compute one token (priced as decoding sequences, see sched/slo/step_model.py)."""
         return sum(1 for s in self.sequences if len(s.token_ids) == 1)
 
     @property

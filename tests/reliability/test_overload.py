@@ -188,7 +188,7 @@ async def test_overload_memory_stays_bounded(run):
     assert run.rss_peak <= run.rss_before + 2 * POOL_BYTES + FIXED_OVERHEAD, (run.rss_before, run.rss_peak)
 
 
-@pytest.mark.xfail(strict=False, reason="admission (engine/admission.py) learns the front end's backlog only from "
+@pytest.mark.xfail(strict=False, reason="admission (sched/slo/admission.py) learns the front end's backlog only from "
                    "the first tokens the front end hands out; a front end that cannot even parse the flood in time "
                    "(see above) stamps arrivals late and reports late (86.7% attainment at 5,800 req/s offered "
                    "once; it passed in the last four suite runs, one of them before the backlog was priced)")

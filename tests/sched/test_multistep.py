@@ -2,7 +2,7 @@
 nobody waits.
 
 A run computes each sequence's sampled token as the next step's input, back to back, without the
-scheduler in between (engine/scheduler.py `_run_length`); its tokens are applied one by one, so
+scheduler in between (sched/scheduler.py `_run_length`); its tokens are applied one by one, so
 stop conditions, max_tokens and the prefix cache see exactly what single steps would.
 """
 
