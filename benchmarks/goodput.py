@@ -124,7 +124,7 @@ class Runner:
 
         def start(name: str, label: str) -> harness.ServerProcess:
             mode, overrides = launch[name]
-            return harness.ServerProcess(mode, a.model, harness.LOGS / f"goodput_{label}_server.log",
+            return harness.launch(mode, a.model, harness.LOGS / f"goodput_{label}_server.log",
                                          overrides=overrides)
 
         def on_point(server: harness.ServerProcess, point: dict, records: list) -> None:

@@ -45,7 +45,7 @@ MEMORY_KEYS = ("num_device_alloc", "num_device_free", "segment.all.allocated", "
                "num_alloc_retries", "num_ooms", "allocation.all.allocated", "reserved_bytes.all.current")
 
 
-class Clock:
+class Stopwatch:
     """Seconds per call of fn, with CUDA events on a GPU."""
 
     def __init__(self, device: torch.device) -> None:
@@ -130,7 +130,7 @@ def attention_correctness(device: torch.device, gpu: bool) -> list[dict]:
 
 
 def attention_kernels(device: torch.device, gpu: bool) -> list[dict]:
-    clock = Clock(device)
+    clock = Stopwatch(device)
     if gpu:
         heads, kv_heads, head_dim, dtype, iters = 32, 8, 128, torch.bfloat16, 20
         shapes = [(1, 8192), (32, 4096), (128, 2048)]
@@ -289,7 +289,7 @@ def decode_runs(runner_cls, folder: Path, device: torch.device, gpu: bool, deadl
 def expert_cache(device: torch.device, gpu: bool) -> dict:
     from sloserve.layers.moe import ExpertStore, moe_forward
 
-    clock = Clock(device)
+    clock = Stopwatch(device)
     layers, experts, top_k = 2, 8, 2
     hidden, inter, tokens, steps, dtype = (2048, 5632, 64, 40, torch.bfloat16) if gpu else (64, 128, 16, 20, torch.float32)
     gen = torch.Generator().manual_seed(0)

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import ServerProcess, arc_pool, machine, process_tree, run, save
+from harness import arc_pool, launch, machine, process_tree, run, save
 from sloserve.bench.client import LoadSpec, connect, run_load
 from sloserve.bench.stats import summary
 from sloserve.bench.workloads import WorkloadItem
@@ -88,8 +88,8 @@ async def one_by_one(target: str, items: list[WorkloadItem], gaps: list[float]) 
 
 def serve(spin_s: float, items: list[WorkloadItem], gaps: list[float]) -> tuple[list[tuple[float, float]], float]:
     """One fresh server: its (gap, TTFT) rows and CPU seconds per request (warm-up excluded)."""
-    with ServerProcess("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
-        server.wait_ready()
+    with launch("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
+        server.wait_ready(600)
         pids = process_tree(server.proc.pid)
         before = cpu_seconds(pids)
         rows = run(one_by_one(server.target, items, gaps))

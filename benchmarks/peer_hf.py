@@ -112,8 +112,8 @@ def hf_continuous(model, prompts: list[list[int]], lengths: list[int], pad: int)
 
 
 def sloserve_run(model: str, items: list, streams: int, seed: int) -> tuple[dict, dict]:
-    with harness.ServerProcess("full", model, harness.LOGS / "peer_hf_server.log") as server:
-        info = server.wait_ready()
+    with harness.launch("full", model, harness.LOGS / "peer_hf_server.log") as server:
+        info = server.wait_ready(600)
         harness.run(harness.send(server.target, items[:2], LoadSpec(ignore_eos=True)))  # warm up
         result = harness.run(harness.send(server.target, items, LoadSpec(
             streams=streams, seed=seed, ignore_eos=True)))

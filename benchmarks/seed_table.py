@@ -89,9 +89,9 @@ class Served:
         n = self.args.requests_per_rate
         if self.server is None or (self.start and self.start + n > len(self.pool)):
             self.close()
-            self.server = harness.ServerProcess(self.mode, self.args.model,
+            self.server = harness.launch(self.mode, self.args.model,
                                                 harness.LOGS / f"seed_table_{self.mode}_server.log")
-            self.server.wait_ready()
+            self.server.wait_ready(600)
             self.start = 0
         items = harness.take(self.pool, self.start, n)
         self.start += n
@@ -164,8 +164,8 @@ def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: fl
 
 def calibrate(args: argparse.Namespace, pool: list) -> tuple[SLO, float, dict]:
     """Unloaded latencies (16 requests one at a time through the naive server) -> SLO, capacity."""
-    with harness.ServerProcess("naive", args.model, harness.LOGS / "seed_table_naive_server.log") as server:
-        server.wait_ready()
+    with harness.launch("naive", args.model, harness.LOGS / "seed_table_naive_server.log") as server:
+        server.wait_ready(600)
         result = harness.run(harness.send(server.target, pool[:16], LoadSpec(concurrency=1)))
     unloaded = summarise(result.records, result.duration_s, None, None)
     if unloaded["completed"] < len(result.records):

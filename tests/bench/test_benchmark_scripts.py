@@ -54,7 +54,7 @@ def test_overrides_are_checked_before_a_launch():
     with pytest.raises(ValueError, match="aging must be in"):
         harness.check_overrides({"scheduler": {"aging": 2.0}})
     with pytest.raises(ValueError, match="has no field"):
-        harness.ServerProcess("full", overrides={"cache": {"bogus": 1}})  # nothing launched
+        harness.launch("full", overrides={"cache": {"bogus": 1}})  # nothing launched
 
 
 def test_launch_config_applies_overrides_on_top_of_the_mode():

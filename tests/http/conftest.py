@@ -7,8 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from tests.reliability.harness import ServerProcess
+from sloserve.testing.server_process import ServerProcess
 
 TOKEN = "http-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -19,16 +19,7 @@ from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
-
-
-class ByteTokenizer:
-    """One token per byte."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i % 256 for i in ids).decode(errors="replace")
+from sloserve.testing.tokenizer import ByteTokenizer
 
 
 @dataclass(slots=True)
