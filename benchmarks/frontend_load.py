@@ -22,11 +22,9 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 
-from harness import free_port, machine, save
+from harness import ServerProcess, free_port, machine, save
 from sloserve.bench.client import CHANNEL_OPTIONS, LoadSpec, connect, run_load, wait_ready
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
@@ -100,12 +98,11 @@ def _flood(target: str, args, rate: float, pool) -> dict:
 def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
     """One fresh server: steady, then the flood (at flood_rate, else --flood-x times this capacity)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", args.model, "--device", "cpu",
+    cmd = ["serve", "--model", args.model, "--device", "cpu",
            "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--max-model-len", "512"]
     cmd += ["--no-engine-process"] if arm == "thread" else ["--frontends", arm]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    target = f"127.0.0.1:{port}"
+    server = ServerProcess(cmd, port=port, env={"OMP_WAIT_POLICY": "PASSIVE"})
+    target = server.target
     try:
         async def ready() -> None:
             channel = await connect(target, timeout_s=300)
@@ -120,8 +117,7 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
         steady = asyncio.run(_steady(target, args, args.seconds))
         flood = _flood(target, args, flood_rate or args.flood_x * steady["completed_per_s"], pool)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop(60)
     return {"steady": steady, "flood": flood,
             "p99_ratio": flood["step_p99_ms"] / steady["step_p99_ms"],
             "completion_ratio": flood["completed_per_s"] / steady["completed_per_s"]}

@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import time
 
 import orjson
-from harness import free_port, machine, save
+from harness import ServerProcess, free_port, machine, save
 from sloserve.bench import http_client
 from sloserve.bench.client import LoadSpec, connect, run_load, wait_ready
 from sloserve.bench.stats import summarise
@@ -96,10 +94,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     grpc_port, http_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli.main", "serve", "--model", args.model,
-                             "--device", args.device, "--port", str(grpc_port), "--http-port", str(http_port),
-                             "--metrics-port", "off", "--log-format", "json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServerProcess(["serve", "--model", args.model, "--device", args.device, "--port", str(grpc_port),
+                            "--http-port", str(http_port), "--metrics-port", "off", "--log-format", "json"],
+                           port=grpc_port)
     target, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
     results: dict = {}
     try:
@@ -137,8 +134,7 @@ def main() -> None:
                 print(f"    HTTP TTFT p50 with a bare asyncio client instead of aiohttp: {statistics.median(bare):.1f} ms "
                       f"(x{statistics.median(bare) / grpc_m['ttft_p50_ms']:.2f} of gRPC)", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     path = save("protocols", {"machine": machine(), "model": args.model, "workload": args.workload,
                               "goal": "HTTP TTFT p50 and output throughput within 10% of gRPC", "results": results})
     print(f"wrote {path}")

@@ -103,6 +103,11 @@ class ServerProcess(LocalServer):
                 raise TimeoutError(f"no matching server log line; last lines:\n{self._tail()}")
             time.sleep(0.02)
 
+    def wait_http_port(self, timeout: float = 30.0) -> int:
+        """The HTTP API's port, from the 'http listening on HOST:PORT' log line (`--http-port auto`)."""
+        line = self.wait_log(lambda m: m.startswith("http listening on "), timeout)
+        return int(line.split()[3].rsplit(":", 1)[1])
+
     def wait_ready(self, timeout: float = 180.0, credentials: grpc.ChannelCredentials | None = None,
                    metadata: Sequence[tuple[str, str]] | None = None) -> dict:
         """Poll readiness (health of the Sloserve service) until SERVING; return Info as
@@ -148,7 +153,7 @@ class ServerProcess(LocalServer):
 
     def rss_bytes(self) -> int:
         """Resident set size of the server and its descendants (VmRSS from /proc, summed)."""
-        total = sum(_status_bytes(pid, "VmRSS:") or 0 for pid in self.pids())
+        total = sum(vm_bytes(pid, "VmRSS:") or 0 for pid in self.pids())
         if not total:
             raise RuntimeError("no VmRSS for the server process")
         return total
@@ -156,7 +161,7 @@ class ServerProcess(LocalServer):
     def peak_rss_bytes(self) -> int | None:
         """Peak resident set size (VmHWM) of the server process plus its descendants (the engine
         process): the sum of each one's own peak, an upper bound on the tree's peak at one moment."""
-        peaks = [hwm for pid in self.pids() if (hwm := _status_bytes(pid, "VmHWM:")) is not None]
+        peaks = [hwm for pid in self.pids() if (hwm := vm_bytes(pid, "VmHWM:")) is not None]
         return sum(peaks) if peaks else None
 
     def peak_device_bytes(self) -> int | None:
@@ -287,7 +292,7 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def _status_bytes(pid: int, key: str) -> int | None:
+def vm_bytes(pid: int, key: str = "VmRSS:") -> int | None:
     """A kB field of /proc/PID/status (VmRSS:, VmHWM:) in bytes; None when the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
