@@ -13,7 +13,7 @@ capacity the round's first arm measured). Printed per arm: the refusals' latency
 4-5k requests/s offered), the closed loop's completions under the flood / capacity, and step
 p99 flood / steady (issue 11's goal <= x1.2). Arms alternate over --rounds.
 
-    python benchmarks/frontend_load.py [--arms 1,4] [--seconds 10] [--flood-x 10] [--clients 4]
+    python -m benchmarks.frontend_load [--arms 1,4] [--seconds 10] [--flood-x 10] [--clients 4]
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import multiprocessing
 import os
 import time
 
-from harness import ServerProcess, free_port, machine, save
 from sloserve.bench.client import CHANNEL_OPTIONS, LoadSpec, connect, run_load, wait_ready
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SLO
+
+from benchmarks.harness import ServerProcess, free_port, machine, save
 
 OWN_CONNECTION = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # not shared with other channels
 
@@ -138,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "round's first arm measured, the same for every arm of the round]")
     p.add_argument("--clients", type=int, default=4, help="flood client processes")
     p.add_argument("--connections", type=int, default=4, help="connections per flood client")
-    p.add_argument("--name", default="frontend_scaleout", help="results/NAME.json")
+    p.add_argument("--name", default="frontend_scaleout", help="benchmarks/out/NAME.json")
     args = p.parse_args(argv)
     args.arm_list = args.arms.split(",")
     if any(a != "thread" and not (a.isdigit() and int(a) >= 1) for a in args.arm_list):

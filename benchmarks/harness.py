@@ -23,19 +23,10 @@ from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.testing.server_process import ServerProcess, process_tree  # noqa: F401 - idle_spin uses process_tree
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._output import OUT
+
 LOGS = Path(tempfile.gettempdir())  # server logs of benchmark runs
 
-# A server process built from the typed config (so the benchmark does not depend on CLI flags).
-_LAUNCH = """
-import json, sys
-from sloserve.openmp import default_waiting
-default_waiting()  # as the sloserve command does, before torch loads
-sys.path.insert(0, sys.argv[5])
-from harness import launch_config
-from sloserve.serve import main
-sys.exit(main(launch_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
-"""
 OVERRIDE_SECTIONS = ("scheduler", "cache", "model", "server")
 
 
@@ -88,8 +79,8 @@ def launch(mode: str, model: str = "default", log_path: Path | None = None,
     if mode not in ("naive", "full"):
         raise ValueError(f"mode must be 'naive' or 'full', got {mode!r}")
     overrides, port = check_overrides(overrides), free_port()
-    return ServerProcess([mode, model, str(port), json.dumps(overrides), str(Path(__file__).resolve().parent)],
-                         command=(sys.executable, "-c", _LAUNCH), port=port, log_path=log_path,
+    return ServerProcess([mode, model, str(port), json.dumps(overrides)],
+                         command=(sys.executable, "-m", "benchmarks._launch"), port=port, log_path=log_path,
                          label=f"{mode} server", sample_gpu=True)
 
 
@@ -188,8 +179,9 @@ def take(pool: list[WorkloadItem], start: int, n: int) -> list[WorkloadItem]:
 
 
 def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """payload as benchmarks/out/NAME.json."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
     path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
                                             | orjson.OPT_NON_STR_KEYS))
     return path

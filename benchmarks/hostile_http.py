@@ -1,8 +1,8 @@
 """Hostile HTTP clients against a real `sloserve serve` (issue 44's figures): how many half-sent-header
 connections are still open after a wait, and how much memory slow uploads hold.
 
-    .venv/bin/python benchmarks/hostile_http.py --slowloris 500 --uploads 20 --wait 50
-    .venv/bin/python benchmarks/hostile_http.py --slowloris 20 --uploads 4 --wait 3 \\
+    python -m benchmarks.hostile_http --slowloris 500 --uploads 20 --wait 50
+    python -m benchmarks.hostile_http --slowloris 20 --uploads 4 --wait 3 \\
         --serve-arg=--http-header-timeout=1 --serve-arg=--http-body-timeout=2      # a quick check
 
 Prints one JSON object: connections still open (of those opened), the server's RSS before, with

@@ -1,6 +1,6 @@
 """Operations per second of the compiled hot path vs its pure-Python twin, side by side.
 
-Run: python3 benchmarks/hotpath.py [--sizes 10000,100000] [--out FILE]
+Run: python -m benchmarks.hotpath [--sizes 10000,100000] [--out FILE]
 
 For each live-entry count it measures, on both implementations with identical inputs:
 - queue  push+pop: pop the most urgent and push a new request (the queue stays at N);

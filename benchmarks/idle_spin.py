@@ -9,7 +9,7 @@ round. Prompts are distinct ARC prompts (a repeated one would be a prefix-cache 
 Printed per gap: TTFT p50 / p90 of each arm and the ratio spin / asleep (below 1: the spin serves
 faster), and the CPU seconds the server's processes used per request (the price of spinning).
 
-    python benchmarks/idle_spin.py [--rounds 2] [--gaps 0 0.25 0.5 1 2] [--per-gap 8]
+    python -m benchmarks.idle_spin [--rounds 2] [--gaps 0 0.25 0.5 1 2] [--per-gap 8]
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import arc_pool, launch, machine, process_tree, run, save
 from sloserve.bench.client import LoadSpec, connect, run_load
 from sloserve.bench.stats import summary
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.config import ServerConfig
+
+from benchmarks.harness import arc_pool, launch, machine, process_tree, run, save
 
 DEFAULT_SPIN_S = ServerConfig().idle_spin_s
 

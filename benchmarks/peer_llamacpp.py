@@ -6,7 +6,7 @@ byte-level tokenizer, float32), 48 distinct ARC prompts of at most 1,500 charact
 on the same CPUs, one at a time, each started fresh for every run (so neither keeps a prompt
 cache from the run before); the two alternate, and the first to run switches every round.
 
-    python benchmarks/peer_llamacpp.py [--rounds 2] [--concurrency 1 4 16]
+    python -m benchmarks.peer_llamacpp [--rounds 2] [--concurrency 1 4 16]
         [--sloserve-args "" "--num-scheduler-steps 1"]
 
 `--sloserve-args` runs one sloserve arm per string (extra `sloserve serve` flags; "" is its
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import ServerProcess, arc_pool, free_port, machine, save
+from benchmarks.harness import ServerProcess, arc_pool, free_port, machine, save
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPTS = ROOT.parent / "shared" / "peer" / "llamacpp"

@@ -8,7 +8,7 @@ Goal (issue 13): HTTP's TTFT p50 and output throughput within 10% of gRPC's. At 
 also times HTTP with a bare asyncio client, to tell the server's share of HTTP's TTFT from the
 load generator's (aiohttp).
 
-    python benchmarks/protocols.py [--model default] [--workload fixed:64,32] [--requests 64] [--rounds 5]
+    python -m benchmarks.protocols [--model default] [--workload fixed:64,32] [--requests 64] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import statistics
 import time
 
 import orjson
-from harness import ServerProcess, free_port, machine, save
 from sloserve.bench import http_client
 from sloserve.bench.client import LoadSpec, connect, run_load, wait_ready
 from sloserve.bench.stats import summarise
 from sloserve.bench.workloads import load_workload
+
+from benchmarks.harness import ServerProcess, free_port, machine, save
 
 
 async def _grpc(target: str, items, spec: LoadSpec) -> dict:

@@ -8,7 +8,7 @@ occurs). The figure is the probe's median end-to-end latency hostile / plain (go
 plain / alone shows what sharing a step costs anyway. The server runs with its stop-string limits
 raised to the companion's, so `--stops 100000 --stop-chars 12` replays issue 44's 1.2 MB request.
 
-    python benchmarks/stop_strings.py [--rounds 5] [--probes 8] [--stops 16] [--stop-chars 256]
+    python -m benchmarks.stop_strings [--rounds 5] [--probes 8] [--stops 16] [--stop-chars 256]
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import random
 import statistics
 import time
 
-from harness import ServerProcess, free_port, machine, save
 from sloserve.bench.client import connect, wait_ready
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+from benchmarks.harness import ServerProcess, free_port, machine, save
 
 ARMS = ("alone", "plain", "hostile")
 

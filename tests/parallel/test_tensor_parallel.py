@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from sloserve.config import ParallelConfig
@@ -131,8 +130,7 @@ def test_tp_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/tp.py end to end at toy sizes: both sizes run and produce the same tokens."""
     import orjson
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tp
+    from benchmarks import tp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setitem(tp.MODELS, "small", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
