@@ -15,9 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sloserve.cli.main import cli
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.live_server import Transcript, gen, read_until
 from sloserve.testing.server_process import ServerProcess
-
-from tests.service.helpers import Transcript, gen, read_until
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,14 +19,13 @@ import pytest
 from sloserve.config import GrpcConfig
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until
 from sloserve.testing.server_process import ServerProcess, vm_bytes
 
 from tests.security.helpers import refusals, status
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = 200_000
 RSS_MARGIN = 24 * 1024 * 1024  # unbounded, 200k answers held ~135 MiB
 STALL_S = 2.0
@@ -43,8 +42,8 @@ async def _watch_rss(pid: int, peak: list[int]) -> None:
 async def test_a_client_that_never_reads_holds_bounded_memory():
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc to read a process's RSS")
-    server = ServerProcess([orjson.dumps({"stream_stall_s": STALL_S}).decode()], startup_s=60,
-                           command=(sys.executable, "-m", "tests.security.fake_server"), env={"PYTHONPATH": str(ROOT)})
+    server = ServerProcess([orjson.dumps({"grace_s": 1.0, "grpc": {"stream_stall_s": STALL_S}}).decode()],
+                           command=(sys.executable, "-m", "sloserve.testing.fake_server"), startup_s=60)
     try:
         async with server.aio_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)

@@ -6,22 +6,19 @@ import asyncio
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import orjson
 import pytest
 from sloserve.pb import serving_pb2_grpc
+from sloserve.testing.live_server import Transcript, gen, read_until
 from sloserve.testing.server_process import ServerProcess
 
-from tests.service.helpers import Transcript, gen, read_until
-
 pytestmark = pytest.mark.timeout(90)
-ROOT = Path(__file__).resolve().parents[2]
+FAKE_SERVER = (sys.executable, "-m", "sloserve.testing.fake_server")
 
 
 async def test_sigterm_under_load_finishes_in_flight_requests():
-    server = ServerProcess(["0.01"], command=(sys.executable, "-m", "tests.service.fake_server"),
-                           env={"PYTHONPATH": str(ROOT)}, startup_s=60)
+    server = ServerProcess(['{"step_s": 0.01}'], command=FAKE_SERVER, startup_s=60)
     try:
         async with server.aio_channel() as channel:
             stub = serving_pb2_grpc.SloserveStub(channel)
@@ -49,7 +46,7 @@ async def test_sigterm_under_load_finishes_in_flight_requests():
 
 
 def test_dead_engine_loop_exits_non_zero():
-    done = subprocess.run([sys.executable, "-m", "tests.service.fake_server", "0.01", "0.5"], cwd=ROOT,
+    done = subprocess.run([*FAKE_SERVER, '{"step_s": 0.01, "die_after_s": 0.5}'],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
     assert done.returncode == 1
     logs = [orjson.loads(x) for x in done.stderr.splitlines() if x.startswith(b"{")]
