@@ -21,7 +21,7 @@ from sloserve.bench.workloads import WorkloadItem, default_workload, load_worklo
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SloserveConfig
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-from sloserve.testing.server_process import ServerProcess, process_tree  # noqa: F401 - idle_spin uses process_tree
+from sloserve.testing.server_process import ServerProcess
 
 from benchmarks._output import OUT
 

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
-from pathlib import Path
 
 from sloserve.bench.client import LoadSpec, connect, run_load
 from sloserve.bench.stats import summary
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.config import ServerConfig
+from sloserve.testing.server_process import cpu_seconds
 
-from benchmarks.harness import arc_pool, launch, machine, process_tree, run, save
+from benchmarks.harness import arc_pool, launch, machine, run, save
 
 DEFAULT_SPIN_S = ServerConfig().idle_spin_s
 
@@ -58,18 +57,6 @@ def distinct_prompts(n: int, max_chars: int, max_tokens: int) -> list[WorkloadIt
     return items[:n]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes so far (Linux /proc)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 async def one_by_one(target: str, items: list[WorkloadItem], gaps: list[float]) -> list[tuple[float, float]]:
     """(gap, TTFT) of each request, sent alone after its gap."""
     channel = await connect(target)
@@ -91,7 +78,7 @@ def serve(spin_s: float, items: list[WorkloadItem], gaps: list[float]) -> tuple[
     """One fresh server: its (gap, TTFT) rows and CPU seconds per request (warm-up excluded)."""
     with launch("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
         server.wait_ready(600)
-        pids = process_tree(server.proc.pid)
+        pids = server.pids()
         before = cpu_seconds(pids)
         rows = run(one_by_one(server.target, items, gaps))
         time.sleep(spin_s)  # the spin after the last request is part of its price

@@ -184,8 +184,7 @@ class ServerProcess(LocalServer):
 
     def cpu_seconds(self) -> float:
         """User + system CPU time the server process has used so far."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds([self.proc.pid])
 
     def health(self, service: str = "", metadata=None, credentials=None) -> int:
         with self.sync_channel(credentials) as channel:
@@ -290,6 +289,18 @@ def process_tree(root: int) -> list[int]:
         tree.append(pid)
         todo += children.get(pid, [])
     return tree
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc; a process that is gone counts 0)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def vm_bytes(pid: int, key: str = "VmRSS:") -> int | None:
