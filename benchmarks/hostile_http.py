@@ -19,7 +19,8 @@ import time
 
 import httpx
 import orjson
-from sloserve.testing.server_process import ServerProcess, vm_bytes
+from sloserve.testing.procfs import vm_bytes
+from sloserve.testing.server_process import ServerProcess
 
 UPLOAD_FAST_BYTES = 4 * 2**20  # each upload sends this much at once, then trickles (declared 8 MiB)
 

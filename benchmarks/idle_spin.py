@@ -23,7 +23,7 @@ from sloserve.bench.client import LoadSpec, connect, run_load
 from sloserve.bench.stats import summary
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.config import ServerConfig
-from sloserve.testing.server_process import cpu_seconds
+from sloserve.testing.procfs import cpu_seconds
 
 from benchmarks.harness import arc_pool, launch, machine, run, save
 

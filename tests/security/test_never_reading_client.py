@@ -21,7 +21,8 @@ from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.testing.fake_engine import FakeEngine
 from sloserve.testing.live_server import Transcript, gen, live_server, read_until
-from sloserve.testing.server_process import ServerProcess, vm_bytes
+from sloserve.testing.procfs import vm_bytes
+from sloserve.testing.server_process import ServerProcess
 
 from tests.security.helpers import refusals, status
 
