@@ -6,8 +6,8 @@ machine skews no side), and prints milliseconds per step and ratios against `ref
 `--before FILE` adds a backend loaded from another version of sdpa.py, e.g.
 `git show 8d20d1f:server/layers/attention/sdpa.py > /tmp/sdpa_before.py` (per-sequence loop in mixed steps).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_mixed.py [--rounds 7] [--context 64,320]
-        [--before /tmp/sdpa_before.py] [--out benchmarks/results/attention_mixed.json]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.attention_mixed [--rounds 7] [--context 64,320]
+        [--before /tmp/sdpa_before.py] [--out benchmarks/out/attention_mixed.json]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import importlib.util
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,7 +66,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.checkpoints import tiny_checkpoint
 
     folder = tiny_checkpoint("llama", Path(tempfile.gettempdir()) / "sloserve-bench", hidden_size=256,

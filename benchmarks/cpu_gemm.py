@@ -7,13 +7,12 @@ checks a row's result is the same whatever the row count. Part 2 times
 `ModelRunner.execute` of whole prompts (a prefill step, what TTFT pays) with `--cpu-gemm blas`
 and `auto`, alternating, and checks both give the same greedy tokens over a short decode.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/cpu_gemm.py [--model default] [--lengths 300 800 1400]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.cpu_gemm [--model default] [--lengths 300 800 1400]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,8 @@ from sloserve.layers.linear import PackedLinears, onednn_available
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+
+from benchmarks._output import OUT, write_json
 
 GREEDY = SamplingParams(max_tokens=1)
 
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[300, 800, 1400])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512, 1024])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "cpu_gemm.json"))
+    parser.add_argument("--json", default=str(OUT / "cpu_gemm.json"))
     args = parser.parse_args()
     if not onednn_available():
         raise SystemExit("this torch build has no oneDNN linear operators: nothing to compare")
@@ -135,10 +136,8 @@ def main() -> None:
     tokens = {gemm: greedy_tokens(runner, prompt, 32) for gemm, runner in runners.items()}
     equal = tokens["blas"] == tokens["auto"]
     print(f"greedy tokens, 300-token prompt + 32 steps: {'equal' if equal else 'DIFFER'}")
-    Path(args.json).write_text(json.dumps({"model": args.model, "load_average": os.getloadavg()[0],
-                                           "threads": threads, "gemm": gemms,
-                                           "prefill": prefill, "greedy_equal": equal}, indent=1))
-    print(f"wrote {args.json}")
+    write_json(Path(args.json), {"model": args.model, "load_average": os.getloadavg()[0], "threads": threads,
+                                 "gemm": gemms, "prefill": prefill, "greedy_equal": equal}, indent=1)
 
 
 if __name__ == "__main__":

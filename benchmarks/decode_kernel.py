@@ -7,7 +7,7 @@ prints milliseconds per step and the ratio twin / fused (every batch size throug
 also those above FUSED_MAX_BATCH: this is where that limit comes from). Thread counts are the runner's own
 (one thread for small steps, see SERIAL_STEP_MACS), as served.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/decode_kernel.py [--model default] [--batches 1 2 4 8 16]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel [--model default] [--batches 1 2 4 8 16]
 
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one.
@@ -16,7 +16,6 @@ of issue 14's llama-server comparison); `default-random` is the ~40M one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ from sloserve.executor import fused as fused_module
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+
+from benchmarks._output import OUT, write_json
 
 GREEDY = SamplingParams(max_tokens=1 << 20)
 
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode_kernel.json")
+    parser.add_argument("--out", type=Path, default=OUT / "decode_kernel.json")
     args = parser.parse_args()
     path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
     config = SloserveConfig(
@@ -88,9 +89,7 @@ def main() -> None:
     report = {"benchmark": "decode_kernel", "model": path, "parameters": runner.info()["parameters"],
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "load_average": os.getloadavg(),
               "torch": torch.__version__, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

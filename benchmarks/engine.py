@@ -8,7 +8,7 @@ trace is absent) at a Poisson rate into two AsyncEngines that share one loaded M
          swap preemption, admission control
 
 Outputs follow the trace (max_tokens = expected output length, EOS ignored, so that both arms
-do the same work whatever the model). Writes benchmarks/results/engine.json (or --out).
+do the same work whatever the model). Writes benchmarks/out/engine.json (or --out).
 
 Model choice on a 2-core CPU: the built-in 40M 'default-random' model is compute-bound even when
 decoding (a 16-sequence decode step costs ~11x a 1-sequence step), so batching cannot help it
@@ -17,9 +17,9 @@ byte tokenizer), where a step still has a fixed cost worth sharing, as on a GPU.
 are ~7x longer than their outputs, so prefill (compute-bound on a CPU) caps the gain; the
 prefix cache halves it.
 
-    python3 benchmarks/engine.py                                  # ~3-4 min on 2 cores
-    python3 benchmarks/engine.py --model tiny --rate 3 --out benchmarks/results/engine_tiny.json
-    python3 benchmarks/engine.py --model default --num-requests 12 --rate 0.2
+    python -m benchmarks.engine                                  # ~3-4 min on 2 cores
+    python -m benchmarks.engine --model tiny --rate 3 --out benchmarks/out/engine_tiny.json
+    python -m benchmarks.engine --model default --num-requests 12 --rate 0.2
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import asyncio
 import os
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -40,8 +39,7 @@ from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveC
 from sloserve.engine import AsyncEngine
 from sloserve.sampling_params import SLO, SamplingParams
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
+from benchmarks._output import OUT
 
 BENCH_MODELS = {
     # 3.9M parameters: compute still matters on a CPU, but a step has a fixed cost worth sharing
@@ -60,7 +58,6 @@ def bench_model(name: str) -> str:
 
 def random_llama(**shape) -> str:
     """A random-weight Llama of `shape` (byte tokenizer), built once with the test checkpoint builder."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.checkpoints import tiny_checkpoint
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sloserve" / "bench"
@@ -207,7 +204,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="sdpa", help="same for both arms (auto picks sdpa on CPU)")
     ap.add_argument("--arms", nargs="+", default=["naive", "full"], choices=["naive", "full"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "engine.json")
+    ap.add_argument("--out", type=Path, default=OUT / "engine.json")
     args = ap.parse_args()
     report = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

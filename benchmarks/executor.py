@@ -10,7 +10,7 @@ and the fp32 GEMM peak of this machine, then prints tok/s and the fractions engi
 (the issue's "kernels-only"), engine/matmuls and achieved/peak FLOP rate, and the start-up time. Also times single-request greedy generation against transformers'
 `generate` on the same checkpoint (skipped when transformers is not installed).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/executor.py [--threads 2] [--compile] [--out ...json]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.executor [--threads 2] [--compile] [--out ...json]
 
 On a shared, oversubscribed CPU set OMP_WAIT_POLICY=PASSIVE: spinning OpenMP workers otherwise
 steal the core the Python thread needs between kernels (measured here: batch-1 decode step 441 ms
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import time
@@ -33,6 +32,8 @@ from sloserve.executor import ModelRunner
 from sloserve.models.default import ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+
+from benchmarks._output import OUT, write_json
 
 BATCHES = (1, 8, 32, 64)
 GREEDY = SamplingParams(max_tokens=1 << 20)
@@ -184,7 +185,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (eager otherwise)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "executor.json")
+    parser.add_argument("--out", type=Path, default=OUT / "executor.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,9 +246,7 @@ def main() -> None:
               "steps": args.steps, "rounds": args.rounds, "gemm_peak_gflops": round(peak, 1), "flops_per_token": flops_per_token,
               "decode": rows, "single_request": single, "attention_backend": runner.backend.name,
               "decode_step": decode_step, "startup_s": round(startup, 2)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ capacity the round's first arm measured). Printed per arm: the refusals' latency
 4-5k requests/s offered), the closed loop's completions under the flood / capacity, and step
 p99 flood / steady (issue 11's goal <= x1.2). Arms alternate over --rounds.
 
-    python benchmarks/frontend_load.py [--arms 1,4] [--seconds 10] [--flood-x 10] [--clients 4]
+    python -m benchmarks.frontend_load [--arms 1,4] [--seconds 10] [--flood-x 10] [--clients 4]
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 
-from harness import free_port, machine, save
 from sloserve.bench.client import CHANNEL_OPTIONS, LoadSpec, connect, run_load, wait_ready
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SLO
+
+from benchmarks.harness import ServerProcess, free_port, machine, save
 
 OWN_CONNECTION = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # not shared with other channels
 
@@ -100,12 +99,11 @@ def _flood(target: str, args, rate: float, pool) -> dict:
 def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
     """One fresh server: steady, then the flood (at flood_rate, else --flood-x times this capacity)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", args.model, "--device", "cpu",
+    cmd = ["serve", "--model", args.model, "--device", "cpu",
            "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--max-model-len", "512"]
     cmd += ["--no-engine-process"] if arm == "thread" else ["--frontends", arm]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    target = f"127.0.0.1:{port}"
+    server = ServerProcess(cmd, port=port, env={"OMP_WAIT_POLICY": "PASSIVE"})
+    target = server.target
     try:
         async def ready() -> None:
             channel = await connect(target, timeout_s=300)
@@ -120,8 +118,7 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
         steady = asyncio.run(_steady(target, args, args.seconds))
         flood = _flood(target, args, flood_rate or args.flood_x * steady["completed_per_s"], pool)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop(60)
     return {"steady": steady, "flood": flood,
             "p99_ratio": flood["step_p99_ms"] / steady["step_p99_ms"],
             "completion_ratio": flood["completed_per_s"] / steady["completed_per_s"]}
@@ -142,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "round's first arm measured, the same for every arm of the round]")
     p.add_argument("--clients", type=int, default=4, help="flood client processes")
     p.add_argument("--connections", type=int, default=4, help="connections per flood client")
-    p.add_argument("--name", default="frontend_scaleout", help="results/NAME.json")
+    p.add_argument("--name", default="frontend_scaleout", help="benchmarks/out/NAME.json")
     args = p.parse_args(argv)
     args.arm_list = args.arms.split(",")
     if any(a != "thread" and not (a.isdigit() and int(a) >= 1) for a in args.arm_list):

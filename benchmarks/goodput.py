@@ -15,8 +15,8 @@ After each point the fresh server's engine counters give what it cost (a table o
 steps, milliseconds per step, busy seconds, prompt tokens computed and prefix-cache hits, tokens
 generated, preemptions.
 
-    python benchmarks/goodput.py                     # the full run: time estimate printed first
-    python benchmarks/goodput.py --requests 12 --seeds 0 --multiples 1 --arms slo,fifo \\
+    python -m benchmarks.goodput                     # the full run: time estimate printed first
+    python -m benchmarks.goodput --requests 12 --seeds 0 --multiples 1 --arms slo,fifo \\
         --no-ablation --capacity-requests 20         # a smoke run, ~1 min
 """
 
@@ -26,12 +26,13 @@ import argparse
 import sys
 import time
 
-import _goodput_arms as ga
-import harness
 from sloserve.bench.compare import CompareSettings, Comparison, Load
 from sloserve.bench.plan import WorkloadPlan
 from sloserve.bench.stats import OBJECTIVES
 from sloserve.sampling_params import SLO
+
+from benchmarks import _goodput_arms as ga
+from benchmarks import harness
 
 
 def floats(text: str) -> list[float]:
@@ -76,7 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=None, help="s; default 2x --batch-e2e")
     p.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--ablation-multiple", type=float, default=1.5)
-    p.add_argument("--name", default="goodput", help="results/NAME.json and NAME.txt")
+    p.add_argument("--name", default="goodput", help="benchmarks/out/NAME.json and NAME.txt")
     args = p.parse_args(argv)
     if not 0.0 <= args.interactive_share <= 1.0:
         p.error(f"--interactive-share must be in [0, 1], got {args.interactive_share}")
@@ -124,7 +125,7 @@ class Runner:
 
         def start(name: str, label: str) -> harness.ServerProcess:
             mode, overrides = launch[name]
-            return harness.ServerProcess(mode, a.model, harness.LOGS / f"goodput_{label}_server.log",
+            return harness.launch(mode, a.model, harness.LOGS / f"goodput_{label}_server.log",
                                          overrides=overrides)
 
         def on_point(server: harness.ServerProcess, point: dict, records: list) -> None:
@@ -268,8 +269,8 @@ def main(argv: list[str]) -> int:
     print("\n" + text)
     runner.save(extra={"ablation_skipped": skipped,
                        "goals": [{"goal": t, "passed": ok, "detail": d} for t, ok, d in verdicts]})
-    (harness.RESULTS / f"{a.name}.txt").write_text(text + "\n")
-    print(f"wrote {harness.RESULTS / a.name}.json and .txt")
+    (harness.OUT / f"{a.name}.txt").write_text(text + "\n")
+    print(f"wrote {harness.OUT / a.name}.json and .txt")
     return 0
 
 

@@ -1,9 +1,9 @@
 """One-shot GPU check of the executor: backends, kernel bandwidth, decode latency, allocator, experts.
 
-    python3 benchmarks/gpu_check.py            # on a GPU: full sizes, < 8 min on one H200
-    python3 benchmarks/gpu_check.py --cpu      # reduced sizes on the CPU (automatic without CUDA)
+    python -m benchmarks.gpu_check            # on a GPU: full sizes, < 8 min on one H200
+    python -m benchmarks.gpu_check --cpu      # reduced sizes on the CPU (automatic without CUDA)
 
-Writes one JSON file under benchmarks/results/ (gpu_check.json, or gpu_check_cpu.json in the
+Writes one JSON file under benchmarks/out/ (gpu_check.json, or gpu_check_cpu.json in the
 reduced mode). Every section records its own error instead of stopping the run, and a section
 that needs something missing (a backend, the ModelRunner) records a skip entry with the reason.
 Sections:
@@ -36,16 +36,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from gpu_served import llama_dims, served
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._output import OUT
+from benchmarks.gpu_served import llama_dims, served
+
 H200_BANDWIDTH = 4.3e12  # bytes/s, HBM3e peak
 BACKENDS = ("reference", "sdpa", "flash", "triton")
 MEMORY_KEYS = ("num_device_alloc", "num_device_free", "segment.all.allocated", "segment.all.freed",
                "num_alloc_retries", "num_ooms", "allocation.all.allocated", "reserved_bytes.all.current")
 
 
-class Clock:
+class Stopwatch:
     """Seconds per call of fn, with CUDA events on a GPU."""
 
     def __init__(self, device: torch.device) -> None:
@@ -130,7 +131,7 @@ def attention_correctness(device: torch.device, gpu: bool) -> list[dict]:
 
 
 def attention_kernels(device: torch.device, gpu: bool) -> list[dict]:
-    clock = Clock(device)
+    clock = Stopwatch(device)
     if gpu:
         heads, kv_heads, head_dim, dtype, iters = 32, 8, 128, torch.bfloat16, 20
         shapes = [(1, 8192), (32, 4096), (128, 2048)]
@@ -289,7 +290,7 @@ def decode_runs(runner_cls, folder: Path, device: torch.device, gpu: bool, deadl
 def expert_cache(device: torch.device, gpu: bool) -> dict:
     from sloserve.layers.moe import ExpertStore, moe_forward
 
-    clock = Clock(device)
+    clock = Stopwatch(device)
     layers, experts, top_k = 2, 8, 2
     hidden, inter, tokens, steps, dtype = (2048, 5632, 64, 40, torch.bfloat16) if gpu else (64, 128, 16, 20, torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -345,11 +346,11 @@ def expert_cache(device: torch.device, gpu: bool) -> dict:
 
 def moe_offload(device: torch.device, gpu: bool) -> dict:
     """benchmarks/moe_offload.py's arms on default-moe (reduced: 6 requests, 32 output tokens each)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from moe_offload import compare
     from sloserve.bench.workloads import default_workload, load_workload
     from sloserve.models.loader import resolve_model_path
     from sloserve.tokenizer import Tokenizer
+
+    from benchmarks.moe_offload import compare
 
     spec = default_workload()
     items = [it for it in load_workload(spec, seed=0, attempts=2) if len(it.prompt) <= 1200][:6 if gpu else 2]
@@ -366,7 +367,7 @@ def moe_offload(device: torch.device, gpu: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="reduced sizes on the CPU")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/gpu_check[_cpu].json)")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/out/gpu_check[_cpu].json)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip later runs past this many seconds")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu
@@ -397,7 +398,7 @@ def main() -> int:
     report["wall_s"] = time.monotonic() - started
     bad = [r for r in report.get("attention_correctness", []) if isinstance(r, dict) and r.get("ok") is False]
     report["correctness_failures"] = len(bad)
-    out = args.out or RESULTS / ("gpu_check.json" if gpu else "gpu_check_cpu.json")
+    out = args.out or OUT / ("gpu_check.json" if gpu else "gpu_check_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     if gpu:

@@ -1,6 +1,6 @@
 """sloserve served on CUDA against transformers' `generate` and the HBM roofline, on one checkpoint.
 
-    python3 benchmarks/gpu_served.py [--cpu]      # also the `served` section of gpu_check.py
+    python -m benchmarks.gpu_served [--cpu]      # also the `served` section of gpu_check.py
 
 A random-weight Llama (~0.9B parameters, bfloat16; tiny and float32 with --cpu) is saved with a
 byte-level tokenizer, then

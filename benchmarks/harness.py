@@ -7,11 +7,8 @@ import contextlib
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -19,25 +16,17 @@ from pathlib import Path
 import grpc
 import orjson
 from sloserve.bench.client import LoadSpec, RunResult, connect
-from sloserve.bench.local_server import LocalServer, free_port, ready_info, send_load  # noqa: F401 - the scripts use ready_info
+from sloserve.bench.local_server import free_port, ready_info, send_load  # noqa: F401 - the scripts use ready_info
 from sloserve.bench.workloads import WorkloadItem, default_workload, load_workload
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SloserveConfig
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import ServerProcess
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._output import OUT
+
 LOGS = Path(tempfile.gettempdir())  # server logs of benchmark runs
 
-# A server process built from the typed config (so the benchmark does not depend on CLI flags).
-_LAUNCH = """
-import json, sys
-from sloserve.openmp import default_waiting
-default_waiting()  # as the sloserve command does, before torch loads
-sys.path.insert(0, sys.argv[5])
-from harness import launch_config
-from sloserve.serve import main
-sys.exit(main(launch_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
-"""
 OVERRIDE_SECTIONS = ("scheduler", "cache", "model", "server")
 
 
@@ -83,80 +72,19 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-class ServerProcess(LocalServer):
+def launch(mode: str, model: str = "default", log_path: Path | None = None,
+           overrides: dict | None = None) -> ServerProcess:
     """A `sloserve` server in a child process: naive ('before') or full ('after') configuration,
     with optional config overrides (see check_overrides), so any arm or ablation is one launch."""
-
-    def __init__(self, mode: str, model: str = "default", log_path: Path | None = None,
-                 overrides: dict | None = None) -> None:
-        if mode not in ("naive", "full"):
-            raise ValueError(f"mode must be 'naive' or 'full', got {mode!r}")
-        self.overrides = check_overrides(overrides)
-        self.mode, port = mode, free_port()
-        super().__init__([sys.executable, "-c", _LAUNCH, mode, model, str(port), json.dumps(self.overrides),
-                          str(Path(__file__).resolve().parent)], port, log_path, f"{mode} server")
-        self._gpu_peak: int | None = None
-        self._sampling = threading.Event()
-        if shutil.which("nvidia-smi"):
-            threading.Thread(target=self._sample_gpu, daemon=True).start()
-
-    def _sample_gpu(self) -> None:
-        """Poll nvidia-smi for this process's device memory and keep the peak (GPU machines only)."""
-        while not self._sampling.wait(0.5):
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                     timeout=10).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                return
-            for line in out.splitlines():
-                pid, _, mib = line.partition(",")
-                if pid.strip() == str(self.proc.pid) and mib.strip().isdigit():
-                    self._gpu_peak = max(self._gpu_peak or 0, int(mib) * 2**20)
-
-    def peak_device_bytes(self) -> int | None:
-        """Peak device memory of the server process seen by nvidia-smi (None without a GPU)."""
-        return self._gpu_peak
-
-    def peak_rss_bytes(self) -> int | None:
-        """Peak resident set size (VmHWM) of the server process plus its descendants (the engine
-        process): the sum of each one's own peak, an upper bound on the tree's peak at one moment."""
-        peaks = [hwm for pid in process_tree(self.proc.pid) if (hwm := _vm_hwm(pid)) is not None]
-        return sum(peaks) if peaks else None
-
-    def stop(self) -> None:
-        self._sampling.set()
-        super().stop()
+    if mode not in ("naive", "full"):
+        raise ValueError(f"mode must be 'naive' or 'full', got {mode!r}")
+    overrides, port = check_overrides(overrides), free_port()
+    return ServerProcess([mode, model, str(port), json.dumps(overrides)],
+                         command=(sys.executable, "-m", "benchmarks._launch"), port=port, log_path=log_path,
+                         label=f"{mode} server", sample_gpu=True)
 
 
 send = send_load  # (target, items, spec) -> RunResult
-
-
-def process_tree(root: int) -> list[int]:
-    """root and every descendant process, read from /proc (Linux; [root] elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            after_name = stat.read_text().rpartition(")")[2].split()  # state, ppid, ...
-        except OSError:
-            continue
-        children.setdefault(int(after_name[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def _vm_hwm(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def message_dict(message) -> dict:
@@ -251,8 +179,9 @@ def take(pool: list[WorkloadItem], start: int, n: int) -> list[WorkloadItem]:
 
 
 def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """payload as benchmarks/out/NAME.json."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
     path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
                                             | orjson.OPT_NON_STR_KEYS))
     return path

@@ -8,7 +8,7 @@ median time, the page faults per prompt (`ru_minflt`) and the peak RSS. The arms
 `--host-malloc keep` (the default) and `system` (glibc as it is). glibc's thresholds are per
 process and its own adapt to what the process freed before, hence fresh children, several rounds.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/host_memory.py [--lengths 300 800 1500] [--rounds 6]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.host_memory [--lengths 300 800 1500] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks._output import OUT, write_json
 
 ARMS = ("keep", "system")  # --host-malloc
 ROW = "0123456789012345678901234\n"  # 26 characters: the byte tokenizer's 26 tokens
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="child processes per arm, alternating")
     parser.add_argument("--prompts", type=int, default=12, help="prompts per length in each child")
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_memory.json")
+    parser.add_argument("--out", type=Path, default=OUT / "host_memory.json")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.lengths, args.prompts)))
@@ -96,8 +98,7 @@ def main() -> None:
     for arm in ARMS:
         summary[f"{arm}_peak_rss_mib"] = statistics.median(run["peak_rss_mib"] for run in runs[arm])
     print(f"peak RSS: keep {summary['keep_peak_rss_mib']:.0f} MiB, system {summary['system_peak_rss_mib']:.0f} MiB")
-    args.out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, {"summary": summary, "runs": runs}, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The host's share of a GPU decode step, timed on the CPU: before (general path) and after (bucketed).
 
-    python3 benchmarks/host_step.py [--steps 200]
+    python -m benchmarks.host_step [--steps 200]
 
 A 16-layer Llama with tiny dimensions in bfloat16 (the dtype a GPU runs), so the arithmetic is
 negligible and what is timed is host work. Per decode step of B sequences:

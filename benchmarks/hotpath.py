@@ -1,6 +1,6 @@
 """Operations per second of the compiled hot path vs its pure-Python twin, side by side.
 
-Run: python3 benchmarks/hotpath.py [--sizes 10000,100000] [--out FILE]
+Run: python -m benchmarks.hotpath [--sizes 10000,100000] [--out FILE]
 
 For each live-entry count it measures, on both implementations with identical inputs:
 - queue  push+pop: pop the most urgent and push a new request (the queue stays at N);
@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sloserve.hotpath import _blocks, _blocks_py, _queue, _queue_py
+from sloserve.hotpath import _bench, _bench_py, _blocks, _blocks_py, _queue, _queue_py
 
-IMPLS = {"cython": (_queue, _blocks), "python": (_queue_py, _blocks_py)}
+IMPLS = {"cython": (_queue, _blocks, _bench), "python": (_queue_py, _blocks_py, _bench_py)}
 
 
 def best_of_interleaved(
@@ -148,10 +148,10 @@ WORKLOADS = [
     ("queue", "push+pop", queue_push_pop, 0, 400_000, 40_000),
     ("queue", "remove", queue_remove, 0, 5_000, 5_000),
     ("queue", "rekey", queue_rekey, 0, 20, 2),
-    ("queue", "core churn (nogil)", queue_core, 0, 2_000_000, 40_000),
+    ("queue", "core churn (nogil)", queue_core, 2, 2_000_000, 40_000),
     ("blocks", "allocate(8)+free", blocks_alloc_free, 1, 200_000, 20_000),
     ("blocks", "api calls", blocks_api, 1, 100_000, 20_000),
-    ("blocks", "core churn (nogil)", blocks_core, 1, 2_000_000, 40_000),
+    ("blocks", "core churn (nogil)", blocks_core, 2, 2_000_000, 40_000),
 ]
 
 

@@ -9,23 +9,23 @@ round. Prompts are distinct ARC prompts (a repeated one would be a prefix-cache 
 Printed per gap: TTFT p50 / p90 of each arm and the ratio spin / asleep (below 1: the spin serves
 faster), and the CPU seconds the server's processes used per request (the price of spinning).
 
-    python benchmarks/idle_spin.py [--rounds 2] [--gaps 0 0.25 0.5 1 2] [--per-gap 8]
+    python -m benchmarks.idle_spin [--rounds 2] [--gaps 0 0.25 0.5 1 2] [--per-gap 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
-from pathlib import Path
 
-from harness import ServerProcess, arc_pool, machine, process_tree, run, save
 from sloserve.bench.client import LoadSpec, connect, run_load
 from sloserve.bench.stats import summary
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.config import ServerConfig
+from sloserve.testing.procfs import cpu_seconds
+
+from benchmarks.harness import arc_pool, launch, machine, run, save
 
 DEFAULT_SPIN_S = ServerConfig().idle_spin_s
 
@@ -57,18 +57,6 @@ def distinct_prompts(n: int, max_chars: int, max_tokens: int) -> list[WorkloadIt
     return items[:n]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes so far (Linux /proc)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 async def one_by_one(target: str, items: list[WorkloadItem], gaps: list[float]) -> list[tuple[float, float]]:
     """(gap, TTFT) of each request, sent alone after its gap."""
     channel = await connect(target)
@@ -88,9 +76,9 @@ async def one_by_one(target: str, items: list[WorkloadItem], gaps: list[float]) 
 
 def serve(spin_s: float, items: list[WorkloadItem], gaps: list[float]) -> tuple[list[tuple[float, float]], float]:
     """One fresh server: its (gap, TTFT) rows and CPU seconds per request (warm-up excluded)."""
-    with ServerProcess("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
-        server.wait_ready()
-        pids = process_tree(server.proc.pid)
+    with launch("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
+        server.wait_ready(600)
+        pids = server.pids()
         before = cpu_seconds(pids)
         rows = run(one_by_one(server.target, items, gaps))
         time.sleep(spin_s)  # the spin after the last request is part of its price

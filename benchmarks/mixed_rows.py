@@ -9,13 +9,12 @@ kernel for the chunk, the paged kernel for the decodes), in alternating rounds; 
 each counts. Threads are the runner's own, as served: the kernel's team, and the flat path's rule
 (one thread under SERIAL_STEP_MACS). `execute` includes building the inputs and sampling.
 
-    python benchmarks/mixed_rows.py [--model default] [--decodes 2 8 16 24] [--chunks 8 16 32]
+    python -m benchmarks.mixed_rows [--model default] [--decodes 2 8 16 24] [--chunks 8 16 32]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -26,6 +25,8 @@ from sloserve.executor import ModelRunner
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+
+from benchmarks._output import OUT, write_json
 
 GREEDY = SamplingParams(max_tokens=1 << 20)
 
@@ -72,7 +73,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=700, help="tokens before the step, every sequence")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_rows.json")
+    parser.add_argument("--out", type=Path, default=OUT / "mixed_rows.json")
     args = parser.parse_args()
     path, runner = make_runner(args.model, max(args.decodes), max(args.chunks), args.context)
     fused = runner.decode_step.fused if runner.decode_step else None
@@ -101,9 +102,7 @@ def main() -> None:
     report = {"benchmark": "mixed_rows", "model": path, "parameters": runner.info()["parameters"],
               "context": args.context, "kernel_threads": fused.threads, "torch_threads": torch.get_num_threads(),
               "load_average": os.getloadavg(), "torch": torch.__version__, "rows": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ On a CPU the "device" and host tiers are the same RAM: a miss is a memcpy, not a
 so throughput ratios here show the bookkeeping and copy cost of the cache, not what a GPU would
 see; `benchmarks/gpu_check.py` runs the same comparison on CUDA (section moe_offload).
 
-    python3 benchmarks/moe_offload.py                         # the full run (see --help for sizes)
-    python3 benchmarks/moe_offload.py --num-requests 2 --max-tokens 4 --concurrency 2 \\
+    python -m benchmarks.moe_offload                         # the full run (see --help for sizes)
+    python -m benchmarks.moe_offload --num-requests 2 --max-tokens 4 --concurrency 2 \\
         --out /tmp/moe_offload_smoke.json                     # a smoke run, seconds
 """
 
@@ -38,7 +38,7 @@ from sloserve.models.spec import load_spec
 from sloserve.sampling_params import SamplingParams
 from sloserve.tokenizer import Tokenizer
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._output import OUT
 
 
 def arms(residencies: list[int], preload: list[bool]) -> list[tuple[int, bool]]:
@@ -132,7 +132,7 @@ def main() -> None:
                     "(best throughput; expert figures of the last)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "moe_offload.json")
+    ap.add_argument("--out", type=Path, default=OUT / "moe_offload.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,13 +11,12 @@ streaming read (`torch.sum`) of buffers of the same sizes on the same threads. I
 KV bytes read per second and their ratio to the streaming rate, alternating rounds (the best
 round of each counts).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/paged_kernel.py [--batches 16 64] [--contexts 128 800]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.paged_kernel [--batches 16 64] [--contexts 128 800]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import torch
 from sloserve.layers.attention import paged
+
+from benchmarks._output import OUT, write_json
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 4, 2, 64, 16, 4
 
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
     parser.add_argument("--repeats", type=int, default=20, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "paged_kernel.json")
+    parser.add_argument("--out", type=Path, default=OUT / "paged_kernel.json")
     args = parser.parse_args()
     if not paged.AVAILABLE:
         raise SystemExit("the paged kernel extension is not built (python setup.py build_ext --inplace)")
@@ -100,9 +101,7 @@ def main() -> None:
                                                      "page": PAGE, "layers": LAYERS},
               "threads": torch.get_num_threads(), "load_average": os.getloadavg(), "torch": torch.__version__,
               "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

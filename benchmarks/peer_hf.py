@@ -12,7 +12,7 @@ generating exactly its max_tokens (EOS ignored) greedily, all requests submitted
 Output tokens/s counts only the tokens each request asked for (padding and overshoot in static
 batches do not count). Goal: sloserve >= 2x the best transformers mode.
 
-    python benchmarks/peer_hf.py               # ~5 min on a 2-core CPU with the default model
+    python -m benchmarks.peer_hf               # ~5 min on a 2-core CPU with the default model
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import argparse
 import sys
 import time
 
-import harness
 import numpy as np
 import torch
 from sloserve.bench.client import LoadSpec
 from sloserve.bench.stats import summarise, summary
+
+from benchmarks import harness
 
 GOAL = 2.0
 
@@ -112,8 +113,8 @@ def hf_continuous(model, prompts: list[list[int]], lengths: list[int], pad: int)
 
 
 def sloserve_run(model: str, items: list, streams: int, seed: int) -> tuple[dict, dict]:
-    with harness.ServerProcess("full", model, harness.LOGS / "peer_hf_server.log") as server:
-        info = server.wait_ready()
+    with harness.launch("full", model, harness.LOGS / "peer_hf_server.log") as server:
+        info = server.wait_ready(600)
         harness.run(harness.send(server.target, items[:2], LoadSpec(ignore_eos=True)))  # warm up
         result = harness.run(harness.send(server.target, items, LoadSpec(
             streams=streams, seed=seed, ignore_eos=True)))

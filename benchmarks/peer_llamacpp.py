@@ -6,7 +6,7 @@ byte-level tokenizer, float32), 48 distinct ARC prompts of at most 1,500 charact
 on the same CPUs, one at a time, each started fresh for every run (so neither keeps a prompt
 cache from the run before); the two alternate, and the first to run switches every round.
 
-    python benchmarks/peer_llamacpp.py [--rounds 2] [--concurrency 1 4 16]
+    python -m benchmarks.peer_llamacpp [--rounds 2] [--concurrency 1 4 16]
         [--sloserve-args "" "--num-scheduler-steps 1"]
 
 `--sloserve-args` runs one sloserve arm per string (extra `sloserve serve` flags; "" is its
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import arc_pool, free_port, machine, ready_info, run, save
+from benchmarks.harness import ServerProcess, arc_pool, free_port, machine, save
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPTS = ROOT.parent / "shared" / "peer" / "llamacpp"
@@ -93,29 +92,18 @@ def bench_peer(gguf: Path, workload: Path, concurrency: int, max_tokens: int) ->
     return json.loads(out.strip().splitlines()[-1])
 
 
-class Sloserve:
+def sloserve_server(folder: Path, extra: str = "") -> ServerProcess:
     """`sloserve serve` with its defaults, exactly as a user starts it (the CLI's OpenMP settings too)."""
-
-    def __init__(self, folder: Path, extra: str = "") -> None:
-        self.target = f"127.0.0.1:{free_port()}"
-        self.log = open(Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([SLOSERVE, "serve", "--model", folder, "--device", "cpu", "--port",
-                                      self.target.rsplit(":", 1)[1], "--metrics-port", "off", "--http-port", "off",
-                                      *shlex.split(extra)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def __enter__(self) -> Sloserve:
-        run(ready_info(self.target, 300.0))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
-        self.log.close()
+    port = free_port()
+    return ServerProcess(["serve", "--model", str(folder), "--device", "cpu", "--port", str(port),
+                          "--metrics-port", "off", "--http-port", "off", *shlex.split(extra)],
+                         command=(str(SLOSERVE),), port=port, label="sloserve",
+                         log_path=Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log")
 
 
 def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: int, extra: str = "") -> dict:
-    with Sloserve(folder, extra) as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
+    with sloserve_server(folder, extra) as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
+        server.wait_ready(300)
         subprocess.run([SLOSERVE, "bench", "--server", server.target, "--workload", f"jsonl:{workload}",
                         "--num-requests", str(len(workload.read_text().splitlines())),  # each line once
                         "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos",

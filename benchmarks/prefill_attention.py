@@ -12,13 +12,12 @@ and checks the three agree. Part 2 times `ModelRunner.execute` of whole prompts 
 as built and with SdpaBackend's SDPA call patched back to the 3-D form with a mask (before),
 alternating.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/prefill_attention.py [--lengths 300 900 1500]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.prefill_attention [--lengths 300 900 1500]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from sloserve.layers.attention import sdpa
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+
+from benchmarks._output import OUT, write_json
 
 
 def forms(length: int, heads: int, kv_heads: int, dim: int) -> dict:
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--lengths", type=int, nargs="+", default=[300, 900, 1500])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prefill_attention.json")
+    parser.add_argument("--out", type=Path, default=OUT / "prefill_attention.json")
     args = parser.parse_args()
     path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
     threads = torch.get_num_threads()  # part 1's; the runner sets its own per step
@@ -122,9 +123,7 @@ def main() -> None:
               f"{step['before']:>14.1f} {step['now']:>6.1f} {step['before'] / step['now']:>6.2f}")
     report = {"benchmark": "prefill_attention", "model": path, "threads": threads,
               "load_average": os.getloadavg(), "torch": torch.__version__, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

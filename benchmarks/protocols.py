@@ -8,7 +8,7 @@ Goal (issue 13): HTTP's TTFT p50 and output throughput within 10% of gRPC's. At 
 also times HTTP with a bare asyncio client, to tell the server's share of HTTP's TTFT from the
 load generator's (aiohttp).
 
-    python benchmarks/protocols.py [--model default] [--workload fixed:64,32] [--requests 64] [--rounds 5]
+    python -m benchmarks.protocols [--model default] [--workload fixed:64,32] [--requests 64] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import time
 
 import orjson
-from harness import free_port, machine, save
 from sloserve.bench import http_client
 from sloserve.bench.client import LoadSpec, connect, run_load, wait_ready
 from sloserve.bench.stats import summarise
 from sloserve.bench.workloads import load_workload
+
+from benchmarks.harness import ServerProcess, free_port, machine, save
 
 
 async def _grpc(target: str, items, spec: LoadSpec) -> dict:
@@ -96,10 +95,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     grpc_port, http_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli.main", "serve", "--model", args.model,
-                             "--device", args.device, "--port", str(grpc_port), "--http-port", str(http_port),
-                             "--metrics-port", "off", "--log-format", "json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServerProcess(["serve", "--model", args.model, "--device", args.device, "--port", str(grpc_port),
+                            "--http-port", str(http_port), "--metrics-port", "off", "--log-format", "json"],
+                           port=grpc_port)
     target, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
     results: dict = {}
     try:
@@ -137,8 +135,7 @@ def main() -> None:
                 print(f"    HTTP TTFT p50 with a bare asyncio client instead of aiohttp: {statistics.median(bare):.1f} ms "
                       f"(x{statistics.median(bare) / grpc_m['ttft_p50_ms']:.2f} of gRPC)", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     path = save("protocols", {"machine": machine(), "model": args.model, "workload": args.workload,
                               "goal": "HTTP TTFT p50 and output throughput within 10% of gRPC", "results": results})
     print(f"wrote {path}")

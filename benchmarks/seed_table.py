@@ -24,8 +24,8 @@ Method (issue 12):
   requests (sampled) x max_model_len x bytes per token (kv_block_bytes / block_size); peak RSS of
   the server process and its engine process (the sum of their VmHWM).
 
-    python benchmarks/seed_table.py     # the estimate is printed after calibration (~12 min quiet)
-    python benchmarks/seed_table.py --report benchmarks/results/seed_table.json   # a saved run's table
+    python -m benchmarks.seed_table     # the estimate is printed after calibration (~12 min quiet)
+    python -m benchmarks.seed_table --report benchmarks/out/seed_table.json   # a saved run's table
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ import sys
 import time
 from pathlib import Path
 
-import _goodput_arms as ga
-import harness
 from sloserve.bench.client import LoadSpec
 from sloserve.bench.stats import rate_at_attainment, summarise
 from sloserve.sampling_params import SLO
+
+from benchmarks import _goodput_arms as ga
+from benchmarks import harness
 
 WRITE_UP = {"qps": (3.2, 10.1), "p99_ms": (1842.0, 623.0), "memory_gb": (78.0, 64.0)}
 GRID = (0.5, 0.8, 1.25, 2.0, 3.2, 5.0, 8.0, 12.5)  # multiples of the naive unloaded capacity
@@ -67,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-e2e", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--budget-s", type=float, default=200.0, help="most seconds of one sweep (mode, seed)")
-    p.add_argument("--name", default="seed_table", help="results/NAME.json and NAME.txt")
+    p.add_argument("--name", default="seed_table", help="benchmarks/out/NAME.json and NAME.txt")
     p.add_argument("--report", type=Path, default=None, help="print the table of a saved results JSON; runs nothing")
     args = p.parse_args(argv)
     if args.requests_per_rate < 1 or not args.seeds:
@@ -89,9 +90,9 @@ class Served:
         n = self.args.requests_per_rate
         if self.server is None or (self.start and self.start + n > len(self.pool)):
             self.close()
-            self.server = harness.ServerProcess(self.mode, self.args.model,
+            self.server = harness.launch(self.mode, self.args.model,
                                                 harness.LOGS / f"seed_table_{self.mode}_server.log")
-            self.server.wait_ready()
+            self.server.wait_ready(600)
             self.start = 0
         items = harness.take(self.pool, self.start, n)
         self.start += n
@@ -164,8 +165,8 @@ def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: fl
 
 def calibrate(args: argparse.Namespace, pool: list) -> tuple[SLO, float, dict]:
     """Unloaded latencies (16 requests one at a time through the naive server) -> SLO, capacity."""
-    with harness.ServerProcess("naive", args.model, harness.LOGS / "seed_table_naive_server.log") as server:
-        server.wait_ready()
+    with harness.launch("naive", args.model, harness.LOGS / "seed_table_naive_server.log") as server:
+        server.wait_ready(600)
         result = harness.run(harness.send(server.target, pool[:16], LoadSpec(concurrency=1)))
     unloaded = summarise(result.records, result.duration_s, None, None)
     if unloaded["completed"] < len(result.records):
@@ -305,7 +306,7 @@ def main(argv: list[str]) -> int:
     text = report(payload)
     print("\n" + text)
     path = harness.save(args.name, payload)
-    (harness.RESULTS / f"{args.name}.txt").write_text(text + "\n")
+    (harness.OUT / f"{args.name}.txt").write_text(text + "\n")
     print(f"wrote {path} and {args.name}.txt")
     return 0
 

@@ -6,20 +6,21 @@ For each (decodes, chunk) shape whose tokens exceed the kernel's rows it times
 one prompt computing a `chunk`-token chunk that starts there, each on pages of its own -- with
 `split_mixed_steps` on (as served) and off, in alternating rounds; the best round of each counts.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/split_mixed.py [--decodes 16 48] [--chunks 32 64 128 512]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.split_mixed [--decodes 16 48] [--chunks 32 64 128 512]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
-from mixed_rows import make_runner, mixed_step, seconds_per_execute
 from sloserve.executor import ModelRunner
 from sloserve.sched.output import SchedulerOutput
+
+from benchmarks._output import OUT, write_json
+from benchmarks.mixed_rows import make_runner, mixed_step, seconds_per_execute
 
 
 def timed(runner: ModelRunner, out: SchedulerOutput, split: bool, steps: int) -> float:
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=700, help="tokens before the step, every sequence")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "split_mixed.json")
+    parser.add_argument("--out", type=Path, default=OUT / "split_mixed.json")
     args = parser.parse_args()
     path, runner = make_runner(args.model, max(args.decodes), max(args.chunks), args.context)
     if runner.decode_step is None or runner.decode_step.fused is None:
@@ -62,9 +63,7 @@ def main() -> None:
     report = {"benchmark": "split_mixed", "model": path, "parameters": runner.info()["parameters"],
               "context": args.context, "torch_threads": torch.get_num_threads(),
               "load_average": os.getloadavg(), "torch": torch.__version__, "rows": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

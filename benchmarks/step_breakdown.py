@@ -13,7 +13,7 @@ Medians of each phase are printed per batch size (mean and p90 are in the JSON).
 path is the fused kernel where the model takes it (executor/fused.py); `--compare-torch` also
 times each batch with it off (its torch twin, the path before it), right after.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/step_breakdown.py [--batches 1 64] [--steps 40]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_breakdown [--batches 1 64] [--steps 40]
 
 `--model` defaults to the ~40M random-weight Llama ('default-random'), the shape the issue's
 figures describe; any checkpoint folder or built-in name works.
@@ -22,7 +22,6 @@ figures describe; any checkpoint folder or built-in name works.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -33,6 +32,8 @@ from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveC
 from sloserve.engine.core import EngineCore
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
+
+from benchmarks._output import OUT, write_json
 
 PHASES = ("schedule", "inputs", "forward", "sampling", "outputs")
 
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (eager otherwise)")
     parser.add_argument("--compare-torch", action="store_true",
                         help="also time each batch with the fused decode kernel off (its torch twin), alternating")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_breakdown.json")
+    parser.add_argument("--out", type=Path, default=OUT / "step_breakdown.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,9 +154,7 @@ def main() -> None:
         k: info.get(k) for k in ("architecture", "parameters", "attention_backend", "decode_step", "warmup_time_s")},
         "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "load_average": os.getloadavg(), "torch": torch.__version__, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ occurs). The figure is the probe's median end-to-end latency hostile / plain (go
 plain / alone shows what sharing a step costs anyway. The server runs with its stop-string limits
 raised to the companion's, so `--stops 100000 --stop-chars 12` replays issue 44's 1.2 MB request.
 
-    python benchmarks/stop_strings.py [--rounds 5] [--probes 8] [--stops 16] [--stop-chars 256]
+    python -m benchmarks.stop_strings [--rounds 5] [--probes 8] [--stops 16] [--stop-chars 256]
 """
 
 from __future__ import annotations
@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 
-from harness import free_port, machine, save
 from sloserve.bench.client import connect, wait_ready
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+from benchmarks.harness import ServerProcess, free_port, machine, save
 
 ARMS = ("alone", "plain", "hostile")
 
@@ -102,17 +100,15 @@ async def measure(target: str, args) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     port = free_port()
-    cmd = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", args.model, "--device", "cpu",
+    cmd = ["serve", "--model", args.model, "--device", "cpu",
            "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--max-model-len", "512",
            "--max-stop-strings", str(args.stops), "--max-stop-string-chars", str(args.stop_chars),
            "--grace", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    server = ServerProcess(cmd, port=port, env={"OMP_WAIT_POLICY": "PASSIVE"})
     try:
-        latencies = asyncio.run(measure(f"127.0.0.1:{port}", args))
+        latencies = asyncio.run(measure(server.target, args))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop(60)
     medians = {arm: statistics.median(v) for arm, v in latencies.items()}
     for arm in ARMS:
         print(f"{arm:8} probe e2e median {medians[arm] * 1e3:8.1f} ms  p90 "

@@ -14,8 +14,8 @@ Three parts, each optional (--parts):
   (tools/train_default.py's split): the share of well-formed grids ending in EOS with and without
   the ARC grid grammar.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/structured.py                      # all parts, default sizes
-    python benchmarks/structured.py --parts step --batches 1 16 --steps 30 --rounds 5 --device cuda
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.structured                      # all parts, default sizes
+    python -m benchmarks.structured --parts step --batches 1 16 --steps 30 --rounds 5 --device cuda
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +34,8 @@ from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from sloserve.structured import arc_grid_grammar, grammar_for
+
+from benchmarks._output import OUT, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {
@@ -134,8 +135,7 @@ def step_ratio(model: str, device: str, batches: list[int], context: int, steps:
 
 def heldout_arc(data: Path, prompt_budget: int, limit: int | None) -> list[dict]:
     """The held-out ARC test inputs as prompts (tools/eval_default.py's format and budget)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from train_default import grid_text, split_tasks
+    from tools.train_default import grid_text, split_tasks
 
     _, held = split_tasks(data)
     items = []
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--arc-data", type=Path, default=Path("/work/shared/data/arc-agi-2/training"))
     parser.add_argument("--arc-limit", type=int, default=None, help="arc: only the first N held-out prompts")
     parser.add_argument("--arc-max-tokens", type=int, default=960, help="arc: a 30x30 grid and EOS are 931")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "structured.json")
+    parser.add_argument("--out", type=Path, default=OUT / "structured.json")
     args = parser.parse_args()
     report: dict = {"device": args.device, "model": args.model, "load": os.getloadavg()[0]}
     if "valid" in args.parts:
@@ -195,9 +195,7 @@ def main() -> None:
     if "arc" in args.parts:
         print("ARC grid grammar on the held-out training tasks:")
         report["arc"] = arc_rates(args.device, args.arc_data, args.arc_limit, args.arc_max_tokens)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ machine's cores (each rank gets cores / ranks threads), so two ranks are expecte
 what they buy is a model that fits, not speed. On a machine with several GPUs the same script
 runs with NCCL (--device cuda).
 
-    python3 benchmarks/tp.py                       # small and medium random Llamas, TP 1 and 2
-    python3 benchmarks/tp.py --models small --decode-tokens 8 --prefill-tokens 64 --out /tmp/tp.json  # smoke
+    python -m benchmarks.tp                       # small and medium random Llamas, TP 1 and 2
+    python -m benchmarks.tp --models small --decode-tokens 8 --prefill-tokens 64 --out /tmp/tp.json  # smoke
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import orjson
-from engine import BENCH_MODELS, random_llama  # NOTE: the scripts import each other by name
 from sloserve.llm import LLM
 from sloserve.sampling_params import SamplingParams
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._output import OUT
+from benchmarks.engine import BENCH_MODELS, random_llama
 
 MODELS = {
     # 3.9M parameters: per-step fixed costs (Python, the command broadcast) dominate
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3, help="runs per phase; the median is reported")
-    parser.add_argument("--out", default=str(RESULTS / "tp.json"))
+    parser.add_argument("--out", default=str(OUT / "tp.json"))
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     report = {"host": platform.node(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "device": args.device,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import urllib.request
 import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sloserve.bench.local_server import free_port
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
@@ -41,12 +41,6 @@ PROMPTS = {  # small ARC-style puzzles, one token per digit with the default mod
     "copy": _task("35/00", "35/00", "060/606", "060/606", "0770/7007/0770"),
     "cancel-me": _task("123456789", "987654321", "123456789"),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _relay(stream, prefix: str) -> None:

@@ -1,6 +1,5 @@
 """Type stubs for the compiled `_blocks` module (same API as `_blocks_py`)."""
 
-from array import array
 
 class BlockAllocator:
     num_blocks: int
@@ -27,13 +26,3 @@ class BlockAllocator:
     def block_hash(self, block: int) -> int | None: ...
     def record_lookup(self, hit: bool) -> None: ...
     def free_order(self) -> list[int]: ...
-
-def _bench_blocks(
-    num_blocks: int,
-    n_requests: int,
-    n_ops: int,
-    seed: int = 1,
-    probe: array | None = None,
-    probe_target: int = 0,
-    release_gil: bool = True,
-) -> tuple[int, int, int, int]: ...

@@ -28,7 +28,7 @@ already holds that hash it returns False and the block stays unhashed (freed, no
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from cpython.number cimport PyNumber_Index
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
@@ -328,6 +328,3 @@ cdef class BlockAllocator:
             return out
         finally:
             self._busy = 0
-
-
-include "_blocks_bench.pxi"

@@ -31,11 +31,3 @@ class RequestQueue:
     ) -> None: ...
 
 def target_batch_size(max_batch: int, queue_depth: int, decay: float = 0.9) -> int: ...
-def _bench_queue(
-    n_live: int,
-    n_ops: int,
-    seed: int = 1,
-    probe: array | None = None,
-    probe_target: int = 0,
-    release_gil: bool = True,
-) -> tuple[int, int, int]: ...

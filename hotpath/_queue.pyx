@@ -296,6 +296,3 @@ def target_batch_size(max_batch, queue_depth, double decay=0.9):
     if target < 1.0:
         return 1
     return batch if target > <double>batch else <long long>target
-
-
-include "_queue_bench.pxi"

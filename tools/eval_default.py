@@ -4,7 +4,7 @@ Held out = the last 10% of ARC-AGI-2 training tasks by sorted file name (never t
 test input is one prompt in the workload's format; leading train pairs are dropped until the
 prompt fits in --prompt-budget tokens (the model was trained on sequences of at most 1,536 tokens).
 
-    .venv/bin/python tools/eval_default.py --check-hf 2    # also compare with transformers
+    python -m tools.eval_default --check-hf 2    # also compare with transformers
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_default import RESULTS, grid_text, split_tasks  # noqa: E402
+from tools.train_default import RESULTS, grid_text, split_tasks
 
 EOS = 257
 

@@ -11,9 +11,9 @@ Epoch 0 is the tasks as they are (test inputs as queries, train pairs in order);
 augment: a random pair is the query, pairs are shuffled, colours 1-9 permuted, and the grids
 rotated/reflected, all from one seeded generator.
 
-    .venv/bin/python tools/train_default.py                 # the first run (then --init continuations:
+    python -m tools.train_default                           # the first run (then --init continuations:
                                                             # docs/design/builtin-model.md lists them)
-    .venv/bin/python tools/train_default.py --measure       # tokens/s of candidate sizes
+    python -m tools.train_default --measure                 # tokens/s of candidate sizes
 """
 
 from __future__ import annotations

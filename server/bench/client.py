@@ -228,6 +228,11 @@ async def fetch_info(channel: grpc.aio.Channel, auth_token: str | None = None) -
             pb.InfoRequest(), timeout=10.0, metadata=_metadata(auth_token) or None)
     except grpc.aio.AioRpcError:
         return {}
+    return info_fields(info)
+
+
+def info_fields(info: pb.InfoResponse) -> dict:
+    """The model and limits of an InfoResponse, as fetch_info returns them."""
     return {"model": info.model, "architecture": info.architecture, "version": info.version,
             "device": info.device, "max_model_len": info.max_model_len,
             "attention_backend": info.attention_backend}

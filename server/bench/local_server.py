@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_load, wait_ready
@@ -19,6 +19,7 @@ from sloserve.bench.workloads import WorkloadItem
 
 
 def free_port() -> int:
+    """A port the OS reports free on 127.0.0.1 now (another process may take it before it is bound)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -37,10 +38,12 @@ async def ready_info(target: str, timeout_s: float = 600.0) -> dict:
 class LocalServer:
     """A child process serving gRPC on 127.0.0.1:port, its output to log_path (or nowhere)."""
 
-    def __init__(self, argv: Sequence[str], port: int, log_path: Path | None = None, label: str = "server") -> None:
+    def __init__(self, argv: Sequence[str], port: int, log_path: Path | None = None, label: str = "server",
+                 env: Mapping[str, str] | None = None) -> None:
         self.port, self.target, self.label, self.log_path = port, f"127.0.0.1:{port}", label, log_path
         self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(list(argv), stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(list(argv), stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=None if env is None else dict(env))
 
     @classmethod
     def serve(cls, model: str, serve_args: Sequence[str] = (), log_path: Path | None = None,

@@ -1,1 +1,14 @@
-"""Support shared by tests/ and benchmarks/ (never imported by the server itself)."""
+"""The support layer shared by tests/ and benchmarks/ (never imported by the server itself).
+
+- ports.free_port
+- server_process.ServerProcess: a live server in a child process (its logs, readiness, Info)
+- procfs: a process tree, CPU time and memory, read from /proc
+- clock.Clock: a manual monotonic clock
+- tokenizer.ByteTokenizer: one token per byte
+- fake_engine.FakeEngine: an asyncio engine with the AsyncEngine contract
+- live_server: a SloserveServer in this process, and a Stream client's helpers
+- fake_server: a FakeEngine served by a process of its own (`python -m sloserve.testing.fake_server`)
+- faults: the test-only fault hook (`--inject-faults`), loaded by the engine core only when allowed
+
+Import the module you need: this package imports nothing, so a light helper never pulls in gRPC.
+"""

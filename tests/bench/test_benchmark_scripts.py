@@ -6,8 +6,6 @@ import argparse
 import json
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from sloserve.bench.client import LoadSpec
@@ -16,16 +14,9 @@ from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.sampling_params import SLO
 
+from benchmarks import _goodput_arms as ga
+from benchmarks import frontend_load, goodput, harness, idle_spin, seed_table, stop_strings
 from tests.bench.fake_server import FakeBehaviour, start_fake
-
-sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the scripts import each other by name
-import _goodput_arms as ga  # noqa: E402
-import frontend_load  # noqa: E402
-import goodput  # noqa: E402
-import harness  # noqa: E402
-import idle_spin  # noqa: E402
-import seed_table  # noqa: E402
-import stop_strings  # noqa: E402
 
 INTERACTIVE = SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0)
 BATCH = SLO(e2e_s=30.0)
@@ -54,7 +45,7 @@ def test_overrides_are_checked_before_a_launch():
     with pytest.raises(ValueError, match="aging must be in"):
         harness.check_overrides({"scheduler": {"aging": 2.0}})
     with pytest.raises(ValueError, match="has no field"):
-        harness.ServerProcess("full", overrides={"cache": {"bogus": 1}})  # nothing launched
+        harness.launch("full", overrides={"cache": {"bogus": 1}})  # nothing launched
 
 
 def test_launch_config_applies_overrides_on_top_of_the_mode():

@@ -3,17 +3,12 @@ GPU issue records, from a real server driven by `sloserve bench`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 @pytest.mark.slow
 def test_served_section_records_each_concurrency_transformers_and_the_roofline():
-    from gpu_served import served
+    from benchmarks.gpu_served import served
 
     result = served(gpu=False)
     assert result["roofline_step_s"] > 0 and len(result["commit"]) == 40

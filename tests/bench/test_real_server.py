@@ -2,38 +2,25 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import orjson
 import pytest
+from sloserve.testing.ports import free_port
+from sloserve.testing.server_process import ServerProcess
 
 CLI = [sys.executable, "-c", "from sloserve.cli.main import cli; cli()"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server():
     """A real server subprocess (default model, CPU); yields HOST:PORT once started."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*CLI, "serve", "--model", "default", "--device", "cpu", "--port", str(port),
-                                 "--metrics-port", "off", "--http-port", "off", "--grace", "1"], stdout=out, stderr=subprocess.STDOUT)
-    yield f"127.0.0.1:{port}"
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    port = free_port()
+    server = ServerProcess(["serve", "--model", "default", "--device", "cpu", "--port", str(port),
+                            "--metrics-port", "off", "--http-port", "off", "--grace", "1"], port=port)
+    yield server.target
+    assert server.stop() == 0, "\n".join(server.raw[-40:])
 
 
 @pytest.mark.timeout(170)

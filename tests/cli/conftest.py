@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pytest
 from sloserve.config import ServerConfig, SloserveConfig
 from sloserve.grpc.server import SloserveServer
-
-from tests.service.fake_engine import FakeEngine
+from sloserve.testing.fake_engine import FakeEngine
 
 TOKEN = "cli-token"
 

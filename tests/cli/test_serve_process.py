@@ -3,61 +3,41 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import subprocess
-import sys
 import urllib.request
 
 import grpc
 import orjson
 import pytest
 from click.testing import CliRunner
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from sloserve.cli.main import cli
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-
-from tests.service.helpers import Transcript, gen, read_until
+from sloserve.testing.live_server import Transcript, gen, read_until
+from sloserve.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(240)
 
 
-async def start_server(model: str, *extra: str) -> tuple[asyncio.subprocess.Process, int, int, list[dict]]:
-    """Start `sloserve serve` on free ports; return (process, port, metrics port, logs so far)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sloserve.cli.main", "serve", "--model", model, "--port", "0",
-        "--metrics-port", "0", "--http-port", "off", "--device", "cpu", "--log-format", "json", "--kv-pool-size", "16MiB", *extra,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    logs: list[dict] = []
-    while True:
-        line = await asyncio.wait_for(proc.stderr.readline(), 120)
-        assert line, f"the server exited early: {logs}"
-        if line.startswith(b"{"):
-            logs.append(orjson.loads(line))
-            found = re.match(r"listening on 127\.0\.0\.1:(\d+) .*metrics on http://127\.0\.0\.1:(\d+)/", logs[-1]["msg"])
-            if found:
-                return proc, int(found.group(1)), int(found.group(2)), logs
-
-
-async def wait_serving(channel: grpc.aio.Channel) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    for _ in range(1200):
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service="sloserve.v1.Sloserve"))
-        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the server never became ready")
+def start_server(model: str, *extra: str) -> tuple[ServerProcess, int]:
+    """Start `sloserve serve` on free ports; return (the server, its metrics port)."""
+    server = ServerProcess(["serve", "--model", model, "--port", "0", "--metrics-port", "0", "--http-port", "off",
+                            "--device", "cpu", "--log-format", "json", "--kv-pool-size", "16MiB", *extra],
+                           startup_s=120)
+    line = server.wait_log(lambda m: m.startswith("listening on "), 0)
+    found = re.match(r"listening on 127\.0\.0\.1:\d+ .*metrics on http://127\.0\.0\.1:(\d+)/", line)
+    assert found, line
+    return server, int(found.group(1))
 
 
 async def test_serve_generate_info_and_sigterm_under_load(tiny_llama):
-    proc, port, metrics_port, logs = await start_server(str(tiny_llama), "--grace", "60")
-    address = f"127.0.0.1:{port}"
+    server, metrics_port = start_server(str(tiny_llama), "--grace", "60")
+    address = server.target
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            await wait_serving(channel)
+            await asyncio.to_thread(server.wait_ready, 120)
             # the CLI client commands against the live server
             result = await asyncio.to_thread(CliRunner().invoke, cli, [
                 "generate", "0123", "--server", address, "--max-tokens", "5", "--json"])
@@ -84,7 +64,7 @@ async def test_serve_generate_info_and_sigterm_under_load(tiny_llama):
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode())
             names = {f.name for f in text_string_to_metric_families(page)}
             assert {"sloserve_requests", "sloserve_kv_blocks_in_use", "sloserve_ttft_seconds"} <= names
-            proc.send_signal(signal.SIGTERM)
+            server.signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             await call.write(gen("late", max_tokens=2))
             await read_until(call, transcript, {*ids, "late"})
@@ -92,14 +72,11 @@ async def test_serve_generate_info_and_sigterm_under_load(tiny_llama):
                 final = transcript.terminal(rid).final
                 assert final.completion_tokens == 48 and len(transcript.tokens(rid)) == 48
             assert transcript.terminal("late").error.code == grpc.StatusCode.UNAVAILABLE.value[0]
-        assert await asyncio.wait_for(proc.wait(), 60) == 0
-        logs += [orjson.loads(x) for x in (await proc.stderr.read()).splitlines() if x.startswith(b"{")]
-        messages = [entry["msg"] for entry in logs]
+        assert await asyncio.to_thread(server.wait, 60) == 0
+        messages = server.messages()
         assert "signal received: shutting down gracefully" in messages and "stopped" in messages
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        server.kill()
 
 
 def test_in_process_generate_and_info(tiny_llama):

@@ -13,22 +13,13 @@ import dataclasses
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from sloserve.sched.runner import RunnerDefaults
+from sloserve.testing.tokenizer import ByteTokenizer
 
 EOS = 3
 
 
 def _mix(state: int, token: int, pos: int) -> int:
     return hash((state, token, pos)) & 0xFFFFFFFF
-
-
-class ByteTokenizer:
-    """token id == byte; decode replaces broken UTF-8 (so the detokenizer must hold it back)."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class FakeRunner(RunnerDefaults):

@@ -9,18 +9,9 @@ from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
 from sloserve.sched.scheduler import Scheduler
+from sloserve.testing.clock import Clock
 
 from tests.engine.fakes import FakeRunner
-
-
-class Clock:
-    """A manual time.monotonic()."""
-
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make_scheduler(runner: FakeRunner | None = None, clock: Clock | None = None, *,

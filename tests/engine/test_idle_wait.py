@@ -11,14 +11,7 @@ from sloserve.config import ServerConfig
 from sloserve.engine import wire
 from sloserve.engine.outputs import EngineStats
 from sloserve.engine.process import IDLE_POLL_MS, EngineLoop, IdleWait
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from sloserve.testing.clock import Clock
 
 
 def test_idle_wait_spins_for_its_window_after_the_last_step_only():
@@ -26,9 +19,9 @@ def test_idle_wait_spins_for_its_window_after_the_last_step_only():
     wait = IdleWait(0.5, clock)
     assert wait.timeout_ms() == IDLE_POLL_MS  # a loop that never stepped does not spin
     wait.worked()
-    clock.now += 0.49
+    clock.t += 0.49
     assert wait.timeout_ms() == 0
-    clock.now += 0.02
+    clock.t += 0.02
     assert wait.timeout_ms() == IDLE_POLL_MS
     wait.worked()  # another step opens a new window
     assert wait.timeout_ms() == 0
@@ -79,7 +72,7 @@ class ScriptedInputs:
 
     def poll(self, timeout_ms: int) -> bool:
         self.timeouts.append(timeout_ms)
-        self.clock.now += self.turn_s
+        self.clock.t += self.turn_s
         self.left -= 1
         if self.left == 0:
             self._queue.append(wire.encode(wire.Inputs(shutdown=True)))

@@ -12,15 +12,15 @@ from sloserve.engine.async_engine import AsyncEngine
 from sloserve.engine.client import EngineClient
 from sloserve.engine.mp_client import MPEngineClient
 from sloserve.sched.runner import Runner
+from sloserve.testing.fake_engine import FakeEngine
 from sloserve.testing.faults import FaultPlan, FaultyRunner
 
 from tests.engine.fakes import FakeRunner
+from tests.frontend.test_clock_and_state import TimedEngine
+from tests.frontend.test_frontend import _ErrorEngine
+from tests.frontend.test_tokenizing import RecordingEngine
+from tests.grpc.test_real_engine import BlockingRunner, SlowRunner
 from tests.sched.test_admission_policy import _TimedRunner
-from tests.service.fake_engine import FakeEngine
-from tests.service.test_clock_and_state import TimedEngine
-from tests.service.test_frontend import _ErrorEngine
-from tests.service.test_real_engine import BlockingRunner, SlowRunner
-from tests.service.test_tokenizing import RecordingEngine
 
 
 def _members(protocol: type) -> dict[str, object]:

@@ -188,11 +188,7 @@ def test_grouped_gemms_through_the_model_give_the_same_tokens(make_checkpoint, a
 
 
 def test_the_offload_benchmark_compares_arms_on_the_same_tokens(tiny_mixtral):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import moe_offload
+    from benchmarks import moe_offload
 
     assert moe_offload.arms([25, 50, 100], [True, False]) == [(100, False), (50, True), (50, False), (25, True),
                                                              (25, False)]

@@ -8,23 +8,23 @@ from types import SimpleNamespace
 import pytest
 
 MODULES = {
-    "cython": ("_queue", "_blocks", "_experts"),
-    "python": ("_queue_py", "_blocks_py", "_experts_py"),
+    "cython": ("_queue", "_blocks", "_experts", "_bench"),
+    "python": ("_queue_py", "_blocks_py", "_experts_py", "_bench_py"),
 }
 
 
 def load_impl(name: str) -> SimpleNamespace:
     """The public classes and bench churns of one implementation, imported directly."""
-    queue, blocks, experts = (
+    queue, blocks, experts, bench = (
         importlib.import_module(f"sloserve.hotpath.{m}") for m in MODULES[name]
     )
     return SimpleNamespace(
         name=name,
         RequestQueue=queue.RequestQueue,
         target_batch_size=queue.target_batch_size,
-        bench_queue=queue._bench_queue,
+        bench_queue=bench._bench_queue,
         BlockAllocator=blocks.BlockAllocator,
-        bench_blocks=blocks._bench_blocks,
+        bench_blocks=bench._bench_blocks,
         ExpertAllocator=experts.ExpertAllocator,
     )
 

@@ -64,3 +64,13 @@ def test_env_switch_selects_the_twins():
         "sloserve.hotpath._queue_py",
     ]
     assert run_probe("0")[0] is True
+
+
+def test_the_shipped_modules_carry_no_benchmark_loops():
+    """The churns live in `_bench` and its twin `_bench_py` only (benchmarks/hotpath.py, the GIL tests)."""
+    from sloserve.hotpath import _bench, _bench_py, _blocks, _blocks_py, _queue, _queue_py
+
+    for module in (_queue, _queue_py, _blocks, _blocks_py):
+        assert not [name for name in vars(module) if "bench" in name.lower()], module
+    for module in (_bench, _bench_py):
+        assert callable(module._bench_queue) and callable(module._bench_blocks), module

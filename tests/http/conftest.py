@@ -7,8 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from tests.reliability.harness import ServerProcess
+from sloserve.testing.server_process import ServerProcess
 
 TOKEN = "http-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -22,8 +21,7 @@ class HttpServerProcess(ServerProcess):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        line = self.wait_log(lambda m: m.startswith("http listening on "), 30)
-        self.http_port = int(line.split()[3].rsplit(":", 1)[1])
+        self.http_port = self.wait_http_port(30)
         self.url = f"http://127.0.0.1:{self.http_port}"
 
 

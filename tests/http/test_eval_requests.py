@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sloserve.testing.server_process import describe, quiescent
 from sloserve.tokenizer import Tokenizer
 
 from tests.checkpoints import hf_log_softmax
 from tests.http.conftest import TOKEN
-from tests.reliability.harness import describe, quiescent
 
 pytestmark = pytest.mark.timeout(120)
 META = [("authorization", f"Bearer {TOKEN}")]

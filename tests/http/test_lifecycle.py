@@ -13,9 +13,8 @@ from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.grpc.server import SloserveServer
 from sloserve.http.config import HttpConfig
 from sloserve.http.server import HttpServer
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 BODY = {"prompt": "hello", "max_tokens": 4, "temperature": 0}

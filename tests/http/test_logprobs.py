@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+from sloserve.testing.server_process import describe, quiescent
 from sloserve.tokenizer import Tokenizer
 
 from tests.checkpoints import hf_log_softmax
 from tests.http.conftest import TOKEN
-from tests.reliability.harness import describe, quiescent
 
 pytestmark = pytest.mark.timeout(120)
 META = [("authorization", f"Bearer {TOKEN}")]

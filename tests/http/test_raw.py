@@ -9,9 +9,9 @@ import time
 import httpx
 import orjson
 import pytest
+from sloserve.testing.server_process import describe, quiescent
 
 from tests.http.conftest import AUTH, SLOW, TOKEN
-from tests.reliability.harness import describe, quiescent
 
 pytestmark = pytest.mark.timeout(120)
 META = [("authorization", f"Bearer {TOKEN}")]

@@ -4,7 +4,6 @@ and greedy tokens through the router equal a replica's own."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sloserve.testing.ports import free_port
 
 from tests.http.conftest import HttpServerProcess, start
 
@@ -27,23 +27,17 @@ PROMPTS = [f"Input:\n{a}{b}\n{b}{a}\nOutput:\n" for a, b in ("12", "34", "56", "
 BODY = {"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Router:
     """`python -m sglang_router launch ...` (the `smg launch` console script) with its log in a file."""
 
     def __init__(self, workers: list[str], log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         argv = [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1", "--port", str(self.port),
                 "--worker-urls", *workers, "--policy", "round_robin", "--log-level", "info",
                 # NOTE: its Prometheus exporter binds 0.0.0.0:29000 unless told, and panics if that is taken
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 

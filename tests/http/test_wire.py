@@ -13,9 +13,9 @@ from sloserve.http.errors import HttpError, retry_headers
 from sloserve.http.schemas import parse_chat, parse_completion
 from sloserve.http.slo import slo_from_wire
 from sloserve.sampling_params import SLO
+from sloserve.testing.fake_engine import FakeEngine
 
 from tests.http.test_lifecycle import edges
-from tests.service.fake_engine import FakeEngine
 
 
 def test_headers_are_milliseconds_and_win_over_the_body():

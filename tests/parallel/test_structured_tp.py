@@ -6,9 +6,9 @@ import re
 
 import pytest
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import ServerProcess
 
 from tests.reliability.client import generate
-from tests.reliability.harness import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 

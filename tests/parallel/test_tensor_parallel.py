@@ -6,16 +6,15 @@ Each test starts real worker processes (`python -m sloserve.parallel.worker`); r
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from sloserve.config import ParallelConfig
 from sloserve.llm import LLM
 from sloserve.parallel.runner import TensorParallelRunner
 from sloserve.sampling_params import SamplingParams
+from sloserve.testing.ports import free_port
 
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.conftest import runner_config
@@ -91,15 +90,9 @@ def test_compile_with_tensor_parallelism_is_refused(tiny_llama):
         LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, enforce_eager=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_loopback(tiny_qwen2):
     """torchrun's conventions: node 1 runs `sloserve serve --node-rank 1`, node 0 the engine."""
-    port = _free_port()
+    port = free_port()
     node1 = subprocess.Popen(
         [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", str(tiny_qwen2), "--device", "cpu",
          "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
@@ -137,8 +130,7 @@ def test_tp_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/tp.py end to end at toy sizes: both sizes run and produce the same tokens."""
     import orjson
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tp
+    from benchmarks import tp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setitem(tp.MODELS, "small", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import pytest
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import ServerProcess, describe
 
 from tests.reliability.client import Record, StreamClient, generate, outcomes
-from tests.reliability.harness import ServerProcess, describe
 from tests.reliability.load import open_loop, quantile
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

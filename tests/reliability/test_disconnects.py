@@ -16,9 +16,10 @@ import pytest
 from grpc_health.v1 import health_pb2
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import SERVICE_NAME, describe, quiescent
 
 from tests.reliability.client import StreamClient, generate
-from tests.reliability.harness import SERVICE_NAME, count, describe, quiescent
+from tests.reliability.harness import count
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

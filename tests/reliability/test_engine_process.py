@@ -15,9 +15,10 @@ from sloserve.config import CacheConfig, ModelConfig, SloserveConfig
 from sloserve.llm import LLM
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
+from sloserve.testing.server_process import SERVICE_NAME, ServerProcess
 
 from tests.reliability.client import StreamClient, generate
-from tests.reliability.harness import SERVICE_NAME, ServerProcess, watch_health
+from tests.reliability.harness import watch_health
 
 pytestmark = pytest.mark.timeout(300)
 

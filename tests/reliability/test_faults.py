@@ -10,9 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import SERVICE_NAME, ServerProcess, describe, quiescent
 
 from tests.reliability.client import StreamClient, generate
-from tests.reliability.harness import SERVICE_NAME, ServerProcess, describe, quiescent, watch_health
+from tests.reliability.harness import watch_health
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,9 +15,9 @@ import grpc
 import httpx
 import pytest
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import ServerProcess
 
 from tests.reliability.client import generate
-from tests.reliability.harness import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(12)]

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import SERVICE_NAME, describe, quiescent
 
-from tests.reliability.harness import FULL, SERVICE_NAME, count, describe, quiescent
+from tests.reliability.harness import FULL, count
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

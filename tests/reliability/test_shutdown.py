@@ -11,9 +11,9 @@ import grpc
 import pytest
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.server_process import ServerProcess
 
 from tests.reliability.client import Record, StreamClient, generate
-from tests.reliability.harness import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

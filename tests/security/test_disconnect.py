@@ -10,9 +10,8 @@ import pytest
 from sloserve.config import GrpcConfig
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import gen, live_server, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import gen, live_server, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 OWN = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own, so closing it is a disconnect

@@ -6,8 +6,7 @@ import grpc
 import pytest
 from sloserve.frontend.bearer import bearer_matches
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.helpers import live_server
+from sloserve.testing.live_server import live_server
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "t0ken-with-sym/+="

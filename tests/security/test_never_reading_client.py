@@ -10,9 +10,6 @@ RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,13 +19,14 @@ import pytest
 from sloserve.config import GrpcConfig
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until
+from sloserve.testing.procfs import vm_bytes
+from sloserve.testing.server_process import ServerProcess
 
 from tests.security.helpers import refusals, status
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = 200_000
 RSS_MARGIN = 24 * 1024 * 1024  # unbounded, 200k answers held ~135 MiB
 STALL_S = 2.0
@@ -36,64 +34,28 @@ STALL_S = 2.0
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 8192), ("grpc.use_local_subchannel_pool", 1)]
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-class _Server:
-    """The fake-engine server process: its port, and its JSON log lines as they come."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.logs: list[dict] = []
-        self.port = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        while line := await self.proc.stderr.readline():
-            if not line.startswith(b"{"):
-                continue
-            entry = orjson.loads(line)
-            self.logs.append(entry)
-            found = re.match(r"listening on 127\.0\.0\.1:(\d+) ", entry["msg"])
-            if found and not self.port.done():
-                self.port.set_result(int(found.group(1)))
-
-    async def logged(self, needle: str, timeout: float) -> None:
-        async def poll() -> None:
-            while not any(needle in entry["msg"] for entry in self.logs):
-                await asyncio.sleep(0.05)
-        await asyncio.wait_for(poll(), timeout)
-
-
 async def _watch_rss(pid: int, peak: list[int]) -> None:
     while True:
-        peak[0] = max(peak[0], _rss(pid))
+        peak[0] = max(peak[0], vm_bytes(pid) or 0)
         await asyncio.sleep(0.05)
 
 
 async def test_a_client_that_never_reads_holds_bounded_memory():
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc to read a process's RSS")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.security.fake_server", orjson.dumps({"stream_stall_s": STALL_S}).decode(),
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = _Server(proc)
+    server = ServerProcess([orjson.dumps({"grace_s": 1.0, "grpc": {"stream_stall_s": STALL_S}}).decode()],
+                           command=(sys.executable, "-m", "sloserve.testing.fake_server"), startup_s=60)
     try:
-        port = await asyncio.wait_for(server.port, 60)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with server.aio_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)
             warm = stub.Stream()  # warm up: the allocator's and grpc's first buffers are not the attack's
             for i in range(20):
                 await warm.write(gen(f"w{i}", max_tokens=8))
             await read_until(warm, Transcript(), {f"w{i}" for i in range(20)})
             await warm.done_writing()
-            baseline = _rss(proc.pid)
+            baseline = vm_bytes(server.proc.pid) or 0
             peak = [baseline]
-            watcher = asyncio.create_task(_watch_rss(proc.pid, peak))
+            watcher = asyncio.create_task(_watch_rss(server.proc.pid, peak))
             sent = 0
 
             def flood():
@@ -103,7 +65,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory():
                     yield pb.ClientMessage(cancel=pb.CancelRequest(request_id=f"{i:0200d}"))
 
             call = stub.Stream(flood())  # written as fast as flow control lets it; never read
-            await server.logged("ending a Stream whose client reads nothing", timeout=60)
+            await asyncio.to_thread(server.wait_log, lambda m: "ending a Stream whose client reads nothing" in m, 60)
             watcher.cancel()
             growth = peak[0] - baseline
             assert growth < RSS_MARGIN, f"server RSS grew {growth / 2**20:.1f} MiB"
@@ -116,9 +78,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory():
             call.cancel()
             assert not [entry for entry in server.logs if entry["level"] not in ("info", "warning")]
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        server.kill()
 
 
 async def test_the_stalled_stream_ends_resource_exhausted_naming_the_flag():

@@ -6,9 +6,9 @@ import grpc
 import pytest
 from sloserve.config import GrpcConfig
 from sloserve.pb import serving_pb2 as pb
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until
 
 from tests.security.helpers import refusals
-from tests.service.helpers import Transcript, gen, live_server, read_until
 
 pytestmark = pytest.mark.timeout(60)
 

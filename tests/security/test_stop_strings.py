@@ -23,9 +23,8 @@ from sloserve.http.server import HttpServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.request import Request, RequestStatus
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import gen, live_server, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import gen, live_server, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 VOCAB = ["a", "b", "ab", "ba", "aab", "c", "é", "bca", ""]  # token id -> text; multi-char and empty tokens

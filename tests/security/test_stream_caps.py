@@ -9,10 +9,10 @@ import pytest
 from sloserve.config import GrpcConfig
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until
 
 from tests.security.helpers import open_stream, refusals, status
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until
 
 pytestmark = pytest.mark.timeout(60)
 

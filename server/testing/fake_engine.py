@@ -1,4 +1,4 @@
-"""A small asyncio engine implementing the AsyncEngine contract, for service tests.
+"""A small asyncio engine implementing the AsyncEngine contract, for tests of the front end and the edges.
 
 Each request holds ceil((prompt + max_tokens) / block_size) blocks from a fixed pool until it
 ends; it emits one token per `step_s` (token id = (prompt sum + i) % 200 + 32, text = chr(id)),
@@ -19,16 +19,7 @@ from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
-
-
-class ByteTokenizer:
-    """One token per byte."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i % 256 for i in ids).decode(errors="replace")
+from sloserve.testing.tokenizer import ByteTokenizer
 
 
 @dataclass(slots=True)
@@ -45,7 +36,7 @@ class _Req:
 
 
 class FakeEngine:
-    """Contract-compatible stand-in for sloserve.engine.AsyncEngine (see docs/architecture.md)."""
+    """Contract-compatible stand-in for sloserve.engine.AsyncEngine (tests of the front end and the edges)."""
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 16, max_model_len: int = 256,
                  step_s: float = 0.01, max_running: int = 8, start_delay_s: float = 0.0) -> None:

@@ -9,9 +9,9 @@ import pytest
 from sloserve.frontend import FailureCode
 from sloserve.grpc.convert import STATUS
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.fake_engine import ByteTokenizer, FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until, wait_for
+from sloserve.testing.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 SLOW_S = 0.2

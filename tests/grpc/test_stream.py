@@ -7,9 +7,8 @@ import asyncio
 import grpc
 import pytest
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, cancel, gen, live_server, read_until, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, cancel, gen, live_server, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

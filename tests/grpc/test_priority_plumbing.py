@@ -18,10 +18,10 @@ from sloserve.http.config import HttpConfig
 from sloserve.http.server import HttpServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until, wait_for
 
 from tests.engine.fakes import FakeRunner
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 BODY = {"prompt": "hello", "max_tokens": 3, "temperature": 0}

@@ -15,9 +15,9 @@ from sloserve.grpc.server import SERVICE_NAME, SloserveServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
+from sloserve.testing.live_server import Transcript, cancel, gen, read_until, wait_for
 
 from tests.engine.fakes import FakeRunner, reference_tokens
-from tests.service.helpers import Transcript, cancel, gen, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,7 @@ import asyncio
 import pytest
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.sampling_params import SamplingParams
-
-from tests.service.fake_engine import FakeEngine
+from sloserve.testing.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
 

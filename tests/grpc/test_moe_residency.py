@@ -16,8 +16,7 @@ from sloserve.engine.outputs import EngineStats
 from sloserve.grpc.server import SloserveServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-
-from tests.service.helpers import Transcript, gen, read_until, wait_for
+from sloserve.testing.live_server import Transcript, gen, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -6,9 +6,8 @@ import grpc
 import pytest
 from sloserve.grpc.handlers import SERVICE, Undecodable, lenient_parser, method_handlers
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import gen, live_server, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import gen, live_server, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

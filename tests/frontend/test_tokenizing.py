@@ -9,9 +9,9 @@ import pytest
 from sloserve.frontend.frontend import INLINE_TOKENIZE_CHARS
 from sloserve.frontend.limits import MAX_CHARS_PER_TOKEN
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.fake_engine import ByteTokenizer, FakeEngine
-from tests.service.helpers import Transcript, cancel, gen, live_server, read_until, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, cancel, gen, live_server, read_until, wait_for
+from sloserve.testing.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,7 @@ from sloserve.frontend.metrics import (
 )
 from sloserve.frontend.requests import Finished
 from sloserve.sampling_params import SLO, SamplingParams
-
-from tests.service.fake_engine import FakeEngine
+from sloserve.testing.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
 

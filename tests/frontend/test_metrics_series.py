@@ -9,9 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

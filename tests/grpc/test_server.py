@@ -13,9 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sloserve.grpc.interceptors import end_call
 from sloserve.grpc.server import SERVICE_NAME
 from sloserve.pb import serving_pb2 as pb
-
-from tests.service.fake_engine import FakeEngine
-from tests.service.helpers import Transcript, gen, live_server, read_until, wait_for
+from sloserve.testing.fake_engine import FakeEngine
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 SERVING = health_pb2.HealthCheckResponse.SERVING

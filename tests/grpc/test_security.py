@@ -15,8 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc
-
-from tests.service.helpers import Transcript, gen, live_server, read_until
+from sloserve.testing.live_server import Transcript, gen, live_server, read_until
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "s3cret-token"

@@ -21,8 +21,7 @@ from sloserve.frontend import (
     Tokens,
 )
 from sloserve.sampling_params import SamplingParams
-
-from tests.service.fake_engine import FakeEngine
+from sloserve.testing.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Shared helpers for service tests: a live server on 127.0.0.1:0 and a Stream client."""
+"""A live SloserveServer on 127.0.0.1:0 (over a FakeEngine by default) and the helpers of a Stream client."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from sloserve.config import GrpcConfig, ServerConfig, SloserveConfig
 from sloserve.grpc.server import SloserveServer
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-
-from tests.service.fake_engine import FakeEngine
+from sloserve.testing.fake_engine import FakeEngine
 
 
 @contextlib.asynccontextmanager
