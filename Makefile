@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full lint bench stubs clean
+.PHONY: demo test test-full lint format bench stubs clean
 
 $(STAMP): setup.cfg setup.py pyproject.toml $(wildcard hotpath/*.pyx hotpath/*.pxd hotpath/*.pxi hotpath/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,7 @@ demo: $(STAMP)
 	$(PY) -m sloserve.cli.demo
 
 test: $(STAMP)
+	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports  # the import layers: [tool.importlinter] in pyproject.toml
 	$(PY) -m pytest -q --timeout=900
@@ -25,8 +26,13 @@ test-full: $(STAMP)
 	SLOSERVE_FULL=1 $(PY) -m pytest -q --timeout=7200
 
 lint: $(STAMP)
+	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 stubs: $(STAMP)
 	$(PY) -m sloserve.pb.generate

@@ -12,4 +12,6 @@ if __name__ == "__main__":  # NOTE: not when the engine process (spawned) import
 
     from benchmarks.harness import launch_config
 
-    sys.exit(main(launch_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
+    sys.exit(
+        main(launch_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])))
+    )

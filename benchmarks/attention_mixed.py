@@ -32,7 +32,9 @@ PAGE = 16
 GREEDY = SamplingParams(max_tokens=1 << 20)
 
 
-def steps(num_decodes: int, prefill_len: int, context: tuple[int, int], seed: int = 0) -> dict[str, SchedulerOutput]:
+def steps(
+    num_decodes: int, prefill_len: int, context: tuple[int, int], seed: int = 0
+) -> dict[str, SchedulerOutput]:
     """A mixed step and the same decodes alone; decode contexts drawn from `context`, pages disjoint."""
     rng = random.Random(seed)
     next_page = 1
@@ -42,9 +44,13 @@ def steps(num_decodes: int, prefill_len: int, context: tuple[int, int], seed: in
         pages = -(-length // PAGE)
         table = list(range(next_page, next_page + pages))
         next_page += pages
-        decodes.append(ScheduledSequence(f"d{i}", [rng.randrange(256)], length - 1, table, True, GREEDY))
+        decodes.append(
+            ScheduledSequence(f"d{i}", [rng.randrange(256)], length - 1, table, True, GREEDY)
+        )
     table = list(range(next_page, next_page + -(-prefill_len // PAGE)))
-    prefill = ScheduledSequence("p", [rng.randrange(256) for _ in range(prefill_len)], 0, table, True, GREEDY)
+    prefill = ScheduledSequence(
+        "p", [rng.randrange(256) for _ in range(prefill_len)], 0, table, True, GREEDY
+    )
     return {"mixed": SchedulerOutput([prefill, *decodes]), "decode": SchedulerOutput(decodes)}
 
 
@@ -61,20 +67,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--decodes", type=int, default=64)
     parser.add_argument("--prefill", type=int, default=50)
-    parser.add_argument("--context", default="64,320", help="decode context lengths: MIN,MAX tokens")
-    parser.add_argument("--before", type=Path, default=None, help="an older sdpa.py to time beside the current one")
+    parser.add_argument(
+        "--context", default="64,320", help="decode context lengths: MIN,MAX tokens"
+    )
+    parser.add_argument(
+        "--before", type=Path, default=None, help="an older sdpa.py to time beside the current one"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     from tests.checkpoints import tiny_checkpoint
 
-    folder = tiny_checkpoint("llama", Path(tempfile.gettempdir()) / "sloserve-bench", hidden_size=256,
-                             intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, initializer_range=0.02)
+    folder = tiny_checkpoint(
+        "llama",
+        Path(tempfile.gettempdir()) / "sloserve-bench",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.02,
+    )
     config = SloserveConfig(
         model=ModelConfig(path=str(folder), device="cpu", attention_backend="reference"),
         cache=CacheConfig(block_size=PAGE, kv_pool_bytes=128 * 2**20, swap_bytes=0),
-        scheduler=SchedulerConfig(max_batch=args.decodes + 1, max_batched_tokens=args.decodes + args.prefill),
+        scheduler=SchedulerConfig(
+            max_batch=args.decodes + 1, max_batched_tokens=args.decodes + args.prefill
+        ),
     )
     runner = ModelRunner(config)
     backends = {"reference": get_backend("reference", "cpu"), "sdpa": get_backend("sdpa", "cpu")}
@@ -82,7 +101,9 @@ def main() -> None:
         backends["sdpa-before"] = load_backend_file(args.before)
     context = tuple(int(x) for x in args.context.split(","))
     work = steps(args.decodes, args.prefill, context)
-    times: dict[str, dict[str, list[float]]] = {kind: {name: [] for name in backends} for kind in work}
+    times: dict[str, dict[str, list[float]]] = {
+        kind: {name: [] for name in backends} for kind in work
+    }
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
         for kind, out in work.items():
             for name, backend in backends.items():
@@ -90,18 +111,28 @@ def main() -> None:
                 t = time.perf_counter()
                 runner.execute(out)
                 times[kind][name].append(time.perf_counter() - t)
-    result = {"threads": torch.get_num_threads(), "decodes": args.decodes, "prefill": args.prefill,
-              "context": list(context),
-              "before": str(args.before) if args.before else None, "ms": {}}
+    result = {
+        "threads": torch.get_num_threads(),
+        "decodes": args.decodes,
+        "prefill": args.prefill,
+        "context": list(context),
+        "before": str(args.before) if args.before else None,
+        "ms": {},
+    }
     for kind, per in times.items():
         ms = {name: 1e3 * statistics.median(ts[1:]) for name, ts in per.items()}
         result["ms"][kind] = ms
         line = "  ".join(f"{name} {value:7.1f} ms" for name, value in ms.items())
-        ratios = "  ".join(f"{name}/reference {value / ms['reference']:.2f}" for name, value in ms.items()
-                           if name != "reference")
+        ratios = "  ".join(
+            f"{name}/reference {value / ms['reference']:.2f}"
+            for name, value in ms.items()
+            if name != "reference"
+        )
         print(f"{kind:7s} {line}   {ratios}")
     if "sdpa-before" in backends:
-        print(f"mixed sdpa-before/sdpa {result['ms']['mixed']['sdpa-before'] / result['ms']['mixed']['sdpa']:.2f}")
+        print(
+            f"mixed sdpa-before/sdpa {result['ms']['mixed']['sdpa-before'] / result['ms']['mixed']['sdpa']:.2f}"
+        )
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -39,7 +39,9 @@ def best_time(fn, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def gemm_table(shapes: dict[str, tuple[int, int]], rows: list[int], rounds: int, all_threads: int) -> list[dict]:
+def gemm_table(
+    shapes: dict[str, tuple[int, int]], rows: list[int], rounds: int, all_threads: int
+) -> list[dict]:
     """GFLOP/s of F.linear and oneDNN on packed weights per (projection, rows, threads)."""
     table = []
     for name, (out_f, in_f) in shapes.items():
@@ -55,25 +57,41 @@ def gemm_table(shapes: dict[str, tuple[int, int]], rows: list[int], rounds: int,
                 repeats = max(3, int(2e8 / (2 * m * in_f * out_f)))
                 best = {"blas": float("inf"), "onednn": float("inf")}
                 for _ in range(rounds):
-                    best["blas"] = min(best["blas"], best_time(lambda x=x, w=w: F.linear(x, w), repeats))
-                    best["onednn"] = min(best["onednn"], best_time(lambda x=x, w=w, p=packed: p.packed_product(x, w),
-                                                                   repeats))
+                    best["blas"] = min(
+                        best["blas"], best_time(lambda x=x, w=w: F.linear(x, w), repeats)
+                    )
+                    best["onednn"] = min(
+                        best["onednn"],
+                        best_time(lambda x=x, w=w, p=packed: p.packed_product(x, w), repeats),
+                    )
                 flops = 2 * m * in_f * out_f
-                row = {"projection": name, "shape": [out_f, in_f], "rows": m, "threads": threads,
-                       "blas_gflops": flops / best["blas"] / 1e9, "onednn_gflops": flops / best["onednn"] / 1e9,
-                       "speedup": best["blas"] / best["onednn"], "row_invariant": same_rows}
+                row = {
+                    "projection": name,
+                    "shape": [out_f, in_f],
+                    "rows": m,
+                    "threads": threads,
+                    "blas_gflops": flops / best["blas"] / 1e9,
+                    "onednn_gflops": flops / best["onednn"] / 1e9,
+                    "speedup": best["blas"] / best["onednn"],
+                    "row_invariant": same_rows,
+                }
                 table.append(row)
-                print(f"  {name:8s} [{out_f}x{in_f}] rows {m:5d} threads {threads}: blas {row['blas_gflops']:6.1f}"
-                      f"  onednn {row['onednn_gflops']:6.1f} GFLOP/s  x{row['speedup']:.2f}"
-                      f"{'' if same_rows else '  (rows differ by row count)'}", flush=True)
+                print(
+                    f"  {name:8s} [{out_f}x{in_f}] rows {m:5d} threads {threads}: blas {row['blas_gflops']:6.1f}"
+                    f"  onednn {row['onednn_gflops']:6.1f} GFLOP/s  x{row['speedup']:.2f}"
+                    f"{'' if same_rows else '  (rows differ by row count)'}",
+                    flush=True,
+                )
     torch.set_num_threads(all_threads)
     return table
 
 
 def make_runner(path: str, gemm: str) -> ModelRunner:
-    cfg = SloserveConfig(model=ModelConfig(path=path, device="cpu", max_model_len=2048, cpu_gemm=gemm),
-                         cache=CacheConfig(kv_pool_bytes=64 * 2**20, swap_bytes=0, prefix_cache=False),
-                         scheduler=SchedulerConfig(max_batch=16, max_batched_tokens=2048))
+    cfg = SloserveConfig(
+        model=ModelConfig(path=path, device="cpu", max_model_len=2048, cpu_gemm=gemm),
+        cache=CacheConfig(kv_pool_bytes=64 * 2**20, swap_bytes=0, prefix_cache=False),
+        scheduler=SchedulerConfig(max_batch=16, max_batched_tokens=2048),
+    )
     runner = ModelRunner(cfg)
     runner.warmup()
     return runner
@@ -81,14 +99,18 @@ def make_runner(path: str, gemm: str) -> ModelRunner:
 
 def prefill_once(runner: ModelRunner, prompt: list[int]) -> int:
     table = list(range(1, 2 + len(prompt) // runner.block_size))
-    token = runner.execute(SchedulerOutput([ScheduledSequence("p", prompt, 0, table, True, GREEDY)]))[0]
+    token = runner.execute(
+        SchedulerOutput([ScheduledSequence("p", prompt, 0, table, True, GREEDY)])
+    )[0]
     runner.execute(SchedulerOutput(finished_req_ids=["p"]))
     return token
 
 
 def greedy_tokens(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
     table = list(range(1, 2 + (len(prompt) + steps) // runner.block_size))
-    tokens = [runner.execute(SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)]))[0]]
+    tokens = [
+        runner.execute(SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)]))[0]
+    ]
     for i in range(steps - 1):
         seq = ScheduledSequence("g", [tokens[-1]], len(prompt) + i, table, True, GREEDY)
         tokens.append(runner.execute(SchedulerOutput([seq]))[0])
@@ -111,8 +133,11 @@ def main() -> None:
     path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
     runners = {gemm: make_runner(path, gemm) for gemm in ("blas", "auto")}
     layer = runners["blas"].model.weights.layers[0]
-    shapes = {name: tuple(getattr(layer, name).shape) for name in ("qkv_w", "o_w", "gate_up_w", "down_w")
-              if getattr(layer, name) is not None}
+    shapes = {
+        name: tuple(getattr(layer, name).shape)
+        for name in ("qkv_w", "o_w", "gate_up_w", "down_w")
+        if getattr(layer, name) is not None
+    }
     print("part 1: one projection (best of rounds)")
     gemms = gemm_table(shapes, args.rows, args.rounds, threads)
 
@@ -127,17 +152,36 @@ def main() -> None:
             for gemm, runner in runners.items():
                 times[gemm].append(best_time(lambda r=runner, p=prompt: prefill_once(r, p), 1))
         med = {gemm: statistics.median(ts) for gemm, ts in times.items()}
-        prefill.append({"tokens": length, "blas_ms": med["blas"] * 1e3, "onednn_ms": med["auto"] * 1e3,
-                        "speedup": med["blas"] / med["auto"]})
-        print(f"  {length:5d} tokens: blas {med['blas'] * 1e3:7.1f} ms  onednn {med['auto'] * 1e3:7.1f} ms"
-              f"  x{med['blas'] / med['auto']:.2f}", flush=True)
+        prefill.append(
+            {
+                "tokens": length,
+                "blas_ms": med["blas"] * 1e3,
+                "onednn_ms": med["auto"] * 1e3,
+                "speedup": med["blas"] / med["auto"],
+            }
+        )
+        print(
+            f"  {length:5d} tokens: blas {med['blas'] * 1e3:7.1f} ms  onednn {med['auto'] * 1e3:7.1f} ms"
+            f"  x{med['blas'] / med['auto']:.2f}",
+            flush=True,
+        )
 
     prompt = [256] + [48 + (i * 3) % 10 for i in range(299)]
     tokens = {gemm: greedy_tokens(runner, prompt, 32) for gemm, runner in runners.items()}
     equal = tokens["blas"] == tokens["auto"]
     print(f"greedy tokens, 300-token prompt + 32 steps: {'equal' if equal else 'DIFFER'}")
-    write_json(Path(args.json), {"model": args.model, "load_average": os.getloadavg()[0], "threads": threads,
-                                 "gemm": gemms, "prefill": prefill, "greedy_equal": equal}, indent=1)
+    write_json(
+        Path(args.json),
+        {
+            "model": args.model,
+            "load_average": os.getloadavg()[0],
+            "threads": threads,
+            "gemm": gemms,
+            "prefill": prefill,
+            "greedy_equal": equal,
+        },
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

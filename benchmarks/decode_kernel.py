@@ -36,8 +36,17 @@ GREEDY = SamplingParams(max_tokens=1 << 20)
 def decode_step(runner: ModelRunner, batch: int, context: int):
     """Prepared inputs of a decode step of `batch` sequences at position `context` (pages of their own)."""
     pages = -(-(context + 1) // runner.block_size)
-    seqs = [ScheduledSequence(f"r{i}", [48 + i], context, list(range(1 + i * pages, 1 + (i + 1) * pages)), True,
-                              GREEDY) for i in range(batch)]
+    seqs = [
+        ScheduledSequence(
+            f"r{i}",
+            [48 + i],
+            context,
+            list(range(1 + i * pages, 1 + (i + 1) * pages)),
+            True,
+            GREEDY,
+        )
+        for i in range(batch)
+    ]
     return runner.prepare(SchedulerOutput(seqs))
 
 
@@ -61,7 +70,9 @@ def main() -> None:
     path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
     config = SloserveConfig(
         model=ModelConfig(path=path, device="cpu", max_model_len=1024),
-        cache=CacheConfig(kv_pool_bytes=(max(args.batches) * (max(args.contexts) + 64)) * 8 * 2**10, swap_bytes=0),
+        cache=CacheConfig(
+            kv_pool_bytes=(max(args.batches) * (max(args.contexts) + 64)) * 8 * 2**10, swap_bytes=0
+        ),
         scheduler=SchedulerConfig(max_batch=max(args.batches), max_batched_tokens=1024),
     )
     fused_module.FUSED_MAX_BATCH = max(args.batches)  # time the kernel past its serving limit too
@@ -69,8 +80,10 @@ def main() -> None:
     fused = runner.decode_step.fused if runner.decode_step else None
     if fused is None:
         raise SystemExit(f"{path}: decode steps cannot take the fused kernel here")
-    print(f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, load {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'batch':>5} {'context':>7} {'fused ms':>9} {'torch ms':>9} {'torch/fused':>11}")
     rows = []
     for context in args.contexts:
@@ -81,14 +94,29 @@ def main() -> None:
                 best["fused"] = min(best["fused"], timed(runner, step, fused, args.steps))
                 best["torch"] = min(best["torch"], timed(runner, step, None, args.steps))
             ratio = best["torch"] / best["fused"]
-            rows.append({"batch": batch, "context": context, "fused_ms": round(best["fused"] * 1e3, 4),
-                         "torch_ms": round(best["torch"] * 1e3, 4), "torch_over_fused": round(ratio, 3),
-                         "threads": torch.get_num_threads()})
-            print(f"{batch:>5} {context:>7} {best['fused'] * 1e3:>9.3f} {best['torch'] * 1e3:>9.3f} {ratio:>11.2f}")
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "fused_ms": round(best["fused"] * 1e3, 4),
+                    "torch_ms": round(best["torch"] * 1e3, 4),
+                    "torch_over_fused": round(ratio, 3),
+                    "threads": torch.get_num_threads(),
+                }
+            )
+            print(
+                f"{batch:>5} {context:>7} {best['fused'] * 1e3:>9.3f} {best['torch'] * 1e3:>9.3f} {ratio:>11.2f}"
+            )
     runner.decode_step.fused = fused
-    report = {"benchmark": "decode_kernel", "model": path, "parameters": runner.info()["parameters"],
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "load_average": os.getloadavg(),
-              "torch": torch.__version__, "rows": rows}
+    report = {
+        "benchmark": "decode_kernel",
+        "model": path,
+        "parameters": runner.info()["parameters"],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     write_json(args.out, report)
 
 

@@ -7,7 +7,8 @@ For batch 1, 8, 32 and 64 it times (in the same run, same shapes):
   matmuls      only the model's matrix products, back to back, on preallocated inputs
 in alternating rounds (the best round of each counts, so a busy machine skews neither side)
 and the fp32 GEMM peak of this machine, then prints tok/s and the fractions engine/forward
-(the issue's "kernels-only"), engine/matmuls and achieved/peak FLOP rate, and the start-up time. Also times single-request greedy generation against transformers'
+(the issue's "kernels-only"), engine/matmuls and achieved/peak FLOP rate, and the start-up
+time. Also times single-request greedy generation against transformers'
 `generate` on the same checkpoint (skipped when transformers is not installed).
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.executor [--threads 2] [--compile] [--out ...json]
@@ -79,14 +80,20 @@ class ForwardOnly:
 
     def __init__(self, runner: ModelRunner, engine: EngineDecode) -> None:
         self.runner = runner
-        seqs = [ScheduledSequence(f"r{i}", [engine.last[i]], engine.pos, engine.tables[i], True, GREEDY)
-                for i in range(engine.batch)]
+        seqs = [
+            ScheduledSequence(f"r{i}", [engine.last[i]], engine.pos, engine.tables[i], True, GREEDY)
+            for i in range(engine.batch)
+        ]
         if hasattr(runner, "prepare"):
-            self.inputs = _own_copy(runner.prepare(SchedulerOutput(seqs)))  # engine steps reuse the pool buffers
+            self.inputs = _own_copy(
+                runner.prepare(SchedulerOutput(seqs))
+            )  # engine steps reuse the pool buffers
             self.forward = runner.forward
         else:  # a runner from before prepare/forward/sample (for before/after runs of this benchmark)
             self.inputs = _own_copy(runner.inputs.build(seqs))
-            self.forward = lambda s: runner.model.forward(s.input_ids, s.positions, s.meta, runner.kv, s.sample_idx)
+            self.forward = lambda s: runner.model.forward(
+                s.input_ids, s.positions, s.meta, runner.kv, s.sample_idx
+            )
         self.step()
 
     def step(self) -> None:
@@ -95,13 +102,21 @@ class ForwardOnly:
 
 def _own_copy(inputs):
     """A dataclass of step inputs whose tensors (nested ones too) are clones."""
+
     def copy(value):
         if isinstance(value, torch.Tensor):
             return value.clone()
         if dataclasses.is_dataclass(value):
-            return dataclasses.replace(value, **{f.name: copy(getattr(value, f.name))
-                                                 for f in dataclasses.fields(value) if f.init})
+            return dataclasses.replace(
+                value,
+                **{
+                    f.name: copy(getattr(value, f.name))
+                    for f in dataclasses.fields(value)
+                    if f.init
+                },
+            )
         return value
+
     return copy(inputs)
 
 
@@ -121,8 +136,10 @@ class EngineDecode:
         self.step()
 
     def step(self) -> None:
-        seqs = [ScheduledSequence(f"r{i}", [self.last[i]], self.pos, self.tables[i], True, GREEDY)
-                for i in range(self.batch)]
+        seqs = [
+            ScheduledSequence(f"r{i}", [self.last[i]], self.pos, self.tables[i], True, GREEDY)
+            for i in range(self.batch)
+        ]
         self.last = self.runner.execute(SchedulerOutput(seqs))
         self.pos += 1
 
@@ -152,7 +169,9 @@ def single_request(runner: ModelRunner, folder: Path, prompt_len: int, new_token
     prompt = [256] + [48 + (i * 7) % 10 for i in range(prompt_len - 1)]
     table = list(range(1, 2 + (prompt_len + new_tokens) // runner.block_size))
     t = time.perf_counter()
-    tokens = runner.execute(SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)]))
+    tokens = runner.execute(
+        SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)])
+    )
     while len(tokens) < new_tokens:
         seq = ScheduledSequence("g", tokens[-1:], prompt_len + len(tokens) - 1, table, True, GREEDY)
         tokens += runner.execute(SchedulerOutput([seq]))
@@ -172,27 +191,41 @@ def single_request(runner: ModelRunner, folder: Path, prompt_len: int, new_token
         t = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         theirs = time.perf_counter() - t
-    result |= {"transformers_s": round(theirs, 4), "speedup": round(theirs / ours, 2),
-               "same_tokens": out[0, prompt_len:].tolist() == tokens}
+    result |= {
+        "transformers_s": round(theirs, 4),
+        "speedup": round(theirs / ours, 2),
+        "same_tokens": out[0, prompt_len:].tolist() == tokens,
+    }
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best round counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds; the best round counts"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (eager otherwise)")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the decode step (eager otherwise)"
+    )
     parser.add_argument("--out", type=Path, default=OUT / "executor.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = ensure_default_model("default-random")  # the 40M architecture these figures describe
     config = SloserveConfig(
-        model=ModelConfig(path=str(folder), device="cpu", attention_backend=args.backend, max_model_len=1024,
-                          **({"enforce_eager": False} if args.compile else {})),
+        model=ModelConfig(
+            path=str(folder),
+            device="cpu",
+            attention_backend=args.backend,
+            max_model_len=1024,
+            **({"enforce_eager": False} if args.compile else {}),
+        ),
         cache=CacheConfig(kv_pool_bytes=64 * 1024 * 1024 * 4, swap_bytes=0),
         scheduler=SchedulerConfig(max_batch=max(BATCHES), max_batched_tokens=1024),
     )
@@ -205,47 +238,82 @@ def main() -> None:
     flops_per_token = 2 * sum(w.numel() for w in weights)
     peak = gemm_peak()
     rows = []
-    print(f"model {runner.info()['parameters'] / 1e6:.1f}M params, {runner.backend.name} attention, {decode_step} "
-          f"decode step, start-up {startup:.1f}s (warm-up {runner.info().get('warmup_time_s', 0):.1f}s), "
-          f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}), "
-          f"fp32 GEMM peak {peak:.1f} GFLOP/s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5} {'engine tok/s':>13} {'forward tok/s':>14} {'matmuls tok/s':>14} {'engine/forward':>15}"
-          f" {'engine/matmuls':>15} {'engine/peak':>12} {'(by CPU time)':>14}")
+    print(
+        f"model {runner.info()['parameters'] / 1e6:.1f}M params, {runner.backend.name} attention, {decode_step} "
+        f"decode step, start-up {startup:.1f}s (warm-up {runner.info().get('warmup_time_s', 0):.1f}s), "
+        f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}), "
+        f"fp32 GEMM peak {peak:.1f} GFLOP/s, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'batch':>5} {'engine tok/s':>13} {'forward tok/s':>14} {'matmuls tok/s':>14} {'engine/forward':>15}"
+        f" {'engine/matmuls':>15} {'engine/peak':>12} {'(by CPU time)':>14}"
+    )
     for batch in BATCHES:
         engine = EngineDecode(runner, batch, args.context, args.steps * args.rounds + 2)
-        timed = {"engine": engine, "forward": ForwardOnly(runner, engine), "matmuls": KernelsOnly(weights, batch)}
+        timed = {
+            "engine": engine,
+            "forward": ForwardOnly(runner, engine),
+            "matmuls": KernelsOnly(weights, batch),
+        }
         t = interleaved(timed, args.steps, args.rounds)
         engine.close()
         tps = {name: batch / t[f"{name}_wall"] for name in timed}
         frac_peak = tps["engine"] * flops_per_token / 1e9 / peak
-        rows.append({"batch": batch, "engine_tok_s": round(tps["engine"], 1), "forward_tok_s": round(tps["forward"], 1),
-                     "kernels_tok_s": round(tps["matmuls"], 1),
-                     "engine_over_forward": round(tps["engine"] / tps["forward"], 3),
-                     "engine_over_kernels": round(tps["engine"] / tps["matmuls"], 3),
-                     "engine_over_peak": round(frac_peak, 3),
-                     **{f"{name}_step_ms": round(t[f"{name}_wall"] * 1e3, 3) for name in timed},
-                     **{f"{name}_cpu_ms": round(t[f"{name}_cpu"] * 1e3, 3) for name in timed},
-                     "engine_over_forward_cpu": round(t["forward_cpu"] / t["engine_cpu"], 3)})
+        rows.append(
+            {
+                "batch": batch,
+                "engine_tok_s": round(tps["engine"], 1),
+                "forward_tok_s": round(tps["forward"], 1),
+                "kernels_tok_s": round(tps["matmuls"], 1),
+                "engine_over_forward": round(tps["engine"] / tps["forward"], 3),
+                "engine_over_kernels": round(tps["engine"] / tps["matmuls"], 3),
+                "engine_over_peak": round(frac_peak, 3),
+                **{f"{name}_step_ms": round(t[f"{name}_wall"] * 1e3, 3) for name in timed},
+                **{f"{name}_cpu_ms": round(t[f"{name}_cpu"] * 1e3, 3) for name in timed},
+                "engine_over_forward_cpu": round(t["forward_cpu"] / t["engine_cpu"], 3),
+            }
+        )
         r = rows[-1]
-        print(f"{batch:>5} {r['engine_tok_s']:>13.1f} {r['forward_tok_s']:>14.1f} {r['kernels_tok_s']:>14.1f} "
-              f"{r['engine_over_forward']:>15.1%} {r['engine_over_kernels']:>15.1%} {r['engine_over_peak']:>12.1%} "
-              f"{r['engine_over_forward_cpu']:>14.1%}")
+        print(
+            f"{batch:>5} {r['engine_tok_s']:>13.1f} {r['forward_tok_s']:>14.1f} {r['kernels_tok_s']:>14.1f} "
+            f"{r['engine_over_forward']:>15.1%} {r['engine_over_kernels']:>15.1%} {r['engine_over_peak']:>12.1%} "
+            f"{r['engine_over_forward_cpu']:>14.1%}"
+        )
     peak_after = gemm_peak()
-    if peak_after > peak:  # the machine was busier at the start: rescale the fractions to the better peak
+    if (
+        peak_after > peak
+    ):  # the machine was busier at the start: rescale the fractions to the better peak
         for r in rows:
             r["engine_over_peak"] = round(r["engine_over_peak"] * peak / peak_after, 3)
         peak = peak_after
-        print(f"(GEMM peak re-measured after the runs: {peak:.1f} GFLOP/s; fractions of peak use it)")
+        print(
+            f"(GEMM peak re-measured after the runs: {peak:.1f} GFLOP/s; fractions of peak use it)"
+        )
     single = single_request(runner, folder, prompt_len=64, new_tokens=64)
-    print(f"single request, {single['prompt_tokens']}-token prompt, {single['new_tokens']} greedy tokens: "
-          f"sloserve {single['sloserve_s']:.3f}s, transformers {single.get('transformers_s')}s "
-          f"(speedup {single.get('speedup')}x, same tokens: {single.get('same_tokens')})")
-    report = {"benchmark": "executor", "machine": platform.machine(), "load_average": os.getloadavg(),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "model": runner.info()["parameters"], "context": args.context,
-              "steps": args.steps, "rounds": args.rounds, "gemm_peak_gflops": round(peak, 1), "flops_per_token": flops_per_token,
-              "decode": rows, "single_request": single, "attention_backend": runner.backend.name,
-              "decode_step": decode_step, "startup_s": round(startup, 2)}
+    print(
+        f"single request, {single['prompt_tokens']}-token prompt, {single['new_tokens']} greedy tokens: "
+        f"sloserve {single['sloserve_s']:.3f}s, transformers {single.get('transformers_s')}s "
+        f"(speedup {single.get('speedup')}x, same tokens: {single.get('same_tokens')})"
+    )
+    report = {
+        "benchmark": "executor",
+        "machine": platform.machine(),
+        "load_average": os.getloadavg(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": runner.info()["parameters"],
+        "context": args.context,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "gemm_peak_gflops": round(peak, 1),
+        "flops_per_token": flops_per_token,
+        "decode": rows,
+        "single_request": single,
+        "attention_backend": runner.backend.name,
+        "decode_step": decode_step,
+        "startup_s": round(startup, 2),
+    }
     write_json(args.out, report)
 
 

@@ -9,7 +9,8 @@ engine in its process, `--no-engine-process`) a fresh server is started and:
      --connections connections each (SO_REUSEPORT spreads connections, not requests, over the
      front ends, and one Python client cannot offer thousands a second alone).
 Every arm of a round is offered the same flood rate (--flood-rate, else --flood-x times the
-capacity the round's first arm measured). Printed per arm: the refusals' latency p50/p99 (issue 44: ~10 s at p99 with one front end at
+capacity the round's first arm measured). Printed per arm: the refusals' latency p50/p99
+(issue 44: ~10 s at p99 with one front end at
 4-5k requests/s offered), the closed loop's completions under the flood / capacity, and step
 p99 flood / steady (issue 11's goal <= x1.2). Arms alternate over --rounds.
 
@@ -32,7 +33,10 @@ from sloserve.sampling_params import SLO
 
 from benchmarks.harness import ServerProcess, free_port, machine, save
 
-OWN_CONNECTION = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # not shared with other channels
+OWN_CONNECTION = [
+    *CHANNEL_OPTIONS,
+    ("grpc.use_local_subchannel_pool", 1),
+]  # not shared with other channels
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -43,24 +47,48 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def workload(max_tokens: int) -> list[WorkloadItem]:
-    return [WorkloadItem(f"steady load prompt {i}: " + "0123456789\n" * 6, max_tokens) for i in range(64)]
+    return [
+        WorkloadItem(f"steady load prompt {i}: " + "0123456789\n" * 6, max_tokens)
+        for i in range(64)
+    ]
 
 
-async def _flood_connections(target: str, rate: float, args, seed: int) -> list[tuple[str, float | None]]:
+async def _flood_connections(
+    target: str, rate: float, args, seed: int
+) -> list[tuple[str, float | None]]:
     """--connections connections of this process, each an open loop at rate / connections."""
     import grpc
 
     items = workload(args.max_tokens)
-    channels = [grpc.aio.insecure_channel(target, options=OWN_CONNECTION) for _ in range(args.connections)]
+    channels = [
+        grpc.aio.insecure_channel(target, options=OWN_CONNECTION) for _ in range(args.connections)
+    ]
     try:
-        spec = [LoadSpec(rate=rate / args.connections, duration_s=args.seconds, streams=2, ignore_eos=True,
-                         slo=SLO(ttft_s=args.flood_ttft_s), seed=seed * 1000 + i) for i in range(args.connections)]
-        results = await asyncio.gather(*(run_load(ch, items, s, id_prefix=f"flood{seed}.{i}")
-                                         for i, (ch, s) in enumerate(zip(channels, spec, strict=True))))
+        spec = [
+            LoadSpec(
+                rate=rate / args.connections,
+                duration_s=args.seconds,
+                streams=2,
+                ignore_eos=True,
+                slo=SLO(ttft_s=args.flood_ttft_s),
+                seed=seed * 1000 + i,
+            )
+            for i in range(args.connections)
+        ]
+        results = await asyncio.gather(
+            *(
+                run_load(ch, items, s, id_prefix=f"flood{seed}.{i}")
+                for i, (ch, s) in enumerate(zip(channels, spec, strict=True))
+            )
+        )
     finally:
         for ch in channels:
             await ch.close()
-    return [(r.status, r.end_time - r.send_time if r.end_time else None) for res in results for r in res.records]
+    return [
+        (r.status, r.end_time - r.send_time if r.end_time else None)
+        for res in results
+        for r in res.records
+    ]
 
 
 def flood_client(target: str, rate: float, args, seed: int) -> list[tuple[str, float | None]]:
@@ -72,39 +100,67 @@ async def _steady(target: str, args, seconds: float) -> dict:
     """The closed loop for `seconds`, and Info's step times after it."""
     channel = await connect(target)
     try:
-        spec = LoadSpec(concurrency=args.concurrency, duration_s=seconds, streams=2, ignore_eos=True)
+        spec = LoadSpec(
+            concurrency=args.concurrency, duration_s=seconds, streams=2, ignore_eos=True
+        )
         started = time.perf_counter()
-        result = await run_load(channel, workload(args.max_tokens), spec, id_prefix=f"steady{started:.0f}")
+        result = await run_load(
+            channel, workload(args.max_tokens), spec, id_prefix=f"steady{started:.0f}"
+        )
         elapsed = time.perf_counter() - started
         stats = (await pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), timeout=10)).stats
     finally:
         await channel.close()
-    return {"completed_per_s": sum(r.status == "ok" for r in result.records) / elapsed,
-            "step_p50_ms": stats.step_time_p50_s * 1e3, "step_p99_ms": stats.step_time_p99_s * 1e3}
+    return {
+        "completed_per_s": sum(r.status == "ok" for r in result.records) / elapsed,
+        "step_p50_ms": stats.step_time_p50_s * 1e3,
+        "step_p99_ms": stats.step_time_p99_s * 1e3,
+    }
 
 
 def _flood(target: str, args, rate: float, pool) -> dict:
     """The closed loop in this process while --clients processes flood the server at `rate`."""
-    jobs = [pool.apply_async(flood_client, (target, rate / args.clients, args, k + 1)) for k in range(args.clients)]
+    jobs = [
+        pool.apply_async(flood_client, (target, rate / args.clients, args, k + 1))
+        for k in range(args.clients)
+    ]
     out = asyncio.run(_steady(target, args, args.seconds))
     sent = [rec for job in jobs for rec in job.get(timeout=args.seconds + 600)]
     refused = [latency for status, latency in sent if status == "refused" and latency is not None]
-    out.update(offered_per_s=len(sent) / args.seconds, refused=len(refused),
-               flood_completed=sum(status == "ok" for status, _ in sent),
-               flood_failed=sum(status == "failed" for status, _ in sent),
-               refusal_p50_ms=quantile(refused, 0.5) * 1e3, refusal_p99_ms=quantile(refused, 0.99) * 1e3)
+    out.update(
+        offered_per_s=len(sent) / args.seconds,
+        refused=len(refused),
+        flood_completed=sum(status == "ok" for status, _ in sent),
+        flood_failed=sum(status == "failed" for status, _ in sent),
+        refusal_p50_ms=quantile(refused, 0.5) * 1e3,
+        refusal_p99_ms=quantile(refused, 0.99) * 1e3,
+    )
     return out
 
 
 def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
     """One fresh server: steady, then the flood (at flood_rate, else --flood-x times this capacity)."""
     port = free_port()
-    cmd = ["serve", "--model", args.model, "--device", "cpu",
-           "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--max-model-len", "512"]
+    cmd = [
+        "serve",
+        "--model",
+        args.model,
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "off",
+        "--http-port",
+        "off",
+        "--max-model-len",
+        "512",
+    ]
     cmd += ["--no-engine-process"] if arm == "thread" else ["--frontends", arm]
     server = ServerProcess(cmd, port=port, env={"OMP_WAIT_POLICY": "PASSIVE"})
     target = server.target
     try:
+
         async def ready() -> None:
             channel = await connect(target, timeout_s=300)
             try:
@@ -113,30 +169,45 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
                 await channel.close()
 
         asyncio.run(ready())
-        time.sleep(2.0 if arm != "thread" and int(arm) > 1 else 0.0)  # the other front ends join the engine
+        time.sleep(
+            2.0 if arm != "thread" and int(arm) > 1 else 0.0
+        )  # the other front ends join the engine
         asyncio.run(_steady(target, args, min(3.0, args.seconds)))  # warm
         steady = asyncio.run(_steady(target, args, args.seconds))
         flood = _flood(target, args, flood_rate or args.flood_x * steady["completed_per_s"], pool)
     finally:
         server.stop(60)
-    return {"steady": steady, "flood": flood,
-            "p99_ratio": flood["step_p99_ms"] / steady["step_p99_ms"],
-            "completion_ratio": flood["completed_per_s"] / steady["completed_per_s"]}
+    return {
+        "steady": steady,
+        "flood": flood,
+        "p99_ratio": flood["step_p99_ms"] / steady["step_p99_ms"],
+        "completion_ratio": flood["completed_per_s"] / steady["completed_per_s"],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default")  # the 3M built-in: fast steps, so the front end is stressed
-    p.add_argument("--arms", default="1,4", help="comma-separated: a number of front ends, or 'thread'")
-    p.add_argument("--rounds", type=int, default=1, help="each round runs every arm (order alternates)")
+    p.add_argument(
+        "--model", default="default"
+    )  # the 3M built-in: fast steps, so the front end is stressed
+    p.add_argument(
+        "--arms", default="1,4", help="comma-separated: a number of front ends, or 'thread'"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="each round runs every arm (order alternates)"
+    )
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--flood-x", type=float, default=10.0)
     p.add_argument("--flood-ttft-s", type=float, default=0.05)
-    p.add_argument("--flood-rate", type=float, default=None,
-                   help="requests/s offered by the flood [default: --flood-x times the capacity the "
-                        "round's first arm measured, the same for every arm of the round]")
+    p.add_argument(
+        "--flood-rate",
+        type=float,
+        default=None,
+        help="requests/s offered by the flood [default: --flood-x times the capacity the "
+        "round's first arm measured, the same for every arm of the round]",
+    )
     p.add_argument("--clients", type=int, default=4, help="flood client processes")
     p.add_argument("--connections", type=int, default=4, help="connections per flood client")
     p.add_argument("--name", default="frontend_scaleout", help="benchmarks/out/NAME.json")
@@ -156,24 +227,30 @@ def main(argv: list[str] | None = None) -> None:
     with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
         for rnd in range(args.rounds):
             rate = args.flood_rate
-            for arm in (args.arm_list if rnd % 2 == 0 else args.arm_list[::-1]):
+            for arm in args.arm_list if rnd % 2 == 0 else args.arm_list[::-1]:
                 results[arm].append(run_arm(arm, args, pool, rate))
                 rate = rate or args.flood_x * results[arm][-1]["steady"]["completed_per_s"]
-    print(f"{'arm':8} {'rnd':>3} {'capacity/s':>10} {'offered/s':>9} {'refused':>7} {'admitted':>8} "
-          f"{'refusal p50':>11} {'refusal p99':>11} {'done/cap':>8} {'step p99 x':>10}")
+    print(
+        f"{'arm':8} {'rnd':>3} {'capacity/s':>10} {'offered/s':>9} {'refused':>7} {'admitted':>8} "
+        f"{'refusal p50':>11} {'refusal p99':>11} {'done/cap':>8} {'step p99 x':>10}"
+    )
     for arm, runs in results.items():
         for rnd, r in enumerate(runs):
             f = r["flood"]
-            print(f"{arm:8} {rnd:3d} {r['steady']['completed_per_s']:10.1f} {f['offered_per_s']:9.0f} {f['refused']:7d} "
-                  f"{f['flood_completed']:8d} "
-                  f"{f['refusal_p50_ms']:9.1f}ms {f['refusal_p99_ms']:9.1f}ms {r['completion_ratio']:8.2f} "
-                  f"{r['p99_ratio']:10.2f}")
+            print(
+                f"{arm:8} {rnd:3d} {r['steady']['completed_per_s']:10.1f} {f['offered_per_s']:9.0f} {f['refused']:7d} "
+                f"{f['flood_completed']:8d} "
+                f"{f['refusal_p50_ms']:9.1f}ms {f['refusal_p99_ms']:9.1f}ms {r['completion_ratio']:8.2f} "
+                f"{r['p99_ratio']:10.2f}"
+            )
     base = args.arm_list[0]
     for arm in args.arm_list[1:]:
         pairs = zip(results[base], results[arm], strict=True)
         ratios = [b["flood"]["refusal_p99_ms"] / a["flood"]["refusal_p99_ms"] for a, b in pairs]
         print(f"refusal p99 {arm} / {base}: " + ", ".join(f"x{x:.2f}" for x in ratios))
-    print(f"saved {save(args.name, {'machine': machine(), 'args': vars(args), 'results': results})}")
+    print(
+        f"saved {save(args.name, {'machine': machine(), 'args': vars(args), 'results': results})}"
+    )
 
 
 if __name__ == "__main__":

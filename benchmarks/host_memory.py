@@ -52,16 +52,22 @@ def child(arm: str, lengths: list[int], prompts: int) -> dict:
                 llm.generate([prompt(length, i)], params)
                 times.append(time.perf_counter() - started)
                 faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-            result["lengths"][str(length)] = {"median_ms": 1e3 * statistics.median(times),
-                                              "faults": statistics.median(faults)}
+            result["lengths"][str(length)] = {
+                "median_ms": 1e3 * statistics.median(times),
+                "faults": statistics.median(faults),
+            }
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[300, 800, 1500])
-    parser.add_argument("--rounds", type=int, default=6, help="child processes per arm, alternating")
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="child processes per arm, alternating"
+    )
     parser.add_argument("--prompts", type=int, default=12, help="prompts per length in each child")
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=OUT / "host_memory.json")
@@ -73,31 +79,56 @@ def main() -> None:
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for r in range(args.rounds):
         for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
-            cmd = [sys.executable, __file__, "--child", arm, "--prompts", str(args.prompts), "--lengths",
-                   *map(str, args.lengths)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                arm,
+                "--prompts",
+                str(args.prompts),
+                "--lengths",
+                *map(str, args.lengths),
+            ]
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
             runs[arm].append(json.loads(out.strip().splitlines()[-1]))
-            print(f"round {r} {arm}: " + ", ".join(f"{n}: {v['median_ms']:.1f} ms {v['faults']:.0f} faults"
-                                                   for n, v in runs[arm][-1]["lengths"].items()), flush=True)
+            print(
+                f"round {r} {arm}: "
+                + ", ".join(
+                    f"{n}: {v['median_ms']:.1f} ms {v['faults']:.0f} faults"
+                    for n, v in runs[arm][-1]["lengths"].items()
+                ),
+                flush=True,
+            )
     summary: dict = {"rounds": args.rounds, "prompts": args.prompts, "lengths": {}}
     print(f"\nmedian over {args.rounds} rounds (each round's median of {args.prompts} prompts)")
-    print(f"{'tokens':>7} {'keep ms':>8} {'system ms':>9} {'ratio':>6} {'pairs won':>9} {'keep faults':>11} "
-          f"{'system faults':>13}")
+    print(
+        f"{'tokens':>7} {'keep ms':>8} {'system ms':>9} {'ratio':>6} {'pairs won':>9} {'keep faults':>11} "
+        f"{'system faults':>13}"
+    )
     for n in map(str, args.lengths):
         keep = [run["lengths"][n]["median_ms"] for run in runs["keep"]]
         system = [run["lengths"][n]["median_ms"] for run in runs["system"]]
         won = sum(k < b for k, b in zip(keep, system, strict=True))
-        row = {"keep_ms": statistics.median(keep), "system_ms": statistics.median(system),
-               "keep_faults": statistics.median(run["lengths"][n]["faults"] for run in runs["keep"]),
-               "system_faults": statistics.median(run["lengths"][n]["faults"] for run in runs["system"]),
-               "pairs_won": won}
+        row = {
+            "keep_ms": statistics.median(keep),
+            "system_ms": statistics.median(system),
+            "keep_faults": statistics.median(run["lengths"][n]["faults"] for run in runs["keep"]),
+            "system_faults": statistics.median(
+                run["lengths"][n]["faults"] for run in runs["system"]
+            ),
+            "pairs_won": won,
+        }
         row["ratio"] = row["keep_ms"] / row["system_ms"]
         summary["lengths"][n] = row
-        print(f"{n:>7} {row['keep_ms']:8.1f} {row['system_ms']:9.1f} {row['ratio']:6.3f} {won:>5}/{args.rounds} "
-              f"{row['keep_faults']:11.0f} {row['system_faults']:13.0f}")
+        print(
+            f"{n:>7} {row['keep_ms']:8.1f} {row['system_ms']:9.1f} {row['ratio']:6.3f} {won:>5}/{args.rounds} "
+            f"{row['keep_faults']:11.0f} {row['system_faults']:13.0f}"
+        )
     for arm in ARMS:
         summary[f"{arm}_peak_rss_mib"] = statistics.median(run["peak_rss_mib"] for run in runs[arm])
-    print(f"peak RSS: keep {summary['keep_peak_rss_mib']:.0f} MiB, system {summary['system_peak_rss_mib']:.0f} MiB")
+    print(
+        f"peak RSS: keep {summary['keep_peak_rss_mib']:.0f} MiB, system {summary['system_peak_rss_mib']:.0f} MiB"
+    )
     write_json(args.out, {"summary": summary, "runs": runs}, indent=1)
 
 

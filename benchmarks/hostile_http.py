@@ -54,12 +54,24 @@ def still_open(sock: socket.socket) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slowloris", type=int, default=500, help="connections that send half a header")
-    parser.add_argument("--uploads", type=int, default=20, help="slow uploads (8 MiB declared, 4 MiB sent)")
-    parser.add_argument("--wait", type=float, default=50.0, help="seconds before counting what is still open")
-    parser.add_argument("--settle", type=float, default=12.0,
-                        help="seconds after closing every connection before the last RSS reading (the idle trim)")
-    parser.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` flag (repeatable)")
+    parser.add_argument(
+        "--slowloris", type=int, default=500, help="connections that send half a header"
+    )
+    parser.add_argument(
+        "--uploads", type=int, default=20, help="slow uploads (8 MiB declared, 4 MiB sent)"
+    )
+    parser.add_argument(
+        "--wait", type=float, default=50.0, help="seconds before counting what is still open"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=12.0,
+        help="seconds after closing every connection before the last RSS reading (the idle trim)",
+    )
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="an extra `serve` flag (repeatable)"
+    )
     args = parser.parse_args()
     server, port = start(args.serve_arg)
     try:
@@ -74,16 +86,25 @@ def main() -> None:
         for _ in range(args.uploads):
             sock = socket.create_connection(("127.0.0.1", port), timeout=30)
             with contextlib.suppress(OSError):
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % (2 * UPLOAD_FAST_BYTES) + b"x" * UPLOAD_FAST_BYTES)
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n"
+                    % (2 * UPLOAD_FAST_BYTES)
+                    + b"x" * UPLOAD_FAST_BYTES
+                )
             uploads.append(sock)
         rss_loaded = rss_mib(server)
         time.sleep(args.wait)
         report = {
-            "slowloris_open": sum(still_open(s) for s in loris), "slowloris": args.slowloris,
-            "uploads_open": sum(still_open(s) for s in uploads), "uploads": args.uploads,
-            "wait_s": args.wait, "rss_mib_before": round(rss_before, 1), "rss_mib_loaded": round(rss_loaded, 1),
-            "rss_mib_after_wait": round(rss_mib(server), 1), "serve_args": args.serve_arg,
+            "slowloris_open": sum(still_open(s) for s in loris),
+            "slowloris": args.slowloris,
+            "uploads_open": sum(still_open(s) for s in uploads),
+            "uploads": args.uploads,
+            "wait_s": args.wait,
+            "rss_mib_before": round(rss_before, 1),
+            "rss_mib_loaded": round(rss_loaded, 1),
+            "rss_mib_after_wait": round(rss_mib(server), 1),
+            "serve_args": args.serve_arg,
         }
         for sock in loris + uploads:
             sock.close()
@@ -91,8 +112,12 @@ def main() -> None:
         report["rss_mib_settled"] = round(rss_mib(server), 1)
         with contextlib.suppress(httpx.HTTPError):
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-            report["limit_refusals"] = {m[0]: float(m[1]) for m in re.findall(
-                r'sloserve_limit_refusals_total\{[^}]*limit="(\w+)"[^}]*\} (\S+)', metrics)}
+            report["limit_refusals"] = {
+                m[0]: float(m[1])
+                for m in re.findall(
+                    r'sloserve_limit_refusals_total\{[^}]*limit="(\w+)"[^}]*\} (\S+)', metrics
+                )
+            }
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     finally:
         server.stop()

@@ -33,9 +33,15 @@ DEFAULT_SPIN_S = ServerConfig().idle_spin_s
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--gaps", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0], help="seconds")
-    p.add_argument("--per-gap", type=int, default=8, help="requests after each gap per round and arm")
-    p.add_argument("--spin", type=float, default=DEFAULT_SPIN_S, help="the spinning arm's window, seconds")
+    p.add_argument(
+        "--gaps", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0], help="seconds"
+    )
+    p.add_argument(
+        "--per-gap", type=int, default=8, help="requests after each gap per round and arm"
+    )
+    p.add_argument(
+        "--spin", type=float, default=DEFAULT_SPIN_S, help="the spinning arm's window, seconds"
+    )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-prompt-chars", type=int, default=600)
     p.add_argument("--name", default="idle_spin")
@@ -53,28 +59,38 @@ def distinct_prompts(n: int, max_chars: int, max_tokens: int) -> list[WorkloadIt
             seen.add(item.prompt)
             items.append(item)
     if len(items) < n:
-        raise SystemExit(f"only {len(items)} distinct prompts of at most {max_chars} characters; lower --per-gap")
+        raise SystemExit(
+            f"only {len(items)} distinct prompts of at most {max_chars} characters; lower --per-gap"
+        )
     return items[:n]
 
 
-async def one_by_one(target: str, items: list[WorkloadItem], gaps: list[float]) -> list[tuple[float, float]]:
+async def one_by_one(
+    target: str, items: list[WorkloadItem], gaps: list[float]
+) -> list[tuple[float, float]]:
     """(gap, TTFT) of each request, sent alone after its gap."""
     channel = await connect(target)
     try:
-        await run_load(channel, items[:2], LoadSpec(concurrency=1))  # the connection and the stream path
+        await run_load(
+            channel, items[:2], LoadSpec(concurrency=1)
+        )  # the connection and the stream path
         out = []
         for item, gap in zip(items[2:], gaps, strict=True):
             await asyncio.sleep(gap)
             record = (await run_load(channel, [item], LoadSpec(num_requests=1))).records[0]
             if record.status != "ok" or record.ttft is None:
-                raise SystemExit(f"request failed: {record.status} {record.error_code} {record.error_reason}")
+                raise SystemExit(
+                    f"request failed: {record.status} {record.error_code} {record.error_reason}"
+                )
             out.append((gap, record.ttft))
         return out
     finally:
         await channel.close()
 
 
-def serve(spin_s: float, items: list[WorkloadItem], gaps: list[float]) -> tuple[list[tuple[float, float]], float]:
+def serve(
+    spin_s: float, items: list[WorkloadItem], gaps: list[float]
+) -> tuple[list[tuple[float, float]], float]:
     """One fresh server: its (gap, TTFT) rows and CPU seconds per request (warm-up excluded)."""
     with launch("full", overrides={"server": {"idle_spin_s": spin_s}}) as server:
         server.wait_ready(600)
@@ -98,30 +114,55 @@ def main(argv: list[str] | None = None) -> None:
             # every arm gets fresh prompts; the gaps interleave so drift hits all of them alike
             base = 2 + (2 * r + k) * n
             gaps = [args.gaps[i % len(args.gaps)] for i in range(n)]
-            rows, cpu = serve(arms[arm], items[:2] + items[base:base + n], gaps)
+            rows, cpu = serve(arms[arm], items[:2] + items[base : base + n], gaps)
             results[arm]["rows"] += rows
             results[arm]["cpu_s"].append(cpu)
-            print(f"round {r + 1} {arm}: {n} requests, {1000 * cpu:.0f} ms CPU per request", flush=True)
+            print(
+                f"round {r + 1} {arm}: {n} requests, {1000 * cpu:.0f} ms CPU per request",
+                flush=True,
+            )
     table = []
-    print(f"\nTTFT by idle gap before the request; {args.rounds} rounds x {args.per_gap} requests per gap and arm; "
-          f"spin window {args.spin:g} s")
-    print(f"{'gap (s)':>8} {'asleep p50/p90 (ms)':>20} {'spin p50/p90 (ms)':>18} {'p50 spin/asleep':>16}")
+    print(
+        f"\nTTFT by idle gap before the request; {args.rounds} rounds x {args.per_gap} requests per gap and arm; "
+        f"spin window {args.spin:g} s"
+    )
+    print(
+        f"{'gap (s)':>8} {'asleep p50/p90 (ms)':>20} {'spin p50/p90 (ms)':>18} {'p50 spin/asleep':>16}"
+    )
     for gap in args.gaps:
         cells = {}
         for arm in arms:
             ttft = summary([t for g, t in results[arm]["rows"] if g == gap])
             cells[arm] = (ttft["p50"], ttft["p90"])
         ratio = cells["spin"][0] / cells["asleep"][0]
-        table.append({"gap_s": gap, **{f"{arm}_ttft_p50_s": c[0] for arm, c in cells.items()},
-                      **{f"{arm}_ttft_p90_s": c[1] for arm, c in cells.items()}, "p50_ratio": ratio})
-        print(f"{gap:>8g} {1000 * cells['asleep'][0]:>10.1f} / {1000 * cells['asleep'][1]:<7.1f}"
-              f"{1000 * cells['spin'][0]:>9.1f} / {1000 * cells['spin'][1]:<7.1f} {ratio:>10.2f}")
+        table.append(
+            {
+                "gap_s": gap,
+                **{f"{arm}_ttft_p50_s": c[0] for arm, c in cells.items()},
+                **{f"{arm}_ttft_p90_s": c[1] for arm, c in cells.items()},
+                "p50_ratio": ratio,
+            }
+        )
+        print(
+            f"{gap:>8g} {1000 * cells['asleep'][0]:>10.1f} / {1000 * cells['asleep'][1]:<7.1f}"
+            f"{1000 * cells['spin'][0]:>9.1f} / {1000 * cells['spin'][1]:<7.1f} {ratio:>10.2f}"
+        )
     cpu = {arm: statistics.median(results[arm]["cpu_s"]) for arm in arms}
-    print(f"CPU per request, server processes (median of rounds): asleep {1000 * cpu['asleep']:.0f} ms, "
-          f"spin {1000 * cpu['spin']:.0f} ms (x{cpu['spin'] / cpu['asleep']:.2f})")
+    print(
+        f"CPU per request, server processes (median of rounds): asleep {1000 * cpu['asleep']:.0f} ms, "
+        f"spin {1000 * cpu['spin']:.0f} ms (x{cpu['spin'] / cpu['asleep']:.2f})"
+    )
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
-    save(args.name, {"machine": machine(), "args": vars(args), "table": table, "cpu_s_per_request": cpu,
-                     "rows": {arm: results[arm]["rows"] for arm in arms}})
+    save(
+        args.name,
+        {
+            "machine": machine(),
+            "args": vars(args),
+            "table": table,
+            "cpu_s_per_request": cpu,
+            "rows": {arm: results[arm]["rows"] for arm in arms},
+        },
+    )
 
 
 if __name__ == "__main__":

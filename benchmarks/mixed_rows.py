@@ -35,8 +35,15 @@ def mixed_step(runner: ModelRunner, decodes: int, chunk: int, context: int) -> S
     """`decodes` sequences decoding at `context` and one `chunk`-token chunk from there, sampled."""
     pages = -(-(context + chunk) // runner.block_size)
     table = lambda i: list(range(1 + i * pages, 1 + (i + 1) * pages))  # noqa: E731
-    seqs = [ScheduledSequence(f"d{i}", [48 + i % 10], context, table(i), True, GREEDY) for i in range(decodes)]
-    seqs.append(ScheduledSequence("chunk", [48 + j % 10 for j in range(chunk)], context, table(decodes), True, GREEDY))
+    seqs = [
+        ScheduledSequence(f"d{i}", [48 + i % 10], context, table(i), True, GREEDY)
+        for i in range(decodes)
+    ]
+    seqs.append(
+        ScheduledSequence(
+            "chunk", [48 + j % 10 for j in range(chunk)], context, table(decodes), True, GREEDY
+        )
+    )
     return SchedulerOutput(seqs)
 
 
@@ -47,13 +54,17 @@ def make_runner(model: str, decodes: int, chunk: int, context: int) -> tuple[str
     config = SloserveConfig(
         model=ModelConfig(path=path, device="cpu", max_model_len=longest),
         cache=CacheConfig(kv_pool_bytes=(decodes + 1) * longest * 8 * 2**10, swap_bytes=0),
-        scheduler=SchedulerConfig(max_batch=decodes + 1, max_batched_tokens=max(1024, chunk + decodes + 1)),
+        scheduler=SchedulerConfig(
+            max_batch=decodes + 1, max_batched_tokens=max(1024, chunk + decodes + 1)
+        ),
     )
     return path, ModelRunner(config)
 
 
 def timed(runner: ModelRunner, out: SchedulerOutput, max_batch: int, steps: int) -> float:
-    runner.decode_step.fused.max_batch = max_batch  # 0: no mixed step fits the rows, the flat path runs
+    runner.decode_step.fused.max_batch = (
+        max_batch  # 0: no mixed step fits the rows, the flat path runs
+    )
     return seconds_per_execute(runner, out, steps)
 
 
@@ -70,7 +81,9 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--decodes", type=int, nargs="+", default=[2, 8, 16, 24])
     parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--context", type=int, default=700, help="tokens before the step, every sequence")
+    parser.add_argument(
+        "--context", type=int, default=700, help="tokens before the step, every sequence"
+    )
     parser.add_argument("--steps", type=int, default=30, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=OUT / "mixed_rows.json")
@@ -80,8 +93,10 @@ def main() -> None:
     if fused is None:
         raise SystemExit(f"{path}: steps cannot take the fused kernel here")
     limit = fused.max_batch
-    print(f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, context {args.context}, "
-          f"rows up to {limit}, kernel threads {fused.threads}, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, context {args.context}, "
+        f"rows up to {limit}, kernel threads {fused.threads}, load {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'decodes':>7} {'chunk':>5} {'rows ms':>8} {'flat ms':>8} {'rows/flat':>9}")
     results = []
     for decodes in args.decodes:
@@ -94,14 +109,31 @@ def main() -> None:
                 best["rows"] = min(best["rows"], timed(runner, out, limit, args.steps))
                 best["flat"] = min(best["flat"], timed(runner, out, 0, args.steps))
             ratio = best["rows"] / best["flat"]
-            results.append({"decodes": decodes, "chunk": chunk, "rows_ms": round(best["rows"] * 1e3, 3),
-                            "flat_ms": round(best["flat"] * 1e3, 3), "rows_over_flat": round(ratio, 3)})
-            print(f"{decodes:>7} {chunk:>5} {best['rows'] * 1e3:>8.2f} {best['flat'] * 1e3:>8.2f} {ratio:>9.2f}",
-                  flush=True)
+            results.append(
+                {
+                    "decodes": decodes,
+                    "chunk": chunk,
+                    "rows_ms": round(best["rows"] * 1e3, 3),
+                    "flat_ms": round(best["flat"] * 1e3, 3),
+                    "rows_over_flat": round(ratio, 3),
+                }
+            )
+            print(
+                f"{decodes:>7} {chunk:>5} {best['rows'] * 1e3:>8.2f} {best['flat'] * 1e3:>8.2f} {ratio:>9.2f}",
+                flush=True,
+            )
     fused.max_batch = limit
-    report = {"benchmark": "mixed_rows", "model": path, "parameters": runner.info()["parameters"],
-              "context": args.context, "kernel_threads": fused.threads, "torch_threads": torch.get_num_threads(),
-              "load_average": os.getloadavg(), "torch": torch.__version__, "rows": results}
+    report = {
+        "benchmark": "mixed_rows",
+        "model": path,
+        "parameters": runner.info()["parameters"],
+        "context": args.context,
+        "kernel_threads": fused.threads,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "rows": results,
+    }
     write_json(args.out, report)
 
 

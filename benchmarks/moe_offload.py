@@ -48,8 +48,18 @@ def arms(residencies: list[int], preload: list[bool]) -> list[tuple[int, bool]]:
     return out
 
 
-def run_arm(model: str, device: str, pct: int, preload: bool, prompts: list[list[int]], budgets: list[int],
-            concurrency: int, max_model_len: int, repeats: int = 1, **options) -> dict:
+def run_arm(
+    model: str,
+    device: str,
+    pct: int,
+    preload: bool,
+    prompts: list[list[int]],
+    budgets: list[int],
+    concurrency: int,
+    max_model_len: int,
+    repeats: int = 1,
+    **options,
+) -> dict:
     """Load the model with `pct`% of its experts resident and generate every prompt `repeats` times.
 
     Throughput is the best repeat's; the expert figures are the last repeat's (counters reset before
@@ -62,8 +72,16 @@ def run_arm(model: str, device: str, pct: int, preload: bool, prompts: list[list
     kv = {"kv_pool_bytes": "2GiB"} if device.startswith("cuda") else {}
     # NOTE: no prefix cache: every repeat prefills its prompts again, so repeats do the same work;
     # fifo: offline, everything queued at once, and no step-cost priming at each arm's start.
-    llm = LLM(model, device=device, max_model_len=max_model_len, max_batch=concurrency, prefix_cache=False,
-              expert_slots_per_layer=slots, expert_preload=preload, **{"policy": "fifo", **kv, **options})
+    llm = LLM(
+        model,
+        device=device,
+        max_model_len=max_model_len,
+        max_batch=concurrency,
+        prefix_cache=False,
+        expert_slots_per_layer=slots,
+        expert_preload=preload,
+        **{"policy": "fifo", **kv, **options},
+    )
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
     runner = llm.engine.runner
     seconds = math.inf
@@ -77,39 +95,64 @@ def run_arm(model: str, device: str, pct: int, preload: bool, prompts: list[list
     del llm, runner
     gc.collect()
     return {
-        "resident_pct": pct, "slots_per_layer": stats["slots_per_layer"], "num_experts": num_experts,
-        "preload": preload and stats["resident"] == "partial", "seconds": round(seconds, 3),
-        "output_tokens": tokens, "output_tok_s": tokens / seconds if seconds else 0.0,
-        "hit_rate": stats["hit_rate"], "prefetch_accuracy": stats["prefetch_accuracy"],
-        "prediction_recall": stats["prediction_recall"], "prefetches": stats["prefetches"],
-        "expert_device_bytes": stats["device_bytes"], "bytes_copied": stats["bytes_copied"],
-        "preload_bytes": stats["preload_bytes"], "bytes_per_step": stats["bytes_per_step"],
-        "steps": stats["steps"], "miss_stall_s": stats["miss_stall_s"],
+        "resident_pct": pct,
+        "slots_per_layer": stats["slots_per_layer"],
+        "num_experts": num_experts,
+        "preload": preload and stats["resident"] == "partial",
+        "seconds": round(seconds, 3),
+        "output_tokens": tokens,
+        "output_tok_s": tokens / seconds if seconds else 0.0,
+        "hit_rate": stats["hit_rate"],
+        "prefetch_accuracy": stats["prefetch_accuracy"],
+        "prediction_recall": stats["prediction_recall"],
+        "prefetches": stats["prefetches"],
+        "expert_device_bytes": stats["device_bytes"],
+        "bytes_copied": stats["bytes_copied"],
+        "preload_bytes": stats["preload_bytes"],
+        "bytes_per_step": stats["bytes_per_step"],
+        "steps": stats["steps"],
+        "miss_stall_s": stats["miss_stall_s"],
         "tokens": [o.token_ids for o in outputs],
     }
 
 
-def compare(model: str, device: str, prompts: list[list[int]], budgets: list[int], concurrency: int,
-            residencies: list[int], preload: list[bool], max_model_len: int, repeats: int = 1,
-            log=print, **options) -> list[dict]:
+def compare(
+    model: str,
+    device: str,
+    prompts: list[list[int]],
+    budgets: list[int],
+    concurrency: int,
+    residencies: list[int],
+    preload: list[bool],
+    max_model_len: int,
+    repeats: int = 1,
+    log=print,
+    **options,
+) -> list[dict]:
     """Every arm at one concurrency; ratios against the all-resident arm, and greedy-equality checks.
 
     `options`: more LLM options for every arm (e.g. policy='fifo' to skip the step-cost priming).
     """
     results = []
     for pct, on in arms(residencies, preload):
-        result = run_arm(model, device, pct, on, prompts, budgets, concurrency, max_model_len, repeats, **options)
+        result = run_arm(
+            model, device, pct, on, prompts, budgets, concurrency, max_model_len, repeats, **options
+        )
         results.append(result)
-        log(f"  c={concurrency} {pct:3d}% ({result['slots_per_layer']}/{result['num_experts']} slots) "
+        log(
+            f"  c={concurrency} {pct:3d}% ({result['slots_per_layer']}/{result['num_experts']} slots) "
             f"preload {'on ' if result['preload'] else 'off'}: {result['output_tok_s']:8.1f} tok/s, "
             f"hit {result['hit_rate']:.3f}, prefetch acc {result['prefetch_accuracy']:.3f}, "
             f"recall {result['prediction_recall']:.3f}, {result['bytes_per_step'] / 2**20:.2f} MiB/step, "
-            f"stall {result['miss_stall_s']:.3f}s, experts {result['expert_device_bytes'] / 2**20:.1f} MiB")
+            f"stall {result['miss_stall_s']:.3f}s, experts {result['expert_device_bytes'] / 2**20:.1f} MiB"
+        )
     full = next((r for r in results if r["resident_pct"] == 100), None)
     for r in results:
         r["concurrency"] = concurrency
         if full is not None:
-            r["tok_s_vs_all_resident"] = r["output_tok_s"] / full["output_tok_s"] if full["output_tok_s"] else None
+            r["tok_s_vs_all_resident"] = (
+                r["output_tok_s"] / full["output_tok_s"] if full["output_tok_s"] else None
+            )
             r["tokens_equal_all_resident"] = r["tokens"] == full["tokens"]
     for r in results:
         del r["tokens"]
@@ -117,49 +160,98 @@ def compare(model: str, device: str, prompts: list[list[int]], budgets: list[int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default-moe", help="a MoE checkpoint folder or 'default-moe'")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default="default-moe", help="a MoE checkpoint folder or 'default-moe'"
+    )
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    ap.add_argument("--workload", default=None, help="a sloserve.bench workload spec (default: the ARC trace)")
+    ap.add_argument(
+        "--workload", default=None, help="a sloserve.bench workload spec (default: the ARC trace)"
+    )
     ap.add_argument("--num-requests", type=int, default=16)
-    ap.add_argument("--max-prompt-chars", type=int, default=1200, help="skip longer ARC prompts (CPU time)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="cap on each request's output tokens")
-    ap.add_argument("--concurrency", default="1,8", help="comma-separated max_batch values, one comparison each")
-    ap.add_argument("--residency", default="25,50,100", help="percent of each layer's experts resident")
+    ap.add_argument(
+        "--max-prompt-chars", type=int, default=1200, help="skip longer ARC prompts (CPU time)"
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=64, help="cap on each request's output tokens"
+    )
+    ap.add_argument(
+        "--concurrency", default="1,8", help="comma-separated max_batch values, one comparison each"
+    )
+    ap.add_argument(
+        "--residency", default="25,50,100", help="percent of each layer's experts resident"
+    )
     ap.add_argument("--preload", default="on,off", help="preloading arms: on, off or on,off")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=2, help="generate the workload this many times per arm "
-                    "(best throughput; expert figures of the last)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's]")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="generate the workload this many times per arm "
+        "(best throughput; expert figures of the last)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads [default: torch's]"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT / "moe_offload.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = args.workload or default_workload()
-    items = [it for it in load_workload(spec, seed=args.seed, attempts=2)
-             if len(it.prompt) <= args.max_prompt_chars][: args.num_requests]
+    items = [
+        it
+        for it in load_workload(spec, seed=args.seed, attempts=2)
+        if len(it.prompt) <= args.max_prompt_chars
+    ][: args.num_requests]
     if not items:
-        raise SystemExit(f"no request of {spec} has a prompt of at most {args.max_prompt_chars} characters")
+        raise SystemExit(
+            f"no request of {spec} has a prompt of at most {args.max_prompt_chars} characters"
+        )
     tokenizer = Tokenizer.from_pretrained(resolve_model_path(args.model))
     prompts = [tokenizer.encode(it.prompt) for it in items]
     budgets = [min(it.max_tokens, args.max_tokens) for it in items]
     residencies = [int(p) for p in args.residency.split(",")]
     preload = [{"on": True, "off": False}[p.strip()] for p in args.preload.split(",")]
-    print(f"model {args.model} on {args.device}, workload {spec}: {len(items)} requests, prompts "
-          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens avg, outputs {sum(budgets) / len(budgets):.0f} "
-          f"tokens avg (greedy, EOS ignored)", flush=True)
+    print(
+        f"model {args.model} on {args.device}, workload {spec}: {len(items)} requests, prompts "
+        f"{sum(map(len, prompts)) / len(prompts):.0f} tokens avg, outputs {sum(budgets) / len(budgets):.0f} "
+        f"tokens avg (greedy, EOS ignored)",
+        flush=True,
+    )
     load_before = os.getloadavg()
     runs = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        runs += compare(args.model, args.device, prompts, budgets, concurrency, residencies, preload,
-                        args.max_model_len, args.repeats, log=lambda line: print(line, flush=True))
-    report = {"model": args.model, "device": args.device, "workload": spec, "num_requests": len(items),
-              "prompt_tokens_avg": sum(map(len, prompts)) / len(prompts), "max_tokens": args.max_tokens,
-              "repeats": args.repeats,
-              "machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg(), "runs": runs}
+        runs += compare(
+            args.model,
+            args.device,
+            prompts,
+            budgets,
+            concurrency,
+            residencies,
+            preload,
+            args.max_model_len,
+            args.repeats,
+            log=lambda line: print(line, flush=True),
+        )
+    report = {
+        "model": args.model,
+        "device": args.device,
+        "workload": spec,
+        "num_requests": len(items),
+        "prompt_tokens_avg": sum(map(len, prompts)) / len(prompts),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "runs": runs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"wrote {args.out}")

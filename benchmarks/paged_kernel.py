@@ -73,11 +73,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT / "paged_kernel.json")
     args = parser.parse_args()
     if not paged.AVAILABLE:
-        raise SystemExit("the paged kernel extension is not built (python setup.py build_ext --inplace)")
-    print(f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, "
-          f"load {os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5} {'context':>7} {'pages':>10} {'step ms':>8} {'KV GB/s':>8} {'stream GB/s':>11} {'ratio':>6}"
-          "   (a decode step's attention: every layer)")
+        raise SystemExit(
+            "the paged kernel extension is not built (python setup.py build_ext --inplace)"
+        )
+    print(
+        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'pages':>10} {'step ms':>8} {'KV GB/s':>8} {'stream GB/s':>11} {'ratio':>6}"
+        "   (a decode step's attention: every layer)"
+    )
     rows = []
     for context in args.contexts:
         for batch in args.batches:
@@ -89,18 +95,39 @@ def main() -> None:
                 for _ in range(args.rounds):  # alternating; the best round of each counts
                     kernel_s.append(round_seconds(attention_step, layers, args.repeats))
                     stream_s.append(round_seconds(streaming_read, streams, args.repeats))
-                kernel_gbs, stream_gbs = kv_bytes / min(kernel_s) / 1e9, kv_bytes / min(stream_s) / 1e9
-                row = {"batch": batch, "context": context, "pages": "shuffled" if shuffled else "contiguous",
-                       "kv_mb": round(kv_bytes / 1e6, 1), "kernel_ms": round(min(kernel_s) * 1e3, 3),
-                       "kernel_gb_s": round(kernel_gbs, 1), "stream_gb_s": round(stream_gbs, 1),
-                       "ratio": round(kernel_gbs / stream_gbs, 3)}
+                kernel_gbs, stream_gbs = (
+                    kv_bytes / min(kernel_s) / 1e9,
+                    kv_bytes / min(stream_s) / 1e9,
+                )
+                row = {
+                    "batch": batch,
+                    "context": context,
+                    "pages": "shuffled" if shuffled else "contiguous",
+                    "kv_mb": round(kv_bytes / 1e6, 1),
+                    "kernel_ms": round(min(kernel_s) * 1e3, 3),
+                    "kernel_gb_s": round(kernel_gbs, 1),
+                    "stream_gb_s": round(stream_gbs, 1),
+                    "ratio": round(kernel_gbs / stream_gbs, 3),
+                }
                 rows.append(row)
-                print(f"{batch:>5} {context:>7} {row['pages']:>10} {row['kernel_ms']:>8.3f} {kernel_gbs:>8.1f} "
-                      f"{stream_gbs:>11.1f} {row['ratio']:>6.2f}")
-    report = {"benchmark": "paged_kernel", "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                                                     "page": PAGE, "layers": LAYERS},
-              "threads": torch.get_num_threads(), "load_average": os.getloadavg(), "torch": torch.__version__,
-              "rows": rows}
+                print(
+                    f"{batch:>5} {context:>7} {row['pages']:>10} {row['kernel_ms']:>8.3f} {kernel_gbs:>8.1f} "
+                    f"{stream_gbs:>11.1f} {row['ratio']:>6.2f}"
+                )
+    report = {
+        "benchmark": "paged_kernel",
+        "shape": {
+            "heads": HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "page": PAGE,
+            "layers": LAYERS,
+        },
+        "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     write_json(args.out, report)
 
 

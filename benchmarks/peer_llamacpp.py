@@ -37,8 +37,12 @@ from benchmarks.harness import ServerProcess, arc_pool, free_port, machine, save
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPTS = ROOT.parent / "shared" / "peer" / "llamacpp"
-PEER_DIR = Path(os.environ.get("PEER_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                / "sloserve-peer" / "llamacpp")
+PEER_DIR = Path(
+    os.environ.get("PEER_DIR")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    / "sloserve-peer"
+    / "llamacpp"
+)
 SLOSERVE = Path(sys.executable).with_name("sloserve")
 
 
@@ -47,8 +51,17 @@ def ensure_checkpoint() -> tuple[Path, Path]:
     folder, gguf = PEER_DIR / "models" / "small", PEER_DIR / "models" / "small-f32.gguf"
     if not (folder / "config.json").is_file() or not gguf.is_file():
         subprocess.run([sys.executable, PEER_SCRIPTS / "make_checkpoint.py", folder], check=True)
-        subprocess.run([PEER_DIR / "venv" / "bin" / "python", PEER_SCRIPTS / "convert.py", folder, gguf,
-                        "--llama-cpp", PEER_DIR / "llama.cpp"], check=True)
+        subprocess.run(
+            [
+                PEER_DIR / "venv" / "bin" / "python",
+                PEER_SCRIPTS / "convert.py",
+                folder,
+                gguf,
+                "--llama-cpp",
+                PEER_DIR / "llama.cpp",
+            ],
+            check=True,
+        )
     return folder, gguf
 
 
@@ -60,7 +73,9 @@ def write_workload(path: Path, num_requests: int, max_chars: int, max_tokens: in
     spec, items = arc_pool(0, max_chars, max_tokens)
     prompts = list(dict.fromkeys(item.prompt for item in items))
     if len(prompts) < num_requests:
-        raise SystemExit(f"{spec} has only {len(prompts)} distinct prompts of at most {max_chars} characters")
+        raise SystemExit(
+            f"{spec} has only {len(prompts)} distinct prompts of at most {max_chars} characters"
+        )
     with path.open("w") as f:
         for prompt in prompts[:num_requests]:
             f.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
@@ -76,46 +91,116 @@ class Peer:
 
     def __enter__(self) -> Peer:
         env = {**os.environ, "PORT": str(self.port), "PEER_DIR": str(PEER_DIR)}
-        subprocess.run(["bash", PEER_SCRIPTS / "serve.sh", self.gguf], check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["bash", PEER_SCRIPTS / "serve.sh", self.gguf],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         return self
 
     def __exit__(self, *exc) -> None:
-        subprocess.run(["bash", PEER_SCRIPTS / "serve.sh", "stop"], check=False,
-                       env={**os.environ, "PEER_DIR": str(PEER_DIR)})
+        subprocess.run(
+            ["bash", PEER_SCRIPTS / "serve.sh", "stop"],
+            check=False,
+            env={**os.environ, "PEER_DIR": str(PEER_DIR)},
+        )
 
 
 def bench_peer(gguf: Path, workload: Path, concurrency: int, max_tokens: int) -> dict:
     with Peer(gguf) as peer:
-        out = subprocess.run([PEER_DIR / "venv" / "bin" / "python", PEER_SCRIPTS / "bench_client.py", workload,
-                              "--url", peer.url, "--concurrency", str(concurrency), "--max-tokens", str(max_tokens)],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [
+                PEER_DIR / "venv" / "bin" / "python",
+                PEER_SCRIPTS / "bench_client.py",
+                workload,
+                "--url",
+                peer.url,
+                "--concurrency",
+                str(concurrency),
+                "--max-tokens",
+                str(max_tokens),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def sloserve_server(folder: Path, extra: str = "") -> ServerProcess:
     """`sloserve serve` with its defaults, exactly as a user starts it (the CLI's OpenMP settings too)."""
     port = free_port()
-    return ServerProcess(["serve", "--model", str(folder), "--device", "cpu", "--port", str(port),
-                          "--metrics-port", "off", "--http-port", "off", *shlex.split(extra)],
-                         command=(str(SLOSERVE),), port=port, label="sloserve",
-                         log_path=Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log")
+    return ServerProcess(
+        [
+            "serve",
+            "--model",
+            str(folder),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "off",
+            "--http-port",
+            "off",
+            *shlex.split(extra),
+        ],
+        command=(str(SLOSERVE),),
+        port=port,
+        label="sloserve",
+        log_path=Path(tempfile.gettempdir()) / "peer_llamacpp_sloserve.log",
+    )
 
 
-def bench_sloserve(folder: Path, workload: Path, concurrency: int, max_tokens: int, extra: str = "") -> dict:
-    with sloserve_server(folder, extra) as server, tempfile.NamedTemporaryFile(suffix=".json") as report:
+def bench_sloserve(
+    folder: Path, workload: Path, concurrency: int, max_tokens: int, extra: str = ""
+) -> dict:
+    with (
+        sloserve_server(folder, extra) as server,
+        tempfile.NamedTemporaryFile(suffix=".json") as report,
+    ):
         server.wait_ready(300)
-        subprocess.run([SLOSERVE, "bench", "--server", server.target, "--workload", f"jsonl:{workload}",
-                        "--num-requests", str(len(workload.read_text().splitlines())),  # each line once
-                        "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos",
-                        "--json", report.name], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                SLOSERVE,
+                "bench",
+                "--server",
+                server.target,
+                "--workload",
+                f"jsonl:{workload}",
+                "--num-requests",
+                str(len(workload.read_text().splitlines())),  # each line once
+                "--concurrency",
+                str(concurrency),
+                "--max-tokens",
+                str(max_tokens),
+                "--ignore-eos",
+                "--json",
+                report.name,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads(Path(report.name).read_text())["runs"][0]  # one unpaced run
 
 
 def check_same_model(folder: Path, gguf: Path, workload: Path) -> str:
     """The peer's check_equal.py: identical token ids, greedy tokens and log-probabilities."""
     with Peer(gguf) as peer:
-        done = subprocess.run([PEER_DIR / "venv" / "bin" / "python", PEER_SCRIPTS / "check_equal.py", folder,
-                               "--url", peer.url, "--workload", workload], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                PEER_DIR / "venv" / "bin" / "python",
+                PEER_SCRIPTS / "check_equal.py",
+                folder,
+                "--url",
+                peer.url,
+                "--workload",
+                workload,
+            ],
+            capture_output=True,
+            text=True,
+        )
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
     if done.returncode != 0:
         raise SystemExit(f"llama-server does not serve the same model: {summary}")
@@ -134,13 +219,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-prompt-chars", type=int, default=1500)
-    parser.add_argument("--sloserve-args", nargs="+", default=[""],
-                        help="one sloserve arm per string of extra `sloserve serve` flags (\"\": its defaults)")
+    parser.add_argument(
+        "--sloserve-args",
+        nargs="+",
+        default=[""],
+        help='one sloserve arm per string of extra `sloserve serve` flags ("": its defaults)',
+    )
     args = parser.parse_args()
     arms = {("sloserve " + a).strip(): a for a in args.sloserve_args}
     if not (PEER_DIR / "build" / "bin" / "llama-server").is_file():
-        raise SystemExit(f"llama-server is not built under {PEER_DIR}: run `bash {PEER_SCRIPTS / 'build.sh'}` once "
-                         "(see its README), or set PEER_DIR")
+        raise SystemExit(
+            f"llama-server is not built under {PEER_DIR}: run `bash {PEER_SCRIPTS / 'build.sh'}` once "
+            "(see its README), or set PEER_DIR"
+        )
     print(f"load average {os.getloadavg()[0]:.2f} (measure on a quiet machine)")
     folder, gguf = ensure_checkpoint()
     workload = PEER_DIR / "peer_workload.jsonl"
@@ -153,14 +244,19 @@ def main() -> None:
     for c in args.concurrency:
         sides: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
-            for side in names[r % len(names):] + names[:r % len(names)]:  # the first to run rotates
+            for side in (
+                names[r % len(names) :] + names[: r % len(names)]
+            ):  # the first to run rotates
                 if side == "llama-server":
                     report = bench_peer(gguf, workload, c, args.max_tokens)
                 else:
                     report = bench_sloserve(folder, workload, c, args.max_tokens, arms[side])
                 sides[side].append(report)
-                print(f"  c={c:<3} round {r} {side:<12} {report['output_token_throughput']:7.0f} output tok/s, "
-                      f"TTFT p50 {(_p50(report, 'ttft_s') or 0) * 1e3:6.1f} ms", flush=True)
+                print(
+                    f"  c={c:<3} round {r} {side:<12} {report['output_token_throughput']:7.0f} output tok/s, "
+                    f"TTFT p50 {(_p50(report, 'ttft_s') or 0) * 1e3:6.1f} ms",
+                    flush=True,
+                )
         runs[c] = sides
     print(f"\n(median of {args.rounds} fresh runs each; {time.monotonic() - started:.0f} s)")
     rows = []
@@ -168,16 +264,39 @@ def main() -> None:
         theirs = statistics.median(r["output_token_throughput"] for r in sides["llama-server"])
         for arm in arms:
             ours = statistics.median(r["output_token_throughput"] for r in sides[arm])
-            rows.append({"concurrency": c, "arm": arm, "sloserve_tok_s": ours, "llama_server_tok_s": theirs,
-                         "ratio": ours / theirs,
-                         "sloserve_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0 for r in sides[arm]),
-                         "llama_server_ttft_p50_s": statistics.median(_p50(r, "ttft_s") or 0
-                                                                      for r in sides["llama-server"])})
-            print(f"c={c:<3} {arm:<40} {ours:>7.0f} tok/s   llama-server {theirs:>7.0f}   x{ours / theirs:.2f}")
-    path = save("peer_llamacpp", {"benchmark": "peer_llamacpp", "workload": spec, "requests": args.requests,
-                                  "max_tokens": args.max_tokens, "max_prompt_chars": args.max_prompt_chars,
-                                  "same_model": same, "machine": machine(), "load_average": os.getloadavg(),
-                                  "rows": rows, "runs": {str(c): s for c, s in runs.items()}})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "arm": arm,
+                    "sloserve_tok_s": ours,
+                    "llama_server_tok_s": theirs,
+                    "ratio": ours / theirs,
+                    "sloserve_ttft_p50_s": statistics.median(
+                        _p50(r, "ttft_s") or 0 for r in sides[arm]
+                    ),
+                    "llama_server_ttft_p50_s": statistics.median(
+                        _p50(r, "ttft_s") or 0 for r in sides["llama-server"]
+                    ),
+                }
+            )
+            print(
+                f"c={c:<3} {arm:<40} {ours:>7.0f} tok/s   llama-server {theirs:>7.0f}   x{ours / theirs:.2f}"
+            )
+    path = save(
+        "peer_llamacpp",
+        {
+            "benchmark": "peer_llamacpp",
+            "workload": spec,
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "max_prompt_chars": args.max_prompt_chars,
+            "same_model": same,
+            "machine": machine(),
+            "load_average": os.getloadavg(),
+            "rows": rows,
+            "runs": {str(c): s for c, s in runs.items()},
+        },
+    )
     print(f"wrote {path}")
 
 

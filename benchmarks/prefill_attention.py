@@ -42,10 +42,15 @@ def forms(length: int, heads: int, kv_heads: int, dim: int) -> dict:
     k4, v4 = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
     scale = dim**-0.5
     return {
-        "3-D + enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                                   enable_gqa=True),
-        "4-D, mask": lambda: F.scaled_dot_product_attention(q[None], k4, v4, attn_mask=mask, scale=scale)[0],
-        "4-D, causal": lambda: F.scaled_dot_product_attention(q[None], k4, v4, is_causal=True, scale=scale)[0],
+        "3-D + enable_gqa": lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        ),
+        "4-D, mask": lambda: F.scaled_dot_product_attention(
+            q[None], k4, v4, attn_mask=mask, scale=scale
+        )[0],
+        "4-D, causal": lambda: F.scaled_dot_product_attention(
+            q[None], k4, v4, is_causal=True, scale=scale
+        )[0],
     }
 
 
@@ -64,8 +69,9 @@ def _sdpa_before(q, k, v, mask, scale, causal=False):
     """SdpaBackend's SDPA call before the flash form: 3-D inputs, enable_gqa, always a mask."""
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[-3] != k.shape[-3])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3]
+    )
 
 
 def prefill_ms(runner: ModelRunner, length: int, rounds: int) -> dict[str, float]:
@@ -80,7 +86,9 @@ def prefill_ms(runner: ModelRunner, length: int, rounds: int) -> dict[str, float
             for name, fn in (("now", built), ("before", _sdpa_before)):
                 sdpa._sdpa = fn
                 started = time.perf_counter()
-                runner.execute(SchedulerOutput([ScheduledSequence("p", prompt, 0, table, True, greedy)]))
+                runner.execute(
+                    SchedulerOutput([ScheduledSequence("p", prompt, 0, table, True, greedy)])
+                )
                 if r:
                     best[name] = min(best[name], time.perf_counter() - started)
                 runner.execute(SchedulerOutput(finished_req_ids=["p"]))
@@ -98,16 +106,23 @@ def main() -> None:
     args = parser.parse_args()
     path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
     threads = torch.get_num_threads()  # part 1's; the runner sets its own per step
-    runner = ModelRunner(SloserveConfig(
-        model=ModelConfig(path=path, device="cpu", max_model_len=max(args.lengths) + 16),
-        cache=CacheConfig(kv_pool_bytes=64 * 2**20, swap_bytes=0, prefix_cache=False),
-        scheduler=SchedulerConfig(max_batch=8, max_batched_tokens=max(args.lengths))))
+    runner = ModelRunner(
+        SloserveConfig(
+            model=ModelConfig(path=path, device="cpu", max_model_len=max(args.lengths) + 16),
+            cache=CacheConfig(kv_pool_bytes=64 * 2**20, swap_bytes=0, prefix_cache=False),
+            scheduler=SchedulerConfig(max_batch=8, max_batched_tokens=max(args.lengths)),
+        )
+    )
     runner.warmup()
     spec = runner.spec
-    print(f"{spec.architecture}: {spec.num_heads} query / {spec.num_kv_heads} KV heads of {spec.head_dim}, "
-          f"{threads} threads, load {os.getloadavg()[0]:.1f}")
-    print(f"{'tokens':>6} {'3-D gqa ms':>10} {'4-D mask ms':>11} {'4-D causal ms':>13} {'gqa/causal':>10}   "
-          f"{'prefill before':>14} {'now':>6} {'ratio':>6}")
+    print(
+        f"{spec.architecture}: {spec.num_heads} query / {spec.num_kv_heads} KV heads of {spec.head_dim}, "
+        f"{threads} threads, load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'tokens':>6} {'3-D gqa ms':>10} {'4-D mask ms':>11} {'4-D causal ms':>13} {'gqa/causal':>10}   "
+        f"{'prefill before':>14} {'now':>6} {'ratio':>6}"
+    )
     rows = []
     for length in args.lengths:
         fns = forms(length, spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -117,12 +132,26 @@ def main() -> None:
         best = best_of(fns, max(1, 3000 // length), args.rounds)
         step = prefill_ms(runner, length, args.rounds)
         ms = [best[name] * 1e3 for name in fns]
-        rows.append({"tokens": length, "layer_ms": dict(zip(fns, [round(m, 3) for m in ms], strict=True)),
-                     "max_abs_difference": agree, "prefill_step_ms": {k: round(v, 2) for k, v in step.items()}})
-        print(f"{length:>6} {ms[0]:>10.2f} {ms[1]:>11.2f} {ms[2]:>13.2f} {ms[0] / ms[2]:>10.2f}   "
-              f"{step['before']:>14.1f} {step['now']:>6.1f} {step['before'] / step['now']:>6.2f}")
-    report = {"benchmark": "prefill_attention", "model": path, "threads": threads,
-              "load_average": os.getloadavg(), "torch": torch.__version__, "rows": rows}
+        rows.append(
+            {
+                "tokens": length,
+                "layer_ms": dict(zip(fns, [round(m, 3) for m in ms], strict=True)),
+                "max_abs_difference": agree,
+                "prefill_step_ms": {k: round(v, 2) for k, v in step.items()},
+            }
+        )
+        print(
+            f"{length:>6} {ms[0]:>10.2f} {ms[1]:>11.2f} {ms[2]:>13.2f} {ms[0] / ms[2]:>10.2f}   "
+            f"{step['before']:>14.1f} {step['now']:>6.1f} {step['before'] / step['now']:>6.2f}"
+        )
+    report = {
+        "benchmark": "prefill_attention",
+        "model": path,
+        "threads": threads,
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     write_json(args.out, report)
 
 

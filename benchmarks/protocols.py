@@ -41,7 +41,9 @@ async def _http(url: str, items, spec: LoadSpec) -> dict:
     async with http_client.open_client(url, None) as client:
         await http_client.wait_ready(client, 120)
         model = (await http_client.fetch_info(client)).get("model")
-        result = await http_client.run_load(client, items, spec, id_prefix=f"h{time.monotonic_ns()}", model=model)
+        result = await http_client.run_load(
+            client, items, spec, id_prefix=f"h{time.monotonic_ns()}", model=model
+        )
     return summarise(result.records, result.duration_s, None, None)
 
 
@@ -52,13 +54,24 @@ async def _bare_http(port: int, items) -> float:
     ttfts = []
     try:
         for item in items:
-            body = orjson.dumps({"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0,
-                                 "ignore_eos": True, "stream": True})
-            head = f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n" \
-                   f"content-length: {len(body)}\r\n\r\n"
+            body = orjson.dumps(
+                {
+                    "prompt": item.prompt,
+                    "max_tokens": item.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            )
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n"
+            )
             sent, first, seen = time.perf_counter(), None, b""
             writer.write(head.encode() + body)
-            while not seen.endswith(b"0\r\n\r\n"):  # the SSE body is chunked: its last chunk is empty
+            while not seen.endswith(
+                b"0\r\n\r\n"
+            ):  # the SSE body is chunked: its last chunk is empty
                 data = await reader.read(65536)
                 if not data:
                     raise ConnectionError("the server closed the connection mid-response")
@@ -77,9 +90,14 @@ async def _bare_http(port: int, items) -> float:
 def _figures(run: dict) -> dict:
     if not run["completed"]:
         raise RuntimeError(f"no request completed: {run['refusals']}")
-    return {"ttft_p50_ms": run["ttft_s"]["p50"] * 1e3, "tpot_p50_ms": (run["tpot_s"]["p50"] or 0) * 1e3,
-            "output_tok_s": run["output_token_throughput"], "req_s": run["request_throughput"],
-            "completed": run["completed"], "requests": run["requests"]}
+    return {
+        "ttft_p50_ms": run["ttft_s"]["p50"] * 1e3,
+        "tpot_p50_ms": (run["tpot_s"]["p50"] or 0) * 1e3,
+        "output_tok_s": run["output_token_throughput"],
+        "req_s": run["request_throughput"],
+        "completed": run["completed"],
+        "requests": run["requests"],
+    }
 
 
 def _median(runs: list[dict]) -> dict:
@@ -87,17 +105,43 @@ def _median(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--workload", default="fixed:64,32", help="fixed:PROMPT_TOKENS,OUTPUT_TOKENS or any bench workload")
-    parser.add_argument("--requests", type=int, default=64, help="requests per run at concurrency 16 (a quarter at 1)")
+    parser.add_argument(
+        "--workload",
+        default="fixed:64,32",
+        help="fixed:PROMPT_TOKENS,OUTPUT_TOKENS or any bench workload",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=64,
+        help="requests per run at concurrency 16 (a quarter at 1)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     grpc_port, http_port = free_port(), free_port()
-    server = ServerProcess(["serve", "--model", args.model, "--device", args.device, "--port", str(grpc_port),
-                            "--http-port", str(http_port), "--metrics-port", "off", "--log-format", "json"],
-                           port=grpc_port)
+    server = ServerProcess(
+        [
+            "serve",
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--metrics-port",
+            "off",
+            "--log-format",
+            "json",
+        ],
+        port=grpc_port,
+    )
     target, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
     results: dict = {}
     try:
@@ -115,29 +159,65 @@ def main() -> None:
                 if concurrency == 1:
                     bare.append(asyncio.run(_bare_http(http_port, items)))
             grpc_m, http_m = _median(runs["grpc"]), _median(runs["http"])
-            ratio = {"ttft_p50": http_m["ttft_p50_ms"] / grpc_m["ttft_p50_ms"],
-                     "output_tok_s": http_m["output_tok_s"] / grpc_m["output_tok_s"]}
-            results[f"c{concurrency}"] = {"grpc": grpc_m, "http": http_m, "http_over_grpc": ratio, "rounds": runs}
-            spread = {p: {k: (min(r[k] for r in runs[p]), max(r[k] for r in runs[p]))
-                          for k in ("ttft_p50_ms", "output_tok_s")} for p in runs}
+            ratio = {
+                "ttft_p50": http_m["ttft_p50_ms"] / grpc_m["ttft_p50_ms"],
+                "output_tok_s": http_m["output_tok_s"] / grpc_m["output_tok_s"],
+            }
+            results[f"c{concurrency}"] = {
+                "grpc": grpc_m,
+                "http": http_m,
+                "http_over_grpc": ratio,
+                "rounds": runs,
+            }
+            spread = {
+                p: {
+                    k: (min(r[k] for r in runs[p]), max(r[k] for r in runs[p]))
+                    for k in ("ttft_p50_ms", "output_tok_s")
+                }
+                for p in runs
+            }
             results[f"c{concurrency}"]["spread"] = spread
             if bare:
-                results[f"c{concurrency}"]["bare_http_ttft_p50_ms"] = {"median": statistics.median(bare), "rounds": bare}
-            print(f"concurrency {concurrency:>2}: TTFT p50 gRPC {grpc_m['ttft_p50_ms']:.1f} ms, HTTP "
-                  f"{http_m['ttft_p50_ms']:.1f} ms (x{ratio['ttft_p50']:.2f}); output tok/s gRPC "
-                  f"{grpc_m['output_tok_s']:.0f}, HTTP {http_m['output_tok_s']:.0f} (x{ratio['output_tok_s']:.2f}); "
-                  f"TPOT p50 gRPC {grpc_m['tpot_p50_ms']:.1f} ms, HTTP {http_m['tpot_p50_ms']:.1f} ms", flush=True)
-            print("    rounds' range: " + "; ".join(
-                f"{p} TTFT p50 {lo:.1f}-{hi:.1f} ms, tok/s {tlo:.0f}-{thi:.0f}"
-                for p, ((lo, hi), (tlo, thi)) in ((p, (v["ttft_p50_ms"], v["output_tok_s"])) for p, v in spread.items())),
-                flush=True)
+                results[f"c{concurrency}"]["bare_http_ttft_p50_ms"] = {
+                    "median": statistics.median(bare),
+                    "rounds": bare,
+                }
+            print(
+                f"concurrency {concurrency:>2}: TTFT p50 gRPC {grpc_m['ttft_p50_ms']:.1f} ms, HTTP "
+                f"{http_m['ttft_p50_ms']:.1f} ms (x{ratio['ttft_p50']:.2f}); output tok/s gRPC "
+                f"{grpc_m['output_tok_s']:.0f}, HTTP {http_m['output_tok_s']:.0f} (x{ratio['output_tok_s']:.2f}); "
+                f"TPOT p50 gRPC {grpc_m['tpot_p50_ms']:.1f} ms, HTTP {http_m['tpot_p50_ms']:.1f} ms",
+                flush=True,
+            )
+            print(
+                "    rounds' range: "
+                + "; ".join(
+                    f"{p} TTFT p50 {lo:.1f}-{hi:.1f} ms, tok/s {tlo:.0f}-{thi:.0f}"
+                    for p, ((lo, hi), (tlo, thi)) in (
+                        (p, (v["ttft_p50_ms"], v["output_tok_s"])) for p, v in spread.items()
+                    )
+                ),
+                flush=True,
+            )
             if bare:
-                print(f"    HTTP TTFT p50 with a bare asyncio client instead of aiohttp: {statistics.median(bare):.1f} ms "
-                      f"(x{statistics.median(bare) / grpc_m['ttft_p50_ms']:.2f} of gRPC)", flush=True)
+                print(
+                    f"    HTTP TTFT p50 with a bare asyncio client instead of aiohttp: "
+                    f"{statistics.median(bare):.1f} ms "
+                    f"(x{statistics.median(bare) / grpc_m['ttft_p50_ms']:.2f} of gRPC)",
+                    flush=True,
+                )
     finally:
         server.stop()
-    path = save("protocols", {"machine": machine(), "model": args.model, "workload": args.workload,
-                              "goal": "HTTP TTFT p50 and output throughput within 10% of gRPC", "results": results})
+    path = save(
+        "protocols",
+        {
+            "machine": machine(),
+            "model": args.model,
+            "workload": args.workload,
+            "goal": "HTTP TTFT p50 and output throughput within 10% of gRPC",
+            "results": results,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -55,10 +55,14 @@ MODES = ("naive", "full")
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--workload", default=None, help="default: the ARC trace if present, else synthetic-arc")
+    p.add_argument(
+        "--workload", default=None, help="default: the ARC trace if present, else synthetic-arc"
+    )
     p.add_argument("--requests-per-rate", type=int, default=100)
     p.add_argument("--max-prompt-chars", type=int, default=600)
-    p.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's answer lengths (1%% longer)")
+    p.add_argument(
+        "--max-tokens", type=int, default=256, help="cap on the trace's answer lengths (1%% longer)"
+    )
     p.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2])
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--ttft-factor", type=float, default=2.0)
@@ -67,9 +71,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-e2e", type=float, default=None, help="seconds; overrides the factor")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds; overrides the factor")
-    p.add_argument("--budget-s", type=float, default=200.0, help="most seconds of one sweep (mode, seed)")
+    p.add_argument(
+        "--budget-s", type=float, default=200.0, help="most seconds of one sweep (mode, seed)"
+    )
     p.add_argument("--name", default="seed_table", help="benchmarks/out/NAME.json and NAME.txt")
-    p.add_argument("--report", type=Path, default=None, help="print the table of a saved results JSON; runs nothing")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="print the table of a saved results JSON; runs nothing",
+    )
     args = p.parse_args(argv)
     if args.requests_per_rate < 1 or not args.seeds:
         p.error("--requests-per-rate must be >= 1 and --seeds non-empty")
@@ -90,13 +101,20 @@ class Served:
         n = self.args.requests_per_rate
         if self.server is None or (self.start and self.start + n > len(self.pool)):
             self.close()
-            self.server = harness.launch(self.mode, self.args.model,
-                                                harness.LOGS / f"seed_table_{self.mode}_server.log")
+            self.server = harness.launch(
+                self.mode, self.args.model, harness.LOGS / f"seed_table_{self.mode}_server.log"
+            )
             self.server.wait_ready(600)
             self.start = 0
         items = harness.take(self.pool, self.start, n)
         self.start += n
-        spec = LoadSpec(rate=rate, num_requests=n, streams=self.args.streams, seed=self.seed * 1000 + index, slo=slo)
+        spec = LoadSpec(
+            rate=rate,
+            num_requests=n,
+            streams=self.args.streams,
+            seed=self.seed * 1000 + index,
+            slo=slo,
+        )
         result, peaks = harness.run(harness.send_sampled(self.server.target, items, spec))
         self.peak["running"] = max(self.peak["running"], peaks.running)
         self.peak["blocks_sampled"] = max(self.peak["blocks_sampled"], peaks.blocks_in_use)
@@ -120,12 +138,27 @@ class Served:
     def kv(self) -> dict:
         """Peak KV bytes in use and what contiguous max-length caches for the peak batch need."""
         block_bytes, block_size = self.info.get("kv_block_bytes"), self.info.get("block_size")
-        blocks = self.peak["blocks_counter"] if self.peak["blocks_counter"] is not None else self.peak["blocks_sampled"]
+        blocks = (
+            self.peak["blocks_counter"]
+            if self.peak["blocks_counter"] is not None
+            else self.peak["blocks_sampled"]
+        )
         if not block_bytes or not block_size:
-            return {"paged_bytes": None, "contiguous_bytes": None, "blocks": blocks, "source": "n/a"}
-        return {"paged_bytes": blocks * block_bytes, "blocks": blocks,
-                "source": "kv_blocks_peak" if self.peak["blocks_counter"] is not None else "sampled",
-                "contiguous_bytes": self.peak["running"] * self.info["max_model_len"] * block_bytes // block_size}
+            return {
+                "paged_bytes": None,
+                "contiguous_bytes": None,
+                "blocks": blocks,
+                "source": "n/a",
+            }
+        return {
+            "paged_bytes": blocks * block_bytes,
+            "blocks": blocks,
+            "source": "kv_blocks_peak" if self.peak["blocks_counter"] is not None else "sampled",
+            "contiguous_bytes": self.peak["running"]
+            * self.info["max_model_len"]
+            * block_bytes
+            // block_size,
+        }
 
 
 def ladder(capacity: float) -> list[float]:
@@ -147,8 +180,11 @@ def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: fl
             return None
         run = served.run(rate, slo, index)
         runs.append(run)
-        print(f"    rate {rate:7.3f}/s  attainment {100 * run['slo_attainment']:5.1f}%  refused {run['refused']:3}  "
-              f"p99 e2e {1000 * (run['e2e_s']['p99'] or 0):8.1f} ms  ({run['duration_s']:.0f} s)", flush=True)
+        print(
+            f"    rate {rate:7.3f}/s  attainment {100 * run['slo_attainment']:5.1f}%  refused {run['refused']:3}  "
+            f"p99 e2e {1000 * (run['e2e_s']['p99'] or 0):8.1f} ms  ({run['duration_s']:.0f} s)",
+            flush=True,
+        )
         return run
 
     for i in range(first, len(rates)):
@@ -165,15 +201,24 @@ def sweep(served: Served, rates: list[float], slo: SLO, first: int, budget_s: fl
 
 def calibrate(args: argparse.Namespace, pool: list) -> tuple[SLO, float, dict]:
     """Unloaded latencies (16 requests one at a time through the naive server) -> SLO, capacity."""
-    with harness.launch("naive", args.model, harness.LOGS / "seed_table_naive_server.log") as server:
+    with harness.launch(
+        "naive", args.model, harness.LOGS / "seed_table_naive_server.log"
+    ) as server:
         server.wait_ready(600)
         result = harness.run(harness.send(server.target, pool[:16], LoadSpec(concurrency=1)))
     unloaded = summarise(result.records, result.duration_s, None, None)
     if unloaded["completed"] < len(result.records):
         raise SystemExit(f"calibration failed: {unloaded['refusals']}")
-    tpot = args.slo_tpot or (round(args.tpot_factor * (unloaded["tpot_s"]["p90"] or 0.01), 4) if args.tpot_factor else None)
-    slo = SLO(ttft_s=args.slo_ttft or round(args.ttft_factor * unloaded["ttft_s"]["p90"], 3), tpot_s=tpot,
-              e2e_s=args.slo_e2e or round(args.e2e_factor * unloaded["e2e_s"]["p90"], 3))
+    tpot = args.slo_tpot or (
+        round(args.tpot_factor * (unloaded["tpot_s"]["p90"] or 0.01), 4)
+        if args.tpot_factor
+        else None
+    )
+    slo = SLO(
+        ttft_s=args.slo_ttft or round(args.ttft_factor * unloaded["ttft_s"]["p90"], 3),
+        tpot_s=tpot,
+        e2e_s=args.slo_e2e or round(args.e2e_factor * unloaded["e2e_s"]["p90"], 3),
+    )
     return slo, 1.0 / unloaded["e2e_s"]["mean"], unloaded
 
 
@@ -185,7 +230,9 @@ def estimate_s(n: int, capacity: float, seeds: int, budget_s: float) -> float:
     naive = sum(n / (g * capacity) for g in rungs)
     full = sum(n / (g * capacity) for g in GRID if g <= 5.0)
     cap = budget_s + n / capacity
-    return 16 / capacity + seeds * (min(naive, cap) + min(full, cap) + 2 * n / (rungs[-1] * capacity) + 8 * 3.0)
+    return 16 / capacity + seeds * (
+        min(naive, cap) + min(full, cap) + 2 * n / (rungs[-1] * capacity) + 8 * 3.0
+    )
 
 
 def qps_bounds(runs: list[dict]) -> tuple[float, float]:
@@ -213,8 +260,14 @@ def bounded_median(bounds: list[tuple[float, float]]) -> dict:
     can be taken at (the finite bound of a one-sided seed)."""
     lows, highs = [b[0] for b in bounds], [b[1] for b in bounds]
     known = [finite_bound(b) for b in bounds]
-    return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(bounds),
-            "low": statistics.median(lows), "high": statistics.median(highs)}
+    return {
+        "median": statistics.median(known),
+        "min": min(known),
+        "max": max(known),
+        "n": len(bounds),
+        "low": statistics.median(lows),
+        "high": statistics.median(highs),
+    }
 
 
 def bounded_cell(figure: dict | None, scale: float, digits: int) -> str:
@@ -227,8 +280,16 @@ def bounded_cell(figure: dict | None, scale: float, digits: int) -> str:
     return f"<= {high:.{digits}f}" if low == 0 else f"{low:.{digits}f}-{high:.{digits}f}"
 
 
-def ratio_row(label: str, before: dict | None, after: dict | None, scale: float, digits: int, goal: float,
-              at_least: bool, write_up: str) -> list[str]:
+def ratio_row(
+    label: str,
+    before: dict | None,
+    after: dict | None,
+    scale: float,
+    digits: int,
+    goal: float,
+    at_least: bool,
+    write_up: str,
+) -> list[str]:
     """A table row: before, after, after/before on medians, the goal's verdict.
 
     A figure with "low" and "high" (bounded_median) is known only within them, and so is the
@@ -244,12 +305,33 @@ def ratio_row(label: str, before: dict | None, after: dict | None, scale: float,
         change, verdict = "n/a", "n/a"
     else:
         lo, hi = ratio
-        change = f"x{lo:.2f}" if lo == hi else "n/a" if lo == 0 and math.isinf(hi) else \
-            f">= x{lo:.2f}" if math.isinf(hi) else f"<= x{hi:.2f}" if lo == 0 else f"x{lo:.2f}-x{hi:.2f}"
+        change = (
+            f"x{lo:.2f}"
+            if lo == hi
+            else "n/a"
+            if lo == 0 and math.isinf(hi)
+            else f">= x{lo:.2f}"
+            if math.isinf(hi)
+            else f"<= x{hi:.2f}"
+            if lo == 0
+            else f"x{lo:.2f}-x{hi:.2f}"
+        )
         meets = (lambda r: r >= goal) if at_least else (lambda r: r <= goal)
-        verdict = "PASS" if meets(lo) and meets(hi) else "FAIL" if not meets(lo) and not meets(hi) else "n/a (not crossed)"
-    return [label, bounded_cell(before, scale, digits), bounded_cell(after, scale, digits), change,
-            f"{'>=' if at_least else '<='} x{goal:.2f} {verdict}", write_up]
+        verdict = (
+            "PASS"
+            if meets(lo) and meets(hi)
+            else "FAIL"
+            if not meets(lo) and not meets(hi)
+            else "n/a (not crossed)"
+        )
+    return [
+        label,
+        bounded_cell(before, scale, digits),
+        bounded_cell(after, scale, digits),
+        change,
+        f"{'>=' if at_least else '<='} x{goal:.2f} {verdict}",
+        write_up,
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -258,32 +340,52 @@ def main(argv: list[str]) -> int:
         print(report(json.loads(args.report.read_text())))
         return 0
     began, n = time.monotonic(), args.requests_per_rate
-    pools = {s: harness.arc_pool(s, args.max_prompt_chars, args.max_tokens, args.workload) for s in args.seeds}
+    pools = {
+        s: harness.arc_pool(s, args.max_prompt_chars, args.max_tokens, args.workload)
+        for s in args.seeds
+    }
     spec, pool0 = pools[args.seeds[0]]
-    print(f"workload {spec}: {len(pool0)} requests with prompts <= {args.max_prompt_chars} chars, answers <= "
-          f"{args.max_tokens} tokens; {n} fresh requests per rate point; seeds {args.seeds}", flush=True)
+    print(
+        f"workload {spec}: {len(pool0)} requests with prompts <= {args.max_prompt_chars} chars, answers <= "
+        f"{args.max_tokens} tokens; {n} fresh requests per rate point; seeds {args.seeds}",
+        flush=True,
+    )
     slo, capacity, unloaded = calibrate(args, pool0)
     rates = ladder(capacity)
     estimate = estimate_s(n, capacity, len(args.seeds), args.budget_s)
-    print(f"unloaded naive: TTFT p90 {1000 * unloaded['ttft_s']['p90']:.1f} ms, e2e mean "
-          f"{1000 * unloaded['e2e_s']['mean']:.1f} ms (p90 {1000 * unloaded['e2e_s']['p90']:.1f}), "
-          f"{unloaded['output_tokens_per_request']['mean']:.0f} tokens/request -> SLO {slo_text(slo)}; "
-          f"estimated {estimate / 60:.1f} min", flush=True)
+    print(
+        f"unloaded naive: TTFT p90 {1000 * unloaded['ttft_s']['p90']:.1f} ms, e2e mean "
+        f"{1000 * unloaded['e2e_s']['mean']:.1f} ms (p90 {1000 * unloaded['e2e_s']['p90']:.1f}), "
+        f"{unloaded['output_tokens_per_request']['mean']:.0f} tokens/request -> SLO {slo_text(slo)}; "
+        f"estimated {estimate / 60:.1f} min",
+        flush=True,
+    )
     runs = {m: {} for m in MODES}
     peaks = {m: {} for m in MODES}
     for seed in args.seeds:
         for mode in MODES:
-            print(f"[{mode} seed {seed}] ({(time.monotonic() - began) / 60:.1f} min elapsed)", flush=True)
+            print(
+                f"[{mode} seed {seed}] ({(time.monotonic() - began) / 60:.1f} min elapsed)",
+                flush=True,
+            )
             first = LOWER_RUNGS  # 0.5x
             if runs[mode]:  # start where the first seed last met the target
-                passed = [rates.index(r["rate"]) for r in runs[mode][args.seeds[0]] if r["slo_attainment"] >= TARGET]
+                passed = [
+                    rates.index(r["rate"])
+                    for r in runs[mode][args.seeds[0]]
+                    if r["slo_attainment"] >= TARGET
+                ]
                 first = max(passed, default=LOWER_RUNGS)
             served = Served(mode, args, pools[seed][1], seed)
             try:
                 runs[mode][seed] = sweep(served, rates, slo, first, args.budget_s)
             finally:
                 served.close()
-            peaks[mode][seed] = {**served.kv(), "running": served.peak["running"], "rss_bytes": served.peak["rss_bytes"]}
+            peaks[mode][seed] = {
+                **served.kv(),
+                "running": served.peak["running"],
+                "rss_bytes": served.peak["rss_bytes"],
+            }
     # where a seed never met the target, its lowest rate probed (an upper bound on its QPS@95%)
     common_rate = statistics.median(finite_bound(qps_bounds(runs["naive"][s])) for s in args.seeds)
     print(f"[P99 at the naive QPS@95% {common_rate:.3f} req/s]", flush=True)
@@ -296,13 +398,26 @@ def main(argv: list[str]) -> int:
             finally:
                 served.close()
             p99[mode][seed] = run["e2e_s"]["p99"]
-            print(f"    {mode} seed {seed}: p99 e2e {1000 * (run['e2e_s']['p99'] or 0):.1f} ms, attainment "
-                  f"{100 * run['slo_attainment']:.1f}%", flush=True)
+            print(
+                f"    {mode} seed {seed}: p99 e2e {1000 * (run['e2e_s']['p99'] or 0):.1f} ms, attainment "
+                f"{100 * run['slo_attainment']:.1f}%",
+                flush=True,
+            )
     payload = {
-        "machine": harness.machine(), "workload": spec, "args": vars(args), "unloaded": unloaded,
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}, "rates": rates,
-        "common_rate": common_rate, "p99_e2e_s": p99, "peaks": peaks, "write_up": WRITE_UP, "sweeps": runs,
-        "estimate_s": estimate, "elapsed_s": time.monotonic() - began}
+        "machine": harness.machine(),
+        "workload": spec,
+        "args": vars(args),
+        "unloaded": unloaded,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s},
+        "rates": rates,
+        "common_rate": common_rate,
+        "p99_e2e_s": p99,
+        "peaks": peaks,
+        "write_up": WRITE_UP,
+        "sweeps": runs,
+        "estimate_s": estimate,
+        "elapsed_s": time.monotonic() - began,
+    }
     text = report(payload)
     print("\n" + text)
     path = harness.save(args.name, payload)
@@ -319,47 +434,103 @@ def report(payload: dict) -> str:
     peaks = {m: per_seed(payload["peaks"][m]) for m in MODES}
     p99 = {m: per_seed(payload["p99_e2e_s"][m]) for m in MODES}
     bounds = {m: {s: qps_bounds(runs[m][s]) for s in seeds} for m in MODES}
-    mr = {m: {"qps": bounded_median(list(bounds[m].values())), "p99": ga.median_range(list(p99[m].values())),
-              "paged": ga.median_range([p["paged_bytes"] for p in peaks[m].values()]),
-              "contiguous": ga.median_range([p["contiguous_bytes"] for p in peaks[m].values()]),
-              "rss": ga.median_range([p["rss_bytes"] for p in peaks[m].values()])} for m in MODES}
+    mr = {
+        m: {
+            "qps": bounded_median(list(bounds[m].values())),
+            "p99": ga.median_range(list(p99[m].values())),
+            "paged": ga.median_range([p["paged_bytes"] for p in peaks[m].values()]),
+            "contiguous": ga.median_range([p["contiguous_bytes"] for p in peaks[m].values()]),
+            "rss": ga.median_range([p["rss_bytes"] for p in peaks[m].values()]),
+        }
+        for m in MODES
+    }
     slo = payload["slo"]
     wq, wp, wm, mib = WRITE_UP["qps"], WRITE_UP["p99_ms"], WRITE_UP["memory_gb"], 2.0**-20
     rows = [
-        ratio_row("QPS at 95% SLO attainment", mr["naive"]["qps"], mr["full"]["qps"], 1, 2, wq[1] / wq[0], True,
-                  f"{wq[0]} -> {wq[1]}"),
-        ratio_row(f"P99 e2e at {payload['common_rate']:.3g} req/s (ms)", mr["naive"]["p99"], mr["full"]["p99"], 1000, 0,
-                  wp[1] / wp[0], False, f"{wp[0]:g} -> {wp[1]:g} ms"),
-        ratio_row("peak KV of full (MiB): contiguous -> paged", mr["full"]["contiguous"], mr["full"]["paged"], mib, 1,
-                  wm[1] / wm[0], False, f"memory {wm[0]:g} -> {wm[1]:g} GB"),
-        ["peak KV in use, paged (MiB)", ga.cell(mr["naive"]["paged"], mib), ga.cell(mr["full"]["paged"], mib), "", "", ""],
-        ["peak RSS, server + engine (MiB)", ga.cell(mr["naive"]["rss"], mib, 0), ga.cell(mr["full"]["rss"], mib, 0),
-         "", "", f"{wm[0]:g} -> {wm[1]:g} GB"],
+        ratio_row(
+            "QPS at 95% SLO attainment",
+            mr["naive"]["qps"],
+            mr["full"]["qps"],
+            1,
+            2,
+            wq[1] / wq[0],
+            True,
+            f"{wq[0]} -> {wq[1]}",
+        ),
+        ratio_row(
+            f"P99 e2e at {payload['common_rate']:.3g} req/s (ms)",
+            mr["naive"]["p99"],
+            mr["full"]["p99"],
+            1000,
+            0,
+            wp[1] / wp[0],
+            False,
+            f"{wp[0]:g} -> {wp[1]:g} ms",
+        ),
+        ratio_row(
+            "peak KV of full (MiB): contiguous -> paged",
+            mr["full"]["contiguous"],
+            mr["full"]["paged"],
+            mib,
+            1,
+            wm[1] / wm[0],
+            False,
+            f"memory {wm[0]:g} -> {wm[1]:g} GB",
+        ),
+        [
+            "peak KV in use, paged (MiB)",
+            ga.cell(mr["naive"]["paged"], mib),
+            ga.cell(mr["full"]["paged"], mib),
+            "",
+            "",
+            "",
+        ],
+        [
+            "peak RSS, server + engine (MiB)",
+            ga.cell(mr["naive"]["rss"], mib, 0),
+            ga.cell(mr["full"]["rss"], mib, 0),
+            "",
+            "",
+            f"{wm[0]:g} -> {wm[1]:g} GB",
+        ],
     ]
     info = next(iter(peaks["full"].values()))
-    lines = [f"SLO {slo_text(SLO(**slo))}; {len(seeds)} seeds, {payload['args']['requests_per_rate']} fresh requests "
-             "per rate; median [min-max] over seeds", "",
-             ga.table(["", "before (naive)", "after (full)", "change", "goal", "write-up"], rows), "",
-             f"KV: paged = peak blocks in use ({info['source']}) x kv_block_bytes; contiguous = peak running requests "
-             f"(sampled; full: {', '.join(str(p['running']) for p in peaks['full'].values())}) x max_model_len x "
-             "bytes per token (kv_block_bytes / block_size), one max-length cache per running request.",
-             "QPS@95%: '<= x' where a sweep never met 95% (its lowest rate probed), '>= x' where it never fell "
-             "below; a ratio of bounded medians is itself a bound, and its verdict holds only when the whole "
-             "interval is on one side of the goal."]
+    lines = [
+        f"SLO {slo_text(SLO(**slo))}; {len(seeds)} seeds, {payload['args']['requests_per_rate']} fresh requests "
+        "per rate; median [min-max] over seeds",
+        "",
+        ga.table(["", "before (naive)", "after (full)", "change", "goal", "write-up"], rows),
+        "",
+        f"KV: paged = peak blocks in use ({info['source']}) x kv_block_bytes; contiguous = peak running requests "
+        f"(sampled; full: {', '.join(str(p['running']) for p in peaks['full'].values())}) x max_model_len x "
+        "bytes per token (kv_block_bytes / block_size), one max-length cache per running request.",
+        "QPS@95%: '<= x' where a sweep never met 95% (its lowest rate probed), '>= x' where it never fell "
+        "below; a ratio of bounded medians is itself a bound, and its verdict holds only when the whole "
+        "interval is on one side of the goal.",
+    ]
     for mode in MODES:
         for seed in seeds:
             lo, hi = bounds[mode][seed]
             qps = f"{lo:.3f}" if lo == hi else f">= {lo:.3f}" if math.isinf(hi) else f"< {hi:.3f}"
-            lines.append(f"{mode} seed {seed}: QPS@95 {qps}; " + ", ".join(
-                f"{r['rate']:g}/s {100 * r['slo_attainment']:.0f}%" for r in runs[mode][seed]))
+            lines.append(
+                f"{mode} seed {seed}: QPS@95 {qps}; "
+                + ", ".join(
+                    f"{r['rate']:g}/s {100 * r['slo_attainment']:.0f}%" for r in runs[mode][seed]
+                )
+            )
     if "estimate_s" in payload:
-        lines.append(f"\ntotal {payload['elapsed_s'] / 60:.1f} min (estimated {payload['estimate_s'] / 60:.1f})")
+        lines.append(
+            f"\ntotal {payload['elapsed_s'] / 60:.1f} min (estimated {payload['estimate_s'] / 60:.1f})"
+        )
     return "\n".join(lines)
 
 
 def slo_text(slo: SLO) -> str:
-    return " and ".join(f"{name} <= {value} s" for name, value in
-                        (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s), ("E2E", slo.e2e_s)) if value is not None)
+    return " and ".join(
+        f"{name} <= {value} s"
+        for name, value in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s), ("E2E", slo.e2e_s))
+        if value is not None
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-chars", type=int, default=256, help="characters in each of them")
     p.add_argument("--companion-tokens", type=int, default=128)
     args = p.parse_args(argv)
-    if min(args.rounds, args.probes, args.probe_tokens, args.stops, args.stop_chars, args.companion_tokens) < 1:
+    if (
+        min(
+            args.rounds,
+            args.probes,
+            args.probe_tokens,
+            args.stops,
+            args.stop_chars,
+            args.companion_tokens,
+        )
+        < 1
+    ):
         p.error("every count must be >= 1")
     return args
 
@@ -47,14 +57,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def hostile_stops(n: int, chars: int) -> list[str]:
     """n distinct strings of CJK characters, which a byte-level English model does not write."""
     rng = random.Random(0)
-    return [f"{i:x}" + "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(chars - len(f"{i:x}")))
-            for i in range(n)]
+    return [
+        f"{i:x}" + "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(chars - len(f"{i:x}")))
+        for i in range(n)
+    ]
 
 
 async def generate(stub: pb_grpc.SloserveStub, rid: str, max_tokens: int, stop: list[str]) -> float:
     """One request to its end; its end-to-end seconds."""
-    req = pb.GenerateRequest(request_id=rid, text=f"probe {rid}: the quick brown fox", max_tokens=max_tokens,
-                             sampling=pb.SamplingParams(stop=stop, ignore_eos=True, temperature=0.0))
+    req = pb.GenerateRequest(
+        request_id=rid,
+        text=f"probe {rid}: the quick brown fox",
+        max_tokens=max_tokens,
+        sampling=pb.SamplingParams(stop=stop, ignore_eos=True, temperature=0.0),
+    )
     started = time.perf_counter()
     async for msg in stub.Generate(req, timeout=300):
         if msg.WhichOneof("kind") == "error":
@@ -84,10 +100,14 @@ async def measure(target: str, args) -> dict[str, list[float]]:
             for arm in order:
                 background = None
                 if arm != "alone":
-                    background = asyncio.create_task(companion(stub, args, stops if arm == "hostile" else []))
+                    background = asyncio.create_task(
+                        companion(stub, args, stops if arm == "hostile" else [])
+                    )
                     await asyncio.sleep(0.1)  # the companion is admitted and decoding
                 for j in range(args.probes):
-                    latencies[arm].append(await generate(stub, f"{arm}{rnd}.{j}", args.probe_tokens, []))
+                    latencies[arm].append(
+                        await generate(stub, f"{arm}{rnd}.{j}", args.probe_tokens, [])
+                    )
                 if background is not None:
                     background.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -100,10 +120,27 @@ async def measure(target: str, args) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     port = free_port()
-    cmd = ["serve", "--model", args.model, "--device", "cpu",
-           "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--max-model-len", "512",
-           "--max-stop-strings", str(args.stops), "--max-stop-string-chars", str(args.stop_chars),
-           "--grace", "1"]
+    cmd = [
+        "serve",
+        "--model",
+        args.model,
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "off",
+        "--http-port",
+        "off",
+        "--max-model-len",
+        "512",
+        "--max-stop-strings",
+        str(args.stops),
+        "--max-stop-string-chars",
+        str(args.stop_chars),
+        "--grace",
+        "1",
+    ]
     server = ServerProcess(cmd, port=port, env={"OMP_WAIT_POLICY": "PASSIVE"})
     try:
         latencies = asyncio.run(measure(server.target, args))
@@ -111,13 +148,25 @@ def main(argv: list[str] | None = None) -> None:
         server.stop(60)
     medians = {arm: statistics.median(v) for arm, v in latencies.items()}
     for arm in ARMS:
-        print(f"{arm:8} probe e2e median {medians[arm] * 1e3:8.1f} ms  p90 "
-              f"{statistics.quantiles(latencies[arm], n=10)[-1] * 1e3 if len(latencies[arm]) > 1 else 0:8.1f} ms")
+        print(
+            f"{arm:8} probe e2e median {medians[arm] * 1e3:8.1f} ms  p90 "
+            f"{statistics.quantiles(latencies[arm], n=10)[-1] * 1e3 if len(latencies[arm]) > 1 else 0:8.1f} ms"
+        )
     ratio = medians["hostile"] / medians["plain"]
-    print(f"hostile / plain x{ratio:.2f} (goal <= x1.5); plain / alone x{medians['plain'] / medians['alone']:.2f} "
-          f"({args.stops} stop strings of {args.stop_chars} chars)")
-    save("stop_strings", {"machine": machine(), "args": vars(args), "latencies_s": latencies,
-                          "medians_s": medians, "hostile_over_plain": ratio})
+    print(
+        f"hostile / plain x{ratio:.2f} (goal <= x1.5); plain / alone x{medians['plain'] / medians['alone']:.2f} "
+        f"({args.stops} stop strings of {args.stop_chars} chars)"
+    )
+    save(
+        "stop_strings",
+        {
+            "machine": machine(),
+            "args": vars(args),
+            "latencies_s": latencies,
+            "medians_s": medians,
+            "hostile_over_plain": ratio,
+        },
+    )
 
 
 if __name__ == "__main__":

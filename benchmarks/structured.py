@@ -38,16 +38,24 @@ from sloserve.structured import arc_grid_grammar, grammar_for
 from benchmarks._output import OUT, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "size": {"type": "integer", "minimum": 0, "maximum": 999},
-    "colour": {"enum": ["red", "green", "blue"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-    "ok": {"type": "boolean"}},
-    "required": ["name", "size", "colour", "tags", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "colour", "tags", "ok"],
+    "additionalProperties": False,
+}
 # step part: strings without a bound keep every matcher mid-document for the whole round
-STEP_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
-               "required": ["notes"]}
+STEP_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+    "required": ["notes"],
+}
 
 
 def valid_rate(model: str, device: str, n: int, temperature: float, max_tokens: int) -> dict:
@@ -55,8 +63,10 @@ def valid_rate(model: str, device: str, n: int, temperature: float, max_tokens: 
     import jsonschema
 
     grammar = grammar_for("json_schema", SCHEMA)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, grammar=grammar)
-              for i in range(n)]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, grammar=grammar)
+        for i in range(n)
+    ]
     with LLM(model, device=device) as llm:
         outs = llm.generate([f"Describe thing {i} as JSON:\n" for i in range(n)], params)
     valid = eos = 0
@@ -67,8 +77,13 @@ def valid_rate(model: str, device: str, n: int, temperature: float, max_tokens: 
             valid += 1
         except (ValueError, jsonschema.ValidationError):
             pass
-    return {"answers": n, "valid_rate": valid / n, "eos_rate": eos / n, "temperature": temperature,
-            "max_tokens": max_tokens}
+    return {
+        "answers": n,
+        "valid_rate": valid / n,
+        "eos_rate": eos / n,
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+    }
 
 
 def make_runner(model: str, device: str, batch: int, context: int) -> ModelRunner:
@@ -77,18 +92,31 @@ def make_runner(model: str, device: str, batch: int, context: int) -> ModelRunne
     config = SloserveConfig(
         model=ModelConfig(path=path, device=device, max_model_len=longest),
         cache=CacheConfig(kv_pool_bytes=(batch + 1) * longest * 16 * 2**10, swap_bytes=0),
-        scheduler=SchedulerConfig(max_batch=batch, max_batched_tokens=max(256, batch)))
+        scheduler=SchedulerConfig(max_batch=batch, max_batched_tokens=max(256, batch)),
+    )
     runner = ModelRunner(config)
     runner.warmup()
     return runner
 
 
-def decode_step(runner: ModelRunner, batch: int, context: int, grammar: str | None, tag: str) -> SchedulerOutput:
+def decode_step(
+    runner: ModelRunner, batch: int, context: int, grammar: str | None, tag: str
+) -> SchedulerOutput:
     pages = -(-(context + 1) // runner.block_size)
     params = SamplingParams(max_tokens=1 << 20, grammar=grammar)
-    return SchedulerOutput([ScheduledSequence(f"{tag}{i}", [ord("{")], context,
-                                              list(range(1 + i * pages, 1 + (i + 1) * pages)), True, params)
-                            for i in range(batch)])
+    return SchedulerOutput(
+        [
+            ScheduledSequence(
+                f"{tag}{i}",
+                [ord("{")],
+                context,
+                list(range(1 + i * pages, 1 + (i + 1) * pages)),
+                True,
+                params,
+            )
+            for i in range(batch)
+        ]
+    )
 
 
 def seconds_per_step(runner: ModelRunner, out: SchedulerOutput, steps: int) -> float:
@@ -101,7 +129,9 @@ def seconds_per_step(runner: ModelRunner, out: SchedulerOutput, steps: int) -> f
     return (time.perf_counter() - started) / steps
 
 
-def step_ratio(model: str, device: str, batches: list[int], context: int, steps: int, rounds: int) -> list[dict]:
+def step_ratio(
+    model: str, device: str, batches: list[int], context: int, steps: int, rounds: int
+) -> list[dict]:
     """Decode step time with a grammar per sequence over without, per batch: the mask filled in a worker
     thread during the forward (as served) and, for comparison, inline before it."""
     grammar = grammar_for("json_schema", STEP_SCHEMA)
@@ -113,23 +143,31 @@ def step_ratio(model: str, device: str, batches: list[int], context: int, steps:
         best = {"plain": float("inf"), "overlapped": float("inf"), "inline": float("inf")}
         arms = ["plain", "overlapped", "inline"]
         for r in range(rounds):
-            for arm in arms[r % 3:] + arms[: r % 3]:  # each arm leads in turn
+            for arm in arms[r % 3 :] + arms[: r % 3]:  # each arm leads in turn
                 if arm == "plain":
                     best["plain"] = min(best["plain"], seconds_per_step(runner, plain, steps))
                     continue
                 runner.grammar.overlap = arm == "overlapped"
                 masked = decode_step(runner, batch, context, grammar, f"{arm}{r}b{batch}-")
-                runner.execute(masked)  # the matchers are made outside the timing (the compile is cached)
+                runner.execute(
+                    masked
+                )  # the matchers are made outside the timing (the compile is cached)
                 best[arm] = min(best[arm], seconds_per_step(runner, masked, steps))
                 runner.grammar.drop([s.req_id for s in masked.sequences])
         runner.grammar.overlap = served
-        row = {"batch": batch, **{f"{arm}_ms": round(t * 1e3, 3) for arm, t in best.items()},
-               "masked_over_plain": round(best["overlapped"] / best["plain"], 3),
-               "inline_over_plain": round(best["inline"] / best["plain"], 3)}
+        row = {
+            "batch": batch,
+            **{f"{arm}_ms": round(t * 1e3, 3) for arm, t in best.items()},
+            "masked_over_plain": round(best["overlapped"] / best["plain"], 3),
+            "inline_over_plain": round(best["inline"] / best["plain"], 3),
+        }
         rows.append(row)
-        print(f"  batch {batch:>3}: {best['plain'] * 1e3:8.2f} ms plain, {best['overlapped'] * 1e3:8.2f} ms masked "
-              f"(x{row['masked_over_plain']:.3f}), {best['inline'] * 1e3:8.2f} ms with the mask inline "
-              f"(x{row['inline_over_plain']:.3f})", flush=True)
+        print(
+            f"  batch {batch:>3}: {best['plain'] * 1e3:8.2f} ms plain, {best['overlapped'] * 1e3:8.2f} ms masked "
+            f"(x{row['masked_over_plain']:.3f}), {best['inline'] * 1e3:8.2f} ms with the mask inline "
+            f"(x{row['inline_over_plain']:.3f})",
+            flush=True,
+        )
     return rows
 
 
@@ -140,8 +178,10 @@ def heldout_arc(data: Path, prompt_budget: int, limit: int | None) -> list[dict]
     _, held = split_tasks(data)
     items = []
     for task_id, task in held:
-        pairs = ["Input:\n" + grid_text(p["input"]) + "Output:\n" + grid_text(p["output"]) + "\n"
-                 for p in task["train"]]
+        pairs = [
+            "Input:\n" + grid_text(p["input"]) + "Output:\n" + grid_text(p["output"]) + "\n"
+            for p in task["train"]
+        ]
         for test in task["test"]:
             query = "Input:\n" + grid_text(test["input"]) + "Output:\n"
             shots = list(pairs)
@@ -157,11 +197,17 @@ def arc_rates(device: str, data: Path, limit: int | None, max_tokens: int) -> di
 
     items = heldout_arc(data, 1024, limit)
     prompts = [i["prompt"] for i in items]
-    result = {"prompts": len(items), "tasks": len({i["task_id"] for i in items}), "max_tokens": max_tokens}
+    result = {
+        "prompts": len(items),
+        "tasks": len({i["task_id"] for i in items}),
+        "max_tokens": max_tokens,
+    }
     with LLM("default", device=device, max_model_len=2048) as llm:
         for arm, grammar in (("free", None), ("grammar", arc_grid_grammar())):
             outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, grammar=grammar))
-            good = sum(o.finish_reason == "stop" and parse_grid_text(o.text) is not None for o in outs)
+            good = sum(
+                o.finish_reason == "stop" and parse_grid_text(o.text) is not None for o in outs
+            )
             result[f"{arm}_well_formed_eos_rate"] = good / len(outs)
             print(f"  {arm:>7}: {good}/{len(outs)} well-formed grids ending in EOS", flush=True)
     return result
@@ -169,29 +215,47 @@ def arc_rates(device: str, data: Path, limit: int | None, max_tokens: int) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["valid", "step", "arc"], choices=["valid", "step", "arc"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["valid", "step", "arc"], choices=["valid", "step", "arc"]
+    )
     parser.add_argument("--model", default="default", help="checkpoint of the valid and step parts")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--answers", type=int, default=64, help="valid: sampled answers")
-    parser.add_argument("--temperature", type=float, default=1.0, help="valid: sampling temperature")
-    parser.add_argument("--max-tokens", type=int, default=256, help="valid: tokens per answer, at most")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="valid: sampling temperature"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=256, help="valid: tokens per answer, at most"
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="step: batch sizes")
-    parser.add_argument("--context", type=int, default=256, help="step: tokens before the step, every sequence")
+    parser.add_argument(
+        "--context", type=int, default=256, help="step: tokens before the step, every sequence"
+    )
     parser.add_argument("--steps", type=int, default=30, help="step: steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="step: rounds per arm")
-    parser.add_argument("--arc-data", type=Path, default=Path("/work/shared/data/arc-agi-2/training"))
-    parser.add_argument("--arc-limit", type=int, default=None, help="arc: only the first N held-out prompts")
-    parser.add_argument("--arc-max-tokens", type=int, default=960, help="arc: a 30x30 grid and EOS are 931")
+    parser.add_argument(
+        "--arc-data", type=Path, default=Path("/work/shared/data/arc-agi-2/training")
+    )
+    parser.add_argument(
+        "--arc-limit", type=int, default=None, help="arc: only the first N held-out prompts"
+    )
+    parser.add_argument(
+        "--arc-max-tokens", type=int, default=960, help="arc: a 30x30 grid and EOS are 931"
+    )
     parser.add_argument("--out", type=Path, default=OUT / "structured.json")
     args = parser.parse_args()
     report: dict = {"device": args.device, "model": args.model, "load": os.getloadavg()[0]}
     if "valid" in args.parts:
         print("schema-valid rate:")
-        report["valid"] = valid_rate(args.model, args.device, args.answers, args.temperature, args.max_tokens)
+        report["valid"] = valid_rate(
+            args.model, args.device, args.answers, args.temperature, args.max_tokens
+        )
         print(f"  {report['valid']}", flush=True)
     if "step" in args.parts:
         print(f"decode step with and without the mask (context {args.context}):")
-        report["step"] = step_ratio(args.model, args.device, args.batches, args.context, args.steps, args.rounds)
+        report["step"] = step_ratio(
+            args.model, args.device, args.batches, args.context, args.steps, args.rounds
+        )
     if "arc" in args.parts:
         print("ARC grid grammar on the held-out training tasks:")
         report["arc"] = arc_rates(args.device, args.arc_data, args.arc_limit, args.arc_max_tokens)

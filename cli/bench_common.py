@@ -44,7 +44,9 @@ def parse_rates(text: str) -> list[float]:
         try:
             rate = float(part)
         except ValueError:
-            raise BenchInputError(f"--rate: cannot read {part!r}; use a number, a list like 1,2,4, or inf") from None
+            raise BenchInputError(
+                f"--rate: cannot read {part!r}; use a number, a list like 1,2,4, or inf"
+            ) from None
         if not rate > 0:
             raise BenchInputError(f"--rate must be > 0 requests/s, got {part!r}")
         rates.append(rate)
@@ -61,29 +63,75 @@ def run_slo(ttft: float | None, tpot: float | None, e2e: float | None) -> SLO | 
 def workload_options(fn):
     """The flags that say what to send: shared by `bench` and `bench compare`."""
     decorators = [
-        click.option("--workload", default=None,
-                     help="arc:DIR, jsonl:FILE, synthetic-arc, fixed:PROMPT_TOKENS,OUTPUT_TOKENS, or trace:FILE / "
-                          "trace:azure-conv (arrival times and lengths: Azure CSV, BurstGPT CSV, JSONL with arrival_s) "
-                          "[default: the ARC-AGI-2 trace if present, else synthetic-arc]"),
-        click.option("--attempts", default=2, show_default=True, type=int, help="Copies of each ARC test input."),
-        click.option("--max-tokens", type=int, default=None,
-                     help="Cap on each request's output tokens [default: the workload's]."),
-        click.option("--length-scale", default=1.0, show_default=True, type=float,
-                     help="Trace: multiply prompt and output lengths (then cut to fit the server's context)."),
-        click.option("--time-scale", default=None, type=float,
-                     help="Trace: multiply the gaps between arrivals (0.5 = twice as fast) [default: 1, or --rate]."),
-        click.option("--slo-rule", "slo_rules", multiple=True,
-                     help="Objectives by request length, first match wins, e.g. 'gen>250:e2e=20,class=batch' "
-                          "'default:ttft=0.5,tpot=0.06,class=interactive,priority=0' (repeatable)."),
-        click.option("--slo-rules", "slo_rules_file", type=click.Path(dir_okay=False), default=None,
-                     help="A YAML list of rules ({when: 'gen>250', e2e: 20, class: batch}), after any --slo-rule."),
-        click.option("--seed", default=0, show_default=True, type=int, help="Seed of the workload order and arrivals."),
+        click.option(
+            "--workload",
+            default=None,
+            help="arc:DIR, jsonl:FILE, synthetic-arc, fixed:PROMPT_TOKENS,OUTPUT_TOKENS, or trace:FILE / "
+            "trace:azure-conv (arrival times and lengths: Azure CSV, BurstGPT CSV, JSONL with arrival_s) "
+            "[default: the ARC-AGI-2 trace if present, else synthetic-arc]",
+        ),
+        click.option(
+            "--attempts",
+            default=2,
+            show_default=True,
+            type=int,
+            help="Copies of each ARC test input.",
+        ),
+        click.option(
+            "--max-tokens",
+            type=int,
+            default=None,
+            help="Cap on each request's output tokens [default: the workload's].",
+        ),
+        click.option(
+            "--length-scale",
+            default=1.0,
+            show_default=True,
+            type=float,
+            help="Trace: multiply prompt and output lengths (then cut to fit the server's context).",
+        ),
+        click.option(
+            "--time-scale",
+            default=None,
+            type=float,
+            help="Trace: multiply the gaps between arrivals (0.5 = twice as fast) [default: 1, or --rate].",
+        ),
+        click.option(
+            "--slo-rule",
+            "slo_rules",
+            multiple=True,
+            help="Objectives by request length, first match wins, e.g. 'gen>250:e2e=20,class=batch' "
+            "'default:ttft=0.5,tpot=0.06,class=interactive,priority=0' (repeatable).",
+        ),
+        click.option(
+            "--slo-rules",
+            "slo_rules_file",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="A YAML list of rules ({when: 'gen>250', e2e: 20, class: batch}), after any --slo-rule.",
+        ),
+        click.option(
+            "--seed",
+            default=0,
+            show_default=True,
+            type=int,
+            help="Seed of the workload order and arrivals.",
+        ),
     ]
     return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
 
 
-def workload_plan(workload, attempts, max_tokens, length_scale, time_scale, slo_rules, slo_rules_file, seed,
-                  num_requests) -> WorkloadPlan:
+def workload_plan(
+    workload,
+    attempts,
+    max_tokens,
+    length_scale,
+    time_scale,
+    slo_rules,
+    slo_rules_file,
+    seed,
+    num_requests,
+) -> WorkloadPlan:
     """The WorkloadPlan of the workload flags; bad input becomes a BenchInputError."""
     try:
         rules = [parse_rule(text) for text in slo_rules]
@@ -91,9 +139,16 @@ def workload_plan(workload, attempts, max_tokens, length_scale, time_scale, slo_
             rules += load_rules_file(slo_rules_file)
         if attempts < 1:
             raise ValueError(f"--attempts must be >= 1, got {attempts}")
-        return WorkloadPlan(workload or default_workload(), seed=seed, attempts=attempts, num_requests=num_requests,
-                            max_tokens=max_tokens, length_scale=length_scale, time_scale=time_scale,
-                            rules=tuple(rules))
+        return WorkloadPlan(
+            workload or default_workload(),
+            seed=seed,
+            attempts=attempts,
+            num_requests=num_requests,
+            max_tokens=max_tokens,
+            length_scale=length_scale,
+            time_scale=time_scale,
+            rules=tuple(rules),
+        )
     except ValueError as exc:
         raise BenchInputError(str(exc)) from None
 

@@ -40,7 +40,9 @@ def parse_server(text: str) -> str:
     """Validate HOST:PORT; CliError otherwise."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise CliError(f"--server must be HOST:PORT with a port in 1..65535, e.g. {DEFAULT_SERVER}; got {text!r}")
+        raise CliError(
+            f"--server must be HOST:PORT with a port in 1..65535, e.g. {DEFAULT_SERVER}; got {text!r}"
+        )
     return text
 
 
@@ -57,13 +59,19 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
         try:
             token = Path(token_file).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"cannot read --auth-token-file {token_file!r}: {getattr(exc, 'strerror', exc)}") from None
+            raise CliError(
+                f"cannot read --auth-token-file {token_file!r}: {getattr(exc, 'strerror', exc)}"
+            ) from None
         if not token:
-            raise CliError(f"--auth-token-file {token_file!r} is empty: put the token on its first line")
+            raise CliError(
+                f"--auth-token-file {token_file!r} is empty: put the token on its first line"
+            )
         lines = [line for line in token.splitlines() if line.strip()]
         if len(lines) > 1:
-            raise CliError(f"--auth-token-file {token_file!r} has {len(lines)} non-empty lines: a token is one "
-                           "line; leave only the token in the file")
+            raise CliError(
+                f"--auth-token-file {token_file!r} has {len(lines)} non-empty lines: a token is one "
+                "line; leave only the token in the file"
+            )
         token = token.strip()
     if token is not None and not token.strip():
         raise CliError("--auth-token must not be empty")
@@ -76,15 +84,21 @@ def check_model(model: str) -> None:
         return
     path = Path(model)
     if not path.exists():
-        raise CliError(f"model folder {model!r} does not exist: give a Hugging Face checkpoint folder "
-                       "or --model default")
+        raise CliError(
+            f"model folder {model!r} does not exist: give a Hugging Face checkpoint folder "
+            "or --model default"
+        )
     if not path.is_dir():
-        raise CliError(f"--model {model!r} is a file: give the checkpoint folder that holds config.json")
+        raise CliError(
+            f"--model {model!r} is a file: give the checkpoint folder that holds config.json"
+        )
     missing = [name for name in ("config.json",) if not (path / name).is_file()]
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
-        raise CliError(f"{model!r} is not a Hugging Face checkpoint folder: missing {', '.join(missing)}")
+        raise CliError(
+            f"{model!r} is not a Hugging Face checkpoint folder: missing {', '.join(missing)}"
+        )
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -93,17 +107,28 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
 
 def client_tls_options(fn):
     """--tls-ca, and the client certificate --tls-cert/--tls-key for a server that wants one (its --tls-ca)."""
-    for option in reversed([
-        click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server."),
-        click.option("--tls-cert", default=None, help="PEM client certificate, for a server with --tls-ca (mTLS)."),
-        click.option("--tls-key", default=None, help="PEM private key of --tls-cert."),
-    ]):
+    for option in reversed(
+        [
+            click.option("--tls-ca", default=None, help="PEM root certificate of a TLS server."),
+            click.option(
+                "--tls-cert",
+                default=None,
+                help="PEM client certificate, for a server with --tls-ca (mTLS).",
+            ),
+            click.option("--tls-key", default=None, help="PEM private key of --tls-cert."),
+        ]
+    ):
         fn = option(fn)
     return fn
 
 
-async def open_channel(server: str, tls_ca: str | None, timeout_s: float, cert: str | None = None,
-                       key: str | None = None) -> grpc.aio.Channel:
+async def open_channel(
+    server: str,
+    tls_ca: str | None,
+    timeout_s: float,
+    cert: str | None = None,
+    key: str | None = None,
+) -> grpc.aio.Channel:
     """A connected channel (TLS when --tls-ca is given, with a client certificate when --tls-cert is);
     CliError when the server cannot be reached."""
     if (cert is None) != (key is None):
@@ -117,8 +142,11 @@ async def open_channel(server: str, tls_ca: str | None, timeout_s: float, cert: 
                 pems[flag] = Path(path).read_bytes() if path else None
             except OSError as exc:
                 raise CliError(f"cannot read {flag} {path!r}: {exc.strerror}") from None
-        creds = grpc.ssl_channel_credentials(root_certificates=pems["--tls-ca"], private_key=pems["--tls-key"],
-                                             certificate_chain=pems["--tls-cert"])
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=pems["--tls-ca"],
+            private_key=pems["--tls-key"],
+            certificate_chain=pems["--tls-cert"],
+        )
         channel = grpc.aio.secure_channel(server, creds)
     else:
         channel = grpc.aio.insecure_channel(server)
@@ -126,9 +154,11 @@ async def open_channel(server: str, tls_ca: str | None, timeout_s: float, cert: 
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
         await channel.close()
-        raise CliError(f"cannot reach a sloserve server at {server} within {timeout_s:g} s: start one with "
-                       "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS, --tls-cert/--tls-key "
-                       "if it wants a client certificate)") from None
+        raise CliError(
+            f"cannot reach a sloserve server at {server} within {timeout_s:g} s: start one with "
+            "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS, --tls-cert/--tls-key "
+            "if it wants a client certificate)"
+        ) from None
     return channel
 
 
@@ -138,7 +168,12 @@ def rpc_error(exc: grpc.aio.AioRpcError, server: str) -> click.ClickException:
     message = f"{server}: {code.name}: {exc.details()}"
     if code == grpc.StatusCode.UNAUTHENTICATED:
         message += " (pass the server's token with --auth-token)"
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
-                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+    ):
         return CliError(message)
     return click.ClickException(message)

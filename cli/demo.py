@@ -25,13 +25,18 @@ from sloserve.pb import serving_pb2_grpc as pb_grpc
 
 SERVICE = "sloserve.v1.Sloserve"
 
+
 def _task(*grids: str) -> str:
     """An ARC prompt in the workload's format from 'rows/rows' grids: (input, output) pairs, then a test input."""
+
     def text(grid: str) -> str:
         return "".join(row + "\n" for row in grid.split("/"))
 
     *pairs, test = grids
-    shots = "".join(f"Input:\n{text(i)}Output:\n{text(o)}\n" for i, o in zip(pairs[::2], pairs[1::2], strict=True))
+    shots = "".join(
+        f"Input:\n{text(i)}Output:\n{text(o)}\n"
+        for i, o in zip(pairs[::2], pairs[1::2], strict=True)
+    )
     return f"{shots}Input:\n{text(test)}Output:\n"
 
 
@@ -76,9 +81,17 @@ async def multiplexed(address: str, max_tokens: int) -> None:
         start = time.monotonic()
         for rid, text in PROMPTS.items():
             cancel = rid == "cancel-me"
-            await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
-                request_id=rid, text=text, max_tokens=max_tokens * (16 if cancel else 4),
-                sampling=pb.SamplingParams(ignore_eos=cancel), slo=pb.Slo(ttft_s=5.0))))
+            await call.write(
+                pb.ClientMessage(
+                    generate=pb.GenerateRequest(
+                        request_id=rid,
+                        text=text,
+                        max_tokens=max_tokens * (16 if cancel else 4),
+                        sampling=pb.SamplingParams(ignore_eos=cancel),
+                        slo=pb.Slo(ttft_s=5.0),
+                    )
+                )
+            )
         pending, order, cancelled = set(PROMPTS), [], False
         tokens = dict.fromkeys(PROMPTS, 0)
         texts = dict.fromkeys(PROMPTS, "")
@@ -92,20 +105,28 @@ async def multiplexed(address: str, max_tokens: int) -> None:
                 if not order or order[-1] != body.request_id:
                     order.append(body.request_id)
                 if body.request_id == "cancel-me" and not cancelled:
-                    await call.write(pb.ClientMessage(cancel=pb.CancelRequest(request_id="cancel-me")))
+                    await call.write(
+                        pb.ClientMessage(cancel=pb.CancelRequest(request_id="cancel-me"))
+                    )
                     cancelled = True
                 continue
             pending.discard(body.request_id)
             if kind == "final":
-                reason = pb.FinishReason.Name(body.finish_reason).removeprefix("FINISH_REASON_").lower()
-                click.echo(f"  {body.request_id:<10} {reason:<9} prompt {body.prompt_tokens:>3} tok  "
-                           f"output {body.completion_tokens:>3} tok  ttft {body.ttft_s * 1000:7.1f} ms  "
-                           f"e2e {body.e2e_s * 1000:7.1f} ms")
+                reason = (
+                    pb.FinishReason.Name(body.finish_reason).removeprefix("FINISH_REASON_").lower()
+                )
+                click.echo(
+                    f"  {body.request_id:<10} {reason:<9} prompt {body.prompt_tokens:>3} tok  "
+                    f"output {body.completion_tokens:>3} tok  ttft {body.ttft_s * 1000:7.1f} ms  "
+                    f"e2e {body.e2e_s * 1000:7.1f} ms"
+                )
             else:
                 click.echo(f"  {body.request_id:<10} error {body.code}: {body.message}")
         await call.done_writing()
-        click.echo(f"  {len(PROMPTS)} requests on one stream in {time.monotonic() - start:.2f} s; the "
-                   f"stream switched between requests {len(order) - 1} times (interleaved chunks)")
+        click.echo(
+            f"  {len(PROMPTS)} requests on one stream in {time.monotonic() - start:.2f} s; the "
+            f"stream switched between requests {len(order) - 1} times (interleaved chunks)"
+        )
     for rid in PROMPTS:
         if rid != "cancel-me":
             show_answer(rid, PROMPTS[rid], texts[rid])
@@ -129,9 +150,16 @@ async def drain_under_load(address: str, proc: subprocess.Popen, max_tokens: int
         call = pb_grpc.SloserveStub(channel).Stream()
         ids = ["drain-1", "drain-2", "drain-3"]
         for rid in ids:
-            await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
-                request_id=rid, text=PROMPTS["mirror"], max_tokens=max_tokens,
-                sampling=pb.SamplingParams(ignore_eos=True))))
+            await call.write(
+                pb.ClientMessage(
+                    generate=pb.GenerateRequest(
+                        request_id=rid,
+                        text=PROMPTS["mirror"],
+                        max_tokens=max_tokens,
+                        sampling=pb.SamplingParams(ignore_eos=True),
+                    )
+                )
+            )
         streaming: set[str] = set()
         endings: dict[str, str] = {}
         sent_late = False
@@ -144,7 +172,9 @@ async def drain_under_load(address: str, proc: subprocess.Popen, max_tokens: int
                 if streaming == set(ids) and not sent_late:
                     proc.send_signal(signal.SIGTERM)
                     await asyncio.sleep(0.3)
-                    await call.write(pb.ClientMessage(generate=pb.GenerateRequest(request_id="late", text="0")))
+                    await call.write(
+                        pb.ClientMessage(generate=pb.GenerateRequest(request_id="late", text="0"))
+                    )
                     sent_late = True
             elif kind == "final":
                 endings[body.request_id] = f"finished, {body.completion_tokens} tokens"
@@ -160,24 +190,55 @@ def _status_name(number: int) -> str:
 
 def metrics_summary(port: int) -> list[str]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    keep = ("sloserve_requests_total", "sloserve_ttft_seconds_count", "sloserve_kv_blocks_total",
-            "sloserve_prefix_hit_rate", "sloserve_preemptions_total", "sloserve_generated_tokens_total")
+    keep = (
+        "sloserve_requests_total",
+        "sloserve_ttft_seconds_count",
+        "sloserve_kv_blocks_total",
+        "sloserve_prefix_hit_rate",
+        "sloserve_preemptions_total",
+        "sloserve_generated_tokens_total",
+    )
     return [line for line in text.splitlines() if line.startswith(keep)]
 
 
 @click.command()
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
-@click.option("--requests", "num_requests", default=16, show_default=True, type=int, help="Bench burst size.")
+@click.option(
+    "--requests", "num_requests", default=16, show_default=True, type=int, help="Bench burst size."
+)
 @click.option("--workload", default="fixed:64,32", show_default=True, help="Bench workload spec.")
-@click.option("--max-tokens", default=16, show_default=True, type=int, help="Tokens per multiplexed request.")
-@click.option("--ready-timeout", default=600.0, show_default=True, type=float,
-              help="Seconds to wait for the model to load (the default model is built on first use).")
-def demo(model: str, num_requests: int, workload: str, max_tokens: int, ready_timeout: float) -> None:
+@click.option(
+    "--max-tokens", default=16, show_default=True, type=int, help="Tokens per multiplexed request."
+)
+@click.option(
+    "--ready-timeout",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Seconds to wait for the model to load (the default model is built on first use).",
+)
+def demo(
+    model: str, num_requests: int, workload: str, max_tokens: int, ready_timeout: float
+) -> None:
     """Start a server, stream requests over one bidirectional stream, run a short bench, stop it."""
     port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    command = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", model, "--port", str(port),
-               "--metrics-port", str(metrics_port), "--http-port", "off", "--grace", "30"]
+    command = [
+        sys.executable,
+        "-m",
+        "sloserve.cli.main",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--http-port",
+        "off",
+        "--grace",
+        "30",
+    ]
     click.echo(f"$ sloserve serve --model {model} --port {port} --metrics-port {metrics_port}")
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     relay = threading.Thread(target=_relay, args=(proc.stderr, "  [server] "), daemon=True)
@@ -186,19 +247,40 @@ def demo(model: str, num_requests: int, workload: str, max_tokens: int, ready_ti
         started = time.monotonic()
         asyncio.run(wait_serving(address, ready_timeout, proc))
         click.echo(f"server ready (health SERVING) after {time.monotonic() - started:.1f} s\n")
-        click.echo("1) several requests multiplexed on one bidirectional stream, one cancelled mid-way:")
+        click.echo(
+            "1) several requests multiplexed on one bidirectional stream, one cancelled mid-way:"
+        )
         asyncio.run(multiplexed(address, max_tokens))
-        click.echo(f"\n2) a load burst: sloserve bench --workload {workload} --num-requests {num_requests}")
-        bench = subprocess.run([sys.executable, "-m", "sloserve.cli.main", "bench", "--server", address,
-                                "--workload", workload, "--num-requests", str(num_requests), "--streams", "2"],
-                               text=True, capture_output=True)
+        click.echo(
+            f"\n2) a load burst: sloserve bench --workload {workload} --num-requests {num_requests}"
+        )
+        bench = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sloserve.cli.main",
+                "bench",
+                "--server",
+                address,
+                "--workload",
+                workload,
+                "--num-requests",
+                str(num_requests),
+                "--streams",
+                "2",
+            ],
+            text=True,
+            capture_output=True,
+        )
         click.echo(bench.stdout.rstrip())
         if bench.returncode != 0:
             click.echo(f"  bench exited with {bench.returncode}: {bench.stderr.strip()}")
         click.echo("\n3) Prometheus metrics (excerpt):")
         for line in metrics_summary(metrics_port):
             click.echo(f"  {line}")
-        click.echo("\n4) SIGTERM with requests in flight: they finish, new ones get UNAVAILABLE, exit 0")
+        click.echo(
+            "\n4) SIGTERM with requests in flight: they finish, new ones get UNAVAILABLE, exit 0"
+        )
         asyncio.run(drain_under_load(address, proc, max_tokens))
     finally:
         if proc.poll() is None:

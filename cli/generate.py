@@ -50,52 +50,121 @@ class Completion:
 
 @click.command(cls=OneLineCommand)
 @click.argument("prompt")
-@click.option("--server", default=None, help="HOST:PORT of a running server [default: load --model in process].")
+@click.option(
+    "--server",
+    default=None,
+    help="HOST:PORT of a running server [default: load --model in process].",
+)
 @engine_options
-@click.option("--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate.")
+@click.option(
+    "--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate."
+)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass in (0, 1].")
-@click.option("--top-k", default=0, show_default=True, type=int, help="Keep the k most likely tokens (0: off).")
+@click.option(
+    "--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass in (0, 1]."
+)
+@click.option(
+    "--top-k",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Keep the k most likely tokens (0: off).",
+)
 @click.option("--seed", default=None, type=int, help="Seed of this request's sampler.")
 @click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
-@click.option("--ignore-eos", is_flag=True, help="Keep going past end-of-sequence until --max-tokens.")
-@click.option("--arc-grid-grammar", is_flag=True,
-              help="Constrain the answer to one ARC grid: rows of digits of one width, each ending in a newline, "
-                   "then EOS (give --max-tokens 931 for room for a 30x30 grid).")
-@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
-              help="Bearer token of the server (--api-key: the same).")
+@click.option(
+    "--ignore-eos", is_flag=True, help="Keep going past end-of-sequence until --max-tokens."
+)
+@click.option(
+    "--arc-grid-grammar",
+    is_flag=True,
+    help="Constrain the answer to one ARC grid: rows of digits of one width, each ending in a newline, "
+    "then EOS (give --max-tokens 931 for room for a 30x30 grid).",
+)
+@click.option(
+    "--auth-token",
+    "--api-key",
+    "auth_token",
+    envvar="SLOSERVE_AUTH_TOKEN",
+    default=None,
+    help="Bearer token of the server (--api-key: the same).",
+)
 @client_tls_options
-@click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text.")
-def generate(prompt, server, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, arc_grid_grammar,
-             auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
+@click.option(
+    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server."
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text."
+)
+def generate(
+    prompt,
+    server,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop,
+    ignore_eos,
+    arc_grid_grammar,
+    auth_token,
+    tls_ca,
+    tls_cert,
+    tls_key,
+    timeout,
+    as_json,
+    **kwargs,
+) -> None:
     """Generate a completion of PROMPT, printing text as it streams."""
     engine_opts = pop_engine_options(kwargs)
     if not prompt:
         raise CliError("PROMPT is empty: give the text to complete")
     if server is not None and engine_opts["model"] != "default":
-        raise CliError("give either --server (use a running server) or --model (load in process), not both")
+        raise CliError(
+            "give either --server (use a running server) or --model (load in process), not both"
+        )
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=list(stop), ignore_eos=ignore_eos,
-                                grammar=structured.arc_grid_grammar() if arc_grid_grammar else None)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=list(stop),
+            ignore_eos=ignore_eos,
+            grammar=structured.arc_grid_grammar() if arc_grid_grammar else None,
+        )
     except InvalidRequestError as exc:
         raise CliError(_flagged(str(exc))) from None
     if server is not None:
-        result = asyncio.run(_remote(parse_server(server), prompt, params, auth_token, (tls_ca, tls_cert, tls_key),
-                                     timeout, not as_json))
+        result = asyncio.run(
+            _remote(
+                parse_server(server),
+                prompt,
+                params,
+                auth_token,
+                (tls_ca, tls_cert, tls_key),
+                timeout,
+                not as_json,
+            )
+        )
     else:
         check_model(engine_opts["model"])
         config = build_config(engine_opts)
         if not as_json and config.model.path in RANDOM_MODELS:
             click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
-        result = asyncio.run(with_engine(config, lambda engine: _local(engine, prompt, params, not as_json)))
+        result = asyncio.run(
+            with_engine(config, lambda engine: _local(engine, prompt, params, not as_json))
+        )
     if as_json:
         click.echo(orjson.dumps(result.__dict__).decode())
     else:
         click.echo("")
-        click.echo(f"[{result.finish_reason}; {len(result.token_ids)} tokens; prompt {result.prompt_tokens} "
-                   f"tokens; ttft {_fmt(result.ttft_s)}; total {_fmt(result.e2e_s)}]", err=True)
+        click.echo(
+            f"[{result.finish_reason}; {len(result.token_ids)} tokens; prompt {result.prompt_tokens} "
+            f"tokens; ttft {_fmt(result.ttft_s)}; total {_fmt(result.e2e_s)}]",
+            err=True,
+        )
 
 
 def _fmt(seconds: float | None) -> str:
@@ -106,18 +175,30 @@ def _flagged(message: str) -> str:
     """Name the CLI flag instead of the field: 'top_p must be ...' -> '--top-p must be ...'."""
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"):
         if message.startswith(name):
-            return "--" + name.replace("_", "-") + message[len(name):]
+            return "--" + name.replace("_", "-") + message[len(name) :]
     return message
 
 
-async def _remote(server: str, prompt: str, params: SamplingParams, token: str | None,
-                  tls: tuple[str | None, str | None, str | None], timeout: float, echo: bool) -> Completion:
+async def _remote(
+    server: str,
+    prompt: str,
+    params: SamplingParams,
+    token: str | None,
+    tls: tuple[str | None, str | None, str | None],
+    timeout: float,
+    echo: bool,
+) -> Completion:
     from sloserve.pb import serving_pb2 as pb
     from sloserve.pb import serving_pb2_grpc as pb_grpc
 
     request = pb.GenerateRequest(request_id="cli", text=prompt, max_tokens=params.max_tokens)
     s = request.sampling
-    s.temperature, s.top_p, s.top_k, s.ignore_eos = params.temperature, params.top_p, params.top_k, params.ignore_eos
+    s.temperature, s.top_p, s.top_k, s.ignore_eos = (
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.ignore_eos,
+    )
     if params.seed is not None:
         s.seed = params.seed
     s.stop.extend(params.stop)
@@ -133,7 +214,10 @@ async def _remote(server: str, prompt: str, params: SamplingParams, token: str |
             elif msg.WhichOneof("kind") == "final":
                 f = msg.final
                 result.finish_reason = _FINISH.get(f.finish_reason, "unspecified")
-                result.prompt_tokens, result.cached_prompt_tokens = f.prompt_tokens, f.cached_prompt_tokens
+                result.prompt_tokens, result.cached_prompt_tokens = (
+                    f.prompt_tokens,
+                    f.cached_prompt_tokens,
+                )
                 result.ttft_s, result.e2e_s = f.ttft_s, f.e2e_s
             else:
                 raise CliError(f"{server}: {msg.error.reason}: {msg.error.message}")

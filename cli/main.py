@@ -40,7 +40,9 @@ from sloserve.openmp import default_waiting
 
 # Every flag can also come from the environment: SLOSERVE_<COMMAND>_<FLAG>, e.g. SLOSERVE_SERVE_HTTP_PORT=8080
 # (click's auto_envvar_prefix; a flag given on the command line wins). SLOSERVE_AUTH_TOKEN keeps its name.
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "SLOSERVE"})
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "SLOSERVE"}
+)
 @click.version_option(__version__, prog_name="sloserve", allow_from_autoenv=False)
 def cli() -> None:
     """sloserve: an SLO-aware LLM inference server with bidirectional gRPC token streaming.
@@ -58,7 +60,9 @@ def _http_port(text: str) -> int | None:
     if lowered == "auto":
         return 0
     if not text.isdigit() or int(text) > 65535:
-        raise CliError(f"--http-port must be a port in 1..65535, 'auto' or 'off' (or 0), got {text!r}")
+        raise CliError(
+            f"--http-port must be a port in 1..65535, 'auto' or 'off' (or 0), got {text!r}"
+        )
     return int(text)
 
 
@@ -72,60 +76,173 @@ def _metrics_port(text: str) -> int | None:
 
 @cli.command(cls=OneLineCommand)
 @engine_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
-@click.option("--port", default=50051, show_default=True, type=int, help="gRPC port (0 picks a free one).")
-@click.option("--metrics-port", default="9464", show_default=True, help="Prometheus port, or 'off'.")
-@click.option("--http-port", default="8000", show_default=True,
-              help="OpenAI-compatible HTTP API port; 'auto' picks a free one; 'off' or 0 serves gRPC only.")
-@click.option("--chat-template", default=None, metavar="FILE",
-              help="Jinja chat template for /v1/chat/completions [default: the checkpoint's tokenizer_config.json].")
-@click.option("--served-model-name", default=None, help="Model id of the HTTP API [default: --model].")
-@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
-              help="Require 'authorization: Bearer TOKEN' on every call (--api-key: vLLM's name for it).")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all)."
+)
+@click.option(
+    "--port", default=50051, show_default=True, type=int, help="gRPC port (0 picks a free one)."
+)
+@click.option(
+    "--metrics-port", default="9464", show_default=True, help="Prometheus port, or 'off'."
+)
+@click.option(
+    "--http-port",
+    default="8000",
+    show_default=True,
+    help="OpenAI-compatible HTTP API port; 'auto' picks a free one; 'off' or 0 serves gRPC only.",
+)
+@click.option(
+    "--chat-template",
+    default=None,
+    metavar="FILE",
+    help="Jinja chat template for /v1/chat/completions [default: the checkpoint's tokenizer_config.json].",
+)
+@click.option(
+    "--served-model-name", default=None, help="Model id of the HTTP API [default: --model]."
+)
+@click.option(
+    "--auth-token",
+    "--api-key",
+    "auth_token",
+    envvar="SLOSERVE_AUTH_TOKEN",
+    default=None,
+    help="Require 'authorization: Bearer TOKEN' on every call (--api-key: vLLM's name for it).",
+)
 @click.option("--auth-token-file", default=None, help="Read the bearer token from this file.")
 @click.option("--tls-cert", default=None, help="PEM certificate chain (TLS on; needs --tls-key).")
 @click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
-@click.option("--tls-ca", default=None, help="PEM CA certificates: clients must present a certificate signed by "
-              "one of them (mTLS) on the gRPC, HTTP and metrics ports; needs --tls-cert.")
-@click.option("--metrics-host", default=None, help="Address the Prometheus port binds, e.g. 127.0.0.1 to keep "
-              "it local [default: --host].")
-@click.option("--metrics-token", envvar="SLOSERVE_METRICS_TOKEN", default=None,
-              help="Require 'authorization: Bearer TOKEN' on the Prometheus port [default: open].")
-@click.option("--max-tokens-limit", default=4096, show_default=True, type=int, help="Largest max_tokens accepted.")
-@click.option("--max-logprobs", default=20, show_default=True, type=int,
-              help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).")
-@click.option("--max-n", default=16, show_default=True, type=int, help="Most choices (n) one request may ask for.")
-@click.option("--max-prompts-per-request", default=64, show_default=True, type=int,
-              help="Most prompts one /v1/completions request may batch (a list of prompts).")
-@click.option("--max-prompt-tokens", default=None, type=int, help="Longest prompt accepted [default: context length].")
-@click.option("--max-stop-strings", default=16, show_default=True, type=int,
-              help="Most stop strings one request may give (0: none allowed).")
-@click.option("--max-stop-string-chars", default=256, show_default=True, type=int,
-              help="Longest stop string accepted, in characters.")
-@click.option("--max-stop-token-ids", default=64, show_default=True, type=int,
-              help="Most stop_token_ids one request may give (0: none allowed).")
-@click.option("--grace", default=10.0, show_default=True, type=float,
-              help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.")
-@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
-@click.option("--engine-process/--no-engine-process", default=True, show_default=True,
-              help="Run the engine in a process of its own (off: a thread of the server process).")
-@click.option("--idle-spin", default=1.0, show_default=True, type=float, metavar="SECONDS",
-              help="The engine process keeps polling for input this long after its last step before it sleeps: "
-                   "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).")
-@click.option("--frontends", default=1, show_default=True, type=int, metavar="N",
-              help="Front-end processes (gRPC + HTTP intake, tokenizing) sharing one engine process and the same "
-                   "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
-                   "metrics, front end k on --metrics-port + k.")
+@click.option(
+    "--tls-ca",
+    default=None,
+    help="PEM CA certificates: clients must present a certificate signed by "
+    "one of them (mTLS) on the gRPC, HTTP and metrics ports; needs --tls-cert.",
+)
+@click.option(
+    "--metrics-host",
+    default=None,
+    help="Address the Prometheus port binds, e.g. 127.0.0.1 to keep it local [default: --host].",
+)
+@click.option(
+    "--metrics-token",
+    envvar="SLOSERVE_METRICS_TOKEN",
+    default=None,
+    help="Require 'authorization: Bearer TOKEN' on the Prometheus port [default: open].",
+)
+@click.option(
+    "--max-tokens-limit",
+    default=4096,
+    show_default=True,
+    type=int,
+    help="Largest max_tokens accepted.",
+)
+@click.option(
+    "--max-logprobs",
+    default=20,
+    show_default=True,
+    type=int,
+    help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).",
+)
+@click.option(
+    "--max-n",
+    default=16,
+    show_default=True,
+    type=int,
+    help="Most choices (n) one request may ask for.",
+)
+@click.option(
+    "--max-prompts-per-request",
+    default=64,
+    show_default=True,
+    type=int,
+    help="Most prompts one /v1/completions request may batch (a list of prompts).",
+)
+@click.option(
+    "--max-prompt-tokens",
+    default=None,
+    type=int,
+    help="Longest prompt accepted [default: context length].",
+)
+@click.option(
+    "--max-stop-strings",
+    default=16,
+    show_default=True,
+    type=int,
+    help="Most stop strings one request may give (0: none allowed).",
+)
+@click.option(
+    "--max-stop-string-chars",
+    default=256,
+    show_default=True,
+    type=int,
+    help="Longest stop string accepted, in characters.",
+)
+@click.option(
+    "--max-stop-token-ids",
+    default=64,
+    show_default=True,
+    type=int,
+    help="Most stop_token_ids one request may give (0: none allowed).",
+)
+@click.option(
+    "--grace",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.",
+)
+@click.option(
+    "--log-format", default="text", show_default=True, type=click.Choice(["text", "json"])
+)
+@click.option(
+    "--engine-process/--no-engine-process",
+    default=True,
+    show_default=True,
+    help="Run the engine in a process of its own (off: a thread of the server process).",
+)
+@click.option(
+    "--idle-spin",
+    default=1.0,
+    show_default=True,
+    type=float,
+    metavar="SECONDS",
+    help="The engine process keeps polling for input this long after its last step before it sleeps: "
+    "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).",
+)
+@click.option(
+    "--frontends",
+    default=1,
+    show_default=True,
+    type=int,
+    metavar="N",
+    help="Front-end processes (gRPC + HTTP intake, tokenizing) sharing one engine process and the same "
+    "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
+    "metrics, front end k on --metrics-port + k.",
+)
 @http_limit_options
-@click.option("--metrics-compat", default="none", show_default=True, type=click.Choice(["none", "vllm"]),
-              help="vllm: also export the vllm:-named series gateways (the Inference Extension's endpoint picker) "
-                   "and dashboards scrape.")
+@click.option(
+    "--metrics-compat",
+    default="none",
+    show_default=True,
+    type=click.Choice(["none", "vllm"]),
+    help="vllm: also export the vllm:-named series gateways (the Inference Extension's endpoint picker) "
+    "and dashboards scrape.",
+)
 @grpc_options
-@click.option("--inject-faults", envvar="SLOSERVE_INJECT_FAULTS", default="", metavar="SPEC",
-              help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
-                   "(see sloserve.testing.faults) [default: off]. Refused unless --allow-fault-injection.")
-@click.option("--allow-fault-injection", envvar="SLOSERVE_ALLOW_FAULT_INJECTION", is_flag=True, hidden=True,
-              help="Tests only: let --inject-faults act (clients trigger faults by request id).")
+@click.option(
+    "--inject-faults",
+    envvar="SLOSERVE_INJECT_FAULTS",
+    default="",
+    metavar="SPEC",
+    help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
+    "(see sloserve.testing.faults) [default: off]. Refused unless --allow-fault-injection.",
+)
+@click.option(
+    "--allow-fault-injection",
+    envvar="SLOSERVE_ALLOW_FAULT_INJECTION",
+    is_flag=True,
+    hidden=True,
+    help="Tests only: let --inject-faults act (clients trigger faults by request id).",
+)
 def serve(**kwargs) -> None:
     """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
     engine_opts = pop_engine_options(kwargs)
@@ -139,17 +256,31 @@ def serve(**kwargs) -> None:
             raise CliError(f"--{flag.replace('_', '-')} {path!r} is not a readable file")
     try:
         server = ServerConfig(
-            host=kwargs["host"], port=kwargs["port"], metrics_port=_metrics_port(kwargs["metrics_port"]),
-            auth_token=token, tls_cert=kwargs["tls_cert"], tls_key=kwargs["tls_key"], tls_ca=kwargs["tls_ca"],
-            metrics_host=kwargs["metrics_host"], metrics_token=kwargs["metrics_token"],
-            max_tokens_limit=kwargs["max_tokens_limit"], max_prompt_tokens=kwargs["max_prompt_tokens"],
-            max_logprobs=kwargs["max_logprobs"], max_n=kwargs["max_n"],
-            max_stop_strings=kwargs["max_stop_strings"], max_stop_string_chars=kwargs["max_stop_string_chars"],
+            host=kwargs["host"],
+            port=kwargs["port"],
+            metrics_port=_metrics_port(kwargs["metrics_port"]),
+            auth_token=token,
+            tls_cert=kwargs["tls_cert"],
+            tls_key=kwargs["tls_key"],
+            tls_ca=kwargs["tls_ca"],
+            metrics_host=kwargs["metrics_host"],
+            metrics_token=kwargs["metrics_token"],
+            max_tokens_limit=kwargs["max_tokens_limit"],
+            max_prompt_tokens=kwargs["max_prompt_tokens"],
+            max_logprobs=kwargs["max_logprobs"],
+            max_n=kwargs["max_n"],
+            max_stop_strings=kwargs["max_stop_strings"],
+            max_stop_string_chars=kwargs["max_stop_string_chars"],
             max_stop_token_ids=kwargs["max_stop_token_ids"],
             max_prompts_per_request=kwargs["max_prompts_per_request"],
-            grace_s=kwargs["grace"], log_format=kwargs["log_format"], engine_process=kwargs["engine_process"],
-            idle_spin_s=kwargs["idle_spin"], frontends=kwargs["frontends"], metrics_compat=kwargs["metrics_compat"],
-            served_model_name=kwargs["served_model_name"])
+            grace_s=kwargs["grace"],
+            log_format=kwargs["log_format"],
+            engine_process=kwargs["engine_process"],
+            idle_spin_s=kwargs["idle_spin"],
+            frontends=kwargs["frontends"],
+            metrics_compat=kwargs["metrics_compat"],
+            served_model_name=kwargs["served_model_name"],
+        )
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
     if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:
@@ -159,17 +290,25 @@ def serve(**kwargs) -> None:
     config = build_config(engine_opts, server, faults=kwargs["inject_faults"], grpc=grpc_config)
     if config.faults:
         if not kwargs["allow_fault_injection"]:
-            raise CliError("--inject-faults is for tests only (any client can trigger a fault through its request "
-                           "id); a test that means it sets SLOSERVE_ALLOW_FAULT_INJECTION=1")
-        click.echo(f"WARNING: fault injection is ON ({config.faults}): any client can fail or stall requests "
-                   "through its request id. Never run this in production.", err=True)
+            raise CliError(
+                "--inject-faults is for tests only (any client can trigger a fault through its request "
+                "id); a test that means it sets SLOSERVE_ALLOW_FAULT_INJECTION=1"
+            )
+        click.echo(
+            f"WARNING: fault injection is ON ({config.faults}): any client can fail or stall requests "
+            "through its request id. Never run this in production.",
+            err=True,
+        )
     if config.parallel.node_rank > 0:
         sys.exit(_serve_node(config))
     http = _http_config(kwargs, http_limits)
-    click.echo(f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
-               f" ({'mTLS' if server.tls_ca else 'TLS' if server.tls_cert else 'plaintext'}, "
-               f"auth {'on' if token else 'off'})"
-               + (f", HTTP on {server.host}:{http.port or 'auto'}" if http else ", HTTP off"), err=True)
+    click.echo(
+        f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
+        f" ({'mTLS' if server.tls_ca else 'TLS' if server.tls_cert else 'plaintext'}, "
+        f"auth {'on' if token else 'off'})"
+        + (f", HTTP on {server.host}:{http.port or 'auto'}" if http else ", HTTP off"),
+        err=True,
+    )
     if config.model.path in RANDOM_MODELS:
         click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
     from sloserve.serve import main as serve_main
@@ -187,9 +326,12 @@ def _serve_node(config) -> int:
 
     pc = config.parallel
     ranks = node_ranks(config)
-    click.echo(f"sloserve {__version__}: node {pc.node_rank} of {pc.nnodes} runs tensor-parallel ranks "
-               f"{ranks.start}-{ranks.stop - 1} of {pc.tensor_parallel_size}, meeting node 0 at "
-               f"{pc.master_addr}:{pc.master_port}", err=True)
+    click.echo(
+        f"sloserve {__version__}: node {pc.node_rank} of {pc.nnodes} runs tensor-parallel ranks "
+        f"{ranks.start}-{ranks.stop - 1} of {pc.tensor_parallel_size}, meeting node 0 at "
+        f"{pc.master_addr}:{pc.master_port}",
+        err=True,
+    )
     try:
         return serve_node(config)
     except ValueError as exc:
@@ -207,29 +349,59 @@ def _http_config(kwargs: dict, limits: dict):
     if port is None:
         return None
     try:
-        return HttpConfig(port=port, chat_template=template, model_name=kwargs["served_model_name"], **limits)
+        return HttpConfig(
+            port=port, chat_template=template, model_name=kwargs["served_model_name"], **limits
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
 
-INFO_KEYS = ("model", "architecture", "version", "device", "attention_backend", "max_model_len",
-             "max_prompt_tokens", "max_tokens_limit", "block_size", "expert_residency", "num_experts",
-             "expert_slots_per_layer", "expert_device_bytes", "tensor_parallel_size", "tensor_parallel_devices")
+INFO_KEYS = (
+    "model",
+    "architecture",
+    "version",
+    "device",
+    "attention_backend",
+    "max_model_len",
+    "max_prompt_tokens",
+    "max_tokens_limit",
+    "block_size",
+    "expert_residency",
+    "num_experts",
+    "expert_slots_per_layer",
+    "expert_device_bytes",
+    "tensor_parallel_size",
+    "tensor_parallel_devices",
+)
 
 
 @cli.command(cls=OneLineCommand)
-@click.option("--server", default=None, help="HOST:PORT of a running server [default: load --model in process].")
+@click.option(
+    "--server",
+    default=None,
+    help="HOST:PORT of a running server [default: load --model in process].",
+)
 @engine_options
-@click.option("--auth-token", "--api-key", "auth_token", envvar="SLOSERVE_AUTH_TOKEN", default=None,
-              help="Bearer token of the server (--api-key: the same).")
+@click.option(
+    "--auth-token",
+    "--api-key",
+    "auth_token",
+    envvar="SLOSERVE_AUTH_TOKEN",
+    default=None,
+    help="Bearer token of the server (--api-key: the same).",
+)
 @client_tls_options
-@click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server.")
+@click.option(
+    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(server, auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Server state (loading, serving, draining, engine_dead), model, limits and live engine statistics."""
     engine_opts = pop_engine_options(kwargs)
     if server is not None:
-        data = asyncio.run(_remote_info(parse_server(server), auth_token, (tls_ca, tls_cert, tls_key), timeout))
+        data = asyncio.run(
+            _remote_info(parse_server(server), auth_token, (tls_ca, tls_cert, tls_key), timeout)
+        )
     else:
         check_model(engine_opts["model"])
         data = asyncio.run(with_engine(build_config(engine_opts), _local_info))
@@ -241,15 +413,18 @@ def info(server, auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwar
         click.echo(f"{key:<{width}}  {value}")
 
 
-async def _remote_info(server: str, token: str | None, tls: tuple[str | None, str | None, str | None],
-                       timeout: float) -> dict:
+async def _remote_info(
+    server: str, token: str | None, tls: tuple[str | None, str | None, str | None], timeout: float
+) -> dict:
     from google.protobuf.json_format import MessageToDict
     from sloserve.pb import serving_pb2 as pb
     from sloserve.pb import serving_pb2_grpc as pb_grpc
 
     channel = await open_channel(server, tls[0], timeout, tls[1], tls[2])
     try:
-        reply = await pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), metadata=metadata(token), timeout=timeout)
+        reply = await pb_grpc.SloserveStub(channel).Info(
+            pb.InfoRequest(), metadata=metadata(token), timeout=timeout
+        )
     except grpc.aio.AioRpcError as exc:
         raise rpc_error(exc, server) from None
     finally:
@@ -257,7 +432,9 @@ async def _remote_info(server: str, token: str | None, tls: tuple[str | None, st
     data = {"state": pb.ServerState.Name(reply.state).removeprefix("SERVER_STATE_").lower()}
     data.update((key, getattr(reply, key)) for key in INFO_KEYS)
     data["tensor_parallel_devices"] = list(reply.tensor_parallel_devices)
-    stats = MessageToDict(reply.stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+    stats = MessageToDict(
+        reply.stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+    )
     for key, value in stats.items():  # uint64 fields arrive as strings in proto JSON
         data[key] = int(value) if isinstance(value, str) and value.isdigit() else value
     return data

@@ -10,7 +10,6 @@ def _bench_queue(
     probe_target: int = 0,
     release_gil: bool = True,
 ) -> tuple[int, int, int]: ...
-
 def _bench_blocks(
     num_blocks: int,
     n_requests: int,

@@ -1,6 +1,5 @@
 """Type stubs for the compiled `_blocks` module (same API as `_blocks_py`)."""
 
-
 class BlockAllocator:
     num_blocks: int
     prefix_hits: int

@@ -3,10 +3,29 @@
 class DecodeKernel:
     """A dense decoder's whole decode step in one nogil call; addresses of its weights and cache set once."""
 
-    def __init__(self, dims: dict[str, int | float], embed: int, norm: int, lm_head: int, cos: int, sin: int,
-                 layers: list[dict[str, int | None]]) -> None: ...
-    def __call__(self, input_ids: int, positions: int, slots: int, block_tables: int, table_width: int,
-                 seq_lens: int, batch: int, logits: int, num_threads: int, logit_rows: int = 0,
-                 num_logit_rows: int = -1) -> None:
+    def __init__(
+        self,
+        dims: dict[str, int | float],
+        embed: int,
+        norm: int,
+        lm_head: int,
+        cos: int,
+        sin: int,
+        layers: list[dict[str, int | None]],
+    ) -> None: ...
+    def __call__(
+        self,
+        input_ids: int,
+        positions: int,
+        slots: int,
+        block_tables: int,
+        table_width: int,
+        seq_lens: int,
+        batch: int,
+        logits: int,
+        num_threads: int,
+        logit_rows: int = 0,
+        num_logit_rows: int = -1,
+    ) -> None:
         """logits[batch, V] of one step of `batch` rows, one query token each (data pointers), or, with
         num_logit_rows >= 0, of the rows `logit_rows` names; ValueError on out-of-range inputs."""

@@ -25,8 +25,10 @@ class FrontendProcesses:
 
     def __init__(self, target: Callable[..., None], args: list[tuple]) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=target, args=a, name=f"sloserve-frontend-{k + 1}", daemon=True)
-                      for k, a in enumerate(args)]
+        self.procs = [
+            ctx.Process(target=target, args=a, name=f"sloserve-frontend-{k + 1}", daemon=True)
+            for k, a in enumerate(args)
+        ]
         self.lost = asyncio.Event()  # a child exited before it was told to stop
         self._stopping = False
 
@@ -42,7 +44,12 @@ class FrontendProcesses:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
         if not self._stopping:
             proc.join(0)
-            log.error("front end %s (pid %d) exited unexpectedly (exit code %s)", proc.name, proc.pid, proc.exitcode)
+            log.error(
+                "front end %s (pid %d) exited unexpectedly (exit code %s)",
+                proc.name,
+                proc.pid,
+                proc.exitcode,
+            )
             self.lost.set()
 
     def terminate(self) -> None:

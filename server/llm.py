@@ -24,8 +24,13 @@ from sloserve.structured import check_grammar
 if TYPE_CHECKING:
     from sloserve.tokenizer import Tokenizer
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
-             "parallel": ParallelConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+    "parallel": ParallelConfig,
+}
 
 
 @dataclass(slots=True)
@@ -39,7 +44,9 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     logprobs: list[Logprob] | None = None  # one per token id, when SamplingParams.logprobs asked
-    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, when prompt_logprobs asked
+    prompt_logprobs: list[Logprob | None] | None = (
+        None  # one per prompt token, when prompt_logprobs asked
+    )
 
 
 def build_config(model: str = "default", **options: Any) -> SloserveConfig:
@@ -51,7 +58,9 @@ def build_config(model: str = "default", **options: Any) -> SloserveConfig:
     kwargs["scheduler"]["admission_control"] = False
     for key, value in options.items():
         if key not in known or key == "path":
-            raise ValueError(f"unknown LLM option {key!r}; valid options: {', '.join(sorted(set(known) - {'path'}))}")
+            raise ValueError(
+                f"unknown LLM option {key!r}; valid options: {', '.join(sorted(set(known) - {'path'}))}"
+            )
         if key.endswith("_bytes") and isinstance(value, str):
             value = parse_size(value)
         kwargs[known[key]][key] = value
@@ -64,8 +73,14 @@ class LLM:
     The core is stepped right here, in the caller's thread: no engine thread, no event loop.
     """
 
-    def __init__(self, model: str = "default", *, runner: Runner | None = None, config: SloserveConfig | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        runner: Runner | None = None,
+        config: SloserveConfig | None = None,
+        **options: Any,
+    ) -> None:
         if config is not None and options:
             raise ValueError("pass either config= or individual options, not both")
         self.config = config or build_config(model, **options)
@@ -80,15 +95,20 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self._core.tokenizer
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, *,
-                 priority: int | list[int] = 0) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        priority: int | list[int] = 0,
+    ) -> list[CompletionOutput]:
         """One CompletionOutput per prompt, in order; a prompt is a string or a list of token ids.
 
         `priority` (one for all, or one per prompt): lower runs first under policy='priority'.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(params, list):
@@ -108,8 +128,9 @@ class LLM:
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(ids, per_prompt, priorities)
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams],
-             priorities: list[int]) -> list[CompletionOutput]:
+    def _run(
+        self, prompts: list[list[int]], params: list[SamplingParams], priorities: list[int]
+    ) -> list[CompletionOutput]:
         """Feed the prompts (never more than the queue cap at once) and step until all finish."""
         core, cap = self._core, self.config.scheduler.max_waiting
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]

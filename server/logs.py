@@ -33,7 +33,9 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
     if log_format not in ("text", "json"):
         raise ValueError(f"log format must be 'text' or 'json', got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT))
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
+    )
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -51,7 +53,9 @@ class Throttled:
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
         self._logger = logger
         self._interval_s = interval_s
-        self._last: dict[str, tuple[float, int]] = {}  # kind -> (when last logged, how many held back since)
+        self._last: dict[
+            str, tuple[float, int]
+        ] = {}  # kind -> (when last logged, how many held back since)
 
     def admit(self, kind: str) -> int | None:
         """None while `kind` was logged less than `interval_s` ago (one more held back); else how many were."""

@@ -27,24 +27,38 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop token ids are masked, and stop strings unchecked, until this many
+    min_tokens: int = (
+        0  # EOS and stop token ids are masked, and stop strings unchecked, until this many
+    )
     presence_penalty: float = 0.0  # OpenAI's: minus this from every token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
-    repetition_penalty: float = 1.0  # transformers': logits of prompt and output tokens / (or x) this
+    repetition_penalty: float = (
+        1.0  # transformers': logits of prompt and output tokens / (or x) this
+    )
     min_p: float = 0.0  # drop tokens whose probability is under min_p x the most likely one's
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    logprobs: int | None = None  # top log-probabilities per output token (0: the sampled token's only)
+    logprobs: int | None = (
+        None  # top log-probabilities per output token (0: the sampled token's only)
+    )
     prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
-    grammar: str | None = None  # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
+    grammar: str | None = (
+        None  # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequestError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0, which only scores the "
-                                      "prompt, needs prompt_logprobs)")
+            raise InvalidRequestError(
+                "max_tokens must be an integer >= 1, got 0 (0, which only scores the "
+                "prompt, needs prompt_logprobs)"
+            )
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
@@ -56,28 +70,36 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                                      f"got {self.min_tokens!r}")
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value) or not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0 (1 disables it), "
-                                      f"got {self.repetition_penalty!r}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                f"got {self.repetition_penalty!r}"
+            )
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise InvalidRequestError(f"logit_bias keys must be token ids >= 0, got {token!r}")
             if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
-                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
-            raise InvalidRequestError("grammar must be llguidance grammar text (see sloserve.structured.grammar_for)")
+            raise InvalidRequestError(
+                "grammar must be llguidance grammar text (see sloserve.structured.grammar_for)"
+            )
 
     @property
     def prompt_only(self) -> bool:
@@ -91,7 +113,9 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Do the logits depend on the tokens so far (a presence, frequency or repetition penalty)?"""
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+        return (
+            bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+        )
 
     @property
     def processes_logits(self) -> bool:
@@ -120,4 +144,6 @@ class SLO:
         for name in ("ttft_s", "tpot_s", "e2e_s"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value <= 0):
-                raise InvalidRequestError(f"SLO {name} must be a finite number of seconds > 0, got {value!r}")
+                raise InvalidRequestError(
+                    f"SLO {name} must be a finite number of seconds > 0, got {value!r}"
+                )

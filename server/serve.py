@@ -31,7 +31,9 @@ def build_engine_client(config: SloserveConfig) -> EngineClient:
     return AsyncEngine(config)
 
 
-async def start_edges(config: SloserveConfig, engine: EngineClient, http: HttpConfig | None) -> Lifecycle:
+async def start_edges(
+    config: SloserveConfig, engine: EngineClient, http: HttpConfig | None
+) -> Lifecycle:
     """The lifecycle over `engine`, its gRPC edge and (unless `http` is None) its HTTP edge, all started."""
     lifecycle = Lifecycle(config, engine)
     grpc_server = SloserveServer(config, engine, lifecycle=lifecycle)
@@ -49,7 +51,9 @@ async def start_edges(config: SloserveConfig, engine: EngineClient, http: HttpCo
     return lifecycle
 
 
-async def run(config: SloserveConfig, engine: EngineClient | None = None, http: HttpConfig | None = None) -> int:
+async def run(
+    config: SloserveConfig, engine: EngineClient | None = None, http: HttpConfig | None = None
+) -> int:
     """Serve until SIGTERM/SIGINT (drain, exit 0) or a dead engine (exit 1); returns the exit code.
 
     `http` None serves gRPC only. A model that cannot be loaded (a ValueError such as
@@ -75,7 +79,9 @@ async def run(config: SloserveConfig, engine: EngineClient | None = None, http: 
         await lifecycle.stop()
         if isinstance(lifecycle.start_error, ValueError):
             raise ValueError(f"cannot load model {config.model.path!r}: {lifecycle.start_error}")
-        log.error("exiting: %s", "the engine is dead" if lifecycle.dead.is_set() else "a front end died")
+        log.error(
+            "exiting: %s", "the engine is dead" if lifecycle.dead.is_set() else "a front end died"
+        )
         return 1
     log.info("signal received: shutting down gracefully")
     if others is not None:  # they drain their own requests; the engine stops once they are gone
@@ -86,8 +92,9 @@ async def run(config: SloserveConfig, engine: EngineClient | None = None, http: 
     return 0
 
 
-def _start_other_frontends(config: SloserveConfig, engine: Any, lifecycle: Lifecycle,
-                           http: HttpConfig | None) -> FrontendProcesses | None:
+def _start_other_frontends(
+    config: SloserveConfig, engine: Any, lifecycle: Lifecycle, http: HttpConfig | None
+) -> FrontendProcesses | None:
     """Front ends 1..N-1 on the ports front end 0 bound (None with one front end)."""
     count = config.server.frontends
     if count == 1 or not getattr(engine, "owns_engine", False):
@@ -96,8 +103,11 @@ def _start_other_frontends(config: SloserveConfig, engine: Any, lifecycle: Lifec
     args = []
     for k in range(1, count):
         metrics_port = config.server.metrics_port
-        server = dataclasses.replace(config.server, port=ports["SloserveServer"],
-                                     metrics_port=metrics_port + k if metrics_port else metrics_port)
+        server = dataclasses.replace(
+            config.server,
+            port=ports["SloserveServer"],
+            metrics_port=metrics_port + k if metrics_port else metrics_port,
+        )
         edge_http = None if http is None else dataclasses.replace(http, port=ports["HttpServer"])
         args.append((dataclasses.replace(config, server=server), edge_http, engine.link(k)))
     others = FrontendProcesses(run_frontend, args)

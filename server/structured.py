@@ -29,7 +29,9 @@ GRAMMAR_CHECK_CACHE = 256  # checked specs kept (each holds only its grammar tex
 def grammar_for(kind: str, value: Any) -> str:
     """The checked llguidance grammar of one spec; InvalidRequestError says what is wrong with it."""
     if kind not in KINDS:
-        raise InvalidRequestError(f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}")
+        raise InvalidRequestError(
+            f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}"
+        )
     if kind == "json_object":
         value = {"type": "object"}
     if kind in ("json_schema", "json_object"):
@@ -39,10 +41,18 @@ def grammar_for(kind: str, value: Any) -> str:
             except json.JSONDecodeError as exc:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(value, dict | bool):
-            raise InvalidRequestError(f"a JSON schema must be an object, got {type(value).__name__}")
-        text = json.dumps(value)  # key order kept: properties are written in the order the schema lists them
+            raise InvalidRequestError(
+                f"a JSON schema must be an object, got {type(value).__name__}"
+            )
+        text = json.dumps(
+            value
+        )  # key order kept: properties are written in the order the schema lists them
     elif kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
         text = json.dumps(value)
     else:
@@ -62,7 +72,9 @@ def _checked(kind: str, text: str) -> str:
     elif kind == "regex":
         grammar = LLMatcher.grammar_from_regex(text)
     elif kind == "choice":
-        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+        grammar = LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in json.loads(text))
+        )
     else:
         try:
             grammar = llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
@@ -72,8 +84,13 @@ def _checked(kind: str, text: str) -> str:
     return grammar
 
 
-_WHAT = {"json_schema": "the JSON schema", "json_object": "the JSON schema", "regex": "the regex",
-         "choice": "the choices", "grammar": "the grammar"}
+_WHAT = {
+    "json_schema": "the JSON schema",
+    "json_object": "the JSON schema",
+    "regex": "the regex",
+    "choice": "the choices",
+    "grammar": "the grammar",
+}
 
 
 def check_grammar(grammar: str, what: str = "the grammar") -> None:

@@ -18,7 +18,11 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenisation emits)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -46,15 +50,23 @@ def save_byte_level_tokenizer(folder: Path, model_max_length: int) -> None:
     """Write tokenizer.json and tokenizer_config.json for the byte-level tokenizer into `folder`."""
     folder = Path(folder)
     byte_level_tokenizer().save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-              "pad_token": PAD, "model_max_length": model_max_length, "add_bos_token": True}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": model_max_length,
+        "add_bos_token": True,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 class Tokenizer:
     """encode/decode with the checkpoint's own special-token handling."""
 
-    def __init__(self, tokenizer: _HFTokenizer, eos_token: str | None = None, bos_token: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: _HFTokenizer, eos_token: str | None = None, bos_token: str | None = None
+    ) -> None:
         self._tok = tokenizer
         _drop_useless_word_cache(tokenizer)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -67,7 +79,9 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing: sloserve needs a fast-tokenizer tokenizer.json")
+            raise CheckpointError(
+                f"{path} is missing: sloserve needs a fast-tokenizer tokenizer.json"
+            )
         try:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON

@@ -37,8 +37,14 @@ _EXTRA = {
     "llama": {},
     "qwen2": {},
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+    ),
 }
 
 
@@ -46,8 +52,12 @@ def tiny_config(arch: str, **overrides):
     """The transformers config object of a tiny `arch` model (overrides win)."""
     import transformers
 
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+    }
     if arch not in classes:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS)}")
     return classes[arch](**{**_COMMON, **_EXTRA[arch], **overrides})
@@ -55,7 +65,9 @@ def tiny_config(arch: str, **overrides):
 
 def tiny_checkpoint(arch: str, tmp_root: Path, *, seed: int = 0, **overrides) -> Path:
     """Folder holding a tiny `arch` checkpoint (built once per distinct arguments under tmp_root)."""
-    digest = hashlib.sha1(json.dumps([seed, overrides], sort_keys=True, default=str).encode()).hexdigest()[:8]
+    digest = hashlib.sha1(
+        json.dumps([seed, overrides], sort_keys=True, default=str).encode()
+    ).hexdigest()[:8]
     folder = Path(tmp_root) / f"{arch}-{digest}"
     if (folder / "config.json").is_file():
         return folder
@@ -85,7 +97,9 @@ def load_hf_model(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -103,7 +117,7 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             assert out.shape[1] == len(prompt) + max_new_tokens, "generate stopped early"
-            outputs.append(out[0, len(prompt):].tolist())
+            outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 

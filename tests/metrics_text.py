@@ -17,5 +17,7 @@ def sample(text: str, name: str, **labels: str) -> float:
 def sample_spec(text: str, spec: str) -> float:
     """`sample` for a spec written as in the exposition: 'name' or 'name{label="value",...}'."""
     name, _, rest = spec.partition("{")
-    labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part) if rest else {}
+    labels = (
+        dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part) if rest else {}
+    )
     return sample(text, name, **{k: v.strip('"') for k, v in labels.items()})

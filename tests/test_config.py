@@ -18,8 +18,15 @@ from sloserve.sampling_params import SLO, SamplingParams
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1024", 1024), ("2GiB", 2 * 1024**3), ("512MB", 512 * 1000**2), ("1.5GiB", int(1.5 * 1024**3)),
-     ("16 MiB", 16 * 1024**2), ("8K", 8000), (4096, 4096)],
+    [
+        ("1024", 1024),
+        ("2GiB", 2 * 1024**3),
+        ("512MB", 512 * 1000**2),
+        ("1.5GiB", int(1.5 * 1024**3)),
+        ("16 MiB", 16 * 1024**2),
+        ("8K", 8000),
+        (4096, 4096),
+    ],
 )
 def test_parse_size_accepts_common_forms(text, expected):
     assert parse_size(text) == expected
@@ -84,8 +91,15 @@ def test_slo_must_be_positive_finite(value):
 
 
 def test_grpc_limits_become_grpc_core_options_and_off_means_left_out():
-    options = dict(GrpcConfig(max_connection_age_s=0, max_connection_idle_s=60, max_streams_per_connection=8,
-                              max_connections=4, keepalive_time_s=30).channel_options())
+    options = dict(
+        GrpcConfig(
+            max_connection_age_s=0,
+            max_connection_idle_s=60,
+            max_streams_per_connection=8,
+            max_connections=4,
+            keepalive_time_s=30,
+        ).channel_options()
+    )
     assert "grpc.max_connection_age_ms" not in options  # 0: off, not "close at once"
     assert options["grpc.max_connection_idle_ms"] == 60_000
     assert options["grpc.max_concurrent_streams"] == 8
@@ -94,8 +108,16 @@ def test_grpc_limits_become_grpc_core_options_and_off_means_left_out():
     assert options["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_streams", 0), ("stream_queue", -1), ("stream_stall_s", 0.0),
-                                              ("stream_idle_s", -1.0), ("keepalive_time_s", float("nan"))])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_streams", 0),
+        ("stream_queue", -1),
+        ("stream_stall_s", 0.0),
+        ("stream_idle_s", -1.0),
+        ("keepalive_time_s", float("nan")),
+    ],
+)
 def test_grpc_limits_out_of_range_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be"):
         GrpcConfig(**{field: value})

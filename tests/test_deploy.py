@@ -26,7 +26,11 @@ def flags_in(args: list[str]) -> list[str]:
 def dockerfile() -> list[tuple[str, str]]:
     """(instruction, arguments) of each Dockerfile line, continuation lines joined."""
     text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
-    return [tuple(line.split(None, 1)) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return [
+        tuple(line.split(None, 1))
+        for line in text.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_the_dockerfile_copies_real_paths_and_runs_real_flags():
@@ -37,12 +41,19 @@ def test_the_dockerfile_copies_real_paths_and_runs_real_flags():
                 assert (ROOT / source).exists(), source
     entrypoint = json.loads(next(a for i, a in steps if i == "ENTRYPOINT"))
     cmd = json.loads(next(a for i, a in steps if i == "CMD"))
-    assert entrypoint == ["sloserve"] and "sloserve = sloserve.cli.main:cli" in (ROOT / "setup.cfg").read_text()
+    assert (
+        entrypoint == ["sloserve"]
+        and "sloserve = sloserve.cli.main:cli" in (ROOT / "setup.cfg").read_text()
+    )
     assert cmd[0] == "serve" and set(flags_in(cmd)) <= serve_flags()
     torch_pin = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
-    assert f"ARG TORCH_VERSION={torch_pin}" in (ROOT / "Dockerfile").read_text()  # the version CI tests
+    assert (
+        f"ARG TORCH_VERSION={torch_pin}" in (ROOT / "Dockerfile").read_text()
+    )  # the version CI tests
     ports = {int(p) for i, a in steps if i == "EXPOSE" for p in a.split()}
-    assert {int(cmd[cmd.index(f) + 1]) for f in ("--port", "--http-port", "--metrics-port")} == ports
+    assert {
+        int(cmd[cmd.index(f) + 1]) for f in ("--port", "--http-port", "--metrics-port")
+    } == ports
 
 
 def test_the_kubernetes_example_probes_grpc_health_on_the_served_port():
@@ -55,7 +66,10 @@ def test_the_kubernetes_example_probes_grpc_health_on_the_served_port():
     grpc_port = int(args[args.index("--port") + 1])
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == grpc_port
     assert container["readinessProbe"]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
-    for probe in ("livenessProbe", "startupProbe"):  # "" (the default service): the process can make progress
+    for probe in (
+        "livenessProbe",
+        "startupProbe",
+    ):  # "" (the default service): the process can make progress
         assert container[probe]["grpc"] == {"port": grpc_port}
     assert pod["terminationGracePeriodSeconds"] > float(args[args.index("--grace") + 1])
     env = {e["name"] for e in container["env"]}
@@ -67,5 +81,8 @@ def test_the_kubernetes_example_probes_grpc_health_on_the_served_port():
 
 def test_the_readme_shows_how_to_check_them_by_hand():
     readme = (ROOT / "README.md").read_text()
-    for command in ("docker build -t sloserve:cpu .", "kubectl apply -f deploy/kubernetes/sloserve.yaml"):
+    for command in (
+        "docker build -t sloserve:cpu .",
+        "kubectl apply -f deploy/kubernetes/sloserve.yaml",
+    ):
         assert command in readme, command

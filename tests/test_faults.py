@@ -16,23 +16,28 @@ def test_off_by_default():
 
 def test_rules_match_requests_whose_id_contains_the_marker():
     plan = FaultPlan.parse("fail-forward:poison, slow-step:hold=0.25,slow-step:crawl=1")
-    with pytest.raises(InjectedFault, match="injected fail-forward fault for request 'abc:poison-1'"):
+    with pytest.raises(
+        InjectedFault, match="injected fail-forward fault for request 'abc:poison-1'"
+    ):
         plan.check("fail-forward", ["abc:ok", "abc:poison-1"])
     plan.check("fail-forward", ["abc:ok"])
     plan.check("kill-loop", ["abc:poison-1"])  # no kill-loop rule
     assert plan.delay_s(["x:hold-1", "x:crawl"]) == 1.0 and plan.delay_s(["x:ok"]) == 0.0
 
 
-@pytest.mark.parametrize(("spec", "needle"), [
-    ("explode:x", "KIND one of"),
-    ("fail-forward", "KIND one of"),
-    ("fail-forward:", "must not be empty"),
-    ("slow-step:x", "needs =SECONDS"),
-    ("slow-step:x=-1", "needs =SECONDS"),
-    ("slow-step:x=nan", "needs =SECONDS"),
-    ("slow-step:x=1e9", "needs =SECONDS"),
-    ("kill-loop:x=2", "only slow-step"),
-])
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("explode:x", "KIND one of"),
+        ("fail-forward", "KIND one of"),
+        ("fail-forward:", "must not be empty"),
+        ("slow-step:x", "needs =SECONDS"),
+        ("slow-step:x=-1", "needs =SECONDS"),
+        ("slow-step:x=nan", "needs =SECONDS"),
+        ("slow-step:x=1e9", "needs =SECONDS"),
+        ("kill-loop:x=2", "only slow-step"),
+    ],
+)
 def test_bad_specs_say_what_to_fix(spec, needle):
     with pytest.raises(ValueError, match=needle):
         SloserveConfig(faults=spec)

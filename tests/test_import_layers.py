@@ -22,5 +22,7 @@ def test_hotpath_imports_nothing_of_sloserve_above_it_and_no_transport():
         for match in _IMPORT.finditer(path.read_text()):
             name = match.group(1) or match.group(2)
             top = name.split(".")[0]
-            assert top != "sloserve" or name.startswith("sloserve.hotpath"), f"{path.name} imports {name}"
+            assert top != "sloserve" or name.startswith("sloserve.hotpath"), (
+                f"{path.name} imports {name}"
+            )
             assert top not in _TRANSPORTS, f"{path.name} imports {name}"

@@ -12,7 +12,9 @@ def test_an_unset_environment_gets_the_bounded_spin():
 def test_an_explicit_wait_policy_is_left_alone():
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
     default_waiting(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}  # no spin count that would override passive waiting
+    assert env == {
+        "OMP_WAIT_POLICY": "PASSIVE"
+    }  # no spin count that would override passive waiting
 
 
 def test_an_explicit_spin_count_is_left_alone():

@@ -14,8 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
     )
     (path,) = out.glob("sloserve-*.whl")
     return path
@@ -38,14 +50,22 @@ def test_wheel_carries_compiled_extensions_and_no_sources(wheel):
 def test_wheel_ships_the_trained_default_model(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     folder = "sloserve/models/weights/default/"
-    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert folder + name in names, name
     assert zipfile.ZipFile(wheel).getinfo(folder + "model.safetensors").file_size <= 25 * 2**20
 
 
 def test_build_outputs_are_not_tracked():
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     if not tracked:
         pytest.skip("not a git checkout")
     assert not [t for t in tracked if t.endswith((".so", ".c")) or t.startswith("build/")]

@@ -46,8 +46,15 @@ async def test_sigterm_under_load_finishes_in_flight_requests():
 
 
 def test_dead_engine_loop_exits_non_zero():
-    done = subprocess.run([*FAKE_SERVER, '{"step_s": 0.01, "die_after_s": 0.5}'],
-                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+    done = subprocess.run(
+        [*FAKE_SERVER, '{"step_s": 0.01, "die_after_s": 0.5}'],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=60,
+    )
     assert done.returncode == 1
     logs = [orjson.loads(x) for x in done.stderr.splitlines() if x.startswith(b"{")]
-    assert any(e["msg"] == "engine loop died: fake loop crashed" and e["level"] == "error" for e in logs), logs
+    assert any(
+        e["msg"] == "engine loop died: fake loop crashed" and e["level"] == "error" for e in logs
+    ), logs

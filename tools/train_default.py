@@ -57,6 +57,7 @@ def grid_text(grid: list[list[int]]) -> str:
 
 def encode(shots: list[dict], query: dict, max_len: int) -> tuple[list[int], list[int]] | None:
     """(input ids, labels) for one sequence, dropping leading shots to fit; None if the query cannot."""
+
     def pair_ids(pair: dict, last: bool) -> tuple[list[int], list[int]]:
         text = "Input:\n" + grid_text(pair["input"]) + "Output:\n" + grid_text(pair["output"])
         ids = list(text.encode())
@@ -114,8 +115,9 @@ def synthetic_task(rng: random.Random) -> list[dict]:
     return pairs
 
 
-def epoch_sequences(tasks: list[tuple[str, dict]], epoch: int, rng: random.Random,
-                    max_len: int, synthetic: int = 0) -> list[tuple[list[int], list[int]]]:
+def epoch_sequences(
+    tasks: list[tuple[str, dict]], epoch: int, rng: random.Random, max_len: int, synthetic: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """One sequence per test input (epoch 0) or per task (later epochs, augmented), + synthetic ones."""
     seqs = []
     for _ in range(synthetic):
@@ -130,8 +132,13 @@ def epoch_sequences(tasks: list[tuple[str, dict]], epoch: int, rng: random.Rando
             continue
         colours = [0, *rng.sample(range(1, 10), 9)]
         k = rng.randrange(8)
-        pairs = [{"input": _transform(p["input"], k, colours), "output": _transform(p["output"], k, colours)}
-                 for p in task["train"] + task["test"]]
+        pairs = [
+            {
+                "input": _transform(p["input"], k, colours),
+                "output": _transform(p["output"], k, colours),
+            }
+            for p in task["train"] + task["test"]
+        ]
         rng.shuffle(pairs)
         seq = encode(pairs[1:], pairs[0], max_len)
         if seq:
@@ -139,15 +146,21 @@ def epoch_sequences(tasks: list[tuple[str, dict]], epoch: int, rng: random.Rando
     return seqs
 
 
-def batches(tasks: list[tuple[str, dict]], rng: random.Random, max_len: int,
-            budget: int, epoch: int = 0, synthetic: int = 0) -> object:
+def batches(
+    tasks: list[tuple[str, dict]],
+    rng: random.Random,
+    max_len: int,
+    budget: int,
+    epoch: int = 0,
+    synthetic: int = 0,
+) -> object:
     """Endless padded batches (ids, labels) of about `budget` tokens; similar lengths together."""
     while True:
         seqs = epoch_sequences(tasks, epoch, rng, max_len, synthetic)
         rng.shuffle(seqs)
         groups = []
         for start in range(0, len(seqs), 64):  # sort within windows: less padding, still mixed
-            window = sorted(seqs[start:start + 64], key=lambda s: len(s[0]))
+            window = sorted(seqs[start : start + 64], key=lambda s: len(s[0]))
             group: list = []
             for seq in window:
                 if group and (len(group) + 1) * len(seq[0]) > budget:
@@ -162,8 +175,8 @@ def batches(tasks: list[tuple[str, dict]], rng: random.Random, max_len: int,
             ids = torch.full((len(group), width), PAD, dtype=torch.long)
             labels = torch.full((len(group), width), IGNORE, dtype=torch.long)
             for row, (x, y) in enumerate(group):
-                ids[row, :len(x)] = torch.tensor(x)
-                labels[row, :len(y)] = torch.tensor(y)
+                ids[row, : len(x)] = torch.tensor(x)
+                labels[row, : len(y)] = torch.tensor(y)
             yield epoch, ids, labels
         epoch += 1
 
@@ -173,15 +186,25 @@ def model_config(size: str) -> dict:
     from sloserve.models.default import _COMMON
 
     hidden, layers, heads, kv, inter = SIZES[size]
-    return {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hidden // heads}
+    return {
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hidden // heads,
+    }
 
 
 def build_model(cfg: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    config = LlamaConfig(
+        **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
 
@@ -205,13 +228,17 @@ def measure(args: argparse.Namespace, train: list) -> None:
             _, ids, labels = next(gen)
             start = time.perf_counter()
             loss = model(input_ids=ids, labels=None).logits
-            loss = torch.nn.functional.cross_entropy(loss.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+            loss = torch.nn.functional.cross_entropy(
+                loss.flatten(0, 1), labels.flatten(), ignore_index=IGNORE
+            )
             loss.backward()
             opt.step()
             opt.zero_grad()
             if i:
                 rates.append(ids.numel() / (time.perf_counter() - start))
-        print(f"size {size} {SIZES[size]}: {params / 1e6:.2f}M params, {sum(rates) / len(rates):,.0f} padded tok/s")
+        print(
+            f"size {size} {SIZES[size]}: {params / 1e6:.2f}M params, {sum(rates) / len(rates):,.0f} padded tok/s"
+        )
 
 
 def save(model, cfg: dict, folder: Path, meta: dict) -> None:
@@ -220,10 +247,17 @@ def save(model, cfg: dict, folder: Path, meta: dict) -> None:
     from sloserve.models.default import write_tokenizer_files
 
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(torch.float16 if meta["dtype"] == "float16" else torch.float32).contiguous()
-               for name, t in model.state_dict().items()}
-    save_file(tensors, str(folder / "model.safetensors"),
-              metadata={"format": "pt", **{k: str(v) for k, v in meta.items()}})
+    tensors = {
+        name: t.detach()
+        .to(torch.float16 if meta["dtype"] == "float16" else torch.float32)
+        .contiguous()
+        for name, t in model.state_dict().items()
+    }
+    save_file(
+        tensors,
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt", **{k: str(v) for k, v in meta.items()}},
+    )
     (folder / "model.safetensors").chmod(0o644)  # save_file makes it private
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     write_tokenizer_files(folder, cfg)
@@ -234,27 +268,52 @@ def main() -> None:
     parser.add_argument("--size", choices=SIZES, default="m")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--max-len", type=int, default=1536, help="tokens per sequence, at most")
-    parser.add_argument("--batch-tokens", type=int, default=6144, help="padded tokens per step, about")
+    parser.add_argument(
+        "--batch-tokens", type=int, default=6144, help="padded tokens per step, about"
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype")
+    parser.add_argument(
+        "--dtype", choices=("float32", "float16"), default="float32", help="storage dtype"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint folder")
+    parser.add_argument(
+        "--init", type=Path, default=None, help="continue from this checkpoint folder"
+    )
     parser.add_argument("--first-epoch", type=int, default=0, help="1+: augmented passes only")
-    parser.add_argument("--synthetic", type=int, default=0, help="synthetic rule tasks added per pass")
-    parser.add_argument("--answer-weight", type=float, default=1.0, help="loss weight of answer grid + EOS")
-    parser.add_argument("--eos-weight", type=float, default=None,
-                        help="loss weight of the answer's EOS (default: --answer-weight)")
-    parser.add_argument("--row-end-weight", type=float, default=None,
-                        help="loss weight of the answer's newlines, the tokens that fix a grid's width "
-                             "(default: --answer-weight)")
-    parser.add_argument("--save-every", type=int, default=0, help="also save to --out every N steps")
-    parser.add_argument("--bf16", action="store_true",
-                        help="bfloat16 autocast for matmuls (float32 master weights and loss): x1.7 tokens/s here")
-    parser.add_argument("--measure", action="store_true", help="time a few steps of each size and stop")
+    parser.add_argument(
+        "--synthetic", type=int, default=0, help="synthetic rule tasks added per pass"
+    )
+    parser.add_argument(
+        "--answer-weight", type=float, default=1.0, help="loss weight of answer grid + EOS"
+    )
+    parser.add_argument(
+        "--eos-weight",
+        type=float,
+        default=None,
+        help="loss weight of the answer's EOS (default: --answer-weight)",
+    )
+    parser.add_argument(
+        "--row-end-weight",
+        type=float,
+        default=None,
+        help="loss weight of the answer's newlines, the tokens that fix a grid's width "
+        "(default: --answer-weight)",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="also save to --out every N steps"
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 autocast for matmuls (float32 master weights and loss): x1.7 tokens/s here",
+    )
+    parser.add_argument(
+        "--measure", action="store_true", help="time a few steps of each size and stop"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from sloserve.executor.host_memory import keep_freed_memory
@@ -272,19 +331,33 @@ def main() -> None:
     if args.init is not None:
         from safetensors.torch import load_file
 
-        model.load_state_dict({k: v.float() for k, v in load_file(str(args.init / "model.safetensors")).items()})
+        model.load_state_dict(
+            {k: v.float() for k, v in load_file(str(args.init / "model.safetensors")).items()}
+        )
     params = sum(p.numel() for p in model.parameters())
-    print(f"train {len(train)} tasks, held out {len(held)} (from {held[0][0]}); size {args.size} "
-          f"{SIZES[args.size]} = {params:,} params; {args.steps} steps of ~{args.batch_tokens} tokens, "
-          f"max len {args.max_len}, lr {args.lr}, seed {args.seed}, answer weight {args.answer_weight}, "
-          f"EOS weight {args.eos_weight}, row-end weight {args.row_end_weight}, "
-          f"init {args.init}, first epoch {args.first_epoch}, synthetic {args.synthetic}, bf16 {args.bf16}", flush=True)
+    print(
+        f"train {len(train)} tasks, held out {len(held)} (from {held[0][0]}); size {args.size} "
+        f"{SIZES[args.size]} = {params:,} params; {args.steps} steps of ~{args.batch_tokens} tokens, "
+        f"max len {args.max_len}, lr {args.lr}, seed {args.seed}, answer weight {args.answer_weight}, "
+        f"EOS weight {args.eos_weight}, row-end weight {args.row_end_weight}, "
+        f"init {args.init}, first epoch {args.first_epoch}, synthetic {args.synthetic}, bf16 {args.bf16}",
+        flush=True,
+    )
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    gen = batches(train, random.Random(args.seed), args.max_len, args.batch_tokens, args.first_epoch,
-                  args.synthetic)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = batches(
+        train,
+        random.Random(args.seed),
+        args.max_len,
+        args.batch_tokens,
+        args.first_epoch,
+        args.synthetic,
+    )
     curve: list[tuple[int, float, float]] = []
     started = time.perf_counter()
     window, answer_window, tokens = [], [], 0
@@ -295,21 +368,28 @@ def main() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=ids).logits
         targets = labels.flatten()
-        per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets,
-                                                      ignore_index=IGNORE, reduction="none")
+        per_token = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets, ignore_index=IGNORE, reduction="none"
+        )
         mask = targets != IGNORE
         answer = _answer_mask(ids, labels).flatten()
         weight = mask.float() + (args.answer_weight - 1.0) * answer.float()
-        if args.eos_weight is not None:  # the answer's end: EOS, where the model may write "Output:" instead
+        if (
+            args.eos_weight is not None
+        ):  # the answer's end: EOS, where the model may write "Output:" instead
             weight = torch.where(targets == EOS, args.eos_weight, weight)
-        if args.row_end_weight is not None:  # a row ends: one token early or late makes the grid ragged
+        if (
+            args.row_end_weight is not None
+        ):  # a row ends: one token early or late makes the grid ragged
             weight = torch.where(answer & (targets == NEWLINE), args.row_end_weight, weight)
         loss = (per_token * weight).sum() / weight.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        with torch.no_grad():  # the answer = tokens after the last "Output:\n": the final grid and EOS
+        with (
+            torch.no_grad()
+        ):  # the answer = tokens after the last "Output:\n": the final grid and EOS
             answer_loss = (per_token[answer].sum() / answer.sum()).item()
         window.append((per_token.sum() / mask.sum()).item())
         answer_window.append(answer_loss)
@@ -318,19 +398,45 @@ def main() -> None:
             mean, ans = sum(window) / len(window), sum(answer_window) / len(answer_window)
             curve.append((step + 1, mean, ans))
             elapsed = time.perf_counter() - started
-            print(f"step {step + 1:5d}  epoch {epoch}  loss {mean:.4f}  answer loss {ans:.4f}  "
-                  f"lr {opt.param_groups[0]['lr']:.2e}  {tokens / elapsed:,.0f} tok/s  {elapsed:6.0f} s", flush=True)
+            print(
+                f"step {step + 1:5d}  epoch {epoch}  loss {mean:.4f}  answer loss {ans:.4f}  "
+                f"lr {opt.param_groups[0]['lr']:.2e}  {tokens / elapsed:,.0f} tok/s  {elapsed:6.0f} s",
+                flush=True,
+            )
             window, answer_window = [], []
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save(model, cfg, args.out, {"steps": step + 1, "seed": args.seed, "size": args.size, "dtype": args.dtype})
+            save(
+                model,
+                cfg,
+                args.out,
+                {"steps": step + 1, "seed": args.seed, "size": args.size, "dtype": args.dtype},
+            )
     elapsed = time.perf_counter() - started
-    print(f"done: {args.steps} steps, {tokens:,} target tokens, {elapsed / 60:.1f} min, final loss "
-          f"{curve[-1][1]:.4f}, answer loss {curve[-1][2]:.4f}", flush=True)
+    print(
+        f"done: {args.steps} steps, {tokens:,} target tokens, {elapsed / 60:.1f} min, final loss "
+        f"{curve[-1][1]:.4f}, answer loss {curve[-1][2]:.4f}",
+        flush=True,
+    )
     if args.out.exists():
         shutil.rmtree(args.out)
-    save(model, cfg, args.out, {"steps": args.steps, "seed": args.seed, "size": args.size, "dtype": args.dtype,
-                                "final_loss": round(curve[-1][1], 4), "train_minutes": round(elapsed / 60, 1)})
-    plot(curve, RESULTS / "train_default_loss.png", f"{params / 1e6:.1f}M-param Llama, {args.steps} steps")
+    save(
+        model,
+        cfg,
+        args.out,
+        {
+            "steps": args.steps,
+            "seed": args.seed,
+            "size": args.size,
+            "dtype": args.dtype,
+            "final_loss": round(curve[-1][1], 4),
+            "train_minutes": round(elapsed / 60, 1),
+        },
+    )
+    plot(
+        curve,
+        RESULTS / "train_default_loss.png",
+        f"{params / 1e6:.1f}M-param Llama, {args.steps} steps",
+    )
     print(f"wrote {args.out}/model.safetensors and {RESULTS / 'train_default_loss.png'}")
 
 
@@ -342,8 +448,8 @@ def _answer_mask(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         seq = ids[row].tolist()
         end = int((labels[row] != IGNORE).nonzero().max()) + 1
         for i in range(end - len(marker), -1, -1):
-            if seq[i:i + len(marker)] == marker:
-                out[row, i + len(marker) - 1:end] = True
+            if seq[i : i + len(marker)] == marker:
+                out[row, i + len(marker) - 1 : end] = True
                 break
     return out
 

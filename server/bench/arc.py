@@ -20,8 +20,17 @@ _TRAIN_PAIRS = ((2, 158), (3, 575), (4, 189), (5, 49), (6, 18), (7, 8), (8, 2), 
 _TEST_INPUTS = ((1, 931), (2, 63), (3, 5), (4, 1))
 # NOTE: side quantiles are the data's, nudged so the serialised prompts match its figures
 # (prompt chars median ~982, p99 ~6.2k; output median ~110) once pair counts are mixed in.
-_SIDE_QUANTILES = ((0.0, 2.0), (0.10, 3.0), (0.25, 7.0), (0.50, 12.0), (0.75, 15.0),
-                   (0.90, 19.0), (0.97, 25.0), (0.99, 30.0), (1.0, 30.0))
+_SIDE_QUANTILES = (
+    (0.0, 2.0),
+    (0.10, 3.0),
+    (0.25, 7.0),
+    (0.50, 12.0),
+    (0.75, 15.0),
+    (0.90, 19.0),
+    (0.97, 25.0),
+    (0.99, 30.0),
+    (1.0, 30.0),
+)
 _SAME_SHAPE = 0.66  # fraction of pairs whose output grid has the input's shape
 _SMALLER = 0.22  # of the rest: most outputs are smaller crops, a few are enlargements
 
@@ -36,16 +45,22 @@ def parse_grid_text(text: str) -> Grid | None:
     if not text.endswith("\n"):
         return None
     rows = text[:-1].split("\n")
-    if not rows[0] or any(len(row) != len(rows[0]) or not row.isdigit() or not row.isascii() for row in rows):
+    if not rows[0] or any(
+        len(row) != len(rows[0]) or not row.isdigit() or not row.isascii() for row in rows
+    ):
         return None
     return [[int(c) for c in row] for row in rows]
 
 
 def check_grid(grid: object, where: str) -> Grid:
     """Return grid if it is a non-empty rectangular list of digit rows, else raise ValueError."""
-    ok = isinstance(grid, list) and bool(grid) and all(
-        isinstance(row, list) and row and all(isinstance(c, int) and 0 <= c <= 9 for c in row)
-        for row in grid
+    ok = (
+        isinstance(grid, list)
+        and bool(grid)
+        and all(
+            isinstance(row, list) and row and all(isinstance(c, int) and 0 <= c <= 9 for c in row)
+            for row in grid
+        )
     )
     if not ok:
         raise ValueError(f"{where}: a grid must be a non-empty list of rows of digits 0-9")
@@ -54,9 +69,15 @@ def check_grid(grid: object, where: str) -> Grid:
 
 def task_prompts(task: object, where: str) -> list[tuple[str, str | None]]:
     """(prompt, expected output or None) for each test input of one ARC task dict."""
-    if not isinstance(task, dict) or not isinstance(task.get("train"), list) \
-            or not isinstance(task.get("test"), list) or not task["test"]:
-        raise ValueError(f"{where}: an ARC task is an object with 'train' and a non-empty 'test' list")
+    if (
+        not isinstance(task, dict)
+        or not isinstance(task.get("train"), list)
+        or not isinstance(task.get("test"), list)
+        or not task["test"]
+    ):
+        raise ValueError(
+            f"{where}: an ARC task is an object with 'train' and a non-empty 'test' list"
+        )
     pairs = []
     for i, pair in enumerate(task["train"]):
         if not isinstance(pair, dict):
@@ -95,7 +116,9 @@ def _random_grid(rng: random.Random, h: int, w: int, palette: list[int]) -> Grid
     return [[rng.choice(palette) if rng.random() < 0.35 else 0 for _ in range(w)] for _ in range(h)]
 
 
-def _output_for(rng: random.Random, grid: Grid, shape: str, scale: float, palette: list[int]) -> Grid:
+def _output_for(
+    rng: random.Random, grid: Grid, shape: str, scale: float, palette: list[int]
+) -> Grid:
     h, w = len(grid), len(grid[0])
     if shape == "same":
         return [[rng.choice(palette) if rng.random() < 0.15 else c for c in row] for row in grid]

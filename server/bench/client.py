@@ -21,11 +21,16 @@ from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SLO
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                 pb.FINISH_REASON_CANCELLED: "cancelled"}
+_FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sloserve"].full_name
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024**2),
-                   ("grpc.max_send_message_length", 64 * 1024**2)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024**2),
+    ("grpc.max_send_message_length", 64 * 1024**2),
+]
 
 
 @dataclass(slots=True)
@@ -43,7 +48,9 @@ class LoadSpec:
     ignore_eos: bool = False
     request_timeout_s: float = 600.0  # a request still open this long is cancelled and failed
     auth_token: str | None = None
-    grammar: str | None = None  # a Lark grammar every answer must follow (structured output), e.g. the ARC grid's
+    grammar: str | None = (
+        None  # a Lark grammar every answer must follow (structured output), e.g. the ARC grid's
+    )
 
     def __post_init__(self) -> None:
         if not (self.rate > 0):
@@ -57,8 +64,10 @@ class LoadSpec:
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
         if self.duration_s is not None and math.isinf(self.rate) and self.concurrency is None:
-            raise ValueError("a run bounded by duration needs a finite rate or a concurrency limit; "
-                             "set --rate or --concurrency")
+            raise ValueError(
+                "a run bounded by duration needs a finite rate or a concurrency limit; "
+                "set --rate or --concurrency"
+            )
 
 
 @dataclass(slots=True)
@@ -90,7 +99,9 @@ class _StreamConn:
             except grpc.aio.AioRpcError as exc:
                 self.finish(request.request_id, "failed", exc.code(), "stream_lost")
             except (grpc.aio.UsageError, asyncio.InvalidStateError):
-                self.finish(request.request_id, "failed", grpc.StatusCode.UNAVAILABLE, "stream_lost")
+                self.finish(
+                    request.request_id, "failed", grpc.StatusCode.UNAVAILABLE, "stream_lost"
+                )
         return done
 
     async def give_up(self, request_id: str) -> None:
@@ -98,12 +109,15 @@ class _StreamConn:
         self.finish(request_id, "failed", grpc.StatusCode.DEADLINE_EXCEEDED, "client_timeout")
         async with self._lock:
             try:
-                await self._call.write(pb.ClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+                await self._call.write(
+                    pb.ClientMessage(cancel=pb.CancelRequest(request_id=request_id))
+                )
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 pass
 
-    def finish(self, request_id: str, status: str, code: grpc.StatusCode | str | None,
-                reason: str | None) -> RequestRecord | None:
+    def finish(
+        self, request_id: str, status: str, code: grpc.StatusCode | str | None, reason: str | None
+    ) -> RequestRecord | None:
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return None
@@ -150,8 +164,12 @@ class _StreamConn:
                 record.cached_tokens = final.cached_prompt_tokens
         elif kind == "error":
             error = message.error
-            self.finish(error.request_id, "refused",
-                         _CODE_NAMES.get(error.code, str(error.code)), error.reason or None)
+            self.finish(
+                error.request_id,
+                "refused",
+                _CODE_NAMES.get(error.code, str(error.code)),
+                error.reason or None,
+            )
 
     async def close(self) -> None:
         try:
@@ -165,15 +183,18 @@ class _StreamConn:
             self._reader.cancel()
 
 
-def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec,
-                  slo: SLO | None) -> pb.GenerateRequest:
+def build_request(
+    request_id: str, item: WorkloadItem, spec: LoadSpec, slo: SLO | None
+) -> pb.GenerateRequest:
     """The GenerateRequest for one workload item."""
-    sampling = pb.SamplingParams(temperature=spec.temperature,
-                                 ignore_eos=item.ignore_eos or spec.ignore_eos)
+    sampling = pb.SamplingParams(
+        temperature=spec.temperature, ignore_eos=item.ignore_eos or spec.ignore_eos
+    )
     if spec.grammar is not None:
         sampling.structured.grammar = spec.grammar
-    message = pb.GenerateRequest(request_id=request_id, text=item.prompt,
-                                 max_tokens=item.max_tokens, sampling=sampling)
+    message = pb.GenerateRequest(
+        request_id=request_id, text=item.prompt, max_tokens=item.max_tokens, sampling=sampling
+    )
     if slo is not None:
         for name in ("ttft_s", "tpot_s", "e2e_s"):
             if (value := getattr(slo, name)) is not None:
@@ -190,12 +211,16 @@ async def connect(target: str, timeout_s: float = 10.0) -> grpc.aio.Channel:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
         await channel.close()
-        raise ConnectionError(f"cannot reach a sloserve server at {target} within {timeout_s:g} s: "
-                              "check --server HOST:PORT and that the server is running") from None
+        raise ConnectionError(
+            f"cannot reach a sloserve server at {target} within {timeout_s:g} s: "
+            "check --server HOST:PORT and that the server is running"
+        ) from None
     return channel
 
 
-async def wait_ready(channel: grpc.aio.Channel, timeout_s: float, auth_token: str | None = None) -> None:
+async def wait_ready(
+    channel: grpc.aio.Channel, timeout_s: float, auth_token: str | None = None
+) -> None:
     """Wait until the server's health check says the service is SERVING (model loaded).
 
     Servers without the health service are taken as ready; ConnectionError after timeout_s.
@@ -214,10 +239,14 @@ async def wait_ready(channel: grpc.aio.Channel, timeout_s: float, auth_token: st
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise ConnectionError(f"the server refused our credentials: {exc.details()}") from None
+                raise ConnectionError(
+                    f"the server refused our credentials: {exc.details()}"
+                ) from None
         if time.monotonic() >= deadline:
-            raise ConnectionError(f"the server is reachable but not ready after {timeout_s:g} s "
-                                  "(model still loading?): raise --ready-timeout") from None
+            raise ConnectionError(
+                f"the server is reachable but not ready after {timeout_s:g} s "
+                "(model still loading?): raise --ready-timeout"
+            ) from None
         await asyncio.sleep(0.5)
 
 
@@ -225,7 +254,8 @@ async def fetch_info(channel: grpc.aio.Channel, auth_token: str | None = None) -
     """The server's model and limits ({} when the server does not answer Info)."""
     try:
         info = await pb_grpc.SloserveStub(channel).Info(
-            pb.InfoRequest(), timeout=10.0, metadata=_metadata(auth_token) or None)
+            pb.InfoRequest(), timeout=10.0, metadata=_metadata(auth_token) or None
+        )
     except grpc.aio.AioRpcError:
         return {}
     return info_fields(info)
@@ -233,18 +263,27 @@ async def fetch_info(channel: grpc.aio.Channel, auth_token: str | None = None) -
 
 def info_fields(info: pb.InfoResponse) -> dict:
     """The model and limits of an InfoResponse, as fetch_info returns them."""
-    return {"model": info.model, "architecture": info.architecture, "version": info.version,
-            "device": info.device, "max_model_len": info.max_model_len,
-            "attention_backend": info.attention_backend}
+    return {
+        "model": info.model,
+        "architecture": info.architecture,
+        "version": info.version,
+        "device": info.device,
+        "max_model_len": info.max_model_len,
+        "attention_backend": info.attention_backend,
+    }
 
 
 def _metadata(auth_token: str | None) -> tuple:
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
 
 
-async def run_load(channel: grpc.aio.Channel, items: list[WorkloadItem], spec: LoadSpec,
-                   on_done: Callable[[RequestRecord], None] | None = None,
-                   id_prefix: str = "bench") -> RunResult:
+async def run_load(
+    channel: grpc.aio.Channel,
+    items: list[WorkloadItem],
+    spec: LoadSpec,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    id_prefix: str = "bench",
+) -> RunResult:
     """Send the workload as spec says and record every request; never raises for a request."""
     if not items:
         raise ValueError("the workload holds no requests")

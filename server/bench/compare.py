@@ -59,7 +59,9 @@ def parse_loads(text: str) -> list[Load]:
         except ValueError:
             value = math.nan
         if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"--rates: cannot read {part!r}; use multiples of capacity like 0.5x,1x,2x or req/s")
+            raise ValueError(
+                f"--rates: cannot read {part!r}; use multiples of capacity like 0.5x,1x,2x or req/s"
+            )
         loads.append(Load(value, relative))
     if not loads:
         raise ValueError("--rates needs at least one load")
@@ -87,7 +89,9 @@ class CompareSettings:
 
     def __post_init__(self) -> None:
         if not self.policies or len(set(self.policies)) != len(self.policies):
-            raise ValueError(f"--policies must name distinct policies, got {','.join(self.policies)!r}")
+            raise ValueError(
+                f"--policies must name distinct policies, got {','.join(self.policies)!r}"
+            )
         if self.capacity is not None and not (self.capacity > 0 and math.isfinite(self.capacity)):
             raise ValueError(f"--capacity must be > 0 req/s, got {self.capacity:g}")
         if self.concurrency < 1 or self.capacity_requests < 1 or self.streams < 1:
@@ -101,14 +105,21 @@ class CompareSettings:
 def interactive_attainment(records: list[RequestRecord], name: str) -> float | None:
     """Attainment of the class `name`, or, when no request carries it, of the requests with a TTFT
     objective (the latency-sensitive ones); None when there are none."""
-    members = [r for r in records if r.slo_class == name] or \
-              [r for r in records if r.slo is not None and r.slo.ttft_s is not None]
+    members = [r for r in records if r.slo_class == name] or [
+        r for r in records if r.slo is not None and r.slo.ttft_s is not None
+    ]
     return sum(meets_slo(r, r.slo) for r in members) / len(members) if members else None
 
 
-ServerFactory = Callable[[str, str], Any]  # (policy, label) -> a context manager with .target, .wait_ready()
-ProgressFactory = Callable[[str, int], Any]  # (label, requests) -> a context manager, called per record
-PointHook = Callable[[Any, dict, list[RequestRecord]], None]  # (server, point, records), the server still up
+ServerFactory = Callable[
+    [str, str], Any
+]  # (policy, label) -> a context manager with .target, .wait_ready()
+ProgressFactory = Callable[
+    [str, int], Any
+]  # (label, requests) -> a context manager, called per record
+PointHook = Callable[
+    [Any, dict, list[RequestRecord]], None
+]  # (server, point, records), the server still up
 
 
 class Comparison:
@@ -119,10 +130,15 @@ class Comparison:
     after each run while its server is up (to read its counters into the point).
     """
 
-    def __init__(self, settings: CompareSettings, start_server: ServerFactory | None = None,
-                 progress: ProgressFactory | None = None, log: Callable[[str], None] = print,
-                 workload: Callable[[int], list[WorkloadItem]] | None = None,
-                 on_point: PointHook | None = None) -> None:
+    def __init__(
+        self,
+        settings: CompareSettings,
+        start_server: ServerFactory | None = None,
+        progress: ProgressFactory | None = None,
+        log: Callable[[str], None] = print,
+        workload: Callable[[int], list[WorkloadItem]] | None = None,
+        on_point: PointHook | None = None,
+    ) -> None:
         self.s, self.log, self.workload, self.on_point = settings, log, workload, on_point
         self.start_server = start_server or self._local_server
         self.progress = progress or (lambda label, total: contextlib.nullcontext(None))
@@ -134,8 +150,12 @@ class Comparison:
 
     def _local_server(self, policy: str, label: str) -> LocalServer:
         log = None if self.s.log_dir is None else self.s.log_dir / f"compare_{label}.log"
-        return LocalServer.serve(self.s.model, ("--policy", policy, *self.s.serve_args), log,
-                                 label=f"{policy} server ({label})")
+        return LocalServer.serve(
+            self.s.model,
+            ("--policy", policy, *self.s.serve_args),
+            log,
+            label=f"{policy} server ({label})",
+        )
 
     def _send(self, target: str, items: list[WorkloadItem], spec: LoadSpec, label: str):
         with self.progress(label, len(items)) as bar:
@@ -145,7 +165,9 @@ class Comparison:
         """The capacity (when a load is relative and none was given), then every point; the report."""
         s = self.s
         items = None
-        if self.workload is None or (self.capacity is None and any(load.relative for load in s.loads)):
+        if self.workload is None or (
+            self.capacity is None and any(load.relative for load in s.loads)
+        ):
             items = self.measure_capacity()
         for i, load in enumerate(s.loads):
             turn = (s.plan.seed + i) % len(s.policies)
@@ -160,7 +182,11 @@ class Comparison:
         s = self.s
         with self.start_server(s.policies[0], "capacity") as server:
             self.info = server.wait_ready(s.ready_timeout_s)
-            items = s.plan.items(self.info.get("max_model_len") or None) if self.workload is None else self.workload(0)
+            items = (
+                s.plan.items(self.info.get("max_model_len") or None)
+                if self.workload is None
+                else self.workload(0)
+            )
             if self.capacity is None:
                 self.capacity = self._closed_loop(server.target, items)
         return items
@@ -168,64 +194,112 @@ class Comparison:
     def _closed_loop(self, target: str, items: list[WorkloadItem]) -> float:
         s = self.s
         batch = unpaced([items[k % len(items)] for k in range(s.capacity_requests)])
-        spec = LoadSpec(concurrency=s.concurrency, streams=s.streams, seed=s.plan.seed,
-                        request_timeout_s=s.request_timeout_s)
+        spec = LoadSpec(
+            concurrency=s.concurrency,
+            streams=s.streams,
+            seed=s.plan.seed,
+            request_timeout_s=s.request_timeout_s,
+        )
         result = self._send(target, batch, spec, f"capacity ({s.policies[0]})")
         done = [r for r in result.records if r.status == "ok"]
-        capacity = steady_throughput(result.records) or (len(done) / result.duration_s if done else None)
+        capacity = steady_throughput(result.records) or (
+            len(done) / result.duration_s if done else None
+        )
         if not capacity:
-            raise RuntimeError("the capacity run completed no request; see the server log (--log-dir)")
+            raise RuntimeError(
+                "the capacity run completed no request; see the server log (--log-dir)"
+            )
         self.capacity_measured = True
-        self.log(f"capacity: {capacity:.3g} req/s (closed loop of {s.concurrency} on {s.policies[0]}, "
-                 f"{s.capacity_requests} requests)")
+        self.log(
+            f"capacity: {capacity:.3g} req/s (closed loop of {s.concurrency} on {s.policies[0]}, "
+            f"{s.capacity_requests} requests)"
+        )
         return capacity
 
     def _point(self, policy: str, load: Load, items: list[WorkloadItem], seed: int) -> None:
         s = self.s
         rate = load.rate(self.capacity)
         sent = s.plan.at_rate(items, rate)
-        spec = LoadSpec(rate=rate, num_requests=len(sent), streams=s.streams, seed=seed,
-                        request_timeout_s=s.request_timeout_s)
+        spec = LoadSpec(
+            rate=rate,
+            num_requests=len(sent),
+            streams=s.streams,
+            seed=seed,
+            request_timeout_s=s.request_timeout_s,
+        )
         began = time.monotonic()
         with self.start_server(policy, f"{policy}_{load.label.replace('/', 'ps')}") as server:
             server.wait_ready(s.ready_timeout_s)
             result = self._send(server.target, sent, spec, f"{policy} {load.label}")
             figures = summarise(result.records, result.duration_s, None, rate)
-            point = {"policy": policy, "load": load.label, "rate": rate,
-                     "multiple": rate / self.capacity if self.capacity else None,
-                     "attainment": figures["slo_attainment"],
-                     "interactive_attainment": interactive_attainment(result.records, s.interactive_class),
-                     "goodput": figures["goodput"], "completed": figures["completed"],
-                     "refused": figures["refused"], "failed": figures["failed"], "requests": figures["requests"],
-                     "wall_s": time.monotonic() - began, "run": figures}
+            point = {
+                "policy": policy,
+                "load": load.label,
+                "rate": rate,
+                "multiple": rate / self.capacity if self.capacity else None,
+                "attainment": figures["slo_attainment"],
+                "interactive_attainment": interactive_attainment(
+                    result.records, s.interactive_class
+                ),
+                "goodput": figures["goodput"],
+                "completed": figures["completed"],
+                "refused": figures["refused"],
+                "failed": figures["failed"],
+                "requests": figures["requests"],
+                "wall_s": time.monotonic() - began,
+                "run": figures,
+            }
             if self.on_point is not None:
                 self.on_point(server, point, result.records)
         self.points.append(point)
-        self.log(f"  [{policy} {load.label} = {rate:.3g} req/s] attainment {_pct(point['attainment'])}, "
-                 f"interactive {_pct(point['interactive_attainment'])}, refused {point['refused']}, "
-                 f"failed {point['failed']} (elapsed {(time.monotonic() - self.began) / 60:.1f} min)")
+        self.log(
+            f"  [{policy} {load.label} = {rate:.3g} req/s] attainment {_pct(point['attainment'])}, "
+            f"interactive {_pct(point['interactive_attainment'])}, refused {point['refused']}, "
+            f"failed {point['failed']} (elapsed {(time.monotonic() - self.began) / 60:.1f} min)"
+        )
 
     def goodput(self) -> dict[str, float | None]:
         """Per policy: the highest rate with attainment >= the target, interpolated between loads."""
-        return {policy: rate_at_attainment([(p["rate"], p["attainment"] or 0.0) for p in self.points
-                                            if p["policy"] == policy], self.s.attainment)
-                for policy in self.s.policies}
+        return {
+            policy: rate_at_attainment(
+                [(p["rate"], p["attainment"] or 0.0) for p in self.points if p["policy"] == policy],
+                self.s.attainment,
+            )
+            for policy in self.s.policies
+        }
 
     def report(self) -> dict:
         s = self.s
-        return {"schema_version": 1, "tool": "sloserve bench compare",
-                "created": datetime.now(UTC).isoformat(timespec="seconds"), "model": s.model,
-                "server_info": self.info, "workload": s.plan.workload, "policies": list(s.policies),
-                "loads": [load.label for load in s.loads], "serve_args": list(s.serve_args),
-                "capacity_rps": self.capacity, "capacity_measured": self.capacity_measured,
-                "attainment_target": s.attainment, "interactive_class": s.interactive_class,
-                "config": {"length_scale": s.plan.length_scale, "time_scale": s.plan.time_scale,
-                           "num_requests": s.plan.num_requests, "max_tokens": s.plan.max_tokens,
-                           "slo_rules": [r.text for r in s.plan.rules], "seed": s.plan.seed,
-                           "concurrency": s.concurrency, "capacity_requests": s.capacity_requests,
-                           "streams": s.streams, "request_timeout_s": s.request_timeout_s},
-                "goodput_rps": self.goodput(), "elapsed_s": time.monotonic() - self.began,
-                "points": self.points}
+        return {
+            "schema_version": 1,
+            "tool": "sloserve bench compare",
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "model": s.model,
+            "server_info": self.info,
+            "workload": s.plan.workload,
+            "policies": list(s.policies),
+            "loads": [load.label for load in s.loads],
+            "serve_args": list(s.serve_args),
+            "capacity_rps": self.capacity,
+            "capacity_measured": self.capacity_measured,
+            "attainment_target": s.attainment,
+            "interactive_class": s.interactive_class,
+            "config": {
+                "length_scale": s.plan.length_scale,
+                "time_scale": s.plan.time_scale,
+                "num_requests": s.plan.num_requests,
+                "max_tokens": s.plan.max_tokens,
+                "slo_rules": [r.text for r in s.plan.rules],
+                "seed": s.plan.seed,
+                "concurrency": s.concurrency,
+                "capacity_requests": s.capacity_requests,
+                "streams": s.streams,
+                "request_timeout_s": s.request_timeout_s,
+            },
+            "goodput_rps": self.goodput(),
+            "elapsed_s": time.monotonic() - self.began,
+            "points": self.points,
+        }
 
 
 def _pct(x: float | None) -> str:

@@ -30,8 +30,14 @@ class Conn(Protocol):
     async def close(self) -> None: ...
 
 
-async def drive(conns: Sequence[Conn], items: list[WorkloadItem], spec: Any, build: Callable[..., Any],
-                on_done: Callable[[RequestRecord], None] | None, id_prefix: str) -> tuple[list[RequestRecord], float]:
+async def drive(
+    conns: Sequence[Conn],
+    items: list[WorkloadItem],
+    spec: Any,
+    build: Callable[..., Any],
+    on_done: Callable[[RequestRecord], None] | None,
+    id_prefix: str,
+) -> tuple[list[RequestRecord], float]:
     """Send the workload as `spec` (a LoadSpec) says; returns every record and the run's span (s).
 
     `build(request_id, item, spec, slo)` makes the protocol's request. Never raises for a request.
@@ -45,8 +51,14 @@ async def drive(conns: Sequence[Conn], items: list[WorkloadItem], spec: Any, bui
     async def one(index: int, conn: Conn, item: WorkloadItem) -> None:
         slo = effective_slo(item.slo, spec.slo)
         request_id = f"{id_prefix}-{index}"
-        record = RequestRecord(request_id, 0.0, item.max_tokens, item.expected_output, slo,
-                               slo_class=item.slo_class or slo_class_name(slo))
+        record = RequestRecord(
+            request_id,
+            0.0,
+            item.max_tokens,
+            item.expected_output,
+            slo,
+            slo_class=item.slo_class or slo_class_name(slo),
+        )
         records.append(record)
         try:
             done = await conn.send(build(request_id, item, spec, slo), record)

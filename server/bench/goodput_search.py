@@ -42,16 +42,28 @@ class SearchResult:
     rate: float | None = None
     bracket: tuple[float | None, float | None] = (None, None)  # (met, missed)
     converged: bool = False
-    points: list[dict] = field(default_factory=list)  # {"rate", "attainments", "attainment"} in order
+    points: list[dict] = field(
+        default_factory=list
+    )  # {"rate", "attainments", "attainment"} in order
 
     def as_dict(self) -> dict:
-        return {"attainment_target": self.target, "rate": self.rate, "bracket": list(self.bracket),
-                "converged": self.converged, "points": self.points}
+        return {
+            "attainment_target": self.target,
+            "rate": self.rate,
+            "bracket": list(self.bracket),
+            "converged": self.converged,
+            "points": self.points,
+        }
 
 
-async def search_goodput(measure: Callable[[float, int], Awaitable[float]], start: float,
-                         settings: SearchSettings | None = None, *,
-                         low: float | None = None, high: float | None = None) -> SearchResult:
+async def search_goodput(
+    measure: Callable[[float, int], Awaitable[float]],
+    start: float,
+    settings: SearchSettings | None = None,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> SearchResult:
     """Search with `await measure(rate, repeat)` -> attainment in [0, 1].
 
     low / high: a bracket already known (rates that met / missed the target); start: the first
@@ -60,7 +72,9 @@ async def search_goodput(measure: Callable[[float, int], Awaitable[float]], star
     settings = settings or SearchSettings()
     target, repeats, tolerance = settings.attainment, settings.repeats, settings.tolerance
     if not (start > 0 and math.isfinite(start)):
-        raise ValueError(f"the goodput search needs a finite starting rate > 0 (--rate), got {start:g}")
+        raise ValueError(
+            f"the goodput search needs a finite starting rate > 0 (--rate), got {start:g}"
+        )
     result = SearchResult(target)
 
     async def meets(rate: float) -> bool:
@@ -93,8 +107,12 @@ def format_search(found: SearchResult) -> str:
     low, high = found.bracket
     target = f"{100 * found.target:g}%"
     if found.rate is None:
-        return f"goodput ({target}): no rate measured met the target (lowest tried {high:.3g} req/s)"
+        return (
+            f"goodput ({target}): no rate measured met the target (lowest tried {high:.3g} req/s)"
+        )
     upper = "not found" if high is None else f"{high:.3g}"
     note = "" if found.converged else f" (stopped after {len(found.points)} rates)"
-    return (f"goodput ({target} attainment): {found.rate:.3g} req/s, bracket [{low:.3g}, {upper}] req/s, "
-            f"{len(found.points)} rates measured{note}")
+    return (
+        f"goodput ({target} attainment): {found.rate:.3g} req/s, bracket [{low:.3g}, {upper}] req/s, "
+        f"{len(found.points)} rates measured{note}"
+    )

@@ -19,16 +19,28 @@ from sloserve.bench.stats import RequestRecord
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.sampling_params import SLO
 
-CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
-         500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # the gRPC names, to compare runs
+CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}  # the gRPC names, to compare runs
 
 
-def open_client(url: str, auth_token: str | None, connect_timeout_s: float = 10.0) -> aiohttp.ClientSession:
+def open_client(
+    url: str, auth_token: str | None, connect_timeout_s: float = 10.0
+) -> aiohttp.ClientSession:
     """A pooled keep-alive session (aiohttp, as vLLM's `bench serve` uses); call inside the event loop."""
     headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
-    return aiohttp.ClientSession(base_url=url.rstrip("/") + "/", headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
-                                 connector=aiohttp.TCPConnector(limit=0))
+    return aiohttp.ClientSession(
+        base_url=url.rstrip("/") + "/",
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
 
 
 _SHORT = aiohttp.ClientTimeout(total=10.0)
@@ -48,10 +60,14 @@ async def wait_ready(client: aiohttp.ClientSession, timeout_s: float) -> None:
             pass
         if time.monotonic() >= deadline:
             if not reached:
-                raise ConnectionError(f"cannot reach a sloserve HTTP API at {client.base_url} within "
-                                      f"{timeout_s:g} s: check --url and that the server is running")
-            raise ConnectionError(f"the server is reachable but not ready after {timeout_s:g} s "
-                                  "(model still loading?): raise --ready-timeout")
+                raise ConnectionError(
+                    f"cannot reach a sloserve HTTP API at {client.base_url} within "
+                    f"{timeout_s:g} s: check --url and that the server is running"
+                )
+            raise ConnectionError(
+                f"the server is reachable but not ready after {timeout_s:g} s "
+                "(model still loading?): raise --ready-timeout"
+            )
         await asyncio.sleep(0.5)
 
 
@@ -64,22 +80,38 @@ async def fetch_info(client: aiohttp.ClientSession) -> dict:
             version = orjson.loads(await reply.read()).get("version", "")
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
         return {}
-    return {"model": model.get("id"), "max_model_len": model.get("max_model_len"), "version": version,
-            "protocol": "http"}
+    return {
+        "model": model.get("id"),
+        "max_model_len": model.get("max_model_len"),
+        "version": version,
+        "protocol": "http",
+    }
 
 
-def build_request(request_id: str, item: WorkloadItem, spec: LoadSpec, slo: SLO | None) -> tuple[str, dict, dict]:
+def build_request(
+    request_id: str, item: WorkloadItem, spec: LoadSpec, slo: SLO | None
+) -> tuple[str, dict, dict]:
     """(request id, JSON body, headers) of one streamed completion; objectives in x-slo-* headers."""
-    body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": spec.temperature,
-            "ignore_eos": item.ignore_eos or spec.ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        "prompt": item.prompt,
+        "max_tokens": item.max_tokens,
+        "temperature": spec.temperature,
+        "ignore_eos": item.ignore_eos or spec.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     if item.priority is not None:
         body["priority"] = item.priority
     if spec.grammar is not None:
         body["structured_outputs"] = {"grammar": spec.grammar}
     headers = {"x-request-id": request_id}
     if slo is not None:
-        for name, header in (("ttft_s", "x-slo-ttft-ms"), ("tpot_s", "x-slo-tpot-ms"), ("e2e_s", "x-slo-e2e-ms")):
+        for name, header in (
+            ("ttft_s", "x-slo-ttft-ms"),
+            ("tpot_s", "x-slo-tpot-ms"),
+            ("e2e_s", "x-slo-e2e-ms"),
+        ):
             if (value := getattr(slo, name)) is not None:
                 headers[header] = f"{value * 1e3:g}"
     return request_id, body, headers
@@ -105,12 +137,19 @@ class _HttpConn:
     async def _run(self, request_id: str, body: dict, headers: dict, record: RequestRecord) -> None:
         record.send_time = time.perf_counter()
         try:
-            async with self._client.post("v1/completions", data=orjson.dumps(body),
-                                         headers={**headers, "content-type": "application/json"}) as reply:
+            async with self._client.post(
+                "v1/completions",
+                data=orjson.dumps(body),
+                headers={**headers, "content-type": "application/json"},
+            ) as reply:
                 if reply.status != 200:
                     error = _error(await reply.read())
-                    self._finish(request_id, "refused", CODES.get(reply.status, f"HTTP_{reply.status}"),
-                                 error.get("code"))
+                    self._finish(
+                        request_id,
+                        "refused",
+                        CODES.get(reply.status, f"HTTP_{reply.status}"),
+                        error.get("code"),
+                    )
                     return
                 async for line in reply.content:
                     if not line.startswith(b"data: "):
@@ -127,8 +166,12 @@ class _HttpConn:
         """File one SSE chunk; False when it was an error event (the request is over)."""
         if "error" in chunk:
             status = chunk["error"].get("type", "")
-            self._finish(request_id, "refused", "UNAVAILABLE" if "unavailable" in status else "INTERNAL",
-                         chunk["error"].get("code"))
+            self._finish(
+                request_id,
+                "refused",
+                "UNAVAILABLE" if "unavailable" in status else "INTERNAL",
+                chunk["error"].get("code"),
+            )
             return False
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids")
@@ -142,7 +185,9 @@ class _HttpConn:
         if usage := chunk.get("usage"):
             record.prompt_tokens = usage.get("prompt_tokens", 0)
             record.output_tokens = usage.get("completion_tokens", 0)
-            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens", 0
+            )
         return True
 
     def _finish(self, request_id: str, status: str, code: str | None, reason: str | None) -> None:
@@ -180,11 +225,18 @@ def _error(raw: bytes) -> dict:
         return {}
 
 
-async def run_load(client: aiohttp.ClientSession, items: list[WorkloadItem], spec: LoadSpec,
-                   on_done: Callable[[RequestRecord], None] | None = None, id_prefix: str = "bench",
-                   model: str | None = None) -> RunResult:
+async def run_load(
+    client: aiohttp.ClientSession,
+    items: list[WorkloadItem],
+    spec: LoadSpec,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    id_prefix: str = "bench",
+    model: str | None = None,
+) -> RunResult:
     """Send the workload as spec says over HTTP and record every request; never raises for a request."""
     if not items:
         raise ValueError("the workload holds no requests")
-    records, duration_s = await drive([_HttpConn(client, model)], items, spec, build_request, on_done, id_prefix)
+    records, duration_s = await drive(
+        [_HttpConn(client, model)], items, spec, build_request, on_done, id_prefix
+    )
     return RunResult(spec.rate, records, duration_s)

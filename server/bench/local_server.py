@@ -38,20 +38,57 @@ async def ready_info(target: str, timeout_s: float = 600.0) -> dict:
 class LocalServer:
     """A child process serving gRPC on 127.0.0.1:port, its output to log_path (or nowhere)."""
 
-    def __init__(self, argv: Sequence[str], port: int, log_path: Path | None = None, label: str = "server",
-                 env: Mapping[str, str] | None = None) -> None:
-        self.port, self.target, self.label, self.log_path = port, f"127.0.0.1:{port}", label, log_path
+    def __init__(
+        self,
+        argv: Sequence[str],
+        port: int,
+        log_path: Path | None = None,
+        label: str = "server",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.port, self.target, self.label, self.log_path = (
+            port,
+            f"127.0.0.1:{port}",
+            label,
+            log_path,
+        )
         self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(list(argv), stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=None if env is None else dict(env))
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+        )
 
     @classmethod
-    def serve(cls, model: str, serve_args: Sequence[str] = (), log_path: Path | None = None,
-              label: str = "server") -> LocalServer:
+    def serve(
+        cls,
+        model: str,
+        serve_args: Sequence[str] = (),
+        log_path: Path | None = None,
+        label: str = "server",
+    ) -> LocalServer:
         """`sloserve serve --model model *serve_args` on a free port, gRPC only, grace of 1 s."""
         port = free_port()
-        argv = [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", model, "--host", "127.0.0.1",
-                "--port", str(port), "--metrics-port", "off", "--http-port", "off", "--grace", "1", *serve_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "sloserve.cli.main",
+            "serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "off",
+            "--http-port",
+            "off",
+            "--grace",
+            "1",
+            *serve_args,
+        ]
         return cls(argv, port, log_path, label)
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict:
@@ -62,8 +99,10 @@ class LocalServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.label} exited with status {self.proc.returncode}; "
-                                   f"see {self.log_path or 'its log'}")
+                raise RuntimeError(
+                    f"the {self.label} exited with status {self.proc.returncode}; "
+                    f"see {self.log_path or 'its log'}"
+                )
             try:
                 return await ready_info(self.target, 5.0)
             except ConnectionError:
@@ -88,8 +127,12 @@ class LocalServer:
         self.stop()
 
 
-async def send_load(target: str, items: list[WorkloadItem], spec: LoadSpec,
-                    progress: Callable[[RequestRecord], None] | None = None) -> RunResult:
+async def send_load(
+    target: str,
+    items: list[WorkloadItem],
+    spec: LoadSpec,
+    progress: Callable[[RequestRecord], None] | None = None,
+) -> RunResult:
     """One run of `items` as `spec` says against the server at target."""
     channel = await connect(target)
     try:

@@ -31,7 +31,9 @@ class WorkloadPlan:
             raise ValueError("--length-scale applies to a trace: workload only")
         if not self.is_trace and self.time_scale is not None:
             raise ValueError("--time-scale applies to a trace: workload only")
-        if self.time_scale is not None and not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+        if self.time_scale is not None and not (
+            self.time_scale > 0 and math.isfinite(self.time_scale)
+        ):
             raise ValueError(f"--time-scale must be a number > 0, got {self.time_scale:g}")
 
     @property
@@ -41,11 +43,24 @@ class WorkloadPlan:
     def items(self, max_model_len: int | None = None) -> list[WorkloadItem]:
         """The requests (a trace's with its recorded arrival times, fitted to max_model_len)."""
         if self.is_trace:
-            items = load_trace(self.workload.partition(":")[2], seed=self.seed, num_requests=self.num_requests,
-                               length_scale=self.length_scale, max_model_len=max_model_len, rules=self.rules)
+            items = load_trace(
+                self.workload.partition(":")[2],
+                seed=self.seed,
+                num_requests=self.num_requests,
+                length_scale=self.length_scale,
+                max_model_len=max_model_len,
+                rules=self.rules,
+            )
         else:
-            items = apply_rules(list(self.rules), load_workload(self.workload, seed=self.seed, attempts=self.attempts,
-                                                                num_requests=self.num_requests))
+            items = apply_rules(
+                list(self.rules),
+                load_workload(
+                    self.workload,
+                    seed=self.seed,
+                    attempts=self.attempts,
+                    num_requests=self.num_requests,
+                ),
+            )
         if self.max_tokens is not None:
             items = [replace(i, max_tokens=min(i.max_tokens, self.max_tokens)) for i in items]
         return items
@@ -55,7 +70,11 @@ class WorkloadPlan:
         time_scale when the rate is inf; other workloads unchanged (the driver's Poisson process)."""
         if not self.is_trace:
             return items
-        return rescale(items, rate=rate) if math.isfinite(rate) else rescale(items, time_scale=self.time_scale)
+        return (
+            rescale(items, rate=rate)
+            if math.isfinite(rate)
+            else rescale(items, time_scale=self.time_scale)
+        )
 
 
 def unpaced(items: list[WorkloadItem]) -> list[WorkloadItem]:

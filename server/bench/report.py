@@ -31,13 +31,20 @@ from sloserve.bench.client import RunResult
 SCHEMA_VERSION = 1
 
 
-def build_report(server: str, server_info: dict, workload: str, config: dict,
-                 runs: list[dict]) -> dict:
+def build_report(
+    server: str, server_info: dict, workload: str, config: dict, runs: list[dict]
+) -> dict:
     """The JSON document of one bench invocation."""
-    return {"schema_version": SCHEMA_VERSION, "tool": "sloserve bench",
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "server": server, "server_info": server_info, "workload": workload,
-            "config": config, "runs": runs}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "sloserve bench",
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "server": server,
+        "server_info": server_info,
+        "workload": workload,
+        "config": config,
+        "runs": runs,
+    }
 
 
 def write_json(report: dict, path: str | Path) -> None:
@@ -71,15 +78,26 @@ def format_table(runs: list[dict]) -> str:
         ("output tokens/s", [_num(r["output_token_throughput"], digits=1) for r in runs]),
         ("prompt tokens", [str(r["prompt_tokens"]) for r in runs]),
         ("output tokens p50/p90/max", [_lengths(r.get("output_tokens_per_request")) for r in runs]),
-        ("stopped: EOS / max_tokens", [f"{r.get('finish_reasons', {}).get('stop', 0)}/"
-                                       f"{r.get('finish_reasons', {}).get('length', 0)}" for r in runs]),
+        (
+            "stopped: EOS / max_tokens",
+            [
+                f"{r.get('finish_reasons', {}).get('stop', 0)}/"
+                f"{r.get('finish_reasons', {}).get('length', 0)}"
+                for r in runs
+            ],
+        ),
         ("prefix-hit tokens", [str(r["prefix_hit_tokens"]) for r in runs]),
         ("SLO attainment %", [_num(r["slo_attainment"], 100.0, 1) for r in runs]),
         ("goodput (req/s)", [_num(r["goodput"]) for r in runs]),
     ]
     if any(r.get("exact_match") is not None for r in runs):
         rows.append(("exact match %", [_num(r.get("exact_match"), 100.0, 1) for r in runs]))
-    for metric, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+    for metric, label in (
+        ("ttft_s", "TTFT"),
+        ("tpot_s", "TPOT"),
+        ("itl_s", "ITL"),
+        ("e2e_s", "E2E"),
+    ):
         for stat in ("mean", "p50", "p90", "p99"):
             rows.append((f"{label} {stat} (ms)", [_num(r[metric][stat], 1000.0, 1) for r in runs]))
     refusals = sorted({k for r in runs for k in r.get("refusals", {})})
@@ -87,16 +105,28 @@ def format_table(runs: list[dict]) -> str:
         rows.append((f"  {key}", [str(r.get("refusals", {}).get(key, 0)) for r in runs]))
     width = max(len(name) for name, _ in rows)
     cols = [max(len(row[1][i]) for row in rows) for i in range(len(runs))]
-    lines = [f"{name:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols, strict=True))
-             for name, values in rows]
+    lines = [
+        f"{name:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols, strict=True))
+        for name, values in rows
+    ]
     rule = "-" * len(lines[0])
     table = "\n".join([rule, lines[0], rule, *lines[1:], rule])
     classes = format_class_table(runs)
     return f"{table}\n\n{classes}" if classes else table
 
 
-_CLASS_HEADER = ("rate", "SLO class", "completed / sent", "refused", "failed", "attainment %",
-                 "goodput (req/s)", "TTFT p50/p90 (ms)", "TPOT p50/p90 (ms)", "E2E p50/p90 (ms)")
+_CLASS_HEADER = (
+    "rate",
+    "SLO class",
+    "completed / sent",
+    "refused",
+    "failed",
+    "attainment %",
+    "goodput (req/s)",
+    "TTFT p50/p90 (ms)",
+    "TPOT p50/p90 (ms)",
+    "E2E p50/p90 (ms)",
+)
 
 
 def _pair(stats: dict) -> str:
@@ -110,12 +140,28 @@ def format_class_table(runs: list[dict]) -> str:
     rows = [_CLASS_HEADER]
     for run in runs:
         for name, c in (run.get("classes") or {}).items():
-            rows.append((rate_label(run["rate"]), name, f"{c['completed']}/{c['requests']}", str(c["refused"]),
-                         str(c["failed"]), _num(c["slo_attainment"], 100.0, 1), _num(c["goodput"]),
-                         _pair(c["ttft_s"]), _pair(c["tpot_s"]), _pair(c["e2e_s"])))
+            rows.append(
+                (
+                    rate_label(run["rate"]),
+                    name,
+                    f"{c['completed']}/{c['requests']}",
+                    str(c["refused"]),
+                    str(c["failed"]),
+                    _num(c["slo_attainment"], 100.0, 1),
+                    _num(c["goodput"]),
+                    _pair(c["ttft_s"]),
+                    _pair(c["tpot_s"]),
+                    _pair(c["e2e_s"]),
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(_CLASS_HEADER))]
-    lines = ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
+    lines = [
+        "  ".join(
+            v.ljust(w) if i < 2 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
     rule = "-" * len(lines[0])
     return "\n".join([rule, lines[0], rule, *lines[1:], rule])
 
@@ -135,9 +181,15 @@ def write_plot(results: list[RunResult], runs: list[dict], path: str | Path) -> 
 
     sweep = len(runs) > 1
     fig, axes = plt.subplots(2 if sweep else 1, 3, figsize=(15, 8 if sweep else 4.2), squeeze=False)
-    for ax, (name, getter) in zip(axes[0], (
-            ("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot]), ("end-to-end", lambda r: [r.e2e])),
-            strict=True):
+    for ax, (name, getter) in zip(
+        axes[0],
+        (
+            ("TTFT", lambda r: [r.ttft]),
+            ("TPOT", lambda r: [r.tpot]),
+            ("end-to-end", lambda r: [r.e2e]),
+        ),
+        strict=True,
+    ):
         for result in results:
             done = [r for r in result.records if r.status == "ok"]
             _cdf(ax, [v for r in done for v in getter(r) if v is not None], rate_label(result.rate))
@@ -152,13 +204,20 @@ def write_plot(results: list[RunResult], runs: list[dict], path: str | Path) -> 
         ax.set(title="SLO attainment", xlabel="request rate (req/s)", ylabel="%", ylim=(0, 102))
         ax = axes[1][1]
         ax.plot(rates, [r["goodput"] or 0.0 for _, r in points], marker="o", label="goodput")
-        ax.plot(rates, [r["request_throughput"] or 0.0 for _, r in points], marker="x", label="throughput")
+        ax.plot(
+            rates,
+            [r["request_throughput"] or 0.0 for _, r in points],
+            marker="x",
+            label="throughput",
+        )
         ax.set(title="Goodput", xlabel="request rate (req/s)", ylabel="req/s")
         ax.legend(fontsize="small")
         ax = axes[1][2]
         for metric, label in (("ttft_s", "TTFT p99"), ("e2e_s", "E2E p99")):
             ys = [r[metric]["p99"] for _, r in points]
-            ax.plot(rates, [math.nan if y is None else y * 1000.0 for y in ys], marker="o", label=label)
+            ax.plot(
+                rates, [math.nan if y is None else y * 1000.0 for y in ys], marker="o", label=label
+            )
         ax.set(title="P99 latency", xlabel="request rate (req/s)", ylabel="ms")
         ax.legend(fontsize="small")
         for ax in axes[1]:

@@ -19,8 +19,14 @@ from pathlib import Path
 from sloserve.bench.workloads import PRIORITY_RANGE, WorkloadItem
 from sloserve.sampling_params import SLO
 
-_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "=": operator.eq,
-            "==": operator.eq}
+_COMPARE = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    "=": operator.eq,
+    "==": operator.eq,
+}
 _CONDITION = re.compile(r"^\s*(prompt|gen)\s*(>=|<=|==|>|<|=)\s*(\d+)\s*$")
 OBJECTIVE_KEYS = ("ttft", "tpot", "e2e")
 SETTING_KEYS = (*OBJECTIVE_KEYS, "class", "priority")
@@ -48,15 +54,19 @@ def _conditions(text: str, where: str) -> tuple[tuple[str, str, int], ...]:
     for part in text.split("&"):
         match = _CONDITION.match(part)
         if match is None:
-            raise ValueError(f"{where}: cannot read condition {part.strip()!r}; use 'default' or comparisons "
-                             "such as gen>250 or prompt<=1000 joined by &")
+            raise ValueError(
+                f"{where}: cannot read condition {part.strip()!r}; use 'default' or comparisons "
+                "such as gen>250 or prompt<=1000 joined by &"
+            )
         out.append((match[1], match[2], int(match[3])))
     return tuple(out)
 
 
 def _rule(text: str, condition: str, settings: dict, where: str) -> SloRule:
     if unknown := sorted(set(settings) - set(SETTING_KEYS)):
-        raise ValueError(f"{where}: unknown setting {', '.join(unknown)}; use {', '.join(SETTING_KEYS)}")
+        raise ValueError(
+            f"{where}: unknown setting {', '.join(unknown)}; use {', '.join(SETTING_KEYS)}"
+        )
     objectives = {}
     for key in OBJECTIVE_KEYS:
         if key in settings:
@@ -65,7 +75,9 @@ def _rule(text: str, condition: str, settings: dict, where: str) -> SloRule:
             except (TypeError, ValueError):
                 value = float("nan")
             if not value > 0 or value == float("inf"):
-                raise ValueError(f"{where}: {key} must be a number of seconds > 0, got {settings[key]!r}")
+                raise ValueError(
+                    f"{where}: {key} must be a number of seconds > 0, got {settings[key]!r}"
+                )
             objectives[f"{key}_s"] = value
     priority = settings.get("priority")
     if priority is not None:
@@ -75,14 +87,21 @@ def _rule(text: str, condition: str, settings: dict, where: str) -> SloRule:
         except ValueError:
             priority = None
         if priority is None or not low <= priority <= high:
-            raise ValueError(f"{where}: priority must be an integer in [{low}, {high}], got {settings['priority']!r}")
+            raise ValueError(
+                f"{where}: priority must be an integer in [{low}, {high}], got {settings['priority']!r}"
+            )
     slo_class = settings.get("class")
     if slo_class is not None and not str(slo_class).strip():
         raise ValueError(f"{where}: class must be a non-empty name")
     if not objectives and slo_class is None and priority is None:
         raise ValueError(f"{where}: a rule needs at least one of {', '.join(SETTING_KEYS)}")
-    return SloRule(text, _conditions(condition, where), SLO(**objectives) if objectives else None,
-                   None if slo_class is None else str(slo_class), priority)
+    return SloRule(
+        text,
+        _conditions(condition, where),
+        SLO(**objectives) if objectives else None,
+        None if slo_class is None else str(slo_class),
+        priority,
+    )
 
 
 def parse_rule(text: str) -> SloRule:
@@ -90,7 +109,9 @@ def parse_rule(text: str) -> SloRule:
     where = f"--slo-rule {text!r}"
     condition, sep, body = text.partition(":")
     if not sep or not body.strip():
-        raise ValueError(f"{where}: use CONDITION:SETTINGS, e.g. 'gen>250:e2e=20' or 'default:ttft=0.5,tpot=0.06'")
+        raise ValueError(
+            f"{where}: use CONDITION:SETTINGS, e.g. 'gen>250:e2e=20' or 'default:ttft=0.5,tpot=0.06'"
+        )
     settings = {}
     for pair in body.split(","):
         key, eq, value = pair.partition("=")
@@ -105,25 +126,32 @@ def load_rules_file(path: str | Path) -> list[SloRule]:
     try:
         import yaml
     except ImportError:
-        raise ValueError("reading a rules file needs PyYAML: pip install 'sloserve[bench]'") from None
+        raise ValueError(
+            "reading a rules file needs PyYAML: pip install 'sloserve[bench]'"
+        ) from None
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ValueError(f"cannot read SLO rules file {str(path)!r}: {exc}") from None
     if not isinstance(data, list) or not data:
-        raise ValueError(f"{path}: the rules file must hold a non-empty list of mappings with 'when' and settings")
+        raise ValueError(
+            f"{path}: the rules file must hold a non-empty list of mappings with 'when' and settings"
+        )
     rules = []
     for number, entry in enumerate(data, 1):
         where = f"{path}: rule {number}"
         if not isinstance(entry, dict):
-            raise ValueError(f"{where}: each rule must be a mapping such as {{when: 'gen>250', e2e: 20}}")
+            raise ValueError(
+                f"{where}: each rule must be a mapping such as {{when: 'gen>250', e2e: 20}}"
+            )
         settings = {k: v for k, v in entry.items() if k != "when"}
         rules.append(_rule(f"{where}", str(entry.get("when", "default")), settings, where))
     return rules
 
 
-def apply_rules(rules: list[SloRule], items: list[WorkloadItem],
-                lengths: list[tuple[int, int]] | None = None) -> list[WorkloadItem]:
+def apply_rules(
+    rules: list[SloRule], items: list[WorkloadItem], lengths: list[tuple[int, int]] | None = None
+) -> list[WorkloadItem]:
     """Each item with the first matching rule's objectives, class and priority.
 
     lengths: (prompt, gen) tokens per item to match on (a trace's own lengths); by default the
@@ -138,6 +166,12 @@ def apply_rules(rules: list[SloRule], items: list[WorkloadItem],
         if rule is None:
             out.append(item)
             continue
-        out.append(replace(item, slo=rule.slo or item.slo, slo_class=rule.slo_class or item.slo_class,
-                           priority=rule.priority if rule.priority is not None else item.priority))
+        out.append(
+            replace(
+                item,
+                slo=rule.slo or item.slo,
+                slo_class=rule.slo_class or item.slo_class,
+                priority=rule.priority if rule.priority is not None else item.priority,
+            )
+        )
     return out

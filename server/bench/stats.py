@@ -43,7 +43,9 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     text: str = ""
     end_time: float | None = None
-    status: str = "pending"  # 'ok' (a Final arrived), 'refused' (a RequestError), 'failed' (stream lost)
+    status: str = (
+        "pending"  # 'ok' (a Final arrived), 'refused' (a RequestError), 'failed' (stream lost)
+    )
     finish_reason: str | None = None
     error_code: str | None = None  # gRPC status name of a RequestError or a lost stream
     error_reason: str | None = None
@@ -78,26 +80,37 @@ def summary(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     arr = np.asarray(values, dtype=np.float64)
-    return {"mean": float(arr.mean()),
-            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+    return {
+        "mean": float(arr.mean()),
+        **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES},
+    }
 
 
 def effective_slo(own: SLO | None, run: SLO | None) -> SLO | None:
     """A request's own objectives, each falling back to the run's."""
     if own is None or run is None:
         return own or run
-    return SLO(*(a if a is not None else b for a, b in (
-        (own.ttft_s, run.ttft_s), (own.tpot_s, run.tpot_s), (own.e2e_s, run.e2e_s))))
+    return SLO(
+        *(
+            a if a is not None else b
+            for a, b in ((own.ttft_s, run.ttft_s), (own.tpot_s, run.tpot_s), (own.e2e_s, run.e2e_s))
+        )
+    )
 
 
 def slo_class_name(slo: SLO | None) -> str:
     """A class name from objectives, e.g. 'ttft<=0.3s tpot<=30ms e2e<=2s', or 'no objective'."""
     if slo is None:
         return "no objective"
-    parts = [f"{name}<={value * scale:g}{unit}"
-             for name, value, scale, unit in (("ttft", slo.ttft_s, 1.0, "s"), ("tpot", slo.tpot_s, 1e3, "ms"),
-                                               ("e2e", slo.e2e_s, 1.0, "s"))
-             if value is not None]
+    parts = [
+        f"{name}<={value * scale:g}{unit}"
+        for name, value, scale, unit in (
+            ("ttft", slo.ttft_s, 1.0, "s"),
+            ("tpot", slo.tpot_s, 1e3, "ms"),
+            ("e2e", slo.e2e_s, 1.0, "s"),
+        )
+        if value is not None
+    ]
     return " ".join(parts) or "no objective"
 
 
@@ -122,11 +135,18 @@ def missed_objectives(record: RequestRecord, slo: SLO | None) -> list[str]:
     not complete)."""
     if slo is None:
         return []
-    checks = zip(OBJECTIVES, (slo.ttft_s, slo.tpot_s, slo.e2e_s), (record.ttft, record.tpot or 0.0, record.e2e),
-                 strict=True)
+    checks = zip(
+        OBJECTIVES,
+        (slo.ttft_s, slo.tpot_s, slo.e2e_s),
+        (record.ttft, record.tpot or 0.0, record.e2e),
+        strict=True,
+    )
     done = record.status == "ok"
-    return [name for name, limit, value in checks
-            if limit is not None and (not done or value is None or value > limit)]
+    return [
+        name
+        for name, limit, value in checks
+        if limit is not None and (not done or value is None or value > limit)
+    ]
 
 
 def normalise_output(text: str) -> str:
@@ -134,8 +154,9 @@ def normalise_output(text: str) -> str:
     return text.split("\n\n", 1)[0].strip()
 
 
-def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
-              rate: float | None) -> dict:
+def summarise(
+    records: list[RequestRecord], duration_s: float, slo: SLO | None, rate: float | None
+) -> dict:
     """One run's figures: the JSON schema of `sloserve bench` (see report.py)."""
     done = [r for r in records if r.status == "ok"]
     refused = [r for r in records if r.status == "refused"]
@@ -147,7 +168,9 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
     met = [meets_slo(r, effective_slo(r.slo, slo)) for r in records]
     good = sum(met)
     graded = [r for r in done if r.expected_output is not None]
-    matched = sum(normalise_output(r.text) == normalise_output(r.expected_output or "") for r in graded)
+    matched = sum(
+        normalise_output(r.text) == normalise_output(r.expected_output or "") for r in graded
+    )
     seconds = duration_s if duration_s > 0 else math.nan
     output_tokens = sum(r.output_tokens for r in done)
     finish_reasons: dict[str, int] = {}
@@ -167,8 +190,11 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
         "output_token_throughput": _finite(output_tokens / seconds),
         "prompt_tokens": sum(r.prompt_tokens for r in done),
         "output_tokens": output_tokens,
-        "output_tokens_per_request": {**summary(lengths), "min": min(lengths, default=None),
-                                      "max": max(lengths, default=None)},
+        "output_tokens_per_request": {
+            **summary(lengths),
+            "min": min(lengths, default=None),
+            "max": max(lengths, default=None),
+        },
         "finish_reasons": finish_reasons,  # 'stop': end-of-sequence or a stop string; 'length': max_tokens
         "prefix_hit_tokens": sum(r.cached_tokens for r in done),
         "slo_attainment": good / len(records) if records else None,
@@ -183,7 +209,9 @@ def summarise(records: list[RequestRecord], duration_s: float, slo: SLO | None,
     }
 
 
-def _classes(records: list[RequestRecord], met: list[bool], slo: SLO | None, seconds: float) -> dict:
+def _classes(
+    records: list[RequestRecord], met: list[bool], slo: SLO | None, seconds: float
+) -> dict:
     """The run's figures per SLO class (sorted by name); goodput divides by the whole run's span."""
     groups: dict[str, list[tuple[RequestRecord, bool]]] = {}
     for r, ok in zip(records, met, strict=True):

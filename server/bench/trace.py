@@ -32,8 +32,10 @@ from sloserve.bench.workloads import WorkloadItem, json_lines, jsonl_item
 TRACES = Path(__file__).resolve().parent / "traces"
 NAMED = {"azure-conv": TRACES / "azure_conv_2023.csv"}
 CONTEXT_MARGIN = 8  # tokens left free of the context: a BOS and a chat template's few
-_CSV_COLUMNS = (("TIMESTAMP", "ContextTokens", "GeneratedTokens"),  # Azure 2023 / 2024
-                ("Timestamp", "Request tokens", "Response tokens"))  # BurstGPT
+_CSV_COLUMNS = (
+    ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),  # Azure 2023 / 2024
+    ("Timestamp", "Request tokens", "Response tokens"),
+)  # BurstGPT
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +52,9 @@ def trace_path(arg: str) -> Path:
     """The file a trace: spec names (a committed sample's name or a path)."""
     path = NAMED.get(arg, Path(arg))
     if not path.is_file():
-        raise ValueError(f"trace {arg!r} is not a file nor one of the named samples ({', '.join(NAMED)})")
+        raise ValueError(
+            f"trace {arg!r} is not a file nor one of the named samples ({', '.join(NAMED)})"
+        )
     return path
 
 
@@ -95,8 +99,10 @@ def _csv(text: str, path: Path) -> list[TraceRequest]:
     header = [h.strip() for h in next(reader, [])]
     columns = next((c for c in _CSV_COLUMNS if set(c) <= set(header)), None)
     if columns is None:
-        raise ValueError(f"{path}:1: the header must name {', '.join(_CSV_COLUMNS[0])} (Azure) or "
-                         f"{', '.join(_CSV_COLUMNS[1])} (BurstGPT), got {','.join(header)!r}")
+        raise ValueError(
+            f"{path}:1: the header must name {', '.join(_CSV_COLUMNS[0])} (Azure) or "
+            f"{', '.join(_CSV_COLUMNS[1])} (BurstGPT), got {','.join(header)!r}"
+        )
     index = [header.index(c) for c in columns]
     rows = []
     for number, row in enumerate(reader, 2):
@@ -104,13 +110,19 @@ def _csv(text: str, path: Path) -> list[TraceRequest]:
             continue
         where = f"{path}:{number}"
         if len(row) != len(header):
-            raise ValueError(f"{where}: expected {len(header)} columns ({','.join(header)}), got {len(row)}")
+            raise ValueError(
+                f"{where}: expected {len(header)} columns ({','.join(header)}), got {len(row)}"
+            )
         stamp, prompt, gen = (row[i] for i in index)
         try:
             arrival = _timestamp(stamp)
         except ValueError:
-            raise ValueError(f"{where}: cannot read the time {stamp!r} (a date-time or seconds)") from None
-        rows.append(TraceRequest(arrival, _count(prompt, columns[1], where), _count(gen, columns[2], where)))
+            raise ValueError(
+                f"{where}: cannot read the time {stamp!r} (a date-time or seconds)"
+            ) from None
+        rows.append(
+            TraceRequest(arrival, _count(prompt, columns[1], where), _count(gen, columns[2], where))
+        )
     return rows
 
 
@@ -120,8 +132,15 @@ def _arrival(line: dict, where: str) -> float:
     elif "timestamp" in line:
         value, scale = line["timestamp"], 1e-3
     else:
-        raise ValueError(f"{where}: a trace line needs 'arrival_s' (seconds) or 'timestamp' (milliseconds)")
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{where}: a trace line needs 'arrival_s' (seconds) or 'timestamp' (milliseconds)"
+        )
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{where}: the arrival time must be a number >= 0, got {value!r}")
     return float(value) * scale
 
@@ -135,27 +154,44 @@ def _jsonl(text: str, path: Path) -> list[TraceRequest]:
         if "prompt" in line:
             rows.append(TraceRequest(arrival, item=jsonl_item(line, where)))
         elif "input_length" in line and "output_length" in line:
-            rows.append(TraceRequest(arrival, _count(line["input_length"], "input_length", where),
-                                     _count(line["output_length"], "output_length", where)))
+            rows.append(
+                TraceRequest(
+                    arrival,
+                    _count(line["input_length"], "input_length", where),
+                    _count(line["output_length"], "output_length", where),
+                )
+            )
         else:
-            raise ValueError(f"{where}: a trace line needs a 'prompt' or 'input_length' and 'output_length'")
+            raise ValueError(
+                f"{where}: a trace line needs a 'prompt' or 'input_length' and 'output_length'"
+            )
     return rows
 
 
-def fit_lengths(prompt: int, gen: int, length_scale: float, max_model_len: int | None) -> tuple[int, int]:
+def fit_lengths(
+    prompt: int, gen: int, length_scale: float, max_model_len: int | None
+) -> tuple[int, int]:
     """(prompt, output) tokens: scaled, at least 1 each, cut in proportion to fit the context."""
     prompt, gen = max(1, round(prompt * length_scale)), max(1, round(gen * length_scale))
     room = None if max_model_len is None else max_model_len - CONTEXT_MARGIN
     if room is not None and prompt + gen > room:
         if room < 2:
-            raise ValueError(f"the model's context ({max_model_len} tokens) is too short to replay a trace")
+            raise ValueError(
+                f"the model's context ({max_model_len} tokens) is too short to replay a trace"
+            )
         factor = room / (prompt + gen)
         prompt, gen = max(1, math.floor(prompt * factor)), max(1, math.floor(gen * factor))
     return prompt, gen
 
 
-def trace_items(rows: list[TraceRequest], *, length_scale: float = 1.0, max_model_len: int | None = None,
-                rules: list[SloRule] | tuple = (), seed: int = 0) -> list[WorkloadItem]:
+def trace_items(
+    rows: list[TraceRequest],
+    *,
+    length_scale: float = 1.0,
+    max_model_len: int | None = None,
+    rules: list[SloRule] | tuple = (),
+    seed: int = 0,
+) -> list[WorkloadItem]:
     """The requests to send, with their arrival times; rules see the trace's own lengths."""
     if not (length_scale > 0 and math.isfinite(length_scale)):
         raise ValueError(f"--length-scale must be a number > 0, got {length_scale:g}")
@@ -167,8 +203,14 @@ def trace_items(rows: list[TraceRequest], *, length_scale: float = 1.0, max_mode
             lengths.append((len(row.item.prompt), row.item.max_tokens))
             continue
         prompt, gen = fit_lengths(row.prompt_tokens, row.gen_tokens, length_scale, max_model_len)
-        items.append(WorkloadItem("".join(rng.choices("0123456789", k=prompt)), gen, ignore_eos=True,
-                                  arrival_s=row.arrival_s))
+        items.append(
+            WorkloadItem(
+                "".join(rng.choices("0123456789", k=prompt)),
+                gen,
+                ignore_eos=True,
+                arrival_s=row.arrival_s,
+            )
+        )
         lengths.append((row.prompt_tokens, row.gen_tokens))
     return apply_rules(list(rules), items, lengths)
 
@@ -179,8 +221,9 @@ def mean_rate(items: list[WorkloadItem]) -> float:
     return (len(items) - 1) / span if span > 0 else math.inf
 
 
-def rescale(items: list[WorkloadItem], *, time_scale: float | None = None,
-            rate: float | None = None) -> list[WorkloadItem]:
+def rescale(
+    items: list[WorkloadItem], *, time_scale: float | None = None, rate: float | None = None
+) -> list[WorkloadItem]:
     """The items with every arrival multiplied by time_scale, or scaled to a mean rate (req/s)."""
     if time_scale is not None and rate is not None:
         raise ValueError("give --time-scale or --rate for a trace, not both")
@@ -198,8 +241,13 @@ def tile(items: list[WorkloadItem], n: int) -> list[WorkloadItem]:
     """n requests: the trace repeated back to back (one mean gap between passes) as needed."""
     span = items[-1].arrival_s - items[0].arrival_s
     period = span + (span / (len(items) - 1) if len(items) > 1 and span > 0 else 1.0)
-    return [replace(items[k % len(items)], arrival_s=items[k % len(items)].arrival_s + (k // len(items)) * period)
-            for k in range(n)]
+    return [
+        replace(
+            items[k % len(items)],
+            arrival_s=items[k % len(items)].arrival_s + (k // len(items)) * period,
+        )
+        for k in range(n)
+    ]
 
 
 def interarrival_cv(arrivals: list[float]) -> float:
@@ -210,9 +258,21 @@ def interarrival_cv(arrivals: list[float]) -> float:
     return float(gaps.std() / gaps.mean())
 
 
-def load_trace(arg: str, *, seed: int = 0, num_requests: int | None = None, length_scale: float = 1.0,
-               max_model_len: int | None = None, rules: list[SloRule] | tuple = ()) -> list[WorkloadItem]:
+def load_trace(
+    arg: str,
+    *,
+    seed: int = 0,
+    num_requests: int | None = None,
+    length_scale: float = 1.0,
+    max_model_len: int | None = None,
+    rules: list[SloRule] | tuple = (),
+) -> list[WorkloadItem]:
     """A trace: spec's requests (all of them, or num_requests, repeating the trace as needed)."""
-    items = trace_items(read_trace(arg), length_scale=length_scale, max_model_len=max_model_len,
-                        rules=rules, seed=seed)
+    items = trace_items(
+        read_trace(arg),
+        length_scale=length_scale,
+        max_model_len=max_model_len,
+        rules=rules,
+        seed=seed,
+    )
     return items if num_requests is None else tile(items, num_requests)

@@ -23,10 +23,16 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 def _latency_fields(name: str, values: list[float]) -> dict[str, float | None]:
     ms = np.asarray(values, dtype=np.float64) * 1e3
     if not ms.size:
-        return {f"{k}_{name}_ms": None for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))}
-    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-            f"std_{name}_ms": float(ms.std()),
-            **{f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}}
+        return {
+            f"{k}_{name}_ms": None
+            for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))
+        }
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+        **{f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in PERCENTILES},
+    }
 
 
 def vllm_fields(records: list[RequestRecord], duration_s: float, met: int) -> dict:
@@ -35,15 +41,23 @@ def vllm_fields(records: list[RequestRecord], duration_s: float, met: int) -> di
     seconds = duration_s if duration_s > 0 else float("nan")
     prompt = sum(r.prompt_tokens for r in done)
     output = sum(r.output_tokens for r in done)
-    per_metric = {"ttft": [r.ttft for r in done if r.ttft is not None],
-                  "tpot": [r.tpot for r in done if r.tpot is not None],
-                  "itl": [gap for r in done for gap in r.itl],
-                  "e2el": [r.e2e for r in done if r.e2e is not None]}
-    fields = {"duration": duration_s, "completed": len(done), "failed": len(records) - len(done),
-              "total_input_tokens": prompt, "total_output_tokens": output,
-              "request_throughput": _finite(len(done) / seconds), "request_goodput": _finite(met / seconds),
-              "output_throughput": _finite(output / seconds),
-              "total_token_throughput": _finite((prompt + output) / seconds)}
+    per_metric = {
+        "ttft": [r.ttft for r in done if r.ttft is not None],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.e2e for r in done if r.e2e is not None],
+    }
+    fields = {
+        "duration": duration_s,
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "request_throughput": _finite(len(done) / seconds),
+        "request_goodput": _finite(met / seconds),
+        "output_throughput": _finite(output / seconds),
+        "total_token_throughput": _finite((prompt + output) / seconds),
+    }
     for name in METRICS:
         fields.update(_latency_fields(name, per_metric[name]))
     return fields

@@ -25,8 +25,10 @@ from pathlib import Path
 from sloserve.bench.arc import synthetic_task, task_prompts
 from sloserve.sampling_params import SLO
 
-ARC_TRACE = (Path(__file__).resolve().parents[3]  # the checkout's ../shared
-             / "shared/data/arc-agi-2/train_trace.jsonl")
+ARC_TRACE = (
+    Path(__file__).resolve().parents[3]  # the checkout's ../shared
+    / "shared/data/arc-agi-2/train_trace.jsonl"
+)
 DEFAULT_MAX_TOKENS = 128  # for JSONL lines with neither max_tokens nor expected_output
 SYNTHETIC_TASKS = 1000  # synthetic-arc size when num_requests is not given (ARC-AGI-2 training)
 FIXED_REQUESTS = 256  # fixed:P,O size when num_requests is not given
@@ -48,9 +50,13 @@ class WorkloadItem:
     group: str | None = None  # items of one group share a prompt prefix
     slo: SLO | None = None  # per-request objectives (JSONL); None: the run's SLO
     ignore_eos: bool = False  # generate exactly max_tokens (fixed workloads)
-    slo_class: str | None = None  # the report's class (JSONL 'class'); None: named after its objectives
+    slo_class: str | None = (
+        None  # the report's class (JSONL 'class'); None: named after its objectives
+    )
     priority: int | None = None  # sent with the request when set (JSONL 'priority')
-    arrival_s: float | None = None  # a trace's send time, from the run's start; None: the run's arrival process
+    arrival_s: float | None = (
+        None  # a trace's send time, from the run's start; None: the run's arrival process
+    )
 
 
 def default_workload() -> str:
@@ -58,8 +64,9 @@ def default_workload() -> str:
     return f"jsonl:{ARC_TRACE}" if ARC_TRACE.is_file() else "synthetic-arc"
 
 
-def load_workload(spec: str, *, seed: int = 0, attempts: int = 2,
-                  num_requests: int | None = None) -> list[WorkloadItem]:
+def load_workload(
+    spec: str, *, seed: int = 0, attempts: int = 2, num_requests: int | None = None
+) -> list[WorkloadItem]:
     """Build the request list a spec names; ValueError says what is wrong with the spec or data.
 
     attempts applies to arc: and synthetic-arc (a JSONL trace already lists its attempts).
@@ -79,8 +86,10 @@ def load_workload(spec: str, *, seed: int = 0, attempts: int = 2,
     elif kind == "fixed" and arg:
         return _fixed(arg, rng, num_requests or FIXED_REQUESTS)
     else:
-        raise ValueError(f"unknown workload {spec!r}: use arc:DIR, jsonl:FILE, synthetic-arc "
-                         "or fixed:PROMPT_TOKENS,OUTPUT_TOKENS")
+        raise ValueError(
+            f"unknown workload {spec!r}: use arc:DIR, jsonl:FILE, synthetic-arc "
+            "or fixed:PROMPT_TOKENS,OUTPUT_TOKENS"
+        )
     if not items:
         raise ValueError(f"workload {spec!r} holds no requests")
     items = _shuffle_groups(items, rng)
@@ -101,7 +110,9 @@ def _shuffle_groups(items: list[WorkloadItem], rng: random.Random) -> list[Workl
 
 def _arc_items(task_id: str, task: object, attempts: int, where: str) -> list[WorkloadItem]:
     return [
-        WorkloadItem(prompt, answer_budget(expected) if expected else DEFAULT_MAX_TOKENS, expected, task_id)
+        WorkloadItem(
+            prompt, answer_budget(expected) if expected else DEFAULT_MAX_TOKENS, expected, task_id
+        )
         for prompt, expected in task_prompts(task, where)
         for _ in range(attempts)
     ]
@@ -145,7 +156,9 @@ def _slo_from(line: dict, where: str) -> SLO | None:
 
 def jsonl_item(line: object, where: str) -> WorkloadItem:
     if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or not line["prompt"]:
-        raise ValueError(f"{where}: each line must be a JSON object with a non-empty 'prompt' string")
+        raise ValueError(
+            f"{where}: each line must be a JSON object with a non-empty 'prompt' string"
+        )
     expected = line.get("expected_output")
     if expected is not None and not isinstance(expected, str):
         raise ValueError(f"{where}: 'expected_output' must be a string")
@@ -157,15 +170,27 @@ def jsonl_item(line: object, where: str) -> WorkloadItem:
     group = line.get("task_id", line.get("group"))
     slo_class = line.get("class")
     if slo_class is not None and (not isinstance(slo_class, str) or not slo_class.strip()):
-        raise ValueError(f"{where}: 'class' must be a non-empty string naming the SLO class, got {slo_class!r}")
+        raise ValueError(
+            f"{where}: 'class' must be a non-empty string naming the SLO class, got {slo_class!r}"
+        )
     priority = line.get("priority")
     low, high = PRIORITY_RANGE
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
-                                 or not low <= priority <= high):
-        raise ValueError(f"{where}: 'priority' must be an integer in [{low}, {high}] (lower runs first), "
-                         f"got {priority!r}")
-    return WorkloadItem(line["prompt"], max_tokens, expected, None if group is None else str(group),
-                        _slo_from(line, where), slo_class=slo_class, priority=priority)
+    if priority is not None and (
+        isinstance(priority, bool) or not isinstance(priority, int) or not low <= priority <= high
+    ):
+        raise ValueError(
+            f"{where}: 'priority' must be an integer in [{low}, {high}] (lower runs first), "
+            f"got {priority!r}"
+        )
+    return WorkloadItem(
+        line["prompt"],
+        max_tokens,
+        expected,
+        None if group is None else str(group),
+        _slo_from(line, where),
+        slo_class=slo_class,
+        priority=priority,
+    )
 
 
 def _jsonl(path: Path) -> list[WorkloadItem]:
@@ -192,8 +217,9 @@ def _synthetic(rng: random.Random, attempts: int, num_requests: int | None) -> l
     """Synthetic ARC tasks, enough for num_requests (or SYNTHETIC_TASKS tasks)."""
     items: list[WorkloadItem] = []
     task = 0
-    while (num_requests is None and task < SYNTHETIC_TASKS) or \
-            (num_requests is not None and len(items) < num_requests):
+    while (num_requests is None and task < SYNTHETIC_TASKS) or (
+        num_requests is not None and len(items) < num_requests
+    ):
         items += _arc_items(f"synthetic-{task:04d}", synthetic_task(rng), attempts, "synthetic")
         task += 1
     return items
@@ -204,9 +230,14 @@ def _fixed(arg: str, rng: random.Random, count: int) -> list[WorkloadItem]:
     try:
         prompt_tokens, output_tokens = (int(x) for x in arg.split(","))
     except ValueError:
-        raise ValueError(f"fixed workload needs two integers: fixed:PROMPT_TOKENS,OUTPUT_TOKENS, "
-                         f"got fixed:{arg}") from None
+        raise ValueError(
+            f"fixed workload needs two integers: fixed:PROMPT_TOKENS,OUTPUT_TOKENS, got fixed:{arg}"
+        ) from None
     if prompt_tokens < 1 or output_tokens < 1:
         raise ValueError(f"fixed workload sizes must be >= 1, got fixed:{arg}")
-    return [WorkloadItem("".join(rng.choices("0123456789", k=prompt_tokens)), output_tokens,
-                         ignore_eos=True) for _ in range(count)]
+    return [
+        WorkloadItem(
+            "".join(rng.choices("0123456789", k=prompt_tokens)), output_tokens, ignore_eos=True
+        )
+        for _ in range(count)
+    ]

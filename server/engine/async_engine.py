@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     """Continuous batching over a ModelRunner (or anything with its API), in this process."""
 
-    def __init__(self, config: SloserveConfig, runner: Runner | None = None, *, stuck_after_s: float = 120.0) -> None:
+    def __init__(
+        self, config: SloserveConfig, runner: Runner | None = None, *, stuck_after_s: float = 120.0
+    ) -> None:
         self.config = config
         self.stuck_after_s = stuck_after_s
         self._runner = runner
@@ -100,9 +102,16 @@ class AsyncEngine:
         return self._core.model_info if self._core is not None else {}
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None, *,
-                    priority: int = 0) -> RequestStream:
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        *,
+        priority: int = 0,
+    ) -> RequestStream:
         """Queue a request; raises InvalidRequestError / RequestRefusedError / EngineDeadError now."""
         self._check_running()
         stream = RequestStream(request_id, asyncio.get_running_loop())
@@ -113,8 +122,15 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
-    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       slo: SLO | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        slo: SLO | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; leaving early (break, cancellation) aborts the request."""
         stream = self.add_request(request_id, token_ids, params, slo, priority=priority)
         try:
@@ -185,7 +201,11 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route outputs to their streams (call with the lock held)."""
         for out in outputs:
-            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            stream = (
+                self._streams.pop(out.request_id, None)
+                if out.finished
+                else self._streams.get(out.request_id)
+            )
             if stream is not None:
                 stream.put(out)
 

@@ -45,9 +45,16 @@ class EngineClient(Protocol):
     async def stop(self) -> None:
         """Stop the engine; requests still live end 'cancelled'."""
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None, *,
-                    priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its stream of outputs (the last has finished=True)."""
 
     def report_delivery_lag(self, lag_s: float) -> None:

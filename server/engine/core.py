@@ -38,8 +38,13 @@ PERCENTILE_EVERY = 64  # steps between re-sorts for the step-time percentiles
 class EngineCore:
     """One scheduler and one runner; every call comes from one thread at a time (callers serialise)."""
 
-    def __init__(self, config: SloserveConfig, runner: Runner | None = None, *,
-                 lock: contextlib.AbstractContextManager | None = None) -> None:
+    def __init__(
+        self,
+        config: SloserveConfig,
+        runner: Runner | None = None,
+        *,
+        lock: contextlib.AbstractContextManager | None = None,
+    ) -> None:
         """Load (unless `runner` is given) and warm up. `lock` guards the scheduler where execute()
         touches it, for a caller that runs add/abort concurrently with execute (AsyncEngine)."""
         self._lock = lock if lock is not None else contextlib.nullcontext()
@@ -56,9 +61,13 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(
-            config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
-            max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
-            eos_token_ids=runner.eos_token_ids)
+            config,
+            num_blocks=runner.num_kv_blocks,
+            block_size=runner.block_size,
+            max_model_len=runner.max_model_len,
+            num_host_blocks=runner.num_host_blocks,
+            eos_token_ids=runner.eos_token_ids,
+        )
         on_token = None if self._faults is None else self._faults.on_token
         self.output = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids, on_token)
         if not runner.runs_steps:  # a runner that runs one step per call
@@ -66,7 +75,9 @@ class EngineCore:
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
             # NOTE: before ready, so a flood right after start-up is priced, not let in blindly
             prime(runner, self.scheduler.admission, config.scheduler, self.scheduler.max_model_len)
-        self._steps: deque[tuple[float, int]] = deque(maxlen=512)  # (seconds, tokens) of recent steps
+        self._steps: deque[tuple[float, int]] = deque(
+            maxlen=512
+        )  # (seconds, tokens) of recent steps
         # NOTE: stats() runs after every step in the engine process: the percentiles are re-sorted
         # only every PERCENTILE_EVERY steps (and when idle), not on each call.
         self._percentiles = (0.0, 0.0)  # step time p50, p99
@@ -76,13 +87,22 @@ class EngineCore:
         self._logprobs: StepLogprobs | None = None  # execute() -> update(): what the runner kept
 
     # ---- requests ----------------------------------------------------------------------
-    def add(self, request_id: str, token_ids: list[int], params: SamplingParams,
-            slo: SLO | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
+    def add(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
         """Queue a request (lower `priority` runs first under the priority policy); raises
         InvalidRequestError / RequestRefusedError now."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(token_ids, list | tuple) or not all(isinstance(t, int) for t in token_ids):
+        if not isinstance(token_ids, list | tuple) or not all(
+            isinstance(t, int) for t in token_ids
+        ):
             raise InvalidRequestError("the prompt must be a list of integer token ids")
         vocab = self.runner.vocab_size
         bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
@@ -90,10 +110,14 @@ class EngineCore:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         bad = [t for t in params.logit_bias or () if vocab is not None and t >= vocab]
         if bad:
-            raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})"
+            )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}")
-        self.scheduler.add_request(request_id, list(token_ids), params, slo, arrival_time, priority=priority)
+        self.scheduler.add_request(
+            request_id, list(token_ids), params, slo, arrival_time, priority=priority
+        )
 
     def report_delivery_lag(self, lag_s: float) -> None:
         """The front end's delay in handing a first token to its client (admission prices it)."""
@@ -123,7 +147,9 @@ class EngineCore:
             self._faults.check("kill-loop", self.scheduler.requests)
         return self.scheduler.schedule()
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, str] | None, float]:
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[list[int | None], dict[str, str] | None, float]:
         """Run the step on the runner: (sampled tokens, per-request errors, seconds taken)."""
         start = time.monotonic()
         if out.is_empty and not out.finished_req_ids:
@@ -136,10 +162,17 @@ class EngineCore:
         self._logprobs = self.runner.take_logprobs()
         return sampled, errors, time.monotonic() - start
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None], errors: dict[str, str] | None,
-               seconds: float) -> list[RequestOutput]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: list[int | None],
+        errors: dict[str, str] | None,
+        seconds: float,
+    ) -> list[RequestOutput]:
         logprobs, self._logprobs = self._logprobs, None
-        outputs = self.output.process(self.scheduler.update(out, sampled, errors, logprobs), self.scheduler)
+        outputs = self.output.process(
+            self.scheduler.update(out, sampled, errors, logprobs), self.scheduler
+        )
         if out.sequences:
             tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
             for _ in range(out.num_steps):
@@ -150,14 +183,18 @@ class EngineCore:
             self._busy_seconds_total += seconds
         return outputs
 
-    def _isolate(self, out: SchedulerOutput, exc: Exception) -> tuple[list[int | None], dict[str, str]]:
+    def _isolate(
+        self, out: SchedulerOutput, exc: Exception
+    ) -> tuple[list[int | None], dict[str, str]]:
         """Re-run each sequence alone so a failure fails only its own request.
 
         When every sequence fails alone too, the runner is probed with a known-good request
         (one token on the null block): only if that fails as well is the runner itself broken
         and the step's exception re-raised (the engine dies); otherwise the requests were bad.
         """
-        log.warning("engine step failed (%s); retrying its %d sequences one by one", exc, len(out.sequences))
+        log.warning(
+            "engine step failed (%s); retrying its %d sequences one by one", exc, len(out.sequences)
+        )
         with self._lock:
             moved = self.scheduler.recover_swaps()
         sampled: list[int | None] = []
@@ -206,7 +243,10 @@ class EngineCore:
             self._steps_since_percentiles = 0
         stats.step_time_p50_s, stats.step_time_p99_s = self._percentiles
         stats.steps_total, stats.busy_seconds_total = self._steps_total, self._busy_seconds_total
-        for name, value in self.runner.expert_stats().items():  # MoE runners: host counters, no device read
+        for (
+            name,
+            value,
+        ) in self.runner.expert_stats().items():  # MoE runners: host counters, no device read
             setattr(stats, name, value)
         return stats
 

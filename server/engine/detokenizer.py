@@ -34,10 +34,10 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         ids = self._ids
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(ids[self._prefix_offset:])
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset :])
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
-            delta = full_text[len(prefix_text):]
+            delta = full_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(ids)
             return delta

@@ -50,13 +50,21 @@ class MPEngineClient:
     the first); with one it joins the engine that front end 0 started.
     """
 
-    def __init__(self, config: SloserveConfig, *, stuck_after_s: float = 120.0, link: EngineLink | None = None) -> None:
+    def __init__(
+        self,
+        config: SloserveConfig,
+        *,
+        stuck_after_s: float = 120.0,
+        link: EngineLink | None = None,
+    ) -> None:
         self.config = config
         self.stuck_after_s = stuck_after_s
         self.ready = False
         self.pid: int | None = None
         self.owns_engine = link is None
-        self.before_shutdown: Callable[[], Awaitable[None]] | None = None  # awaited before the engine is told to exit
+        self.before_shutdown: Callable[[], Awaitable[None]] | None = (
+            None  # awaited before the engine is told to exit
+        )
         self._link = link
         self._watch_fd: int | None = None  # readable when the engine process has ended
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -107,9 +115,17 @@ class MPEngineClient:
             # NOTE: started from the event-loop thread: PR_SET_PDEATHSIG fires when the *thread* that
             # started the child exits, so a worker thread here would kill the engine with it.
             self._proc = multiprocessing.get_context("spawn").Process(
-                target=run_engine, name="sloserve-engine", daemon=True,
-                args=(self.config, [x.inputs for x in links], [x.outputs for x in links], os.getpid(),
-                      logging.getLogger().level))
+                target=run_engine,
+                name="sloserve-engine",
+                daemon=True,
+                args=(
+                    self.config,
+                    [x.inputs for x in links],
+                    [x.outputs for x in links],
+                    os.getpid(),
+                    logging.getLogger().level,
+                ),
+            )
             self._proc.start()
             self.pid = self._proc.pid
             self._watch(self._proc.sentinel)
@@ -126,7 +142,9 @@ class MPEngineClient:
         self._info, self._stats = first.model_info, first.stats
         from sloserve.tokenizer import Tokenizer
 
-        self._tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, first.model_info["model"])
+        self._tokenizer = await asyncio.to_thread(
+            Tokenizer.from_pretrained, first.model_info["model"]
+        )
         self._receiver = asyncio.create_task(self._receive(), name="sloserve-engine-outputs")
         self.ready = True
 
@@ -211,21 +229,36 @@ class MPEngineClient:
         return dict(self._info)
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None, *,
-                    priority: int = 0) -> RequestStream:
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        *,
+        priority: int = 0,
+    ) -> RequestStream:
         """Send a request; refusals come back on the stream as a final 'error' output (error_kind)."""
         self._check_running()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
-            raise InvalidRequestError(f"priority must be a 64-bit integer (msgpack), got {priority!r}")
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or not -(2**63) <= priority < 2**63
+        ):
+            raise InvalidRequestError(
+                f"priority must be a 64-bit integer (msgpack), got {priority!r}"
+            )
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self._streams[request_id] = stream
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._pending.adds.append(wire.AddRequest(request_id, list(token_ids), params, slo, arrival, priority))
+        self._pending.adds.append(
+            wire.AddRequest(request_id, list(token_ids), params, slo, arrival, priority)
+        )
         self._schedule_flush()
         return stream
 
@@ -260,8 +293,15 @@ class MPEngineClient:
     def _flush(self) -> None:
         """Send what this event-loop turn gathered as one message."""
         self._flush_scheduled = False
-        pending, self._pending = self._pending, wire.Inputs(adds=[], aborts=[], frontend=self._index)
-        if (pending.adds or pending.aborts) and self._push is not None and self._dead_reason is None:
+        pending, self._pending = (
+            self._pending,
+            wire.Inputs(adds=[], aborts=[], frontend=self._index),
+        )
+        if (
+            (pending.adds or pending.aborts)
+            and self._push is not None
+            and self._dead_reason is None
+        ):
             self._send(pending)
 
     def _send(self, msg: wire.Inputs) -> bool:
@@ -281,7 +321,11 @@ class MPEngineClient:
             if isinstance(msg, wire.StepOutputs):
                 self._stats = msg.stats
                 for out in msg.outputs:
-                    stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+                    stream = (
+                        self._streams.pop(out.request_id, None)
+                        if out.finished
+                        else self._streams.get(out.request_id)
+                    )
                     if stream is not None:
                         stream.put(out)
                 if msg.final:
@@ -306,7 +350,9 @@ class MPEngineClient:
 
     def _die(self, reason: str | None) -> None:
         if self._dead_reason is None:
-            self._dead_reason = reason or f"the engine process exited unexpectedly ({self._exit_description()})"
+            self._dead_reason = (
+                reason or f"the engine process exited unexpectedly ({self._exit_description()})"
+            )
             log.error("engine process failed: %s", self._dead_reason)
         self._fail_all(EngineDeadError(f"the engine loop died: {self._dead_reason}"))
 

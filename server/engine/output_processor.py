@@ -33,8 +33,12 @@ class RequestText:
 class OutputProcessor:
     """Turns the requests a step moved into RequestOutputs, their text included."""
 
-    def __init__(self, decode: Callable[[list[int]], str] | None, eos_token_ids: Sequence[int] = (),
-                 on_token: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str] | None,
+        eos_token_ids: Sequence[int] = (),
+        on_token: Callable[[str], None] | None = None,
+    ) -> None:
         """`on_token(request_id)` runs before each new token is processed (the test-only fault hook)."""
         self._decode = decode
         self._eos_token_ids = frozenset(eos_token_ids)
@@ -52,12 +56,18 @@ class OutputProcessor:
         for req in requests:
             state = self._texts.get(req.request_id)
             if state is None:
-                detokenizer = None if self._decode is None else IncrementalDetokenizer(self._decode, req.prompt_token_ids)
+                detokenizer = (
+                    None
+                    if self._decode is None
+                    else IncrementalDetokenizer(self._decode, req.prompt_token_ids)
+                )
                 state = self._texts[req.request_id] = RequestText(detokenizer)
             try:
                 self._add_text(req, state, scheduler)
             except Exception as exc:  # one request's failure must not fail the batch
-                scheduler.stop_early(req, state.tokens, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
+                scheduler.stop_early(
+                    req, state.tokens, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}"
+                )
             outputs.append(_take_output(req, state))
             if req.is_finished:
                 del self._texts[req.request_id]
@@ -122,12 +132,16 @@ def _take_output(req: Request, state: RequestText) -> RequestOutput:
     text_end = len(state.text)
     if state.stop_matcher is not None and not req.is_finished:
         text_end = max(state.sent, text_end - (state.stop_matcher.max_len - 1))
-    new_text = state.text[state.sent:text_end]
+    new_text = state.text[state.sent : text_end]
     state.sent = text_end
-    new_ids = req.output_token_ids[req.sent_token_len:]
-    new_logprobs = None if req.output_logprobs is None else req.output_logprobs[req.sent_token_len:]
+    new_ids = req.output_token_ids[req.sent_token_len :]
+    new_logprobs = (
+        None if req.output_logprobs is None else req.output_logprobs[req.sent_token_len :]
+    )
     prompt_logprobs = None
-    scored = req.sampling.prompt_only and req.status == RequestStatus.FINISHED_LENGTH  # its prompt, whole
+    scored = (
+        req.sampling.prompt_only and req.status == RequestStatus.FINISHED_LENGTH
+    )  # its prompt, whole
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or scored):
         prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
     req.sent_token_len = req.num_output_tokens

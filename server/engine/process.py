@@ -33,7 +33,9 @@ from sloserve.errors import InvalidRequestError, RequestRefusedError
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 200  # while idle: how often the loop wakes to check that its parent lives
-STATS_EVERY_S = 0.05  # while busy with steps that produce no output, stats go out at most this often
+STATS_EVERY_S = (
+    0.05  # while busy with steps that produce no output, stats go out at most this often
+)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,8 +48,13 @@ def die_with_parent() -> None:
         pass
 
 
-def run_engine(config: SloserveConfig, inputs_addrs: list[str], outputs_addrs: list[str], parent_pid: int,
-               log_level: int = logging.INFO) -> None:
+def run_engine(
+    config: SloserveConfig,
+    inputs_addrs: list[str],
+    outputs_addrs: list[str],
+    parent_pid: int,
+    log_level: int = logging.INFO,
+) -> None:
     """Entry point of the engine process (multiprocessing target); returns when told to shut down.
 
     One inputs and one outputs address per front end, front end 0 (the one that started it) first.
@@ -88,7 +95,9 @@ def run_engine(config: SloserveConfig, inputs_addrs: list[str], outputs_addrs: l
             return
         tell_all(wire.Ready(core.model_info, core.stats(), os.getpid()))
         try:
-            EngineLoop(core, pull, pushes[0], parent_pid, config.server.idle_spin_s, more_pushes=pushes[1:]).run()
+            EngineLoop(
+                core, pull, pushes[0], parent_pid, config.server.idle_spin_s, more_pushes=pushes[1:]
+            ).run()
         except BaseException as exc:  # noqa: BLE001 - the loop's own death: tell the front ends why
             reason = f"{type(exc).__name__}: {exc}"
             log.error("engine step loop failed: %s", reason, exc_info=exc)
@@ -131,8 +140,15 @@ class IdleWait:
 class EngineLoop:
     """The process's loop over one EngineCore (one thread; no lock needed)."""
 
-    def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
-                 idle_spin_s: float = 0.0, more_pushes: Sequence[zmq.Socket] = ()) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        pull: zmq.Socket,
+        push: zmq.Socket,
+        parent_pid: int,
+        idle_spin_s: float = 0.0,
+        more_pushes: Sequence[zmq.Socket] = (),
+    ) -> None:
         self.core = core
         self.idle = IdleWait(idle_spin_s)
         self.pull = pull
@@ -193,7 +209,9 @@ class EngineLoop:
     def _add(self, add: wire.AddRequest) -> RequestOutput | None:
         """Queue one request; what add() would raise in-process comes back as a final error output."""
         try:
-            self.core.add(add.request_id, add.token_ids, add.params, add.slo, add.arrival_time, add.priority)
+            self.core.add(
+                add.request_id, add.token_ids, add.params, add.slo, add.arrival_time, add.priority
+            )
             return None
         except RequestRefusedError as exc:
             return _error_output(add, str(exc), "refused", exc.reason)
@@ -216,7 +234,9 @@ class EngineLoop:
         owned: list[list[RequestOutput]] = [[] for _ in self.pushes]
         owner = self._owner
         for out in outputs:
-            owned[owner.pop(out.request_id, 0) if out.finished else owner.get(out.request_id, 0)].append(out)
+            owned[
+                owner.pop(out.request_id, 0) if out.finished else owner.get(out.request_id, 0)
+            ].append(out)
         for push, mine in zip(self.pushes, owned, strict=True):
             if mine or everyone:
                 push.send(wire.encode(wire.StepOutputs(mine, stats, final)))
@@ -227,7 +247,20 @@ class EngineLoop:
         self.core.close()
 
 
-def _error_output(add: wire.AddRequest, message: str, kind: str, refusal: str | None) -> RequestOutput:
+def _error_output(
+    add: wire.AddRequest, message: str, kind: str, refusal: str | None
+) -> RequestOutput:
     now = time.monotonic()
-    return RequestOutput(add.request_id, [], "", True, "error", message, len(add.token_ids),
-                         arrival_time=add.arrival_time, finish_time=now, refusal_reason=refusal, error_kind=kind)
+    return RequestOutput(
+        add.request_id,
+        [],
+        "",
+        True,
+        "error",
+        message,
+        len(add.token_ids),
+        arrival_time=add.arrival_time,
+        finish_time=now,
+        refusal_reason=refusal,
+        error_kind=kind,
+    )

@@ -34,8 +34,12 @@ class AddRequest(msgspec.Struct, array_like=True):
     token_ids: list[int]
     params: SamplingParams
     slo: SLO | None
-    arrival_time: float  # time.monotonic() of the front end: CLOCK_MONOTONIC is shared across processes
-    priority: int = 0  # lower runs first under the priority policy (last: array_like keeps field order)
+    arrival_time: (
+        float  # time.monotonic() of the front end: CLOCK_MONOTONIC is shared across processes
+    )
+    priority: int = (
+        0  # lower runs first under the priority policy (last: array_like keeps field order)
+    )
 
 
 class Inputs(msgspec.Struct, tag="inputs", array_like=True):

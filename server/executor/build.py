@@ -46,7 +46,9 @@ from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import ModelWeights
 from sloserve.tokenizer import Tokenizer
 
-log = logging.getLogger("sloserve.executor.runner")  # NOTE: the start-up lines keep the runner's logger
+log = logging.getLogger(
+    "sloserve.executor.runner"
+)  # NOTE: the start-up lines keep the runner's logger
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +59,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was requested but CUDA is not available; use --device cpu")
+        raise ValueError(
+            f"device {name!r} was requested but CUDA is not available; use --device cpu"
+        )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
     return device
@@ -100,11 +104,24 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
     tokenizer = Tokenizer.from_pretrained(path)
     limit = spec.context_limit
     if mc.max_model_len is not None and mc.max_model_len > limit:
-        raise ValueError(f"max_model_len {mc.max_model_len} exceeds what {spec.architecture} at "
-                         f"{path} supports ({limit}); lower it")
-    eos = list(spec.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-    return Loaded(path, spec, weights, tokenizer, device, dtype, mc.max_model_len or limit, eos,
-                  weights.num_parameters())
+        raise ValueError(
+            f"max_model_len {mc.max_model_len} exceeds what {spec.architecture} at "
+            f"{path} supports ({limit}); lower it"
+        )
+    eos = list(spec.eos_token_ids) or (
+        [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    )
+    return Loaded(
+        path,
+        spec,
+        weights,
+        tokenizer,
+        device,
+        dtype,
+        mc.max_model_len or limit,
+        eos,
+        weights.num_parameters(),
+    )
 
 
 # ---- 2. choose the attention backend ---------------------------------------------------------------
@@ -113,8 +130,13 @@ def choose_backend(config: SloserveConfig, loaded: Loaded) -> BackendChoice:
 
     Everything after this stage reads the choice's block_size, never config.cache.block_size.
     """
-    choice = select_backend(config.model.attention_backend, loaded.device, dtype=loaded.dtype,
-                            block_size=config.cache.block_size, head_dim=loaded.spec.head_dim)
+    choice = select_backend(
+        config.model.attention_backend,
+        loaded.device,
+        dtype=loaded.dtype,
+        block_size=config.cache.block_size,
+        head_dim=loaded.spec.head_dim,
+    )
     log.info("attention backend: %s (%s)", choice.name, choice.reason)
     return choice
 
@@ -149,10 +171,13 @@ def allocate(plan: MemoryPlan, loaded: Loaded, block_size: int) -> KVCache:
     host_pages = plan.num_host_pages
     host_pool = host_kv = None
     if host_pages > 0:
-        host_pool = DevicePool(host_pages * plan.page_bytes, None, "cpu", pin_memory=device.type == "cuda",
-                               zero=False)
+        host_pool = DevicePool(
+            host_pages * plan.page_bytes, None, "cpu", pin_memory=device.type == "cuda", zero=False
+        )
         host_kv = host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), dtype)
-    return KVCache(pool, kv, host_pool, host_kv, plan.num_pages, host_pages, plan.page_bytes, block_bytes)
+    return KVCache(
+        pool, kv, host_pool, host_kv, plan.num_pages, host_pages, plan.page_bytes, block_bytes
+    )
 
 
 # ---- 5. build the model --------------------------------------------------------------------------
@@ -165,50 +190,91 @@ class BuiltModel:
     prefetcher: ExpertPrefetcher | None
 
 
-def build_model(config: SloserveConfig, loaded: Loaded, backend: AttentionBackend, plan: MemoryPlan,
-                cache: KVCache, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> BuiltModel:
+def build_model(
+    config: SloserveConfig,
+    loaded: Loaded,
+    backend: AttentionBackend,
+    plan: MemoryPlan,
+    cache: KVCache,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> BuiltModel:
     """Place the experts (their slots and workspace carved after the KV), pack the dense
     projections, build the decoder."""
     cc, spec, weights = config.cache, loaded.spec, loaded.weights
     experts = prefetcher = None
     if spec.moe_layers:
         automatic = cc.expert_slots_per_layer is None and cc.expert_memory_bytes is None
-        (log.warning if plan.residency.partial and automatic else log.info)("experts: %s", plan.residency.reason)
+        (log.warning if plan.residency.partial and automatic else log.info)(
+            "experts: %s", plan.residency.reason
+        )
         # The pool backs the slots and the per-layer workspace (reused by every MoE layer of a
         # step); all-resident experts are moved to the device as tensors of their own.
-        experts = ExpertStore(weights.experts, device=loaded.device, dtype=loaded.dtype,
-                              slots_per_layer=plan.expert_slots, pool=cache.pool,
-                              workspace_rows=plan.moe_workspace_rows, resident_in_pool=False,
-                              max_seqs=plan.max_seqs)
+        experts = ExpertStore(
+            weights.experts,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            slots_per_layer=plan.expert_slots,
+            pool=cache.pool,
+            workspace_rows=plan.moe_workspace_rows,
+            resident_in_pool=False,
+            max_seqs=plan.max_seqs,
+        )
         weights.experts.clear()  # the store holds its own (resident or host) copies
         prefetcher = ExpertPrefetcher(experts, cc.expert_preload)
     dense = dense_linear(config.model.cpu_gemm, weights, loaded.device, loaded.dtype)
-    model = DecoderModel(spec, weights, backend, experts, loaded.max_model_len, loaded.device, loaded.dtype,
-                         reduce, dense)
+    model = DecoderModel(
+        spec,
+        weights,
+        backend,
+        experts,
+        loaded.max_model_len,
+        loaded.device,
+        loaded.dtype,
+        reduce,
+        dense,
+    )
     return BuiltModel(model, experts, prefetcher)
 
 
-def dense_linear(choice: str, weights: ModelWeights, device: torch.device,
-                 dtype: torch.dtype) -> PackedLinears | None:
+def dense_linear(
+    choice: str, weights: ModelWeights, device: torch.device, dtype: torch.dtype
+) -> PackedLinears | None:
     """The dense projections' oneDNN-packed weights (layers/linear.py), None for torch's F.linear."""
     why_not = cpu_gemm_reason(choice, device, dtype)
     if why_not:
         if choice == "onednn":
-            raise ValueError(f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas")
+            raise ValueError(
+                f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas"
+            )
         log.debug("dense projections on F.linear: %s", why_not)
         return None
     started = time.monotonic()
-    packed = PackedLinears(w for layer in weights.layers
-                           for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w) if w is not None)
-    log.info("dense projections on oneDNN: %d weights packed (%.1f MiB held twice) in %.2fs", len(packed),
-             packed.nbytes() / 2**20, time.monotonic() - started)
+    packed = PackedLinears(
+        w
+        for layer in weights.layers
+        for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+        if w is not None
+    )
+    log.info(
+        "dense projections on oneDNN: %d weights packed (%.1f MiB held twice) in %.2fs",
+        len(packed),
+        packed.nbytes() / 2**20,
+        time.monotonic() - started,
+    )
     return packed
 
 
 # ---- 6. choose the decode path -------------------------------------------------------------------
-def choose_decode_path(model: DecoderModel, backend: AttentionBackend, kv: torch.Tensor, device: torch.device,
-                       max_seqs: int, enforce_eager: bool | None, shard: Shard,
-                       threads: int) -> DecodeStep | GraphDecode | None:
+def choose_decode_path(
+    model: DecoderModel,
+    backend: AttentionBackend,
+    kv: torch.Tensor,
+    device: torch.device,
+    max_seqs: int,
+    enforce_eager: bool | None,
+    shard: Shard,
+    threads: int,
+) -> DecodeStep | GraphDecode | None:
     """The decode-only step's path: on a CPU the in-place kernel (eager, or compiled when asked);
     on a GPU the step captured per batch bucket in CUDA graphs (eager when --enforce-eager).
     None: decode steps take the general path."""
@@ -224,9 +290,13 @@ def choose_decode_path(model: DecoderModel, backend: AttentionBackend, kv: torch
     why_not = decode_path_reason(model, kv)
     compiled = enforce_eager is False
     if compiled and shard.size > 1:
-        raise ValueError("the compiled decode step (--compile) does not run with tensor parallelism yet: "
-                         "drop --compile (or pass --enforce-eager)")
+        raise ValueError(
+            "the compiled decode step (--compile) does not run with tensor parallelism yet: "
+            "drop --compile (or pass --enforce-eager)"
+        )
     if compiled and why_not:
-        raise ValueError(f"the compiled decode step (--compile) cannot run here: {why_not}; "
-                         "drop --compile (or pass --enforce-eager)")
+        raise ValueError(
+            f"the compiled decode step (--compile) cannot run here: {why_not}; "
+            "drop --compile (or pass --enforce-eager)"
+        )
     return None if why_not else DecodeStep(model, kv, max_seqs, compiled, threads=threads)

@@ -56,14 +56,20 @@ def decode_path_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
 class DecodeStep:
     """Runs `DecoderModel.decode` on bucket-padded inputs, compiled or eager."""
 
-    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, compiled: bool, threads: int = 1) -> None:
+    def __init__(
+        self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, compiled: bool, threads: int = 1
+    ) -> None:
         self.model, self.kv = model, kv
         self.buckets = batch_buckets(max_seqs)
         self.compiled = compiled
         self.pads = compiled and not model.spec.moe_layers
         self._fn: Callable[..., torch.Tensor] = model.decode
         # Eager small batches run as one C call when the model allows (see executor/fused.py).
-        self.fused = FusedDecode(model, kv, threads) if not compiled and fused_reason(model, kv) is None else None
+        self.fused = (
+            FusedDecode(model, kv, threads)
+            if not compiled and fused_reason(model, kv) is None
+            else None
+        )
         if compiled:
             # NOTE: KV and the step inputs are views of one uint8 pool buffer. Inputs that share a
             # storage make AOTAutograd merge them into views of one base (refused when one is
@@ -72,8 +78,11 @@ class DecodeStep:
             # (the compiled path is CPU-only).
             self.kv = torch.from_numpy(kv.numpy())
             # NOTE: dynamic batch: one graph for every bucket > 1 (batch 1 is specialised by torch).
-            self._fn = torch.compile(functools.partial(model.decode, attend=paged.paged_write_and_attend),
-                                     dynamic=True, fullgraph=not model.spec.moe_layers)
+            self._fn = torch.compile(
+                functools.partial(model.decode, attend=paged.paged_write_and_attend),
+                dynamic=True,
+                fullgraph=not model.spec.moe_layers,
+            )
 
     def bucket(self, num_seqs: int) -> int:
         """The smallest bucket holding num_seqs rows (eager and MoE run unpadded)."""
@@ -82,14 +91,24 @@ class DecodeStep:
         for size in self.buckets:
             if size >= num_seqs:
                 return size
-        raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}")
+        raise ValueError(
+            f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}"
+        )
 
     def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32
         if self.fused is not None and self.fused.takes(step):
             return self.fused(step)
         with torch.inference_mode():
-            args = (step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens)
-            if self.compiled:  # the inputs share the pool's storage too: same memory, storages of their own
+            args = (
+                step.input_ids,
+                step.positions,
+                step.slot_mapping,
+                step.block_tables,
+                step.seq_lens,
+            )
+            if (
+                self.compiled
+            ):  # the inputs share the pool's storage too: same memory, storages of their own
                 args = tuple(torch.from_numpy(a.numpy()) for a in args)
             return self._fn(*args, self.kv)
 
@@ -100,5 +119,7 @@ class DecodeStep:
             self(build(size))
         seconds = time.monotonic() - started
         if self.compiled:
-            log.info("compiled the decode step for batch buckets %s in %.1fs", self.buckets, seconds)
+            log.info(
+                "compiled the decode step for batch buckets %s in %.1fs", self.buckets, seconds
+            )
         return seconds

@@ -26,7 +26,9 @@ REBALANCE_EVERY = 16  # steps between re-pinnings (each reads the EMA once)
 class ExpertPrefetcher:
     """Per-request routing history -> each step's per-layer prediction; periodic pinning of the hottest."""
 
-    def __init__(self, store: ExpertStore, preload: bool, rebalance_every: int = REBALANCE_EVERY) -> None:
+    def __init__(
+        self, store: ExpertStore, preload: bool, rebalance_every: int = REBALANCE_EVERY
+    ) -> None:
         self.store = store
         self.enabled = preload and store.partial
         self.pin_count = store.slots_per_layer // 2 if self.enabled else 0

@@ -44,7 +44,18 @@ FUSED_MAX_BATCH = 64
 # to the torch path.
 FUSED_MAX_MACS_PACKED = 1 << 28
 
-_LAYER_FIELDS = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b")
+_LAYER_FIELDS = (
+    "ln1",
+    "ln2",
+    "qkv_w",
+    "qkv_b",
+    "o_w",
+    "o_b",
+    "gate_up_w",
+    "gate_up_b",
+    "down_w",
+    "down_b",
+)
 
 
 def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
@@ -61,8 +72,15 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     if any(layer.gate_up_w is None or layer.down_w is None for layer in w.layers):
         return "a layer has no dense MLP"
     tensors = [w.embed, w.norm, w.lm_head, model.cos, model.sin]
-    tensors += [getattr(layer, f) for layer in w.layers for f in _LAYER_FIELDS if getattr(layer, f) is not None]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+    tensors += [
+        getattr(layer, f)
+        for layer in w.layers
+        for f in _LAYER_FIELDS
+        if getattr(layer, f) is not None
+    ]
+    if any(
+        t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors
+    ):
         return "the kernel reads contiguous float32 weights on a CPU"
     return None
 
@@ -78,24 +96,46 @@ class FusedDecode:
             raise ValueError(f"the fused decode step cannot run this model: {why_not}")
         spec, w = model.spec, model.weights
         self.model, self.kv = model, kv  # the kernel holds their addresses: keep them alive
-        dims = {"hidden": spec.hidden_size, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
-                "head_dim": spec.head_dim, "inter": w.layers[0].down_w.shape[1], "vocab": w.lm_head.shape[0],
-                "page": kv.shape[3], "num_pages": kv.shape[2], "max_positions": model.cos.shape[0],
-                "eps": spec.rms_norm_eps, "scale": model.scale}
+        dims = {
+            "hidden": spec.hidden_size,
+            "heads": spec.num_heads,
+            "kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "inter": w.layers[0].down_w.shape[1],
+            "vocab": w.lm_head.shape[0],
+            "page": kv.shape[3],
+            "num_pages": kv.shape[2],
+            "max_positions": model.cos.shape[0],
+            "eps": spec.rms_norm_eps,
+            "scale": model.scale,
+        }
         layers = []
         for i, layer in enumerate(w.layers):
-            ptrs = {f: None if getattr(layer, f) is None else getattr(layer, f).data_ptr() for f in _LAYER_FIELDS}
+            ptrs = {
+                f: None if getattr(layer, f) is None else getattr(layer, f).data_ptr()
+                for f in _LAYER_FIELDS
+            }
             ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
             layers.append(ptrs)
-        self.kernel = DecodeKernel(dims, w.embed.data_ptr(), w.norm.data_ptr(), w.lm_head.data_ptr(),
-                                   model.cos.data_ptr(), model.sin.data_ptr(), layers)
+        self.kernel = DecodeKernel(
+            dims,
+            w.embed.data_ptr(),
+            w.norm.data_ptr(),
+            w.lm_head.data_ptr(),
+            model.cos.data_ptr(),
+            model.sin.data_ptr(),
+            layers,
+        )
         self.vocab = dims["vocab"]
         self.threads = max(1, threads)
         # the largest batch it takes: the torch path's when its products run on oneDNN and win
         params = w.num_parameters()
         packed_max = max(MIN_PACKED_ROWS - 1, FUSED_MAX_MACS_PACKED // params)
-        self.max_batch = min(FUSED_MAX_BATCH, packed_max) if isinstance(model.linear, PackedLinears) \
+        self.max_batch = (
+            min(FUSED_MAX_BATCH, packed_max)
+            if isinstance(model.linear, PackedLinears)
             else FUSED_MAX_BATCH
+        )
 
     def takes(self, step: DecodeInputs) -> bool:
         return step.input_ids.shape[0] <= self.max_batch
@@ -104,9 +144,17 @@ class FusedDecode:
         batch = step.input_ids.shape[0]
         logits = torch.empty((batch, self.vocab), dtype=torch.float32)
         tables = step.block_tables
-        self.kernel(step.input_ids.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
-                    tables.data_ptr(), tables.shape[1], step.seq_lens.data_ptr(), batch, logits.data_ptr(),
-                    self.threads)
+        self.kernel(
+            step.input_ids.data_ptr(),
+            step.positions.data_ptr(),
+            step.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            step.seq_lens.data_ptr(),
+            batch,
+            logits.data_ptr(),
+            self.threads,
+        )
         return logits
 
     def rows(self, step: TokenRows) -> torch.Tensor:  # [S', V] float32, the sampled rows'
@@ -114,7 +162,17 @@ class FusedDecode:
         sample_idx = step.sample_idx
         logits = torch.empty((sample_idx.shape[0], self.vocab), dtype=torch.float32)
         tables = step.block_tables
-        self.kernel(step.input_ids.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
-                    tables.data_ptr(), tables.shape[1], step.seq_lens.data_ptr(), step.input_ids.shape[0],
-                    logits.data_ptr(), self.threads, sample_idx.data_ptr(), sample_idx.shape[0])
+        self.kernel(
+            step.input_ids.data_ptr(),
+            step.positions.data_ptr(),
+            step.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            step.seq_lens.data_ptr(),
+            step.input_ids.shape[0],
+            logits.data_ptr(),
+            self.threads,
+            sample_idx.data_ptr(),
+            sample_idx.shape[0],
+        )
         return logits

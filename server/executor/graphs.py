@@ -138,14 +138,22 @@ class GraphDecode:
     compiled = False
     fused = None  # the CPU one-call kernel never runs here (see executor/fused.py)
 
-    def __init__(self, model: DecoderModel, kv: torch.Tensor, max_seqs: int, forward: DecodeForward,
-                 capture: Capture) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv: torch.Tensor,
+        max_seqs: int,
+        forward: DecodeForward,
+        capture: Capture,
+    ) -> None:
         why_not = graph_reason(model, True)
         if why_not:
             raise ValueError(f"decode steps cannot be captured: {why_not}")
         self.model, self.kv, self.forward, self.capturer = model, kv, forward, capture
         self.buckets = graph_buckets(max_seqs)
-        self._replays: dict[int, tuple[Step, tuple[int, ...]]] = {}  # bucket -> (replay, its inputs' addresses)
+        self._replays: dict[
+            int, tuple[Step, tuple[int, ...]]
+        ] = {}  # bucket -> (replay, its inputs' addresses)
         self.capture_time_s = 0.0
         self.capture_bytes = 0
 
@@ -158,7 +166,9 @@ class GraphDecode:
         for size in self.buckets:
             if size >= num_seqs:
                 return size
-        raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}")
+        raise ValueError(
+            f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}"
+        )
 
     def warm_up(self, build: Callable[[int], DecodeInputs]) -> float:
         """Capture every bucket, largest first (the smaller ones reuse its pool), on the null page
@@ -168,8 +178,14 @@ class GraphDecode:
             self._capture(build(size))
         self.capture_time_s = time.monotonic() - started
         self.capture_bytes = self.capturer.bytes_used()
-        log.info("decode step (%s): %d batch buckets %s captured in %.2fs, %.1f MiB", self.mode,
-                 len(self.buckets), self.buckets, self.capture_time_s, self.capture_bytes / 2**20)
+        log.info(
+            "decode step (%s): %d batch buckets %s captured in %.2fs, %.1f MiB",
+            self.mode,
+            len(self.buckets),
+            self.buckets,
+            self.capture_time_s,
+            self.capture_bytes / 2**20,
+        )
         return self.capture_time_s
 
     def _capture(self, step: DecodeInputs) -> tuple[Step, tuple[int, ...]]:
@@ -180,19 +196,32 @@ class GraphDecode:
             with torch.inference_mode():
                 return forward(*args, kv)
 
-        entry = self._replays[step.input_ids.shape[0]] = (self.capturer.capture(run), _addresses(args))
+        entry = self._replays[step.input_ids.shape[0]] = (
+            self.capturer.capture(run),
+            _addresses(args),
+        )
         return entry
 
-    def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32, a view of static memory
+    def __call__(
+        self, step: DecodeInputs
+    ) -> torch.Tensor:  # [B, V] float32, a view of static memory
         entry = self._replays.get(step.input_ids.shape[0])
-        if entry is None:  # a runner used before warm_up(): capture this bucket now (a step's inputs
+        if (
+            entry is None
+        ):  # a runner used before warm_up(): capture this bucket now (a step's inputs
             # are rewritten in place, so running it again while capturing computes the same values)
-            log.info("decode step (%s): capturing batch bucket %d on first use", self.mode, step.input_ids.shape[0])
+            log.info(
+                "decode step (%s): capturing batch bucket %d on first use",
+                self.mode,
+                step.input_ids.shape[0],
+            )
             entry = self._capture(step)
         replay, addresses = entry
         if _addresses(_args(step)) != addresses:
-            raise RuntimeError("a decode step's inputs moved since its bucket was captured: the input "
-                               "builder must write in place into the same buffers")
+            raise RuntimeError(
+                "a decode step's inputs moved since its bucket was captured: the input "
+                "builder must write in place into the same buffers"
+            )
         return replay()
 
 

@@ -49,7 +49,11 @@ def _set_thresholds() -> str:
     except (OSError, AttributeError):
         return "not glibc: malloc left as it is"
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    if not (
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    ):
         return f"glibc {version} refused mallopt: malloc left as it is"
-    return (f"glibc {version}: freed blocks up to {MMAP_THRESHOLD >> 20} MiB stay in the heap "
-            f"(mmap threshold), up to {TRIM_THRESHOLD >> 20} MiB of free heap kept (trim threshold)")
+    return (
+        f"glibc {version}: freed blocks up to {MMAP_THRESHOLD >> 20} MiB stay in the heap "
+        f"(mmap threshold), up to {TRIM_THRESHOLD >> 20} MiB of free heap kept (trim threshold)"
+    )

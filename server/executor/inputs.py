@@ -52,9 +52,13 @@ class TokenRows:
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [T, width] int32, row t: the table of token t's sequence
     seq_lens: torch.Tensor  # [T] int32
-    sample_idx: torch.Tensor  # [S' + P] int64, row of each sampled sequence's last token, then prompt rows
+    sample_idx: (
+        torch.Tensor
+    )  # [S' + P] int64, row of each sampled sequence's last token, then prompt rows
     sampled: list[int]  # index into the step's sequences of each sampled row
-    prompt_rows: list[tuple[int, range]]  # (sequence index, positions) of the prompt-logprob rows, in order
+    prompt_rows: list[
+        tuple[int, range]
+    ]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
 @dataclass(slots=True)
@@ -68,8 +72,12 @@ class _FlatStep:
     tables: list[list[int]]
     max_len: int  # the longest sequence after the step
     sampled: list[int]  # index into the step's sequences of each sampled row
-    sample_idx: np.ndarray  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
-    prompt_rows: list[tuple[int, range]]  # (sequence index, positions) of the prompt-logprob rows, in order
+    sample_idx: (
+        np.ndarray
+    )  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    prompt_rows: list[
+        tuple[int, range]
+    ]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
 @dataclass(slots=True)
@@ -77,9 +85,13 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_idx: torch.Tensor  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    sample_idx: (
+        torch.Tensor
+    )  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
     sampled: list[int]  # index into the step's sequences of each sampled row
-    prompt_rows: list[tuple[int, range]]  # (sequence index, positions) of the prompt-logprob rows, in order
+    prompt_rows: list[
+        tuple[int, range]
+    ]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
 def workspace_bytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -92,15 +104,30 @@ def workspace_bytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
 
 
 def _length(kind: str, max_tokens: int, max_seqs: int, max_blocks: int) -> int:
-    return {"tokens": max_tokens, "seqs": max_seqs, "seqs+1": max_seqs + 1, "rows": max(max_tokens, max_seqs),
-            "seqs*blocks": max_seqs * max_blocks}[kind]
+    return {
+        "tokens": max_tokens,
+        "seqs": max_seqs,
+        "seqs+1": max_seqs + 1,
+        "rows": max(max_tokens, max_seqs),
+        "seqs*blocks": max_seqs * max_blocks,
+    }[kind]
 
 
 class InputBuilder:
     """Fills the pool-carved input buffers for one step."""
 
-    def __init__(self, pool: DevicePool, staging: DevicePool | None, max_tokens: int, max_seqs: int,
-                 max_blocks: int, block_size: int, vocab_size: int, max_model_len: int, num_pages: int) -> None:
+    def __init__(
+        self,
+        pool: DevicePool,
+        staging: DevicePool | None,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        max_model_len: int,
+        num_pages: int,
+    ) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self.num_pages = num_pages
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
@@ -118,7 +145,9 @@ class InputBuilder:
                 self._host[name] = self._dev[name].numpy()
         # the block table each row of block_tables holds at width max_blocks (build_decode), or None
         self._rows: list[list[int] | None] = [None] * max_seqs
-        self._capacity = np.zeros(0, dtype=np.int64)  # tokens each row's table holds (the last build_decode)
+        self._capacity = np.zeros(
+            0, dtype=np.int64
+        )  # tokens each row's table holds (the last build_decode)
 
     def build_decode(self, seqs: list[ScheduledSequence], padded: int) -> DecodeInputs:
         """Inputs of a decode-only step (one token per sequence), `padded` rows long.
@@ -129,8 +158,10 @@ class InputBuilder:
         """
         num_seqs = len(seqs)
         if num_seqs > padded or padded > self.max_seqs:
-            raise ValueError(f"decode step of {num_seqs} sequences padded to {padded} exceeds the executor's "
-                             f"buffers ({self.max_seqs}): the scheduler must respect max_batch")
+            raise ValueError(
+                f"decode step of {num_seqs} sequences padded to {padded} exceeds the executor's "
+                f"buffers ({self.max_seqs}): the scheduler must respect max_batch"
+            )
         host, width, page = self._host, self.max_blocks, self.block_size
         tables = host["block_tables"][: padded * width].reshape(padded, width)
         rows = self._rows
@@ -139,12 +170,16 @@ class InputBuilder:
             if rows[i] != table:  # C-level list compare: a new request in this row, or a new block
                 n = len(table)
                 if n > width:
-                    raise ValueError(f"request {seq.req_id!r} has {n} KV blocks, beyond the {width} of "
-                                     f"max_model_len {self.max_model_len}")
+                    raise ValueError(
+                        f"request {seq.req_id!r} has {n} KV blocks, beyond the {width} of "
+                        f"max_model_len {self.max_model_len}"
+                    )
                 blocks = np.asarray(table, dtype=np.int32)
                 if n and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_pages):
-                    raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
-                                     f"{int(blocks.min())}..{int(blocks.max())}")
+                    raise ValueError(
+                        f"block ids must be in [0, {self.num_pages}), got "
+                        f"{int(blocks.min())}..{int(blocks.max())}"
+                    )
                 tables[i, :n] = blocks
                 rows[i] = list(table)
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
@@ -152,21 +187,33 @@ class InputBuilder:
         if num_seqs and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(self._bad_token_message(seqs, tokens))
         if num_seqs and (int(pos.max()) >= self.max_model_len or int(pos.min()) < 0):
-            raise ValueError(f"decode positions must be in [0, {self.max_model_len}) (max_model_len), got "
-                             f"{int(pos.min())}..{int(pos.max())}")
+            raise ValueError(
+                f"decode positions must be in [0, {self.max_model_len}) (max_model_len), got "
+                f"{int(pos.min())}..{int(pos.max())}"
+            )
         counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
         if num_seqs and np.any(pos // page >= counts):
             bad = int(np.argmax(pos // page >= counts))
-            raise ValueError(f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
-                             f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}")
-        self._capacity = counts * page  # tokens the block tables hold: advance_decode stays within them
+            raise ValueError(
+                f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
+                f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}"
+            )
+        self._capacity = (
+            counts * page
+        )  # tokens the block tables hold: advance_decode stays within them
         slots = tables[np.arange(num_seqs), pos // page].astype(np.int64) * page + pos % page
         _write_present_to_null(seqs, slots, range(num_seqs))
-        for name, value, pad in (("token_ids", tokens, 0), ("positions", pos, 0), ("slot_mapping", slots, 0),
-                                 ("seq_lens", pos + 1, 1)):
+        for name, value, pad in (
+            ("token_ids", tokens, 0),
+            ("positions", pos, 0),
+            ("slot_mapping", slots, 0),
+            ("seq_lens", pos + 1, 1),
+        ):
             buf = host[name]
             buf[:num_seqs] = value
-            buf[num_seqs:padded] = pad  # padding: token 0 at position 0, written to slot 0 (null page)
+            buf[num_seqs:padded] = (
+                pad  # padding: token 0 at position 0, written to slot 0 (null page)
+            )
         for i in range(num_seqs, padded):
             if rows[i] is not None:  # a padding row reads page 0 only
                 tables[i, 0] = 0
@@ -178,8 +225,14 @@ class InputBuilder:
             if self._staging:
                 dev.copy_(self._staging[name][:n], non_blocking=True)
             views[name] = dev
-        return DecodeInputs(views["token_ids"], views["positions"], views["slot_mapping"],
-                            views["block_tables"].view(padded, width), views["seq_lens"], num_seqs)
+        return DecodeInputs(
+            views["token_ids"],
+            views["positions"],
+            views["slot_mapping"],
+            views["block_tables"].view(padded, width),
+            views["seq_lens"],
+            num_seqs,
+        )
 
     def advance_decode(self, step: DecodeInputs, tokens: list[int]) -> None:
         """Turn `step` (built by build_decode) into the next decode step of the same sequences: the
@@ -187,17 +240,23 @@ class InputBuilder:
         n, page, host = step.num_seqs, self.block_size, self._host
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.shape != (n,) or (n and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size)):
-            raise ValueError(f"a run's next tokens must be {n} ids in [0, {self.vocab_size}), got {tokens!r}")
+            raise ValueError(
+                f"a run's next tokens must be {n} ids in [0, {self.vocab_size}), got {tokens!r}"
+            )
         pos = host["positions"][:n]
         pos += 1
         if n and (int(pos.max()) >= self.max_model_len or np.any(pos >= self._capacity)):
-            raise ValueError("a run of decode steps went past its block tables or max_model_len: the scheduler "
-                             "must allocate the whole run")
+            raise ValueError(
+                "a run of decode steps went past its block tables or max_model_len: the scheduler "
+                "must allocate the whole run"
+            )
         width = self.max_blocks
         tables = host["block_tables"][: step.input_ids.shape[0] * width].reshape(-1, width)
         host["token_ids"][:n] = ids
         host["seq_lens"][:n] = pos + 1
-        host["slot_mapping"][:n] = tables[np.arange(n), pos // page].astype(np.int64) * page + pos % page
+        host["slot_mapping"][:n] = (
+            tables[np.arange(n), pos // page].astype(np.int64) * page + pos % page
+        )
         if self._staging:
             for name in ("token_ids", "positions", "slot_mapping", "seq_lens"):
                 self._dev[name][:n].copy_(self._staging[name][:n], non_blocking=True)
@@ -209,19 +268,26 @@ class InputBuilder:
             if at < len(seq.token_ids):
                 break
             at -= len(seq.token_ids)
-        return (f"token id {int(seq.token_ids[at])} of request {seq.req_id!r} is outside the model's vocabulary "
-                f"of {self.vocab_size} tokens: token ids must be in [0, {self.vocab_size})")
+        return (
+            f"token id {int(seq.token_ids[at])} of request {seq.req_id!r} is outside the model's vocabulary "
+            f"of {self.vocab_size} tokens: token ids must be in [0, {self.vocab_size})"
+        )
 
     def build_rows(self, seqs: list[ScheduledSequence]) -> TokenRows:
         """`seqs` (prefill chunks and decode tokens mixed) as one row per token (a CPU step of at
         most a few dozen tokens: its arrays are built fresh, like the flat path's metadata)."""
         flat = self._flat(seqs)
         arrays = flat.arrays
-        return TokenRows(torch.from_numpy(flat.tokens), torch.from_numpy(arrays.positions),
-                         torch.from_numpy(arrays.slot_mapping),
-                         torch.from_numpy(np.repeat(arrays.block_tables, flat.query_lens, axis=0)),
-                         torch.from_numpy((arrays.positions + 1).astype(np.int32)),
-                         torch.from_numpy(flat.sample_idx), flat.sampled, flat.prompt_rows)
+        return TokenRows(
+            torch.from_numpy(flat.tokens),
+            torch.from_numpy(arrays.positions),
+            torch.from_numpy(arrays.slot_mapping),
+            torch.from_numpy(np.repeat(arrays.block_tables, flat.query_lens, axis=0)),
+            torch.from_numpy((arrays.positions + 1).astype(np.int32)),
+            torch.from_numpy(flat.sample_idx),
+            flat.sampled,
+            flat.prompt_rows,
+        )
 
     def _flat(self, seqs: list[ScheduledSequence]) -> _FlatStep:
         """The step's metadata arrays (slots of present K/V on the null page), token ids and sampled
@@ -241,33 +307,52 @@ class InputBuilder:
         if min(query_lens) < 1:
             raise ValueError("every scheduled sequence needs at least one token to compute")
         arrays = build_arrays(query_lens, start_pos, tables, self.block_size, max_blocks=width)
-        tokens = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=num_tokens)
+        tokens = np.fromiter(
+            chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=num_tokens
+        )
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise ValueError(self._bad_token_message(seqs, tokens))
         max_len = int(arrays.seq_lens.max())
         if max_len > self.max_model_len:
-            raise ValueError(f"a sequence reaches {max_len} tokens, beyond max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"a sequence reaches {max_len} tokens, beyond max_model_len {self.max_model_len}"
+            )
         if int(arrays.block_tables.max()) >= self.num_pages or int(arrays.block_tables.min()) < 0:
-            raise ValueError(f"block ids must be in [0, {self.num_pages}), got "
-                             f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}")
+            raise ValueError(
+                f"block ids must be in [0, {self.num_pages}), got "
+                f"{int(arrays.block_tables.min())}..{int(arrays.block_tables.max())}"
+            )
         _write_present_to_null(seqs, arrays.slot_mapping, arrays.cu_seqlens_q.tolist())
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         sample_idx = arrays.cu_seqlens_q[1:][sampled].astype(np.int64) - 1
-        prompt_rows = [(i, r) for i, s in enumerate(seqs) if s.context is not None and (r := s.prompt_logprob_rows)]
+        prompt_rows = [
+            (i, r)
+            for i, s in enumerate(seqs)
+            if s.context is not None and (r := s.prompt_logprob_rows)
+        ]
         if prompt_rows:  # every row that scores a prompt token, after the sampled ones
             firsts = arrays.cu_seqlens_q
-            extra = [np.arange(r.start, r.stop) - seqs[i].start_pos + firsts[i] for i, r in prompt_rows]
+            extra = [
+                np.arange(r.start, r.stop) - seqs[i].start_pos + firsts[i] for i, r in prompt_rows
+            ]
             sample_idx = np.concatenate([sample_idx, *extra]).astype(np.int64)
-        return _FlatStep(arrays, tokens, query_lens, start_pos, tables, max_len, sampled, sample_idx, prompt_rows)
+        return _FlatStep(
+            arrays, tokens, query_lens, start_pos, tables, max_len, sampled, sample_idx, prompt_rows
+        )
 
     def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
         """Flat inputs and attention metadata for `seqs` (prefill chunks and decode tokens mixed)."""
         flat = self._flat(seqs)
         arrays, num_seqs, width = flat.arrays, len(seqs), flat.arrays.block_tables.shape[1]
         values = {
-            "token_ids": flat.tokens, "positions": arrays.positions, "slot_mapping": arrays.slot_mapping,
-            "cu_seqlens": arrays.cu_seqlens_q, "seq_lens": arrays.seq_lens, "start_pos": arrays.start_pos,
-            "sample_idx": flat.sample_idx, "block_tables": arrays.block_tables.reshape(-1),
+            "token_ids": flat.tokens,
+            "positions": arrays.positions,
+            "slot_mapping": arrays.slot_mapping,
+            "cu_seqlens": arrays.cu_seqlens_q,
+            "seq_lens": arrays.seq_lens,
+            "start_pos": arrays.start_pos,
+            "sample_idx": flat.sample_idx,
+            "block_tables": arrays.block_tables.reshape(-1),
         }
         self._rows[:num_seqs] = [None] * num_seqs  # the rows are rewritten below, at another width
         views = {}
@@ -292,8 +377,14 @@ class InputBuilder:
             block_tables_list=flat.tables,
             block_size=self.block_size,
         )
-        return StepInputs(views["token_ids"], views["positions"], meta, views["sample_idx"], flat.sampled,
-                          flat.prompt_rows)
+        return StepInputs(
+            views["token_ids"],
+            views["positions"],
+            meta,
+            views["sample_idx"],
+            flat.sampled,
+            flat.prompt_rows,
+        )
 
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:
@@ -301,4 +392,4 @@ def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarr
     firsts[i]) at the null page: a shared block already holds their K/V (see sloserve.sched.output)."""
     for seq, first in zip(seqs, firsts, strict=False):  # cu_seqlens has one more entry
         if seq.kv_present:
-            slot_mapping[first:first + seq.kv_present] = 0
+            slot_mapping[first : first + seq.kv_present] = 0

@@ -15,18 +15,24 @@ class KeptLogprobs:
         self._sampled: dict[str, list[Logprob]] = {}
         self._prompt: dict[str, list[tuple[int, list[Logprob]]]] = {}
 
-    def keep_sampled(self, req_ids: list[str], raw: torch.Tensor, tokens: list[int], tops: list[int]) -> None:
+    def keep_sampled(
+        self, req_ids: list[str], raw: torch.Tensor, tokens: list[int], tops: list[int]
+    ) -> None:
         """One entry per row of raw (the unprocessed logits of the requests that asked)."""
         for req_id, entry in zip(req_ids, gather_logprobs(raw, tokens, tops), strict=True):
             self._sampled.setdefault(req_id, []).append(entry)
 
-    def keep_prompt(self, seqs: list[ScheduledSequence], prompt_rows: list[tuple[int, range]],
-                    logits: torch.Tensor) -> None:
+    def keep_prompt(
+        self,
+        seqs: list[ScheduledSequence],
+        prompt_rows: list[tuple[int, range]],
+        logits: torch.Tensor,
+    ) -> None:
         """Each prompt row's logprob of the prompt token after it, kept as (first position, entries)."""
         targets, tops = [], []
         for i, positions in prompt_rows:
             seq = seqs[i]
-            targets += seq.context[positions.start + 1:positions.stop + 1]
+            targets += seq.context[positions.start + 1 : positions.stop + 1]
             tops += [seq.sampling.prompt_logprobs] * len(positions)
         found = iter(gather_logprobs(logits, targets, tops))
         for i, positions in prompt_rows:

@@ -14,7 +14,9 @@ from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import CPU_DEFAULT_POOL_BYTES, default_arena_bytes, default_pool_bytes
 from sloserve.models.spec import ModelSpec
 
-POOL_ROUNDING = 256  # DevicePool rounds its size up to a multiple of this: a budget keeps room for it
+POOL_ROUNDING = (
+    256  # DevicePool rounds its size up to a multiple of this: a budget keeps room for it
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,8 +28,12 @@ class MemoryPlan:
     num_pages: int  # KV pages incl. the null page 0
     expert_slots: int | None  # resident experts per MoE layer when partial, else None
     workspace_bytes: int
-    expert_bytes: int  # pool bytes of the expert slots (partial residency), alignment included; else 0
-    moe_workspace_rows: int  # (token, expert) pairs of one MoE layer's step workspace; 0 without MoE
+    expert_bytes: (
+        int  # pool bytes of the expert slots (partial residency), alignment included; else 0
+    )
+    moe_workspace_rows: (
+        int  # (token, expert) pairs of one MoE layer's step workspace; 0 without MoE
+    )
     moe_workspace_bytes: int  # that workspace plus the alignment holes its four carves may leave
     arena_bytes: int
     num_host_pages: int
@@ -42,7 +48,12 @@ class MemoryPlan:
     @property
     def pool_bytes(self) -> int:
         """KV + expert slots + the workspaces and arena slack (the pool rounds this up to its alignment)."""
-        return self.num_pages * self.page_bytes + self.expert_bytes + self.overhead_bytes - POOL_ROUNDING
+        return (
+            self.num_pages * self.page_bytes
+            + self.expert_bytes
+            + self.overhead_bytes
+            - POOL_ROUNDING
+        )
 
 
 def graph_memory_bytes(spec: ModelSpec, max_seqs: int, itemsize: int) -> int:
@@ -59,8 +70,14 @@ def overhead(workspace: int, moe_workspace: int, arena: int) -> int:
     return workspace + moe_workspace + 2 * arena + POOL_ROUNDING
 
 
-def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
-                dtype: torch.dtype, block: int) -> MemoryPlan:
+def plan_memory(
+    config: SloserveConfig,
+    spec: ModelSpec,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    block: int,
+) -> MemoryPlan:
     """Size everything once, before the one allocation; ValueError when the KV cannot hold one sequence.
 
     block is the resolved KV page size (the attention backend's choice when the config sets none),
@@ -68,7 +85,9 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
     """
     cc, sc = config.cache, config.scheduler
     max_blocks = math.ceil(max_model_len / block)
-    max_tokens = sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, max_model_len)
+    max_tokens = (
+        sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, max_model_len)
+    )
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
     page_bytes = token_bytes * block
@@ -77,12 +96,16 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
     moe_rows = max_tokens * spec.top_k if spec.moe_layers else 0
     moe_bytes = 0
     if moe_rows:
-        moe_bytes = ExpertStore.workspace_bytes(moe_rows, spec.hidden_size, spec.moe_intermediate_size, dtype)
+        moe_bytes = ExpertStore.workspace_bytes(
+            moe_rows, spec.hidden_size, spec.moe_intermediate_size, dtype
+        )
         # A carve skips at most min(its size, one arena) to respect arena boundaries; four carves.
         moe_bytes += min(moe_bytes, 4 * arena)
     fixed = overhead(ws_bytes, moe_bytes, arena)
     budget = cc.memory_budget_bytes
-    if budget is None and device.type == "cuda":  # measured after the dense weights (experts wait on the host)
+    if (
+        budget is None and device.type == "cuda"
+    ):  # measured after the dense weights (experts wait on the host)
         budget = default_pool_bytes(device, cc.gpu_memory_fraction)
     residency = None
     expert_device = slot_bytes = 0
@@ -97,25 +120,44 @@ def plan_memory(config: SloserveConfig, spec: ModelSpec, max_model_len: int, dev
         if device.type == "cuda" or budget is not None:
             kv_bytes = budget - expert_device - fixed
         if device.type == "cuda" and config.model.enforce_eager is not True and not spec.moe_layers:
-            kv_bytes -= graph_memory_bytes(spec, sc.max_batch, itemsize)  # the captured decode steps'
+            kv_bytes -= graph_memory_bytes(
+                spec, sc.max_batch, itemsize
+            )  # the captured decode steps'
         if device.type != "cuda":  # enough for max_batch full-length sequences, capped
-            cpu = min(CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes)
+            cpu = min(
+                CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes
+            )
             kv_bytes = cpu if kv_bytes is None else min(cpu, kv_bytes)
     num_pages = max(kv_bytes, 0) // page_bytes
     if num_pages - 1 < max_blocks:
         raise ValueError(
             f"the KV pool holds {max(num_pages - 1, 0)} pages of {block} tokens, fewer than one "
             f"{max_model_len}-token sequence needs ({max_blocks}); raise kv_pool_bytes (--kv-pool-size)"
-            + (" or the memory budget (--memory-budget)" if cc.memory_budget_bytes is not None else "")
+            + (
+                " or the memory budget (--memory-budget)"
+                if cc.memory_budget_bytes is not None
+                else ""
+            )
             + " or lower max_model_len"
         )
     if num_pages > MAX_BLOCKS:
         raise ValueError(
             f"the KV pool would hold {num_pages} pages of {block} tokens, more than the block allocator's "
-            f"limit of {MAX_BLOCKS}; lower kv_pool_bytes (--kv-pool-size) or raise the block size")
+            f"limit of {MAX_BLOCKS}; lower kv_pool_bytes (--kv-pool-size) or raise the block size"
+        )
     return MemoryPlan(
-        max_tokens=max_tokens, max_seqs=sc.max_batch, max_blocks=max_blocks, page_bytes=page_bytes,
-        num_pages=num_pages, expert_slots=residency.slots if residency else None, workspace_bytes=ws_bytes,
-        expert_bytes=slot_bytes, moe_workspace_rows=moe_rows, moe_workspace_bytes=moe_bytes, arena_bytes=arena,
-        num_host_pages=min(cc.swap_bytes // page_bytes, num_pages), residency=residency, budget_bytes=budget,
+        max_tokens=max_tokens,
+        max_seqs=sc.max_batch,
+        max_blocks=max_blocks,
+        page_bytes=page_bytes,
+        num_pages=num_pages,
+        expert_slots=residency.slots if residency else None,
+        workspace_bytes=ws_bytes,
+        expert_bytes=slot_bytes,
+        moe_workspace_rows=moe_rows,
+        moe_workspace_bytes=moe_bytes,
+        arena_bytes=arena,
+        num_host_pages=min(cc.swap_bytes // page_bytes, num_pages),
+        residency=residency,
+        budget_bytes=budget,
     )

@@ -50,10 +50,18 @@ def decode_mode(step: DecodeStep | GraphDecode | None) -> str:
 def expert_info(store: ExpertStore | None) -> dict:
     """What stays fixed about the experts (InfoResponse): residency, experts, slots, device bytes."""
     if store is None:
-        return {"expert_residency": "none", "num_experts": 0, "expert_slots_per_layer": 0,
-                "expert_device_bytes": 0}
-    return {"expert_residency": "partial" if store.partial else "all", "num_experts": store.num_experts,
-            "expert_slots_per_layer": store.slots_per_layer, "expert_device_bytes": store.device_bytes}
+        return {
+            "expert_residency": "none",
+            "num_experts": 0,
+            "expert_slots_per_layer": 0,
+            "expert_device_bytes": 0,
+        }
+    return {
+        "expert_residency": "partial" if store.partial else "all",
+        "num_experts": store.num_experts,
+        "expert_slots_per_layer": store.slots_per_layer,
+        "expert_device_bytes": store.device_bytes,
+    }
 
 
 def expert_stats(store: ExpertStore | None) -> dict:
@@ -61,9 +69,15 @@ def expert_stats(store: ExpertStore | None) -> dict:
     if store is None:
         return {}
     c = store.counters.as_dict()
-    return {"expert_resident_per_layer": store.resident(), "expert_hits_total": c["hits"],
-            "expert_misses_total": c["misses"], "expert_hit_rate": c["hit_rate"],
-            "expert_prefetches_total": c["prefetches"], "expert_prefetch_accuracy": c["prefetch_accuracy"],
-            "expert_prediction_recall": c["prediction_recall"],
-            "expert_bytes_copied_total": c["bytes_copied"] + c["preload_bytes"],
-            "expert_bytes_per_step": c["bytes_per_step"], "expert_miss_stall_s_total": c["miss_stall_s"]}
+    return {
+        "expert_resident_per_layer": store.resident(),
+        "expert_hits_total": c["hits"],
+        "expert_misses_total": c["misses"],
+        "expert_hit_rate": c["hit_rate"],
+        "expert_prefetches_total": c["prefetches"],
+        "expert_prefetch_accuracy": c["prefetch_accuracy"],
+        "expert_prediction_recall": c["prediction_recall"],
+        "expert_bytes_copied_total": c["bytes_copied"] + c["preload_bytes"],
+        "expert_bytes_per_step": c["bytes_per_step"],
+        "expert_miss_stall_s_total": c["miss_stall_s"],
+    }

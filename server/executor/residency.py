@@ -48,8 +48,15 @@ def slot_pool_bytes(slot_bytes: int, arena: int) -> int:
     return slot_bytes + min(slot_bytes, 2 * arena)
 
 
-def choose_residency(cc: CacheConfig, spec: ModelSpec, itemsize: int, budget: int | None,
-                     min_kv: int, workspaces: int, arena: int) -> Residency:
+def choose_residency(
+    cc: CacheConfig,
+    spec: ModelSpec,
+    itemsize: int,
+    budget: int | None,
+    min_kv: int,
+    workspaces: int,
+    arena: int,
+) -> Residency:
     """The residency of `spec`'s experts under `budget` (None: unbounded) beside `min_kv` + `workspaces`.
 
     All-resident experts keep tensors of their own; partial residency carves its slots from the
@@ -67,10 +74,17 @@ def choose_residency(cc: CacheConfig, spec: ModelSpec, itemsize: int, budget: in
         if slots < 1:
             raise ValueError(
                 f"expert memory {mib(cc.expert_memory_bytes)} holds no expert slot: one slot in each of the "
-                f"{layers} MoE layers takes {mib(per_slot)}; raise --expert-memory")
+                f"{layers} MoE layers takes {mib(per_slot)}; raise --expert-memory"
+            )
     elif budget is None or everything + rest <= budget:
-        return Residency(None, one, everything, f"all {num_experts} experts of {layers} MoE layers resident "
-                         f"({mib(everything)})" + ("" if budget is None else f" within the {mib(budget)} budget"))
+        return Residency(
+            None,
+            one,
+            everything,
+            f"all {num_experts} experts of {layers} MoE layers resident "
+            f"({mib(everything)})"
+            + ("" if budget is None else f" within the {mib(budget)} budget"),
+        )
     else:
         slots = min(max(budget - rest, 0) // per_slot, num_experts - 1)
         while slots >= 1 and slot_pool_bytes(slots * per_slot, arena) + rest > budget:
@@ -81,21 +95,34 @@ def choose_residency(cc: CacheConfig, spec: ModelSpec, itemsize: int, budget: in
                 f"the memory budget ({mib(budget)}) cannot hold even the minimum for {spec.architecture}: one "
                 f"expert slot per MoE layer ({mib(least)} with alignment) + the minimum KV pool ({mib(min_kv)}) "
                 f"+ workspaces ({mib(workspaces)}) = {mib(least + rest)}; raise --memory-budget (or the GPU "
-                "memory fraction), or lower --max-model-len / --kv-pool-size / max_batched_tokens")
-        return Residency(slots, one, slots * per_slot, (
-            f"partial residency, {slots} of {num_experts} experts per MoE layer resident ({mib(slots * per_slot)} "
-            f"of {mib(everything)}): all experts + the minimum KV pool ({mib(min_kv)}) + workspaces "
-            f"({mib(workspaces)}) exceed the memory budget ({mib(budget)}); the others stay in host memory"))
+                "memory fraction), or lower --max-model-len / --kv-pool-size / max_batched_tokens"
+            )
+        return Residency(
+            slots,
+            one,
+            slots * per_slot,
+            (
+                f"partial residency, {slots} of {num_experts} experts per MoE layer resident ({mib(slots * per_slot)} "
+                f"of {mib(everything)}): all experts + the minimum KV pool ({mib(min_kv)}) + workspaces "
+                f"({mib(workspaces)}) exceed the memory budget ({mib(budget)}); the others stay in host memory"
+            ),
+        )
     if slots >= num_experts:
         slots_used, device = None, everything
         reason = f"all {num_experts} experts of {layers} MoE layers resident ({mib(everything)}), set by {how}"
     else:
         slots_used, device = slots, slots * per_slot
-        reason = (f"partial residency, {slots} of {num_experts} experts per MoE layer resident "
-                  f"({mib(device)} of {mib(everything)}), set by {how}")
-    if budget is not None and (slot_pool_bytes(device, arena) if slots_used else device) + rest > budget:
+        reason = (
+            f"partial residency, {slots} of {num_experts} experts per MoE layer resident "
+            f"({mib(device)} of {mib(everything)}), set by {how}"
+        )
+    if (
+        budget is not None
+        and (slot_pool_bytes(device, arena) if slots_used else device) + rest > budget
+    ):
         raise ValueError(
             f"{how} keeps {mib(device)} of experts resident, which with the minimum KV pool ({mib(min_kv)}) and "
             f"workspaces ({mib(workspaces)}) exceeds the memory budget ({mib(budget)}); lower it, or leave "
-            "residency automatic")
+            "residency automatic"
+        )
     return Residency(slots_used, one, device, reason)

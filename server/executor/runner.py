@@ -45,8 +45,12 @@ class ModelRunner:
 
     runs_steps = True  # execute() takes runs of decode steps (out.num_steps > 1)
 
-    def __init__(self, config: SloserveConfig, shard: Shard = Shard(),
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        config: SloserveConfig,
+        shard: Shard = Shard(),
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """Build in stages (executor/build.py). A tensor-parallel rank passes its `shard` and the
         all-reduce that completes its partial sums (sloserve.parallel builds both); the default is
         the whole model."""
@@ -54,41 +58,95 @@ class ModelRunner:
         started = time.monotonic()
         loaded = load(config, shard)
         choice = choose_backend(config, loaded)
-        plan = plan_memory(config, loaded.spec, loaded.max_model_len, loaded.device, loaded.dtype,
-                           choice.block_size)
+        plan = plan_memory(
+            config,
+            loaded.spec,
+            loaded.max_model_len,
+            loaded.device,
+            loaded.dtype,
+            choice.block_size,
+        )
         cache = allocate(plan, loaded, choice.block_size)
         built = build_model(config, loaded, choice.backend, plan, cache, reduce)
-        self.shard, self.model_path, self.spec, self.tokenizer = shard, loaded.path, loaded.spec, loaded.tokenizer
-        self.device, self.dtype, self.max_model_len = loaded.device, loaded.dtype, loaded.max_model_len
+        self.shard, self.model_path, self.spec, self.tokenizer = (
+            shard,
+            loaded.path,
+            loaded.spec,
+            loaded.tokenizer,
+        )
+        self.device, self.dtype, self.max_model_len = (
+            loaded.device,
+            loaded.dtype,
+            loaded.max_model_len,
+        )
         self.backend, self.block_size = choice.backend, choice.block_size
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = frozenset(self.eos_token_ids)
-        self.pool, self.kv, self.host_pool, self.host_kv = cache.pool, cache.kv, cache.host_pool, cache.host_kv
+        self.pool, self.kv, self.host_pool, self.host_kv = (
+            cache.pool,
+            cache.kv,
+            cache.host_pool,
+            cache.host_kv,
+        )
         self.num_kv_blocks, self.num_host_blocks = cache.num_pages, cache.num_host_pages
         self.page_bytes, self.kv_block_bytes = cache.page_bytes, cache.block_bytes
         self.model, self.experts, self.prefetcher = built.model, built.experts, built.prefetcher
         self.residency = plan.residency
         self._num_params = loaded.num_parameters
         # CPU, whole model: small steps run on one thread (see SERIAL_STEP_MACS); 0: never switch.
-        self._cpu_threads = torch.get_num_threads() if self.device.type == "cpu" and shard.size == 1 else 0
+        self._cpu_threads = (
+            torch.get_num_threads() if self.device.type == "cpu" and shard.size == 1 else 0
+        )
         self._threads_now = self._cpu_threads
         # NOTE: the step's inputs are carved after the expert slots, as the plan sized them
         cuda = self.device.type == "cuda"
         staging = DevicePool(plan.workspace_bytes, None, "cpu", pin_memory=True) if cuda else None
-        self.inputs = InputBuilder(self.pool, staging, plan.max_tokens, plan.max_seqs, plan.max_blocks,
-                                   self.block_size, self.spec.vocab_size, self.max_model_len, plan.num_pages)
+        self.inputs = InputBuilder(
+            self.pool,
+            staging,
+            plan.max_tokens,
+            plan.max_seqs,
+            plan.max_blocks,
+            self.block_size,
+            self.spec.vocab_size,
+            self.max_model_len,
+            plan.num_pages,
+        )
         self.sampler = Sampler(self.device)
-        self.grammar = GrammarMasks(self.tokenizer.to_json(), self.spec.vocab_size, self.eos_token_ids, self.device,
-                                    mc.grammar_cache)
-        self.decode_step = choose_decode_path(self.model, self.backend, self.kv, self.device, plan.max_seqs,
-                                              mc.enforce_eager, shard, max(1, self._cpu_threads))
+        self.grammar = GrammarMasks(
+            self.tokenizer.to_json(),
+            self.spec.vocab_size,
+            self.eos_token_ids,
+            self.device,
+            mc.grammar_cache,
+        )
+        self.decode_step = choose_decode_path(
+            self.model,
+            self.backend,
+            self.kv,
+            self.device,
+            plan.max_seqs,
+            mc.enforce_eager,
+            shard,
+            max(1, self._cpu_threads),
+        )
         self.kept = KeptLogprobs()  # by sample(), until take_logprobs
-        self.split_mixed_steps = True  # see split_mixed (benchmarks and tests turn it off to compare)
+        self.split_mixed_steps = (
+            True  # see split_mixed (benchmarks and tests turn it off to compare)
+        )
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
-        log.info("loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs", self.model_path,
-                 self.spec.architecture, self.device, self.dtype, plan.num_pages, self.block_size, self.backend.name,
-                 self.load_time_s)
+        log.info(
+            "loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs",
+            self.model_path,
+            self.spec.architecture,
+            self.device,
+            self.dtype,
+            plan.num_pages,
+            self.block_size,
+            self.backend.name,
+            self.load_time_s,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +159,11 @@ class ModelRunner:
         if split is not None:
             chunks, decodes = split
             from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
-            return [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences if s.sample]
+            return [
+                next(from_decodes) if _decodes(s) else next(from_chunks)
+                for s in out.sequences
+                if s.sample
+            ]
         return self._execute(out)
 
     def split_mixed(self, out: SchedulerOutput) -> tuple[SchedulerOutput, SchedulerOutput] | None:
@@ -141,7 +203,7 @@ class ModelRunner:
             return self.sample(out, step, self.forward(step), masks)
         sampled_ids = [s.req_id for s in sampled]
         if isinstance(step, StepInputs | TokenRows):
-            rows = step.sample_idx[:len(step.sampled)]
+            rows = step.sample_idx[: len(step.sampled)]
         else:  # a decode step samples every row, in order, unpadded (MoE steps are never padded)
             rows = torch.arange(step.num_seqs, device=self.device)
         self.prefetcher.begin([s.req_id for s in out.sequences], sampled_ids, rows)
@@ -150,13 +212,17 @@ class ModelRunner:
         finally:
             self.prefetcher.end(sampled_ids)
 
-    def _run_steps(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[list[int]]:
+    def _run_steps(
+        self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows
+    ) -> list[list[int]]:
         """out.num_steps decode steps back to back, each step's tokens the next one's inputs (the
         decode fast path advances its buffers in place; another step is rebuilt); stops early once
         every sequence has sampled a stop token (what follows one is never used)."""
         if any(len(s.token_ids) != 1 or not s.sample for s in out.sequences):
-            raise ValueError("a run of decode steps needs every sequence to decode one token: the "
-                             "scheduler must not ask for it here")
+            raise ValueError(
+                "a run of decode steps needs every sequence to decode one token: the "
+                "scheduler must not ask for it here"
+            )
         runs: list[list[int]] = [[] for _ in out.sequences]
         stopped = [False] * len(runs)
         tokens: list[int] = []  # the last step's, fed to the next
@@ -164,10 +230,18 @@ class ModelRunner:
             if i and isinstance(step, DecodeInputs):
                 self.inputs.advance_decode(step, tokens)
             elif i:
-                out = SchedulerOutput(sequences=[
-                    dataclasses.replace(s, token_ids=[t], start_pos=s.start_pos + 1, kv_present=0,
-                                        num_generated=s.num_generated + 1)
-                    for s, t in zip(out.sequences, tokens, strict=True)])
+                out = SchedulerOutput(
+                    sequences=[
+                        dataclasses.replace(
+                            s,
+                            token_ids=[t],
+                            start_pos=s.start_pos + 1,
+                            kv_present=0,
+                            num_generated=s.num_generated + 1,
+                        )
+                        for s, t in zip(out.sequences, tokens, strict=True)
+                    ]
+                )
                 step = self.inputs.build(out.sequences)
             tokens = self._step(out, step)
             for j, token in enumerate(tokens):
@@ -183,7 +257,9 @@ class ModelRunner:
         else the flat path's."""
         if out.swap_out or out.swap_in:
             if self.host_kv is None:
-                raise ValueError("swap requested but the runner has no host swap pool (swap_bytes is 0)")
+                raise ValueError(
+                    "swap requested but the runner has no host swap pool (swap_bytes is 0)"
+                )
             copy_blocks(self.kv, self.host_kv, out.swap_out)
             copy_blocks(self.host_kv, self.kv, out.swap_in)
         if out.finished_req_ids:
@@ -210,7 +286,9 @@ class ModelRunner:
         if isinstance(step, TokenRows):
             return self.decode_step.fused.rows(step)
         self._fit_threads(step.input_ids.shape[0])
-        return self.model.forward(step.input_ids, step.positions, step.meta, self.kv, step.sample_idx)
+        return self.model.forward(
+            step.input_ids, step.positions, step.meta, self.kv, step.sample_idx
+        )
 
     def _fit_threads(self, num_tokens: int) -> None:
         """One CPU thread for a step with less arithmetic than SERIAL_STEP_MACS, else all of them."""
@@ -220,8 +298,13 @@ class ModelRunner:
                 torch.set_num_threads(want)
                 self._threads_now = want
 
-    def sample(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows,
-               logits: torch.Tensor, masks: PendingMask | None = None) -> list[int]:
+    def sample(
+        self,
+        out: SchedulerOutput,
+        step: StepInputs | DecodeInputs | TokenRows,
+        logits: torch.Tensor,
+        masks: PendingMask | None = None,
+    ) -> list[int]:
         """One token id per sampled sequence, in the order of out.sequences (grammar rows masked first);
         the logprobs asked for are kept for take_logprobs (from the raw logits, before any processing)."""
         seqs = out.sequences
@@ -230,7 +313,7 @@ class ModelRunner:
         else:
             rows = [seqs[i] for i in step.sampled]
             if step.prompt_rows:
-                self.kept.keep_prompt(seqs, step.prompt_rows, logits[len(rows):])
+                self.kept.keep_prompt(seqs, step.prompt_rows, logits[len(rows) :])
                 logits = logits[: len(rows)]
         params = [s.sampling for s in rows]
         wanted = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
@@ -238,17 +321,30 @@ class ModelRunner:
         if masks is not None:
             self.grammar.apply(masks, logits)
         # NOTE: attribute reads only: a step where nobody asks pays no call per row
-        if any(s.context is not None or s.sampling.logit_bias or s.sampling.min_tokens > s.num_generated
-               for s in rows):
-            logits = process_logits(logits, params, [s.context for s in rows], [s.num_generated for s in rows],
-                                    self._eos)
+        if any(
+            s.context is not None
+            or s.sampling.logit_bias
+            or s.sampling.min_tokens > s.num_generated
+            for s in rows
+        ):
+            logits = process_logits(
+                logits,
+                params,
+                [s.context for s in rows],
+                [s.num_generated for s in rows],
+                self._eos,
+            )
         tokens = self.sampler.sample(logits, params, [s.req_id for s in rows])
         if masks is not None:
             self.grammar.accept(masks, tokens)
         if wanted:
             picked = raw if len(wanted) == len(rows) else raw[wanted]
-            self.kept.keep_sampled([rows[i].req_id for i in wanted], picked, [tokens[i] for i in wanted],
-                                   [params[i].logprobs for i in wanted])
+            self.kept.keep_sampled(
+                [rows[i].req_id for i in wanted],
+                picked,
+                [tokens[i] for i in wanted],
+                [params[i].logprobs for i in wanted],
+            )
         return tokens
 
     def take_logprobs(self) -> StepLogprobs:
@@ -257,7 +353,9 @@ class ModelRunner:
         return self.kept.take()
 
     @staticmethod
-    def _sampled(out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[ScheduledSequence]:
+    def _sampled(
+        out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows
+    ) -> list[ScheduledSequence]:
         """The sequences that sample this step, in the order of the logits' rows."""
         if isinstance(step, DecodeInputs):
             return out.sequences
@@ -268,7 +366,9 @@ class ModelRunner:
         """Compile or capture the decode path, then one prefill and one decode step (executor/warmup.py)."""
         warm_up(self)
 
-    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, int, float]]:
+    def time_steps(
+        self, shapes: list[tuple[int, int]], rounds: int = 4
+    ) -> list[tuple[int, int, float]]:
         """(sequences, tokens each, seconds) of each shape's fastest step, on an empty pool (executor/warmup.py)."""
         return time_steps(self, shapes, rounds)
 

@@ -20,12 +20,19 @@ def warm_up(runner: ModelRunner) -> None:
     greedy = SamplingParams(max_tokens=1)
     if runner.decode_step is not None:
         null = [ScheduledSequence("warmup", [0], 0, [0], True, greedy)]
-        runner.warmup_time_s = runner.decode_step.warm_up(lambda n: runner.inputs.build_decode(null, n))
+        runner.warmup_time_s = runner.decode_step.warm_up(
+            lambda n: runner.inputs.build_decode(null, n)
+        )
     prefill = min(runner.inputs.max_tokens, 4 * runner.block_size, runner.max_model_len)
     blocks = [0] * math.ceil(prefill / runner.block_size)
-    runner.execute(SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)]))
+    runner.execute(
+        SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)])
+    )
     batch = min(runner.inputs.max_seqs, 8)
-    seqs = [ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy) for i in range(batch)]
+    seqs = [
+        ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy)
+        for i in range(batch)
+    ]
     runner.execute(SchedulerOutput(seqs))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
@@ -33,7 +40,9 @@ def warm_up(runner: ModelRunner) -> None:
         runner.prefetcher.reset()
 
 
-def time_steps(runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int) -> list[tuple[int, int, float]]:
+def time_steps(
+    runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int
+) -> list[tuple[int, int, float]]:
     """(sequences, tokens each, seconds) of steps of the given (sequences, tokens each) shapes,
     each capped to what a step holds, on an empty pool.
 
@@ -43,7 +52,12 @@ def time_steps(runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int) 
     must run before any request holds a page.
     """
     greedy = SamplingParams(max_tokens=1)
-    inputs, block, max_len, num_blocks = runner.inputs, runner.block_size, runner.max_model_len, runner.num_kv_blocks
+    inputs, block, max_len, num_blocks = (
+        runner.inputs,
+        runner.block_size,
+        runner.max_model_len,
+        runner.num_kv_blocks,
+    )
     timings = []
     for seqs, tokens in shapes:
         seqs = min(seqs, inputs.max_seqs)
@@ -54,10 +68,19 @@ def time_steps(runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int) 
         n = math.ceil((start + tokens) / block)
         if seqs * n > num_blocks - 1:
             continue  # a pool too small for this shape: it is not timed
-        out = SchedulerOutput([
-            ScheduledSequence(f"prime{i}", [0] * tokens, start, list(range(1 + i * n, 1 + (i + 1) * n)),
-                              True, greedy)
-            for i in range(seqs)])
+        out = SchedulerOutput(
+            [
+                ScheduledSequence(
+                    f"prime{i}",
+                    [0] * tokens,
+                    start,
+                    list(range(1 + i * n, 1 + (i + 1) * n)),
+                    True,
+                    greedy,
+                )
+                for i in range(seqs)
+            ]
+        )
         times = []
         for _ in range(rounds):
             began = time.perf_counter()

@@ -9,5 +9,16 @@ from sloserve.frontend.frontend import Frontend, RequestHandle, ServerState
 from sloserve.frontend.metrics import Metrics
 from sloserve.frontend.requests import Event, Finished, ParsedRequest, Tokens
 
-__all__ = ["Event", "Failure", "FailureCode", "Finished", "Frontend", "Metrics", "ParsedRequest",
-           "RequestFailed", "RequestHandle", "ServerState", "Tokens"]
+__all__ = [
+    "Event",
+    "Failure",
+    "FailureCode",
+    "Finished",
+    "Frontend",
+    "Metrics",
+    "ParsedRequest",
+    "RequestFailed",
+    "RequestHandle",
+    "ServerState",
+    "Tokens",
+]

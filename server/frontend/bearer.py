@@ -10,4 +10,6 @@ def bearer_matches(authorization: str | None, token: str) -> bool:
     if authorization is None:
         return False
     scheme, _, credentials = authorization.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), token.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        credentials.strip().encode(), token.encode()
+    )

@@ -19,51 +19,82 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from sloserve.errors import InvalidRequestError
 
-NO_TEMPLATE = ("this model has no chat template (none in chat_template.jinja, chat_template.json or "
-               "tokenizer_config.json); start the server with --chat-template FILE, or use /v1/completions "
-               "with a prompt")
-RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # set by the request's fields
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks where the final message ends in the rendered text
+NO_TEMPLATE = (
+    "this model has no chat template (none in chat_template.jinja, chat_template.json or "
+    "tokenizer_config.json); start the server with --chat-template FILE, or use /v1/completions "
+    "with a prompt"
+)
+RESERVED = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt"}
+)  # set by the request's fields
+_CONTINUE_TAG = (
+    "CONTINUE_FINAL_MESSAGE_TAG "  # marks where the final message ends in the rendered text
+)
 
 
 class ChatTemplate:
     """A compiled chat template with the special tokens it may refer to; `tool_use` for requests with tools."""
 
-    def __init__(self, source: str, *, origin: str, special_tokens: dict[str, str] | None = None,
-                 tool_use: str | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        *,
+        origin: str,
+        special_tokens: dict[str, str] | None = None,
+        tool_use: str | None = None,
+    ) -> None:
         self.origin = origin
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self._template = _compile(source, origin)
         self._tool_use = _compile(tool_use, origin) if tool_use else None
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None,
-               documents: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text; a template that raises (e.g. roles out of order) is the request's fault."""
         if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
-                                      "continue the last message, or start a new assistant one")
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "continue the last message, or start a new assistant one"
+            )
         extra = template_kwargs or {}
         if clash := RESERVED & extra.keys():
-            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(clash))}: "
-                                      "use the request's own fields")
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {', '.join(sorted(clash))}: "
+                "use the request's own fields"
+            )
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         final = None
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str):
-                raise InvalidRequestError("continue_final_message needs a final message with text content")
+                raise InvalidRequestError(
+                    "continue_final_message needs a final message with text content"
+                )
             messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         template = self._tool_use if tools and self._tool_use is not None else self._template
         try:
-            text = template.render(messages=messages, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **{**self.special_tokens, **extra})
+            text = template.render(
+                messages=messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **extra},
+            )
         except _TemplateRaised as exc:
             raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from None
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError) as exc:
-            raise InvalidRequestError(f"messages: the chat template failed on them: {exc}") from None
+            raise InvalidRequestError(
+                f"messages: the chat template failed on them: {exc}"
+            ) from None
         return text if final is None else _cut_at_tag(text, final)
 
 
@@ -71,10 +102,12 @@ def _cut_at_tag(text: str, final: str) -> str:
     """The rendered text up to the end of the final message (the template's closing tokens cut off)."""
     tag = _CONTINUE_TAG.strip()
     if final.strip() not in text or tag not in text:
-        raise InvalidRequestError("continue_final_message: this chat template does not render the final "
-                                  "message's content as it is, so it cannot be continued")
+        raise InvalidRequestError(
+            "continue_final_message: this chat template does not render the final "
+            "message's content as it is, so it cannot be continued"
+        )
     at = text.rindex(tag)
-    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space
 
@@ -101,15 +134,23 @@ def _raise(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """transformers' tojson: plain json.dumps (no HTML escaping), its keyword arguments exposed."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _compile(source: str, origin: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

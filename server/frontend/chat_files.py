@@ -15,7 +15,15 @@ from typing import Any
 
 from sloserve.frontend.chat import ChatTemplate
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 EXTRA_DIR = "additional_chat_templates"
 
 
@@ -26,13 +34,21 @@ def template_from_checkpoint(folder: str) -> ChatTemplate | None:
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
         tool_use = root / EXTRA_DIR / "tool_use.jinja"
-        return ChatTemplate(_read(jinja), origin=str(jinja), special_tokens=tokens,
-                            tool_use=_read(tool_use) if tool_use.is_file() else None)
+        return ChatTemplate(
+            _read(jinja),
+            origin=str(jinja),
+            special_tokens=tokens,
+            tool_use=_read(tool_use) if tool_use.is_file() else None,
+        )
     for name in ("chat_template.json", "tokenizer_config.json"):
         named = _named(_json(root / name).get("chat_template"))
         if named.get("default"):
-            return ChatTemplate(named["default"], origin=str(root / name), special_tokens=tokens,
-                                tool_use=named.get("tool_use"))
+            return ChatTemplate(
+                named["default"],
+                origin=str(root / name),
+                special_tokens=tokens,
+                tool_use=named.get("tool_use"),
+            )
     return None
 
 
@@ -41,7 +57,9 @@ def template_from_file(path: str, model_folder: str | None = None) -> ChatTempla
     try:
         source = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read --chat-template {path!r}: {getattr(exc, 'strerror', exc)}") from None
+        raise ValueError(
+            f"cannot read --chat-template {path!r}: {getattr(exc, 'strerror', exc)}"
+        ) from None
     if path.endswith(".json"):
         try:
             named = _named(json.loads(source).get("chat_template"))
@@ -71,8 +89,13 @@ def _named(value: Any) -> dict[str, str]:
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
-        return {t["name"]: t["template"] for t in value
-                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        return {
+            t["name"]: t["template"]
+            for t in value
+            if isinstance(t, dict)
+            and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
+        }
     return {}
 
 

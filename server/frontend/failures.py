@@ -20,7 +20,9 @@ class FailureCode(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"  # the request itself is wrong: change it
     RESOURCE_EXHAUSTED = "resource_exhausted"  # refused for load: retry later or elsewhere
     DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline passed before it could run
-    UNAVAILABLE = "unavailable"  # the server's state (loading, draining, dead engine): retry elsewhere
+    UNAVAILABLE = (
+        "unavailable"  # the server's state (loading, draining, dead engine): retry elsewhere
+    )
     INTERNAL = "internal"  # a bug or a device failure: not the client's to fix
 
 
@@ -31,7 +33,9 @@ class Failure:
     code: FailureCode
     reason: str
     message: str
-    limit: str | None = None  # the server limit that refused it (sloserve_limit_refusals_total{limit})
+    limit: str | None = (
+        None  # the server limit that refused it (sloserve_limit_refusals_total{limit})
+    )
 
 
 class RequestFailed(Exception):
@@ -46,8 +50,14 @@ class RequestFailed(Exception):
 class LimitExceeded(RequestFailed):
     """Refused by one of the server's limits on input; `limit` names it (a flag's words, a metrics label)."""
 
-    def __init__(self, limit: str, message: str, *, code: FailureCode = FailureCode.INVALID_ARGUMENT,
-                 reason: str | None = None) -> None:
+    def __init__(
+        self,
+        limit: str,
+        message: str,
+        *,
+        code: FailureCode = FailureCode.INVALID_ARGUMENT,
+        reason: str | None = None,
+    ) -> None:
         super().__init__(code, reason or limit, message)
         self.limit = limit
 
@@ -65,8 +75,11 @@ def failure_from_exception(exc: BaseException) -> Failure:
     if isinstance(exc, RequestRefusedError):
         return refusal(exc.reason, str(exc))
     if isinstance(exc, EngineDeadError):
-        return Failure(FailureCode.UNAVAILABLE, "engine_dead",
-                       f"the engine is not running: {exc}; retry against a healthy replica")
+        return Failure(
+            FailureCode.UNAVAILABLE,
+            "engine_dead",
+            f"the engine is not running: {exc}; retry against a healthy replica",
+        )
     if isinstance(exc, ValueError):  # e.g. a tokenizer refusing token ids out of the vocabulary
         return Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
     return Failure(FailureCode.INTERNAL, "internal", f"internal error: {type(exc).__name__}: {exc}")
@@ -74,7 +87,11 @@ def failure_from_exception(exc: BaseException) -> Failure:
 
 def refusal(reason: str, message: str) -> Failure:
     """Admission refused: RESOURCE_EXHAUSTED with the reason (DEADLINE_EXCEEDED once the deadline passed)."""
-    code = FailureCode.DEADLINE_EXCEEDED if reason == "deadline_passed" else FailureCode.RESOURCE_EXHAUSTED
+    code = (
+        FailureCode.DEADLINE_EXCEEDED
+        if reason == "deadline_passed"
+        else FailureCode.RESOURCE_EXHAUSTED
+    )
     return Failure(code, reason, f"{message} (reason: {reason})")
 
 
@@ -83,7 +100,13 @@ def failure_from_output(out: Any) -> Failure:
     kind = getattr(out, "error_kind", None)
     reason = getattr(out, "refusal_reason", None)
     if kind == "invalid":
-        return Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", out.error or "invalid request")
+        return Failure(
+            FailureCode.INVALID_ARGUMENT, "invalid_argument", out.error or "invalid request"
+        )
     if kind == "refused" or reason:  # outputs that predate error_kind carry only refusal_reason
         return refusal(reason or "refused", out.error or "refused by admission control")
-    return Failure(FailureCode.INTERNAL, "internal", f"the engine failed this request: {out.error or 'unknown error'}")
+    return Failure(
+        FailureCode.INTERNAL,
+        "internal",
+        f"the engine failed this request: {out.error or 'unknown error'}",
+    )

@@ -28,7 +28,9 @@ from sloserve.frontend.requests import DEFAULT_MAX_TOKENS, Event, Finished, Pars
 
 log = logging.getLogger(__name__)
 
-INLINE_TOKENIZE_CHARS = 256  # up to this long, encoding (~15 us) is cheaper than a thread hand-off (~90 us)
+INLINE_TOKENIZE_CHARS = (
+    256  # up to this long, encoding (~15 us) is cheaper than a thread hand-off (~90 us)
+)
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # the proto's int32: both edges take the same priorities
 
 
@@ -61,17 +63,23 @@ class Frontend:
     once in the metrics. All times count from `RequestHandle.arrival`.
     """
 
-    def __init__(self, engine: EngineClient, config: SloserveConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, engine: EngineClient, config: SloserveConfig, metrics: Metrics | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
         server = config.server
-        self.limits = Limits(max_tokens_limit=server.max_tokens_limit, max_prompt_tokens=server.max_prompt_tokens,
-                             max_logprobs=server.max_logprobs, max_n=server.max_n,
-                             max_prompts=server.max_prompts_per_request,
-                             max_stop_strings=server.max_stop_strings,
-                             max_stop_string_chars=server.max_stop_string_chars,
-                             max_stop_token_ids=server.max_stop_token_ids)
+        self.limits = Limits(
+            max_tokens_limit=server.max_tokens_limit,
+            max_prompt_tokens=server.max_prompt_tokens,
+            max_logprobs=server.max_logprobs,
+            max_n=server.max_n,
+            max_prompts=server.max_prompts_per_request,
+            max_stop_strings=server.max_stop_strings,
+            max_stop_string_chars=server.max_stop_string_chars,
+            max_stop_token_ids=server.max_stop_token_ids,
+        )
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -110,11 +118,17 @@ class Frontend:
     def check_open(self) -> None:
         """Refuse with UNAVAILABLE while draining or before the model is loaded."""
         if self.draining:
-            raise RequestFailed(FailureCode.UNAVAILABLE, "draining",
-                                "the server is shutting down; retry on another replica")
+            raise RequestFailed(
+                FailureCode.UNAVAILABLE,
+                "draining",
+                "the server is shutting down; retry on another replica",
+            )
         if not self.engine.ready:
-            raise RequestFailed(FailureCode.UNAVAILABLE, "not_ready",
-                                "the model is still loading; retry when health says SERVING")
+            raise RequestFailed(
+                FailureCode.UNAVAILABLE,
+                "not_ready",
+                "the model is still loading; retry when health says SERVING",
+            )
 
     def check(self, parsed: ParsedRequest, prompts: Sequence[str | list[int]] = ()) -> None:
         """Every check that needs no tokenizer: the server is open, the request within limits
@@ -128,15 +142,20 @@ class Frontend:
             try:
                 self.limits.check_request(dataclasses.replace(parsed, prompt=prompt), max_model_len)
             except LimitExceeded as exc:
-                raise LimitExceeded(exc.limit, f"prompt[{i}]: {exc}", code=exc.code, reason=exc.reason) from None
+                raise LimitExceeded(
+                    exc.limit, f"prompt[{i}]: {exc}", code=exc.code, reason=exc.reason
+                ) from None
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"prompt[{i}]: {exc}") from None
         low, high = PRIORITY_RANGE
         if not low <= parsed.priority <= high:
-            raise InvalidRequestError(f"priority {parsed.priority} is outside [{low}, {high}]; lower runs first")
+            raise InvalidRequestError(
+                f"priority {parsed.priority} is outside [{low}, {high}]; lower runs first"
+            )
 
-    def failure(self, exc: BaseException, reason: str | None = None,
-                request: ParsedRequest | None = None) -> Failure:
+    def failure(
+        self, exc: BaseException, reason: str | None = None, request: ParsedRequest | None = None
+    ) -> Failure:
         """The Failure for `exc` (reason overridden if given), logged if internal and counted
         (under `request`'s SLO class when the front end ran it)."""
         failure = failure_from_exception(exc)
@@ -182,13 +201,21 @@ class Frontend:
             token_ids = await self._tokens(parsed.prompt, parsed.add_special_tokens)
             if handle.cancelled:  # cancelled while tokenizing: it never reaches the engine
                 finished = True
-                done = Finished("cancelled", len(token_ids), 0, 0, None, None, _since(handle.arrival))
+                done = Finished(
+                    "cancelled", len(token_ids), 0, 0, None, None, _since(handle.arrival)
+                )
                 self._count_done(done, parsed)
                 yield done
                 return
             self.check_open()  # again: draining may have begun while the prompt was tokenized
-            stream = self.engine.add_request(handle.engine_id, token_ids, parsed.params, parsed.slo,
-                                             arrival_time=handle.arrival, priority=parsed.priority)
+            stream = self.engine.add_request(
+                handle.engine_id,
+                token_ids,
+                parsed.params,
+                parsed.slo,
+                arrival_time=handle.arrival,
+                priority=parsed.priority,
+            )
             handle.admitted = True
             self._inflight += 1
             self._idle.clear()
@@ -200,22 +227,31 @@ class Frontend:
                 if behind:
                     out = _merge(out, behind)
                 if out.new_token_ids or out.new_text or out.prompt_logprobs is not None:
-                    if first is None and (out.new_token_ids or out.new_text):  # a prompt-only one has none
+                    if first is None and (
+                        out.new_token_ids or out.new_text
+                    ):  # a prompt-only one has none
                         first = now
                         if out.first_token_time is not None:  # admission prices this backlog
                             self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)
                     elif self.metrics is not None:
                         self.metrics.tokens_delivered(now - last, len(out.new_token_ids))
                     last = now
-                    yield Tokens(list(out.new_token_ids), out.new_text or "", now, out.new_logprobs,
-                                 out.prompt_logprobs, token_ids if out.prompt_logprobs is not None else None)
+                    yield Tokens(
+                        list(out.new_token_ids),
+                        out.new_text or "",
+                        now,
+                        out.new_logprobs,
+                        out.prompt_logprobs,
+                        token_ids if out.prompt_logprobs is not None else None,
+                    )
                 if out.finished:
                     finished = True
                     yield self._outcome(out, handle.arrival, first, now, parsed)
                     return
             finished = True
-            yield self.failure(RuntimeError("the engine ended the request without a finish reason"),
-                               request=parsed)
+            yield self.failure(
+                RuntimeError("the engine ended the request without a finish reason"), request=parsed
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a Failure event
@@ -224,7 +260,9 @@ class Frontend:
                 yield self.failure(exc, request=parsed)
         finally:
             if handle.admitted:
-                if not finished:  # abandoned (client gone, call cancelled, shutdown): free its blocks now
+                if (
+                    not finished
+                ):  # abandoned (client gone, call cancelled, shutdown): free its blocks now
                     self.engine.abort(handle.engine_id)
                     if not handle.stopped and self.metrics is not None:
                         self.metrics.request_done("cancelled", request=parsed)
@@ -235,7 +273,9 @@ class Frontend:
         keeps serving (a short one inline: a thread hand-off costs more than encoding it)."""
         if isinstance(prompt, list):
             return prompt
-        args = (prompt,) if add_special_tokens else (prompt, False)  # False: a chat template wrote them
+        args = (
+            (prompt,) if add_special_tokens else (prompt, False)
+        )  # False: a chat template wrote them
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
             ids = self.engine.tokenizer.encode(*args)
         else:
@@ -243,8 +283,9 @@ class Frontend:
         self.limits.check_tokens(len(ids), int(self.engine.model_info.get("max_model_len") or 0))
         return ids
 
-    def _outcome(self, out: Any, arrival: float, first: float | None, now: float,
-                 parsed: ParsedRequest) -> Finished | Failure:
+    def _outcome(
+        self, out: Any, arrival: float, first: float | None, now: float, parsed: ParsedRequest
+    ) -> Finished | Failure:
         if out.finish_reason == "error":
             failure = failure_from_output(out)
             if failure.code == FailureCode.INTERNAL:
@@ -253,9 +294,18 @@ class Frontend:
             return failure
         queue_s = None
         if out.first_scheduled_time is not None:
-            queue_s = min(max(0.0, out.first_scheduled_time - arrival), first if first is not None else now)
-        done = Finished(out.finish_reason or "unknown", out.num_prompt_tokens or 0, out.num_output_tokens or 0,
-                        out.num_cached_tokens or 0, queue_s, first, now)
+            queue_s = min(
+                max(0.0, out.first_scheduled_time - arrival), first if first is not None else now
+            )
+        done = Finished(
+            out.finish_reason or "unknown",
+            out.num_prompt_tokens or 0,
+            out.num_output_tokens or 0,
+            out.num_cached_tokens or 0,
+            queue_s,
+            first,
+            now,
+        )
         self._count_done(done, parsed)
         return done
 
@@ -273,11 +323,17 @@ def _merge(out: Any, behind: list[Any]) -> Any:
     """One output carrying the tokens and text of `out` and the outputs queued behind it (the last
     one's status and times)."""
     last, every = behind[-1], (out, *behind)
-    logprobs = None if out.new_logprobs is None else [e for o in every for e in o.new_logprobs or ()]
+    logprobs = (
+        None if out.new_logprobs is None else [e for o in every for e in o.new_logprobs or ()]
+    )
     prompt = next((o.prompt_logprobs for o in every if o.prompt_logprobs is not None), None)
     return dataclasses.replace(
-        last, new_token_ids=[t for o in every for t in o.new_token_ids],
-        new_text="".join(o.new_text or "" for o in every), new_logprobs=logprobs, prompt_logprobs=prompt)
+        last,
+        new_token_ids=[t for o in every for t in o.new_token_ids],
+        new_text="".join(o.new_text or "" for o in every),
+        new_logprobs=logprobs,
+        prompt_logprobs=prompt,
+    )
 
 
 def _since(arrival: float) -> float:

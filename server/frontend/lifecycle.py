@@ -43,12 +43,17 @@ class Lifecycle:
     engine, in that order.
     """
 
-    def __init__(self, config: SloserveConfig, engine: EngineClient, *, watchdog_interval_s: float = 0.5) -> None:
+    def __init__(
+        self, config: SloserveConfig, engine: EngineClient, *, watchdog_interval_s: float = 0.5
+    ) -> None:
         self.config = config
         self.engine = engine
         self.watchdog_interval_s = watchdog_interval_s
-        self.metrics = Metrics(engine.stats, model_name=config.server.served_model_name or config.model.path,
-                               compat=config.server.metrics_compat)
+        self.metrics = Metrics(
+            engine.stats,
+            model_name=config.server.served_model_name or config.model.path,
+            compat=config.server.metrics_compat,
+        )
         self.frontend = Frontend(engine, config, self.metrics)
         self.edges: list[Edge] = []
         self.dead = asyncio.Event()
@@ -68,13 +73,19 @@ class Lifecycle:
             try:
                 tls = tls_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"cannot serve metrics with --tls-cert/--tls-key/--tls-ca: {exc}") from None
+                raise ValueError(
+                    f"cannot serve metrics with --tls-cert/--tls-key/--tls-ca: {exc}"
+                ) from None
         host = cfg.metrics_host or cfg.host
         try:
-            self.metrics_port = self.metrics.serve(cfg.metrics_port, host, tls=tls, token=cfg.metrics_token)
+            self.metrics_port = self.metrics.serve(
+                cfg.metrics_port, host, tls=tls, token=cfg.metrics_token
+            )
         except OSError as exc:
-            raise ValueError(f"cannot serve metrics on {host}:{cfg.metrics_port}: {exc.strerror}; "
-                             "pick another --metrics-port or --metrics-host (or --metrics-port off)") from None
+            raise ValueError(
+                f"cannot serve metrics on {host}:{cfg.metrics_port}: {exc.strerror}; "
+                "pick another --metrics-port or --metrics-host (or --metrics-port off)"
+            ) from None
 
     @property
     def metrics_url(self) -> str | None:
@@ -98,17 +109,29 @@ class Lifecycle:
             await self.engine.start()
         except Exception as exc:  # noqa: BLE001 - a model that cannot load is fatal for this server
             self.start_error = exc
-            if isinstance(exc, ValueError):  # CheckpointError and friends: the user's to fix, no traceback
+            if isinstance(
+                exc, ValueError
+            ):  # CheckpointError and friends: the user's to fix, no traceback
                 log.error("cannot load model %r: %s", self.config.model.path, exc)
             else:
                 log.error("engine failed to start: %s", exc, exc_info=exc)
             self.dead.set()
             return
         info = dict(self.engine.model_info)
-        summary = ", ".join(f"{key}={info[key]}" for key in
-                            ("model", "architecture", "device", "dtype", "attention_backend", "max_model_len",
-                             "tensor_parallel_size", "tensor_parallel_devices")
-                            if key in info)
+        summary = ", ".join(
+            f"{key}={info[key]}"
+            for key in (
+                "model",
+                "architecture",
+                "device",
+                "dtype",
+                "attention_backend",
+                "max_model_len",
+                "tensor_parallel_size",
+                "tensor_parallel_devices",
+            )
+            if key in info
+        )
         log.info("model loaded and warmed up: %s", summary)
 
     async def _watchdog(self) -> None:
@@ -125,7 +148,10 @@ class Lifecycle:
             ready = self.engine.ready and self.engine.alive and not self.frontend.draining
             if ready != current and not self.frontend.draining:
                 if current is None:
-                    log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING until the model is loaded")
+                    log.info(
+                        "readiness: %s",
+                        "SERVING" if ready else "NOT_SERVING until the model is loaded",
+                    )
                 elif ready:
                     log.info("readiness: SERVING")
                 else:
@@ -150,7 +176,9 @@ class Lifecycle:
         log.info("draining: %d request(s) in flight, grace %.1fs", self.frontend.inflight, grace_s)
         finished = await self.frontend.wait_idle(grace_s)
         if not finished:
-            log.warning("grace period over: cancelling %d request(s) still running", self.frontend.inflight)
+            log.warning(
+                "grace period over: cancelling %d request(s) still running", self.frontend.inflight
+            )
         linger = max(0.0, deadline - loop.time()) if finished else 0.0
         await asyncio.gather(*(edge.end_drain(linger) for edge in self.edges))
         await self.stop()

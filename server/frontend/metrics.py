@@ -47,13 +47,20 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 SLO_CLASSES = ("interactive", "batch", "none")
 SLO_OUTCOMES = ("met", "missed", "refused", "failed", "unjudged")
-_REFUSED = (FailureCode.RESOURCE_EXHAUSTED, FailureCode.DEADLINE_EXCEEDED)  # admission's refusal codes
+_REFUSED = (
+    FailureCode.RESOURCE_EXHAUSTED,
+    FailureCode.DEADLINE_EXCEEDED,
+)  # admission's refusal codes
 METRICS_COMPAT = ("none", "vllm")
 
 
 def slo_outcomes(label: str) -> tuple[str, ...]:
     """The outcomes a class can have: only a request without objectives is `unjudged`, and never met or missed."""
-    return ("unjudged", "refused", "failed") if label == "none" else ("met", "missed", "refused", "failed")
+    return (
+        ("unjudged", "refused", "failed")
+        if label == "none"
+        else ("met", "missed", "refused", "failed")
+    )
 
 
 def slo_class(slo: SLO | None) -> str:
@@ -73,7 +80,9 @@ def slo_outcome(slo: SLO | None, finished: Finished | None) -> str:
     tpot = 0.0  # one token (or none): no time per token to judge
     if finished.ttft_s is not None and finished.completion_tokens > 1:
         tpot = max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1)
-    ttft = finished.ttft_s if finished.completion_tokens else finished.e2e_s  # no token (max_tokens 0): its answer
+    ttft = (
+        finished.ttft_s if finished.completion_tokens else finished.e2e_s
+    )  # no token (max_tokens 0): its answer
     checks = ((slo.ttft_s, ttft), (slo.tpot_s, tpot), (slo.e2e_s, finished.e2e_s))
     met = all(limit is None or (value is not None and value <= limit) for limit, value in checks)
     return "met" if met else "missed"
@@ -85,49 +94,105 @@ class Metrics:
     `model_name` labels every series; `compat` "vllm" adds the vllm:-named series (vllm_metrics.py).
     """
 
-    def __init__(self, engine_stats: Callable[[], Any] | None = None, *, model_name: str = "default",
-                 compat: str = "none") -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], Any] | None = None,
+        *,
+        model_name: str = "default",
+        compat: str = "none",
+    ) -> None:
         if compat not in METRICS_COMPAT:
-            raise ValueError(f"metrics compat must be one of {', '.join(METRICS_COMPAT)}, got {compat!r}")
+            raise ValueError(
+                f"metrics compat must be one of {', '.join(METRICS_COMPAT)}, got {compat!r}"
+            )
         disable_created_metrics()  # NOTE: process-wide; no series of sloserve's needs a _created twin
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
-        self.requests = Counter("sloserve_requests", "Requests by outcome (finish reason or status).",
-                                [*m, "outcome"], registry=r)
+        self.requests = Counter(
+            "sloserve_requests",
+            "Requests by outcome (finish reason or status).",
+            [*m, "outcome"],
+            registry=r,
+        )
         self.histograms = {
-            "ttft": Histogram("sloserve_ttft_seconds", "Time from arrival to the first token.", m,
-                              buckets=_LATENCY_BUCKETS, registry=r),
-            "tpot": Histogram("sloserve_tpot_seconds", "Mean time per output token after the first.", m,
-                              buckets=_TPOT_BUCKETS, registry=r),
-            "itl": Histogram("sloserve_inter_token_latency_seconds", "Wait between token deliveries after the "
-                             "first, per token (n tokens delivered together: n waits of 1/n).", m,
-                             buckets=_TPOT_BUCKETS, registry=r),
-            "e2e": Histogram("sloserve_e2e_seconds", "Time from arrival to the last token.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r),
-            "queue": Histogram("sloserve_queue_seconds", "Time from arrival to the first scheduled step.", m,
-                               buckets=_LATENCY_BUCKETS, registry=r),
+            "ttft": Histogram(
+                "sloserve_ttft_seconds",
+                "Time from arrival to the first token.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            "tpot": Histogram(
+                "sloserve_tpot_seconds",
+                "Mean time per output token after the first.",
+                m,
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+            "itl": Histogram(
+                "sloserve_inter_token_latency_seconds",
+                "Wait between token deliveries after the "
+                "first, per token (n tokens delivered together: n waits of 1/n).",
+                m,
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+            "e2e": Histogram(
+                "sloserve_e2e_seconds",
+                "Time from arrival to the last token.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            "queue": Histogram(
+                "sloserve_queue_seconds",
+                "Time from arrival to the first scheduled step.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
         }
-        self.ttft, self.tpot, self.itl, self.e2e, self.queue = (h.labels(model_name) for h in self.histograms.values())
-        self.slo_requests = Counter("sloserve_slo_requests", "Requests the front end ran, by the class of "
-                                    "their objectives (interactive, batch, none) and outcome "
-                                    "(met, missed, refused, failed; unjudged: no objective).",
-                                    [*m, "slo_class", "outcome"], registry=r)
+        self.ttft, self.tpot, self.itl, self.e2e, self.queue = (
+            h.labels(model_name) for h in self.histograms.values()
+        )
+        self.slo_requests = Counter(
+            "sloserve_slo_requests",
+            "Requests the front end ran, by the class of "
+            "their objectives (interactive, batch, none) and outcome "
+            "(met, missed, refused, failed; unjudged: no objective).",
+            [*m, "slo_class", "outcome"],
+            registry=r,
+        )
         for label in SLO_CLASSES:  # every series from the start, so rates need no first sample
             for outcome in slo_outcomes(label):
                 self.slo_requests.labels(model_name, label, outcome)
-        self.limit_refusals = Counter("sloserve_limit_refusals", "Requests, messages, streams and connections "
-                                      "refused by one of the server's input limits, by limit.",
-                                      [*m, "limit"], registry=r)
+        self.limit_refusals = Counter(
+            "sloserve_limit_refusals",
+            "Requests, messages, streams and connections "
+            "refused by one of the server's input limits, by limit.",
+            [*m, "limit"],
+            registry=r,
+        )
         self.service_refusals: collections.Counter[str] = collections.Counter()
         if engine_stats is not None:
             r.register(EngineCollector(engine_stats, self.service_refusals, model_name))
         if compat == "vllm":
             h = self.histograms
-            r.register(VllmCollector(engine_stats or _no_stats, model_name, requests=self.requests, histograms={
-                "vllm:time_to_first_token_seconds": h["ttft"], "vllm:time_per_output_token_seconds": h["itl"],
-                "vllm:inter_token_latency_seconds": h["itl"], "vllm:e2e_request_latency_seconds": h["e2e"],
-                "vllm:request_queue_time_seconds": h["queue"]}))
+            r.register(
+                VllmCollector(
+                    engine_stats or _no_stats,
+                    model_name,
+                    requests=self.requests,
+                    histograms={
+                        "vllm:time_to_first_token_seconds": h["ttft"],
+                        "vllm:time_per_output_token_seconds": h["itl"],
+                        "vllm:inter_token_latency_seconds": h["itl"],
+                        "vllm:e2e_request_latency_seconds": h["e2e"],
+                        "vllm:request_queue_time_seconds": h["queue"],
+                    },
+                )
+            )
         self._http: Any = None
 
     def limit_refused(self, limit: str) -> None:
@@ -141,26 +206,33 @@ class Metrics:
             for _ in range(count):
                 self.itl.observe(per_token)
 
-    def request_done(self, outcome: str, finished: Finished | None = None,
-                     request: ParsedRequest | None = None) -> None:
+    def request_done(
+        self, outcome: str, finished: Finished | None = None, request: ParsedRequest | None = None
+    ) -> None:
         """Count a request that ended; observe its latencies (from its arrival stamp) when it ran.
 
         `request`: the request the front end ran, whose objectives class it in sloserve_slo_requests.
         """
         self.requests.labels(self.model_name, outcome).inc()
         if request is not None:
-            self.slo_requests.labels(self.model_name, slo_class(request.slo), slo_outcome(request.slo, finished)).inc()
+            self.slo_requests.labels(
+                self.model_name, slo_class(request.slo), slo_outcome(request.slo, finished)
+            ).inc()
         if finished is None:
             return
         if finished.ttft_s is not None:
             self.ttft.observe(finished.ttft_s)
             if finished.completion_tokens > 1:
-                self.tpot.observe(max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1))
+                self.tpot.observe(
+                    max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1)
+                )
         if finished.queue_s is not None:
             self.queue.observe(finished.queue_s)
         self.e2e.observe(finished.e2e_s)
 
-    def request_failed(self, code: FailureCode, reason: str, request: ParsedRequest | None = None) -> None:
+    def request_failed(
+        self, code: FailureCode, reason: str, request: ParsedRequest | None = None
+    ) -> None:
         """Count a request that failed; refusals for the server's state are also counted by reason.
 
         `request`: the request the front end ran, whose objectives class it in sloserve_slo_requests.
@@ -173,8 +245,14 @@ class Metrics:
         if code == FailureCode.UNAVAILABLE and reason in ("draining", "not_ready"):
             self.service_refusals[reason] += 1
 
-    def serve(self, port: int, host: str = "127.0.0.1", *, tls: ssl.SSLContext | None = None,
-              token: str | None = None) -> int:
+    def serve(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        *,
+        tls: ssl.SSLContext | None = None,
+        token: str | None = None,
+    ) -> int:
         """Serve /metrics in a daemon thread (HTTPS with `tls`, a bearer `token` required if given);
         returns the bound port (port 0 picks one)."""
         self._http = metrics_http.serve(self.registry, host, port, tls=tls, token=token)

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from sloserve.frontend.bearer import bearer_matches
 
 READ_TIMEOUT_S = 10.0  # a scrape's handshake and request must arrive within this
-MAX_SCRAPES = 16  # connections served at once; more are closed at once (Prometheus scrapes one at a time)
+MAX_SCRAPES = (
+    16  # connections served at once; more are closed at once (Prometheus scrapes one at a time)
+)
 
 
 class _Handler(WSGIRequestHandler):
@@ -28,7 +30,9 @@ class _Handler(WSGIRequestHandler):
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     tls: ssl.SSLContext | None = None
-    slots: threading.BoundedSemaphore  # one per connection being served: a flood cannot start threads without end
+    slots: (
+        threading.BoundedSemaphore
+    )  # one per connection being served: a flood cannot start threads without end
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
         if not self.slots.acquire(blocking=False):  # MAX_SCRAPES already open: drop this one
@@ -78,19 +82,37 @@ def _guarded(app: Callable, token: str | None) -> Callable:
     def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
         if bearer_matches(environ.get("HTTP_AUTHORIZATION"), token):
             return app(environ, start_response)
-        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                            ("WWW-Authenticate", "Bearer")])
-        return [b"missing or wrong bearer token: scrape with 'Authorization: Bearer <--metrics-token>'\n"]
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", "Bearer")],
+        )
+        return [
+            b"missing or wrong bearer token: scrape with 'Authorization: Bearer <--metrics-token>'\n"
+        ]
 
     return guarded
 
 
-def serve(registry: CollectorRegistry, host: str, port: int, *, tls: ssl.SSLContext | None = None,
-          token: str | None = None) -> WSGIServer:
+def serve(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    token: str | None = None,
+) -> WSGIServer:
     """Serve `registry` on host:port (0 picks a port) in a daemon thread; OSError if it cannot bind."""
-    server_class = type("MetricsServer", (_Server,), {
-        "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET, "tls": tls,
-        "slots": threading.BoundedSemaphore(MAX_SCRAPES)})
-    server = make_server(host, port, _guarded(make_wsgi_app(registry), token), server_class, _Handler)
+    server_class = type(
+        "MetricsServer",
+        (_Server,),
+        {
+            "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET,
+            "tls": tls,
+            "slots": threading.BoundedSemaphore(MAX_SCRAPES),
+        },
+    )
+    server = make_server(
+        host, port, _guarded(make_wsgi_app(registry), token), server_class, _Handler
+    )
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

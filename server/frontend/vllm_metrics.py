@@ -24,8 +24,14 @@ _FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 class VllmCollector(Collector):
     """vLLM-named copies: gauges and token counters from engine stats, histograms and successes renamed."""
 
-    def __init__(self, engine_stats: Callable[[], Any], model_name: str, *,
-                 histograms: dict[str, Any], requests: Any) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], Any],
+        model_name: str,
+        *,
+        histograms: dict[str, Any],
+        requests: Any,
+    ) -> None:
         self._stats = engine_stats
         self._f = Families(model_name)
         self._histograms = histograms  # vllm name -> sloserve Histogram
@@ -46,9 +52,14 @@ class VllmCollector(Collector):
         yield f.gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
         yield f.gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
         usage = kv_cache_usage(s)
-        yield f.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
-        yield f.gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (the older name). 1 means 100 percent usage.",
-                      usage)
+        yield f.gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage
+        )
+        yield f.gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage (the older name). 1 means 100 percent usage.",
+            usage,
+        )
         yield f.counter("vllm:prompt_tokens", "Prompt tokens received.", s.prompt_tokens_total)
         yield f.counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens_total)
 
@@ -59,14 +70,21 @@ class VllmCollector(Collector):
                 reason = _FINISHED_REASONS.get(sample.labels.get("outcome", ""))
                 if sample.name.endswith("_total") and reason is not None:
                     counts[reason] += sample.value
-        return self._f.labelled(CounterMetricFamily, "vllm:request_success", "Requests that finished, by "
-                                "finished_reason.", "finished_reason", counts)
+        return self._f.labelled(
+            CounterMetricFamily,
+            "vllm:request_success",
+            "Requests that finished, by finished_reason.",
+            "finished_reason",
+            counts,
+        )
 
 
 def _renamed(histogram: Any, name: str) -> Iterator[Metric]:
     """The histogram's families under `name` (samples renamed, labels and values as they are)."""
     for metric in histogram.collect():
         copy = Metric(name, metric.documentation, metric.type)
-        copy.samples = [sample._replace(name=name + sample.name.removeprefix(metric.name))
-                        for sample in metric.samples]
+        copy.samples = [
+            sample._replace(name=name + sample.name.removeprefix(metric.name))
+            for sample in metric.samples
+        ]
         yield copy

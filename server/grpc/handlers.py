@@ -34,7 +34,9 @@ class Undecodable:
 
     @property
     def message(self) -> str:
-        return f"could not parse {self.type_name}: {self.error}; send a valid {self.type_name} message"
+        return (
+            f"could not parse {self.type_name}: {self.error}; send a valid {self.type_name} message"
+        )
 
 
 def lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
@@ -46,6 +48,7 @@ def lenient_parser(cls: type[Message]) -> Callable[[bytes], Message | Undecodabl
             return cls.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or RecursionError on absurd nesting
             return Undecodable(name, str(exc) or type(exc).__name__)
+
     return parse
 
 
@@ -56,14 +59,18 @@ def method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=lenient_parser(request_cls),
-                                        response_serializer=response_cls.SerializeToString)
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=lenient_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
     return handlers
 
 
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     """Register the servicer (like the generated add_SloserveServicer_to_server, with lenient parsing)."""
     handlers = method_handlers(servicer)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+    )
     server.add_registered_method_handlers(SERVICE.full_name, handlers)

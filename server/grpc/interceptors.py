@@ -38,8 +38,11 @@ async def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, mes
 def _rebuild(handler: grpc.RpcMethodHandler, behaviour: Callable) -> grpc.RpcMethodHandler:
     """The same kind of handler with another behaviour and the original (de)serializers."""
     factory, _ = _KINDS[(handler.request_streaming, handler.response_streaming)]
-    return factory(behaviour, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+    return factory(
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
@@ -62,7 +65,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._token = token
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
@@ -71,18 +75,24 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if isinstance(got, str) and bearer_matches(got, self._token):
             return handler
-        message = ("missing bearer token: send metadata 'authorization: Bearer <token>'" if got is None
-                   else "wrong bearer token: check the token given to the server with --auth-token")
+        message = (
+            "missing bearer token: send metadata 'authorization: Bearer <token>'"
+            if got is None
+            else "wrong bearer token: check the token given to the server with --auth-token"
+        )
 
         if handler.response_streaming:
+
             async def deny_stream(request: Any, context: grpc.aio.ServicerContext):
                 await end_call(context, grpc.StatusCode.UNAUTHENTICATED, message)
                 return
                 yield  # pragma: no cover - makes this an async generator
+
             return _rebuild(handler, deny_stream)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await end_call(context, grpc.StatusCode.UNAUTHENTICATED, message)
+
         return _rebuild(handler, deny)
 
 
@@ -90,7 +100,8 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     """Turns an exception escaping a handler into its status code (INTERNAL if unknown) and logs it."""
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
@@ -105,6 +116,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             await end_call(context, STATUS[failure.code], failure.message)
 
         if inspect.isasyncgenfunction(inner):
+
             async def wrapped_stream(request: Any, context: grpc.aio.ServicerContext):
                 try:
                     async for item in inner(request, context):
@@ -113,6 +125,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await fail(context, exc)
+
             return _rebuild(handler, wrapped_stream)
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -123,4 +136,5 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except Exception as exc:  # noqa: BLE001
                 await fail(context, exc)
+
         return _rebuild(handler, wrapped)

@@ -39,8 +39,9 @@ def read_tls(cert: str, key: str, ca: str | None = None) -> grpc.ServerCredentia
             pems.append(Path(path).read_bytes())
         except OSError as exc:
             raise ValueError(f"cannot read {flag} file {path!r}: {exc.strerror}") from None
-    return grpc.ssl_server_credentials([(pems[0], pems[1])], root_certificates=pems[2],
-                                       require_client_auth=pems[2] is not None)
+    return grpc.ssl_server_credentials(
+        [(pems[0], pems[1])], root_certificates=pems[2], require_client_auth=pems[2] is not None
+    )
 
 
 class SloserveServer:
@@ -53,12 +54,20 @@ class SloserveServer:
     HTTP edge on it); without one it makes and owns its own, so that start/drain/stop run it all.
     """
 
-    def __init__(self, config: SloserveConfig, engine: EngineClient, *, watchdog_interval_s: float = 0.5,
-                 lifecycle: Lifecycle | None = None) -> None:
+    def __init__(
+        self,
+        config: SloserveConfig,
+        engine: EngineClient,
+        *,
+        watchdog_interval_s: float = 0.5,
+        lifecycle: Lifecycle | None = None,
+    ) -> None:
         self.config = config
         self.engine = engine
         self._owns_lifecycle = lifecycle is None
-        self.lifecycle = lifecycle or Lifecycle(config, engine, watchdog_interval_s=watchdog_interval_s)
+        self.lifecycle = lifecycle or Lifecycle(
+            config, engine, watchdog_interval_s=watchdog_interval_s
+        )
         self.lifecycle.edges.append(self)
         self.service = SloserveService(self.frontend, config.grpc)
         self.health = health_aio.HealthServicer()
@@ -94,35 +103,51 @@ class SloserveServer:
         if cfg.auth_token:
             interceptors.append(AuthInterceptor(cfg.auth_token))
         interceptors.append(ExceptionInterceptor())
-        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
-                   ("grpc.max_send_message_length", cfg.max_message_bytes),
-                   ("grpc.so_reuseport", int(cfg.frontends > 1)),  # several front ends share the port
-                   *self.config.grpc.channel_options()]
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", int(cfg.frontends > 1)),  # several front ends share the port
+            *self.config.grpc.channel_options(),
+        ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         handlers.add_to_server(self.service, server)  # undecodable requests -> INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME], server)
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
         address = f"{cfg.host}:{cfg.port}"
         try:
             if cfg.tls_cert and cfg.tls_key:
-                self.port = server.add_secure_port(address, read_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+                self.port = server.add_secure_port(
+                    address, read_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+                )
             else:
                 self.port = server.add_insecure_port(address)
         except RuntimeError:
             self.port = 0
         if self.port == 0:
-            raise ValueError(f"cannot listen on {address}: the port is in use or the host is not "
-                             "an address of this machine; pick another --port or --host")
+            raise ValueError(
+                f"cannot listen on {address}: the port is in use or the host is not "
+                "an address of this machine; pick another --port or --host"
+            )
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
         self.lifecycle.serve_metrics()
         await server.start()
         self._server = server
         metrics_port = self.lifecycle.metrics_port
-        log.info("listening on %s:%d (%s)%s", cfg.host, self.port, _security(cfg),
-                 f", metrics on {self.lifecycle.metrics_url}" if metrics_port else "")
+        log.info(
+            "listening on %s:%d (%s)%s",
+            cfg.host,
+            self.port,
+            _security(cfg),
+            f", metrics on {self.lifecycle.metrics_url}" if metrics_port else "",
+        )
         if self._owns_lifecycle:
             self.lifecycle.start(start_engine=start_engine)
 

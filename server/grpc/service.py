@@ -41,8 +41,12 @@ class SloserveService(pb_grpc.SloserveServicer):
 
     def close_streams(self) -> None:
         """End every open Stream with status OK; a request still live on one gets RequestError UNAVAILABLE."""
-        failure = Failure(FailureCode.UNAVAILABLE, "shutdown", "the server shut down before this request "
-                          "finished (drain grace period over); retry it on another replica")
+        failure = Failure(
+            FailureCode.UNAVAILABLE,
+            "shutdown",
+            "the server shut down before this request "
+            "finished (drain grace period over); retry it on another replica",
+        )
         for session in self._sessions:
             for error in session.fail_live(failure):
                 session.out.put_nowait(error)
@@ -56,7 +60,9 @@ class SloserveService(pb_grpc.SloserveServicer):
         except TimeoutError:
             return False
 
-    async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable], context) -> None:
+    async def Stream(
+        self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable], context
+    ) -> None:
         """Read client messages in one task, write server messages here (explicit writes, so that a write
         that cannot go out, to a client gone or not reading, is ours to end quietly)."""
         if await self._refused_for_calls(context):
@@ -67,7 +73,9 @@ class SloserveService(pb_grpc.SloserveServicer):
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             await self._serve(session)
-            if session.ending is not None:  # stalled: its status goes out before the handler returns
+            if (
+                session.ending is not None
+            ):  # stalled: its status goes out before the handler returns
                 await session.ending
         finally:
             self._sessions.discard(session)
@@ -82,22 +90,28 @@ class SloserveService(pb_grpc.SloserveServicer):
             return False
         failure = limits.too_many_streams(self.config)
         self.frontend.limit_refused(failure.limit)
-        self._warn.warning("grpc_max_streams", "refusing calls: %d open (--grpc-max-streams)",
-                           len(self._sessions) + self._generates)
+        self._warn.warning(
+            "grpc_max_streams",
+            "refusing calls: %d open (--grpc-max-streams)",
+            len(self._sessions) + self._generates,
+        )
         await end_call(context, STATUS[failure.code], failure.message)
         return True
 
     async def _serve(self, session: StreamSession) -> None:
         stalled = functools.partial(self._stalled, session)
         while (msg := await session.next_message()) is not None:
-            if isinstance(msg, Failure):  # the stream itself is broken or idle: end every request, then it
+            if isinstance(
+                msg, Failure
+            ):  # the stream itself is broken or idle: end every request, then it
                 await self._end(session, msg)
                 return
             if not await self._write(session.context, msg, stalled):
                 return
 
-    async def _write(self, context: grpc.aio.ServicerContext, msg: pb.ServerMessage,
-                     stalled: Callable[[], None]) -> bool:
+    async def _write(
+        self, context: grpc.aio.ServicerContext, msg: pb.ServerMessage, stalled: Callable[[], None]
+    ) -> bool:
         """Write one message; False when the call is over (client gone, or stalled and ended).
 
         A write still blocked after `stream_stall_s` (a client that reads nothing) calls `stalled`,
@@ -115,18 +129,30 @@ class SloserveService(pb_grpc.SloserveServicer):
             timer.cancel()
 
     def _stalled(self, session: StreamSession) -> None:
-        self._warn.warning("grpc_stream_stalled", "ending a Stream whose client reads nothing (%s)",
-                           session.context.peer())
+        self._warn.warning(
+            "grpc_stream_stalled",
+            "ending a Stream whose client reads nothing (%s)",
+            session.context.peer(),
+        )
         session.drop_queued()
-        session.out.put_nowait(None)  # should the blocked write go out after all, nothing follows it
-        session.ending = asyncio.create_task(self._end(session, limits.stalled(self.config), write=False))
+        session.out.put_nowait(
+            None
+        )  # should the blocked write go out after all, nothing follows it
+        session.ending = asyncio.create_task(
+            self._end(session, limits.stalled(self.config), write=False)
+        )
 
     async def _end(self, session: StreamSession, failure: Failure, *, write: bool = True) -> None:
         """End the call with `failure`'s status; each live request first gets a RequestError (if `write`)."""
         if failure.limit is not None:
             self.frontend.limit_refused(failure.limit)
-        errors = session.fail_live(Failure(failure.code, failure.reason, "this request was ended because its "
-                                           f"stream broke: {failure.message}"))
+        errors = session.fail_live(
+            Failure(
+                failure.code,
+                failure.reason,
+                f"this request was ended because its stream broke: {failure.message}",
+            )
+        )
         stalled = functools.partial(self._stalled, session)
         for error in errors if write else ():
             if not await self._write(session.context, error, stalled):
@@ -143,13 +169,18 @@ class SloserveService(pb_grpc.SloserveServicer):
         finally:
             self._generates -= 1
 
-    async def _generate(self, request: pb.GenerateRequest | Undecodable, context, arrival: float) -> None:
+    async def _generate(
+        self, request: pb.GenerateRequest | Undecodable, context, arrival: float
+    ) -> None:
         try:
             if isinstance(request, Undecodable):
                 raise InvalidRequestError(request.message)
             limits.check_request_id(request.request_id, self.config)
-            parsed = from_pb(request, default_max_tokens=self.frontend.default_max_tokens,
-                             time_remaining=context.time_remaining())
+            parsed = from_pb(
+                request,
+                default_max_tokens=self.frontend.default_max_tokens,
+                time_remaining=context.time_remaining(),
+            )
             self.frontend.check(parsed)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             failure = self.frontend.failure(exc)
@@ -160,8 +191,11 @@ class SloserveService(pb_grpc.SloserveServicer):
         def stalled() -> None:
             failure = limits.stalled(self.config)
             self.frontend.limit_refused(failure.limit)
-            self._warn.warning("grpc_stream_stalled", "ending a Generate call whose client reads nothing (%s)",
-                               context.peer())
+            self._warn.warning(
+                "grpc_stream_stalled",
+                "ending a Generate call whose client reads nothing (%s)",
+                context.peer(),
+            )
             ending.append(asyncio.create_task(_abort(context, failure)))
 
         handle = RequestHandle(f"g-{uuid.uuid4().hex}:{request.request_id}", arrival)
@@ -170,8 +204,11 @@ class SloserveService(pb_grpc.SloserveServicer):
                 if isinstance(event, Failure):
                     await end_call(context, STATUS[event.code], event.message)
                     return
-                msg = chunk_pb(request.request_id, event) if isinstance(event, Tokens) else final_pb(
-                    request.request_id, event)
+                msg = (
+                    chunk_pb(request.request_id, event)
+                    if isinstance(event, Tokens)
+                    else final_pb(request.request_id, event)
+                )
                 if not await self._write(context, msg, stalled):
                     break
         for task in ending:
@@ -182,10 +219,15 @@ class SloserveService(pb_grpc.SloserveServicer):
             await end_call(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return pb.InfoResponse()  # only when the call was already over
         frontend = self.frontend
-        return info_pb(frontend.config.model.path, dict(frontend.engine.model_info), frontend.engine.stats(),
-                       frontend.state, version=__version__,
-                       max_prompt_tokens=frontend.config.server.max_prompt_tokens,
-                       max_tokens_limit=frontend.config.server.max_tokens_limit)
+        return info_pb(
+            frontend.config.model.path,
+            dict(frontend.engine.model_info),
+            frontend.engine.stats(),
+            frontend.state,
+            version=__version__,
+            max_prompt_tokens=frontend.config.server.max_prompt_tokens,
+            max_tokens_limit=frontend.config.server.max_tokens_limit,
+        )
 
 
 async def _abort(context: grpc.aio.ServicerContext, failure: Failure) -> None:

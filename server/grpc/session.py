@@ -58,7 +58,12 @@ class StreamSession:
     blocked write times out (the servicer's `--grpc-stream-stall-timeout`).
     """
 
-    def __init__(self, frontend: Frontend, context: grpc.aio.ServicerContext, config: GrpcConfig | None = None) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        context: grpc.aio.ServicerContext,
+        config: GrpcConfig | None = None,
+    ) -> None:
         self.frontend = frontend
         self.context = context
         self.config = config or GrpcConfig()
@@ -68,16 +73,22 @@ class StreamSession:
         self._room.set()
         self.last_read = time.monotonic()  # when the client's last message was read
         self.ending: asyncio.Task | None = None  # the task that ends a stalled stream
-        self._waiting_chunks: dict[str, pb.ServerMessage] = {}  # client id -> its chunk queued on `out`
+        self._waiting_chunks: dict[
+            str, pb.ServerMessage
+        ] = {}  # client id -> its chunk queued on `out`
         self.live: dict[str, _Live] = {}  # client id -> its state
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def read(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable]) -> None:
         try:
             async for msg in request_iterator:
-                arrival = self.last_read = time.monotonic()  # the one arrival stamp of a request read now
+                arrival = self.last_read = (
+                    time.monotonic()
+                )  # the one arrival stamp of a request read now
                 if isinstance(msg, Undecodable):
-                    self.out.put_nowait(Failure(FailureCode.INVALID_ARGUMENT, "undecodable", msg.message))
+                    self.out.put_nowait(
+                        Failure(FailureCode.INVALID_ARGUMENT, "undecodable", msg.message)
+                    )
                     return
                 kind = msg.WhichOneof("kind")
                 if kind == "generate":
@@ -85,19 +96,32 @@ class StreamSession:
                 elif kind == "cancel":
                     self.cancel(msg.cancel.request_id)
                 else:
-                    self.reject("", InvalidRequestError("empty ClientMessage: set generate or cancel"))
-                if self.out.qsize() >= self.config.stream_queue:  # back-pressure: read on once it drains
+                    self.reject(
+                        "", InvalidRequestError("empty ClientMessage: set generate or cancel")
+                    )
+                if (
+                    self.out.qsize() >= self.config.stream_queue
+                ):  # back-pressure: read on once it drains
                     self._room.clear()
                     await self._room.wait()
             # The client half-closed: let the live requests finish, then end the stream.
             while self.live:
-                await asyncio.gather(*(entry.task for entry in list(self.live.values()) if entry.task),
-                                     return_exceptions=True)
+                await asyncio.gather(
+                    *(entry.task for entry in list(self.live.values()) if entry.task),
+                    return_exceptions=True,
+                )
         except asyncio.CancelledError:
             raise
-        except DecodeError as exc:  # registered without the lenient parsers of sloserve.grpc.handlers
-            self.out.put_nowait(Failure(FailureCode.INVALID_ARGUMENT, "undecodable",
-                                        Undecodable(pb.ClientMessage.DESCRIPTOR.full_name, str(exc)).message))
+        except (
+            DecodeError
+        ) as exc:  # registered without the lenient parsers of sloserve.grpc.handlers
+            self.out.put_nowait(
+                Failure(
+                    FailureCode.INVALID_ARGUMENT,
+                    "undecodable",
+                    Undecodable(pb.ClientMessage.DESCRIPTOR.full_name, str(exc)).message,
+                )
+            )
             return
         except Exception as exc:  # noqa: BLE001 - a broken read ends the stream, not the server
             log.info("stream read ended: %s", exc)
@@ -111,16 +135,24 @@ class StreamSession:
             self.reject("", exc)
             return
         if req.request_id in self.live:
-            self.reject("", InvalidRequestError(
-                f"request_id {req.request_id!r} is already live on this stream; that request goes on "
-                "unaffected; use a new id"), reason="duplicate_id")
+            self.reject(
+                "",
+                InvalidRequestError(
+                    f"request_id {req.request_id!r} is already live on this stream; that request goes on "
+                    "unaffected; use a new id"
+                ),
+                reason="duplicate_id",
+            )
             return
         if len(self.live) >= self.config.max_requests_per_stream:
             self.reject(req.request_id, limits.too_many_requests(self.config))
             return
         try:
-            parsed = from_pb(req, default_max_tokens=self.frontend.default_max_tokens,
-                             time_remaining=self.context.time_remaining())
+            parsed = from_pb(
+                req,
+                default_max_tokens=self.frontend.default_max_tokens,
+                time_remaining=self.context.time_remaining(),
+            )
             self.frontend.check(parsed)
         except Exception as exc:  # noqa: BLE001
             self.reject(req.request_id, exc)
@@ -140,9 +172,13 @@ class StreamSession:
         if entry is not None:
             self.frontend.cancel(entry.handle)  # its task sends the Final
         elif request_id not in self.recent:
-            self.reject("", InvalidRequestError(
-                f"cannot cancel {request_id!r}: no live request has that id on this stream"),
-                reason="unknown_id")
+            self.reject(
+                "",
+                InvalidRequestError(
+                    f"cannot cancel {request_id!r}: no live request has that id on this stream"
+                ),
+                reason="unknown_id",
+            )
 
     def reject(self, request_id: str, exc: BaseException, reason: str | None = None) -> None:
         self.out.put_nowait(error_pb(request_id, self.frontend.failure(exc, reason)))

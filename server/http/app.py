@@ -55,19 +55,23 @@ class HttpApi:
         self._template: ChatTemplate | None = None
         self._template_resolved = False
         self.tokenization = Tokenization(self.frontend, self._render)
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self.create_completion, methods=["POST"]),
-            Route("/v1/chat/completions", self.create_chat_completion, methods=["POST"]),
-            Route("/v1/models", self.list_models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/detokenize", self.detokenize, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/version", self.version, methods=["GET"]),
-            Route("/server_info", self.server_info, methods=["GET"]),
-            Route("/model_info", self.model_info, methods=["GET"]),
-        ], exception_handlers={404: _not_found, 405: _not_allowed}, middleware=[Middleware(RequestIdMiddleware)])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.create_completion, methods=["POST"]),
+                Route("/v1/chat/completions", self.create_chat_completion, methods=["POST"]),
+                Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                Route("/server_info", self.server_info, methods=["GET"]),
+                Route("/model_info", self.model_info, methods=["GET"]),
+            ],
+            exception_handlers={404: _not_found, 405: _not_allowed},
+            middleware=[Middleware(RequestIdMiddleware)],
+        )
 
     # ---- generation ------------------------------------------------------------------------
     async def create_completion(self, request: Request) -> Response:
@@ -77,7 +81,9 @@ class HttpApi:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        arrival = time.monotonic()  # the one arrival stamp: every time of the request counts from here
+        arrival = (
+            time.monotonic()
+        )  # the one arrival stamp: every time of the request counts from here
         frontend = self.frontend
         try:
             self.auth.check(request.headers.get("authorization"))
@@ -88,21 +94,33 @@ class HttpApi:
             # OpenAI's API does; the engine ends it at the context length. Completions keep the short default.
             default = frontend.limits.max_tokens_limit if chat else frontend.default_max_tokens
             common = {"model": self.model, "default_max_tokens": default, "slo": slo}
-            req = (parse_chat(body, self._render, **common) if chat else parse_completion(body, **common))
+            req = (
+                parse_chat(body, self._render, **common)
+                if chat
+                else parse_completion(body, **common)
+            )
             frontend.check(req.parsed, req.prompts or ())
         except HttpError as exc:
             if exc.status == 400:
-                frontend.count_failure(Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc)))
+                frontend.count_failure(
+                    Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+                )
             return http_error_response(exc)
         except ClientDisconnect:  # gone mid-body (or cut by --http-body-timeout): nothing to answer
-            _notices.log(logging.INFO, "disconnect", "an HTTP client went away before its request body arrived")
+            _notices.log(
+                logging.INFO,
+                "disconnect",
+                "an HTTP client went away before its request body arrived",
+            )
             if frontend.metrics is not None:
                 frontend.metrics.request_done("cancelled")
             return Response(status_code=499)  # never sent: the connection is gone
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             return failure_response(frontend.failure(exc), chat=chat)
         engine_id = f"http-{request.scope.get(GENERATED) or uuid.uuid4().hex}"
-        if client_id := request.headers.get("x-request-id"):  # the caller's id, for logs and tracing
+        if client_id := request.headers.get(
+            "x-request-id"
+        ):  # the caller's id, for logs and tracing
             engine_id += f":{client_id[:128]}"
         handle = RequestHandle(engine_id, arrival)
         return await self.completions.respond(request, handle, req, self._shape(chat, req))
@@ -113,10 +131,20 @@ class HttpApi:
         logprobs = LogprobFormat(tokenizer.decode) if req.logprobs else None
         echo = None
         if req.echo:
-            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts or [req.parsed.prompt]]
+            texts = [
+                p if isinstance(p, str) else tokenizer.decode(p)
+                for p in req.prompts or [req.parsed.prompt]
+            ]
             echo = texts if req.prompts else texts[0]
-        return Shape(chat, self.model, req.return_token_ids, logprobs, echo, req.include_usage,
-                     tools=req.tools is not None)
+        return Shape(
+            chat,
+            self.model,
+            req.return_token_ids,
+            logprobs,
+            echo,
+            req.include_usage,
+            tools=req.tools is not None,
+        )
 
     def _render(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> str:
         template = self._chat_template()
@@ -126,8 +154,12 @@ class HttpApi:
             return template.render(messages, **options)
         prompt = template.render(messages, tools=tools, **options)
         if prompt == template.render(messages, **options):  # the model would never see them
-            raise HttpError(400, f"tools: this model's chat template ({template.origin}) does not render tools; "
-                            "start the server with a --chat-template that does, or omit tools", param="tools")
+            raise HttpError(
+                400,
+                f"tools: this model's chat template ({template.origin}) does not render tools; "
+                "start the server with a --chat-template that does, or omit tools",
+                param="tools",
+            )
         return prompt
 
     def _chat_template(self) -> ChatTemplate | None:
@@ -178,14 +210,23 @@ class HttpApi:
             return http_error_response(exc)
         requested = request.path_params["model"]
         if requested != self.model:
-            return error_response(404, f"model {requested!r} is not served here; this server serves {self.model!r}",
-                                  param="model", code="model_not_found")
+            return error_response(
+                404,
+                f"model {requested!r} is not served here; this server serves {self.model!r}",
+                param="model",
+                code="model_not_found",
+            )
         return _json(self._model_card())
 
     def _model_card(self) -> dict:
         max_len = int(self.frontend.engine.model_info.get("max_model_len") or 0) or None
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sloserve",
-                "max_model_len": max_len}
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "sloserve",
+            "max_model_len": max_len,
+        }
 
     # ---- tokens ----------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -203,8 +244,12 @@ class HttpApi:
                 raise HttpError(400, "the request body must be a JSON object")
             requested = body.get("model")
             if requested is not None and requested != self.model:
-                raise HttpError(404, f"model {requested!r} is not served here; this server serves {self.model!r}",
-                                param="model", code="model_not_found")
+                raise HttpError(
+                    404,
+                    f"model {requested!r} is not served here; this server serves {self.model!r}",
+                    param="model",
+                    code="model_not_found",
+                )
             return _json(answer(body))
         except HttpError as exc:
             return http_error_response(exc)
@@ -223,9 +268,15 @@ class HttpApi:
         """The Prometheus text; with --metrics-token, only to a scrape that sends it as a bearer token."""
         token = self.config.server.metrics_token
         if token is not None and not bearer_matches(request.headers.get("authorization"), token):
-            return error_response(401, "missing or wrong bearer token: scrape /metrics with "
-                                  "'Authorization: Bearer <--metrics-token>'", code="invalid_token")
-        return Response(generate_latest(self.lifecycle.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            return error_response(
+                401,
+                "missing or wrong bearer token: scrape /metrics with "
+                "'Authorization: Bearer <--metrics-token>'",
+                code="invalid_token",
+            )
+        return Response(
+            generate_latest(self.lifecycle.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
 
     async def version(self, request: Request) -> Response:
         return _json({"version": __version__})
@@ -241,14 +292,22 @@ class HttpApi:
         if failure is not None:
             return failure
         blocks, block = info.get("num_kv_blocks"), info.get("block_size")
-        return _json(_present({
-            "model_path": info.get("model"), "tokenizer_path": info.get("model"),
-            "served_model_name": self.model, "version": __version__,
-            "context_length": info.get("max_model_len"),
-            "max_total_tokens": blocks * block if blocks and block else None,  # the KV pool, in tokens
-            "max_running_requests": self.config.scheduler.max_batch,
-            "tp_size": self.config.parallel.tensor_parallel_size,
-        }))
+        return _json(
+            _present(
+                {
+                    "model_path": info.get("model"),
+                    "tokenizer_path": info.get("model"),
+                    "served_model_name": self.model,
+                    "version": __version__,
+                    "context_length": info.get("max_model_len"),
+                    "max_total_tokens": blocks * block
+                    if blocks and block
+                    else None,  # the KV pool, in tokens
+                    "max_running_requests": self.config.scheduler.max_batch,
+                    "tp_size": self.config.parallel.tensor_parallel_size,
+                }
+            )
+        )
 
     async def model_info(self, request: Request) -> Response:
         """The loaded checkpoint (SGLang's /model_info field names)."""
@@ -256,10 +315,16 @@ class HttpApi:
         if failure is not None:
             return failure
         architecture = info.get("architecture")
-        return _json(_present({
-            "model_path": info.get("model"), "tokenizer_path": info.get("model"), "is_generation": True,
-            "architectures": [architecture] if architecture else None,
-        }))
+        return _json(
+            _present(
+                {
+                    "model_path": info.get("model"),
+                    "tokenizer_path": info.get("model"),
+                    "is_generation": True,
+                    "architectures": [architecture] if architecture else None,
+                }
+            )
+        )
 
     def _loaded_info(self, request: Request) -> tuple[dict, Response | None]:
         """The engine's model_info, or the error to answer: 401 without the token, 503 before loading."""
@@ -268,14 +333,18 @@ class HttpApi:
         except HttpError as exc:
             return {}, http_error_response(exc)
         if not self.frontend.engine.ready:
-            return {}, error_response(503, "the model is still loading; retry when /health says 200",
-                                      code="not_ready")
+            return {}, error_response(
+                503, "the model is still loading; retry when /health says 200", code="not_ready"
+            )
         return dict(self.frontend.engine.model_info), None
 
 
 def _too_large(size: str, limit: int) -> HttpError:
-    return HttpError(413, f"the request body has {size}, over this server's limit of {limit} "
-                     "(--http-max-body-size)", code="body_too_large")
+    return HttpError(
+        413,
+        f"the request body has {size}, over this server's limit of {limit} (--http-max-body-size)",
+        code="body_too_large",
+    )
 
 
 def _json(payload: dict) -> Response:
@@ -288,9 +357,12 @@ def _present(fields: dict) -> dict:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return error_response(404, f"no route {request.url.path}: this server answers /v1/completions, "
-                          "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version, "
-                          "/server_info and /model_info")
+    return error_response(
+        404,
+        f"no route {request.url.path}: this server answers /v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version, "
+        "/server_info and /model_info",
+    )
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:

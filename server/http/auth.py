@@ -16,8 +16,14 @@ class BearerAuth:
         if self._token is None:
             return
         if authorization is None:
-            raise HttpError(401, "missing bearer token: send the header 'Authorization: Bearer <token>'",
-                            code="missing_token")
+            raise HttpError(
+                401,
+                "missing bearer token: send the header 'Authorization: Bearer <token>'",
+                code="missing_token",
+            )
         if not bearer_matches(authorization, self._token):
-            raise HttpError(401, "wrong bearer token: check the token given to the server with --auth-token",
-                            code="invalid_token")
+            raise HttpError(
+                401,
+                "wrong bearer token: check the token given to the server with --auth-token",
+                code="invalid_token",
+            )

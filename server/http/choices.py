@@ -39,14 +39,21 @@ class Choices:
     def __init__(self, owner: Any, handle: RequestHandle, req: CompletionRequest) -> None:
         self.owner = owner
         n = req.parsed.n
-        requests = [choice_request(req.for_prompt(p), j) for p in range(len(req.prompts or ()) or 1)
-                    for j in range(n)]
-        self.handles = [RequestHandle(f"{handle.engine_id}-{i}", handle.arrival) for i in range(len(requests))]
+        requests = [
+            choice_request(req.for_prompt(p), j)
+            for p in range(len(req.prompts or ()) or 1)
+            for j in range(n)
+        ]
+        self.handles = [
+            RequestHandle(f"{handle.engine_id}-{i}", handle.arrival) for i in range(len(requests))
+        ]
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         for h in self.handles:
             owner.live[h.engine_id] = h
-        self.tasks = [asyncio.create_task(self._pump(i, h, parsed))
-                      for i, (h, parsed) in enumerate(zip(self.handles, requests, strict=True))]
+        self.tasks = [
+            asyncio.create_task(self._pump(i, h, parsed))
+            for i, (h, parsed) in enumerate(zip(self.handles, requests, strict=True))
+        ]
 
     async def _pump(self, index: int, handle: RequestHandle, parsed: ParsedRequest) -> None:
         async with contextlib.aclosing(self.owner.frontend.run(handle, parsed)) as events:
@@ -66,8 +73,15 @@ class Choices:
             self.owner.live.pop(h.engine_id, None)
 
 
-async def respond_n(owner: Any, handle: RequestHandle, req: CompletionRequest, shape: Shape, *,
-                    watch: Callable[[Callable[[], None]], asyncio.Task], shutdown: Failure) -> Response:
+async def respond_n(
+    owner: Any,
+    handle: RequestHandle,
+    req: CompletionRequest,
+    shape: Shape,
+    *,
+    watch: Callable[[Callable[[], None]], asyncio.Task],
+    shutdown: Failure,
+) -> Response:
     """The response of a request with n > 1 choices or a list of prompts (see the module docstring).
     owner: the edge's Completions; watch(on_disconnect): the task that watches for the client going away."""
     choices = Choices(owner, handle, req)
@@ -81,7 +95,9 @@ async def respond_n(owner: Any, handle: RequestHandle, req: CompletionRequest, s
             return failure_response(first[1])
         if req.stream:
             streaming = True
-            return sse.EventStream(_stream(choices, first, req, shapes, owner, shutdown), watcher, choices.close)
+            return sse.EventStream(
+                _stream(choices, first, req, shapes, owner, shutdown), watcher, choices.close
+            )
         texts: list[list[str]] = [[] for _ in shapes]
         ids: list[list[int]] = [[] for _ in shapes]
         logprobs: list[list] = [[] for _ in shapes]
@@ -105,8 +121,12 @@ async def respond_n(owner: Any, handle: RequestHandle, req: CompletionRequest, s
                 if all(d is not None for d in done):
                     break
             item = await choices.queue.get()
-        bodies = [s.full("".join(t), d_ids, d, lp if req.logprobs else None, p)
-                  for s, t, d_ids, d, lp, p in zip(shapes, texts, ids, done, logprobs, prompts, strict=True)]
+        bodies = [
+            s.full("".join(t), d_ids, d, lp if req.logprobs else None, p)
+            for s, t, d_ids, d, lp, p in zip(
+                shapes, texts, ids, done, logprobs, prompts, strict=True
+            )
+        ]
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
         body["usage"] = combined_usage(done, n)
@@ -117,8 +137,14 @@ async def respond_n(owner: Any, handle: RequestHandle, req: CompletionRequest, s
             await choices.close()
 
 
-async def _stream(choices: Choices, first: tuple[int, Any], req: CompletionRequest, shapes: list[Shape],
-                  owner: Any, shutdown: Failure) -> AsyncIterator[bytes]:
+async def _stream(
+    choices: Choices,
+    first: tuple[int, Any],
+    req: CompletionRequest,
+    shapes: list[Shape],
+    owner: Any,
+    shutdown: Failure,
+) -> AsyncIterator[bytes]:
     """Every choice's chunks as they come (each with its index), then the usage, then [DONE]."""
     opened = [False] * len(shapes)
     done: list[Finished | None] = [None] * len(shapes)
@@ -160,5 +186,9 @@ def combined_usage(done: list[Finished], n: int) -> dict:
     firsts = done[::n]  # the first choice of each prompt
     prompt = sum(d.prompt_tokens for d in firsts)
     completion = sum(d.completion_tokens for d in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
+    }

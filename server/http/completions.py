@@ -24,8 +24,12 @@ from starlette.responses import Response, StreamingResponse
 log = logging.getLogger(__name__)
 _notices = Throttled(log)
 
-SHUTDOWN = Failure(FailureCode.UNAVAILABLE, "shutdown", "the server shut down before this request finished "
-                   "(drain grace period over); retry it on another replica")
+SHUTDOWN = Failure(
+    FailureCode.UNAVAILABLE,
+    "shutdown",
+    "the server shut down before this request finished "
+    "(drain grace period over); retry it on another replica",
+)
 
 
 class Completions:
@@ -51,14 +55,23 @@ class Completions:
         for handle in list(self.live.values()):
             self.frontend.cancel(handle)
 
-    async def respond(self, request: Request, handle: RequestHandle, req: CompletionRequest,
-                      shape: Shape) -> Response:
+    async def respond(
+        self, request: Request, handle: RequestHandle, req: CompletionRequest, shape: Shape
+    ) -> Response:
         if req.parsed.n > 1 or req.prompts:
-            return await respond_n(self, handle, req, shape, shutdown=SHUTDOWN,
-                                   watch=lambda cancel: asyncio.create_task(_disconnected(request.receive, cancel)))
+            return await respond_n(
+                self,
+                handle,
+                req,
+                shape,
+                shutdown=SHUTDOWN,
+                watch=lambda cancel: asyncio.create_task(_disconnected(request.receive, cancel)),
+            )
         events = self.frontend.run(handle, req.parsed)
         self.live[handle.engine_id] = handle
-        watcher = asyncio.create_task(_disconnected(request.receive, lambda: self.frontend.cancel(handle)))
+        watcher = asyncio.create_task(
+            _disconnected(request.receive, lambda: self.frontend.cancel(handle))
+        )
         streaming = False
         try:
             first = await anext(events)
@@ -67,12 +80,19 @@ class Completions:
             if req.stream and isinstance(first, Tokens):
                 streaming = True  # the stream owns the events and the watcher from here
 
-                async def close() -> None:  # the client went away: the front end aborts it in the engine
+                async def close() -> (
+                    None
+                ):  # the client went away: the front end aborts it in the engine
                     self.streams.discard(stream)
                     await events.aclose()
                     self.live.pop(handle.engine_id, None)
-                stream = sse.EventStream(self._stream(events, first, req, shape), watcher, close,
-                                         functools.partial(self._stalled, handle.engine_id))
+
+                stream = sse.EventStream(
+                    self._stream(events, first, req, shape),
+                    watcher,
+                    close,
+                    functools.partial(self._stalled, handle.engine_id),
+                )
                 self._watch(stream)
                 return stream
             return await self._whole(events, first, req, shape)
@@ -99,12 +119,20 @@ class Completions:
                     stream.stall()
 
     def _stalled(self, engine_id: str) -> None:
-        _notices.log(logging.WARNING, "stall", "aborted request %s: its client read none of its stream for "
-                     "%g s (--http-stream-stall-timeout)", engine_id, self.stall_s)
+        _notices.log(
+            logging.WARNING,
+            "stall",
+            "aborted request %s: its client read none of its stream for "
+            "%g s (--http-stream-stall-timeout)",
+            engine_id,
+            self.stall_s,
+        )
         if self.frontend.metrics is not None:
             self.frontend.metrics.limit_refused("http_stream_stall")
 
-    async def _whole(self, events: AsyncIterator[Any], event: Any, req: CompletionRequest, shape: Shape) -> Response:
+    async def _whole(
+        self, events: AsyncIterator[Any], event: Any, req: CompletionRequest, shape: Shape
+    ) -> Response:
         """Collect a request's tokens into one response (or a stream that ended before its first token)."""
         texts, ids, logprobs, prompt = [], [], [], None
         while isinstance(event, Tokens):
@@ -119,11 +147,16 @@ class Completions:
         if self.shutting_down and event.finish_reason == "cancelled":
             return failure_response(SHUTDOWN)
         if req.stream:  # finished without a token (e.g. a stop token first)
-            return StreamingResponse(_replay(shape, event, req), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        return _json(shape.full("".join(texts), ids, event, logprobs if req.logprobs else None, prompt))
+            return StreamingResponse(
+                _replay(shape, event, req), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS
+            )
+        return _json(
+            shape.full("".join(texts), ids, event, logprobs if req.logprobs else None, prompt)
+        )
 
-    async def _stream(self, events: AsyncIterator[Any], first: Tokens, req: CompletionRequest,
-                      shape: Shape) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, events: AsyncIterator[Any], first: Tokens, req: CompletionRequest, shape: Shape
+    ) -> AsyncIterator[bytes]:
         opening = shape.first()
         head = sse.event(opening) if opening is not None else b""
         yield head + sse.event(shape.delta(first.text, first.token_ids, first))

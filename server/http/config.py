@@ -36,12 +36,16 @@ class HttpConfig:
         if self.max_connections < 1:
             raise ValueError(f"--http-max-connections must be >= 1, got {self.max_connections}")
         if self.max_header_bytes < 1024:
-            raise ValueError(f"--http-max-header-size must be >= 1KiB, got {self.max_header_bytes} bytes")
+            raise ValueError(
+                f"--http-max-header-size must be >= 1KiB, got {self.max_header_bytes} bytes"
+            )
         if self.max_body_bytes < 1:
             raise ValueError(f"--http-max-body-size must be > 0 bytes, got {self.max_body_bytes}")
-        for flag, seconds in (("--http-header-timeout", self.header_timeout_s),
-                              ("--http-body-timeout", self.body_timeout_s),
-                              ("--http-keep-alive", self.keep_alive_s),
-                              ("--http-stream-stall-timeout", self.stream_stall_s)):
+        for flag, seconds in (
+            ("--http-header-timeout", self.header_timeout_s),
+            ("--http-body-timeout", self.body_timeout_s),
+            ("--http-keep-alive", self.keep_alive_s),
+            ("--http-stream-stall-timeout", self.stream_stall_s),
+        ):
             if not (math.isfinite(seconds) and 0 < seconds <= 3600):
                 raise ValueError(f"{flag} must be in (0, 3600] seconds, got {seconds}")

@@ -14,9 +14,17 @@ STATUS = {  # the one place a front-end failure becomes an HTTP status
     FailureCode.INTERNAL: 500,
 }
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
 
 RETRY_AFTER_S = 1  # a refusal for load: the queue turns over in about a second on any device
 # Refusals a retry of the same request cannot fix: its objective cannot be met, or its deadline passed.
@@ -29,21 +37,38 @@ CONTEXT_LENGTH = "context_length_exceeded"
 class HttpError(Exception):
     """An error answered before a request reached the front end (auth, JSON, a bad field)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict:
     """{"error": {message, type, param, code}} as the OpenAI API answers."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Response:
-    return Response(orjson.dumps(error_body(status, message, param=param, code=code)), status_code=status,
-                    headers=retry_headers(status, code), media_type="application/json")
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(error_body(status, message, param=param, code=code)),
+        status_code=status,
+        headers=retry_headers(status, code),
+        media_type="application/json",
+    )
 
 
 def retry_headers(status: int, code: str | None) -> dict[str, str]:

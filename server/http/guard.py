@@ -44,8 +44,10 @@ _notices = Throttled(log)
 def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 response in OpenAI's error shape that closes the connection."""
     body = orjson.dumps(error_body(status, message, code=code))
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n"
+    )
     if status == 503:
         head += "retry-after: 1\r\n"
     return head.encode() + b"\r\n" + body
@@ -74,10 +76,21 @@ class GuardedProtocol(HttpToolsProtocol):
     def _refuse(self, transport: asyncio.Transport) -> None:
         cap = self.limits.max_connections
         self.refused("http_connections")
-        _notices.log(logging.WARNING, "connections", "refused an HTTP connection: %d are open, the limit "
-                     "(--http-max-connections)", cap)
-        transport.write(_raw_response(503, "Service Unavailable", f"this server holds at most {cap} HTTP "
-                                      "connections (--http-max-connections); retry later", "too_many_connections"))
+        _notices.log(
+            logging.WARNING,
+            "connections",
+            "refused an HTTP connection: %d are open, the limit (--http-max-connections)",
+            cap,
+        )
+        transport.write(
+            _raw_response(
+                503,
+                "Service Unavailable",
+                f"this server holds at most {cap} HTTP "
+                "connections (--http-max-connections); retry later",
+                "too_many_connections",
+            )
+        )
         transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -108,16 +121,30 @@ class GuardedProtocol(HttpToolsProtocol):
         cap = self.limits.max_header_bytes
         self._disarm()
         self.refused("http_header_size")
-        _notices.log(logging.WARNING, "header_size", "closed an HTTP connection from %s: its request line and "
-                     "headers passed %d bytes (--http-max-header-size)", _peer(self.client), cap)
-        self.transport.write(_raw_response(431, "Request Header Fields Too Large", f"the request line and headers "
-                                           f"passed {cap} bytes (--http-max-header-size)", "headers_too_large"))
+        _notices.log(
+            logging.WARNING,
+            "header_size",
+            "closed an HTTP connection from %s: its request line and "
+            "headers passed %d bytes (--http-max-header-size)",
+            _peer(self.client),
+            cap,
+        )
+        self.transport.write(
+            _raw_response(
+                431,
+                "Request Header Fields Too Large",
+                f"the request line and headers passed {cap} bytes (--http-max-header-size)",
+                "headers_too_large",
+            )
+        )
         self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._begun += 1
-        if self._phase != "header":  # a request after the first (kept alive, or pipelined behind a response)
+        if (
+            self._phase != "header"
+        ):  # a request after the first (kept alive, or pipelined behind a response)
             self._header_bytes = 0
             self._arm(self.limits.header_timeout_s, "header")
 
@@ -125,10 +152,18 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm()
         self._header_bytes = 0
         super().on_headers_complete()
-        if self.cycle is not None and self.cycle.scope is self.scope:  # the app may drop a stalled stream
-            self.scope["extensions"] = {ABORT_EXTENSION: functools.partial(_abort, self.cycle, self.transport)}
-        if not (self.pipeline and self.pipeline[0][0] is self.cycle):  # NOTE: a request queued behind
-            self._arm(self.limits.body_timeout_s, "body")  # another (pipelined) is not read: no clock
+        if (
+            self.cycle is not None and self.cycle.scope is self.scope
+        ):  # the app may drop a stalled stream
+            self.scope["extensions"] = {
+                ABORT_EXTENSION: functools.partial(_abort, self.cycle, self.transport)
+            }
+        if not (
+            self.pipeline and self.pipeline[0][0] is self.cycle
+        ):  # NOTE: a request queued behind
+            self._arm(
+                self.limits.body_timeout_s, "body"
+            )  # another (pipelined) is not read: no clock
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -153,9 +188,15 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         flag = f"--http-{phase}-timeout"
         self.refused(f"http_{phase}_timeout")
-        _notices.log(logging.WARNING, phase, "closed an HTTP connection from %s: its request %s did not "
-                     "arrive within %g s (%s)", _peer(self.client), "headers" if phase == "header" else "body",
-                     seconds, flag)
+        _notices.log(
+            logging.WARNING,
+            phase,
+            "closed an HTTP connection from %s: its request %s did not arrive within %g s (%s)",
+            _peer(self.client),
+            "headers" if phase == "header" else "body",
+            seconds,
+            flag,
+        )
         # a 408 only where no response is on the wire: not inside one a pipelined request waits behind,
         # nor after one the app already gave this request
         cycle = self.cycle
@@ -165,8 +206,14 @@ class GuardedProtocol(HttpToolsProtocol):
             quiet = cycle is not None and cycle.response_started
         if not quiet:
             what = "headers" if phase == "header" else "body"
-            self.transport.write(_raw_response(408, "Request Timeout", f"the request {what} did not arrive "
-                                               f"within {seconds:g} s ({flag})", f"{phase}_timeout"))
+            self.transport.write(
+                _raw_response(
+                    408,
+                    "Request Timeout",
+                    f"the request {what} did not arrive within {seconds:g} s ({flag})",
+                    f"{phase}_timeout",
+                )
+            )
         self.transport.close()  # the app, if it runs, reads a disconnect
 
 
@@ -183,4 +230,8 @@ def _peer(client: tuple[str, int] | None) -> str:
 
 def protocol_class(limits: HttpConfig, refused: Callable[[str], None]) -> type[GuardedProtocol]:
     """The protocol class uvicorn instantiates per connection, bound to these limits and counter."""
-    return type("GuardedHttpProtocol", (GuardedProtocol,), {"limits": limits, "refused": staticmethod(refused)})
+    return type(
+        "GuardedHttpProtocol",
+        (GuardedProtocol,),
+        {"limits": limits, "refused": staticmethod(refused)},
+    )

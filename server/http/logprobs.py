@@ -22,8 +22,15 @@ class LogprobFormat:
 
     def chat(self, entries: list[Logprob]) -> dict:
         """{"content": [{token, logprob, bytes, top_logprobs}, ...]} of chat completions."""
-        return {"content": [{**self._chat_entry(e.token_id, e.logprob),
-                             "top_logprobs": [self._chat_entry(t, v) for t, v in e.top]} for e in entries]}
+        return {
+            "content": [
+                {
+                    **self._chat_entry(e.token_id, e.logprob),
+                    "top_logprobs": [self._chat_entry(t, v) for t, v in e.top],
+                }
+                for e in entries
+            ]
+        }
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)
@@ -47,4 +54,9 @@ class LogprobFormat:
             top = {self.text(t): v for t, v in entry.top}
             top.setdefault(text, entry.logprob)
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }

@@ -17,11 +17,23 @@ _FINISH = {"stop": "stop", "length": "length"}  # anything else ('cancelled') ha
 class Shape:
     """How one request's responses look: completions (`text`) or chat (`message` / `delta`)."""
 
-    def __init__(self, chat: bool, model: str, token_ids: bool = False, logprobs: LogprobFormat | None = None,
-                 echo: str | list[str] | None = None, include_usage: bool = False, tools: bool = False) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        token_ids: bool = False,
+        logprobs: LogprobFormat | None = None,
+        echo: str | list[str] | None = None,
+        include_usage: bool = False,
+        tools: bool = False,
+    ) -> None:
         self.chat = chat
-        self.tools = ToolStream() if tools else None  # chat with tools: `<tool_call>` blocks become tool_calls
-        self.token_ids = token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
+        self.tools = (
+            ToolStream() if tools else None
+        )  # chat with tools: `<tool_call>` blocks become tool_calls
+        self.token_ids = (
+            token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
+        )
         self.logprobs = logprobs  # set when the request asked for logprobs
         # completions' echo: the prompt's text, put before the first text (a list of prompts: each one's)
         self._echoes = echo if isinstance(echo, list) else None
@@ -35,8 +47,14 @@ class Shape:
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def full(self, text: str, token_ids: list[int], done: Finished, logprobs: list[Logprob] | None = None,
-             prompt: Tokens | None = None) -> dict:
+    def full(
+        self,
+        text: str,
+        token_ids: list[int],
+        done: Finished,
+        logprobs: list[Logprob] | None = None,
+        prompt: Tokens | None = None,
+    ) -> dict:
         """The whole response of a request that was not streamed (`prompt`: the event with its prompt
         logprobs, when echo asked for them)."""
         lp = self._logprobs(text, token_ids, logprobs, prompt)
@@ -48,13 +66,29 @@ class Shape:
                 if calls:
                     message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
-            choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": reason}
+            choice = {
+                "index": self.index,
+                "message": message,
+                "logprobs": lp,
+                "finish_reason": reason,
+            }
         else:
-            choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": finish_reason(done)}
+            choice = {
+                "index": self.index,
+                "text": self._echoed(text),
+                "logprobs": lp,
+                "finish_reason": finish_reason(done),
+            }
         if self.token_ids:
             choice["token_ids"] = token_ids
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage(done)}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(done),
+        }
 
     def for_choice(self, index: int, prompt: int = 0) -> Shape:
         """A Shape of the same response for choice `index` of prompt `prompt` (its own echo and text offsets)."""
@@ -70,8 +104,14 @@ class Shape:
         """Chat's opening chunk carries the role (completions have none)."""
         if not self.chat:
             return None
-        return self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        return self._chunk(
+            {
+                "index": self.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
 
     def delta(self, text: str, token_ids: list[int], event: Tokens | None = None) -> dict:
         """A chunk of new text (`event`: the Tokens it came from, for its logprobs)."""
@@ -79,9 +119,19 @@ class Shape:
         if self.tools is not None:
             text = self.tools.feed(text)
         if self.chat:
-            choice = {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+            choice = {
+                "index": self.index,
+                "delta": {"content": text},
+                "logprobs": lp,
+                "finish_reason": None,
+            }
         else:
-            choice = {"index": self.index, "text": self._echoed(text), "logprobs": lp, "finish_reason": None}
+            choice = {
+                "index": self.index,
+                "text": self._echoed(text),
+                "logprobs": lp,
+                "finish_reason": None,
+            }
         if self.token_ids:
             choice["token_ids"] = token_ids
         return self._chunk(choice)
@@ -93,8 +143,9 @@ class Shape:
         echo, self.echo = self.echo, None
         return echo + text
 
-    def _logprobs(self, text: str, token_ids: list[int], logprobs: list[Logprob] | None,
-                  prompt: Tokens | None) -> dict | None:
+    def _logprobs(
+        self, text: str, token_ids: list[int], logprobs: list[Logprob] | None, prompt: Tokens | None
+    ) -> dict | None:
         """The choice's logprobs object for these tokens (completions: echo's prompt ones first)."""
         fmt = self.logprobs
         if fmt is None or logprobs is None:
@@ -102,7 +153,11 @@ class Shape:
         if self.chat:
             return fmt.chat(logprobs)
         entries, ids = list(logprobs), list(token_ids)
-        if prompt is not None and prompt.prompt_logprobs is not None and prompt.prompt_token_ids is not None:
+        if (
+            prompt is not None
+            and prompt.prompt_logprobs is not None
+            and prompt.prompt_token_ids is not None
+        ):
             entries, ids = [*prompt.prompt_logprobs, *entries], [*prompt.prompt_token_ids, *ids]
         out = fmt.completion(entries, ids, self._offset)
         self._offset += sum(len(t) for t in out["tokens"])
@@ -117,11 +172,23 @@ class Shape:
                 if rest:
                     delta["content"] = rest
                 if self.tools.calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self.tools.calls)]
+                    delta["tool_calls"] = [
+                        {"index": i, **call} for i, call in enumerate(self.tools.calls)
+                    ]
                     reason = "tool_calls" if reason == "stop" else reason
-            choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": self.index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
-            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
+            choice = {
+                "index": self.index,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": finish_reason(done),
+            }
         return self._chunk(choice)
 
     def usage_chunk(self, done: Finished) -> dict:
@@ -131,8 +198,13 @@ class Shape:
         return chunk
 
     def _chunk(self, choice: dict | None) -> dict:
-        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                 "choices": [] if choice is None else [choice]}
+        chunk = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [] if choice is None else [choice],
+        }
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -143,6 +215,9 @@ def finish_reason(done: Finished) -> str:
 
 
 def usage(done: Finished) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }

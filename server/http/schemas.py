@@ -39,18 +39,32 @@ class CompletionRequest:
     model: str
     stream: bool
     include_usage: bool
-    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+    return_token_ids: bool = (
+        False  # vLLM's extension: each choice (and chunk) carries its token ids
+    )
     echo: bool = False  # completions: the prompt leads the text (and its logprobs, with logprobs)
-    logprobs: bool = False  # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
-    tools: ToolRequest | None = None  # chat with tools: rendered by the template, calls parsed from the answer
-    prompts: list[str | list[int]] | None = None  # completions' list of prompts (parsed has the first); None: one
+    logprobs: bool = (
+        False  # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
+    )
+    tools: ToolRequest | None = (
+        None  # chat with tools: rendered by the template, calls parsed from the answer
+    )
+    prompts: list[str | list[int]] | None = (
+        None  # completions' list of prompts (parsed has the first); None: one
+    )
 
     def for_prompt(self, index: int) -> ParsedRequest:
         """The request of prompt `index` of a list of prompts (all share every other field)."""
-        return self.parsed if self.prompts is None else dataclasses.replace(self.parsed, prompt=self.prompts[index])
+        return (
+            self.parsed
+            if self.prompts is None
+            else dataclasses.replace(self.parsed, prompt=self.prompts[index])
+        )
 
 
-def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO | None) -> CompletionRequest:
+def parse_completion(
+    body: Any, *, model: str, default_max_tokens: int, slo: SLO | None
+) -> CompletionRequest:
     """A /v1/completions body: `prompt` is a string, token ids, or a list of either (one choice per
     prompt). max_tokens 0 with echo scores the prompt only (its logprobs; nothing is generated)."""
     body = _object(body)
@@ -62,12 +76,25 @@ def parse_completion(body: Any, *, model: str, default_max_tokens: int, slo: SLO
     prompt_logprobs = logprobs if echo else None
     zero = _asks_no_tokens(body)
     if zero and not echo:
-        raise _bad(zero, "must be >= 1, got 0 (0 only with echo: true, which returns the prompt and, with "
-                   "logprobs, its logprobs)")
+        raise _bad(
+            zero,
+            "must be >= 1, got 0 (0 only with echo: true, which returns the prompt and, with "
+            "logprobs, its logprobs)",
+        )
     if zero:
-        prompt_logprobs = logprobs or 0  # the engine scores the prompt; without logprobs none is shown
-    request = _request(body, prompts[0], model=model, default_max_tokens=default_max_tokens, slo=slo,
-                       logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_max_tokens=0 if zero else 1)
+        prompt_logprobs = (
+            logprobs or 0
+        )  # the engine scores the prompt; without logprobs none is shown
+    request = _request(
+        body,
+        prompts[0],
+        model=model,
+        default_max_tokens=default_max_tokens,
+        slo=slo,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        min_max_tokens=0 if zero else 1,
+    )
     request.echo = echo
     request.prompts = prompts if len(prompts) > 1 else None
     return request
@@ -80,9 +107,14 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list):
-        raise _bad("prompt", f"must be a string, a list of token ids, or a list of either, got {_kind(prompt)}")
+        raise _bad(
+            "prompt",
+            f"must be a string, a list of token ids, or a list of either, got {_kind(prompt)}",
+        )
     if not prompt:
-        raise _bad("prompt", "is an empty list: send a string, token ids, or a non-empty list of either")
+        raise _bad(
+            "prompt", "is an empty list: send a string, token ids, or a non-empty list of either"
+        )
     if not all(isinstance(p, str | list) for p in prompt):
         return [_token_ids("prompt", prompt)]
     for i, p in enumerate(prompt):
@@ -95,7 +127,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 def _asks_no_tokens(body: dict) -> str | None:
     """The field that asks for 0 tokens (max_completion_tokens wins over max_tokens), else None."""
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     return name if _int(body, name, None) == 0 else None
 
 
@@ -105,8 +139,9 @@ def _token_ids(field: str, ids: list) -> list[int]:
     return ids
 
 
-def parse_chat(body: Any, render: Callable[..., str], *, model: str, default_max_tokens: int,
-               slo: SLO | None) -> CompletionRequest:
+def parse_chat(
+    body: Any, render: Callable[..., str], *, model: str, default_max_tokens: int, slo: SLO | None
+) -> CompletionRequest:
     """A /v1/chat/completions body: `messages` (and `tools`) rendered to one prompt by `render` (the chat
     template), with add_generation_prompt, continue_final_message and chat_template_kwargs passed through."""
     body = _object(body)
@@ -116,9 +151,18 @@ def parse_chat(body: Any, render: Callable[..., str], *, model: str, default_max
     tools = parse_tools(body)
     prompt = render_messages(body, render, tools.tools if tools else None)
     logprobs = (top_logprobs or 0) if _bool(body, "logprobs", False) else None
-    request = _request(body, prompt, model=model, default_max_tokens=default_max_tokens, slo=slo, logprobs=logprobs,
-                       grammar=tools.grammar if tools else None)
-    request.parsed.add_special_tokens = _bool(body, "add_special_tokens", False)  # the template wrote them
+    request = _request(
+        body,
+        prompt,
+        model=model,
+        default_max_tokens=default_max_tokens,
+        slo=slo,
+        logprobs=logprobs,
+        grammar=tools.grammar if tools else None,
+    )
+    request.parsed.add_special_tokens = _bool(
+        body, "add_special_tokens", False
+    )  # the template wrote them
     request.tools = tools if tools and tools.parses else None
     return request
 
@@ -130,13 +174,17 @@ def render_messages(body: dict, render: Callable[..., str], tools: list[dict] | 
         raise _bad("messages", "is required: a non-empty list of {role, content} objects")
     clean = [_message(i, m) for i, m in enumerate(messages)]
     continue_final = _bool(body, "continue_final_message", False)
-    options = {"add_generation_prompt": _bool(body, "add_generation_prompt", not continue_final),
-               "continue_final_message": continue_final}
+    options = {
+        "add_generation_prompt": _bool(body, "add_generation_prompt", not continue_final),
+        "continue_final_message": continue_final,
+    }
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
-            raise _bad("chat_template_kwargs", f"must be an object such as {{\"enable_thinking\": false}}, "
-                       f"got {_kind(kwargs)}")
+            raise _bad(
+                "chat_template_kwargs",
+                f'must be an object such as {{"enable_thinking": false}}, got {_kind(kwargs)}',
+            )
         options["template_kwargs"] = kwargs
     if tools:
         options["tools"] = tools
@@ -144,7 +192,11 @@ def render_messages(body: dict, render: Callable[..., str], tools: list[dict] | 
         return render(clean, **options)
     except InvalidRequestError as exc:
         message = str(exc)
-        param = message.split(" ", 1)[0] if message.startswith(("continue_final", "chat_template")) else "messages"
+        param = (
+            message.split(" ", 1)[0]
+            if message.startswith(("continue_final", "chat_template"))
+            else "messages"
+        )
         raise HttpError(400, message, param=param) from None
 
 
@@ -156,18 +208,28 @@ def _message(index: int, message: Any) -> dict:
         raise _bad(field, f"must be an object with role and content, got {_kind(message)}")
     role = message.get("role")
     if not isinstance(role, str) or not role:
-        raise _bad(f"{field}.role", "must be a non-empty string such as 'system', 'user' or 'assistant'")
+        raise _bad(
+            f"{field}.role", "must be a non-empty string such as 'system', 'user' or 'assistant'"
+        )
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text can be rendered
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{field}.content[{j}]", "must be {\"type\": \"text\", \"text\": ...}; "
-                           "this server takes text only")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise _bad(
+                    f"{field}.content[{j}]",
+                    'must be {"type": "text", "text": ...}; this server takes text only',
+                )
             texts.append(part["text"])
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):
-        raise _bad(f"{field}.content", f"must be a string or a list of text parts, got {_kind(content)}")
+        raise _bad(
+            f"{field}.content", f"must be a string or a list of text parts, got {_kind(content)}"
+        )
     out = {**message, "role": role, "content": content}
     if "tool_calls" in message and message["tool_calls"] is not None:
         out["tool_calls"] = _tool_calls(field, message["tool_calls"])
@@ -185,18 +247,31 @@ def _tool_calls(field: str, calls: Any) -> list[dict]:
         function = call.get("function")
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:
-                arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
+                arguments = (
+                    json.loads(function["arguments"]) if function["arguments"].strip() else {}
+                )
             except json.JSONDecodeError as exc:
-                raise _bad(f"{field}.tool_calls[{j}].function.arguments",
-                           f"must be JSON text (an object), got {_kind(function['arguments'])}: {exc}") from None
+                raise _bad(
+                    f"{field}.tool_calls[{j}].function.arguments",
+                    f"must be JSON text (an object), got {_kind(function['arguments'])}: {exc}",
+                ) from None
             call = {**call, "function": {**function, "arguments": arguments}}
         out.append(call)
     return out
 
 
-def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tokens: int, slo: SLO | None,
-             logprobs: int | None = None, prompt_logprobs: int | None = None, grammar: str | None = None,
-             min_max_tokens: int = 1) -> CompletionRequest:
+def _request(
+    body: dict,
+    prompt: str | list[int],
+    *,
+    model: str,
+    default_max_tokens: int,
+    slo: SLO | None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    grammar: str | None = None,
+    min_max_tokens: int = 1,
+) -> CompletionRequest:
     for name, (neutral, why) in _NEUTRAL.items():
         if not neutral(body.get(name)):
             raise HttpError(400, f"{why}; omit {name}", param=name)
@@ -204,8 +279,13 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
     if requested is not None and not isinstance(requested, str):
         raise _bad("model", f"must be a string, got {_kind(requested)}")
     if requested and requested != model:
-        raise HttpError(404, f"model {requested!r} is not served here; this server serves {model!r} "
-                        "(see GET /v1/models)", param="model", code="model_not_found")
+        raise HttpError(
+            404,
+            f"model {requested!r} is not served here; this server serves {model!r} "
+            "(see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
     n = _int(body, "n", 1, minimum=1)
     max_tokens = _int(body, "max_completion_tokens", None, minimum=min_max_tokens)
     if max_tokens is None:
@@ -219,33 +299,57 @@ def _request(body: dict, prompt: str | list[int], *, model: str, default_max_tok
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise _bad("stop", "must be a non-empty string or a list of non-empty strings")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
         raise _bad("stop_token_ids", "must be a list of integer token ids")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {_kind(options)}")
-    include_usage = _bool(options or {}, "include_usage", False, field="stream_options.include_usage")
+        raise _bad(
+            "stream_options",
+            f'must be an object such as {{"include_usage": true}}, got {_kind(options)}',
+        )
+    include_usage = _bool(
+        options or {}, "include_usage", False, field="stream_options.include_usage"
+    )
     structured = structured_grammar(body)
     if structured is not None and grammar is not None:
-        raise _bad(structured[0], "cannot constrain a request whose tool_choice already does; drop one of them")
+        raise _bad(
+            structured[0],
+            "cannot constrain a request whose tool_choice already does; drop one of them",
+        )
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_int(body, "seed", None),
-            stop_token_ids=stop_ids, stop=stop, ignore_eos=_bool(body, "ignore_eos", False),
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            top_k=max(top_k, 0),
+            seed=_int(body, "seed", None),
+            stop_token_ids=stop_ids,
+            stop=stop,
+            ignore_eos=_bool(body, "ignore_eos", False),
             min_tokens=_int(body, "min_tokens", 0, minimum=0),
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0), min_p=_number(body, "min_p", 0.0),
-            logit_bias=_logit_bias(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            grammar=structured[1] if structured is not None else grammar)
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            min_p=_number(body, "min_p", 0.0),
+            logit_bias=_logit_bias(body),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            grammar=structured[1] if structured is not None else grammar,
+        )
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     priority = _int(body, "priority", 0)
-    return CompletionRequest(ParsedRequest(prompt, params, slo, priority=priority, n=n), model, stream,
-                             include_usage and stream, _bool(body, "return_token_ids", False),
-                             logprobs=logprobs is not None)
+    return CompletionRequest(
+        ParsedRequest(prompt, params, slo, priority=priority, n=n),
+        model,
+        stream,
+        include_usage and stream,
+        _bool(body, "return_token_ids", False),
+        logprobs=logprobs is not None,
+    )
 
 
 # ---- field readers: None (or absent) means the default -----------------------------------
@@ -258,10 +362,18 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         raise _bad("logit_bias", f"must be an object of token id -> bias, got {_kind(bias)}")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()) and not (isinstance(key, int) and not isinstance(key, bool)):
+        if not (isinstance(key, str) and key.isdigit()) and not (
+            isinstance(key, int) and not isinstance(key, bool)
+        ):
             raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
-        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-            raise _bad("logit_bias", f"values must be numbers in [-100, 100], got {_kind(value)} for {key}")
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
+            raise _bad(
+                "logit_bias", f"values must be numbers in [-100, 100], got {_kind(value)} for {key}"
+            )
         out[int(key)] = float(value)
     return out or None
 
@@ -308,6 +420,13 @@ def _bad(field: str, why: str) -> HttpError:
 
 
 def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }
     return f"{names.get(type(value), type(value).__name__)} ({str(value)[:40]!r})"

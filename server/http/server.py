@@ -43,16 +43,29 @@ class HttpServer:
         tls = bool(cfg.tls_cert and cfg.tls_key)
         mtls = tls and cfg.tls_ca is not None
         protocol = protocol_class(http, self.lifecycle.metrics.limit_refused)
-        config = uvicorn.Config(self.api.app, host=cfg.host, port=http.port, log_config=None, http=protocol,
-                                access_log=False, lifespan="off", ws="none", server_header=False,
-                                timeout_graceful_shutdown=SHUTDOWN_S, timeout_keep_alive=http.keep_alive_s,
-                                ssl_certfile=cfg.tls_cert if tls else None, ssl_keyfile=cfg.tls_key if tls else None,
-                                ssl_ca_certs=cfg.tls_ca if mtls else None,
-                                ssl_cert_reqs=ssl.CERT_REQUIRED if mtls else ssl.CERT_NONE)
+        config = uvicorn.Config(
+            self.api.app,
+            host=cfg.host,
+            port=http.port,
+            log_config=None,
+            http=protocol,
+            access_log=False,
+            lifespan="off",
+            ws="none",
+            server_header=False,
+            timeout_graceful_shutdown=SHUTDOWN_S,
+            timeout_keep_alive=http.keep_alive_s,
+            ssl_certfile=cfg.tls_cert if tls else None,
+            ssl_keyfile=cfg.tls_key if tls else None,
+            ssl_ca_certs=cfg.tls_ca if mtls else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if mtls else ssl.CERT_NONE,
+        )
         try:
             config.load()
         except (OSError, ValueError) as exc:  # an unreadable or mismatched certificate/key/CA
-            raise ValueError(f"cannot serve HTTPS with --tls-cert/--tls-key/--tls-ca: {exc}") from None
+            raise ValueError(
+                f"cannot serve HTTPS with --tls-cert/--tls-key/--tls-ca: {exc}"
+            ) from None
         self._sock = _bind(cfg.host, self.http.port, reuse_port=cfg.frontends > 1)
         self.port = self._sock.getsockname()[1]
         _throttle_uvicorn_warnings()
@@ -61,8 +74,12 @@ class HttpServer:
         await server.startup(sockets=[self._sock])
         self._server = server
         self._task = asyncio.create_task(server.main_loop())
-        log.info("http listening on %s:%d (%s): OpenAI-compatible /v1/completions, /v1/chat/completions",
-                 cfg.host, self.port, "mTLS" if mtls else "TLS" if tls else "plaintext")
+        log.info(
+            "http listening on %s:%d (%s): OpenAI-compatible /v1/completions, /v1/chat/completions",
+            cfg.host,
+            self.port,
+            "mTLS" if mtls else "TLS" if tls else "plaintext",
+        )
 
     # ---- Edge ------------------------------------------------------------------------------
     async def readiness(self, ready: bool, alive: bool) -> None:
@@ -109,6 +126,8 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} for HTTP: {exc.strerror}; pick another "
-                         "--http-port (or --http-port off)") from None
+        raise ValueError(
+            f"cannot listen on {host}:{port} for HTTP: {exc.strerror}; pick another "
+            "--http-port (or --http-port off)"
+        ) from None
     return sock

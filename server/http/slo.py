@@ -25,7 +25,9 @@ def slo_from_wire(headers: Mapping[str, str], body: Any) -> SLO | None:
     extension = body.get("slo") if isinstance(body, dict) else None
     if extension is not None:
         if not isinstance(extension, dict):
-            raise HttpError(400, "slo must be an object such as {\"ttft_s\": 0.5, \"tpot_s\": 0.05}", param="slo")
+            raise HttpError(
+                400, 'slo must be an object such as {"ttft_s": 0.5, "tpot_s": 0.05}', param="slo"
+            )
         for name in HEADERS:
             if extension.get(name) is not None:
                 values[name] = _seconds(extension[name], f"slo.{name}", 1.0)
@@ -37,8 +39,11 @@ def slo_from_wire(headers: Mapping[str, str], body: Any) -> SLO | None:
             if (text := headers.get(header)) is not None:
                 timeout = _number(text, header)
                 if timeout <= 0:
-                    raise RequestFailed(FailureCode.DEADLINE_EXCEEDED, "deadline_exceeded",
-                                        f"the request's timeout ({header}: {text}) passed before it arrived")
+                    raise RequestFailed(
+                        FailureCode.DEADLINE_EXCEEDED,
+                        "deadline_exceeded",
+                        f"the request's timeout ({header}: {text}) passed before it arrived",
+                    )
                 values["e2e_s"] = timeout
                 break
     if all(v is None for v in values.values()):

@@ -10,11 +10,15 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import orjson
 
 DONE = b"data: [DONE]\n\n"
-ABORT_EXTENSION = "sloserve.abort"  # scope["extensions"] key: drops the connection now (http/guard.py)
+ABORT_EXTENSION = (
+    "sloserve.abort"  # scope["extensions"] key: drops the connection now (http/guard.py)
+)
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of tokens
 MEDIA_TYPE = "text/event-stream"
-_RAW_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                *((k.lower().encode(), v.encode()) for k, v in HEADERS.items())]
+_RAW_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    *((k.lower().encode(), v.encode()) for k, v in HEADERS.items()),
+]
 
 
 def event(payload: dict) -> bytes:
@@ -35,8 +39,13 @@ class EventStream:
     ~5 us, per token.)
     """
 
-    def __init__(self, body: AsyncGenerator[bytes, None], watcher: asyncio.Task,
-                 close: Callable[[], Awaitable[None]], on_stall: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        watcher: asyncio.Task,
+        close: Callable[[], Awaitable[None]],
+        on_stall: Callable[[], None] = lambda: None,
+    ) -> None:
         self.body = body
         self.watcher = watcher
         self.close = close  # runs once the stream ends, however it ends (even before it started)
@@ -49,9 +58,13 @@ class EventStream:
     async def __call__(self, scope, receive, send) -> None:
         self._scope, self._task = scope, asyncio.current_task()
         try:
-            await self._send(send, {"type": "http.response.start", "status": 200, "headers": _RAW_HEADERS})
+            await self._send(
+                send, {"type": "http.response.start", "status": 200, "headers": _RAW_HEADERS}
+            )
             async for chunk in self.body:
-                await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+                await self._send(
+                    send, {"type": "http.response.body", "body": chunk, "more_body": True}
+                )
             await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
         except (OSError, _Stalled):  # the client went away mid-write, or stopped reading
             pass

@@ -17,28 +17,50 @@ class Tokenization:
         self.render = render
 
     def tokenize(self, body: dict) -> dict:
-        """{prompt | messages, add_special_tokens, return_token_strs, ...} -> {count, max_model_len, tokens, token_strs}."""
+        """{prompt | messages, add_special_tokens, return_token_strs, ...}
+        -> {count, max_model_len, tokens, token_strs}."""
         tokenizer = self.frontend.engine.tokenizer
-        if "messages" in body:  # chat: rendered as /v1/chat/completions would (the template writes <s>)
-            text, special = render_messages(body, self.render), _flag(body, "add_special_tokens", False)
+        if (
+            "messages" in body
+        ):  # chat: rendered as /v1/chat/completions would (the template writes <s>)
+            text, special = (
+                render_messages(body, self.render),
+                _flag(body, "add_special_tokens", False),
+            )
         elif isinstance(body.get("prompt"), str):
             text, special = body["prompt"], _flag(body, "add_special_tokens", True)
         else:
-            raise HttpError(400, "send 'prompt' (a string) or 'messages' (a chat) to tokenize", param="prompt")
+            raise HttpError(
+                400, "send 'prompt' (a string) or 'messages' (a chat) to tokenize", param="prompt"
+            )
         ids = tokenizer.encode(text, special)
-        strs = [tokenizer.id_to_token(i) for i in ids] if _flag(body, "return_token_strs", False) else None
-        return {"count": len(ids), "max_model_len": self._max_model_len(), "tokens": ids, "token_strs": strs}
+        strs = (
+            [tokenizer.id_to_token(i) for i in ids]
+            if _flag(body, "return_token_strs", False)
+            else None
+        )
+        return {
+            "count": len(ids),
+            "max_model_len": self._max_model_len(),
+            "tokens": ids,
+            "token_strs": strs,
+        }
 
     def detokenize(self, body: dict) -> dict:
         """{tokens: [ids]} -> {prompt: text} (special tokens kept, as vLLM answers)."""
         tokenizer = self.frontend.engine.tokenizer
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
             raise HttpError(400, "tokens must be a list of integer token ids", param="tokens")
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
-            raise HttpError(400, f"tokens holds {bad}, outside this model's vocabulary [0, {tokenizer.vocab_size})",
-                            param="tokens")
+            raise HttpError(
+                400,
+                f"tokens holds {bad}, outside this model's vocabulary [0, {tokenizer.vocab_size})",
+                param="tokens",
+            )
         return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
 
     def _max_model_len(self) -> int | None:

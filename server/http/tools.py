@@ -49,7 +49,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
             raise _bad("tool_choice", "needs tools: give the functions in `tools`")
         return None
     if not isinstance(tools, list):
-        raise _bad("tools", "must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+        raise _bad("tools", 'must be a list of {"type": "function", "function": {...}} objects')
     clean = [_tool(i, t) for i, t in enumerate(tools)]
     names = [t["function"]["name"] for t in clean]
     if len(set(names)) != len(names):
@@ -111,8 +111,14 @@ class ToolStream:
             self._calling = True
             out, self._text = self._text[:at], self._text[at:]
             return out
-        keep = next((k for k in range(min(len(OPEN) - 1, len(self._text)), 0, -1)
-                     if self._text.endswith(OPEN[:k])), 0)
+        keep = next(
+            (
+                k
+                for k in range(min(len(OPEN) - 1, len(self._text)), 0, -1)
+                if self._text.endswith(OPEN[:k])
+            ),
+            0,
+        )
         cut = len(self._text) - keep
         out, self._text = self._text[:cut], self._text[cut:]
         return out
@@ -136,22 +142,35 @@ def _call_object(raw: str) -> dict | None:
     arguments = call.get("arguments", call.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call["name"], "arguments": arguments},
+    }
 
 
 def _call_schema(function: dict) -> dict:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _tool(index: int, tool: Any) -> dict:
     field = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise _bad(field, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+        raise _bad(
+            field, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+        )
     function = tool.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+    if (
+        not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+        or not function["name"]
+    ):
         raise _bad(f"{field}.function.name", "is required: a non-empty string")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", function["name"]):
         raise _bad(f"{field}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
@@ -168,14 +187,20 @@ def _choice(choice: Any, names: list[str]) -> str:
         return "auto"
     if isinstance(choice, str):
         if choice not in ("auto", "required", "none"):
-            raise _bad("tool_choice", f"must be auto, required, none or a named function, got {choice!r}")
+            raise _bad(
+                "tool_choice", f"must be auto, required, none or a named function, got {choice!r}"
+            )
         return choice
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
-        raise _bad("tool_choice", "must be auto, required, none or {\"type\": \"function\", \"function\": "
-                   "{\"name\": ...}}")
+        raise _bad(
+            "tool_choice",
+            'must be auto, required, none or {"type": "function", "function": {"name": ...}}',
+        )
     if name not in names:
-        raise _bad("tool_choice.function.name", f"{name!r} is not among the tools ({', '.join(names)})")
+        raise _bad(
+            "tool_choice.function.name", f"{name!r} is not among the tools ({', '.join(names)})"
+        )
     return name
 
 
@@ -183,17 +208,22 @@ def _past_call(field: str, call: Any) -> dict:
     """An earlier assistant tool call, its arguments decoded to an object as chat templates expect."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise _bad(field, "must be {\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., "
-                   "\"arguments\": ...}}")
+        raise _bad(
+            field,
+            'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}',
+        )
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             raise _bad(f"{field}.function.arguments", "must be a JSON object (as text)") from None
-    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 def _bad(field: str, why: str) -> HttpError:
     return HttpError(400, f"{field} {why}", param=field)
-

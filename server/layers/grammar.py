@@ -45,14 +45,22 @@ class PendingMask:
 class GrammarMasks:
     """The engine's matchers, keyed by request id, and the compiled grammars they start from."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 device: torch.device, cache_size: int = 64) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device,
+        cache_size: int = 64,
+    ) -> None:
         self.device = device
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._tokenizer_json = tokenizer_json
         self._eos = list(eos_token_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for a large vocabulary)
+        self._tokenizer: llguidance.LLTokenizer | None = (
+            None  # built on first use (~1 s for a large vocabulary)
+        )
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None
@@ -60,7 +68,9 @@ class GrammarMasks:
         self._words = (vocab_size + 31) // 32
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._host: torch.Tensor | None = None
-        self.unpack_on_host = device.type == "cpu"  # else the packed words go to the device and unpack there
+        self.unpack_on_host = (
+            device.type == "cpu"
+        )  # else the packed words go to the device and unpack there
         # NOTE: on a GPU the host is idle during the forward, so a worker thread fills the mask then; a
         # CPU forward already runs on every core (the fused decode team spins), and handing the
         # thread the GIL cost more than the fill itself there (benchmarks/structured.py): inline.
@@ -85,12 +95,19 @@ class GrammarMasks:
         if not rows:
             return None
         matchers = [self._matcher(req_ids[i], params[i].grammar) for i in rows]
-        if self._host is None or self._host.shape[0] < len(rows):  # reused: a step syncs before the next fills it
-            self._host = torch.empty((max(len(rows), 16), self._words), dtype=torch.int32,
-                                     pin_memory=self.device.type == "cuda")
+        if self._host is None or self._host.shape[0] < len(
+            rows
+        ):  # reused: a step syncs before the next fills it
+            self._host = torch.empty(
+                (max(len(rows), 16), self._words),
+                dtype=torch.int32,
+                pin_memory=self.device.type == "cuda",
+            )
         bitmask = self._host[: len(rows)]
         bitmask.fill_(-1)
-        live = [(m, j) for j, m in enumerate(matchers) if not m.is_error()]  # a stopped one allows EOS alone
+        live = [
+            (m, j) for j, m in enumerate(matchers) if not m.is_error()
+        ]  # a stopped one allows EOS alone
         filled = None
         if live:
             if self._executor is None:
@@ -104,10 +121,16 @@ class GrammarMasks:
                 filled.set_result(self._fill(live, bitmask))
         return PendingMask(matchers, rows, bitmask, filled)
 
-    def _fill(self, live: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> torch.Tensor | None:
+    def _fill(
+        self, live: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor
+    ) -> torch.Tensor | None:
         """The worker thread's part: the matchers' bitmask, then (on a CPU) the blocked tokens unpacked."""
-        self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self._words * 4, bitmask.shape[0])
-        dead = ~(bitmask != 0).any(dim=1)  # nothing allowed (no EOS id to end on): leave the row free
+        self._executor.unsafe_compute_mask_ptr(
+            live, bitmask.data_ptr(), self._words * 4, bitmask.shape[0]
+        )
+        dead = ~(bitmask != 0).any(
+            dim=1
+        )  # nothing allowed (no EOS id to end on): leave the row free
         if dead.any():
             bitmask[dead] = -1
         if not self.unpack_on_host:
@@ -132,7 +155,9 @@ class GrammarMasks:
             logits.masked_fill_(blocked, float("-inf"))
             return
         rows = torch.tensor(pending.rows, device=logits.device)
-        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(blocked, float("-inf")))
+        logits.index_copy_(
+            0, rows, logits.index_select(0, rows).masked_fill_(blocked, float("-inf"))
+        )
 
     def accept(self, pending: PendingMask, tokens: Sequence[int]) -> None:
         """Advance each grammar row's matcher by the token its row sampled."""
@@ -140,7 +165,11 @@ class GrammarMasks:
             if matcher.is_stopped() or matcher.is_error():
                 continue
             if not matcher.consume_token(tokens[row]):
-                log.warning("a grammar matcher refused sampled token %d: %s", tokens[row], matcher.get_error())
+                log.warning(
+                    "a grammar matcher refused sampled token %d: %s",
+                    tokens[row],
+                    matcher.get_error(),
+                )
 
     def _matcher(self, req_id: str, grammar: str) -> llguidance.LLMatcher:
         matcher = self._matchers.get(req_id)
@@ -154,12 +183,17 @@ class GrammarMasks:
             self._compiled.move_to_end(grammar)
             return compiled
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                     eos_token=self._eos or None)
+            self._tokenizer = llguidance.LLTokenizer(
+                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None
+            )
         compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if compiled.is_error():  # the front ends check every grammar: only a direct caller gets here
-            log.error("a request's grammar does not compile here, so it runs unconstrained: %s",
-                      compiled.get_error()[:400])
+        if (
+            compiled.is_error()
+        ):  # the front ends check every grammar: only a direct caller gets here
+            log.error(
+                "a request's grammar does not compile here, so it runs unconstrained: %s",
+                compiled.get_error()[:400],
+            )
         self._compiled[grammar] = compiled
         if len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)

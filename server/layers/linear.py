@@ -2,7 +2,8 @@
 
 torch's CPU `F.linear` calls MKL's sgemm, which on AMD CPUs takes its non-Intel (AVX2) path;
 oneDNN (bundled with torch, dispatched on CPU features, not on the vendor) runs AVX-512 there,
-about twice as fast (docs/design/cpu-decode.md, `benchmarks/cpu_gemm.py`). oneDNN is fastest on weights reordered to its blocked layout, so
+about twice as fast (docs/design/cpu-decode.md, `benchmarks/cpu_gemm.py`). oneDNN is fastest
+on weights reordered to its blocked layout, so
 `PackedLinears` holds that copy of every dense projection next to the plain one. The plain
 weights stay: the fused decode kernel, tensor-parallel shards, GPUs and `torch.compile` read them.
 Memory: the dense projections are held twice on a CPU (`--cpu-gemm blas` holds them once).
@@ -41,8 +42,11 @@ MIN_PACKED_ROWS = 16
 def onednn_available() -> bool:
     """Whether this torch build has the oneDNN linear operators (private to torch, used by Inductor)."""
     mkldnn = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
-            and hasattr(mkldnn, "_reorder_linear_weight"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_linear_pointwise")
+        and hasattr(mkldnn, "_reorder_linear_weight")
+    )
 
 
 def cpu_gemm_reason(choice: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -67,9 +71,14 @@ class PackedLinears:
         with torch.inference_mode():
             for w in weights:
                 if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
-                    raise ValueError(f"only 2-D float32 CPU weights are packed, got {tuple(w.shape)} {w.dtype} "
-                                     f"on {w.device}")
-                self._packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT))
+                    raise ValueError(
+                        f"only 2-D float32 CPU weights are packed, got {tuple(w.shape)} {w.dtype} "
+                        f"on {w.device}"
+                    )
+                self._packed[id(w)] = (
+                    w,
+                    torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT),
+                )
 
     def __len__(self) -> int:
         return len(self._packed)
@@ -78,24 +87,40 @@ class PackedLinears:
         """Bytes of the plain weights the packed copies mirror (the packed ones take about as many)."""
         return sum(w.numel() * w.element_size() for w, _ in self._packed.values())
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """F.linear(x, w, b) for a 2-D float32 CPU `x`, through the packed copy of `w` when one exists."""
-        if (torch.compiler.is_compiling()  # traced graphs keep torch's own linear
-                or x.dim() != 2 or x.shape[0] < MIN_PACKED_ROWS or id(w) not in self._packed):
+        if (
+            torch.compiler.is_compiling()  # traced graphs keep torch's own linear
+            or x.dim() != 2
+            or x.shape[0] < MIN_PACKED_ROWS
+            or id(w) not in self._packed
+        ):
             return F.linear(x, w, b)
         return self.packed_product(x, w, b)
 
-    def packed_product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def packed_product(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """oneDNN's product on the packed copy of `w`, whatever the row count, in tiles of TILE_ROWS."""
         packed, rows = self._packed[id(w)][1], x.shape[0]
         parts = []
         for start, size in row_tiles(rows):
             if start + size <= rows:
-                parts.append(torch.ops.mkldnn._linear_pointwise(x[start:start + size], packed, b, "none", [], ""))
+                parts.append(
+                    torch.ops.mkldnn._linear_pointwise(
+                        x[start : start + size], packed, b, "none", [], ""
+                    )
+                )
             else:  # the last, short tile: padded with zeros to the smallest size
                 pad = x.new_zeros((size, x.shape[1]))
                 pad[: rows - start] = x[start:]
-                parts.append(torch.ops.mkldnn._linear_pointwise(pad, packed, b, "none", [], "")[: rows - start])
+                parts.append(
+                    torch.ops.mkldnn._linear_pointwise(pad, packed, b, "none", [], "")[
+                        : rows - start
+                    ]
+                )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -8,7 +8,9 @@ import torch
 from sloserve.logprobs import Logprob
 
 
-def gather_logprobs(logits: torch.Tensor, token_ids: Sequence[int], tops: Sequence[int]) -> list[Logprob]:
+def gather_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], tops: Sequence[int]
+) -> list[Logprob]:
     """One Logprob per row of logits[S, V]: log_softmax(row)[token_ids[i]] and its tops[i] best entries."""
     if logits.shape[0] == 0:
         return []
@@ -21,5 +23,7 @@ def gather_logprobs(logits: torch.Tensor, token_ids: Sequence[int], tops: Sequen
     if k:
         values, indices = logprobs.topk(k, dim=-1)
         top_values, top_ids = values.tolist(), indices.tolist()
-    return [Logprob(token, value, list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
-            for i, (token, value, n) in enumerate(zip(token_ids, chosen, tops, strict=True))]
+    return [
+        Logprob(token, value, list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+        for i, (token, value, n) in enumerate(zip(token_ids, chosen, tops, strict=True))
+    ]

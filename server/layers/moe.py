@@ -27,10 +27,14 @@ from sloserve.memory.expert_cache import ExpertStore, MoeWorkspace
 __all__ = ["ExpertStore", "moe_forward", "route"]
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, k] float32 and expert ids [T, k] int64 (softmax in float32, then top-k)."""
     if router_logits.dim() != 2:
-        raise ValueError(f"router logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
+        raise ValueError(
+            f"router logits must be [tokens, experts], got shape {tuple(router_logits.shape)}"
+        )
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
@@ -57,7 +61,9 @@ def moe_forward(
             f"got {tuple(router_logits.shape)}"
         )
     if hidden_size != store.hidden_size:
-        raise ValueError(f"hidden size {hidden_size} does not match the experts' {store.hidden_size}")
+        raise ValueError(
+            f"hidden size {hidden_size} does not match the experts' {store.hidden_size}"
+        )
     if num_tokens == 0:
         return hidden.new_zeros(0, hidden_size)
     store.before_layer(layer)  # the next MoE layer's predicted experts start copying now
@@ -74,8 +80,12 @@ def moe_forward(
         contrib = None  # [N, H], (t, j) order
         counts_list = None
         if store.grouped:
-            counts_list = None if not store.partial else counts.tolist()  # partial: the one host sync
-            contrib = _grouped_gemm_experts(hidden, flat_ids, order, counts, counts_list, store, layer, top_k, ws)
+            counts_list = (
+                None if not store.partial else counts.tolist()
+            )  # partial: the one host sync
+            contrib = _grouped_gemm_experts(
+                hidden, flat_ids, order, counts, counts_list, store, layer, top_k, ws
+            )
         if contrib is None:
             contrib = _sliced_experts(hidden, order, counts, counts_list, store, layer, top_k, ws)
         # Scale by the routing weight (in float32, like transformers), in place.
@@ -90,7 +100,9 @@ def moe_forward(
 
 def _count(ids: torch.Tensor, n: int) -> torch.Tensor:
     """Occurrences of each of 0..n-1 in `ids` (int64 [n]); unlike bincount, no host sync on CUDA."""
-    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(
+        0, ids, torch.ones_like(ids)
+    )
 
 
 def _grouped_gemm_experts(
@@ -124,8 +136,12 @@ def _grouped_gemm_experts(
         w13, w2 = store.stacked(layer, counts)
     try:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        rows = torch.index_select(hidden, 0, order // top_k, out=ws.rows if ws is not None else None)  # [N, H]
-        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [N, I] each
+        rows = torch.index_select(
+            hidden, 0, order // top_k, out=ws.rows if ws is not None else None
+        )  # [N, H]
+        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(
+            2, dim=-1
+        )  # [N, I] each
         act = torch.mul(F.silu(gate, inplace=True), up, out=ws.act if ws is not None else None)
         out_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [N, H], grouped order
         # The gathered inputs are dead: their rows take the outputs back in (t, j) order.
@@ -168,7 +184,9 @@ def _sliced_experts(
         lo, hi = starts[e], starts[e] + counts_list[e]
         if ws is None:
             gate_up = torch.mm(rows[lo:hi], w13.t())
-            act = torch.empty(hi - lo, store.intermediate_size, dtype=rows.dtype, device=rows.device)
+            act = torch.empty(
+                hi - lo, store.intermediate_size, dtype=rows.dtype, device=rows.device
+            )
         else:
             gate_up = torch.mm(rows[lo:hi], w13.t(), out=ws.gate_up[lo:hi])
             act = ws.act[lo:hi]

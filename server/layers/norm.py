@@ -22,7 +22,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if _kernel is not None and _fits(x, weight):
         out = torch.empty_like(x)
-        _kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+        _kernel(
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // x.shape[-1],
+            x.shape[-1],
+            eps,
+        )
         return out
     dtype = x.dtype
     if dtype == torch.float32:  # one fused kernel; the same arithmetic when nothing is downcast
@@ -34,6 +41,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel can run these tensors (and nothing is being traced)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.is_contiguous() and weight.is_contiguous() and x.dim() >= 1 and x.shape[-1] == weight.numel() > 0
-            and not torch.compiler.is_compiling())
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.dim() >= 1
+        and x.shape[-1] == weight.numel() > 0
+        and not torch.compiler.is_compiling()
+    )

@@ -19,8 +19,13 @@ import torch
 from sloserve.sampling_params import SamplingParams
 
 
-def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int] | None],
-                   num_generated: Sequence[int], eos_token_ids: Collection[int]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    contexts: Sequence[list[int] | None],
+    num_generated: Sequence[int],
+    eos_token_ids: Collection[int],
+) -> torch.Tensor:
     """A float32 copy of logits[S, V] with each row's processing applied (see the module docstring).
 
     contexts[i]: row i's tokens so far, prompt then output (needed only by a penalized row);
@@ -35,19 +40,27 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], conte
         if p.penalized:
             context = contexts[i]
             if context is None:
-                raise ValueError("a penalized sequence must carry its tokens so far (ScheduledSequence.context)")
+                raise ValueError(
+                    "a penalized sequence must carry its tokens so far (ScheduledSequence.context)"
+                )
             tokens = torch.tensor(context, dtype=torch.int64, device=out.device)
             if p.repetition_penalty != 1.0:
                 seen = tokens.unique()
                 values = row[seen]
-                row[seen] = torch.where(values < 0, values * p.repetition_penalty, values / p.repetition_penalty)
+                row[seen] = torch.where(
+                    values < 0, values * p.repetition_penalty, values / p.repetition_penalty
+                )
             if p.presence_penalty or p.frequency_penalty:
-                output = tokens[len(context) - num_generated[i]:]
+                output = tokens[len(context) - num_generated[i] :]
                 counts = torch.bincount(output, minlength=vocab)[:vocab].to(out.dtype)
-                row -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+                row -= (
+                    counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+                )
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=out.device)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
+            row[ids] += torch.tensor(
+                list(p.logit_bias.values()), dtype=out.dtype, device=out.device
+            )
         if num_generated[i] < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             banned = [t for t in banned if t < vocab]

@@ -36,7 +36,9 @@ class RopeSpec:
 
 def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [D/2] in float32, as transformers computes them for each rope type."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     if rope.type == "default":
         return inv_freq
     if rope.type == "linear":
@@ -47,14 +49,18 @@ def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
         high_wavelen = old_len / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     raise ValueError(f"rope type {rope.type!r} is not supported (default, linear, llama3)")
 
 
-def rope_tables(rope: RopeSpec, head_dim: int, max_positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    rope: RopeSpec, head_dim: int, max_positions: int, device, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_positions, D] (each frequency twice, as in transformers)."""
     inv_freq = inv_frequencies(rope, head_dim)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
@@ -72,7 +78,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if _kernel is not None and _fits(x, cos, sin):
         tokens, heads, dim = x.shape
         out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-        _kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, dim)
+        _kernel(
+            x.data_ptr(),
+            x.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            out.data_ptr(),
+            tokens,
+            heads,
+            dim,
+        )
         return out
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -84,6 +99,12 @@ def _fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     if x.device.type != "cpu" or x.dim() != 3 or torch.compiler.is_compiling():
         return False
     tokens, heads, dim = x.shape
-    return (x.dtype == cos.dtype == sin.dtype == torch.float32 and dim % 2 == 0 and x.stride(2) == 1
-            and x.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
-            and cos.shape == sin.shape == (tokens, dim))
+    return (
+        x.dtype == cos.dtype == sin.dtype == torch.float32
+        and dim % 2 == 0
+        and x.stride(2) == 1
+        and x.stride(1) == dim
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape == (tokens, dim)
+    )

@@ -46,14 +46,19 @@ class Sampler:
             self._generators[req_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], req_ids: Sequence[str]) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], req_ids: Sequence[str]
+    ) -> list[int]:
         """One token id per row of logits[S, V]."""
         if logits.shape[0] == 0:
             return []
-        return self.sample_on_device(logits, params, req_ids).tolist()  # the step's one device-to-host copy
+        return self.sample_on_device(
+            logits, params, req_ids
+        ).tolist()  # the step's one device-to-host copy
 
-    def sample_on_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                         req_ids: Sequence[str]) -> torch.Tensor:
+    def sample_on_device(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], req_ids: Sequence[str]
+    ) -> torch.Tensor:
         """The token ids [S] on the logits' device, without waiting for it."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -67,13 +72,20 @@ class Sampler:
             probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled])
         shared = [j for j, i in enumerate(sampled) if params[i].seed is None]
         if shared:  # one draw for every unseeded row
-            picked = probs if len(shared) == len(sampled) else probs.index_select(0, on_device(shared, torch.int64,
-                                                                                              device))
+            picked = (
+                probs
+                if len(shared) == len(sampled)
+                else probs.index_select(0, on_device(shared, torch.int64, device))
+            )
             draws = torch.multinomial(picked, 1, generator=self._shared).squeeze(1)
-            tokens.index_copy_(0, on_device([sampled[j] for j in shared], torch.int64, device), draws)
+            tokens.index_copy_(
+                0, on_device([sampled[j] for j in shared], torch.int64, device), draws
+            )
         for j, i in enumerate(sampled):
             if params[i].seed is not None:  # a copy on the device, not a read
-                tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator(req_ids[i], params[i]))[0]
+                tokens[i] = torch.multinomial(
+                    probs[j], 1, generator=self._generator(req_ids[i], params[i])
+                )[0]
         return tokens
 
 

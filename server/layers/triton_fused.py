@@ -26,8 +26,17 @@ if AVAILABLE:  # pragma: no cover - exercised on GPUs and through the interprete
     import triton.language as tl
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps,
-                             BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    def _add_rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        n,
+        eps,
+        BLOCK: tl.constexpr,
+        HAS_RES: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < n
@@ -42,11 +51,27 @@ if AVAILABLE:  # pragma: no cover - exercised on GPUs and through the interprete
         variance = tl.sum(hf * hf, axis=0) / n
         normed = (hf * tl.math.rsqrt(variance + eps)).to(x.dtype)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0)
-        tl.store(out_ptr + row * n + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=ok)
+        tl.store(
+            out_ptr + row * n + offs,
+            (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype),
+            mask=ok,
+        )
 
     @triton.jit
-    def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
-                           stride_t, num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr):
+    def _rope_write_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        stride_t,
+        num_q_heads,
+        num_kv_heads,
+        HEAD_DIM: tl.constexpr,
+    ):
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -67,11 +92,16 @@ if AVAILABLE:  # pragma: no cover - exercised on GPUs and through the interprete
                 tl.store(q_ptr + (tok * num_q_heads + head) * HEAD_DIM + d, out)
             else:
                 kv_head = head - num_q_heads
-                tl.store(k_ptr + (slot * num_kv_heads + kv_head) * HEAD_DIM + d, out.to(k_ptr.dtype.element_ty))
+                tl.store(
+                    k_ptr + (slot * num_kv_heads + kv_head) * HEAD_DIM + d,
+                    out.to(k_ptr.dtype.element_ty),
+                )
         else:
             kv_head = head - num_q_heads - num_kv_heads
             v = tl.load(src + d)
-            tl.store(v_ptr + (slot * num_kv_heads + kv_head) * HEAD_DIM + d, v.to(v_ptr.dtype.element_ty))
+            tl.store(
+                v_ptr + (slot * num_kv_heads + kv_head) * HEAD_DIM + d, v.to(v_ptr.dtype.element_ty)
+            )
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -82,24 +112,45 @@ if AVAILABLE:  # pragma: no cover - exercised on GPUs and through the interprete
         u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=ok, other=0.0)
         gf = g.to(tl.float32)
         silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(out_ptr + row * inter + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+        tl.store(
+            out_ptr + row * inter + cols,
+            (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+            mask=ok,
+        )
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual) for x, residual [T, H]; residual None: no add."""
     rows, n = x.shape
     x = x.contiguous()
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
-    _add_rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, weight, out, summed,
-                                  n, eps, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None)
+    _add_rms_norm_kernel[(rows,)](
+        x,
+        residual.contiguous() if residual is not None else x,
+        weight,
+        out,
+        summed,
+        n,
+        eps,
+        BLOCK=triton.next_power_of_2(n),
+        HAS_RES=residual is not None,
+    )
     return out, summed
 
 
-def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-               slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               num_heads: int) -> torch.Tensor:
+def rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
     """q [T, Hq, D] rotated; k rotated and v written into their slots of the caches [P, page, Hkv, D].
 
     qkv [T, (Hq + 2 Hkv) D] is the fused projection's output; cos/sin the full tables [positions, D]."""
@@ -109,8 +160,19 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         raise ValueError("rope_write needs rows of qkv and the caches contiguous")
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _rope_write_kernel[(tokens, num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, positions, slot_mapping, q, k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads,
-        HEAD_DIM=head_dim)
+        qkv,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        q,
+        k_cache,
+        v_cache,
+        qkv.stride(0),
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+    )
     return q
 
 

@@ -51,7 +51,8 @@ class ExpertStore:
         workspace_rows: int = 0,
         resident_in_pool: bool = True,  # False: all-resident experts keep the (device) tensors given
         max_seqs: int = 0,  # sequences per step whose routing is captured for the next step's prediction
-        grouped: bool | None = None,  # two grouped GEMMs per layer (None: on CUDA when torch has them)
+        grouped: bool
+        | None = None,  # two grouped GEMMs per layer (None: on CUDA when torch has them)
     ) -> None:
         items = dict(weights) if isinstance(weights, Mapping) else dict(enumerate(weights))
         if not items:
@@ -66,9 +67,13 @@ class ExpertStore:
         self.intermediate_size = two_i // 2
         self.dtype = dtype or first_w13.dtype
         for layer, (w13, w2) in items.items():
-            _check_shapes(layer, w13, w2, self.num_experts, self.hidden_size, self.intermediate_size)
+            _check_shapes(
+                layer, w13, w2, self.num_experts, self.hidden_size, self.intermediate_size
+            )
         if slots_per_layer is not None and slots_per_layer < 1:
-            raise ValueError(f"expert slots per layer must be >= 1 (or None for all), got {slots_per_layer}")
+            raise ValueError(
+                f"expert slots per layer must be >= 1 (or None for all), got {slots_per_layer}"
+            )
         self.partial = slots_per_layer is not None and slots_per_layer < self.num_experts
         self.slots_per_layer = slots_per_layer if self.partial else self.num_experts
         num_layers = len(self.layers)
@@ -82,21 +87,42 @@ class ExpertStore:
         if workspace_rows < 0:
             raise ValueError(f"MoE workspace rows must be >= 0, got {workspace_rows}")
         # Level 1 (slots) is used in the partial mode only; level 2 sizes the per-step workspace.
-        self._alloc = ExpertAllocator(num_layers, self.num_experts, self.slots_per_layer, workspace_rows)
+        self._alloc = ExpertAllocator(
+            num_layers, self.num_experts, self.slots_per_layer, workspace_rows
+        )
         self._workspace = None
         if workspace_rows:
             h, i = self.hidden_size, self.intermediate_size
-            self._workspace = MoeWorkspace(*(self._carve(f"moe_workspace.{name}", (workspace_rows, width))
-                                             for name, width in (("rows", h), ("gate_up", 2 * i), ("act", i),
-                                                                 ("out", h))))
+            self._workspace = MoeWorkspace(
+                *(
+                    self._carve(f"moe_workspace.{name}", (workspace_rows, width))
+                    for name, width in (("rows", h), ("gate_up", 2 * i), ("act", i), ("out", h))
+                )
+            )
         self._slots: ExpertSlots | None = None
         if not self.partial:
-            self._w13 = [self._place(f"experts.{layer}.w13", shape13, items[layer][0]) for layer in self.layers]
-            self._w2 = [self._place(f"experts.{layer}.w2", shape2, items[layer][1]) for layer in self.layers]
+            self._w13 = [
+                self._place(f"experts.{layer}.w13", shape13, items[layer][0])
+                for layer in self.layers
+            ]
+            self._w2 = [
+                self._place(f"experts.{layer}.w2", shape2, items[layer][1]) for layer in self.layers
+            ]
         else:  # partial residency: host copies + device slots chosen by the hot path's allocator
-            self._slots = ExpertSlots([items[layer] for layer in self.layers], self.slots_per_layer, self._alloc,
-                                      self.counters, self._carve, self.device, self.dtype)
-        self.grouped = self._grouped_works() if grouped is None and self.device.type == "cuda" else bool(grouped)
+            self._slots = ExpertSlots(
+                [items[layer] for layer in self.layers],
+                self.slots_per_layer,
+                self._alloc,
+                self.counters,
+                self._carve,
+                self.device,
+                self.dtype,
+            )
+        self.grouped = (
+            self._grouped_works()
+            if grouped is None and self.device.type == "cuda"
+            else bool(grouped)
+        )
         # All resident + grouped GEMMs: the layers never learn their active experts on the host, so
         # uses are counted on the device and folded into the hits when the step ends.
         self._device_uses = None
@@ -150,13 +176,17 @@ class ExpertStore:
         """All-resident weights of a layer, w13 [E, 2I, H] and w2 [E, H, I], for grouped GEMMs over
         `counts` [E] tokens per expert (its active experts are counted as hits on the device)."""
         if self._slots is not None:
-            raise ValueError("partial residency has no stack of every expert; hold() the active ones")
+            raise ValueError(
+                "partial residency has no stack of every expert; hold() the active ones"
+            )
         li = self.layer_index(layer)
         if self._device_uses is not None:
             self._device_uses += (counts > 0).sum()
         return self._w13[li], self._w2[li]
 
-    def hold(self, layer: int, active: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    def hold(
+        self, layer: int, active: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
         """Partial residency: every active expert resident at once, (slot weights, slot per expert); or None."""
         li = self.layer_index(layer)
         held = self._slots.hold(li, active) if self._slots is not None else None
@@ -184,7 +214,9 @@ class ExpertStore:
         if offset is None:
             return None
         ws = self._workspace
-        return MoeWorkspace(*(t[offset : offset + rows] for t in (ws.rows, ws.gate_up, ws.act, ws.out)))
+        return MoeWorkspace(
+            *(t[offset : offset + rows] for t in (ws.rows, ws.gate_up, ws.act, ws.out))
+        )
 
     def release_workspace(self) -> None:
         """The layer is done with its workspace rows."""
@@ -196,7 +228,9 @@ class ExpertStore:
         try:
             return self._index[layer]
         except KeyError:
-            raise ValueError(f"layer {layer} has no routed experts (MoE layers: {list(self.layers)})") from None
+            raise ValueError(
+                f"layer {layer} has no routed experts (MoE layers: {list(self.layers)})"
+            ) from None
 
     def record_routing(self, layer: int, ids: torch.Tensor, counts: torch.Tensor) -> None:
         """One layer's routing: expert ids [T, k] and tokens per expert [E] into the statistics (no host sync)."""
@@ -210,7 +244,9 @@ class ExpertStore:
 
     # -- steps and prefetching ---------------------------------------------------------------
 
-    def begin_step(self, predicted: list[list[int]] | None = None, capture_rows: torch.Tensor | None = None) -> None:
+    def begin_step(
+        self, predicted: list[list[int]] | None = None, capture_rows: torch.Tensor | None = None
+    ) -> None:
         """Start a step: each MoE layer's predicted experts (dense index order) and the rows to capture.
 
         The first MoE layer's prediction is prefetched now; layer i+1's when layer i begins.
@@ -234,7 +270,9 @@ class ExpertStore:
         if self._slots is not None:
             self._slots.end_step()
         if self._device_uses is not None:
-            self.counters.hits += int(self._device_uses)  # after sampling: the stream has synchronised
+            self.counters.hits += int(
+                self._device_uses
+            )  # after sampling: the stream has synchronised
             self._device_uses.zero_()
         self.counters.end_step()
         captured = self.routing.captured()
@@ -246,7 +284,9 @@ class ExpertStore:
         li = self.layer_index(layer)
         return 0 if self._slots is None else self._slots.prefetch(li, experts)
 
-    def experts(self, layer: int, active: Sequence[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def experts(
+        self, layer: int, active: Sequence[int]
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (expert, w13[2I, H], w2[H, I]) for each expert in `active`, making it resident first.
 
         The weights a step receives stay valid until the generator advances past them.
@@ -281,7 +321,10 @@ class ExpertStore:
     def preload(self, top_k: int) -> list[list[int]]:
         """Make each layer's `top_k` most-routed experts (cumulative counts) resident and pin them."""
         counts = self.routing_counts().tolist()
-        return self._pin([sorted(range(self.num_experts), key=lambda e, c=row: (-c[e], e)) for row in counts], top_k)
+        return self._pin(
+            [sorted(range(self.num_experts), key=lambda e, c=row: (-c[e], e)) for row in counts],
+            top_k,
+        )
 
     def pin_hottest(self, top_k: int) -> list[list[int]]:
         """Pin each layer's `top_k` experts with the largest EMA routing share (re-pinning as it drifts)."""
@@ -294,7 +337,9 @@ class ExpertStore:
 
     def resident(self) -> list[int]:
         """Experts whose weights sit on the device, per MoE layer."""
-        return [self.num_experts] * len(self.layers) if self._slots is None else self._slots.resident()
+        return (
+            [self.num_experts] * len(self.layers) if self._slots is None else self._slots.resident()
+        )
 
     def pinned(self) -> list[list[int]]:
         """Pinned (preloaded) experts per MoE layer."""
@@ -304,7 +349,14 @@ class ExpertStore:
     def device_bytes(self) -> int:
         """Device bytes the experts take: every expert when all resident, else the slots."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return len(self.layers) * self.slots_per_layer * 3 * self.intermediate_size * self.hidden_size * itemsize
+        return (
+            len(self.layers)
+            * self.slots_per_layer
+            * 3
+            * self.intermediate_size
+            * self.hidden_size
+            * itemsize
+        )
 
     @property
     def hits(self) -> int:

@@ -30,9 +30,16 @@ Slot = tuple[int, torch.Tensor, torch.Tensor]  # (expert, w13 [2I, H], w2 [H, I]
 class ExpertSlots:
     """`slots` device slots per MoE layer over host copies of all `num_experts` experts."""
 
-    def __init__(self, host: list[tuple[torch.Tensor, torch.Tensor]], slots: int, alloc, counters: ExpertCounters,
-                 carve: Callable[[str, tuple[int, ...]], torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        host: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: int,
+        alloc,
+        counters: ExpertCounters,
+        carve: Callable[[str, tuple[int, ...]], torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.device, self.slots, self._alloc, self.counters = device, slots, alloc, counters
         self._cuda = device.type == "cuda"
         pin = self._cuda and torch.cuda.is_available()
@@ -41,15 +48,23 @@ class ExpertSlots:
         layers = len(host)
         self._w13 = carve("expert_slots.w13", (layers, slots, *self._host_w13[0].shape[1:]))
         self._w2 = carve("expert_slots.w2", (layers, slots, *self._host_w2[0].shape[1:]))
-        self.expert_bytes = (self._w13[0, 0].numel() + self._w2[0, 0].numel()) * self._w13.element_size()
-        self._in_slot = [[-1] * slots for _ in range(layers)]  # expert whose weights each slot holds
+        self.expert_bytes = (
+            self._w13[0, 0].numel() + self._w2[0, 0].numel()
+        ) * self._w13.element_size()
+        self._in_slot = [
+            [-1] * slots for _ in range(layers)
+        ]  # expert whose weights each slot holds
         self._pinned: list[set[int]] = [set() for _ in range(layers)]
-        self.prefetched: list[set[int]] = [set() for _ in range(layers)]  # copied ahead, not used yet
+        self.prefetched: list[set[int]] = [
+            set() for _ in range(layers)
+        ]  # copied ahead, not used yet
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._copied = [[torch.cuda.Event() for _ in range(slots)] for _ in range(layers)]
             self._read = [[torch.cuda.Event() for _ in range(slots)] for _ in range(layers)]
-            self._pending = [[False] * slots for _ in range(layers)]  # a copy the current stream awaits
+            self._pending = [
+                [False] * slots for _ in range(layers)
+            ]  # a copy the current stream awaits
             self._miss_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
@@ -61,7 +76,9 @@ class ExpertSlots:
         pinned = self._pinned[li]
         # Resident experts first: they are used before the misses of this step can evict them
         # (ascending order would make LRU evict exactly the experts needed next step).
-        cold = sorted((e for e in active if e not in pinned), key=lambda e: self._alloc.slot_of(li, e) < 0)
+        cold = sorted(
+            (e for e in active if e not in pinned), key=lambda e: self._alloc.slot_of(li, e) < 0
+        )
         for e in active:
             if e in pinned:
                 slot, hit = self._alloc.acquire(li, e)
@@ -73,7 +90,9 @@ class ExpertSlots:
         for start in range(0, len(cold), capacity):
             yield from self._chunk(li, cold[start : start + capacity])
 
-    def hold(self, li: int, active: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    def hold(
+        self, li: int, active: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
         """Make every active expert resident at once and hold it: (w13 [S, 2I, H], w2 [S, H, I], slot per expert).
 
         None (nothing changed) when they do not all fit beside the pinned experts. `release` ends the hold.
@@ -83,7 +102,9 @@ class ExpertSlots:
             return None
         slot_of = [-1] * len(self._host_w13[li])
         misses = []
-        for e in sorted(active, key=lambda e: self._alloc.slot_of(li, e) < 0):  # resident ones first
+        for e in sorted(
+            active, key=lambda e: self._alloc.slot_of(li, e) < 0
+        ):  # resident ones first
             slot, hit = self._alloc.acquire(li, e)
             if e not in pinned:
                 self._alloc.pin(li, e)
@@ -136,7 +157,9 @@ class ExpertSlots:
             started = time.perf_counter()
             for e, slot in misses:
                 self._copy_in(li, e, slot)
-            self.counters.miss_stall_s += time.perf_counter() - started  # host copies: the stall itself
+            self.counters.miss_stall_s += (
+                time.perf_counter() - started
+            )  # host copies: the stall itself
             return
         for _, slot in misses:
             self._stream.wait_event(self._read[li][slot])
@@ -156,7 +179,9 @@ class ExpertSlots:
         pinned = self._pinned[li]
         wanted = [e for e in experts if e not in pinned][: self.slots - len(pinned)]
         cold = [e for e in wanted if self._alloc.slot_of(li, e) < 0]
-        for e in wanted:  # the resident ones become most recently used: the copies below evict others
+        for (
+            e
+        ) in wanted:  # the resident ones become most recently used: the copies below evict others
             if e not in cold:
                 self._alloc.acquire(li, e)
         for e in cold:
@@ -171,8 +196,10 @@ class ExpertSlots:
     def pin(self, order: list[list[int]], top_k: int) -> list[list[int]]:
         """Pin the first `top_k` experts of each layer's `order` (unpinning the rest), copying them in."""
         if not 0 <= top_k < self.slots:
-            raise ValueError(f"preload top_k must be in 0..{self.slots - 1} (one slot per layer stays "
-                             f"free for the other experts), got {top_k}")
+            raise ValueError(
+                f"preload top_k must be in 0..{self.slots - 1} (one slot per layer stays "
+                f"free for the other experts), got {top_k}"
+            )
         chosen: list[list[int]] = []
         for li, ranked in enumerate(order):
             hottest = ranked[:top_k]

@@ -23,13 +23,21 @@ RECENT_STEPS = 64  # bytes per step are averaged over this many recent steps
 class RoutingStats:
     """Per-layer routing counts, EMA shares and this step's per-sequence routing, all on `device`."""
 
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device, max_seqs: int = 0,
-                 decay: float = EMA_DECAY) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        device: torch.device,
+        max_seqs: int = 0,
+        decay: float = EMA_DECAY,
+    ) -> None:
         self.num_layers, self.num_experts, self.decay = num_layers, num_experts, decay
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.ema = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
         self.max_seqs = max_seqs
-        self._capture: torch.Tensor | None = None  # [L, max_seqs, k] int64, made on the first capture
+        self._capture: torch.Tensor | None = (
+            None  # [L, max_seqs, k] int64, made on the first capture
+        )
         self._rows: torch.Tensor | None = None  # [S] int64: each captured sequence's last token row
         self._captured_layers: set[int] = set()
 
@@ -42,7 +50,9 @@ class RoutingStats:
     def capture_rows(self, rows: torch.Tensor | None) -> None:
         """The rows whose routing this step keeps (each sequence's last token), or None: keep none."""
         if rows is not None and rows.numel() > self.max_seqs:
-            raise ValueError(f"cannot capture the routing of {rows.numel()} sequences (room for {self.max_seqs})")
+            raise ValueError(
+                f"cannot capture the routing of {rows.numel()} sequences (room for {self.max_seqs})"
+            )
         self._rows = rows if rows is not None and rows.numel() else None
         self._captured_layers.clear()
 
@@ -51,15 +61,20 @@ class RoutingStats:
         if self._rows is None:
             return
         if self._capture is None or self._capture.shape[2] != ids.shape[1]:
-            self._capture = torch.zeros(self.num_layers, self.max_seqs, ids.shape[1], dtype=torch.int64,
-                                        device=ids.device)
+            self._capture = torch.zeros(
+                self.num_layers, self.max_seqs, ids.shape[1], dtype=torch.int64, device=ids.device
+            )
         n = self._rows.numel()
         torch.index_select(ids, 0, self._rows, out=self._capture[li, :n])
         self._captured_layers.add(li)
 
     def captured(self) -> list[list[list[int]]] | None:
         """This step's capture as host lists [sequence][layer][k] (one device read), or None."""
-        if self._rows is None or self._capture is None or len(self._captured_layers) != self.num_layers:
+        if (
+            self._rows is None
+            or self._capture is None
+            or len(self._captured_layers) != self.num_layers
+        ):
             return None
         n = self._rows.numel()
         per_layer = self._capture[:, :n].tolist()  # [L][S][k]
@@ -68,7 +83,9 @@ class RoutingStats:
     def hottest(self, n: int) -> list[list[int]]:
         """Each layer's `n` experts with the largest EMA share (ties: the lower id), one device read."""
         ema = self.ema.tolist()
-        return [sorted(range(self.num_experts), key=lambda e, row=row: (-row[e], e))[:n] for row in ema]
+        return [
+            sorted(range(self.num_experts), key=lambda e, row=row: (-row[e], e))[:n] for row in ema
+        ]
 
     def reset(self) -> None:
         """Forget the EMA (e.g. after synthetic warm-up steps); cumulative counts stay."""
@@ -114,7 +131,9 @@ class ExpertCounters:
             "prefetches": self.prefetches,
             "prefetches_used": self.prefetches_used,
             "prefetch_accuracy": self.prefetches_used / self.prefetches if self.prefetches else 0.0,
-            "prediction_recall": self.predicted / self.predicted_active if self.predicted_active else 0.0,
+            "prediction_recall": self.predicted / self.predicted_active
+            if self.predicted_active
+            else 0.0,
             "bytes_copied": self.bytes_copied,
             "prefetch_bytes": self.prefetch_bytes,
             "preload_bytes": self.preload_bytes,

@@ -78,8 +78,12 @@ class DevicePool:
         # NOTE: pinning is a host-memory property that only exists with CUDA; guard it.
         self.pinned = bool(pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
         try:
-            make = torch.zeros if zero else torch.empty  # empty host memory is not committed until written
-            self._buffer = make(self.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
+            make = (
+                torch.zeros if zero else torch.empty
+            )  # empty host memory is not committed until written
+            self._buffer = make(
+                self.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
+            )
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise PoolExhaustedError(
                 f"cannot allocate a {self.total_bytes / 2**20:.1f} MiB pool on {self.device}: {exc}; "
@@ -101,12 +105,16 @@ class DevicePool:
         """Bytes a large carve can still take (contiguous), or all bytes not yet carved."""
         if contiguous:
             arena = self.arena_bytes
-            in_arena = min(_align(self._top + 1, arena), self.total_bytes) - self._top  # small carves
+            in_arena = (
+                min(_align(self._top + 1, arena), self.total_bytes) - self._top
+            )  # small carves
             whole = self.total_bytes - _align(self._top, arena)  # large carves start on a boundary
             return max(0, in_arena, whole) // _ALIGN * _ALIGN
         return self.total_bytes - self.used_bytes
 
-    def carve(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+    def carve(
+        self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype
+    ) -> torch.Tensor:
         """A tensor view of `shape` and `dtype` owned by the pool under `name` (zeroed if the pool is)."""
         if name in self._carves:
             raise ValueError(f"pool already holds a carve named {name!r}")
@@ -145,8 +153,13 @@ class DevicePool:
 
     def report(self) -> dict:
         """Sizes, arena use and every carve (name -> bytes, shape, dtype, offset)."""
-        arenas_used = len({off // self.arena_bytes for c in self._carves.values()
-                           for off in range(c.offset, c.offset + max(c.nbytes, 1), self.arena_bytes)})
+        arenas_used = len(
+            {
+                off // self.arena_bytes
+                for c in self._carves.values()
+                for off in range(c.offset, c.offset + max(c.nbytes, 1), self.arena_bytes)
+            }
+        )
         return {
             "device": str(self.device),
             "pinned": self.pinned,
@@ -157,7 +170,12 @@ class DevicePool:
             "num_arenas": self.num_arenas,
             "arenas_used": arenas_used,
             "carves": {
-                name: {"bytes": c.nbytes, "offset": c.offset, "shape": list(c.shape), "dtype": str(c.dtype)}
+                name: {
+                    "bytes": c.nbytes,
+                    "offset": c.offset,
+                    "shape": list(c.shape),
+                    "dtype": str(c.dtype),
+                }
                 for name, c in self._carves.items()
             },
         }

@@ -78,7 +78,9 @@ class DecoderModel:
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
             qk, v = self.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
-            qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)  # q and k rotated together
+            qk = apply_rope(
+                qk.view(num_tokens, heads, spec.head_dim), cos, sin
+            )  # q and k rotated together
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
@@ -86,7 +88,11 @@ class DecoderModel:
             attn = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
             h = h + self.reduce(self.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b))
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(self._moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x, self.linear))
+            h = h + self.reduce(
+                self._moe(i, layer, x)
+                if layer.router_w is not None
+                else _mlp(layer, x, self.linear)
+            )
         h = rms_norm(h.index_select(0, sample_idx), w.norm, spec.rms_norm_eps)
         return F.linear(h, w.lm_head).float()
 
@@ -117,10 +123,16 @@ class DecoderModel:
             qk = apply_rope(qk.view(batch, heads, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(batch, spec.num_kv_heads, spec.head_dim)
-            attn = attend(q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale)
+            attn = attend(
+                q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale
+            )
             h = h + self.reduce(self.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b))
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(self._eager_moe(i, layer, x) if layer.router_w is not None else _mlp(layer, x, self.linear))
+            h = h + self.reduce(
+                self._eager_moe(i, layer, x)
+                if layer.router_w is not None
+                else _mlp(layer, x, self.linear)
+            )
         return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
 
     def decode_fused(
@@ -131,7 +143,9 @@ class DecoderModel:
         block_tables: torch.Tensor,  # [B, W] int32
         seq_lens: torch.Tensor,  # [B] int32, positions + 1
         kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
-        attend: Callable[..., torch.Tensor],  # (q, k_cache, v_cache, block_tables, seq_lens, scale): reads only
+        attend: Callable[
+            ..., torch.Tensor
+        ],  # (q, k_cache, v_cache, block_tables, seq_lens, scale): reads only
     ) -> torch.Tensor:  # [B, V] float32
         """`decode` of a dense model on the fused Triton kernels (layers/triton_fused.py): per layer
         four matmuls, attention and three fused kernels (residual + norm twice, rotary + KV write,
@@ -141,12 +155,14 @@ class DecoderModel:
         h = F.embedding(input_ids, w.embed)  # [B, H], the residual stream
         delta = None  # what the last sublayer adds to h (added inside the next norm)
         for i, layer in enumerate(w.layers):
-            x, h = triton_fused.add_rms_norm(h if delta is None else delta, None if delta is None else h, layer.ln1,
-                                             eps)
+            x, h = triton_fused.add_rms_norm(
+                h if delta is None else delta, None if delta is None else h, layer.ln1, eps
+            )
             qkv = self.linear(x, layer.qkv_w, layer.qkv_b)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            q = triton_fused.rope_write(qkv, self.cos, self.sin, positions, slot_mapping, k_cache, v_cache,
-                                        spec.num_heads)
+            q = triton_fused.rope_write(
+                qkv, self.cos, self.sin, positions, slot_mapping, k_cache, v_cache, spec.num_heads
+            )
             attn = attend(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
             delta = self.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b)
             x, h = triton_fused.add_rms_norm(delta, h, layer.ln2, eps)
@@ -164,7 +180,9 @@ class DecoderModel:
         router_logits = F.linear(x, layer.router_w)  # [T, E]
         out = moe_forward(x, router_logits, self.experts, i, self.spec.top_k, self.spec.renormalize)
         if layer.shared_gate_w is not None:
-            out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(layer, x, self.linear)
+            out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(
+                layer, x, self.linear
+            )
         return out
 
 

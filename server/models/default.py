@@ -25,21 +25,43 @@ _VERSION = "v2"  # v2: the folders carry chat_template.jinja
 TRAINED = "default"
 TRAINED_DIR = Path(__file__).resolve().parent / "weights" / TRAINED
 _COMMON = {
-    "vocab_size": 264, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
-    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "max_position_embeddings": 16384, "initializer_range": 0.02, "torch_dtype": "float32",
+    "vocab_size": 264,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 16384,
+    "initializer_range": 0.02,
+    "torch_dtype": "float32",
 }
 MODELS: dict[str, dict] = {  # the random-weight models
     "default-random": {
-        **_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 512, "intermediate_size": 2816, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
     },
     "default-moe": {
-        **_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
-        "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None,
+        **_COMMON,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
     },
 }
 
@@ -57,11 +79,15 @@ def ensure_default_model(name: str = "default", cache_dir: Path | None = None) -
     """The folder of built-in model `name`: the shipped one, or a random one built once (atomically)."""
     if name == TRAINED:
         if not (TRAINED_DIR / "model.safetensors").is_file():
-            raise FileNotFoundError(f"the trained default model is missing from {TRAINED_DIR}: reinstall "
-                                    "sloserve, or run tools/train_default.py in a checkout")
+            raise FileNotFoundError(
+                f"the trained default model is missing from {TRAINED_DIR}: reinstall "
+                "sloserve, or run tools/train_default.py in a checkout"
+            )
         return TRAINED_DIR
     if name not in MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+        raise ValueError(
+            f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}"
+        )
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     folder = root / f"{name}-{_VERSION}"
     if (folder / "config.json").is_file():
@@ -86,22 +112,40 @@ def ensure_default_model(name: str = "default", cache_dir: Path | None = None) -
 def _shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape in Hugging Face naming for the Llama or Mixtral config `cfg`."""
     h, v, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    q, kv = (
+        cfg["num_attention_heads"] * cfg["head_dim"],
+        cfg["num_key_value_heads"] * cfg["head_dim"],
+    )
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+        }
         if "num_local_experts" in cfg:
             moe = p + "block_sparse_moe."
             shapes[moe + "gate.weight"] = (cfg["num_local_experts"], h)
             for e in range(cfg["num_local_experts"]):
-                shapes |= {moe + f"experts.{e}.w1.weight": (inter, h), moe + f"experts.{e}.w3.weight": (inter, h),
-                           moe + f"experts.{e}.w2.weight": (h, inter)}
+                shapes |= {
+                    moe + f"experts.{e}.w1.weight": (inter, h),
+                    moe + f"experts.{e}.w3.weight": (inter, h),
+                    moe + f"experts.{e}.w2.weight": (h, inter),
+                }
         else:
-            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)}
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
     return shapes
 
 
@@ -120,8 +164,11 @@ def _write(folder: Path, cfg: dict, seed: int) -> None:
 
 def write_tokenizer_files(folder: Path, cfg: dict) -> None:
     """generation_config.json, the byte-level tokenizer files and the chat template of a built-in model."""
-    generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-                  "pad_token_id": cfg["pad_token_id"]}
+    generation = {
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_id"],
+        "pad_token_id": cfg["pad_token_id"],
+    }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     save_byte_level_tokenizer(folder, cfg["max_position_embeddings"])
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)

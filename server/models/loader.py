@@ -24,8 +24,10 @@ def resolve_model_path(path: str | Path) -> Path:
         return ensure_default_model(str(path))
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise CheckpointError(f"model path {str(path)!r} is not a folder: pass a local Hugging Face folder "
-                              f"(config.json, *.safetensors, tokenizer.json) or one of {', '.join(BUILTIN_MODELS)}")
+        raise CheckpointError(
+            f"model path {str(path)!r} is not a folder: pass a local Hugging Face folder "
+            f"(config.json, *.safetensors, tokenizer.json) or one of {', '.join(BUILTIN_MODELS)}"
+        )
     return folder
 
 
@@ -44,15 +46,19 @@ class TensorSource:
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
-                raise CheckpointError(f"{folder} holds no *.safetensors file (sloserve loads safetensors only; "
-                                      "re-save the model with save_pretrained(safe_serialization=True))")
+                raise CheckpointError(
+                    f"{folder} holds no *.safetensors file (sloserve loads safetensors only; "
+                    "re-save the model with save_pretrained(safe_serialization=True))"
+                )
             self._where = {}
             for file in files:
                 for name in self._open(file).keys():
                     self._where[name] = file
         for file in sorted(set(self._where.values())):
             if not file.is_file():
-                raise CheckpointError(f"shard {file.name} named in {index.name} is missing from {folder}")
+                raise CheckpointError(
+                    f"shard {file.name} named in {index.name} is missing from {folder}"
+                )
 
     def _open(self, file: Path):
         if file in self._handles:
@@ -67,7 +73,9 @@ class TensorSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, shape: tuple[int, ...], part: tuple[int, slice] | None = None) -> torch.Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], part: tuple[int, slice] | None = None
+    ) -> torch.Tensor:
         """The tensor `name` (on the CPU), checked against the shape the config implies.
 
         With `part` = (dim, slice), only that slice along that dimension is read from the file
@@ -86,8 +94,9 @@ class TensorSource:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
         if found != tuple(shape):
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {found}, "
-                                  f"but config.json implies {tuple(shape)}")
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {found}, but config.json implies {tuple(shape)}"
+            )
         if part is not None:
             dim, sl = part
             tensor = view[(slice(None),) * dim + (sl,)]
@@ -95,8 +104,13 @@ class TensorSource:
 
 
 def load_checkpoint(
-    folder: Path, device: torch.device, dtype: torch.dtype, *, expert_slots: int | None = None,
-    experts_on_host: bool = False, shard: Shard = Shard(),
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    expert_slots: int | None = None,
+    experts_on_host: bool = False,
+    shard: Shard = Shard(),
 ) -> tuple[ModelSpec, ModelWeights]:
     """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`.
 
@@ -115,20 +129,32 @@ def load_checkpoint(
     partial = bool(spec.moe_layers) and expert_slots is not None and expert_slots < spec.num_experts
     expert_device = torch.device("cpu") if partial or experts_on_host else device
 
-    def get(name: str, *shape: int, on: torch.device = device, part: tuple[int, slice] | None = None) -> torch.Tensor:
+    def get(
+        name: str, *shape: int, on: torch.device = device, part: tuple[int, slice] | None = None
+    ) -> torch.Tensor:
         return src.get(name, shape, part).to(device=on, dtype=dtype)
 
-    def cat(names: list[str], shapes: list[tuple[int, ...]], on: torch.device = device,
-            parts: list[tuple[int, slice] | None] | None = None) -> torch.Tensor:
+    def cat(
+        names: list[str],
+        shapes: list[tuple[int, ...]],
+        on: torch.device = device,
+        parts: list[tuple[int, slice] | None] | None = None,
+    ) -> torch.Tensor:
         parts = parts or [None] * len(names)
-        return torch.cat([src.get(n, s, p).to(device=on, dtype=dtype)
-                          for n, s, p in zip(names, shapes, parts, strict=True)])
+        return torch.cat(
+            [
+                src.get(n, s, p).to(device=on, dtype=dtype)
+                for n, s, p in zip(names, shapes, parts, strict=True)
+            ]
+        )
 
     h, v = spec.hidden_size, spec.vocab_size
     embed = get("model.embed_tokens.weight", v, h)
     if spec.tie_word_embeddings or not src.has("lm_head.weight"):
         if not spec.tie_word_embeddings:
-            raise CheckpointError(f"{folder}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+            raise CheckpointError(
+                f"{folder}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false"
+            )
         lm_head = embed
     else:
         lm_head = get("lm_head.weight", v, h)
@@ -138,15 +164,27 @@ def load_checkpoint(
         layers.append(layer)
         if routed is not None:
             experts[i] = routed
-    return spec, ModelWeights(embed=embed, norm=get("model.norm.weight", h), lm_head=lm_head,
-                              layers=layers, experts=experts)
+    return spec, ModelWeights(
+        embed=embed,
+        norm=get("model.norm.weight", h),
+        lm_head=lm_head,
+        layers=layers,
+        experts=experts,
+    )
 
 
 Getter = Callable[..., torch.Tensor]
 
 
-def _load_layer(spec: ModelSpec, shard: Shard, i: int, get: Getter, cat: Callable, src: TensorSource,
-                expert_device: torch.device):
+def _load_layer(
+    spec: ModelSpec,
+    shard: Shard,
+    i: int,
+    get: Getter,
+    cat: Callable,
+    src: TensorSource,
+    expert_device: torch.device,
+):
     """Layer i's fused weights (this rank's part of them), checked against the full `spec`'s shapes."""
     h, d = spec.hidden_size, spec.head_dim
     p = f"model.layers.{i}."
@@ -160,10 +198,19 @@ def _load_layer(spec: ModelSpec, shard: Shard, i: int, get: Getter, cat: Callabl
         ln1=get(p + "input_layernorm.weight", h),
         ln2=get(p + "post_attention_layernorm.weight", h),
         qkv_w=cat(qkv_names, [(q, h), (kv, h), (kv, h)], parts=None if whole else rows),
-        qkv_b=cat([attn + f"{n}_proj.bias" for n in "qkv"], [(q,), (kv,), (kv,)], parts=None if whole else rows)
-        if spec.qkv_bias else None,
-        o_w=get(attn + "o_proj.weight", h, spec.num_heads * d,
-                part=None if whole else (1, slice(qh.start * d, qh.stop * d))),
+        qkv_b=cat(
+            [attn + f"{n}_proj.bias" for n in "qkv"],
+            [(q,), (kv,), (kv,)],
+            parts=None if whole else rows,
+        )
+        if spec.qkv_bias
+        else None,
+        o_w=get(
+            attn + "o_proj.weight",
+            h,
+            spec.num_heads * d,
+            part=None if whole else (1, slice(qh.start * d, qh.stop * d)),
+        ),
         o_b=get(attn + "o_proj.bias", h) if spec.o_bias and shard.owns_bias else None,
     )
 
@@ -173,11 +220,16 @@ def _load_layer(spec: ModelSpec, shard: Shard, i: int, get: Getter, cat: Callabl
     if i not in spec.moe_layers:
         mlp, inter = p + "mlp.", spec.intermediate_size
         up_rows = [split(inter, 0)] * 2
-        layer.gate_up_w = cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)],
-                              parts=up_rows)
+        layer.gate_up_w = cat(
+            [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+            [(inter, h), (inter, h)],
+            parts=up_rows,
+        )
         layer.down_w = get(mlp + "down_proj.weight", h, inter, part=split(inter, 1))
         if spec.mlp_bias:
-            layer.gate_up_b = cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], parts=up_rows)
+            layer.gate_up_b = cat(
+                [mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], parts=up_rows
+            )
             layer.down_b = get(mlp + "down_proj.bias", h) if shard.owns_bias else None
         return layer, None
     e, inter = spec.num_experts, spec.moe_intermediate_size
@@ -185,9 +237,20 @@ def _load_layer(spec: ModelSpec, shard: Shard, i: int, get: Getter, cat: Callabl
         moe = p + "block_sparse_moe."
         layer.router_w = get(moe + "gate.weight", e, h)
         names = [moe + f"experts.{x}.w{{}}.weight" for x in range(e)]  # w1 gate, w3 up, w2 down
-        w13 = torch.stack([cat([n.format(1), n.format(3)], [(inter, h), (inter, h)], on=expert_device,
-                               parts=[split(inter, 0)] * 2) for n in names])
-        w2 = torch.stack([get(n.format(2), h, inter, on=expert_device, part=split(inter, 1)) for n in names])
+        w13 = torch.stack(
+            [
+                cat(
+                    [n.format(1), n.format(3)],
+                    [(inter, h), (inter, h)],
+                    on=expert_device,
+                    parts=[split(inter, 0)] * 2,
+                )
+                for n in names
+            ]
+        )
+        w2 = torch.stack(
+            [get(n.format(2), h, inter, on=expert_device, part=split(inter, 1)) for n in names]
+        )
         return layer, (w13, w2)
     moe = p + "mlp."
     layer.router_w = get(moe + "gate.weight", e, h)
@@ -198,18 +261,37 @@ def _load_layer(spec: ModelSpec, shard: Shard, i: int, get: Getter, cat: Callabl
         else:  # gate rows [0, I) and up rows [I, 2I): this rank's part of each
             part = shard.split(inter)
             up = slice(inter + part.start, inter + part.stop)
-            w13 = torch.cat([get(fused, e, 2 * inter, h, on=expert_device, part=(1, part)),
-                             get(fused, e, 2 * inter, h, on=expert_device, part=(1, up))], dim=1)
+            w13 = torch.cat(
+                [
+                    get(fused, e, 2 * inter, h, on=expert_device, part=(1, part)),
+                    get(fused, e, 2 * inter, h, on=expert_device, part=(1, up)),
+                ],
+                dim=1,
+            )
         w2 = get(moe + "experts.down_proj", e, h, inter, on=expert_device, part=split(inter, 2))
     else:
         names = [moe + f"experts.{x}.{{}}_proj.weight" for x in range(e)]
-        w13 = torch.stack([cat([n.format("gate"), n.format("up")], [(inter, h), (inter, h)], on=expert_device,
-                               parts=[split(inter, 0)] * 2) for n in names])
-        w2 = torch.stack([get(n.format("down"), h, inter, on=expert_device, part=split(inter, 1)) for n in names])
+        w13 = torch.stack(
+            [
+                cat(
+                    [n.format("gate"), n.format("up")],
+                    [(inter, h), (inter, h)],
+                    on=expert_device,
+                    parts=[split(inter, 0)] * 2,
+                )
+                for n in names
+            ]
+        )
+        w2 = torch.stack(
+            [get(n.format("down"), h, inter, on=expert_device, part=split(inter, 1)) for n in names]
+        )
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
-        layer.gate_up_w = cat([shared + "gate_proj.weight", shared + "up_proj.weight"], [(s, h), (s, h)],
-                              parts=[split(s, 0)] * 2)
+        layer.gate_up_w = cat(
+            [shared + "gate_proj.weight", shared + "up_proj.weight"],
+            [(s, h), (s, h)],
+            parts=[split(s, 0)] * 2,
+        )
         layer.down_w = get(shared + "down_proj.weight", h, s, part=split(s, 1))
         layer.shared_gate_w = get(moe + "shared_expert_gate.weight", 1, h)
     return layer, (w13, w2)

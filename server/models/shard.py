@@ -55,19 +55,26 @@ def check_divisible(spec: ModelSpec, size: int) -> None:
     """ValueError naming the dimension when `size` ranks cannot split `spec` evenly."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {size}")
-    checks = [("num_attention_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
+    checks = [
+        ("num_attention_heads", spec.num_heads),
+        ("intermediate_size", spec.intermediate_size),
+    ]
     if spec.moe_layers:
         checks.append(("moe_intermediate_size", spec.moe_intermediate_size))
         if spec.shared_expert_intermediate_size:
             checks.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
     for name, value in checks:
         if value % size:
-            raise ValueError(f"tensor parallel size {size} does not divide {name} {value} of "
-                             f"{spec.architecture}; choose a size that divides it")
+            raise ValueError(
+                f"tensor parallel size {size} does not divide {name} {value} of "
+                f"{spec.architecture}; choose a size that divides it"
+            )
     kv = spec.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
-        raise ValueError(f"tensor parallel size {size} and num_key_value_heads {kv} of {spec.architecture} "
-                         "do not split evenly: one must divide the other")
+        raise ValueError(
+            f"tensor parallel size {size} and num_key_value_heads {kv} of {spec.architecture} "
+            "do not split evenly: one must divide the other"
+        )
 
 
 def local_spec(spec: ModelSpec, size: int) -> ModelSpec:

@@ -73,7 +73,9 @@ class ModelSpec:
 def read_json(path: Path) -> dict:
     """A JSON object from `path`, or CheckpointError naming the file."""
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: a model folder needs config.json, *.safetensors and tokenizer.json")
+        raise CheckpointError(
+            f"{path} is missing: a model folder needs config.json, *.safetensors and tokenizer.json"
+        )
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -90,8 +92,10 @@ def load_spec(folder: Path) -> ModelSpec:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
-        raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported; "
-                              f"sloserve runs {supported()}")
+        raise CheckpointError(
+            f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+            f"sloserve runs {supported()}"
+        )
     family = ARCHITECTURES[arch]
 
     def need(key: str, kind: type = int):
@@ -100,31 +104,47 @@ def load_spec(folder: Path) -> ModelSpec:
         try:
             return kind(cfg[key])
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: {key!r} must be a {kind.__name__}, got {cfg[key]!r}") from exc
+            raise CheckpointError(
+                f"{path}: {key!r} must be a {kind.__name__}, got {cfg[key]!r}"
+            ) from exc
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     if heads % kv_heads:
-        raise CheckpointError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        raise CheckpointError(
+            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (sloserve implements silu)")
+        raise CheckpointError(
+            f"{path}: hidden_act {act!r} is not supported (sloserve implements silu)"
+        )
     kw: dict = {}
     if family == "mixtral":
-        kw.update(num_experts=need("num_local_experts"), top_k=need("num_experts_per_tok"),
-                  moe_intermediate_size=need("intermediate_size"), renormalize=True)
+        kw.update(
+            num_experts=need("num_local_experts"),
+            top_k=need("num_experts_per_tok"),
+            moe_intermediate_size=need("intermediate_size"),
+            renormalize=True,
+        )
         kw["moe_layers"] = tuple(range(need("num_hidden_layers")))
     elif family == "qwen2_moe":
         num_layers, step = need("num_hidden_layers"), int(cfg.get("decoder_sparse_step", 1) or 1)
         mlp_only = set(cfg.get("mlp_only_layers") or [])
         experts = need("num_experts")
-        kw.update(num_experts=experts, top_k=need("num_experts_per_tok"),
-                  moe_intermediate_size=need("moe_intermediate_size"),
-                  shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-                  renormalize=bool(cfg.get("norm_topk_prob", False)))
-        kw["moe_layers"] = tuple(i for i in range(num_layers)
-                                 if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+        kw.update(
+            num_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            moe_intermediate_size=need("moe_intermediate_size"),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            renormalize=bool(cfg.get("norm_topk_prob", False)),
+        )
+        kw["moe_layers"] = tuple(
+            i
+            for i in range(num_layers)
+            if i not in mlp_only and experts > 0 and (i + 1) % step == 0
+        )
     if kw.get("top_k", 0) > kw.get("num_experts", 0):
         raise CheckpointError(f"{path}: num_experts_per_tok exceeds the number of experts")
     return ModelSpec(
@@ -140,7 +160,9 @@ def load_spec(folder: Path) -> ModelSpec:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_rope(cfg, path, head_dim),
         max_position_embeddings=need("max_position_embeddings"),
-        qkv_bias=bool(cfg.get("qkv_bias", True)) if family in ("qwen2", "qwen2_moe") else bool(cfg.get("attention_bias")),
+        qkv_bias=bool(cfg.get("qkv_bias", True))
+        if family in ("qwen2", "qwen2_moe")
+        else bool(cfg.get("attention_bias")),
         o_bias=bool(cfg.get("attention_bias")) and family == "llama",
         mlp_bias=bool(cfg.get("mlp_bias")) and family == "llama",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -160,9 +182,13 @@ def _rope(cfg: dict, path: Path, head_dim: int) -> RopeSpec:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{path}: rope type {kind!r} is not supported; sloserve implements {', '.join(ROPE_TYPES)}")
+        raise CheckpointError(
+            f"{path}: rope type {kind!r} is not supported; sloserve implements {', '.join(ROPE_TYPES)}"
+        )
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError(f"{path}: partial_rotary_factor is not supported (rotary over the whole head only)")
+        raise CheckpointError(
+            f"{path}: partial_rotary_factor is not supported (rotary over the whole head only)"
+        )
     if head_dim % 2:
         raise CheckpointError(f"{path}: head_dim {head_dim} must be even for rotary embeddings")
     if kind == "default":
@@ -171,9 +197,14 @@ def _rope(cfg: dict, path: Path, head_dim: int) -> RopeSpec:
         factor = float(params["factor"])
         if kind == "linear":
             return RopeSpec(theta=theta, type=kind, factor=factor)
-        return RopeSpec(theta=theta, type=kind, factor=factor, low_freq_factor=float(params["low_freq_factor"]),
-                        high_freq_factor=float(params["high_freq_factor"]),
-                        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        return RopeSpec(
+            theta=theta,
+            type=kind,
+            factor=factor,
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: rope scaling {kind!r} lacks or mangles {exc}") from exc
 

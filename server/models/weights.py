@@ -31,7 +31,9 @@ class ModelWeights:
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (may be `embed` itself when tied)
     layers: list[LayerWeights]
-    experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (w13, w2)
+    experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # layer -> (w13, w2)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied lm_head counted once)."""

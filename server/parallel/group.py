@@ -34,8 +34,11 @@ class ReduceTimer:
     bytes: int = 0
 
     def as_dict(self) -> dict:
-        return {"all_reduce_calls": self.calls, "all_reduce_seconds": round(self.seconds, 6),
-                "all_reduce_bytes": self.bytes}
+        return {
+            "all_reduce_calls": self.calls,
+            "all_reduce_seconds": round(self.seconds, 6),
+            "all_reduce_bytes": self.bytes,
+        }
 
 
 @dataclass(slots=True)
@@ -80,11 +83,14 @@ class RankGroup:
 
 def host_store(addr: str, port: int, world: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's store (port 0: a free one, read back from `store.port`)."""
-    return dist.TCPStore(addr, port, world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        addr, port, world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
-def wait_for_ranks(store: dist.TCPStore, world: int, timeout_s: float,
-                   check: Callable[[], None] = lambda: None) -> None:
+def wait_for_ranks(
+    store: dist.TCPStore, world: int, timeout_s: float, check: Callable[[], None] = lambda: None
+) -> None:
     """Rank 0: wait until ranks 1.. have announced themselves; `check` raises if a local worker died."""
     keys = [f"joined/{r}" for r in range(1, world)]
     deadline = time.monotonic() + timeout_s
@@ -92,20 +98,36 @@ def wait_for_ranks(store: dist.TCPStore, world: int, timeout_s: float,
         check()
         if time.monotonic() > deadline:
             missing = [k.split("/")[1] for k in keys if not store.check([k])]
-            raise RuntimeError(f"tensor-parallel ranks {', '.join(missing)} did not join within {timeout_s:.0f} s "
-                               "(are the other nodes started with the same --master-addr and --master-port?)")
+            raise RuntimeError(
+                f"tensor-parallel ranks {', '.join(missing)} did not join within {timeout_s:.0f} s "
+                "(are the other nodes started with the same --master-addr and --master-port?)"
+            )
         time.sleep(JOIN_POLL_S)
 
 
-def join(rank: int, world: int, device: torch.device, store: dist.TCPStore | None = None, *,
-         addr: str = "", port: int = 0, timeout_s: float = 600.0) -> RankGroup:
+def join(
+    rank: int,
+    world: int,
+    device: torch.device,
+    store: dist.TCPStore | None = None,
+    *,
+    addr: str = "",
+    port: int = 0,
+    timeout_s: float = 600.0,
+) -> RankGroup:
     """Join the group as `rank`: rank 0 passes the store it hosts (after wait_for_ranks), the others
     the master's address and port."""
     if store is None:
         store = dist.TCPStore(addr, port, world, False, datetime.timedelta(seconds=timeout_s))
         store.set(f"joined/{rank}", "1")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
     commands = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     return RankGroup(rank, world, store, commands)

@@ -31,8 +31,14 @@ def serve_node(config: SloserveConfig) -> int:
     """Start this node's ranks and wait for them; the exit code of the first that failed, else 0."""
     pc = config.parallel
     check_divisible(load_spec(resolve_model_path(config.model.path)), pc.tensor_parallel_size)
-    workers = launch(config, node_ranks(config), pc.master_addr, pc.master_port, JOIN_TIMEOUT_S,
-                     logging.getLogger().level)
+    workers = launch(
+        config,
+        node_ranks(config),
+        pc.master_addr,
+        pc.master_port,
+        JOIN_TIMEOUT_S,
+        logging.getLogger().level,
+    )
 
     def stop(signum: int, _frame: object) -> None:
         log.info("node %d: %s, stopping its ranks", pc.node_rank, signal.Signals(signum).name)

@@ -51,10 +51,17 @@ class TensorParallelRunner:
         addr = pc.master_addr
         store = host_store(addr, pc.master_port or 0, world, JOIN_TIMEOUT_S)
         local = range(1, pc.ranks_per_node)
-        self.workers = dict(zip(local, launch(config, local, addr, store.port, JOIN_TIMEOUT_S,
-                                              logging.getLogger().level), strict=True))
+        self.workers = dict(
+            zip(
+                local,
+                launch(config, local, addr, store.port, JOIN_TIMEOUT_S, logging.getLogger().level),
+                strict=True,
+            )
+        )
         for rank, proc in self.workers.items():
-            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True).start()
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True
+            ).start()
         self.group = None
         try:
             wait_for_ranks(store, world, JOIN_TIMEOUT_S, check=self._raise_if_dead)
@@ -67,9 +74,14 @@ class TensorParallelRunner:
             raise
         self._last_command = time.monotonic()
         self.devices = [rank_device(config, r) for r in range(world)]
-        log.info("tensor parallel: %d ranks on %d node(s); node 0 runs ranks 0-%d (%s), pids %s", world, pc.nnodes,
-                 pc.ranks_per_node - 1, ", ".join(self.devices[: pc.ranks_per_node]),
-                 [p.pid for p in self.workers.values()])
+        log.info(
+            "tensor parallel: %d ranks on %d node(s); node 0 runs ranks 0-%d (%s), pids %s",
+            world,
+            pc.nnodes,
+            pc.ranks_per_node - 1,
+            ", ".join(self.devices[: pc.ranks_per_node]),
+            [p.pid for p in self.workers.values()],
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWN:  # not set yet (a failed __init__): no delegation
@@ -98,7 +110,9 @@ class TensorParallelRunner:
     def warmup(self) -> None:
         self._everywhere("warmup")
 
-    def time_steps(self, shapes: list[tuple[int, int]], rounds: int = 4) -> list[tuple[int, int, float]]:
+    def time_steps(
+        self, shapes: list[tuple[int, int]], rounds: int = 4
+    ) -> list[tuple[int, int, float]]:
         return self._everywhere("time_steps", shapes, rounds)
 
     def probe(self) -> None:
@@ -113,7 +127,10 @@ class TensorParallelRunner:
             self._last_command = time.monotonic()
             return None if name == "ping" else getattr(self.runner, name)(*args)
         except Exception as exc:
-            self._broken = self._death(wait_s=DEATH_GRACE_S) or f"{name} failed on rank 0: {type(exc).__name__}: {exc}"
+            self._broken = (
+                self._death(wait_s=DEATH_GRACE_S)
+                or f"{name} failed on rank 0: {type(exc).__name__}: {exc}"
+            )
             log.error("tensor parallelism is down: %s", self._broken)
             raise RuntimeError(f"tensor parallelism is down: {self._broken}") from exc
 

@@ -45,7 +45,9 @@ def rank_device(config: SloserveConfig, rank: int) -> str:
 
 def rank_config(config: SloserveConfig, rank: int) -> SloserveConfig:
     """`config` with the model placed on `rank`'s device."""
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=rank_device(config, rank)))
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, device=rank_device(config, rank))
+    )
 
 
 def cpu_threads(config: SloserveConfig) -> int:
@@ -104,22 +106,44 @@ def run_worker(config: SloserveConfig, rank: int, addr: str, port: int, timeout_
     group = join(rank, world, device, addr=addr, port=port, timeout_s=timeout_s)
     try:
         runner = build_rank(config, group)
-        log.info("tensor-parallel rank %d of %d ready on %s (pid %d)", rank, world, device, os.getpid())
+        log.info(
+            "tensor-parallel rank %d of %d ready on %s (pid %d)", rank, world, device, os.getpid()
+        )
         serve_commands(runner, group)
     finally:
         group.close()
 
 
-def launch(config: SloserveConfig, ranks: range, addr: str, port: int, timeout_s: float,
-           log_level: int = logging.INFO) -> list[subprocess.Popen]:
+def launch(
+    config: SloserveConfig,
+    ranks: range,
+    addr: str,
+    port: int,
+    timeout_s: float,
+    log_level: int = logging.INFO,
+) -> list[subprocess.Popen]:
     """Start one worker process per rank in `ranks`, each told the master's address and port."""
     payload = pickle.dumps(config)
     workers = []
     for rank in ranks:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sloserve.parallel.worker", "--rank", str(rank), "--addr", addr,
-             "--port", str(port), "--timeout", str(timeout_s), "--log-level", str(log_level)],
-            stdin=subprocess.PIPE)
+            [
+                sys.executable,
+                "-m",
+                "sloserve.parallel.worker",
+                "--rank",
+                str(rank),
+                "--addr",
+                addr,
+                "--port",
+                str(port),
+                "--timeout",
+                str(timeout_s),
+                "--log-level",
+                str(log_level),
+            ],
+            stdin=subprocess.PIPE,
+        )
         proc.stdin.write(payload)
         proc.stdin.close()
         workers.append(proc)
@@ -140,8 +164,10 @@ def _die_with_parent(every_s: float = 0.5) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sloserve.parallel.worker",
-                                     description="One tensor-parallel rank (started by sloserve; config on stdin).")
+    parser = argparse.ArgumentParser(
+        prog="python -m sloserve.parallel.worker",
+        description="One tensor-parallel rank (started by sloserve; config on stdin).",
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--addr", required=True)
     parser.add_argument("--port", type=int, required=True)

@@ -44,10 +44,18 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
 class BlockManager:
     """Gives requests device blocks (with prefix hits) and host blocks (swap) and takes them back."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_cache: bool = True,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        prefix_cache: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
         if num_blocks < 2:
-            raise ValueError(f"the KV pool needs >= 2 blocks (block 0 is the null block), got {num_blocks}")
+            raise ValueError(
+                f"the KV pool needs >= 2 blocks (block 0 is the null block), got {num_blocks}"
+            )
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.allocator = BlockAllocator(num_blocks)
@@ -56,7 +64,9 @@ class BlockManager:
         self._host_free = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._tokens: dict[int, tuple[int, ...]] = {}  # block id -> the tokens it was hashed with
         self._claims: dict[int, int] = {}  # hash -> how many requests claim that block
-        self._claims_by_req: dict[str, list[int]] = {}  # request id -> its claimed hashes, in block order
+        self._claims_by_req: dict[
+            str, list[int]
+        ] = {}  # request id -> its claimed hashes, in block order
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -84,7 +94,7 @@ class BlockManager:
         hashes: list[int] = []
         parent = _ROOT_HASH
         for i in range(len(tokens) // bs):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = chain_hash(parent, chunk)
             block = alloc.lookup(h)
             if block < 0 or self._tokens.get(block) != chunk:
@@ -125,10 +135,12 @@ class BlockManager:
         if not self.prefix_cache:
             return
         claimed = self._claims_by_req.setdefault(req.request_id, [])
-        parent = claimed[-1] if claimed else req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        parent = (
+            claimed[-1] if claimed else req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        )
         bs, tokens = self.block_size, req.all_token_ids
         for i in range(len(req.block_hashes) + len(claimed), req.num_tokens // bs):
-            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             claimed.append(parent)
             self._claims[parent] = self._claims.get(parent, 0) + 1
 
@@ -146,14 +158,14 @@ class BlockManager:
             block = req.block_table[i]
             if alloc.lookup(h) < 0:  # NOTE: a duplicate computed in the same step stays unhashed
                 alloc.set_hash(block, h)
-                self._tokens[block] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+                self._tokens[block] = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
 
     def _new_full_hashes(self, req: Request, end: int) -> list[int]:
         bs = self.block_size
         parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
         out = []
         for i in range(len(req.block_hashes), end // bs):
-            parent = chain_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, req.all_token_ids[i * bs : (i + 1) * bs])
             out.append(parent)
         return out
 

@@ -32,9 +32,12 @@ class SloQueue:
     """Urgency order from the hot-path RequestQueue (deadline, prompt length, aging, 200 ms guard)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self._queue = RequestQueue(aging=config.aging, max_wait_s=config.max_wait_s,
-                                   length_weight_s=config.length_weight_s,
-                                   capacity=config.max_waiting)
+        self._queue = RequestQueue(
+            aging=config.aging,
+            max_wait_s=config.max_wait_s,
+            length_weight_s=config.length_weight_s,
+            capacity=config.max_waiting,
+        )
         self._reqs: dict[int, Request] = {}
 
     def add(self, req: Request, now: float) -> None:
@@ -81,8 +84,11 @@ class FifoQueue:
     def requeue(self, req: Request) -> None:
         # Keep arrival order among preempted requests at the front.
         i = 0
-        while i < len(self._queue) and self._queue[i].arrival_time <= req.arrival_time \
-                and self._queue[i].status == req.status:
+        while (
+            i < len(self._queue)
+            and self._queue[i].arrival_time <= req.arrival_time
+            and self._queue[i].status == req.status
+        ):
             i += 1
         self._queue.insert(i, req)
 
@@ -172,4 +178,6 @@ def make_queue(config: SchedulerConfig) -> WaitingQueue:
         return FifoQueue(config)
     if config.policy == "priority":
         return PriorityQueue(config)
-    raise ValueError(f"unknown scheduling policy {config.policy!r}: use one of {', '.join(POLICIES)}")
+    raise ValueError(
+        f"unknown scheduling policy {config.policy!r}: use one of {', '.join(POLICIES)}"
+    )

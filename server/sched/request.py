@@ -46,13 +46,38 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "handle", "prompt_token_ids", "output_token_ids", "all_token_ids",
-        "sampling", "slo", "arrival_time", "deadline", "status",
-        "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "host_table",
-        "resumed_step", "num_preemptions", "first_scheduled_time", "first_token_time",
-        "finish_time", "error", "refusal_reason",
-        "sent_token_len", "ever_scheduled", "priority", "ttft_deadline", "e2e_deadline",
-        "last_scheduled_time", "predicted_ttft_s", "model_ttft_s", "output_logprobs", "prompt_logprobs",
+        "request_id",
+        "handle",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling",
+        "slo",
+        "arrival_time",
+        "deadline",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_table",
+        "block_hashes",
+        "host_table",
+        "resumed_step",
+        "num_preemptions",
+        "first_scheduled_time",
+        "first_token_time",
+        "finish_time",
+        "error",
+        "refusal_reason",
+        "sent_token_len",
+        "ever_scheduled",
+        "priority",
+        "ttft_deadline",
+        "e2e_deadline",
+        "last_scheduled_time",
+        "predicted_ttft_s",
+        "model_ttft_s",
+        "output_logprobs",
+        "prompt_logprobs",
         "prompt_logprobs_sent",
     )
 
@@ -79,12 +104,18 @@ class Request:
         # Objectives as absolute times (None: not given). `deadline` orders the waiting queue:
         # the tighter of TTFT and end-to-end, else default_ttft_s -- an ordering key only: a
         # request is judged and refused by the objectives it gave, never by this default.
-        self.ttft_deadline = None if slo is None or slo.ttft_s is None else self.arrival_time + slo.ttft_s
-        self.e2e_deadline = None if slo is None or slo.e2e_s is None else self.arrival_time + slo.e2e_s
+        self.ttft_deadline = (
+            None if slo is None or slo.ttft_s is None else self.arrival_time + slo.ttft_s
+        )
+        self.e2e_deadline = (
+            None if slo is None or slo.e2e_s is None else self.arrival_time + slo.e2e_s
+        )
         self.deadline = self.arrival_time + _first_token_budget(slo, default_ttft_s)
         self.last_scheduled_time: float | None = None  # when a step last computed any of its tokens
         self.predicted_ttft_s: float | None = None  # admission's first-token estimate, from arrival
-        self.model_ttft_s: float | None = None  # the same before calibration (admission.calibration)
+        self.model_ttft_s: float | None = (
+            None  # the same before calibration (admission.calibration)
+        )
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -141,14 +172,16 @@ class Request:
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop the output tokens (and their logprobs) past the first `num_output_tokens`."""
-        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
         del self.output_token_ids[num_output_tokens:]
         if self.output_logprobs is not None:
             del self.output_logprobs[num_output_tokens:]
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
 
 
 def _first_token_budget(slo: SLO | None, default_ttft_s: float) -> float:

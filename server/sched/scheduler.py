@@ -35,13 +35,25 @@ MAX_RUN_S = 0.010
 class Scheduler:
     """Owns every live request, the waiting queue, the running set and the block manager."""
 
-    def __init__(self, config: SloserveConfig, *, num_blocks: int, block_size: int,
-                 max_model_len: int, num_host_blocks: int = 0, eos_token_ids: Sequence[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SloserveConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        num_host_blocks: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = sc = config.scheduler
         swap = sc.preemption_mode == "swap"
-        self.block_manager = BlockManager(num_blocks, block_size, prefix_cache=config.cache.prefix_cache,
-                                          num_host_blocks=num_host_blocks if swap else 0)
+        self.block_manager = BlockManager(
+            num_blocks,
+            block_size,
+            prefix_cache=config.cache.prefix_cache,
+            num_host_blocks=num_host_blocks if swap else 0,
+        )
         self.block_size = block_size
         # NOTE: a request alone must always fit in the pool, else it could preempt itself forever.
         self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
@@ -53,7 +65,9 @@ class Scheduler:
         self.admission = AdmissionControl(sc, self.max_model_len)
         self.step_count = 0
         self._handles = itertools.count()
-        self.arrivals = TightestRecent()  # TTFT objectives of recent newcomers: the deadline plan leaves them room
+        self.arrivals = (
+            TightestRecent()
+        )  # TTFT objectives of recent newcomers: the deadline plan leaves them room
         self._scheduled: list[tuple[Request, int]] = []
         self._swapped: list[Request] = []  # requests swapped in or out by the current step
         self._outputs: list[Request] = []  # finished outside update() (queue timeouts)
@@ -74,8 +88,15 @@ class Scheduler:
         self._error_quantiles: dict = {}  # stats() runs every step: re-sorted only after new errors
 
     # ---- requests in and out -----------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None, priority: int = 0) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
         """Validate and queue a request; InvalidRequestError / RequestRefusedError say why not."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -84,18 +105,33 @@ class Scheduler:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens but the model takes at most "
-                f"{self.max_model_len - 1} (room is needed for one output token); shorten it")
+                f"{self.max_model_len - 1} (room is needed for one output token); shorten it"
+            )
         now = self.clock()
         if slo is not None and slo.ttft_s is not None:
             self.arrivals.add(now, slo.ttft_s)
-        req = Request(request_id, next(self._handles), prompt_token_ids, sampling, slo,
-                      arrival_time if arrival_time is not None else now, self.config.default_ttft_s,
-                      priority)
+        req = Request(
+            request_id,
+            next(self._handles),
+            prompt_token_ids,
+            sampling,
+            slo,
+            arrival_time if arrival_time is not None else now,
+            self.config.default_ttft_s,
+            priority,
+        )
         cached = 0
         if self.admission.enabled:
             cached = self.block_manager.hit_tokens(self._prefix(req)[0], req.num_tokens)
-        self.admission.check_new(req, now, self.running, self.waiting, len(self.waiting),
-                                 self._batch_target(extra=1), cached)
+        self.admission.check_new(
+            req,
+            now,
+            self.running,
+            self.waiting,
+            len(self.waiting),
+            self._batch_target(extra=1),
+            cached,
+        )
         self.requests[request_id] = req
         self.waiting.add(req, now)
         self.admission.queued(req)
@@ -111,10 +147,13 @@ class Scheduler:
 
     def abort_all(self) -> list[Request]:
         """Finish every live request as 'cancelled' (shutdown, a dead engine loop)."""
-        return [req for request_id in list(self.requests) if (req := self.abort(request_id)) is not None]
+        return [
+            req for request_id in list(self.requests) if (req := self.abort(request_id)) is not None
+        ]
 
-    def stop_early(self, req: Request, num_output_tokens: int, status: RequestStatus,
-                   error: str | None = None) -> None:
+    def stop_early(
+        self, req: Request, num_output_tokens: int, status: RequestStatus, error: str | None = None
+    ) -> None:
         """The output stage ended `req` after its first `num_output_tokens` output tokens (a stop
         string, a failure): later tokens of the step are dropped and its blocks freed."""
         self.generated_tokens_total -= req.num_output_tokens - num_output_tokens
@@ -163,14 +202,27 @@ class Scheduler:
             self._admit_waiting(out, budget, now, plan)
         out.num_steps = self._run_length(out)
         prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
-        self.admission.on_step(now, len(out.sequences), prefill, self._step_tokens, self._step_decodes,
-                               steps=out.num_steps)
+        self.admission.on_step(
+            now,
+            len(out.sequences),
+            prefill,
+            self._step_tokens,
+            self._step_decodes,
+            steps=out.num_steps,
+        )
         bm = self.block_manager
         self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
         return out
 
-    def _run(self, pending: deque[Request], out: SchedulerOutput, budget: int, now: float,
-             plan: DeadlinePlan | None, must_only: bool = False) -> tuple[int, bool]:
+    def _run(
+        self,
+        pending: deque[Request],
+        out: SchedulerOutput,
+        budget: int,
+        now: float,
+        plan: DeadlinePlan | None,
+        must_only: bool = False,
+    ) -> tuple[int, bool]:
         """Schedule running requests from the front of `pending` (only must-run ones if
         `must_only`), preempting from its back when blocks run out; (budget left, preempted)."""
         preempted = False
@@ -180,12 +232,16 @@ class Scheduler:
             req = pending.popleft()
             n = self._chunk(req, budget, first=not out.sequences)
             if must_only and not plan.urgent(req):
-                n = min(n, MIN_CHUNK)  # starving, not urgent: progress now, the rest when there is room
+                n = min(
+                    n, MIN_CHUNK
+                )  # starving, not urgent: progress now, the rest when there is room
             if plan is not None:
                 n = self._fit(plan, req, n)
             if n == 0:
                 continue
-            while req is not None and not self.block_manager.allocate(req, req.num_computed_tokens + n):
+            while req is not None and not self.block_manager.allocate(
+                req, req.num_computed_tokens + n
+            ):
                 victim = self._pick_victim(pending, req, plan)
                 if victim is not req:
                     pending.remove(victim)
@@ -211,18 +267,33 @@ class Scheduler:
         """
         steps = self.max_steps
         seqs = out.sequences
-        if steps <= 1 or not seqs or self.waiting or out.swap_in or out.swap_out \
-                or len(seqs) != len(self.running):
+        if (
+            steps <= 1
+            or not seqs
+            or self.waiting
+            or out.swap_in
+            or out.swap_out
+            or len(seqs) != len(self.running)
+        ):
             return 1
         price = self.admission.step_price()
         if price is not None:
             steps = min(steps, int(MAX_RUN_S / max(1e-9, price.step_seconds(0, len(seqs)))))
         for (req, n), seq in zip(self._scheduled, seqs, strict=True):
-            if n != 1 or not seq.sample or seq.context is not None \
-                    or req.num_output_tokens < req.sampling.min_tokens:
-                return 1  # NOTE: penalties and min_tokens read each step's tokens so far: single steps
-            steps = min(steps, req.sampling.max_tokens - req.num_output_tokens,
-                        self.max_model_len - req.num_tokens)
+            if (
+                n != 1
+                or not seq.sample
+                or seq.context is not None
+                or req.num_output_tokens < req.sampling.min_tokens
+            ):
+                return (
+                    1  # NOTE: penalties and min_tokens read each step's tokens so far: single steps
+                )
+            steps = min(
+                steps,
+                req.sampling.max_tokens - req.num_output_tokens,
+                self.max_model_len - req.num_tokens,
+            )
         if steps <= 1:
             return 1
         bm = self.block_manager
@@ -230,11 +301,17 @@ class Scheduler:
             end = req.num_computed_tokens + steps
             if not bm.allocate(req, end):
                 return 1  # short of blocks: the ones taken stay with their requests
-            seq.block_table = req.block_table[:bm.blocks_for(end)]
+            seq.block_table = req.block_table[: bm.blocks_for(end)]
         return steps
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, plan: DeadlinePlan | None,
-                       urgent_only: bool = False) -> int:
+    def _admit_waiting(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        now: float,
+        plan: DeadlinePlan | None,
+        urgent_only: bool = False,
+    ) -> int:
         """Start waiting requests in order while budget, slots and blocks allow; the budget left."""
         bm = self.block_manager
         target = self._batch_target()
@@ -250,10 +327,18 @@ class Scheduler:
                 return budget
             if urgent_only and not plan.urgent(req):
                 return budget  # the queue is in slack order: no urgent one follows
-            if plan is not None and not plan.must_run(req) and plan.room(*self._step_load()) < MIN_CHUNK:
+            if (
+                plan is not None
+                and not plan.must_run(req)
+                and plan.room(*self._step_load()) < MIN_CHUNK
+            ):
                 continue  # optional, and the step has no room under the cap: look for a must-run one
             prefix = None if req.is_swapped else self._prefix(req)
-            if prefix is not None and bm.is_claimed(prefix[2]) and (plan is None or not plan.urgent(req)):
+            if (
+                prefix is not None
+                and bm.is_claimed(prefix[2])
+                and (plan is None or not plan.urgent(req))
+            ):
                 continue  # another request is computing its next block: hit it when done
             if len(self.running) >= target and not self._free_slot(req, plan, out):
                 return budget
@@ -311,9 +396,21 @@ class Scheduler:
         price = self.admission.step_price()
         if price is None:
             return None
-        chunk = min(sc.prefill_chunk, sc.max_batched_tokens) if sc.chunked_prefill else sc.max_batched_tokens
-        return DeadlinePlan(price, self.running, now, chunk, sc.max_wait_s, sc.max_batched_tokens, sc.finish_margin,
-                            self.arrivals.tightest(now))
+        chunk = (
+            min(sc.prefill_chunk, sc.max_batched_tokens)
+            if sc.chunked_prefill
+            else sc.max_batched_tokens
+        )
+        return DeadlinePlan(
+            price,
+            self.running,
+            now,
+            chunk,
+            sc.max_wait_s,
+            sc.max_batched_tokens,
+            sc.finish_margin,
+            self.arrivals.tightest(now),
+        )
 
     def _step_load(self) -> tuple[int, int]:
         """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""
@@ -341,12 +438,23 @@ class Scheduler:
         counts on that pace): as soon as a newcomer is queued, not once it is urgent -- a flood
         of newcomers that all turn urgent together would otherwise wait a step each, past their
         deadlines."""
-        if plan is None or not self.config.slack_preemption or req.ttft_deadline is None \
-                or req.first_token_time is not None or out.swap_out:
+        if (
+            plan is None
+            or not self.config.slack_preemption
+            or req.ttft_deadline is None
+            or req.first_token_time is not None
+            or out.swap_out
+        ):
             return False
         scheduled = {r.request_id for r, _ in self._scheduled}
-        candidates = [r for r in self.running if r.request_id not in scheduled and r.first_token_time is None
-                      and r.resumed_step is None and not plan.must_run(r)]
+        candidates = [
+            r
+            for r in self.running
+            if r.request_id not in scheduled
+            and r.first_token_time is None
+            and r.resumed_step is None
+            and not plan.must_run(r)
+        ]
         if not candidates:
             return False
         victim = max(candidates, key=plan.sort_key)
@@ -355,8 +463,13 @@ class Scheduler:
         self._preempt(victim, out)
         return True
 
-    def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
-               errors: dict[str, str] | None = None, logprobs: StepLogprobs | None = None) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: Sequence[int | None],
+        errors: dict[str, str] | None = None,
+        logprobs: StepLogprobs | None = None,
+    ) -> list[Request]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.
 
         `sampled` has one entry per sequence with sample=True, in order (None: not computed); in a
@@ -369,7 +482,9 @@ class Scheduler:
         """
         n_sample = sum(1 for s in out.sequences if s.sample)
         if len(sampled) != n_sample:
-            raise ValueError(f"the runner returned {len(sampled)} tokens for {n_sample} sampled sequences")
+            raise ValueError(
+                f"the runner returned {len(sampled)} tokens for {n_sample} sampled sequences"
+            )
         outputs, self._outputs = self._outputs, []
         tokens = iter(sampled)
         now = self.clock()
@@ -388,8 +503,13 @@ class Scheduler:
             try:
                 if req.request_id in prompt_logprobs:
                     _keep_prompt_logprobs(req, prompt_logprobs[req.request_id])
-                if self._apply(req, n, token if isinstance(token, list) else [token], now,
-                               token_logprobs.get(req.request_id)):
+                if self._apply(
+                    req,
+                    n,
+                    token if isinstance(token, list) else [token],
+                    now,
+                    token_logprobs.get(req.request_id),
+                ):
                     outputs.append(req)
             except Exception as exc:  # one request's failure must not fail the batch
                 req.error = f"{type(exc).__name__}: {exc}"
@@ -401,8 +521,14 @@ class Scheduler:
             self.admission.on_idle()
         return outputs
 
-    def _apply(self, req: Request, n: int, run: list[int | None], now: float,
-               logprobs: list[Logprob] | None = None) -> bool:
+    def _apply(
+        self,
+        req: Request,
+        n: int,
+        run: list[int | None],
+        now: float,
+        logprobs: list[Logprob] | None = None,
+    ) -> bool:
         """Advance `req` by its computed chunk of `n` tokens and then one token per further step of
         the run, appending each sampled token (and its logprobs, when asked) until one finishes it;
         False when nothing was sampled (and no prompt-only request finished)."""
@@ -410,10 +536,14 @@ class Scheduler:
             start = req.num_computed_tokens
             req.num_computed_tokens += n if i == 0 else 1
             self.block_manager.commit(req)
-            self.computed_prompt_tokens_total += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - start)
+            self.computed_prompt_tokens_total += max(
+                0, min(req.num_computed_tokens, req.num_prompt_tokens) - start
+            )
             if token is None:
                 if req.sampling.prompt_only and req.num_computed_tokens >= req.num_tokens:
-                    self._finish(req, RequestStatus.FINISHED_LENGTH)  # scored its prompt: nothing to sample
+                    self._finish(
+                        req, RequestStatus.FINISHED_LENGTH
+                    )  # scored its prompt: nothing to sample
                     return True
                 return False
             if req.resumed_step is not None and self.step_count > req.resumed_step:
@@ -424,7 +554,9 @@ class Scheduler:
                     self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
                     self.admission.on_first_token(req, now - req.arrival_time)
                     self._error_quantiles = {}
-            self._append_token(req, token, logprobs[i] if logprobs is not None and i < len(logprobs) else None)
+            self._append_token(
+                req, token, logprobs[i] if logprobs is not None and i < len(logprobs) else None
+            )
             self.generated_tokens_total += 1
             if req.is_finished:
                 self._finish(req, req.status)
@@ -439,7 +571,9 @@ class Scheduler:
         if req.output_logprobs is not None and logprob is not None:
             req.output_logprobs.append(logprob)
         params = req.sampling
-        if req.num_output_tokens >= params.min_tokens and params.stops_on(token, self.eos_token_ids):
+        if req.num_output_tokens >= params.min_tokens and params.stops_on(
+            token, self.eos_token_ids
+        ):
             req.status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
@@ -487,7 +621,11 @@ class Scheduler:
         if remaining <= 1:
             return 1 if budget >= 1 else 0
         if self.config.chunked_prefill:
-            return min(remaining, budget, budget if first and self._alone(req) else self.config.prefill_chunk)
+            return min(
+                remaining,
+                budget,
+                budget if first and self._alone(req) else self.config.prefill_chunk,
+            )
         # Without chunking a prompt runs whole; one longer than the budget may run alone.
         return remaining if remaining <= budget or first else 0
 
@@ -500,7 +638,9 @@ class Scheduler:
         running = req.status == RequestStatus.RUNNING
         return len(self.running) == running and len(self.waiting) == (not running)
 
-    def _pick_victim(self, pending: deque[Request], current: Request, plan: DeadlinePlan | None) -> Request:
+    def _pick_victim(
+        self, pending: deque[Request], current: Request, plan: DeadlinePlan | None
+    ) -> Request:
         """Who gives up its blocks: among the running requests not yet scheduled in this step,
         the one with the most slack (slo with slack_preemption), else the least urgent by the
         policy's key; those just resumed are spared (no thrashing)."""
@@ -508,7 +648,11 @@ class Scheduler:
             key = plan.sort_key
         else:
             key = self._urgency
-        candidates = [r for r in pending if r.resumed_step is None and (r.block_table or r.num_computed_tokens)]
+        candidates = [
+            r
+            for r in pending
+            if r.resumed_step is None and (r.block_table or r.num_computed_tokens)
+        ]
         if candidates:
             return max(candidates, key=key)
         if current.resumed_step is None or not pending:
@@ -533,20 +677,33 @@ class Scheduler:
         self.preemptions_total += 1
         self.waiting.requeue(req)
 
-    def _schedule_chunk(self, req: Request, n: int, out: SchedulerOutput, now: float,
-                        plan: DeadlinePlan | None = None) -> None:
+    def _schedule_chunk(
+        self,
+        req: Request,
+        n: int,
+        out: SchedulerOutput,
+        now: float,
+        plan: DeadlinePlan | None = None,
+    ) -> None:
         start = req.num_computed_tokens
         end = start + n
         bm = self.block_manager
         bm.claim(req)
         # Hashed blocks hold computed K/V; past `start` only when a hit covered the last token.
         kv_present = max(0, len(req.block_hashes) * self.block_size - start)
-        out.sequences.append(ScheduledSequence(
-            req_id=req.request_id, token_ids=req.all_token_ids[start:end], start_pos=start,
-            block_table=req.block_table[:bm.blocks_for(end)],
-            sample=end == req.num_tokens and not req.sampling.prompt_only,
-            sampling=req.sampling, num_generated=req.num_output_tokens, kv_present=kv_present,
-            context=req.all_token_ids if req.sampling.needs_context else None))
+        out.sequences.append(
+            ScheduledSequence(
+                req_id=req.request_id,
+                token_ids=req.all_token_ids[start:end],
+                start_pos=start,
+                block_table=req.block_table[: bm.blocks_for(end)],
+                sample=end == req.num_tokens and not req.sampling.prompt_only,
+                sampling=req.sampling,
+                num_generated=req.num_output_tokens,
+                kv_present=kv_present,
+                context=req.all_token_ids if req.sampling.needs_context else None,
+            )
+        )
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
@@ -563,8 +720,10 @@ class Scheduler:
             if self.admission.timed_out(req, now):
                 self.admission.refusals["queue_timeout"] += 1
                 req.refusal_reason = "queue_timeout"
-                req.error = (f"refused: waited {now - req.arrival_time:.1f}s in the queue, past the "
-                             f"{self.admission.queue_timeout_s:g}s queue timeout")
+                req.error = (
+                    f"refused: waited {now - req.arrival_time:.1f}s in the queue, past the "
+                    f"{self.admission.queue_timeout_s:g}s queue timeout"
+                )
                 self._finish(req, RequestStatus.FINISHED_REFUSED)
                 self._outputs.append(req)
 
@@ -586,24 +745,33 @@ class Scheduler:
         """The scheduler's counters, named as EngineStats' fields."""
         bm = self.block_manager
         return dict(
-            waiting=len(self.waiting), running=len(self.running),
-            kv_blocks_total=bm.num_usable, kv_blocks_free=bm.num_free, kv_blocks_cached=bm.num_cached,
-            swap_blocks_total=bm.num_host_blocks, swap_blocks_free=bm.num_host_free,
+            waiting=len(self.waiting),
+            running=len(self.running),
+            kv_blocks_total=bm.num_usable,
+            kv_blocks_free=bm.num_free,
+            kv_blocks_cached=bm.num_cached,
+            swap_blocks_total=bm.num_host_blocks,
+            swap_blocks_free=bm.num_host_free,
             prompt_tokens_total=self.prompt_tokens_total,
             prefix_hit_tokens_total=self.prefix_hit_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
-            preemptions_total=self.preemptions_total, refusals=dict(self.admission.refusals),
+            preemptions_total=self.preemptions_total,
+            refusals=dict(self.admission.refusals),
             computed_prompt_tokens_total=self.computed_prompt_tokens_total,
-            requests_finished_total=self.requests_finished_total, kv_blocks_peak=self.kv_blocks_peak,
-            **self._prediction_errors())
+            requests_finished_total=self.requests_finished_total,
+            kv_blocks_peak=self.kv_blocks_peak,
+            **self._prediction_errors(),
+        )
 
     def _prediction_errors(self) -> dict:
         """TTFT prediction error (predicted minus actual) p50 / p90 over the recent requests."""
         if self.ttft_errors and not self._error_quantiles:
             errors = sorted(self.ttft_errors)
-            self._error_quantiles = {"ttft_predictions": len(errors),
-                                     "ttft_prediction_error_p50_s": nearest_rank(errors, 0.5),
-                                     "ttft_prediction_error_p90_s": nearest_rank(errors, 0.9)}
+            self._error_quantiles = {
+                "ttft_predictions": len(errors),
+                "ttft_prediction_error_p50_s": nearest_rank(errors, 0.5),
+                "ttft_prediction_error_p90_s": nearest_rank(errors, 0.9),
+            }
         return self._error_quantiles
 
 

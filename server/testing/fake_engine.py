@@ -38,8 +38,16 @@ class _Req:
 class FakeEngine:
     """Contract-compatible stand-in for sloserve.engine.AsyncEngine (tests of the front end and the edges)."""
 
-    def __init__(self, *, num_blocks: int = 64, block_size: int = 16, max_model_len: int = 256,
-                 step_s: float = 0.01, max_running: int = 8, start_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        max_model_len: int = 256,
+        step_s: float = 0.01,
+        max_running: int = 8,
+        start_delay_s: float = 0.0,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -47,15 +55,23 @@ class FakeEngine:
         self.max_running = max_running
         self.start_delay_s = start_delay_s
         self.tokenizer = ByteTokenizer()
-        self.model_info = {"model": "fake", "architecture": "FakeForCausalLM", "max_model_len": max_model_len,
-                           "block_size": block_size, "device": "cpu", "attention_backend": "none"}
+        self.model_info = {
+            "model": "fake",
+            "architecture": "FakeForCausalLM",
+            "max_model_len": max_model_len,
+            "block_size": block_size,
+            "device": "cpu",
+            "attention_backend": "none",
+        }
         self.ready = False
         self.alive = False
         self.dead_reason: str | None = None
         self.flowing = asyncio.Event()  # clear it to hold every token back
         self.flowing.set()
         self.reqs: dict[str, _Req] = {}
-        self.slos: dict[str, SLO | None] = {}  # every request's SLO as received (for deadline tests)
+        self.slos: dict[
+            str, SLO | None
+        ] = {}  # every request's SLO as received (for deadline tests)
         self.arrivals: dict[str, float] = {}  # every request's arrival_time as received
         self.priorities: dict[str, int] = {}  # every request's priority as received
         # prompt text -> (refusal reason or None, error): such requests fail after they were queued
@@ -74,9 +90,16 @@ class FakeEngine:
         for rid in list(self.reqs):
             self.abort(rid)
 
-    def add_request(self, request_id: str, token_ids: str | list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival_time: float | None = None, *,
-                    priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: str | list[int],
+        params: SamplingParams,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None or self.stopped:
             raise EngineDeadError(self.dead_reason or "engine stopped")
         ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else list(token_ids)
@@ -85,18 +108,30 @@ class FakeEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}; shorten the prompt or lower max_tokens")
+                f"length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
         if request_id in self.reqs:
             raise InvalidRequestError(f"request id {request_id!r} is already live")
         if len(self.reqs) >= self.max_running:
             self._stats.refusals["queue_full"] = self._stats.refusals.get("queue_full", 0) + 1
-            raise RequestRefusedError("queue_full", f"{len(self.reqs)} requests already queued; retry later")
+            raise RequestRefusedError(
+                "queue_full", f"{len(self.reqs)} requests already queued; retry later"
+            )
         blocks = math.ceil((len(ids) + params.max_tokens) / self.block_size)
         if blocks > self._free:
             self._stats.refusals["no_kv_blocks"] = self._stats.refusals.get("no_kv_blocks", 0) + 1
-            raise RequestRefusedError("no_kv_blocks", "not enough KV cache blocks free; retry later")
+            raise RequestRefusedError(
+                "no_kv_blocks", "not enough KV cache blocks free; retry later"
+            )
         self._free -= blocks
-        req = _Req(request_id, ids, params, slo, blocks, RequestStream(request_id, asyncio.get_running_loop()))
+        req = _Req(
+            request_id,
+            ids,
+            params,
+            slo,
+            blocks,
+            RequestStream(request_id, asyncio.get_running_loop()),
+        )
         if arrival_time is not None:  # like the real engine: times and deadlines count from it
             req.arrival = arrival_time
         self.arrivals[request_id] = req.arrival
@@ -127,8 +162,18 @@ class FakeEngine:
             await asyncio.sleep(self.step_s)
             self.reqs.pop(req.id, None)
             self._free += req.blocks
-            req.stream.put(RequestOutput(req.id, [], "", True, "error", failure[1], len(req.prompt),
-                                            refusal_reason=failure[0]))
+            req.stream.put(
+                RequestOutput(
+                    req.id,
+                    [],
+                    "",
+                    True,
+                    "error",
+                    failure[1],
+                    len(req.prompt),
+                    refusal_reason=failure[0],
+                )
+            )
             return
         base = sum(req.prompt)
         first = None
@@ -151,9 +196,23 @@ class FakeEngine:
             return
         self._free += req.blocks
         self._stats.requests_finished_total += 1
-        req.stream.put(RequestOutput(
-            req.id, last, "".join(chr(t) for t in last), True, reason, None, len(req.prompt), n, 0,
-            req.arrival, req.scheduled, first, time.monotonic()))
+        req.stream.put(
+            RequestOutput(
+                req.id,
+                last,
+                "".join(chr(t) for t in last),
+                True,
+                reason,
+                None,
+                len(req.prompt),
+                n,
+                0,
+                req.arrival,
+                req.scheduled,
+                first,
+                time.monotonic(),
+            )
+        )
 
     def abort(self, request_id: str) -> bool:
         req = self.reqs.get(request_id)

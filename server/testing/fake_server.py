@@ -19,16 +19,24 @@ from sloserve.logs import configure_logging
 from sloserve.testing.fake_engine import FakeEngine
 
 
-async def main(step_s: float = 0.005, die_after_s: float | None = None, grace_s: float = 20.0,
-               grpc: dict | None = None) -> int:
-    config = SloserveConfig(server=ServerConfig(port=0, metrics_port=None, grace_s=grace_s),
-                            grpc=GrpcConfig(**(grpc or {})))
+async def main(
+    step_s: float = 0.005,
+    die_after_s: float | None = None,
+    grace_s: float = 20.0,
+    grpc: dict | None = None,
+) -> int:
+    config = SloserveConfig(
+        server=ServerConfig(port=0, metrics_port=None, grace_s=grace_s),
+        grpc=GrpcConfig(**(grpc or {})),
+    )
     engine = FakeEngine(step_s=step_s, max_running=64, num_blocks=1024)
     if die_after_s is not None:
+
         async def die() -> None:
             await asyncio.sleep(die_after_s)
             engine.dead_reason = "fake loop crashed"
             engine.alive = False
+
         dying = asyncio.create_task(die())  # noqa: F841 - held so the task is not collected
     return await serve.run(config, engine=engine)
 

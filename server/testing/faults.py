@@ -57,10 +57,14 @@ class FaultPlan:
                 continue
             kind, sep, rest = item.partition(":")
             if not sep or kind not in KINDS:
-                raise ValueError(f"fault rule {item!r}: use KIND:MARKER with KIND one of {', '.join(KINDS)}")
+                raise ValueError(
+                    f"fault rule {item!r}: use KIND:MARKER with KIND one of {', '.join(KINDS)}"
+                )
             marker, eq, value = rest.partition("=")
             if not marker:
-                raise ValueError(f"fault rule {item!r}: the marker (part of a request id) must not be empty")
+                raise ValueError(
+                    f"fault rule {item!r}: the marker (part of a request id) must not be empty"
+                )
             seconds = 0.0
             if kind == "slow-step":
                 try:
@@ -97,8 +101,16 @@ class FaultPlan:
 
     def delay_s(self, request_ids: Sequence[str]) -> float:
         """Extra seconds a step over `request_ids` takes (the longest matching slow-step rule)."""
-        return max((r.seconds for r in self.rules if r.kind == "slow-step"
-                    for rid in request_ids if r.applies(rid)), default=0.0)
+        return max(
+            (
+                r.seconds
+                for r in self.rules
+                if r.kind == "slow-step"
+                for rid in request_ids
+                if r.applies(rid)
+            ),
+            default=0.0,
+        )
 
 
 class FaultyRunner:

@@ -16,20 +16,29 @@ from sloserve.testing.fake_engine import FakeEngine
 
 
 @contextlib.asynccontextmanager
-async def live_server(engine: FakeEngine | None = None, *, start_engine: bool = True,
-                      credentials: grpc.ChannelCredentials | None = None, grpc_config: GrpcConfig | None = None,
-                      **server_kw) -> AsyncIterator[tuple[SloserveServer, pb_grpc.SloserveStub, grpc.aio.Channel]]:
+async def live_server(
+    engine: FakeEngine | None = None,
+    *,
+    start_engine: bool = True,
+    credentials: grpc.ChannelCredentials | None = None,
+    grpc_config: GrpcConfig | None = None,
+    **server_kw,
+) -> AsyncIterator[tuple[SloserveServer, pb_grpc.SloserveStub, grpc.aio.Channel]]:
     """A SloserveServer on an ephemeral port with a connected channel; stopped on exit."""
     engine = engine or FakeEngine()
     server_kw.setdefault("metrics_port", None)  # the metrics test turns it on
-    config = SloserveConfig(server=ServerConfig(host="127.0.0.1", port=0, **server_kw), grpc=grpc_config or GrpcConfig())
+    config = SloserveConfig(
+        server=ServerConfig(host="127.0.0.1", port=0, **server_kw), grpc=grpc_config or GrpcConfig()
+    )
     server = SloserveServer(config, engine, watchdog_interval_s=0.02)
     await server.start(start_engine=start_engine)
     if start_engine:
         await wait_for(lambda: engine.ready)
     target = f"127.0.0.1:{server.port}"
     if credentials is not None:
-        channel = grpc.aio.secure_channel(target, credentials, options=[("grpc.ssl_target_name_override", "localhost")])
+        channel = grpc.aio.secure_channel(
+            target, credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+        )
     else:
         channel = grpc.aio.insecure_channel(target)
     try:
@@ -41,9 +50,11 @@ async def live_server(engine: FakeEngine | None = None, *, start_engine: bool = 
 
 async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:
     """Poll until predicate() is true (a bounded wait, not a timing assertion)."""
+
     async def poll() -> None:
         while not predicate():
             await asyncio.sleep(interval)
+
     await asyncio.wait_for(poll(), timeout)
 
 
@@ -69,11 +80,19 @@ class Transcript:
     messages: list[pb.ServerMessage] = field(default_factory=list)
 
     def chunks(self, rid: str) -> list[pb.TokenChunk]:
-        return [m.chunk for m in self.messages if m.WhichOneof("kind") == "chunk" and m.chunk.request_id == rid]
+        return [
+            m.chunk
+            for m in self.messages
+            if m.WhichOneof("kind") == "chunk" and m.chunk.request_id == rid
+        ]
 
     def terminals(self, rid: str) -> list[pb.ServerMessage]:
-        return [m for m in self.messages if m.WhichOneof("kind") in ("final", "error")
-                and getattr(m, m.WhichOneof("kind")).request_id == rid]
+        return [
+            m
+            for m in self.messages
+            if m.WhichOneof("kind") in ("final", "error")
+            and getattr(m, m.WhichOneof("kind")).request_id == rid
+        ]
 
     def terminal(self, rid: str) -> pb.ServerMessage:
         found = self.terminals(rid)

@@ -42,9 +42,18 @@ class ServerProcess(LocalServer):
     temporary file, removed on stop, when None). sample_gpu: poll nvidia-smi for its device memory.
     """
 
-    def __init__(self, args: Sequence[str], *, command: Sequence[str] = SLOSERVE, port: int | None = None,
-                 log_path: Path | None = None, label: str = "server", env: Mapping[str, str] | None = None,
-                 startup_s: float = 180.0, sample_gpu: bool = False) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        command: Sequence[str] = SLOSERVE,
+        port: int | None = None,
+        log_path: Path | None = None,
+        label: str = "server",
+        env: Mapping[str, str] | None = None,
+        startup_s: float = 180.0,
+        sample_gpu: bool = False,
+    ) -> None:
         self.argv = [*command, *args]
         self._temporary_log = log_path is None
         if log_path is None:
@@ -52,8 +61,13 @@ class ServerProcess(LocalServer):
             os.close(fd)
             log_path = Path(name)
         self._lines = LogLines(log_path)
-        super().__init__(self.argv, port or 0, log_path, label,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1", **ALLOW_FAULTS, **(env or {})})
+        super().__init__(
+            self.argv,
+            port or 0,
+            log_path,
+            label,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **ALLOW_FAULTS, **(env or {})},
+        )
         self._gpu_peak: int | None = None
         self._sampling = threading.Event()
         if sample_gpu and shutil.which("nvidia-smi"):
@@ -71,8 +85,25 @@ class ServerProcess(LocalServer):
     @classmethod
     def cli(cls, model: Path | str, *extra: str, **kw) -> ServerProcess:
         """The real `sloserve serve` on a free port, no metrics or HTTP port, JSON logs."""
-        return cls(["serve", "--model", str(model), "--device", "cpu", "--port", "0",
-                    "--metrics-port", "off", "--http-port", "off", "--log-format", "json", *extra], **kw)
+        return cls(
+            [
+                "serve",
+                "--model",
+                str(model),
+                "--device",
+                "cpu",
+                "--port",
+                "0",
+                "--metrics-port",
+                "off",
+                "--http-port",
+                "off",
+                "--log-format",
+                "json",
+                *extra,
+            ],
+            **kw,
+        )
 
     @property
     def logs(self) -> list[dict]:
@@ -94,7 +125,9 @@ class ServerProcess(LocalServer):
         """The first log message matching `predicate`; raises if the process exits or time runs out."""
         deadline = time.monotonic() + timeout
         while True:
-            exited = self.proc.poll() is not None  # before reading, so no line written before the exit is missed
+            exited = (
+                self.proc.poll() is not None
+            )  # before reading, so no line written before the exit is missed
             for entry in self.logs:
                 if predicate(str(entry.get("msg", ""))):
                     return str(entry["msg"])
@@ -109,8 +142,12 @@ class ServerProcess(LocalServer):
         line = self.wait_log(lambda m: m.startswith("http listening on "), timeout)
         return int(line.split()[3].rsplit(":", 1)[1])
 
-    def wait_ready(self, timeout: float = 180.0, credentials: grpc.ChannelCredentials | None = None,
-                   metadata: Sequence[tuple[str, str]] | None = None) -> dict:
+    def wait_ready(
+        self,
+        timeout: float = 180.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> dict:
         """Poll readiness (health of the Sloserve service) until SERVING; return Info as
         sloserve.bench.client.fetch_info gives it."""
         deadline = time.monotonic() + timeout
@@ -118,13 +155,21 @@ class ServerProcess(LocalServer):
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self._tail()}")
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode}:\n{self._tail()}"
+                    )
                 try:
-                    status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                          timeout=5, metadata=metadata).status
+                    status = health.Check(
+                        health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                        timeout=5,
+                        metadata=metadata,
+                    ).status
                     if status == health_pb2.HealthCheckResponse.SERVING:
-                        return info_fields(pb_grpc.SloserveStub(channel).Info(
-                            pb.InfoRequest(), timeout=10, metadata=metadata))
+                        return info_fields(
+                            pb_grpc.SloserveStub(channel).Info(
+                                pb.InfoRequest(), timeout=10, metadata=metadata
+                            )
+                        )
                 except grpc.RpcError:
                     pass
                 if time.monotonic() > deadline:
@@ -133,14 +178,16 @@ class ServerProcess(LocalServer):
 
     def sync_channel(self, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
         if credentials is not None:
-            return grpc.secure_channel(self.target, credentials,
-                                       options=[("grpc.ssl_target_name_override", "localhost")])
+            return grpc.secure_channel(
+                self.target, credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+            )
         return grpc.insecure_channel(self.target)
 
     def aio_channel(self, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
         if credentials is not None:
-            return grpc.aio.secure_channel(self.target, credentials,
-                                           options=[("grpc.ssl_target_name_override", "localhost")])
+            return grpc.aio.secure_channel(
+                self.target, credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+            )
         return grpc.aio.insecure_channel(self.target)
 
     def pids(self) -> list[int]:
@@ -173,9 +220,16 @@ class ServerProcess(LocalServer):
         """Poll nvidia-smi for this process's device memory and keep the peak."""
         while not self._sampling.wait(0.5):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                     timeout=10).stdout
+                out = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
             except (OSError, subprocess.TimeoutExpired):
                 return
             for line in out.splitlines():
@@ -189,12 +243,19 @@ class ServerProcess(LocalServer):
 
     def health(self, service: str = "", metadata=None, credentials=None) -> int:
         with self.sync_channel(credentials) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=10, metadata=metadata).status
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=10, metadata=metadata
+                )
+                .status
+            )
 
     def info(self, metadata=None, credentials=None) -> pb.InfoResponse:
         with self.sync_channel(credentials) as channel:
-            return pb_grpc.SloserveStub(channel).Info(pb.InfoRequest(), timeout=10, metadata=metadata)
+            return pb_grpc.SloserveStub(channel).Info(
+                pb.InfoRequest(), timeout=10, metadata=metadata
+            )
 
     def wait_quiescent(self, timeout: float = 60.0, **kw) -> pb.EngineStats:
         """Poll Info until nothing waits or runs and every KV block and swap slot is free."""
@@ -276,12 +337,18 @@ class LogLines:
 
 
 def quiescent(stats: pb.EngineStats) -> bool:
-    return (stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total
-            and stats.swap_blocks_free == stats.swap_blocks_total)
+    return (
+        stats.running == 0
+        and stats.waiting == 0
+        and stats.kv_blocks_free == stats.kv_blocks_total
+        and stats.swap_blocks_free == stats.swap_blocks_total
+    )
 
 
 def describe(stats: pb.EngineStats) -> str:
-    return (f"running={stats.running} waiting={stats.waiting} kv_free={stats.kv_blocks_free}/"
-            f"{stats.kv_blocks_total} cached={stats.kv_blocks_cached} swap_free={stats.swap_blocks_free}/"
-            f"{stats.swap_blocks_total} preemptions={stats.preemptions_total} "
-            f"finished={stats.requests_finished_total} refusals={dict(stats.refusals)}")
+    return (
+        f"running={stats.running} waiting={stats.waiting} kv_free={stats.kv_blocks_free}/"
+        f"{stats.kv_blocks_total} cached={stats.kv_blocks_cached} swap_free={stats.swap_blocks_free}/"
+        f"{stats.swap_blocks_total} preemptions={stats.preemptions_total} "
+        f"finished={stats.requests_finished_total} refusals={dict(stats.refusals)}"
+    )

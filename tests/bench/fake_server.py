@@ -18,7 +18,9 @@ class FakeBehaviour:
 
     ttft_s: float = 0.01
     token_s: float = 0.002
-    answers: dict[str, str] = field(default_factory=dict)  # prompt -> text to stream (one char per token)
+    answers: dict[str, str] = field(
+        default_factory=dict
+    )  # prompt -> text to stream (one char per token)
     refuse_prefix: str = "REFUSE"  # prompts starting with this get RESOURCE_EXHAUSTED
     max_in_flight: int = 1000  # beyond this, refuse with reason 'queue_full'
     cached_tokens: int = 3
@@ -34,8 +36,9 @@ class FakeSloserve(pb_grpc.SloserveServicer):
         self.in_flight = 0
 
     async def Info(self, request, context):
-        return pb.InfoResponse(model="fake", architecture="FakeForCausalLM", device="cpu",
-                               max_model_len=4096)
+        return pb.InfoResponse(
+            model="fake", architecture="FakeForCausalLM", device="cpu", max_model_len=4096
+        )
 
     async def Stream(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()
@@ -44,24 +47,46 @@ class FakeSloserve(pb_grpc.SloserveServicer):
         async def generate(req: pb.GenerateRequest, arrival: float) -> None:
             self.in_flight += 1
             try:
-                text = self.b.answers.get(req.text, "x" * (req.max_tokens or 64))[: req.max_tokens or 64]
+                text = self.b.answers.get(req.text, "x" * (req.max_tokens or 64))[
+                    : req.max_tokens or 64
+                ]
                 await asyncio.sleep(self.b.ttft_s)
                 first = time.perf_counter()
                 for i, ch in enumerate(text):
                     if i:
                         await asyncio.sleep(self.b.token_s)
-                    await out.put(pb.ServerMessage(chunk=pb.TokenChunk(
-                        request_id=req.request_id, token_ids=[ord(ch)], text=ch,
-                        time_s=time.perf_counter() - arrival)))
+                    await out.put(
+                        pb.ServerMessage(
+                            chunk=pb.TokenChunk(
+                                request_id=req.request_id,
+                                token_ids=[ord(ch)],
+                                text=ch,
+                                time_s=time.perf_counter() - arrival,
+                            )
+                        )
+                    )
                 end = time.perf_counter()
-                await out.put(pb.ServerMessage(final=pb.Final(
-                    request_id=req.request_id, finish_reason=pb.FINISH_REASON_LENGTH,
-                    prompt_tokens=len(req.text), completion_tokens=len(text),
-                    cached_prompt_tokens=min(self.b.cached_tokens, len(req.text)),
-                    ttft_s=first - arrival, e2e_s=end - arrival)))
+                await out.put(
+                    pb.ServerMessage(
+                        final=pb.Final(
+                            request_id=req.request_id,
+                            finish_reason=pb.FINISH_REASON_LENGTH,
+                            prompt_tokens=len(req.text),
+                            completion_tokens=len(text),
+                            cached_prompt_tokens=min(self.b.cached_tokens, len(req.text)),
+                            ttft_s=first - arrival,
+                            e2e_s=end - arrival,
+                        )
+                    )
+                )
             except asyncio.CancelledError:
-                await out.put(pb.ServerMessage(final=pb.Final(
-                    request_id=req.request_id, finish_reason=pb.FINISH_REASON_CANCELLED)))
+                await out.put(
+                    pb.ServerMessage(
+                        final=pb.Final(
+                            request_id=req.request_id, finish_reason=pb.FINISH_REASON_CANCELLED
+                        )
+                    )
+                )
             finally:
                 self.in_flight -= 1
                 tasks.pop(req.request_id, None)
@@ -76,11 +101,25 @@ class FakeSloserve(pb_grpc.SloserveServicer):
                     continue
                 req = message.generate
                 self.b.seen.append(req)
-                if req.text.startswith(self.b.refuse_prefix) or self.in_flight >= self.b.max_in_flight:
-                    reason = "slo_unattainable" if req.text.startswith(self.b.refuse_prefix) else "queue_full"
-                    await out.put(pb.ServerMessage(error=pb.RequestError(
-                        request_id=req.request_id, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                        message="refused by the fake", reason=reason)))
+                if (
+                    req.text.startswith(self.b.refuse_prefix)
+                    or self.in_flight >= self.b.max_in_flight
+                ):
+                    reason = (
+                        "slo_unattainable"
+                        if req.text.startswith(self.b.refuse_prefix)
+                        else "queue_full"
+                    )
+                    await out.put(
+                        pb.ServerMessage(
+                            error=pb.RequestError(
+                                request_id=req.request_id,
+                                code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                message="refused by the fake",
+                                reason=reason,
+                            )
+                        )
+                    )
                     continue
                 tasks[req.request_id] = asyncio.create_task(generate(req, time.perf_counter()))
             while tasks:

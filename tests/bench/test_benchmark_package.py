@@ -11,19 +11,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "_launch"))
+MODULES = sorted(
+    p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "_launch")
+)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_each_module_imports_from_the_package_and_documents_the_module_form(name):
     module = importlib.import_module(f"benchmarks.{name}")
     doc = module.__doc__ or ""
-    assert f"python benchmarks/{name}.py" not in doc and f"python3 benchmarks/{name}.py" not in doc, doc
+    assert (
+        f"python benchmarks/{name}.py" not in doc and f"python3 benchmarks/{name}.py" not in doc
+    ), doc
 
 
 def test_a_script_runs_as_a_module_from_the_repository_root():
-    done = subprocess.run([sys.executable, "-m", "benchmarks.idle_spin", "--help"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.idle_spin", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
 

@@ -37,7 +37,9 @@ async def test_records_every_chunk_and_final(fake):
     assert first.max_tokens == 8 and first.sampling.ignore_eos and first.slo.ttft_s == 30.0
     assert not first.slo.HasField("e2e_s")
     out = summarise(result.records, result.duration_s, SLO(ttft_s=30.0), result.rate)
-    assert out["completed"] == 12 and out["slo_attainment"] == 1.0 and out["prefix_hit_tokens"] == 36
+    assert (
+        out["completed"] == 12 and out["slo_attainment"] == 1.0 and out["prefix_hit_tokens"] == 36
+    )
 
 
 async def test_refusals_are_recorded_by_status_and_reason(fake):
@@ -46,7 +48,9 @@ async def test_refusals_are_recorded_by_status_and_reason(fake):
     result = await run_load(channel, items, LoadSpec(streams=2))
     refused = [r for r in result.records if r.status == "refused"]
     assert len(refused) == 3
-    assert {(r.error_code, r.error_reason) for r in refused} == {("RESOURCE_EXHAUSTED", "slo_unattainable")}
+    assert {(r.error_code, r.error_reason) for r in refused} == {
+        ("RESOURCE_EXHAUSTED", "slo_unattainable")
+    }
     out = summarise(result.records, result.duration_s, None, None)
     assert out["refusals"] == {"RESOURCE_EXHAUSTED:slo_unattainable": 3}
     assert out["slo_attainment"] == pytest.approx(0.5)
@@ -82,7 +86,11 @@ async def test_slow_requests_are_cancelled_after_the_timeout(fake):
     behaviour.token_s = 5.0
     result = await run_load(channel, [WorkloadItem("slow", 4)], LoadSpec(request_timeout_s=0.3))
     (r,) = result.records
-    assert (r.status, r.error_code, r.error_reason) == ("failed", "DEADLINE_EXCEEDED", "client_timeout")
+    assert (r.status, r.error_code, r.error_reason) == (
+        "failed",
+        "DEADLINE_EXCEEDED",
+        "client_timeout",
+    )
     assert behaviour.cancelled == [r.request_id]
 
 
@@ -94,7 +102,12 @@ async def test_info_and_unreachable_server(fake):
 
 
 def test_load_spec_validation():
-    for kwargs in ({"rate": 0.0}, {"concurrency": 0}, {"streams": 0}, {"duration_s": -1.0},
-                   {"duration_s": 1.0}):
+    for kwargs in (
+        {"rate": 0.0},
+        {"concurrency": 0},
+        {"streams": 0},
+        {"duration_s": -1.0},
+        {"duration_s": 1.0},
+    ):
         with pytest.raises(ValueError):
             LoadSpec(**kwargs)

@@ -32,6 +32,7 @@ def queue_attainment(rate: float, repeat: int = 0, n: int = 2000, slo_s: float =
 def search(measure, start, **kw):
     async def measured(rate, repeat):
         return measure(rate, repeat)
+
     return asyncio.run(search_goodput(measured, start, **kw))
 
 
@@ -56,23 +57,37 @@ def test_lands_within_5_percent_on_a_queueing_server():
 
 
 def test_a_known_bracket_is_bisected_and_a_target_never_met_gives_none():
-    found = search(overload_attainment, 1.0, settings=SearchSettings(0.9, 1, 0.05), low=4.0, high=16.0)
+    found = search(
+        overload_attainment, 1.0, settings=SearchSettings(0.9, 1, 0.05), low=4.0, high=16.0
+    )
     assert found.points[0]["rate"] == pytest.approx(8.0) and found.converged
     never = search(lambda rate, k: 0.0, 1.0, settings=SearchSettings(0.9, 1, 0.05))
-    assert never.rate is None and not never.converged and "no rate measured met" in format_search(never)
+    assert (
+        never.rate is None
+        and not never.converged
+        and "no rate measured met" in format_search(never)
+    )
     assert "bracket [" in format_search(search(overload_attainment, 1.0))
 
 
 def test_noisy_repeats_are_averaged():
     noise = random.Random(0)
-    found = search(lambda r, k: min(1.0, overload_attainment(r) + noise.uniform(-0.02, 0.02)), 2.0,
-                   settings=SearchSettings(0.9, 3, 0.05))
+    found = search(
+        lambda r, k: min(1.0, overload_attainment(r) + noise.uniform(-0.02, 0.02)),
+        2.0,
+        settings=SearchSettings(0.9, 3, 0.05),
+    )
     assert abs(found.rate - CAPACITY / 0.9) / (CAPACITY / 0.9) <= 0.05
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"attainment": 0.0}, "--attainment"), ({"repeats": 0}, "--search-repeats"), ({"tolerance": 1.5}, "--search-tolerance"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"attainment": 0.0}, "--attainment"),
+        ({"repeats": 0}, "--search-repeats"),
+        ({"tolerance": 1.5}, "--search-tolerance"),
+    ],
+)
 def test_bad_settings(kw, message):
     with pytest.raises(ValueError, match=message):
         SearchSettings(**kw)

@@ -17,8 +17,24 @@ CLI = [sys.executable, "-c", "from sloserve.cli.main import cli; cli()"]
 def server():
     """A real server subprocess (default model, CPU); yields HOST:PORT once started."""
     port = free_port()
-    server = ServerProcess(["serve", "--model", "default", "--device", "cpu", "--port", str(port),
-                            "--metrics-port", "off", "--http-port", "off", "--grace", "1"], port=port)
+    server = ServerProcess(
+        [
+            "serve",
+            "--model",
+            "default",
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "off",
+            "--http-port",
+            "off",
+            "--grace",
+            "1",
+        ],
+        port=port,
+    )
     yield server.target
     assert server.stop() == 0, "\n".join(server.raw[-40:])
 
@@ -26,11 +42,36 @@ def server():
 @pytest.mark.timeout(170)
 def test_bench_against_a_real_server(server, tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    done = subprocess.run([*CLI, "bench", "--server", server, "--workload", "fixed:48,6",
-                           "--rate", "2,4", "--duration", "2", "--streams", "2", "--slo-ttft", "60",
-                           "--slo-tpot", "10", "--ignore-eos", "--ready-timeout", "120",
-                           "--json", str(out_json), "--plot", str(out_png)],
-                          capture_output=True, text=True, timeout=160)
+    done = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "--server",
+            server,
+            "--workload",
+            "fixed:48,6",
+            "--rate",
+            "2,4",
+            "--duration",
+            "2",
+            "--streams",
+            "2",
+            "--slo-ttft",
+            "60",
+            "--slo-tpot",
+            "10",
+            "--ignore-eos",
+            "--ready-timeout",
+            "120",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=160,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SLO attainment %" in done.stdout
     report = orjson.loads(out_json.read_bytes())

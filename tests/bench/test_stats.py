@@ -16,8 +16,15 @@ from sloserve.sampling_params import SLO
 
 def record(send, chunks, end, tokens=None, status="ok", **kw) -> RequestRecord:
     """chunks: list of (arrival time, tokens in the chunk)."""
-    r = RequestRecord("r", send, chunk_times=[t for t, _ in chunks],
-                      chunk_tokens=[n for _, n in chunks], end_time=end, status=status, **kw)
+    r = RequestRecord(
+        "r",
+        send,
+        chunk_times=[t for t, _ in chunks],
+        chunk_tokens=[n for _, n in chunks],
+        end_time=end,
+        status=status,
+        **kw,
+    )
     r.output_tokens = sum(n for _, n in chunks) if tokens is None else tokens
     return r
 
@@ -61,13 +68,29 @@ def test_effective_slo_prefers_the_request_fields():
 
 
 def test_summarise_counts_attainment_goodput_and_throughput():
-    good = record(0.0, [(0.2, 1), (0.4, 2)], 0.5, prompt_tokens=10, cached_tokens=4,
-                  expected_output="12\n", text="12\n\nInput:", finish_reason="length")
-    slow = record(0.0, [(1.5, 1), (1.6, 1)], 1.7, prompt_tokens=20, expected_output="3\n", text="4\n",
-                  finish_reason="stop")
+    good = record(
+        0.0,
+        [(0.2, 1), (0.4, 2)],
+        0.5,
+        prompt_tokens=10,
+        cached_tokens=4,
+        expected_output="12\n",
+        text="12\n\nInput:",
+        finish_reason="length",
+    )
+    slow = record(
+        0.0,
+        [(1.5, 1), (1.6, 1)],
+        1.7,
+        prompt_tokens=20,
+        expected_output="3\n",
+        text="4\n",
+        finish_reason="stop",
+    )
     single = record(1.0, [(1.1, 1)], 1.2, prompt_tokens=5, finish_reason="stop")
-    refused = record(1.0, [], 1.05, status="refused", error_code="RESOURCE_EXHAUSTED",
-                     error_reason="queue_full")
+    refused = record(
+        1.0, [], 1.05, status="refused", error_code="RESOURCE_EXHAUSTED", error_reason="queue_full"
+    )
     failed = record(1.0, [], 1.3, status="failed", error_code="UNAVAILABLE")
     out = summarise([good, slow, single, refused, failed], 2.0, SLO(ttft_s=1.0, tpot_s=0.5), 4.0)
     assert (out["completed"], out["refused"], out["failed"], out["requests"]) == (3, 1, 1, 5)

@@ -32,7 +32,10 @@ def test_the_azure_sample_reads_in_order_from_zero():
 
 
 def test_items_carry_lengths_arrivals_and_rules():
-    rules = (parse_rule("gen>250:e2e=20,class=batch,priority=1"), parse_rule("default:ttft=0.5,class=interactive"))
+    rules = (
+        parse_rule("gen>250:e2e=20,class=batch,priority=1"),
+        parse_rule("default:ttft=0.5,class=interactive"),
+    )
     items = load_trace("azure-conv", length_scale=0.1, rules=rules)
     rows = read_trace("azure-conv")
     assert [i.arrival_s for i in items] == [r.arrival_s for r in rows]
@@ -77,33 +80,71 @@ def test_tiling_repeats_the_trace_after_it_ends():
 
 def test_jsonl_traces_with_prompts_or_lengths(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text('{"arrival_s": 1.5, "prompt": "hello", "max_tokens": 3, "class": "chat", "priority": 2}\n'
-                    '\n{"timestamp": 500, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n')
+    path.write_text(
+        '{"arrival_s": 1.5, "prompt": "hello", "max_tokens": 3, "class": "chat", "priority": 2}\n'
+        '\n{"timestamp": 500, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n'
+    )
     items = load_trace(str(path))
-    assert [(i.arrival_s, i.max_tokens) for i in items] == [(0.0, 4), (1.0, 3)]  # sorted, shifted to 0
-    assert len(items[0].prompt) == 20 and items[1].prompt == "hello" and items[1].slo_class == "chat"
+    assert [(i.arrival_s, i.max_tokens) for i in items] == [
+        (0.0, 4),
+        (1.0, 3),
+    ]  # sorted, shifted to 0
+    assert (
+        len(items[0].prompt) == 20 and items[1].prompt == "hello" and items[1].slo_class == "chat"
+    )
 
 
 def test_burstgpt_csv(tmp_path):
     path = tmp_path / "burst.csv"
-    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                    "5,ChatGPT,100,20,120,Conversation log\n7.5,GPT-4,10,0,10,Conversation log\n")
+    path.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,100,20,120,Conversation log\n7.5,GPT-4,10,0,10,Conversation log\n"
+    )
     items = load_trace(str(path))
-    assert [(i.arrival_s, len(i.prompt), i.max_tokens) for i in items] == [(0.0, 100, 20), (2.5, 10, 1)]
+    assert [(i.arrival_s, len(i.prompt), i.max_tokens) for i in items] == [
+        (0.0, 100, 20),
+        (2.5, 10, 1),
+    ]
 
 
-@pytest.mark.parametrize(("name", "text", "message"), [
-    ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3,4\nyesterday,3,4\n",
-     r"a.csv:3: cannot read the time 'yesterday'"),
-    ("b.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,-3,4\n", r"b.csv:2: ContextTokens"),
-    ("c.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3\n", r"c.csv:2: expected 3 columns"),
-    ("d.csv", "when,prompt,gen\n1,2,3\n", r"d.csv:1: the header must name TIMESTAMP"),
-    ("e.jsonl", '{"arrival_s": 0, "prompt": "x"}\n{"prompt": "y"}\n', r"e.jsonl:2: a trace line needs 'arrival_s'"),
-    ("f.jsonl", '{"arrival_s": -1, "prompt": "x"}\n', r"f.jsonl:1: the arrival time must be a number >= 0"),
-    ("g.jsonl", '{"arrival_s": 0, "prompt": "x"}\n{oops\n', r"g.jsonl:2: not valid JSON"),
-    ("h.jsonl", '{"arrival_s": 0, "input_length": 3}\n', r"h.jsonl:1: a trace line needs a 'prompt' or"),
-    ("i.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", r"holds no requests"),
-])
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        (
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3,4\nyesterday,3,4\n",
+            r"a.csv:3: cannot read the time 'yesterday'",
+        ),
+        (
+            "b.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,-3,4\n",
+            r"b.csv:2: ContextTokens",
+        ),
+        (
+            "c.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3\n",
+            r"c.csv:2: expected 3 columns",
+        ),
+        ("d.csv", "when,prompt,gen\n1,2,3\n", r"d.csv:1: the header must name TIMESTAMP"),
+        (
+            "e.jsonl",
+            '{"arrival_s": 0, "prompt": "x"}\n{"prompt": "y"}\n',
+            r"e.jsonl:2: a trace line needs 'arrival_s'",
+        ),
+        (
+            "f.jsonl",
+            '{"arrival_s": -1, "prompt": "x"}\n',
+            r"f.jsonl:1: the arrival time must be a number >= 0",
+        ),
+        ("g.jsonl", '{"arrival_s": 0, "prompt": "x"}\n{oops\n', r"g.jsonl:2: not valid JSON"),
+        (
+            "h.jsonl",
+            '{"arrival_s": 0, "input_length": 3}\n',
+            r"h.jsonl:1: a trace line needs a 'prompt' or",
+        ),
+        ("i.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", r"holds no requests"),
+    ],
+)
 def test_a_malformed_trace_names_its_line(tmp_path, name, text, message):
     path = tmp_path / name
     path.write_text(text)

@@ -9,8 +9,10 @@ import pytest
 from sloserve.bench.workloads import ARC_TRACE, WorkloadItem, load_workload
 
 TASK = {
-    "train": [{"input": [[7, 9], [4, 3]], "output": [[7, 9, 7], [4, 3, 4]]},
-              {"input": [[0]], "output": [[5, 5]]}],
+    "train": [
+        {"input": [[7, 9], [4, 3]], "output": [[7, 9, 7], [4, 3, 4]]},
+        {"input": [[0]], "output": [[5, 5]]},
+    ],
     "test": [{"input": [[1, 2]], "output": [[1, 2, 1]]}, {"input": [[3], [8]]}],
 }
 SHARED = "Input:\n79\n43\nOutput:\n797\n434\n\nInput:\n0\nOutput:\n55\n\n"
@@ -24,10 +26,13 @@ def arc_dir(tmp_path):
 
 def test_arc_folder_serialises_as_the_trace(arc_dir):
     items = load_workload(f"arc:{arc_dir}", attempts=2)
-    assert [i.prompt for i in items] == [SHARED + "Input:\n12\nOutput:\n"] * 2 + \
-        [SHARED + "Input:\n3\n8\nOutput:\n"] * 2
+    assert [i.prompt for i in items] == [SHARED + "Input:\n12\nOutput:\n"] * 2 + [
+        SHARED + "Input:\n3\n8\nOutput:\n"
+    ] * 2
     assert [i.expected_output for i in items] == ["121\n", "121\n", None, None]
-    assert items[0].max_tokens == 4 + 1 and all(i.group == "abc123" for i in items)  # the answer and EOS
+    assert items[0].max_tokens == 4 + 1 and all(
+        i.group == "abc123" for i in items
+    )  # the answer and EOS
 
 
 def test_attempts_and_num_requests_cycle(arc_dir):
@@ -40,15 +45,18 @@ def test_attempts_and_num_requests_cycle(arc_dir):
 def test_arc_folder_matches_train_trace_exactly():
     trace = load_workload(f"jsonl:{ARC_TRACE}", seed=3)
     folder = load_workload(f"arc:{ARC_TRACE.parent / 'training'}", seed=3, attempts=2)
-    assert [(i.prompt, i.expected_output, i.group) for i in folder] == \
-        [(i.prompt, i.expected_output, i.group) for i in trace]
+    assert [(i.prompt, i.expected_output, i.group) for i in folder] == [
+        (i.prompt, i.expected_output, i.group) for i in trace
+    ]
 
 
 def test_jsonl_fields_and_defaults(tmp_path):
     path = tmp_path / "t.jsonl"
-    lines = [{"prompt": "a", "expected_output": "xyz"},
-             {"prompt": "b", "max_tokens": 9, "slo": {"ttft_s": 0.5}},
-             {"prompt": "c", "slo_e2e_s": 2}]
+    lines = [
+        {"prompt": "a", "expected_output": "xyz"},
+        {"prompt": "b", "max_tokens": 9, "slo": {"ttft_s": 0.5}},
+        {"prompt": "c", "slo_e2e_s": 2},
+    ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     items = sorted(load_workload(f"jsonl:{path}"), key=lambda i: i.prompt)
     assert [i.max_tokens for i in items] == [3 + 1, 9, 128]
@@ -80,8 +88,9 @@ def test_synthetic_arc_follows_arc_shape():
     for item in items[::2]:
         by_group.setdefault(item.group, []).append(item.prompt)
     multi = [p for p in by_group.values() if len(p) > 1]
-    assert multi and all(p[0].rsplit("Input:\n", 1)[0] == p[1].rsplit("Input:\n", 1)[0]
-                         for p in multi)
+    assert multi and all(
+        p[0].rsplit("Input:\n", 1)[0] == p[1].rsplit("Input:\n", 1)[0] for p in multi
+    )
 
 
 def test_fixed_workload():
@@ -91,25 +100,31 @@ def test_fixed_workload():
     assert isinstance(items[0], WorkloadItem)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nope", "unknown workload"),
-    ("arc:/does/not/exist", "does not exist"),
-    ("jsonl:/does/not/exist.jsonl", "cannot read"),
-    ("fixed:10", "two integers"),
-    ("fixed:0,5", ">= 1"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", "unknown workload"),
+        ("arc:/does/not/exist", "does not exist"),
+        ("jsonl:/does/not/exist.jsonl", "cannot read"),
+        ("fixed:10", "two integers"),
+        ("fixed:0,5", ">= 1"),
+    ],
+)
 def test_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         load_workload(spec)
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"prompt": "x"}\nnot json\n', ":2: not valid JSON"),
-    ('{"expected_output": "x"}\n', "non-empty 'prompt'"),
-    ('{"prompt": "x", "max_tokens": 0}\n', "max_tokens"),
-    ('{"prompt": "x", "slo": {"ttft_s": -1}}\n', "ttft_s"),
-    ("", "holds no requests"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "x"}\nnot json\n', ":2: not valid JSON"),
+        ('{"expected_output": "x"}\n', "non-empty 'prompt'"),
+        ('{"prompt": "x", "max_tokens": 0}\n', "max_tokens"),
+        ('{"prompt": "x", "slo": {"ttft_s": -1}}\n', "ttft_s"),
+        ("", "holds no requests"),
+    ],
+)
 def test_malformed_jsonl(tmp_path, content, message):
     path = tmp_path / "w.jsonl"
     path.write_text(content)

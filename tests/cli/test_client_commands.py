@@ -18,16 +18,37 @@ def expected(text: str, n: int) -> list[int]:
 
 
 def test_generate_streams_text(fake_server):
-    result = CliRunner().invoke(cli, ["generate", "abc", "--server", fake_server.address, "--max-tokens", "6"])
+    result = CliRunner().invoke(
+        cli, ["generate", "abc", "--server", fake_server.address, "--max-tokens", "6"]
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == "".join(map(chr, expected("abc", 6))) + "\n"
     assert "[length; 6 tokens; prompt 3 tokens;" in result.stderr
 
 
 def test_generate_json(fake_server):
-    result = CliRunner().invoke(cli, ["generate", "hello", "--server", fake_server.address, "--max-tokens", "4",
-                                      "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5", "--seed", "7",
-                                      "--stop", "zz", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "hello",
+            "--server",
+            fake_server.address,
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0.5",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            "--seed",
+            "7",
+            "--stop",
+            "zz",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = orjson.loads(result.stdout)
     assert data["token_ids"] == expected("hello", 4)
@@ -39,7 +60,10 @@ def test_generate_json(fake_server):
 def test_generate_server_side_rejection_is_one_line(fake_server):
     result = CliRunner().invoke(cli, ["generate", "x" * 300, "--server", fake_server.address])
     assert result.exit_code == 2
-    assert result.stderr.strip().startswith("Error: 127.0.0.1:") and "INVALID_ARGUMENT" in result.stderr
+    assert (
+        result.stderr.strip().startswith("Error: 127.0.0.1:")
+        and "INVALID_ARGUMENT" in result.stderr
+    )
     assert "context length" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
@@ -47,8 +71,16 @@ def test_info_json_has_the_documented_keys(fake_server):
     result = CliRunner().invoke(cli, ["info", "--server", fake_server.address, "--json"])
     assert result.exit_code == 0, result.output
     data = orjson.loads(result.stdout)
-    for key in ("model", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "waiting", "running",
-                "prompt_tokens_total", "prefix_hit_tokens_total"):
+    for key in (
+        "model",
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "kv_blocks_cached",
+        "waiting",
+        "running",
+        "prompt_tokens_total",
+        "prefix_hit_tokens_total",
+    ):
         assert key in data, key
     assert data["kv_blocks_total"] == 64 and isinstance(data["prompt_tokens_total"], int)
     assert data["architecture"] == "FakeForCausalLM" and data["state"] == "serving"
@@ -63,9 +95,27 @@ def test_info_text(fake_server):
 
 def test_auth_token_is_sent_and_required(auth_server):
     denied = CliRunner().invoke(cli, ["info", "--server", auth_server.address])
-    assert denied.exit_code == 2 and "UNAUTHENTICATED" in denied.stderr and "--auth-token" in denied.stderr
-    ok = CliRunner().invoke(cli, ["info", "--server", auth_server.address, "--auth-token", TOKEN, "--json"])
+    assert (
+        denied.exit_code == 2
+        and "UNAUTHENTICATED" in denied.stderr
+        and "--auth-token" in denied.stderr
+    )
+    ok = CliRunner().invoke(
+        cli, ["info", "--server", auth_server.address, "--auth-token", TOKEN, "--json"]
+    )
     assert ok.exit_code == 0, ok.output
-    gen = CliRunner().invoke(cli, ["generate", "hi", "--server", auth_server.address, "--auth-token", TOKEN,
-                                   "--max-tokens", "2", "--json"])
+    gen = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "hi",
+            "--server",
+            auth_server.address,
+            "--auth-token",
+            TOKEN,
+            "--max-tokens",
+            "2",
+            "--json",
+        ],
+    )
     assert gen.exit_code == 0 and orjson.loads(gen.stdout)["token_ids"] == expected("hi", 2)

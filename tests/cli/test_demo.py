@@ -13,9 +13,23 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_demo_runs_end_to_end(tiny_llama):
     result = subprocess.run(
-        [sys.executable, "-m", "sloserve.cli.demo", "--model", str(tiny_llama), "--requests", "4",
-         "--workload", "fixed:8,4", "--max-tokens", "6"],
-        capture_output=True, text=True, timeout=200)
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli.demo",
+            "--model",
+            str(tiny_llama),
+            "--requests",
+            "4",
+            "--workload",
+            "fixed:8,4",
+            "--max-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "server ready (health SERVING)" in out

@@ -27,15 +27,37 @@ def _config(*args: str):
 
 def test_the_defaults_are_the_slo_policy_with_every_mechanism_but_the_adaptive_batch():
     sc = _config()
-    assert (sc.policy, sc.deadline_steps, sc.slack_preemption, sc.admission_control, sc.max_wait_s,
-            sc.adaptive_batch, sc.finish_margin) == ("slo", True, True, True, 2.0, False, 0.05)
+    assert (
+        sc.policy,
+        sc.deadline_steps,
+        sc.slack_preemption,
+        sc.admission_control,
+        sc.max_wait_s,
+        sc.adaptive_batch,
+        sc.finish_margin,
+    ) == ("slo", True, True, True, 2.0, False, 0.05)
 
 
 def test_each_switch_turns_its_mechanism_off():
-    sc = _config("--policy", "priority", "--no-deadline-steps", "--no-slack-preemption",
-                 "--no-admission-control", "--max-wait", "1.5", "--finish-margin", "0")
-    assert (sc.policy, sc.deadline_steps, sc.slack_preemption, sc.admission_control, sc.max_wait_s,
-            sc.finish_margin) == ("priority", False, False, False, 1.5, 0.0)
+    sc = _config(
+        "--policy",
+        "priority",
+        "--no-deadline-steps",
+        "--no-slack-preemption",
+        "--no-admission-control",
+        "--max-wait",
+        "1.5",
+        "--finish-margin",
+        "0",
+    )
+    assert (
+        sc.policy,
+        sc.deadline_steps,
+        sc.slack_preemption,
+        sc.admission_control,
+        sc.max_wait_s,
+        sc.finish_margin,
+    ) == ("priority", False, False, False, 1.5, 0.0)
 
 
 @pytest.mark.parametrize("value", ["1", "-0.1"])

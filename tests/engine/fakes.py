@@ -25,9 +25,15 @@ def _mix(state: int, token: int, pos: int) -> int:
 class FakeRunner(RunnerDefaults):
     """Implements the ModelRunner API (execute, sizes, eos, tokenizer) in pure Python."""
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 16,
-                 max_model_len: int = 512, vocab: tuple[int, int] = (97, 123),
-                 eos_token_ids: tuple[int, ...] = (EOS,)) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        num_host_blocks: int = 16,
+        max_model_len: int = 512,
+        vocab: tuple[int, int] = (97, 123),
+        eos_token_ids: tuple[int, ...] = (EOS,),
+    ) -> None:
         self.block_size = block_size
         self.num_kv_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
@@ -44,8 +50,13 @@ class FakeRunner(RunnerDefaults):
         self.runs_steps = True  # execute() takes runs of decode steps (out.num_steps > 1)
 
     def info(self) -> dict:
-        return {"model": "fake", "architecture": "FakeForCausalLM", "device": "cpu",
-                "dtype": "int", "attention_backend": "fake"}
+        return {
+            "model": "fake",
+            "architecture": "FakeForCausalLM",
+            "device": "cpu",
+            "dtype": "int",
+            "attention_backend": "fake",
+        }
 
     def warmup(self) -> None:
         self.warmed_up = True
@@ -71,9 +82,9 @@ class FakeRunner(RunnerDefaults):
         self.steps.append(out)
         bs = self.block_size
         for dev, host in out.swap_out:
-            self.host[host * bs:(host + 1) * bs] = self.kv[dev * bs:(dev + 1) * bs]
+            self.host[host * bs : (host + 1) * bs] = self.kv[dev * bs : (dev + 1) * bs]
         for host, dev in out.swap_in:
-            self.kv[dev * bs:(dev + 1) * bs] = self.host[host * bs:(host + 1) * bs]
+            self.kv[dev * bs : (dev + 1) * bs] = self.host[host * bs : (host + 1) * bs]
         if out.num_steps == 1:
             return self._compute(out.sequences)
         runs: list[list[int]] = [[] for _ in out.sequences]
@@ -82,9 +93,16 @@ class FakeRunner(RunnerDefaults):
             tokens = self._compute(seqs)
             for run, token in zip(runs, tokens, strict=True):
                 run.append(token)
-            seqs = [dataclasses.replace(s, token_ids=[t], start_pos=s.start_pos + len(s.token_ids), kv_present=0,
-                                        num_generated=s.num_generated + 1)
-                    for s, t in zip(seqs, tokens, strict=True)]
+            seqs = [
+                dataclasses.replace(
+                    s,
+                    token_ids=[t],
+                    start_pos=s.start_pos + len(s.token_ids),
+                    kv_present=0,
+                    num_generated=s.num_generated + 1,
+                )
+                for s, t in zip(seqs, tokens, strict=True)
+            ]
         return runs
 
     def _compute(self, seqs: list[ScheduledSequence]) -> list[int]:
@@ -96,15 +114,21 @@ class FakeRunner(RunnerDefaults):
             if seq.start_pos > 0:
                 state = self.kv[self._slot(seq.block_table, seq.start_pos - 1)]
                 if state is None:
-                    raise AssertionError(f"{seq.req_id} reads an unwritten slot at {seq.start_pos - 1}")
+                    raise AssertionError(
+                        f"{seq.req_id} reads an unwritten slot at {seq.start_pos - 1}"
+                    )
             for i, token in enumerate(seq.token_ids):
                 pos = seq.start_pos + i
                 state = _mix(state, token, pos)
                 slot = self._slot(seq.block_table, pos)
-                if i < seq.kv_present:  # a shared block holds it: never written, and it must be right
+                if (
+                    i < seq.kv_present
+                ):  # a shared block holds it: never written, and it must be right
                     if self.kv[slot] != state:
-                        raise AssertionError(f"{seq.req_id}: position {pos} is marked kv_present but its slot "
-                                             f"holds {self.kv[slot]}, not {state}")
+                        raise AssertionError(
+                            f"{seq.req_id}: position {pos} is marked kv_present but its slot "
+                            f"holds {self.kv[slot]}, not {state}"
+                        )
                     continue
                 self.kv[slot] = state
             if seq.sample:

@@ -14,16 +14,30 @@ from sloserve.testing.clock import Clock
 from tests.engine.fakes import FakeRunner
 
 
-def make_scheduler(runner: FakeRunner | None = None, clock: Clock | None = None, *,
-                   prefix_cache: bool = True, **sched) -> tuple[Scheduler, FakeRunner, Clock]:
+def make_scheduler(
+    runner: FakeRunner | None = None,
+    clock: Clock | None = None,
+    *,
+    prefix_cache: bool = True,
+    **sched,
+) -> tuple[Scheduler, FakeRunner, Clock]:
     runner = runner or FakeRunner()
     clock = clock or Clock()
-    sched.setdefault("num_scheduler_steps", 1)  # one token per step unless a test runs steps (test_multistep)
-    config = SloserveConfig(cache=CacheConfig(prefix_cache=prefix_cache),
-                            scheduler=SchedulerConfig(**sched))
-    scheduler = Scheduler(config, num_blocks=runner.num_kv_blocks, block_size=runner.block_size,
-                          max_model_len=runner.max_model_len, num_host_blocks=runner.num_host_blocks,
-                          eos_token_ids=runner.eos_token_ids, clock=clock)
+    sched.setdefault(
+        "num_scheduler_steps", 1
+    )  # one token per step unless a test runs steps (test_multistep)
+    config = SloserveConfig(
+        cache=CacheConfig(prefix_cache=prefix_cache), scheduler=SchedulerConfig(**sched)
+    )
+    scheduler = Scheduler(
+        config,
+        num_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        num_host_blocks=runner.num_host_blocks,
+        eos_token_ids=runner.eos_token_ids,
+        clock=clock,
+    )
     OUTPUT_STAGES[scheduler] = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids)
     return scheduler, runner, clock
 
@@ -53,8 +67,12 @@ def step(scheduler: Scheduler, runner: FakeRunner):
     return out, update(scheduler, out, runner.execute(out))
 
 
-def drain(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 20_000,
-          collected: dict[str, list[RequestOutput]] | None = None) -> dict[str, list[RequestOutput]]:
+def drain(
+    scheduler: Scheduler,
+    runner: FakeRunner,
+    max_steps: int = 20_000,
+    collected: dict[str, list[RequestOutput]] | None = None,
+) -> dict[str, list[RequestOutput]]:
     """Step until no work is left; every output grouped by request id."""
     collected = {} if collected is None else collected
     for _ in range(max_steps):
@@ -70,7 +88,9 @@ def tokens_of(outputs: list[RequestOutput]) -> list[int]:
     return [t for o in outputs for t in o.new_token_ids]
 
 
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0, alphabet: str = "abcdefgh") -> list[list[int]]:
+def random_prompts(
+    n: int, lo: int, hi: int, seed: int = 0, alphabet: str = "abcdefgh"
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [[ord(rng.choice(alphabet)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 

@@ -35,8 +35,12 @@ async def _collect(stream) -> tuple[list[int], list]:
 
 def _all_free(engine: AsyncEngine) -> bool:
     s = engine.stats()
-    return (s.kv_blocks_free == s.kv_blocks_total and s.waiting == 0 and s.running == 0
-            and s.swap_blocks_free == s.swap_blocks_total)
+    return (
+        s.kv_blocks_free == s.kv_blocks_total
+        and s.waiting == 0
+        and s.running == 0
+        and s.swap_blocks_free == s.swap_blocks_total
+    )
 
 
 async def test_concurrent_streams_match_solo_runs_and_blocks_come_back():
@@ -44,8 +48,10 @@ async def test_concurrent_streams_match_solo_runs_and_blocks_come_back():
     assert runner.warmed_up and engine.ready and engine.alive
     prompts = random_prompts(16, 3, 40, seed=5)
     lengths = [5 + (i * 7) % 23 for i in range(16)]
-    streams = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
-               for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    streams = [
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     results = await asyncio.gather(*(_collect(s) for s in streams))
     for (tokens, outs), prompt, n in zip(results, prompts, lengths, strict=True):
         assert tokens == reference_tokens(runner, prompt, n)
@@ -105,7 +111,9 @@ async def test_a_failing_request_fails_alone():
     runner = FakeRunner(num_blocks=40, block_size=4)
     runner.fail_when = lambda seq: seq.req_id == "bad" and seq.num_generated >= 2
     engine, _ = await _engine(runner)
-    good = [engine.add_request(f"g{i}", [97 + i] * 6, SamplingParams(max_tokens=8)) for i in range(3)]
+    good = [
+        engine.add_request(f"g{i}", [97 + i] * 6, SamplingParams(max_tokens=8)) for i in range(3)
+    ]
     bad = engine.add_request("bad", [120] * 6, SamplingParams(max_tokens=8))
     tokens, outs = await _collect(bad)
     assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
@@ -122,8 +130,11 @@ async def test_a_post_processing_failure_fails_only_that_request(monkeypatch):
             raise UnicodeError("cannot decode")
 
     real = output_processor.IncrementalDetokenizer
-    monkeypatch.setattr(output_processor, "IncrementalDetokenizer",
-                        lambda decode, prompt: Broken() if list(prompt) == [97] * 5 else real(decode, prompt))
+    monkeypatch.setattr(
+        output_processor,
+        "IncrementalDetokenizer",
+        lambda decode, prompt: Broken() if list(prompt) == [97] * 5 else real(decode, prompt),
+    )
     engine, runner = await _engine()
     bad = engine.add_request("bad", [97] * 5, SamplingParams(max_tokens=6))
     good = engine.add_request("good", [98] * 5, SamplingParams(max_tokens=6))
@@ -138,7 +149,9 @@ async def test_bad_requests_batched_alone_fail_alone_when_the_runner_passes_its_
     runner = FakeRunner(num_blocks=40, block_size=4)
     runner.fail_when = lambda seq: seq.req_id.startswith("bad")
     engine, _ = await _engine(runner)
-    bad = [engine.add_request(f"bad{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(2)]
+    bad = [
+        engine.add_request(f"bad{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(2)
+    ]
     for stream in bad:
         _, outs = await _collect(stream)
         assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
@@ -153,7 +166,9 @@ async def test_a_broken_runner_kills_the_loop_loudly():
     runner = FakeRunner(num_blocks=40, block_size=4)
     runner.fail_when = lambda seq: True
     engine, _ = await _engine(runner)
-    streams = [engine.add_request(f"r{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(3)]
+    streams = [
+        engine.add_request(f"r{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(3)
+    ]
     for stream in streams:
         with pytest.raises(EngineDeadError, match="injected failure"):
             await _collect(stream)
@@ -207,7 +222,9 @@ async def test_bad_input_and_lifecycle_errors():
     await engine.start()
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("x", [], SamplingParams())
-    with pytest.raises(InvalidRequestError, match="token ids"):  # the front end tokenizes, never the engine
+    with pytest.raises(
+        InvalidRequestError, match="token ids"
+    ):  # the front end tokenizes, never the engine
         engine.add_request("x", "hello", SamplingParams())
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("x", [1, "a"], SamplingParams())

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _config(model, **sched) -> SloserveConfig:
-    return SloserveConfig(model=ModelConfig(path=str(model), device="cpu", max_model_len=256),
-                          cache=CacheConfig(kv_pool_bytes=256 * 8192), scheduler=SchedulerConfig(**sched))
+    return SloserveConfig(
+        model=ModelConfig(path=str(model), device="cpu", max_model_len=256),
+        cache=CacheConfig(kv_pool_bytes=256 * 8192),
+        scheduler=SchedulerConfig(**sched),
+    )
 
 
 async def _collect(stream) -> tuple[list[int], list]:
@@ -66,10 +69,21 @@ async def test_refusals_invalid_requests_and_aborts_cross_the_boundary(tiny_llam
     try:
         bad = await _collect(engine.add_request("bad", [10**6], SamplingParams(max_tokens=2)))
         assert bad[1][-1].error_kind == "invalid" and "outside the vocabulary" in bad[1][-1].error
-        late = await _collect(engine.add_request("late", [1, 2, 3], SamplingParams(), SLO(e2e_s=1.0),
-                                                 arrival_time=time.monotonic() - 5))
-        assert late[1][-1].error_kind == "refused" and late[1][-1].refusal_reason == "deadline_passed"
-        long = engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        late = await _collect(
+            engine.add_request(
+                "late",
+                [1, 2, 3],
+                SamplingParams(),
+                SLO(e2e_s=1.0),
+                arrival_time=time.monotonic() - 5,
+            )
+        )
+        assert (
+            late[1][-1].error_kind == "refused" and late[1][-1].refusal_reason == "deadline_passed"
+        )
+        long = engine.add_request(
+            "long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)
+        )
         first = await long.__anext__()
         assert first.new_token_ids and engine.abort("long")
         rest = [o async for o in long]
@@ -88,8 +102,12 @@ async def test_a_killed_engine_fails_every_live_request_within_a_second(tiny_lla
     engine = MPEngineClient(_config(tiny_llama))
     await engine.start()
     try:
-        streams = [engine.add_request(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=240, ignore_eos=True))
-                   for i in range(4)]
+        streams = [
+            engine.add_request(
+                f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=240, ignore_eos=True)
+            )
+            for i in range(4)
+        ]
         for stream in streams:
             await stream.__anext__()
         killed = time.monotonic()

@@ -51,18 +51,30 @@ class Outputs:
 
 
 def _add(rid: str, max_tokens: int, prompt: int = 3) -> wire.AddRequest:
-    return wire.AddRequest(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                           time.monotonic())
+    return wire.AddRequest(
+        rid,
+        [1] * prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        time.monotonic(),
+    )
 
 
 def test_outputs_go_to_their_front_end_and_stats_to_all():
-    config = SloserveConfig(cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False)
+    )
     core = EngineCore(config, FakeRunner(num_blocks=64, block_size=4))
-    inputs = Inputs(core, [
-        wire.Inputs(adds=[_add("a0", 3), _add("a1", 2)]),
-        wire.Inputs(adds=[_add("b0", 40), _add("b1", 2, prompt=10**5)], frontend=1),  # b1: too long, refused
-        wire.Inputs(adds=[_add("c0", 2)], frontend=2),
-    ])
+    inputs = Inputs(
+        core,
+        [
+            wire.Inputs(adds=[_add("a0", 3), _add("a1", 2)]),
+            wire.Inputs(
+                adds=[_add("b0", 40), _add("b1", 2, prompt=10**5)], frontend=1
+            ),  # b1: too long, refused
+            wire.Inputs(adds=[_add("c0", 2)], frontend=2),
+        ],
+    )
     outs = [Outputs(), Outputs(), Outputs()]
     loop = EngineLoop(core, inputs, outs[0], os.getppid(), more_pushes=outs[1:])
     loop.run()
@@ -70,7 +82,13 @@ def test_outputs_go_to_their_front_end_and_stats_to_all():
     got = [o.outputs() for o in outs]
     assert [sorted(g) for g in got] == [["a0", "a1"], ["b0", "b1"], ["c0"]]
     finishes = {rid: seq[-1].finish_reason for g in got for rid, seq in g.items()}
-    assert finishes == {"a0": "length", "a1": "length", "b0": "length", "b1": "error", "c0": "length"}
+    assert finishes == {
+        "a0": "length",
+        "a1": "length",
+        "b0": "length",
+        "b1": "error",
+        "c0": "length",
+    }
     assert sum(len(o.new_token_ids) for o in got[1]["b0"]) == 40
     assert all(o.messages[-1].final for o in outs)
     # a front end is sent a step's stats alone only every STATS_EVERY_S: front end 2 (one short
@@ -80,7 +98,9 @@ def test_outputs_go_to_their_front_end_and_stats_to_all():
 
 
 def test_the_shutdown_aborts_reach_their_own_front_end():
-    config = SloserveConfig(cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False)
+    )
     core = EngineCore(config, FakeRunner(num_blocks=64, block_size=4))
     inputs = Inputs(core, [wire.Inputs(adds=[_add("long", 50)], frontend=1)])
     inputs.shutdown_sent = True

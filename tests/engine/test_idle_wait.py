@@ -93,7 +93,9 @@ class Outputs:
 
 
 @pytest.mark.parametrize(("spin_s", "spinning"), [(0.0, 0), (0.35, 4)])
-def test_the_loop_polls_without_blocking_through_the_window_then_blocks(monkeypatch, spin_s, spinning):
+def test_the_loop_polls_without_blocking_through_the_window_then_blocks(
+    monkeypatch, spin_s, spinning
+):
     """One step, then 7 idle polls 0.1 s apart: those that find the step less than spin_s ago
     (0, 0.1, 0.2 and 0.3 s after it) do not block."""
     yields = []

@@ -13,8 +13,9 @@ def test_generate_batches_strings_and_token_ids():
     runner = FakeRunner(num_blocks=64, block_size=4)
     with LLM(runner=runner, max_batch=8) as llm:
         outs = llm.generate(["hello", [104, 105], "hello world"], SamplingParams(max_tokens=5))
-        assert [o.token_ids for o in outs] == [reference_tokens(runner, list(p), 5)
-                                             for p in (b"hello", [104, 105], b"hello world")]
+        assert [o.token_ids for o in outs] == [
+            reference_tokens(runner, list(p), 5) for p in (b"hello", [104, 105], b"hello world")
+        ]
         assert outs[0].prompt_token_ids == list(b"hello")
         assert outs[0].text == "".join(map(chr, outs[0].token_ids))
         assert all(o.finish_reason == "length" for o in outs)
@@ -52,7 +53,9 @@ def test_generate_passes_each_prompts_priority_to_the_engine():
 
 
 def test_options_map_onto_config_fields():
-    config = build_config("some/folder", max_batch=3, prefix_cache=False, swap_bytes="1MiB", device="cpu")
+    config = build_config(
+        "some/folder", max_batch=3, prefix_cache=False, swap_bytes="1MiB", device="cpu"
+    )
     assert config.model.path == "some/folder" and config.model.device == "cpu"
     assert config.scheduler.max_batch == 3 and not config.cache.prefix_cache
     assert config.cache.swap_bytes == 1024**2

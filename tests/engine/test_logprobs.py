@@ -19,7 +19,11 @@ from sloserve.sampling_params import SamplingParams
 from tests.checkpoints import load_hf_model
 
 TOL = 1e-4
-PROMPTS = [[256] + [(i * 37) % 250 for i in range(45)], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 70))]
+PROMPTS = [
+    [256] + [(i * 37) % 250 for i in range(45)],
+    [256, 72, 101, 108, 108, 111],
+    [256] + list(range(48, 70)),
+]
 
 
 @functools.cache
@@ -34,7 +38,9 @@ def _reference(folder, tokens: list[int]) -> torch.Tensor:
 
 
 def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), device="cpu", max_model_len=128, block_size=4, max_batched_tokens=16, **kw)
+    return LLM(
+        str(folder), device="cpu", max_model_len=128, block_size=4, max_batched_tokens=16, **kw
+    )
 
 
 def _check_output_logprobs(folder, prompt, out, top):
@@ -55,9 +61,13 @@ def _check_output_logprobs(folder, prompt, out, top):
 @pytest.mark.parametrize("steps", [1, 4])
 def test_output_logprobs_equal_transformers_log_softmax(make_checkpoint, arch, steps):
     folder = make_checkpoint(arch)
-    params = [SamplingParams(max_tokens=6, logprobs=5, ignore_eos=True),
-              SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True, temperature=1.3, seed=3),  # raw, not scaled
-              SamplingParams(max_tokens=6, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=6, logprobs=5, ignore_eos=True),
+        SamplingParams(
+            max_tokens=6, logprobs=0, ignore_eos=True, temperature=1.3, seed=3
+        ),  # raw, not scaled
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    ]
     with _llm(folder, num_scheduler_steps=steps) as llm:
         outs = llm.generate(PROMPTS, params)
     _check_output_logprobs(folder, PROMPTS[0], outs[0], 5)
@@ -65,15 +75,24 @@ def test_output_logprobs_equal_transformers_log_softmax(make_checkpoint, arch, s
     assert outs[2].logprobs is None and outs[2].prompt_logprobs is None  # not asked: nothing kept
 
 
-@pytest.mark.parametrize(("arch", "chunk"), [("llama", 16), ("llama", 128), ("qwen2_moe", 16)],
-                         ids=["fused-rows", "flat-path", "moe"])
-def test_prompt_logprobs_equal_transformers_per_position_even_after_a_prefix_hit(make_checkpoint, arch, chunk):
+@pytest.mark.parametrize(
+    ("arch", "chunk"),
+    [("llama", 16), ("llama", 128), ("qwen2_moe", 16)],
+    ids=["fused-rows", "flat-path", "moe"],
+)
+def test_prompt_logprobs_equal_transformers_per_position_even_after_a_prefix_hit(
+    make_checkpoint, arch, chunk
+):
     """chunk 16: chunks of the fused kernel's rows (llama); 128: one 90-token pass on the flat path."""
     folder = make_checkpoint(arch)
     prompt = PROMPTS[0] + [(i * 11) % 250 for i in range(44)]
     ref = _reference(folder, prompt)
-    with LLM(str(folder), device="cpu", max_model_len=128, block_size=4, max_batched_tokens=chunk) as llm:
-        warm = llm.generate([prompt], SamplingParams(max_tokens=1))[0]  # its blocks now sit in the prefix cache
+    with LLM(
+        str(folder), device="cpu", max_model_len=128, block_size=4, max_batched_tokens=chunk
+    ) as llm:
+        warm = llm.generate([prompt], SamplingParams(max_tokens=1))[
+            0
+        ]  # its blocks now sit in the prefix cache
         assert warm.prompt_logprobs is None
         again = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         assert again.num_cached_tokens > 0
@@ -97,11 +116,19 @@ def test_greedy_with_repetition_penalty_equals_transformers_generate(make_checkp
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                                 repetition_penalty=1.8, pad_token_id=258)
-            want.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=8,
+                repetition_penalty=1.8,
+                pad_token_id=258,
+            )
+            want.append(out[0, len(prompt) :].tolist())
     with _llm(folder, num_scheduler_steps=4) as llm:
-        got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, repetition_penalty=1.8, ignore_eos=True))
+        got = llm.generate(
+            PROMPTS, SamplingParams(max_tokens=8, repetition_penalty=1.8, ignore_eos=True)
+        )
     assert [o.token_ids for o in got] == want
     with _llm(folder) as llm:  # and without it the tokens differ: the penalty did something
         plain = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -114,7 +141,9 @@ def test_min_tokens_holds_eos_back_until_reached(make_checkpoint):
         eos = llm.engine.runner.eos_token_ids[0]
         forced = {eos: 100.0}  # EOS would come first every step
         alone = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced))[0]
-        held = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, min_tokens=3))[0]
+        held = llm.generate(
+            PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, min_tokens=3)
+        )[0]
     assert alone.token_ids == [eos] and alone.finish_reason == "stop"
     assert len(held.token_ids) == 4 and eos not in held.token_ids[:3] and held.token_ids[3] == eos
     assert held.finish_reason == "stop"
@@ -123,29 +152,43 @@ def test_min_tokens_holds_eos_back_until_reached(make_checkpoint):
 def test_min_tokens_holds_stop_strings_back_too(make_checkpoint):
     forced = {65: 100.0}  # every token is 'A'
     with _llm(make_checkpoint("llama")) as llm:
-        cut = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, stop=["A"]))[0]
-        held = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, stop=["A"], min_tokens=5))[0]
+        cut = llm.generate(
+            PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, stop=["A"])
+        )[0]
+        held = llm.generate(
+            PROMPTS[:1], SamplingParams(max_tokens=8, logit_bias=forced, stop=["A"], min_tokens=5)
+        )[0]
     assert cut.token_ids == [65] and cut.text == "" and cut.finish_reason == "stop"
     # the fifth token is the first checked: the text ends before its "A"
     assert held.token_ids == [65] * 5 and held.text == "AAAA" and held.finish_reason == "stop"
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(make_checkpoint):
-    with _llm(make_checkpoint("llama")) as llm, pytest.raises(InvalidRequestError, match="logit_bias names token id"):
+    with (
+        _llm(make_checkpoint("llama")) as llm,
+        pytest.raises(InvalidRequestError, match="logit_bias names token id"),
+    ):
         llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
 
 
 def test_two_tensor_parallel_ranks_give_one_ranks_logprobs_and_penalties(tiny_llama):
-    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1, repetition_penalty=1.5)
+    params = SamplingParams(
+        max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1, repetition_penalty=1.5
+    )
     results = {}
     for size in (1, 2):
-        with LLM(str(tiny_llama), device="cpu", tensor_parallel_size=size, max_model_len=128) as llm:
+        with LLM(
+            str(tiny_llama), device="cpu", tensor_parallel_size=size, max_model_len=128
+        ) as llm:
             results[size] = llm.generate([PROMPTS[0]], params)[0]
     one, two = results[1], results[2]
     assert two.token_ids == one.token_ids
-    assert [e.logprob for e in two.logprobs] == pytest.approx([e.logprob for e in one.logprobs], abs=TOL)
+    assert [e.logprob for e in two.logprobs] == pytest.approx(
+        [e.logprob for e in one.logprobs], abs=TOL
+    )
     assert [e.logprob for e in two.prompt_logprobs[1:]] == pytest.approx(
-        [e.logprob for e in one.prompt_logprobs[1:]], abs=TOL)
+        [e.logprob for e in one.prompt_logprobs[1:]], abs=TOL
+    )
 
 
 def test_prompt_logprobs_survive_preemption(make_checkpoint):
@@ -163,6 +206,9 @@ def test_prompt_logprobs_survive_preemption(make_checkpoint):
         ref = _reference(folder, prompt + out.token_ids)
         assert len(out.prompt_logprobs) == len(prompt) and len(out.logprobs) == 24
         got = [e.logprob for e in out.prompt_logprobs[1:]]
-        assert got == pytest.approx([ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=TOL)
+        assert got == pytest.approx(
+            [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=TOL
+        )
         assert [e.logprob for e in out.logprobs] == pytest.approx(
-            [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)], abs=TOL)
+            [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)], abs=TOL
+        )

@@ -43,13 +43,18 @@ def _accepts(impl: inspect.Signature, wanted: inspect.Signature) -> list[str]:
             if inspect.Parameter.VAR_KEYWORD not in variadic:
                 problems.append(f"no parameter {name!r}")
             continue
-        if have.kind != want.kind and not (want.kind == want.KEYWORD_ONLY and have.kind == have.POSITIONAL_OR_KEYWORD):
+        if have.kind != want.kind and not (
+            want.kind == want.KEYWORD_ONLY and have.kind == have.POSITIONAL_OR_KEYWORD
+        ):
             problems.append(f"{name!r} is {have.kind.description}, not {want.kind.description}")
         if want.default is not want.empty and have.default is have.empty:
             problems.append(f"{name!r} has no default")
     for name, have in params.items():
-        if name not in wanted.parameters and have.default is have.empty \
-                and have.kind not in (have.VAR_POSITIONAL, have.VAR_KEYWORD):
+        if (
+            name not in wanted.parameters
+            and have.default is have.empty
+            and have.kind not in (have.VAR_POSITIONAL, have.VAR_KEYWORD)
+        ):
             problems.append(f"extra parameter {name!r} without a default")
     return problems
 
@@ -79,7 +84,9 @@ def drift(obj: object, protocol: type) -> dict[str, str]:
 
 
 def _config(**sched) -> SloserveConfig:
-    return SloserveConfig(cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False, **sched))
+    return SloserveConfig(
+        cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False, **sched)
+    )
 
 
 ENGINE_CLIENTS = {
@@ -117,9 +124,11 @@ def test_every_fake_runner_implements_the_protocol(name):
 def test_the_model_runner_implements_the_protocol(tiny_llama: Path):
     from sloserve.executor import ModelRunner
 
-    config = SloserveConfig(model=ModelConfig(path=str(tiny_llama), device="cpu", max_model_len=64),
-                            cache=CacheConfig(block_size=4, kv_pool_bytes=2**20),
-                            scheduler=SchedulerConfig(max_batch=4, max_batched_tokens=64))
+    config = SloserveConfig(
+        model=ModelConfig(path=str(tiny_llama), device="cpu", max_model_len=64),
+        cache=CacheConfig(block_size=4, kv_pool_bytes=2**20),
+        scheduler=SchedulerConfig(max_batch=4, max_batched_tokens=64),
+    )
     runner = ModelRunner(config)
     assert drift(runner, Runner) == {}
     assert isinstance(runner, Runner)
@@ -127,7 +136,9 @@ def test_the_model_runner_implements_the_protocol(tiny_llama: Path):
 
 def test_the_check_catches_a_drifting_fake():
     class Drifted(FakeEngine):
-        def add_request(self, request_id, prompt, params):  # renamed, and lost slo / arrival_time / priority
+        def add_request(
+            self, request_id, prompt, params
+        ):  # renamed, and lost slo / arrival_time / priority
             raise NotImplementedError
 
         async def abort(self, request_id):  # became async
@@ -135,5 +146,8 @@ def test_the_check_catches_a_drifting_fake():
 
     problems = drift(Drifted(), EngineClient)
     assert set(problems) == {"add_request", "abort"}
-    assert "no parameter 'token_ids'" in problems["add_request"] and "no parameter 'priority'" in problems["add_request"]
+    assert (
+        "no parameter 'token_ids'" in problems["add_request"]
+        and "no parameter 'priority'" in problems["add_request"]
+    )
     assert problems["abort"] == "must not be async"

@@ -20,8 +20,10 @@ PARAMS = SamplingParams(max_tokens=2)
 
 
 def test_add_request_round_trips_its_priority():
-    adds = [wire.AddRequest("a", [1, 2], PARAMS, SLO(ttft_s=0.5), 12.5, -4),
-            wire.AddRequest("b", [3], PARAMS, None, 13.0)]
+    adds = [
+        wire.AddRequest("a", [1, 2], PARAMS, SLO(ttft_s=0.5), 12.5, -4),
+        wire.AddRequest("b", [3], PARAMS, None, 13.0),
+    ]
     back = wire.decode_inputs(wire.encode(wire.Inputs(adds=adds, aborts=["c"])))
     assert back.adds == adds and back.aborts == ["c"]
     assert [a.priority for a in back.adds] == [-4, 0]
@@ -48,8 +50,13 @@ def test_an_add_request_without_priority_decodes_as_zero():
 
 
 def test_step_outputs_carry_the_new_stats():
-    stats = EngineStats(kv_blocks_total=8, kv_blocks_peak=6, ttft_predictions=11,
-                        ttft_prediction_error_p50_s=-0.125, ttft_prediction_error_p90_s=0.75)
+    stats = EngineStats(
+        kv_blocks_total=8,
+        kv_blocks_peak=6,
+        ttft_predictions=11,
+        ttft_prediction_error_p50_s=-0.125,
+        ttft_prediction_error_p90_s=0.75,
+    )
     back = wire.decode_from_engine(wire.encode(wire.StepOutputs([], stats)))
     assert back.stats == stats
 
@@ -82,7 +89,9 @@ async def test_the_process_client_sends_priority_and_refuses_what_msgpack_cannot
 
 
 def _core() -> EngineCore:
-    config = SloserveConfig(cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(admission_control=False)
+    )
     runner = FakeRunner(num_blocks=32, block_size=4)
     runner.vocab_size = 260
     return EngineCore(config, runner)
@@ -92,6 +101,8 @@ def test_engine_core_gives_priority_to_the_schedulers_request():
     core = _core()
     core.add("a", [97, 98], PARAMS, priority=-2)
     core.add("b", [97, 99], PARAMS)
-    assert core.scheduler.requests["a"].priority == -2 and core.scheduler.requests["b"].priority == 0
+    assert (
+        core.scheduler.requests["a"].priority == -2 and core.scheduler.requests["b"].priority == 0
+    )
     with pytest.raises(InvalidRequestError, match="priority must be an integer"):
         core.add("c", [97], PARAMS, priority="high")

@@ -14,15 +14,28 @@ CPU_AUTO_BACKEND = "sdpa"
 CPU_BACKENDS = ("auto", "sdpa", "reference")
 
 
-def runner_config(folder: Path, *, block_size: int | None = 4, backend: str = "auto",
-                  kv_pool_bytes: int = 2 * 2**20, max_batch: int = 8, max_batched_tokens: int = 256,
-                  swap_bytes: int = 2**20, device: str = "cpu", expert_slots_per_layer: int | None = None,
-                  **model_kw) -> SloserveConfig:
+def runner_config(
+    folder: Path,
+    *,
+    block_size: int | None = 4,
+    backend: str = "auto",
+    kv_pool_bytes: int = 2 * 2**20,
+    max_batch: int = 8,
+    max_batched_tokens: int = 256,
+    swap_bytes: int = 2**20,
+    device: str = "cpu",
+    expert_slots_per_layer: int | None = None,
+    **model_kw,
+) -> SloserveConfig:
     """A small runner config; backend 'auto' by default, so tests run what users get."""
     return SloserveConfig(
         model=ModelConfig(path=str(folder), device=device, attention_backend=backend, **model_kw),
-        cache=CacheConfig(block_size=block_size, kv_pool_bytes=kv_pool_bytes, swap_bytes=swap_bytes,
-                          expert_slots_per_layer=expert_slots_per_layer),
+        cache=CacheConfig(
+            block_size=block_size,
+            kv_pool_bytes=kv_pool_bytes,
+            swap_bytes=swap_bytes,
+            expert_slots_per_layer=expert_slots_per_layer,
+        ),
         scheduler=SchedulerConfig(max_batch=max_batch, max_batched_tokens=max_batched_tokens),
     )
 

@@ -19,8 +19,16 @@ class _Req:
     generated: list[int] = field(default_factory=list)
 
 
-def generate(runner, prompts: list[list[int]], max_new: int, *, chunk: int | None = None, seed: int = 0,
-             params: list[SamplingParams] | None = None, stagger: bool = False) -> list[list[int]]:
+def generate(
+    runner,
+    prompts: list[list[int]],
+    max_new: int,
+    *,
+    chunk: int | None = None,
+    seed: int = 0,
+    params: list[SamplingParams] | None = None,
+    stagger: bool = False,
+) -> list[list[int]]:
     """Run every prompt to `max_new` tokens in shared steps; pages come from a shuffled free list.
 
     chunk: longest prefill chunk per step (None = whole prompt). stagger: request i joins at step i.
@@ -28,7 +36,9 @@ def generate(runner, prompts: list[list[int]], max_new: int, *, chunk: int | Non
     free = list(range(1, runner.num_kv_blocks))
     random.Random(seed).shuffle(free)
     params = params or [SamplingParams(max_tokens=max_new) for _ in prompts]
-    reqs = [_Req(f"r{i}", list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    reqs = [
+        _Req(f"r{i}", list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
     step = 0
     while any(len(r.generated) < max_new for r in reqs):
         seqs, owners = [], []
@@ -41,8 +51,17 @@ def generate(runner, prompts: list[list[int]], max_new: int, *, chunk: int | Non
             while len(r.table) * runner.block_size < r.computed + n:
                 r.table.append(free.pop())
             sample = r.computed + n == len(r.tokens)
-            seqs.append(ScheduledSequence(r.req_id, r.tokens[r.computed : r.computed + n], r.computed,
-                                          list(r.table), sample, r.params, len(r.generated)))
+            seqs.append(
+                ScheduledSequence(
+                    r.req_id,
+                    r.tokens[r.computed : r.computed + n],
+                    r.computed,
+                    list(r.table),
+                    sample,
+                    r.params,
+                    len(r.generated),
+                )
+            )
             owners.append((r, n, sample))
         finished = [r.req_id for r in reqs if len(r.generated) >= max_new]
         tokens = iter(runner.execute(SchedulerOutput(seqs, finished_req_ids=finished)))

@@ -48,7 +48,12 @@ BACKENDS = cpu_backends()
 
 
 def make_case(
-    chunks: list[tuple[int, int]], ratio: int, *, seed: int = 0, dtype=torch.float32, device="cpu",
+    chunks: list[tuple[int, int]],
+    ratio: int,
+    *,
+    seed: int = 0,
+    dtype=torch.float32,
+    device="cpu",
     page: int = PAGE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
     """Random q and paged caches for sequences given as (start_pos, query_len); pages shuffled."""
@@ -65,7 +70,9 @@ def make_case(
     v_cache = torch.randn(num_pages, page, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     total = sum(n for _, n in chunks)
     q = torch.randn(total, KV_HEADS * ratio, HEAD_DIM, generator=gen).to(dtype)
-    meta = AttentionMetadata.build([n for _, n in chunks], [s for s, _ in chunks], tables, page, device)
+    meta = AttentionMetadata.build(
+        [n for _, n in chunks], [s for s, _ in chunks], tables, page, device
+    )
     return q.to(device), k_cache.to(device), v_cache.to(device), meta, HEAD_DIM**-0.5
 
 
@@ -85,7 +92,9 @@ def oracle(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.
         v = flat_v[slots].repeat_interleave(group, dim=1)
         positions = torch.arange(cu[i + 1] - cu[i]) + meta.start_pos_list[i]
         scores = torch.einsum("thd,lhd->htl", q[cu[i] : cu[i + 1]], k) * scale
-        scores = scores.masked_fill(torch.arange(seq_len)[None, None, :] > positions[None, :, None], -math.inf)
+        scores = scores.masked_fill(
+            torch.arange(seq_len)[None, None, :] > positions[None, :, None], -math.inf
+        )
         out[cu[i] : cu[i + 1]] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
     return out
 
@@ -130,7 +139,10 @@ def leak_cases() -> list:
     """(backend, chunks) pairs: prefill chunks, decodes of unequal lengths beside a prefill, decodes alone."""
     cases = (
         ("mixed", [(0, 5), (PAGE, 3)]),
-        ("split", [(0, 5), (PAGE + 2, 1), (4, 1)]),  # the short decode's padding reads the null page
+        (
+            "split",
+            [(0, 5), (PAGE + 2, 1), (4, 1)],
+        ),  # the short decode's padding reads the null page
         ("decode", [(4, 1), (PAGE + 2, 1)]),
     )
     return [
@@ -154,7 +166,9 @@ def test_unrelated_pages_do_not_leak_into_the_output(backend, chunks):
     last = meta.block_tables_list[0][-1]
     k2[last, 5:] = float("nan")
     v2[last, 5:] = float("nan")
-    assert torch.equal(backend.forward(q, k, v, meta, scale), backend.forward(q, k2, v2, meta, scale))
+    assert torch.equal(
+        backend.forward(q, k, v, meta, scale), backend.forward(q, k2, v2, meta, scale)
+    )
 
 
 def test_reference_per_head_decode_path_does_not_leak(monkeypatch):
@@ -162,9 +176,16 @@ def test_reference_per_head_decode_path_does_not_leak(monkeypatch):
     from sloserve.layers.attention import reference
 
     monkeypatch.setattr(reference, "_MAX_FOLDED_KV_HEADS", 1)
-    test_unrelated_pages_do_not_leak_into_the_output(reference.ReferenceBackend(), [(4, 1), (PAGE + 2, 1)])
+    test_unrelated_pages_do_not_leak_into_the_output(
+        reference.ReferenceBackend(), [(4, 1), (PAGE + 2, 1)]
+    )
     q, k, v, meta, scale = make_case([(4, 1), (PAGE + 2, 1)], 4, seed=3)
-    assert rel_err(reference.ReferenceBackend().forward(q, k, v, meta, scale), oracle(q, k, v, meta, scale)) <= 1e-5
+    assert (
+        rel_err(
+            reference.ReferenceBackend().forward(q, k, v, meta, scale), oracle(q, k, v, meta, scale)
+        )
+        <= 1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -179,27 +200,41 @@ def test_sdpa_gqa_reads_kv_heads_in_place_with_the_same_bits(dtype, queries, key
     causal = queries == keys
     mask = None if causal else torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
     repeated = torch.nn.functional.scaled_dot_product_attention(
-        q[None], k.repeat_interleave(2, 0)[None], v.repeat_interleave(2, 0)[None], attn_mask=mask, scale=0.125,
-        is_causal=causal)[0]
+        q[None],
+        k.repeat_interleave(2, 0)[None],
+        v.repeat_interleave(2, 0)[None],
+        attn_mask=mask,
+        scale=0.125,
+        is_causal=causal,
+    )[0]
     assert torch.equal(_sdpa(q, k, v, mask, 0.125, causal=causal), repeated)
 
 
-@pytest.mark.parametrize("chunks", [[(0, 3 * PAGE + 5)], [(PAGE + 3, 2 * PAGE)], [(2, 5), (0, PAGE + 1)]])
+@pytest.mark.parametrize(
+    "chunks", [[(0, 3 * PAGE + 5)], [(PAGE + 3, 2 * PAGE)], [(2, 5), (0, PAGE + 1)]]
+)
 def test_sdpa_prefill_reads_consecutive_pages_in_place(chunks):
     """A prefill whose pages lie one after another reads its K/V as a view of the cache: the same bits
     as gathering shuffled pages (make_case's), and the oracle's values."""
     q, k_cache, v_cache, meta, scale = make_case(chunks, 4, seed=7)
-    renumber = {old: new for new, old in enumerate((p for table in meta.block_tables_list for p in table), 1)}
+    renumber = {
+        old: new
+        for new, old in enumerate((p for table in meta.block_tables_list for p in table), 1)
+    }
     k_laid, v_laid = k_cache.clone(), v_cache.clone()
     for old, new in renumber.items():
         k_laid[new], v_laid[new] = k_cache[old], v_cache[old]
     tables = [[renumber[p] for p in table] for table in meta.block_tables_list]
-    laid = AttentionMetadata.build([n for _, n in chunks], [s for s, _ in chunks], tables, PAGE, "cpu")
+    laid = AttentionMetadata.build(
+        [n for _, n in chunks], [s for s, _ in chunks], tables, PAGE, "cpu"
+    )
     backend = SdpaBackend(batched=False, inplace=False)
     shuffled_out = backend.forward(q, k_cache, v_cache, meta, scale)
     laid_out = backend.forward(q, k_laid, v_laid, laid, scale)
     assert all(isinstance(pages, slice) for _, _, _, pages, _ in laid.memo["sdpa.split"][0])
-    assert any(not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.split"][0])  # gathered
+    assert any(
+        not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.split"][0]
+    )  # gathered
     assert torch.equal(laid_out, shuffled_out)
     assert rel_err(laid_out, oracle(q, k_laid, v_laid, laid, scale)) <= 1e-5
 
@@ -237,7 +272,10 @@ def gpu_backend(name: str, dtype: torch.dtype, block_size: int) -> object:
     cls = classes[name.removesuffix("-split")]
     reason = cls.unavailable_reason("cuda", dtype, block_size, HEAD_DIM)
     if reason is not None:
-        pytest.fail(f"{name} is named by this test but cannot run on this CUDA machine: {reason}", pytrace=False)
+        pytest.fail(
+            f"{name} is named by this test but cannot run on this CUDA machine: {reason}",
+            pytrace=False,
+        )
     if name == "sdpa":
         return SdpaBackend(batched=True)
     if name == "triton-split":
@@ -247,7 +285,9 @@ def gpu_backend(name: str, dtype: torch.dtype, block_size: int) -> object:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("name", [n for n in GPU_BACKENDS if n != "flash"])  # flash needs 256-token pages: below
+@pytest.mark.parametrize(
+    "name", [n for n in GPU_BACKENDS if n != "flash"]
+)  # flash needs 256-token pages: below
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_gpu_backends_match_oracle(name, dtype, ratio):
@@ -267,8 +307,14 @@ def test_gpu_backends_with_256_token_pages(name, ratio, batch):
     """flash-attn's paged kernels need 256-token pages; decode-only and mixed batches."""
     backend = gpu_backend(name, torch.bfloat16, 256)
     lengths = [1, 255, 256, 257, 3 * 256 + 5]
-    chunks = [(n - 1, 1) for n in lengths] if batch == "decode" else [m for n in lengths for m in modes(n).values()]
-    q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=torch.bfloat16, device="cuda", page=256)
+    chunks = (
+        [(n - 1, 1) for n in lengths]
+        if batch == "decode"
+        else [m for n in lengths for m in modes(n).values()]
+    )
+    q, k, v, meta, scale = make_case(
+        chunks, ratio, seed=ratio, dtype=torch.bfloat16, device="cuda", page=256
+    )
     assert rel_err(backend.forward(q, k, v, meta, scale), oracle(q, k, v, meta, scale)) <= 2e-2
 
 
@@ -278,7 +324,9 @@ def test_gpu_backend_helper_fails_instead_of_dropping(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(flash, "_flash_importable", lambda: False)
-    with pytest.raises(pytest.fail.Exception, match="flash is named by this test.*flash-attn is not installed"):
+    with pytest.raises(
+        pytest.fail.Exception, match="flash is named by this test.*flash-attn is not installed"
+    ):
         gpu_backend("flash", torch.bfloat16, 256)
     monkeypatch.setattr(flash, "_flash_importable", lambda: True)
     with pytest.raises(pytest.fail.Exception, match="multiple of 256, got 16"):

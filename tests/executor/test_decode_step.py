@@ -20,10 +20,17 @@ from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate
 
 GREEDY = SamplingParams(max_tokens=8)
-PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(37)]]
+PROMPTS = [
+    [256],
+    [256, 72, 101, 108, 108, 111],
+    [256] + list(range(48, 66)),
+    [256] + [(i * 37) % 250 for i in range(37)],
+]
 NEW_TOKENS = 6
 
-pytestmark = pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
+pytestmark = pytest.mark.skipif(
+    not paged.AVAILABLE, reason="the paged kernel extension is not built"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,9 @@ def test_buckets_are_powers_of_two_up_to_max_batch():
     assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def test_cpu_runners_take_the_fast_path_unless_a_backend_is_named(eager, tiny_llama, tiny_mixtral, make_runner):
+def test_cpu_runners_take_the_fast_path_unless_a_backend_is_named(
+    eager, tiny_llama, tiny_mixtral, make_runner
+):
     assert eager.info()["decode_step"] == "eager"
     step = eager.prepare(SchedulerOutput([ScheduledSequence("a", [5], 3, [1], True, GREEDY)]))
     assert isinstance(step, DecodeInputs)
@@ -58,12 +67,21 @@ def test_persistent_block_tables_follow_content_not_just_request_ids(eager):
     """A row keeps its table only while the table is unchanged (a swap-in gives new blocks, same count)."""
     seq = ScheduledSequence("a", [5], 5, [1, 2], True, GREEDY)
     first = eager.inputs.build_decode([seq], 2)
-    assert first.block_tables[0, :2].tolist() == [1, 2] and first.slot_mapping.tolist() == [2 * 4 + 1, 0]
-    assert first.seq_lens.tolist() == [6, 1] and first.block_tables[1, 0].item() == 0  # padding: null page
+    assert first.block_tables[0, :2].tolist() == [1, 2] and first.slot_mapping.tolist() == [
+        2 * 4 + 1,
+        0,
+    ]
+    assert (
+        first.seq_lens.tolist() == [6, 1] and first.block_tables[1, 0].item() == 0
+    )  # padding: null page
     seq.block_table = [3, 4]
     again = eager.inputs.build_decode([seq], 1)
-    assert again.block_tables[0, :2].tolist() == [3, 4] and again.slot_mapping.tolist() == [4 * 4 + 1]
-    eager.inputs.build([ScheduledSequence("b", [1, 2, 3], 0, [7], True, GREEDY)])  # general path reuses rows
+    assert again.block_tables[0, :2].tolist() == [3, 4] and again.slot_mapping.tolist() == [
+        4 * 4 + 1
+    ]
+    eager.inputs.build(
+        [ScheduledSequence("b", [1, 2, 3], 0, [7], True, GREEDY)]
+    )  # general path reuses rows
     assert eager.inputs.build_decode([seq], 1).block_tables[0, :2].tolist() == [3, 4]
 
 
@@ -73,7 +91,9 @@ def test_decode_steps_are_refused_with_what_to_change(eager):
     with pytest.raises(ValueError, match="block table has"):
         eager.execute(SchedulerOutput([ScheduledSequence("a", [5], 9, [1], True, GREEDY)]))
     with pytest.raises(ValueError, match="block ids"):
-        eager.execute(SchedulerOutput([ScheduledSequence("a", [5], 3, [eager.num_kv_blocks], True, GREEDY)]))
+        eager.execute(
+            SchedulerOutput([ScheduledSequence("a", [5], 3, [eager.num_kv_blocks], True, GREEDY)])
+        )
 
 
 def test_compiled_greedy_matches_transformers(compiled, tiny_llama):
@@ -83,15 +103,22 @@ def test_compiled_greedy_matches_transformers(compiled, tiny_llama):
 
 
 def test_compiled_and_eager_give_identical_tokens_batched_and_alone(compiled, eager):
-    batched = {name: generate(r, PROMPTS, NEW_TOKENS, seed=2) for name, r in (("c", compiled), ("e", eager))}
-    alone = {name: [generate(r, [p], NEW_TOKENS, seed=3)[0] for p in PROMPTS]
-             for name, r in (("c", compiled), ("e", eager))}
+    batched = {
+        name: generate(r, PROMPTS, NEW_TOKENS, seed=2)
+        for name, r in (("c", compiled), ("e", eager))
+    }
+    alone = {
+        name: [generate(r, [p], NEW_TOKENS, seed=3)[0] for p in PROMPTS]
+        for name, r in (("c", compiled), ("e", eager))
+    }
     assert batched["c"] == batched["e"] == alone["c"] == alone["e"]
 
 
 def test_compiled_logits_match_eager_on_padded_buckets(compiled, eager):
     """Three sequences padded to bucket 4: the real rows' logits equal the eager step's."""
-    seqs = [ScheduledSequence(f"s{i}", [40 + i], 4 + i, [1 + i, 9 + i], True, GREEDY) for i in range(3)]
+    seqs = [
+        ScheduledSequence(f"s{i}", [40 + i], 4 + i, [1 + i, 9 + i], True, GREEDY) for i in range(3)
+    ]
     step = compiled.prepare(SchedulerOutput(seqs))
     assert step.input_ids.shape[0] == 4 and step.num_seqs == 3
     got = compiled.forward(step)[:3]
@@ -106,12 +133,18 @@ def test_compiled_qwen2_greedy_matches_transformers(tiny_qwen2, make_runner):
     assert generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=4) == expected
 
 
-@pytest.mark.parametrize("family, runner_kw", [
-    ("tiny_mixtral", {}),
-    ("tiny_qwen2_moe", {}),
-    ("tiny_mixtral", {"expert_slots_per_layer": 2}),
-], ids=["mixtral", "qwen2_moe", "mixtral-2-slots"])
-def test_compiled_moe_greedy_matches_transformers_and_eager(family, runner_kw, make_runner, request):
+@pytest.mark.parametrize(
+    "family, runner_kw",
+    [
+        ("tiny_mixtral", {}),
+        ("tiny_qwen2_moe", {}),
+        ("tiny_mixtral", {"expert_slots_per_layer": 2}),
+    ],
+    ids=["mixtral", "qwen2_moe", "mixtral-2-slots"],
+)
+def test_compiled_moe_greedy_matches_transformers_and_eager(
+    family, runner_kw, make_runner, request
+):
     """Decode steps of MoE models: compiled and eager both equal transformers, batched and staggered."""
     folder = request.getfixturevalue(family)
     compiled = make_runner(folder, max_batch=4, enforce_eager=False, **runner_kw)

@@ -17,7 +17,12 @@ from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.conftest import CPU_AUTO_BACKEND, CPU_BACKENDS
 from tests.executor.driver import generate
 
-PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(69)]]
+PROMPTS = [
+    [256],
+    [256, 72, 101, 108, 108, 111],
+    [256] + list(range(48, 66)),
+    [256] + [(i * 37) % 250 for i in range(69)],
+]
 NEW_TOKENS = 6
 
 
@@ -27,8 +32,17 @@ def _expected(folder: Path) -> list[list[int]]:
     return hf_greedy(load_hf_model(folder), PROMPTS, NEW_TOKENS)
 
 
-def _check(make_checkpoint, make_runner, arch: str, backend: str, *, chunk: int | None = 7, block_size: int = 4,
-           runner_kw: dict | None = None, **overrides):
+def _check(
+    make_checkpoint,
+    make_runner,
+    arch: str,
+    backend: str,
+    *,
+    chunk: int | None = 7,
+    block_size: int = 4,
+    runner_kw: dict | None = None,
+    **overrides,
+):
     folder = make_checkpoint(arch, **overrides)
     runner = make_runner(folder, block_size=block_size, backend=backend, **(runner_kw or {}))
     if runner.device.type == "cpu":  # the backend that ran is the one named, or auto's CPU choice
@@ -55,8 +69,16 @@ def test_whole_prompt_prefill_with_larger_pages(make_checkpoint, make_runner, ba
         {"tie_word_embeddings": True},
         {"attention_bias": True, "mlp_bias": True},
         {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}},
-        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 64, "rope_theta": 10000.0}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            }
+        },
         {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8},
     ],
     ids=["tied", "biases", "rope-linear", "rope-llama3", "gqa8"],
@@ -90,7 +112,9 @@ def test_greedy_matches_transformers_on_gpu(make_checkpoint, make_runner, arch, 
     if backend == "auto":
         from sloserve.layers.attention.triton_decode import TritonDecodeBackend
 
-        why = TritonDecodeBackend.unavailable_reason("cuda", torch.float32, 16, runner.spec.head_dim)
+        why = TritonDecodeBackend.unavailable_reason(
+            "cuda", torch.float32, 16, runner.spec.head_dim
+        )
         assert runner.backend.name == "triton", f"auto ran {runner.backend.name}, not triton: {why}"
     else:
         assert runner.backend.name == backend
@@ -102,4 +126,12 @@ def test_greedy_matches_transformers_on_gpu(make_checkpoint, make_runner, arch, 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_whole_prompt_prefill_on_each_cpu_gemm(make_checkpoint, make_runner, arch, cpu_gemm):
     """Whole prompts (products of 16 rows and more take oneDNN's packed path, layers/linear.py)."""
-    _check(make_checkpoint, make_runner, arch, "auto", chunk=None, block_size=16, runner_kw={"cpu_gemm": cpu_gemm})
+    _check(
+        make_checkpoint,
+        make_runner,
+        arch,
+        "auto",
+        chunk=None,
+        block_size=16,
+        runner_kw={"cpu_gemm": cpu_gemm},
+    )

@@ -18,17 +18,26 @@ from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate
 
-pytestmark = pytest.mark.skipif(fused.DecodeKernel is None, reason="the fused decode extension is not built")
+pytestmark = pytest.mark.skipif(
+    fused.DecodeKernel is None, reason="the fused decode extension is not built"
+)
 
 GREEDY = SamplingParams(max_tokens=8)
-PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(37)]]
+PROMPTS = [
+    [256],
+    [256, 72, 101, 108, 108, 111],
+    [256] + list(range(48, 66)),
+    [256] + [(i * 37) % 250 for i in range(37)],
+]
 LENGTHS = (1, 3, 4, 5, 8, 9, 33, 40)  # block size 4: inside, at and past page edges
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
 def runner(request, make_runner):
     """A runner of a dense family (Qwen2: q/k/v biases), its KV pool filled with random values."""
-    runner = make_runner(request.getfixturevalue(request.param), max_batch=8, kv_pool_bytes=4 * 2**20)
+    runner = make_runner(
+        request.getfixturevalue(request.param), max_batch=8, kv_pool_bytes=4 * 2**20
+    )
     torch.manual_seed(0)
     runner.kv.normal_()
     return runner
@@ -39,28 +48,48 @@ def _step(runner, lengths: list[int]) -> DecodeInputs:
     seqs, next_page = [], 1
     for i, n in enumerate(lengths):
         pages = -(-n // runner.block_size)
-        seqs.append(ScheduledSequence(f"s{i}", [40 + 7 * i], n - 1, list(range(next_page, next_page + pages)),
-                                      True, GREEDY))
+        seqs.append(
+            ScheduledSequence(
+                f"s{i}",
+                [40 + 7 * i],
+                n - 1,
+                list(range(next_page, next_page + pages)),
+                True,
+                GREEDY,
+            )
+        )
         next_page += pages
     return runner.inputs.build_decode(seqs, len(seqs))
 
 
 def _twin(runner, step: DecodeInputs) -> torch.Tensor:
     with torch.inference_mode():
-        return runner.model.decode(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
-                                   step.seq_lens, runner.kv)
+        return runner.model.decode(
+            step.input_ids,
+            step.positions,
+            step.slot_mapping,
+            step.block_tables,
+            step.seq_lens,
+            runner.kv,
+        )
 
 
-def test_dense_cpu_float32_models_take_the_kernel_and_moe_models_do_not(runner, tiny_mixtral, make_runner):
+def test_dense_cpu_float32_models_take_the_kernel_and_moe_models_do_not(
+    runner, tiny_mixtral, make_runner
+):
     assert runner.decode_step.fused is not None
     assert fused.fused_reason(runner.model, runner.kv) is None
     moe = make_runner(tiny_mixtral)
     assert moe.decode_step.fused is None and "MoE" in fused.fused_reason(moe.model, moe.kv)
-    too_many = DecodeInputs(*(torch.zeros(fused.FUSED_MAX_BATCH + 1, dtype=torch.int64),) * 5, num_seqs=1)
+    too_many = DecodeInputs(
+        *(torch.zeros(fused.FUSED_MAX_BATCH + 1, dtype=torch.int64),) * 5, num_seqs=1
+    )
     assert not runner.decode_step.fused.takes(too_many)  # larger batches stay on the torch path
 
 
-def test_batches_past_the_onednn_crossover_go_to_the_torch_path(runner, make_checkpoint, make_runner, monkeypatch):
+def test_batches_past_the_onednn_crossover_go_to_the_torch_path(
+    runner, make_checkpoint, make_runner, monkeypatch
+):
     """With the projections on oneDNN, a batch of MIN_PACKED_ROWS or more whose sequences x
     parameters exceed FUSED_MAX_MACS_PACKED runs the torch path; on BLAS the kernel takes up to
     FUSED_MAX_BATCH."""
@@ -73,7 +102,9 @@ def test_batches_past_the_onednn_crossover_go_to_the_torch_path(runner, make_che
     if not isinstance(runner.model.linear, PackedLinears):
         pytest.skip("this torch build has no oneDNN linear operators")
     assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == 20
-    monkeypatch.setattr(fused, "FUSED_MAX_MACS_PACKED", params)  # small batches always stay on the kernel
+    monkeypatch.setattr(
+        fused, "FUSED_MAX_MACS_PACKED", params
+    )  # small batches always stay on the kernel
     assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == MIN_PACKED_ROWS - 1
 
 
@@ -82,7 +113,9 @@ def test_logits_match_the_torch_twin_at_page_edges(runner, batch):
     for first in range(0, len(LENGTHS), batch):
         lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
         step = _step(runner, lengths)
-        want = _twin(runner, step)  # writes the step's K/V first; the kernel rewrites the same slots
+        want = _twin(
+            runner, step
+        )  # writes the step's K/V first; the kernel rewrites the same slots
         got = runner.decode_step.fused(step)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"lengths {lengths}")
 
@@ -115,10 +148,20 @@ def test_a_team_woken_from_sleep_and_resized_gives_the_same_bits(runner):
     try:
         kernel.threads = 1
         want = kernel(step)
-        for threads, pause_s in ((2, 0.0), (2, 0.0), (2, 0.003), (2, 0.003), (3, 0.0), (2, 0.002), (1, 0.0)):
+        for threads, pause_s in (
+            (2, 0.0),
+            (2, 0.0),
+            (2, 0.003),
+            (2, 0.003),
+            (3, 0.0),
+            (2, 0.002),
+            (1, 0.0),
+        ):
             time.sleep(pause_s)
             kernel.threads = threads
-            assert torch.equal(kernel(step), want), f"{threads} threads after {pause_s * 1e3:.0f} ms"
+            assert torch.equal(kernel(step), want), (
+                f"{threads} threads after {pause_s * 1e3:.0f} ms"
+            )
     finally:
         kernel.threads = before
 
@@ -160,8 +203,16 @@ def _mixed(runner) -> list[ScheduledSequence]:
     seqs, next_page = [], 1
     for i, (n, start, sample) in enumerate(shapes):
         pages = -(-(start + n) // runner.block_size)
-        seqs.append(ScheduledSequence(f"m{i}", [(40 + 7 * i + 3 * j) % 250 for j in range(n)], start,
-                                      list(range(next_page, next_page + pages)), sample, GREEDY))
+        seqs.append(
+            ScheduledSequence(
+                f"m{i}",
+                [(40 + 7 * i + 3 * j) % 250 for j in range(n)],
+                start,
+                list(range(next_page, next_page + pages)),
+                sample,
+                GREEDY,
+            )
+        )
         next_page += pages
     return seqs
 
@@ -172,7 +223,9 @@ def test_a_mixed_step_as_rows_gives_the_flat_paths_logits_and_kv(runner):
     seqs = _mixed(runner)
     flat = runner.inputs.build(seqs)
     with torch.inference_mode():
-        want = runner.model.forward(flat.input_ids, flat.positions, flat.meta, runner.kv, flat.sample_idx)
+        want = runner.model.forward(
+            flat.input_ids, flat.positions, flat.meta, runner.kv, flat.sample_idx
+        )
     slots = flat.meta.slot_mapping.clone()
     by_slot = runner.kv.flatten(2, 3)  # [layers, K/V, slots, KV heads, head dim]
     assert by_slot._is_view() and by_slot.data_ptr() == runner.kv.data_ptr()
@@ -188,15 +241,21 @@ def test_a_mixed_step_as_rows_gives_the_flat_paths_logits_and_kv(runner):
             got = kernel.rows(rows)
             got_kv = by_slot[:, :, slots]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{threads} threads")
-            torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5, msg=f"{threads} threads")
+            torch.testing.assert_close(
+                got_kv, want_kv, rtol=1e-5, atol=1e-5, msg=f"{threads} threads"
+            )
     finally:
         kernel.threads = before
 
 
-def test_the_runner_sends_small_mixed_steps_to_the_kernel_and_larger_ones_to_the_flat_path(runner, monkeypatch):
+def test_the_runner_sends_small_mixed_steps_to_the_kernel_and_larger_ones_to_the_flat_path(
+    runner, monkeypatch
+):
     seqs = _mixed(runner)
     assert isinstance(runner.prepare(SchedulerOutput(seqs)), TokenRows)
-    monkeypatch.setattr(runner.decode_step.fused, "max_batch", sum(len(s.token_ids) for s in seqs) - 1)
+    monkeypatch.setattr(
+        runner.decode_step.fused, "max_batch", sum(len(s.token_ids) for s in seqs) - 1
+    )
     assert isinstance(runner.prepare(SchedulerOutput(seqs)), StepInputs)
 
 
@@ -213,18 +272,33 @@ def test_logit_rows_outside_the_step_are_refused(runner):
     bad = torch.tensor([0, rows.input_ids.shape[0]], dtype=torch.int64)
     logits = torch.empty((2, runner.vocab_size))
     with pytest.raises(ValueError, match="logit row"):
-        kernel.kernel(rows.input_ids.data_ptr(), rows.positions.data_ptr(), rows.slot_mapping.data_ptr(),
-                      rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_lens.data_ptr(),
-                      rows.input_ids.shape[0], logits.data_ptr(), 1, bad.data_ptr(), 2)
+        kernel.kernel(
+            rows.input_ids.data_ptr(),
+            rows.positions.data_ptr(),
+            rows.slot_mapping.data_ptr(),
+            rows.block_tables.data_ptr(),
+            rows.block_tables.shape[1],
+            rows.seq_lens.data_ptr(),
+            rows.input_ids.shape[0],
+            logits.data_ptr(),
+            1,
+            bad.data_ptr(),
+            2,
+        )
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("input_ids", 10_000, "token id"),
-    ("slot_mapping", 1 << 40, "KV slot"),
-    ("seq_lens", 0, "length"),
-    ("block_tables", 1 << 30, "outside"),
-])
-def test_inputs_it_cannot_run_are_refused_and_the_next_step_is_unharmed(runner, field, value, message):
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("input_ids", 10_000, "token id"),
+        ("slot_mapping", 1 << 40, "KV slot"),
+        ("seq_lens", 0, "length"),
+        ("block_tables", 1 << 30, "outside"),
+    ],
+)
+def test_inputs_it_cannot_run_are_refused_and_the_next_step_is_unharmed(
+    runner, field, value, message
+):
     good = _step(runner, [9, 5])
     want = runner.decode_step.fused(good).clone()
     bad = _step(runner, [9, 5])
@@ -234,10 +308,14 @@ def test_inputs_it_cannot_run_are_refused_and_the_next_step_is_unharmed(runner, 
     with pytest.raises(ValueError, match=message):
         runner.decode_step.fused(bad)
     cell[0] = kept  # the persistent batch keeps an unchanged block table: put the real one back
-    torch.testing.assert_close(runner.decode_step.fused(_step(runner, [9, 5])), want, rtol=0, atol=0)
+    torch.testing.assert_close(
+        runner.decode_step.fused(_step(runner, [9, 5])), want, rtol=0, atol=0
+    )
 
 
-def test_a_mixed_step_past_the_rows_runs_its_decodes_in_the_kernel_and_its_chunks_apart(runner, monkeypatch):
+def test_a_mixed_step_past_the_rows_runs_its_decodes_in_the_kernel_and_its_chunks_apart(
+    runner, monkeypatch
+):
     """Past the kernel's rows, a mixed step whose decodes fit it runs two passes (chunks with the
     swaps first, then the decodes); steps it cannot help stay one pass."""
     seqs = _mixed(runner)  # 3 decodes, chunks of 6, 5 and 7 tokens: 21 rows
@@ -249,7 +327,9 @@ def test_a_mixed_step_past_the_rows_runs_its_decodes_in_the_kernel_and_its_chunk
     assert [s.req_id for s in chunks.sequences] == ["m2", "m3", "m4"]
     assert (chunks.swap_in, chunks.finished_req_ids) == ([(0, 5)], ["gone"])
     assert not decodes.swap_in and not decodes.finished_req_ids
-    assert runner.split_mixed(SchedulerOutput([s for s in seqs if len(s.token_ids) > 1])) is None  # no decodes
+    assert (
+        runner.split_mixed(SchedulerOutput([s for s in seqs if len(s.token_ids) > 1])) is None
+    )  # no decodes
     monkeypatch.setattr(runner.decode_step.fused, "max_batch", 2)
     assert runner.split_mixed(SchedulerOutput(seqs)) is None  # 3 decodes: too many for the kernel
 
@@ -275,7 +355,9 @@ def test_greedy_tokens_equal_transformers_with_split_steps(runner, monkeypatch):
     monkeypatch.setattr(runner.decode_step.fused, "max_batch", 3)
     splits = []
     split_mixed = runner.split_mixed
-    monkeypatch.setattr(runner, "split_mixed", lambda out: splits.append(split_mixed(out)) or splits[-1])
+    monkeypatch.setattr(
+        runner, "split_mixed", lambda out: splits.append(split_mixed(out)) or splits[-1]
+    )
     expected = hf_greedy(load_hf_model(runner.model_path), PROMPTS, 6)
     assert generate(runner, PROMPTS, 6, chunk=7, stagger=True, seed=1) == expected
     assert any(s is not None for s in splits), "no step was split"

@@ -16,10 +16,17 @@ from sloserve.tokenizer import Tokenizer, byte_level_tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 5}, "days": {"type": "integer", "minimum": 0, "maximum": 30},
-    "unit": {"enum": ["c", "f"]}, "ok": {"type": "boolean"}},
-    "required": ["city", "days", "unit", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 5},
+        "days": {"type": "integer", "minimum": 0, "maximum": 30},
+        "unit": {"enum": ["c", "f"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["city", "days", "unit", "ok"],
+    "additionalProperties": False,
+}
 
 
 def _valid(text: str) -> bool:
@@ -40,14 +47,20 @@ def checkpoint(make_checkpoint):
 def test_json_schema_answers_parse_and_validate_greedy_and_sampled(checkpoint, steps):
     grammar = grammar_for("json_schema", SCHEMA)
     params = [SamplingParams(max_tokens=120, grammar=grammar)]
-    params += [SamplingParams(max_tokens=120, temperature=1.0, seed=i, grammar=grammar) for i in range(5)]
+    params += [
+        SamplingParams(max_tokens=120, temperature=1.0, seed=i, grammar=grammar) for i in range(5)
+    ]
     params += [SamplingParams(max_tokens=12, temperature=1.0, seed=9)]  # free text beside them
-    with LLM(checkpoint, device="cpu", max_model_len=256, block_size=4, num_scheduler_steps=steps) as llm:
+    with LLM(
+        checkpoint, device="cpu", max_model_len=256, block_size=4, num_scheduler_steps=steps
+    ) as llm:
         outs = llm.generate([f"prompt {i}" for i in range(len(params))], params)
         runner = llm.engine.runner
         assert runner.grammar.compiled == 1  # one compile for six requests
         assert 0 < len(runner.grammar) <= 6  # the last to finish are dropped with the next step
-        llm.generate("x", SamplingParams(max_tokens=1))  # the next step drops the finished requests' matchers
+        llm.generate(
+            "x", SamplingParams(max_tokens=1)
+        )  # the next step drops the finished requests' matchers
         assert len(runner.grammar) == 0
     for out in outs[:-1]:
         assert out.finish_reason == "stop" and _valid(out.text), out.text
@@ -57,16 +70,20 @@ def test_json_schema_answers_parse_and_validate_greedy_and_sampled(checkpoint, s
 def test_regex_and_choice_hold_on_every_decode_path(checkpoint):
     regex = grammar_for("regex", r"[0-9]{3}-[a-z]{2}")
     choice = grammar_for("choice", ["yes", "no", "maybe"])
-    params = [SamplingParams(max_tokens=30, temperature=t, seed=s, grammar=g)
-              for g in (regex, choice) for t, s in ((0.0, None), (1.0, 1), (1.5, 2))]
+    params = [
+        SamplingParams(max_tokens=30, temperature=t, seed=s, grammar=g)
+        for g in (regex, choice)
+        for t, s in ((0.0, None), (1.0, 1), (1.5, 2))
+    ]
     with LLM(checkpoint, device="cpu", max_model_len=256, block_size=4) as llm:
         outs = llm.generate(["a", "bb", "ccc", "dddd", "e", "ff"], params)
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", o.text) for o in outs[:3]), [o.text for o in outs]
     assert all(o.text in ("yes", "no", "maybe") and o.finish_reason == "stop" for o in outs[3:])
 
 
-@pytest.mark.parametrize(("on_host", "overlap"), [(True, False), (False, True)],
-                         ids=["cpu-path", "gpu-path"])
+@pytest.mark.parametrize(
+    ("on_host", "overlap"), [(True, False), (False, True)], ids=["cpu-path", "gpu-path"]
+)
 def test_mask_comes_before_argmax_and_leaves_other_rows_alone(on_host, overlap):
     tok = Tokenizer(byte_level_tokenizer(), eos_token="</s>")
     masks = GrammarMasks(tok.to_json(), 260, [257], torch.device("cpu"))
@@ -88,17 +105,27 @@ def test_mask_comes_before_argmax_and_leaves_other_rows_alone(on_host, overlap):
     assert len(masks) == 0 and masks.begin([free], ["a"]) is None
 
 
-@pytest.mark.parametrize(("kind", "value", "message"), [
-    ("json_schema", {"type": "nope"}, "Invalid type"),
-    ("json_schema", "{not json", "not valid JSON"),
-    ("json_schema", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}},
-                     "required": ["a"]}, "nsatisfiable"),
-    ("regex", "a(", "unclosed group"),
-    ("regex", r"[^\s\S]", "can match no text"),
-    ("choice", [], "non-empty list"),
-    ("grammar", "start: undefined_rule", "undefined_rule"),
-    ("xml", "<a/>", "unknown structured output kind"),
-])
+@pytest.mark.parametrize(
+    ("kind", "value", "message"),
+    [
+        ("json_schema", {"type": "nope"}, "Invalid type"),
+        ("json_schema", "{not json", "not valid JSON"),
+        (
+            "json_schema",
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}},
+                "required": ["a"],
+            },
+            "nsatisfiable",
+        ),
+        ("regex", "a(", "unclosed group"),
+        ("regex", r"[^\s\S]", "can match no text"),
+        ("choice", [], "non-empty list"),
+        ("grammar", "start: undefined_rule", "undefined_rule"),
+        ("xml", "<a/>", "unknown structured output kind"),
+    ],
+)
 def test_bad_specs_are_refused_with_the_reason(kind, value, message):
     with pytest.raises(InvalidRequestError, match=message):
         grammar_for(kind, value)
@@ -107,7 +134,9 @@ def test_bad_specs_are_refused_with_the_reason(kind, value, message):
 def test_offline_generate_refuses_a_grammar_that_does_not_compile(checkpoint):
     with LLM(checkpoint, device="cpu", max_model_len=64, block_size=4) as llm:
         with pytest.raises(InvalidRequestError, match="cannot be used"):
-            llm.generate("x", SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: nope"}]}'))
+            llm.generate(
+                "x", SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: nope"}]}')
+            )
         assert len(llm.engine.runner.grammar) == 0
 
 
@@ -115,11 +144,17 @@ def test_arc_grid_grammar_makes_the_built_in_model_write_grids():
     from sloserve.bench.arc import parse_grid_text
 
     prompts = ["Input:\n12\n34\nOutput:\n", "Input:\n5\nOutput:\n"]
-    with LLM("default", device="cpu", max_model_len=1024, kv_pool_bytes=16 * 2**20, swap_bytes=0) as llm:
+    with LLM(
+        "default", device="cpu", max_model_len=1024, kv_pool_bytes=16 * 2**20, swap_bytes=0
+    ) as llm:
         # 931 tokens hold a 30x30 grid and its EOS: the grammar ends every answer by then
-        outs = llm.generate(prompts, [SamplingParams(max_tokens=931, grammar=arc_grid_grammar()),
-                                      SamplingParams(max_tokens=931, temperature=1.0, seed=3,
-                                                     grammar=arc_grid_grammar())])
+        outs = llm.generate(
+            prompts,
+            [
+                SamplingParams(max_tokens=931, grammar=arc_grid_grammar()),
+                SamplingParams(max_tokens=931, temperature=1.0, seed=3, grammar=arc_grid_grammar()),
+            ],
+        )
     for out in outs:
         assert out.finish_reason == "stop" and parse_grid_text(out.text) is not None, out.text
 

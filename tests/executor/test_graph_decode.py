@@ -22,7 +22,11 @@ from tests.checkpoints import hf_greedy, load_hf_model
 from tests.executor.driver import generate
 
 GREEDY = SamplingParams(max_tokens=8)
-PROMPTS = [[256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(37)]]
+PROMPTS = [
+    [256, 72, 101, 108, 108, 111],
+    [256] + list(range(48, 66)),
+    [256] + [(i * 37) % 250 for i in range(37)],
+]
 NEW_TOKENS = 6
 
 
@@ -51,7 +55,9 @@ def eager_forward(runner):
 def graph_runner(make_runner, folder, max_batch=6):
     runner = make_runner(folder, max_batch=max_batch, backend="sdpa")
     capture = CountingCapture()
-    runner.decode_step = GraphDecode(runner.model, runner.kv, max_batch, eager_forward(runner), capture)
+    runner.decode_step = GraphDecode(
+        runner.model, runner.kv, max_batch, eager_forward(runner), capture
+    )
     runner.warmup()
     return runner, capture
 
@@ -76,7 +82,10 @@ def test_every_bucket_is_captured_at_warmup_largest_first(tiny_llama, make_runne
 @pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
 def test_a_batch_is_padded_to_its_bucket_and_padding_writes_the_null_page(tiny_llama, make_runner):
     runner, _ = graph_runner(make_runner, tiny_llama)
-    seqs = [ScheduledSequence(f"r{i}", [5 + i], 5 + i, [1 + 2 * i, 2 + 2 * i], True, GREEDY) for i in range(3)]
+    seqs = [
+        ScheduledSequence(f"r{i}", [5 + i], 5 + i, [1 + 2 * i, 2 + 2 * i], True, GREEDY)
+        for i in range(3)
+    ]
     step = runner.prepare(SchedulerOutput(seqs))
     assert isinstance(step, DecodeInputs) and step.num_seqs == 3 and step.input_ids.shape[0] == 4
     assert step.input_ids.tolist() == [5, 6, 7, 0]
@@ -93,7 +102,9 @@ def test_replayed_decode_equals_transformers_and_the_eager_path(tiny_llama, make
     got = generate(runner, PROMPTS, NEW_TOKENS, stagger=True)
     assert capture.replays > before  # decode steps went through the replayed step
     assert got == hf_greedy(load_hf_model(tiny_llama), PROMPTS, NEW_TOKENS)
-    assert got == generate(make_runner(tiny_llama, max_batch=6, backend="sdpa"), PROMPTS, NEW_TOKENS, stagger=True)
+    assert got == generate(
+        make_runner(tiny_llama, max_batch=6, backend="sdpa"), PROMPTS, NEW_TOKENS, stagger=True
+    )
 
 
 @pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
@@ -105,19 +116,29 @@ def test_a_run_of_decode_steps_replays_in_place(tiny_llama, make_runner):
     blocks = list(range(1, 10))
     outs = []
     for r in (runner, single):
-        first = r.execute(SchedulerOutput([ScheduledSequence("a", prompt, 0, blocks, True, GREEDY)]))
+        first = r.execute(
+            SchedulerOutput([ScheduledSequence("a", prompt, 0, blocks, True, GREEDY)])
+        )
         seq = ScheduledSequence("a", first, len(prompt), blocks, True, GREEDY)
         outs.append(first + r.execute(SchedulerOutput([seq], num_steps=4))[0])
     assert outs[0] == outs[1]
 
 
 @pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
-def test_inputs_that_moved_are_refused_and_a_bucket_never_captured_is_captured_on_use(tiny_llama, make_runner):
+def test_inputs_that_moved_are_refused_and_a_bucket_never_captured_is_captured_on_use(
+    tiny_llama, make_runner
+):
     runner, _ = graph_runner(make_runner, tiny_llama)
     seq = ScheduledSequence("a", [5], 3, [1], True, GREEDY)
     step = runner.prepare(SchedulerOutput([seq]))
-    moved = DecodeInputs(step.input_ids.clone(), step.positions, step.slot_mapping, step.block_tables,
-                         step.seq_lens, step.num_seqs)
+    moved = DecodeInputs(
+        step.input_ids.clone(),
+        step.positions,
+        step.slot_mapping,
+        step.block_tables,
+        step.seq_lens,
+        step.num_seqs,
+    )
     with pytest.raises(RuntimeError, match="moved"):
         runner.decode_step(moved)
     capture = CountingCapture()

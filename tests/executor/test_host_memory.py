@@ -8,7 +8,9 @@ import torch
 from sloserve.config import ModelConfig
 from sloserve.executor.host_memory import keep_freed_memory
 
-glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")
+glibc = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's"
+)
 
 
 @glibc
@@ -16,7 +18,9 @@ def test_freed_activations_are_reused_without_page_faults():
     assert keep_freed_memory().startswith("glibc")
     assert keep_freed_memory() == keep_freed_memory()  # applied once per process
 
-    def step() -> None:  # a prefill-sized activation: 8 MiB, above glibc's default 128 KiB mmap threshold
+    def step() -> (
+        None
+    ):  # a prefill-sized activation: 8 MiB, above glibc's default 128 KiB mmap threshold
         x = torch.empty(2 << 20)
         x.fill_(1.0)
         del x

@@ -16,7 +16,9 @@ from sloserve.layers.linear import (
 
 from tests.executor.conftest import runner_config
 
-needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear operators")
+needs_onednn = pytest.mark.skipif(
+    not onednn_available(), reason="this torch build has no oneDNN linear operators"
+)
 
 
 @needs_onednn
@@ -55,7 +57,9 @@ def test_row_tiles_cover_every_row_once_with_a_few_sizes():
             assert size in TILE_ROWS
             assert nxt is None or start + size == nxt
         last_start, last_size = tiles[-1]
-        assert rows <= last_start + last_size < rows + TILE_ROWS[-1]  # only the last runs past, padded
+        assert (
+            rows <= last_start + last_size < rows + TILE_ROWS[-1]
+        )  # only the last runs past, padded
         assert len(tiles) <= rows // TILE_ROWS[0] + len(TILE_ROWS)
 
 
@@ -84,8 +88,9 @@ def test_cpu_gemm_reason():
     assert cpu_gemm_reason("blas", cpu, torch.float32) == "--cpu-gemm blas"
     assert "float32 on a CPU" in cpu_gemm_reason("auto", cpu, torch.bfloat16)
     assert "float32 on a CPU" in cpu_gemm_reason("onednn", torch.device("cuda"), torch.float32)
-    assert cpu_gemm_reason("auto", cpu, torch.float32) == (None if onednn_available() else
-                                                          "this torch build has no oneDNN linear operators")
+    assert cpu_gemm_reason("auto", cpu, torch.float32) == (
+        None if onednn_available() else "this torch build has no oneDNN linear operators"
+    )
     with pytest.raises(ValueError, match="cpu gemm must be one of"):
         cpu_gemm_reason("mkl", cpu, torch.float32)
 

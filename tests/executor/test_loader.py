@@ -48,20 +48,30 @@ def test_missing_config(llama_copy):
 
 def test_unknown_architecture_lists_supported(llama_copy):
     _edit_config(llama_copy, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(CheckpointError, match=r"GPT2LMHeadModel.*not supported.*LlamaForCausalLM.*Qwen2MoeForCausalLM"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"GPT2LMHeadModel.*not supported.*LlamaForCausalLM.*Qwen2MoeForCausalLM",
+    ):
         _load(llama_copy)
 
 
 def test_wrong_shapes_name_the_tensor_and_file(llama_copy):
     _edit_config(llama_copy, intermediate_size=96)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' "
-                                              r"has shape \(128, 64\), but config\.json implies \(96, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' "
+        r"has shape \(128, 64\), but config\.json implies \(96, 64\)",
+    ):
         _load(llama_copy)
 
 
 def test_corrupt_safetensors(llama_copy):
-    (llama_copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+    (llama_copy / "model.safetensors").write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"
+    )
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors is not a readable safetensors file"
+    ):
         _load(llama_copy)
 
 
@@ -76,13 +86,17 @@ def _shard(folder: Path) -> None:
     tensors = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     names = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     weight_map = {}
     for file, part in halves.items():
         save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(part, file)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
 
 
 def test_sharded_checkpoint_loads_like_the_single_file(tiny_llama, llama_copy):
@@ -96,8 +110,11 @@ def test_sharded_checkpoint_loads_like_the_single_file(tiny_llama, llama_copy):
 def test_missing_shard_is_named(llama_copy):
     _shard(llama_copy)
     (llama_copy / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"shard model-00002-of-00002\.safetensors named in "
-                                              r"model\.safetensors\.index\.json is missing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"shard model-00002-of-00002\.safetensors named in "
+        r"model\.safetensors\.index\.json is missing",
+    ):
         _load(llama_copy)
 
 
@@ -105,16 +122,23 @@ def test_missing_tensor_is_named(llama_copy):
     tensors = load_file(llama_copy / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, str(llama_copy / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing"):
+    with pytest.raises(
+        CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing"
+    ):
         _load(llama_copy)
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
-         r"rope type 'yarn' is not supported; sloserve implements default, linear, llama3"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, r"rope scaling 'llama3' lacks"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+            r"rope type 'yarn' is not supported; sloserve implements default, linear, llama3",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+            r"rope scaling 'llama3' lacks",
+        ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
         ({"num_key_value_heads": 3}, r"not a multiple of num_key_value_heads 3"),
         ({"hidden_size": None}, r"lacks 'hidden_size'"),
@@ -161,11 +185,17 @@ def test_partial_expert_residency_keeps_experts_on_the_host(make_checkpoint, arc
     meta = torch.device("meta")  # a stand-in device: whatever lands there was not kept on the host
     _, full = load_checkpoint(folder, meta, torch.float32, expert_slots=None)
     assert all(t.is_meta for pair in full.experts.values() for t in pair)
-    _, all_slots = load_checkpoint(folder, meta, torch.float32, expert_slots=4)  # 4 experts: all resident
+    _, all_slots = load_checkpoint(
+        folder, meta, torch.float32, expert_slots=4
+    )  # 4 experts: all resident
     assert all(t.is_meta for pair in all_slots.experts.values() for t in pair)
     _, partial = load_checkpoint(folder, meta, torch.float32, expert_slots=2)
-    assert partial.experts and all(t.device.type == "cpu" for pair in partial.experts.values() for t in pair)
-    assert partial.embed.is_meta and all(layer.router_w.is_meta and layer.qkv_w.is_meta for layer in partial.layers)
+    assert partial.experts and all(
+        t.device.type == "cpu" for pair in partial.experts.values() for t in pair
+    )
+    assert partial.embed.is_meta and all(
+        layer.router_w.is_meta and layer.qkv_w.is_meta for layer in partial.layers
+    )
     if arch == "qwen2_moe":  # the shared expert is dense: always on the device
         assert all(layer.gate_up_w.is_meta for layer in partial.layers)
     _, cpu = load_checkpoint(folder, torch.device("cpu"), torch.float32)

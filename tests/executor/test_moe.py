@@ -24,22 +24,36 @@ def seeded(block: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def mixtral_block(num_experts: int = 6, top_k: int = 2, seed: int = 0) -> MixtralSparseMoeBlock:
-    cfg = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=num_experts,
-                        num_experts_per_tok=top_k)
+    cfg = MixtralConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
+    )
     return seeded(MixtralSparseMoeBlock(cfg), seed)
 
 
 def qwen_block(norm_topk_prob: bool, seed: int = 0) -> Qwen2MoeSparseMoeBlock:
-    cfg = Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, shared_expert_intermediate_size=40,
-                         num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
+    cfg = Qwen2MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTER,
+        shared_expert_intermediate_size=40,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=norm_topk_prob,
+    )
     return seeded(Qwen2MoeSparseMoeBlock(cfg), seed)
 
 
 def store_of(block, **kw) -> ExpertStore:
-    return ExpertStore([(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())], **kw)
+    return ExpertStore(
+        [(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())], **kw
+    )
 
 
-def ours(block, x: torch.Tensor, store: ExpertStore, renormalize: bool = True, logits=None) -> torch.Tensor:
+def ours(
+    block, x: torch.Tensor, store: ExpertStore, renormalize: bool = True, logits=None
+) -> torch.Tensor:
     logits = F.linear(x, block.gate.weight) if logits is None else logits
     return moe_forward(x, logits, store, 0, block.gate.top_k, renormalize)
 
@@ -67,9 +81,14 @@ def test_route_softmax_runs_in_float32():
     assert torch.allclose(w, torch.softmax(logits.float(), -1).topk(2).values)
 
 
-@pytest.mark.parametrize(("logits", "top_k", "match"), [
-    (torch.zeros(3, 4), 0, "top_k"), (torch.zeros(3, 4), 5, "top_k"), (torch.zeros(3, 4, 1), 1, "tokens, experts"),
-])
+@pytest.mark.parametrize(
+    ("logits", "top_k", "match"),
+    [
+        (torch.zeros(3, 4), 0, "top_k"),
+        (torch.zeros(3, 4), 5, "top_k"),
+        (torch.zeros(3, 4, 1), 1, "tokens, experts"),
+    ],
+)
 def test_route_rejects_bad_input(logits, top_k, match):
     with pytest.raises(ValueError, match=match):
         route(logits, top_k, True)
@@ -103,20 +122,21 @@ def forced_logits(choices: list[list[int]], num_experts: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize(("case", "choices"), [
-    ("expert-without-tokens", [[0, 1], [1, 0], [0, 1]]),
-    ("all-on-one-expert", [[3, 5]] * 6),
-    ("one-token", [[4, 2]]),
-    ("last-expert-only", [[5, 0]] * 3),
-])
+@pytest.mark.parametrize(
+    ("case", "choices"),
+    [
+        ("expert-without-tokens", [[0, 1], [1, 0], [0, 1]]),
+        ("all-on-one-expert", [[3, 5]] * 6),
+        ("one-token", [[4, 2]]),
+        ("last-expert-only", [[5, 0]] * 3),
+    ],
+)
 def test_edge_cases_match_mixtral_loop(case, choices):
     block = mixtral_block(num_experts=6, top_k=2, seed=3)
     x = torch.randn(len(choices), HIDDEN)
     logits = forced_logits(choices, 6)
     with torch.no_grad():
-        block.gate.forward = lambda h, _logits=logits: (
-            _logits, *route(_logits, 2, True)
-        )
+        block.gate.forward = lambda h, _logits=logits: (_logits, *route(_logits, 2, True))
         assert close(ours(block, x, store_of(block), logits=logits), block(x[None])[0])
 
 
@@ -134,7 +154,10 @@ def test_top1_with_every_token_on_one_expert():
 def test_zero_tokens_and_shape_errors():
     block = mixtral_block()
     store = store_of(block)
-    assert moe_forward(torch.zeros(0, HIDDEN), torch.zeros(0, 6), store, 0, 2, True).shape == (0, HIDDEN)
+    assert moe_forward(torch.zeros(0, HIDDEN), torch.zeros(0, 6), store, 0, 2, True).shape == (
+        0,
+        HIDDEN,
+    )
     with pytest.raises(ValueError, match="router logits"):
         moe_forward(torch.zeros(3, HIDDEN), torch.zeros(3, 5), store, 0, 2, True)
     with pytest.raises(ValueError, match="no routed experts"):
@@ -215,7 +238,12 @@ def test_preload_pins_the_most_routed_experts():
 
     def step(experts: list[int]) -> None:
         with torch.no_grad():
-            ours(block, x.expand(len(experts), -1), store, logits=forced_logits([[e] for e in experts], 6))
+            ours(
+                block,
+                x.expand(len(experts), -1),
+                store,
+                logits=forced_logits([[e] for e in experts], 6),
+            )
 
     step([4, 4, 4, 1, 1, 0])
     assert store.routing_counts()[0].tolist() == [1, 2, 0, 0, 3, 0]
@@ -230,9 +258,13 @@ def test_preload_pins_the_most_routed_experts():
 
 def test_layers_keyed_by_model_layer_index():
     a, b = mixtral_block(seed=1), mixtral_block(seed=2)
-    store = ExpertStore({1: (a.experts.gate_up_proj.detach(), a.experts.down_proj.detach()),
-                         3: (b.experts.gate_up_proj.detach(), b.experts.down_proj.detach())},
-                        slots_per_layer=4)
+    store = ExpertStore(
+        {
+            1: (a.experts.gate_up_proj.detach(), a.experts.down_proj.detach()),
+            3: (b.experts.gate_up_proj.detach(), b.experts.down_proj.detach()),
+        },
+        slots_per_layer=4,
+    )
     x = torch.randn(6, HIDDEN)
     with torch.no_grad():
         for layer, block in ((1, a), (3, b)):
@@ -275,7 +307,9 @@ def test_partial_residency_on_cuda_matches_all_resident(dtype):
     partial.preload(2)
     x = torch.randn(40, HIDDEN, generator=gen).to("cuda", dtype)
     logits = torch.randn(40, 8, generator=gen).to("cuda")
-    assert torch.equal(moe_forward(x, logits, partial, 0, 2, True), moe_forward(x, logits, full, 0, 2, True))
+    assert torch.equal(
+        moe_forward(x, logits, partial, 0, 2, True), moe_forward(x, logits, full, 0, 2, True)
+    )
 
 
 @pytest.mark.parametrize("slots", [None, 3])
@@ -296,7 +330,11 @@ def test_workspace_rows_give_identical_outputs_and_fall_back_when_short(slots):
             out = ours(block, x, store)
             assert torch.equal(out, ours(block, x, plain))
             lo = pool._buffer.data_ptr() + carves["moe_workspace.rows"]["offset"]
-            hi = pool._buffer.data_ptr() + carves["moe_workspace.out"]["offset"] + carves["moe_workspace.out"]["bytes"]
+            hi = (
+                pool._buffer.data_ptr()
+                + carves["moe_workspace.out"]["offset"]
+                + carves["moe_workspace.out"]["bytes"]
+            )
             assert not lo <= out.data_ptr() < hi  # the result never aliases the reused workspace
     assert store._alloc.rows_in_use == 0 and store._alloc.peak_rows == 64
     with pytest.raises(ValueError, match="workspace rows"):

@@ -14,7 +14,9 @@ from sloserve.layers.attention.sdpa import SdpaBackend
 
 from tests.executor.test_backends import LENGTHS, PAGE, RATIOS, make_case, oracle, rel_err
 
-pytestmark = pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
+pytestmark = pytest.mark.skipif(
+    not paged.AVAILABLE, reason="the paged kernel extension is not built"
+)
 
 
 def test_compiled_kernel_ships_with_the_extensions():
@@ -37,7 +39,9 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch():
     q, k, v, meta, scale = make_case(chunks, 4, seed=5)
     batched = paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, scale)
     for i in range(len(chunks)):
-        alone = paged.paged_decode(q[i : i + 1], k, v, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], scale)
+        alone = paged.paged_decode(
+            q[i : i + 1], k, v, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], scale
+        )
         assert torch.equal(alone, batched[i : i + 1])
 
 
@@ -71,7 +75,9 @@ def test_rejects_pages_outside_the_pool_and_lengths_past_the_table():
     with pytest.raises(ValueError, match="length"):
         paged.paged_decode(q, k, v, meta.block_tables, too_long, scale)
     with pytest.raises(ValueError, match="float32"):
-        paged.paged_decode(q.double(), k.double(), v.double(), meta.block_tables, meta.seq_lens, scale)
+        paged.paged_decode(
+            q.double(), k.double(), v.double(), meta.block_tables, meta.seq_lens, scale
+        )
 
 
 def test_sdpa_uses_the_kernel_only_where_it_can_run():
@@ -80,7 +86,9 @@ def test_sdpa_uses_the_kernel_only_where_it_can_run():
     assert not paged.supports(q.to(torch.bfloat16), k.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("head_dim", [4, 12, 128])  # below, between and above the kernel's 8 vector lanes
+@pytest.mark.parametrize(
+    "head_dim", [4, 12, 128]
+)  # below, between and above the kernel's 8 vector lanes
 def test_head_dims_that_are_not_a_multiple_of_the_vector_width(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     pages = [[3, 1], [2], [4, 5, 6]]
@@ -94,7 +102,9 @@ def test_head_dims_that_are_not_a_multiple_of_the_vector_width(head_dim):
         keys = k[table].flatten(0, 1)[: lens[i]].double().repeat_interleave(2, dim=1)  # [L, Hq, D]
         vals = v[table].flatten(0, 1)[: lens[i]].double().repeat_interleave(2, dim=1)
         probs = (torch.einsum("hd,lhd->hl", q[i].double(), keys) * head_dim**-0.5).softmax(-1)
-        torch.testing.assert_close(out[i].double(), torch.einsum("hl,lhd->hd", probs, vals), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            out[i].double(), torch.einsum("hl,lhd->hd", probs, vals), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_sharp_softmax_stays_finite_and_exact():

@@ -30,7 +30,9 @@ def test_large_carves_start_on_arena_boundaries_and_small_ones_fill_holes():
     pool.carve("filler", (1024,), torch.uint8)  # goes into the hole left in arena 0
     assert pool.report()["carves"]["filler"]["offset"] < 2 * MiB
     assert pool.report()["arenas_used"] == 3
-    assert pool.free_bytes() == 2 * MiB  # arena 3 untouched (arena 2's tail is not contiguous-large)
+    assert (
+        pool.free_bytes() == 2 * MiB
+    )  # arena 3 untouched (arena 2's tail is not contiguous-large)
 
 
 def test_small_carves_do_not_cross_arena_boundaries():
@@ -66,14 +68,18 @@ def test_report_counts_bytes_and_arenas():
     assert report["pinned"] is False  # no CUDA here: never pinned
 
 
-def test_a_pool_with_more_pages_than_the_block_allocator_can_index_is_refused(monkeypatch, tiny_llama):
+def test_a_pool_with_more_pages_than_the_block_allocator_can_index_is_refused(
+    monkeypatch, tiny_llama
+):
     from sloserve.config import CacheConfig, ModelConfig, SloserveConfig
     from sloserve.executor import plan as plan_module
     from sloserve.models.spec import load_spec
 
     monkeypatch.setattr(plan_module, "MAX_BLOCKS", 100)
-    config = SloserveConfig(model=ModelConfig(device="cpu", max_model_len=64),
-                            cache=CacheConfig(block_size=16, kv_pool_bytes=64 * 2**20))
+    config = SloserveConfig(
+        model=ModelConfig(device="cpu", max_model_len=64),
+        cache=CacheConfig(block_size=16, kv_pool_bytes=64 * 2**20),
+    )
     spec = load_spec(tiny_llama)
     with pytest.raises(ValueError, match="more than the block allocator's limit of 100"):
         plan_module.plan_memory(config, spec, 64, torch.device("cpu"), torch.float32, 16)

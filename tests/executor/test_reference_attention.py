@@ -41,17 +41,31 @@ def _run(chunks, hq, hkv, dim=8, seed=0):
         full_v.append(torch.randn(ctx + new, hkv, dim, generator=gen))
     # context tokens written earlier, one metadata for them
     meta_ctx = AttentionMetadata.build([c for c, _ in chunks], [0] * len(chunks), tables, PAGE)
-    write_kv(k_cache, v_cache, torch.cat([k[:c] for k, (c, _) in zip(full_k, chunks, strict=True)]),
-             torch.cat([v[:c] for v, (c, _) in zip(full_v, chunks, strict=True)]), meta_ctx.slot_mapping)
+    write_kv(
+        k_cache,
+        v_cache,
+        torch.cat([k[:c] for k, (c, _) in zip(full_k, chunks, strict=True)]),
+        torch.cat([v[:c] for v, (c, _) in zip(full_v, chunks, strict=True)]),
+        meta_ctx.slot_mapping,
+    )
     meta = AttentionMetadata.build([n for _, n in chunks], [c for c, _ in chunks], tables, PAGE)
-    write_kv(k_cache, v_cache, torch.cat([k[c:] for k, (c, _) in zip(full_k, chunks, strict=True)]),
-             torch.cat([v[c:] for v, (c, _) in zip(full_v, chunks, strict=True)]), meta.slot_mapping)
+    write_kv(
+        k_cache,
+        v_cache,
+        torch.cat([k[c:] for k, (c, _) in zip(full_k, chunks, strict=True)]),
+        torch.cat([v[c:] for v, (c, _) in zip(full_v, chunks, strict=True)]),
+        meta.slot_mapping,
+    )
     q = torch.randn(meta.num_tokens, hq, dim, generator=gen)
     out = get_backend("reference", "cpu").forward(q, k_cache, v_cache, meta, dim**-0.5)
-    expected = torch.cat([
-        _dense(q[lo:hi], full_k[i], full_v[i], chunks[i][0], dim**-0.5)
-        for i, (lo, hi) in enumerate(zip(meta.cu_seqlens_q_list, meta.cu_seqlens_q_list[1:], strict=False))
-    ])
+    expected = torch.cat(
+        [
+            _dense(q[lo:hi], full_k[i], full_v[i], chunks[i][0], dim**-0.5)
+            for i, (lo, hi) in enumerate(
+                zip(meta.cu_seqlens_q_list, meta.cu_seqlens_q_list[1:], strict=False)
+            )
+        ]
+    )
     return out, expected
 
 

@@ -25,9 +25,18 @@ def runner(tiny_llama, make_runner):
 
 def test_info_reports_model_and_pool(runner):
     info = runner.info()
-    assert info["architecture"] == "LlamaForCausalLM" and info["device"] == "cpu" and info["dtype"] == "float32"
-    assert info["attention_backend"] == CPU_AUTO_BACKEND and info["block_size"] == runner.block_size == 4
-    assert info["num_kv_blocks"] == runner.num_kv_blocks > 256  # 2 MiB of 4-token pages of 512 B/token
+    assert (
+        info["architecture"] == "LlamaForCausalLM"
+        and info["device"] == "cpu"
+        and info["dtype"] == "float32"
+    )
+    assert (
+        info["attention_backend"] == CPU_AUTO_BACKEND
+        and info["block_size"] == runner.block_size == 4
+    )
+    assert (
+        info["num_kv_blocks"] == runner.num_kv_blocks > 256
+    )  # 2 MiB of 4-token pages of 512 B/token
     assert info["pool"]["carves"]["kv"]["shape"] == [2, 2, runner.num_kv_blocks, 4, 2, 16]
     assert runner.num_host_blocks > 0 and runner.eos_token_ids == [257]
     assert runner.tokenizer.decode(runner.tokenizer.encode("12\n")) == "12\n"
@@ -44,7 +53,13 @@ def test_info_reports_the_bytes_of_one_kv_block(runner):
 def test_step_inputs_are_views_into_the_pool(runner):
     step = runner.inputs.build([_seq("a", PROMPT, 0, [1, 2, 3]), _seq("b", [5], 7, [4, 5])])
     base = runner.pool._buffer.untyped_storage().data_ptr()
-    for t in (step.input_ids, step.positions, step.meta.slot_mapping, step.meta.block_tables, step.sample_idx):
+    for t in (
+        step.input_ids,
+        step.positions,
+        step.meta.slot_mapping,
+        step.meta.block_tables,
+        step.sample_idx,
+    ):
         assert t.untyped_storage().data_ptr() == base
     assert runner.kv.untyped_storage().data_ptr() == base
     assert step.positions.tolist() == list(range(10)) + [7]
@@ -72,12 +87,16 @@ def test_swap_out_and_back_in_continues_exactly(runner):
     runner.execute(SchedulerOutput(swap_in=[(0, 20), (1, 31), (2, 25)]))
     while len(tokens) < len(PROMPT) + 6:
         tokens += runner.execute(SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)]))
-    assert tokens[len(PROMPT):] == expected
+    assert tokens[len(PROMPT) :] == expected
 
 
 def test_bad_steps_are_refused_with_what_to_change(runner):
-    with pytest.raises(ValueError, match=r"token id 999 of request 'b' .* vocabulary of 260 tokens.*\[0, 260\)"):
-        runner.execute(SchedulerOutput([_seq("a", [5, 6], 0, [1]), _seq("b", [1, 999, 260], 0, [2])]))
+    with pytest.raises(
+        ValueError, match=r"token id 999 of request 'b' .* vocabulary of 260 tokens.*\[0, 260\)"
+    ):
+        runner.execute(
+            SchedulerOutput([_seq("a", [5, 6], 0, [1]), _seq("b", [1, 999, 260], 0, [2])])
+        )
     with pytest.raises(ValueError, match=r"token id -1 of request 'a' .* vocabulary of 260 tokens"):
         runner.execute(SchedulerOutput([_seq("a", [3, -1], 0, [1])]))
     assert runner.vocab_size == 260
@@ -97,7 +116,9 @@ def test_warmup_leaves_results_unchanged(runner):
 
 
 def test_pool_too_small_for_one_sequence(tiny_llama, make_runner):
-    with pytest.raises(ValueError, match=r"fewer than one 1024-token sequence.*raise kv_pool_bytes"):
+    with pytest.raises(
+        ValueError, match=r"fewer than one 1024-token sequence.*raise kv_pool_bytes"
+    ):
         make_runner(tiny_llama, kv_pool_bytes=64 * 1024)
     small = make_runner(tiny_llama, kv_pool_bytes=64 * 1024, max_model_len=64)
     assert small.max_model_len == 64
@@ -130,7 +151,9 @@ def test_moe_intermediates_come_from_the_pool(make_checkpoint, make_runner, arch
     rows = 32 * runner.spec.top_k
     assert carves["moe_workspace.rows"]["shape"] == [rows, runner.spec.hidden_size]
     assert carves["moe_workspace.act"]["shape"] == [rows, runner.spec.moe_intermediate_size]
-    assert not any(name.startswith("experts.") for name in carves)  # resident experts stay where loaded
+    assert not any(
+        name.startswith("experts.") for name in carves
+    )  # resident experts stay where loaded
     store, reserved = runner.experts, []
     real = store.reserve_workspace
 
@@ -190,18 +213,32 @@ def test_staged_inputs_equal_direct_inputs(runner):
 
     size = workspace_bytes(32, 4, 8)
     direct = InputBuilder(DevicePool(size + 4096), None, 32, 4, 8, 4, 260, 32, 64)
-    staged = InputBuilder(DevicePool(size + 4096), DevicePool(size + 4096), 32, 4, 8, 4, 260, 32, 64)
-    seqs = [_seq("a", PROMPT, 0, [3, 9, 4]), _seq("b", [7], 5, [6, 2]), _seq("c", [1, 2], 0, [5], sample=False)]
+    staged = InputBuilder(
+        DevicePool(size + 4096), DevicePool(size + 4096), 32, 4, 8, 4, 260, 32, 64
+    )
+    seqs = [
+        _seq("a", PROMPT, 0, [3, 9, 4]),
+        _seq("b", [7], 5, [6, 2]),
+        _seq("c", [1, 2], 0, [5], sample=False),
+    ]
     a, b = direct.build(seqs), staged.build(seqs)
-    for x, y in [(a.input_ids, b.input_ids), (a.positions, b.positions), (a.sample_idx, b.sample_idx),
-                 (a.meta.slot_mapping, b.meta.slot_mapping), (a.meta.block_tables, b.meta.block_tables),
-                 (a.meta.cu_seqlens_q, b.meta.cu_seqlens_q), (a.meta.seq_lens, b.meta.seq_lens)]:
+    for x, y in [
+        (a.input_ids, b.input_ids),
+        (a.positions, b.positions),
+        (a.sample_idx, b.sample_idx),
+        (a.meta.slot_mapping, b.meta.slot_mapping),
+        (a.meta.block_tables, b.meta.block_tables),
+        (a.meta.cu_seqlens_q, b.meta.cu_seqlens_q),
+        (a.meta.seq_lens, b.meta.seq_lens),
+    ]:
         assert x.tolist() == y.tolist()
     assert b.input_ids.data_ptr() != staged._staging["token_ids"].data_ptr()
     assert a.sampled == b.sampled == [0, 1]
 
 
-def test_small_cpu_steps_run_on_one_thread_and_large_ones_on_all(tiny_llama, make_runner, monkeypatch):
+def test_small_cpu_steps_run_on_one_thread_and_large_ones_on_all(
+    tiny_llama, make_runner, monkeypatch
+):
     """Steps under SERIAL_STEP_MACS (tokens x parameters) switch torch to one thread, larger ones
     back to the start-up count; the tokens do not depend on it."""
     from sloserve.executor import runner as runner_module
@@ -211,12 +248,18 @@ def test_small_cpu_steps_run_on_one_thread_and_large_ones_on_all(tiny_llama, mak
     r._cpu_threads = r._threads_now = 2  # as on a 2-core machine, whatever this one has
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(runner_module, "SERIAL_STEP_MACS", 8 * r._num_params)  # at most 8 tokens: one thread
-    if r.decode_step.fused is not None:  # the 12-token prefill below goes to the torch path, not the kernel
+    monkeypatch.setattr(
+        runner_module, "SERIAL_STEP_MACS", 8 * r._num_params
+    )  # at most 8 tokens: one thread
+    if (
+        r.decode_step.fused is not None
+    ):  # the 12-token prefill below goes to the torch path, not the kernel
         monkeypatch.setattr(r.decode_step.fused, "max_batch", 8)
     greedy = SamplingParams(max_tokens=1)
     r.execute(SchedulerOutput([ScheduledSequence("a", [5], 3, [1], True, greedy)]))
-    r.execute(SchedulerOutput([ScheduledSequence("b", list(range(1, 13)), 0, [2, 3, 4], True, greedy)]))
+    r.execute(
+        SchedulerOutput([ScheduledSequence("b", list(range(1, 13)), 0, [2, 3, 4], True, greedy)])
+    )
     r.execute(SchedulerOutput([ScheduledSequence("c", [6], 3, [5], True, greedy)]))
     assert calls == [1, 2, 1]
     assert torch.get_num_threads() == threads  # set_num_threads was only recorded here

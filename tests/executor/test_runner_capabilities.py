@@ -9,8 +9,15 @@ from sloserve.executor.runner import ModelRunner
 from sloserve.parallel.runner import TensorParallelRunner
 
 # What the engine core and priming read from a runner (the Runner protocol's optional part).
-CAPABILITIES = ("vocab_size", "runs_steps", "take_logprobs", "check_health", "close", "expert_stats",
-                "time_steps")
+CAPABILITIES = (
+    "vocab_size",
+    "runs_steps",
+    "take_logprobs",
+    "check_health",
+    "close",
+    "expert_stats",
+    "time_steps",
+)
 
 
 @pytest.mark.parametrize("cls", [ModelRunner, TensorParallelRunner])

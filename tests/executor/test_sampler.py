@@ -24,7 +24,10 @@ def test_top_k_keeps_the_k_best():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda p: (filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=p)])[0] > 0).tolist()  # noqa: E731
+
+    def keep(p: float) -> list[bool]:
+        return (filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=p)])[0] > 0).tolist()
+
     assert keep(0.5) == [True, False, False, False]
     assert keep(0.6) == [True, True, False, False]
     assert keep(0.81) == [True, True, True, False]
@@ -47,7 +50,11 @@ def test_seeded_requests_reproduce_regardless_of_batch_mates():
     others = SamplingParams(temperature=1.0)
     for _ in range(20):
         batch = torch.cat([torch.randn(2, 50), logits, torch.randn(1, 50)])
-        crowd.append(crowd_sampler.sample(batch, [others, others, params, others], ["o1", "o2", "x", "o3"])[2])
+        crowd.append(
+            crowd_sampler.sample(batch, [others, others, params, others], ["o1", "o2", "x", "o3"])[
+                2
+            ]
+        )
     assert solo == crowd
     assert len(set(solo)) > 1  # it really samples
 
@@ -68,8 +75,9 @@ def test_sampling_follows_the_distribution():
     sampler = Sampler("cpu", seed=0)
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     params = [SamplingParams(temperature=1.0)]
-    counts = torch.bincount(torch.tensor([sampler.sample(logits, params, ["r"])[0] for _ in range(2000)]),
-                            minlength=3)
+    counts = torch.bincount(
+        torch.tensor([sampler.sample(logits, params, ["r"])[0] for _ in range(2000)]), minlength=3
+    )
     freq = counts.float() / 2000
     torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04, rtol=0)
 

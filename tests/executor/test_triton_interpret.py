@@ -17,13 +17,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
 
 
 def interpret(*args: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests.executor.triton_interpret", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.executor.triton_interpret", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -43,8 +51,12 @@ def test_fused_kernels_compute_the_unfused_formulas():
     out = interpret("fused")
     for case, error in out.items():
         if case.startswith("rope.elsewhere") or case.startswith("rms_norm.passes_x"):
-            assert error == 0, case  # nothing written outside the step's slots; no add: x itself is returned
-        elif case.endswith("float32") and (case.startswith("rope") or case.startswith("add_rms_norm.sum")):
+            assert error == 0, (
+                case
+            )  # nothing written outside the step's slots; no add: x itself is returned
+        elif case.endswith("float32") and (
+            case.startswith("rope") or case.startswith("add_rms_norm.sum")
+        ):
             assert error == 0, case
         else:
             assert error < (1e-6 if case.endswith("float32") else 2**-6), (case, error)

@@ -49,7 +49,10 @@ def attention(splits: int | None, sm_count: int) -> float:
         table_rows[i, : len(t)] = torch.tensor(t)
     pos = torch.tensor([n - 1 for n in lens])
     slots = table_rows[torch.arange(len(lens)), pos // page].long() * page + pos % page
-    new_k, new_v = k.view(-1, kv_heads, dim)[slots].clone(), v.view(-1, kv_heads, dim)[slots].clone()
+    new_k, new_v = (
+        k.view(-1, kv_heads, dim)[slots].clone(),
+        v.view(-1, kv_heads, dim)[slots].clone(),
+    )
     k2, v2 = k.clone(), v.clone()
     k2.view(-1, kv_heads, dim)[slots] = 0
     v2.view(-1, kv_heads, dim)[slots] = 0
@@ -60,7 +63,9 @@ def attention(splits: int | None, sm_count: int) -> float:
     lens2 = [s + n for s, n in chunks]
     q2, k3, v3, tables2 = paged(lens2, page, heads, kv_heads, dim, seed=1)
     q2 = torch.randn(sum(n for _, n in chunks), heads, dim)
-    meta2 = AttentionMetadata.build([n for _, n in chunks], [s for s, _ in chunks], tables2, page, "cpu")
+    meta2 = AttentionMetadata.build(
+        [n for _, n in chunks], [s for s, _ in chunks], tables2, page, "cpu"
+    )
     ref2 = ReferenceBackend().forward(q2, k3, v3, meta2, scale)
     worst = max(worst, (backend.forward(q2, k3, v3, meta2, scale) - ref2).abs().max().item())
     return worst
@@ -75,8 +80,12 @@ def fused() -> dict:
     out = {}
     gen = torch.Generator().manual_seed(0)
 
-    def err(got: torch.Tensor, want: torch.Tensor) -> float:  # relative to the reference's largest value
-        return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+    def err(
+        got: torch.Tensor, want: torch.Tensor
+    ) -> float:  # relative to the reference's largest value
+        return (
+            (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)
+        ).item()
 
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
@@ -99,14 +108,20 @@ def fused() -> dict:
         k_cache = torch.zeros(6, page, kv_heads, dim, dtype=dtype)
         v_cache = torch.zeros_like(k_cache)
         q = tf.rope_write(qkv, cos_t, sin_t, pos, slots, k_cache, v_cache, heads)
-        qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].reshape(3, heads + kv_heads, dim), cos_t[pos], sin_t[pos])
+        qk = apply_rope(
+            qkv[:, : (heads + kv_heads) * dim].reshape(3, heads + kv_heads, dim),
+            cos_t[pos],
+            sin_t[pos],
+        )
         v = qkv[:, (heads + kv_heads) * dim :].reshape(3, kv_heads, dim)
         out[f"rope.q.{name}"] = err(q, qk[:, :heads])
         out[f"rope.k.{name}"] = err(k_cache.view(-1, kv_heads, dim)[slots], qk[:, heads:])
         out[f"rope.v.{name}"] = err(v_cache.view(-1, kv_heads, dim)[slots], v)
         untouched = torch.ones(k_cache.view(-1, kv_heads, dim).shape[0], dtype=torch.bool)
         untouched[slots] = False
-        out[f"rope.elsewhere.{name}"] = k_cache.view(-1, kv_heads, dim)[untouched].abs().max().item()
+        out[f"rope.elsewhere.{name}"] = (
+            k_cache.view(-1, kv_heads, dim)[untouched].abs().max().item()
+        )
         gate_up = torch.randn(3, 2 * 40, generator=gen).to(dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
@@ -126,19 +141,31 @@ def model(folder: str, fused_kernels: bool = False) -> dict:
     runner = ModelRunner(runner_config(folder, backend="sdpa", max_batch=4))
     backend = TritonDecodeBackend(block_n=16)
     backend._sm_count = 8  # no CUDA device to ask: 16 programs fill it, fewer split their keys
-    forward = (functools.partial(runner.model.decode_fused, attend=backend.attend_decode) if fused_kernels
-               else functools.partial(runner.model.decode, attend=backend.decode))
+    forward = (
+        functools.partial(runner.model.decode_fused, attend=backend.attend_decode)
+        if fused_kernels
+        else functools.partial(runner.model.decode, attend=backend.decode)
+    )
     runner.decode_step = GraphDecode(runner.model, runner.kv, 4, forward, EagerCapture())
     runner.warmup()
-    prompts = [[256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(37)]]
-    return {"sloserve": generate(runner, prompts, 5, stagger=True),
-            "transformers": hf_greedy(load_hf_model(folder), prompts, 5)}
+    prompts = [
+        [256, 72, 101, 108, 108, 111],
+        [256] + list(range(48, 66)),
+        [256] + [(i * 37) % 250 for i in range(37)],
+    ]
+    return {
+        "sloserve": generate(runner, prompts, 5, stagger=True),
+        "transformers": hf_greedy(load_hf_model(folder), prompts, 5),
+    }
 
 
 def main() -> None:
     which = sys.argv[1]
     if which == "attention":
-        out = {f"splits={s},sm={sm}": attention(s, sm) for s, sm in ((1, 4), (3, 4), (8, 4), (None, 64))}
+        out = {
+            f"splits={s},sm={sm}": attention(s, sm)
+            for s, sm in ((1, 4), (3, 4), (8, 4), (None, 64))
+        }
     elif which == "fused":
         out = fused()
     elif which == "model":

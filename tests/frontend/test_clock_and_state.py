@@ -32,9 +32,13 @@ class TimedEngine(FakeEngine):
         super().__init__(**kw)
         self.added: dict[str, float] = {}
 
-    def add_request(self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0):
+    def add_request(
+        self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0
+    ):
         self.added[request_id] = time.monotonic()
-        return super().add_request(request_id, token_ids, params, slo, arrival_time, priority=priority)
+        return super().add_request(
+            request_id, token_ids, params, slo, arrival_time, priority=priority
+        )
 
 
 async def test_stream_times_count_from_the_arrival_stamp_not_from_admission():
@@ -56,8 +60,12 @@ async def test_stream_times_count_from_the_arrival_stamp_not_from_admission():
         assert chunks[0].time_s == pytest.approx(final.ttft_s, abs=1e-9)
         assert chunks[-1].time_s <= final.e2e_s
         assert [c.time_s for c in chunks] == sorted(c.time_s for c in chunks)
-        e2e = {s.name: s.value for m in server.metrics.registry.collect() if m.name == "sloserve_e2e_seconds"
-               for s in m.samples}
+        e2e = {
+            s.name: s.value
+            for m in server.metrics.registry.collect()
+            if m.name == "sloserve_e2e_seconds"
+            for s in m.samples
+        }
         assert e2e["sloserve_e2e_seconds_count"] == 1 and e2e["sloserve_e2e_seconds_sum"] >= SLOW_S
 
 
@@ -65,7 +73,12 @@ async def test_generate_times_count_from_the_arrival_stamp():
     engine = TimedEngine(step_s=0.002)
     engine.tokenizer = SlowTokenizer()
     async with live_server(engine) as (_, stub, _):
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="g", text="slow", max_tokens=3))]
+        msgs = [
+            m
+            async for m in stub.Generate(
+                pb.GenerateRequest(request_id="g", text="slow", max_tokens=3)
+            )
+        ]
         chunks, final = [m.chunk for m in msgs[:-1]], msgs[-1].final
         assert len(chunks) == 3 and SLOW_S <= final.ttft_s <= final.e2e_s
         assert chunks[-1].time_s <= final.e2e_s
@@ -78,13 +91,19 @@ async def test_the_slo_deadline_counts_from_arrival():
     engine.tokenizer = SlowTokenizer()
     async with live_server(engine) as (_, stub, _):
         before = time.monotonic()
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="d", text="x", max_tokens=1),
-                                               timeout=30)]
+        msgs = [
+            m
+            async for m in stub.Generate(
+                pb.GenerateRequest(request_id="d", text="x", max_tokens=1), timeout=30
+            )
+        ]
         assert msgs[-1].final.completion_tokens == 1
     (engine_id,) = engine.added
     # e2e = the time left on the call when it arrived, anchored at that same arrival stamp
     assert before <= engine.arrivals[engine_id] <= engine.added[engine_id] - SLOW_S
-    assert 25 < engine.slos[engine_id].e2e_s <= 31  # gRPC rounds timeouts up; its clock is coarse under load
+    assert (
+        25 < engine.slos[engine_id].e2e_s <= 31
+    )  # gRPC rounds timeouts up; its clock is coarse under load
 
 
 async def test_info_says_loading_until_the_model_is_loaded_then_serving_then_draining():

@@ -47,12 +47,18 @@ async def test_a_request_yields_tokens_then_one_finished_and_is_accounted():
     assert frontend.inflight == 0 and not frontend.engine.reqs
 
 
-@pytest.mark.parametrize(("parsed", "needle"), [
-    (ParsedRequest("", SamplingParams()), "prompt is empty"),
-    (ParsedRequest([], SamplingParams()), "prompt is empty"),
-    (ParsedRequest("hi", SamplingParams(max_tokens=5000)), "limit of 4096"),
-    (ParsedRequest([1, 2, 3, 4, 5], SamplingParams()), "5 tokens, over this server's limit of 4"),
-])
+@pytest.mark.parametrize(
+    ("parsed", "needle"),
+    [
+        (ParsedRequest("", SamplingParams()), "prompt is empty"),
+        (ParsedRequest([], SamplingParams()), "prompt is empty"),
+        (ParsedRequest("hi", SamplingParams(max_tokens=5000)), "limit of 4096"),
+        (
+            ParsedRequest([1, 2, 3, 4, 5], SamplingParams()),
+            "5 tokens, over this server's limit of 4",
+        ),
+    ],
+)
 async def test_checks_run_once_before_tokenizing(parsed, needle):
     frontend = await _started(max_prompt_tokens=4)
     with pytest.raises(Exception) as info:
@@ -81,21 +87,61 @@ class _ErrorEngine(FakeEngine):
         super().__init__()
         self.out = out
 
-    def add_request(self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0):
+    def add_request(
+        self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0
+    ):
         stream = RequestStream(request_id, asyncio.get_running_loop())
         stream.put(self.out)
         return stream
 
 
-@pytest.mark.parametrize(("out", "code", "reason"), [
-    (RequestOutput("r", [], "", True, "error", "token id 99999 is outside the vocabulary",
-                   error_kind="invalid"), FailureCode.INVALID_ARGUMENT, "invalid_argument"),
-    (RequestOutput("r", [], "", True, "error", "queue is full", refusal_reason="queue_full",
-                   error_kind="refused"), FailureCode.RESOURCE_EXHAUSTED, "queue_full"),
-    (RequestOutput("r", [], "", True, "error", "too late", refusal_reason="deadline_passed",
-                   error_kind="refused"), FailureCode.DEADLINE_EXCEEDED, "deadline_passed"),
-    (RequestOutput("r", [], "", True, "error", "CUDA error"), FailureCode.INTERNAL, "internal"),
-])
+@pytest.mark.parametrize(
+    ("out", "code", "reason"),
+    [
+        (
+            RequestOutput(
+                "r",
+                [],
+                "",
+                True,
+                "error",
+                "token id 99999 is outside the vocabulary",
+                error_kind="invalid",
+            ),
+            FailureCode.INVALID_ARGUMENT,
+            "invalid_argument",
+        ),
+        (
+            RequestOutput(
+                "r",
+                [],
+                "",
+                True,
+                "error",
+                "queue is full",
+                refusal_reason="queue_full",
+                error_kind="refused",
+            ),
+            FailureCode.RESOURCE_EXHAUSTED,
+            "queue_full",
+        ),
+        (
+            RequestOutput(
+                "r",
+                [],
+                "",
+                True,
+                "error",
+                "too late",
+                refusal_reason="deadline_passed",
+                error_kind="refused",
+            ),
+            FailureCode.DEADLINE_EXCEEDED,
+            "deadline_passed",
+        ),
+        (RequestOutput("r", [], "", True, "error", "CUDA error"), FailureCode.INTERNAL, "internal"),
+    ],
+)
 async def test_an_asynchronous_refusal_is_the_same_failure_as_a_raised_one(out, code, reason):
     frontend = await _started(_ErrorEngine(out))
     (event,) = await _events(frontend, ParsedRequest([1, 2], SamplingParams(max_tokens=2)))
@@ -113,7 +159,9 @@ async def test_a_raised_refusal_is_resource_exhausted():
 async def test_closing_the_events_early_aborts_the_request_in_the_engine():
     engine = FakeEngine(step_s=0.01)
     frontend = await _started(engine)
-    events = frontend.run(RequestHandle("x", time.monotonic()), ParsedRequest("hi", SamplingParams(max_tokens=50)))
+    events = frontend.run(
+        RequestHandle("x", time.monotonic()), ParsedRequest("hi", SamplingParams(max_tokens=50))
+    )
     assert isinstance(await anext(events), Tokens)
     assert frontend.inflight == 1 and "x" in engine.reqs
     await events.aclose()

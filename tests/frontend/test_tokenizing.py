@@ -42,9 +42,13 @@ class RecordingEngine(FakeEngine):
         super().__init__(**kw)
         self.prompts: dict[str, object] = {}
 
-    def add_request(self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0):
+    def add_request(
+        self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0
+    ):
         self.prompts[request_id.split(":", 1)[1]] = token_ids  # keyed by the client's id
-        return super().add_request(request_id, token_ids, params, slo, arrival_time, priority=priority)
+        return super().add_request(
+            request_id, token_ids, params, slo, arrival_time, priority=priority
+        )
 
 
 @pytest.fixture
@@ -65,7 +69,9 @@ async def test_the_loop_keeps_serving_while_a_prompt_is_tokenized(gated):
         assert (await stub.Info(pb.InfoRequest())).max_model_len == engine.max_model_len
         await call.write(gen("slow", text="again", max_tokens=3))
         dup = (await call.read()).error
-        assert dup.request_id == "" and dup.reason == "duplicate_id" and "'slow'" in dup.message, dup
+        assert dup.request_id == "" and dup.reason == "duplicate_id" and "'slow'" in dup.message, (
+            dup
+        )
         assert tok.threads[0] != threading.get_ident()
         assert "slow" not in engine.prompts
         tok.gate.set()
@@ -74,9 +80,16 @@ async def test_the_loop_keeps_serving_while_a_prompt_is_tokenized(gated):
         await call.done_writing()
         final = transcript.terminal("slow").final
         assert (final.finish_reason, final.prompt_tokens, final.completion_tokens) == (
-            pb.FINISH_REASON_LENGTH, len(SLOW), 3)
-        assert "".join(c.text for c in transcript.chunks("slow")) == "".join(map(chr, transcript.tokens("slow")))
-    assert engine.prompts == {"slow": list(SLOW.encode())}  # the engine got token ids: no second encode
+            pb.FINISH_REASON_LENGTH,
+            len(SLOW),
+            3,
+        )
+        assert "".join(c.text for c in transcript.chunks("slow")) == "".join(
+            map(chr, transcript.tokens("slow"))
+        )
+    assert engine.prompts == {
+        "slow": list(SLOW.encode())
+    }  # the engine got token ids: no second encode
     assert len(tok.threads) == 1
 
 
@@ -87,12 +100,18 @@ async def test_cancel_while_tokenizing_ends_with_cancelled_and_never_reaches_the
         await call.write(gen("c", text=NEVER, max_tokens=5))
         await wait_for(tok.entered.is_set)
         await call.write(cancel("c"))
-        await call.write(cancel("nobody"))  # answered in order: once this reply is here, "c" was cancelled
+        await call.write(
+            cancel("nobody")
+        )  # answered in order: once this reply is here, "c" was cancelled
         assert (await call.read()).error.reason == "unknown_id"
         tok.gate.set()
         final = (await call.read()).final
-        assert (final.request_id, final.finish_reason, final.prompt_tokens, final.completion_tokens) == (
-            "c", pb.FINISH_REASON_CANCELLED, len(NEVER), 0)
+        assert (
+            final.request_id,
+            final.finish_reason,
+            final.prompt_tokens,
+            final.completion_tokens,
+        ) == ("c", pb.FINISH_REASON_CANCELLED, len(NEVER), 0)
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
         assert engine.prompts == {} and server.frontend.inflight == 0
@@ -107,7 +126,12 @@ async def test_the_prompt_token_limit_is_checked_on_the_tokenized_prompt(gated):
                 pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "5 tokens, over this server's limit of 4" in info.value.details()
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="ok", text="1234", max_tokens=2))]
+        msgs = [
+            m
+            async for m in stub.Generate(
+                pb.GenerateRequest(request_id="ok", text="1234", max_tokens=2)
+            )
+        ]
         assert msgs[-1].final.prompt_tokens == 4
     assert engine.prompts == {"ok": list(b"1234")} and len(tok.threads) == 2
 
@@ -117,14 +141,21 @@ async def test_a_text_far_over_the_context_is_refused_before_tokenizing(gated):
     limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
     async with live_server(engine) as (_, stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub.Generate(pb.GenerateRequest(request_id="big", text="y" * (limit + 1))):
+            async for _ in stub.Generate(
+                pb.GenerateRequest(request_id="big", text="y" * (limit + 1))
+            ):
                 pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"{limit + 1} characters, over this server's limit of {limit}" in info.value.details()
+        assert (
+            f"{limit + 1} characters, over this server's limit of {limit}" in info.value.details()
+        )
         call = stub.Stream()
         await call.write(gen("big", text="y" * (limit + 1)))
         err = (await call.read()).error
-        assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and f"limit of {limit}" in err.message
+        assert (
+            err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            and f"limit of {limit}" in err.message
+        )
         await call.done_writing()
     assert tok.threads == [] and engine.prompts == {}
 
@@ -133,6 +164,13 @@ async def test_a_short_prompt_is_tokenized_inline(gated):
     engine, tok = gated
     tok.gate.set()
     async with live_server(engine) as (_, stub, _):
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="s", text="short", max_tokens=2))]
+        msgs = [
+            m
+            async for m in stub.Generate(
+                pb.GenerateRequest(request_id="s", text="short", max_tokens=2)
+            )
+        ]
         assert msgs[-1].final.prompt_tokens == len("short")
-    assert tok.threads == [threading.get_ident()]  # the event loop's thread: no hand-off for 5 characters
+    assert tok.threads == [
+        threading.get_ident()
+    ]  # the event loop's thread: no hand-off for 5 characters

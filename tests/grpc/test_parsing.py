@@ -34,14 +34,19 @@ def test_every_method_of_the_service_gets_a_handler_of_its_kind():
     for method in SERVICE.methods:
         handler = handlers[method.name]
         assert (handler.request_streaming, handler.response_streaming) == (
-            method.client_streaming, method.server_streaming)
+            method.client_streaming,
+            method.server_streaming,
+        )
         assert isinstance(handler.request_deserializer(GARBAGE), Undecodable)
 
 
 async def test_undecodable_generate_request_is_invalid_argument():
     async with live_server() as (_, _, channel):
-        raw = channel.unary_stream("/sloserve.v1.Sloserve/Generate", request_serializer=lambda b: b,
-                                   response_deserializer=pb.ServerMessage.FromString)
+        raw = channel.unary_stream(
+            "/sloserve.v1.Sloserve/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in raw(GARBAGE):
                 pass
@@ -51,8 +56,11 @@ async def test_undecodable_generate_request_is_invalid_argument():
 
 async def test_undecodable_info_request_is_invalid_argument():
     async with live_server() as (_, _, channel):
-        raw = channel.unary_unary("/sloserve.v1.Sloserve/Info", request_serializer=lambda b: b,
-                                  response_deserializer=pb.InfoResponse.FromString)
+        raw = channel.unary_unary(
+            "/sloserve.v1.Sloserve/Info",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.InfoResponse.FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await raw(GARBAGE)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -62,8 +70,11 @@ async def test_undecodable_info_request_is_invalid_argument():
 async def test_undecodable_bytes_mid_stream_end_live_requests_then_the_stream():
     engine = FakeEngine(step_s=0.005)
     async with live_server(engine) as (server, stub, channel):
-        raw = channel.stream_stream("/sloserve.v1.Sloserve/Stream", request_serializer=lambda b: b,
-                                    response_deserializer=pb.ServerMessage.FromString)
+        raw = channel.stream_stream(
+            "/sloserve.v1.Sloserve/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
         call = raw()
         await call.write(gen("live", max_tokens=200).SerializeToString())
         first = await call.read()
@@ -79,7 +90,9 @@ async def test_undecodable_bytes_mid_stream_end_live_requests_then_the_stream():
         assert len(terminals) == 1 and terminals[0].error.request_id == "live"
         assert terminals[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert "stream broke" in terminals[0].error.message
-        await wait_for(lambda: not engine.reqs and server.frontend.inflight == 0)  # its blocks are free
+        await wait_for(
+            lambda: not engine.reqs and server.frontend.inflight == 0
+        )  # its blocks are free
         assert engine.stats().kv_blocks_free == engine.num_blocks
         # the server goes on serving other calls
         info_after = await stub.Info(pb.InfoRequest())
@@ -88,8 +101,11 @@ async def test_undecodable_bytes_mid_stream_end_live_requests_then_the_stream():
 
 async def test_undecodable_first_message_ends_the_stream_at_once():
     async with live_server() as (_, _, channel):
-        raw = channel.stream_stream("/sloserve.v1.Sloserve/Stream", request_serializer=lambda b: b,
-                                    response_deserializer=pb.ServerMessage.FromString)
+        raw = channel.stream_stream(
+            "/sloserve.v1.Sloserve/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in raw(iter([GARBAGE])):
                 pass

@@ -30,9 +30,11 @@ BODY = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
 @contextlib.asynccontextmanager
 async def edges(engine):
     """Both edges over one Lifecycle (as `sloserve serve` builds them): a gRPC stub and an HTTP client."""
-    config = SloserveConfig(cache=CacheConfig(block_size=4),
-                            scheduler=SchedulerConfig(max_batch=8, admission_control=False),
-                            server=ServerConfig(port=0, metrics_port=None))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_batch=8, admission_control=False),
+        server=ServerConfig(port=0, metrics_port=None),
+    )
     lifecycle = Lifecycle(config, engine, watchdog_interval_s=0.02)
     grpc_server = SloserveServer(config, engine, lifecycle=lifecycle)
     http_server = HttpServer(lifecycle, HttpConfig(port=0))
@@ -42,7 +44,9 @@ async def edges(engine):
     await wait_for(lambda: lifecycle.ready)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_server.port}")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_server.port}", timeout=30) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_server.port}", timeout=30
+        ) as client:
             yield pb_grpc.SloserveStub(channel), client
     finally:
         await channel.close()
@@ -58,10 +62,16 @@ async def _send_all(stub: pb_grpc.SloserveStub, http: httpx.AsyncClient) -> None
     await read_until(call, transcript, {"stream", "stream-default"})
     await call.done_writing()
     assert transcript.terminal("stream").WhichOneof("kind") == "final"
-    unary = [m async for m in stub.Generate(pb.GenerateRequest(request_id="unary", text="hi", max_tokens=2,
-                                                               priority=2**31 - 1))]
+    unary = [
+        m
+        async for m in stub.Generate(
+            pb.GenerateRequest(request_id="unary", text="hi", max_tokens=2, priority=2**31 - 1)
+        )
+    ]
     assert unary[-1].WhichOneof("kind") == "final"
-    reply = await http.post("/v1/completions", json={**BODY, "priority": 5}, headers={"x-request-id": "http"})
+    reply = await http.post(
+        "/v1/completions", json={**BODY, "priority": 5}, headers={"x-request-id": "http"}
+    )
     assert reply.status_code == 200, reply.text
     reply = await http.post("/v1/completions", json=BODY, headers={"x-request-id": "http-default"})
     assert reply.status_code == 200, reply.text
@@ -80,9 +90,11 @@ async def test_priority_reaches_the_engine_client_from_every_edge():
 async def test_priority_reaches_the_schedulers_request_object():
     runner = FakeRunner(num_blocks=64, block_size=4, max_model_len=256, vocab=(97, 123))
     runner.vocab_size = 260
-    config = SloserveConfig(cache=CacheConfig(block_size=4),
-                            scheduler=SchedulerConfig(max_batch=8, admission_control=False),
-                            server=ServerConfig(port=0, metrics_port=None))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_batch=8, admission_control=False),
+        server=ServerConfig(port=0, metrics_port=None),
+    )
     engine = AsyncEngine(config, runner=runner)
     seen: dict[str, int] = {}
     async with edges(engine) as (stub, http):
@@ -119,15 +131,40 @@ def test_from_pb_reads_priority_and_defaults_to_zero():
 def test_info_carries_kv_block_bytes_and_the_new_stats():
     from sloserve.engine.outputs import EngineStats
 
-    stats = EngineStats(kv_blocks_total=10, kv_blocks_peak=7, ttft_predictions=3,
-                        ttft_prediction_error_p50_s=-0.25, ttft_prediction_error_p90_s=0.5)
-    info = info_pb("m", {"kv_block_bytes": 32768, "block_size": 16}, stats, ServerState.SERVING,
-                   version="v", max_prompt_tokens=None, max_tokens_limit=64)
+    stats = EngineStats(
+        kv_blocks_total=10,
+        kv_blocks_peak=7,
+        ttft_predictions=3,
+        ttft_prediction_error_p50_s=-0.25,
+        ttft_prediction_error_p90_s=0.5,
+    )
+    info = info_pb(
+        "m",
+        {"kv_block_bytes": 32768, "block_size": 16},
+        stats,
+        ServerState.SERVING,
+        version="v",
+        max_prompt_tokens=None,
+        max_tokens_limit=64,
+    )
     assert info.kv_block_bytes == 32768
     assert (info.stats.kv_blocks_peak, info.stats.ttft_predictions) == (7, 3)
-    assert (info.stats.ttft_prediction_error_p50_s, info.stats.ttft_prediction_error_p90_s) == (-0.25, 0.5)
-    assert info_pb("m", {}, EngineStats(), ServerState.LOADING, version="v", max_prompt_tokens=None,
-                   max_tokens_limit=64).kv_block_bytes == 0
+    assert (info.stats.ttft_prediction_error_p50_s, info.stats.ttft_prediction_error_p90_s) == (
+        -0.25,
+        0.5,
+    )
+    assert (
+        info_pb(
+            "m",
+            {},
+            EngineStats(),
+            ServerState.LOADING,
+            version="v",
+            max_prompt_tokens=None,
+            max_tokens_limit=64,
+        ).kv_block_bytes
+        == 0
+    )
     # every EngineStats field but the refusals map is copied by name
     names = {f for f in EngineStats.__slots__ if f != "refusals"}
     assert {f.name for f in stats_pb(stats).DESCRIPTOR.fields} - {"refusals"} == names

@@ -36,9 +36,11 @@ class SlowRunner(FakeRunner):
 async def served():
     runner = SlowRunner(num_blocks=128, block_size=4, max_model_len=256)
     runner.vocab_size = 260
-    config = SloserveConfig(cache=CacheConfig(block_size=4),
-                            scheduler=SchedulerConfig(max_batch=16, admission_control=False),
-                            server=ServerConfig(port=0, metrics_port=None))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_batch=16, admission_control=False),
+        server=ServerConfig(port=0, metrics_port=None),
+    )
     engine = AsyncEngine(config, runner=runner)
     server = SloserveServer(config, engine, watchdog_interval_s=0.02)
     await server.start()
@@ -56,7 +58,9 @@ async def test_multiplexed_outputs_match_the_model(served):
     prompts = {f"r{i}": "abcdefgh"[: i + 2] * 3 for i in range(6)}
     call = stub.Stream()
     for rid, text in prompts.items():
-        await call.write(gen(rid, text=text, max_tokens=12, sampling=pb.SamplingParams(ignore_eos=True)))
+        await call.write(
+            gen(rid, text=text, max_tokens=12, sampling=pb.SamplingParams(ignore_eos=True))
+        )
     transcript = Transcript()
     await read_until(call, transcript, set(prompts))
     await call.done_writing()
@@ -65,27 +69,36 @@ async def test_multiplexed_outputs_match_the_model(served):
         assert transcript.tokens(rid) == want
         final = transcript.terminal(rid).final
         assert (final.finish_reason, final.completion_tokens, final.prompt_tokens) == (
-            pb.FINISH_REASON_LENGTH, 12, len(text))
+            pb.FINISH_REASON_LENGTH,
+            12,
+            len(text),
+        )
         assert final.e2e_s >= final.ttft_s >= final.queue_s >= 0
     owners = [m.chunk.request_id for m in transcript.messages if m.WhichOneof("kind") == "chunk"]
     assert sum(a != b for a, b in zip(owners, owners[1:], strict=False)) > len(prompts)
 
 
-async def test_text_prompts_tokenized_by_the_service_stream_what_the_engine_makes_of_the_text(served):
+async def test_text_prompts_tokenized_by_the_service_stream_what_the_engine_makes_of_the_text(
+    served,
+):
     """The service hands the engine token ids; text, tokens and prompt_tokens match the engine given text."""
     _, engine, _, stub = served
     text = "caf\u00e9 \u00e9t\u00e9"  # multi-byte characters: more tokens than characters
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     direct = [out async for out in engine.generate("direct", engine.tokenizer.encode(text), params)]
     call = stub.Stream()
-    await call.write(gen("svc", text=text, max_tokens=10, sampling=pb.SamplingParams(ignore_eos=True)))
+    await call.write(
+        gen("svc", text=text, max_tokens=10, sampling=pb.SamplingParams(ignore_eos=True))
+    )
     transcript = Transcript()
     await read_until(call, transcript, {"svc"})
     await call.done_writing()
     final = transcript.terminal("svc").final
     assert final.prompt_tokens == direct[-1].num_prompt_tokens == len(text.encode())
     assert transcript.tokens("svc") == [t for out in direct for t in out.new_token_ids]
-    assert "".join(c.text for c in transcript.chunks("svc")) == "".join(out.new_text for out in direct)
+    assert "".join(c.text for c in transcript.chunks("svc")) == "".join(
+        out.new_text for out in direct
+    )
 
 
 async def test_cancel_and_disconnect_free_every_block(served):
@@ -93,7 +106,9 @@ async def test_cancel_and_disconnect_free_every_block(served):
     before = (await stub.Info(pb.InfoRequest())).stats
     call = stub.Stream()
     for rid in ("a", "b", "c"):
-        await call.write(gen(rid, text=rid * 9, max_tokens=200, sampling=pb.SamplingParams(ignore_eos=True)))
+        await call.write(
+            gen(rid, text=rid * 9, max_tokens=200, sampling=pb.SamplingParams(ignore_eos=True))
+        )
     transcript = Transcript()
     while not all(transcript.chunks(r) for r in ("a", "b", "c")):
         transcript.messages.append(await call.read())
@@ -114,17 +129,28 @@ async def test_cancel_and_disconnect_free_every_block(served):
 async def test_engine_errors_reach_the_client(served):
     runner, _, _, stub = served
     call = stub.Stream()
-    await call.write(pb.ClientMessage(generate=pb.GenerateRequest(
-        request_id="oov", token_ids=pb.TokenIds(ids=[1, 2, 10**6]))))
+    await call.write(
+        pb.ClientMessage(
+            generate=pb.GenerateRequest(request_id="oov", token_ids=pb.TokenIds(ids=[1, 2, 10**6]))
+        )
+    )
     await call.write(gen("long", text="z" * 300))
-    await call.write(gen("ok", text="fine", max_tokens=3, sampling=pb.SamplingParams(ignore_eos=True)))
+    await call.write(
+        gen("ok", text="fine", max_tokens=3, sampling=pb.SamplingParams(ignore_eos=True))
+    )
     transcript = Transcript()
     await read_until(call, transcript, {"long", "ok", "oov"})
     await call.done_writing()
     long = transcript.terminal("long").error
-    assert long.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "maximum context length is 256" in long.message, long
+    assert (
+        long.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        and "maximum context length is 256" in long.message
+    ), long
     oov = transcript.terminal("oov").error
-    assert oov.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "outside the vocabulary" in oov.message
+    assert (
+        oov.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        and "outside the vocabulary" in oov.message
+    )
     assert transcript.tokens("ok") == reference_tokens(runner, list(b"fine"), 3)
 
 
@@ -143,7 +169,9 @@ class BlockingRunner(FakeRunner):
 
 async def test_health_reacts_to_a_stuck_engine_loop():
     runner = BlockingRunner(num_blocks=64, block_size=4)
-    config = SloserveConfig(cache=CacheConfig(block_size=4), server=ServerConfig(port=0, metrics_port=None))
+    config = SloserveConfig(
+        cache=CacheConfig(block_size=4), server=ServerConfig(port=0, metrics_port=None)
+    )
     engine = AsyncEngine(config, runner=runner, stuck_after_s=0.2)
     server = SloserveServer(config, engine, watchdog_interval_s=0.02)
     await server.start()
@@ -175,4 +203,5 @@ async def wait_status(check, want: int) -> None:
     async def poll() -> None:
         while await check() != want:
             await asyncio.sleep(0.02)
+
     await asyncio.wait_for(poll(), 10)

@@ -32,25 +32,59 @@ def make_self_signed(folder: Path) -> tuple[Path, Path]:
     except ImportError:
         if shutil.which("openssl") is None:
             pytest.skip("needs the cryptography package or the openssl CLI to make a certificate")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
-                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-addext",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
+        )
         return cert, key
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
     certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(private, hashes.SHA256())
     )
     cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert, key
 
 
@@ -59,18 +93,25 @@ async def test_auth_off_needs_no_token():
         assert (await stub.Info(pb.InfoRequest())).model == "default"
 
 
-@pytest.mark.parametrize(("metadata", "needle"), [
-    (None, "missing bearer token"),
-    ((("authorization", "Bearer wrong"),), "wrong bearer token"),
-    ((("authorization", TOKEN),), "wrong bearer token"),  # the scheme is required
-])
+@pytest.mark.parametrize(
+    ("metadata", "needle"),
+    [
+        (None, "missing bearer token"),
+        ((("authorization", "Bearer wrong"),), "wrong bearer token"),
+        ((("authorization", TOKEN),), "wrong bearer token"),  # the scheme is required
+    ],
+)
 async def test_auth_on_rejects_every_call_without_the_token(metadata, needle):
     async with live_server(auth_token=TOKEN) as (_, stub, channel):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Info(pb.InfoRequest(), metadata=metadata)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and needle in info.value.details()
+        assert (
+            info.value.code() == grpc.StatusCode.UNAUTHENTICATED and needle in info.value.details()
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub.Generate(pb.GenerateRequest(request_id="g", text="hi"), metadata=metadata):
+            async for _ in stub.Generate(
+                pb.GenerateRequest(request_id="g", text="hi"), metadata=metadata
+            ):
                 pass
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         call = stub.Stream(metadata=metadata)
@@ -80,7 +121,9 @@ async def test_auth_on_rejects_every_call_without_the_token(metadata, needle):
             await call.write(gen("s"))
         assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         # Health probes are exempt: Kubernetes gRPC probes cannot send metadata.
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), metadata=metadata)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), metadata=metadata
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -99,8 +142,17 @@ async def test_auth_on_accepts_the_token():
 async def test_tls_on(tmp_path):
     cert, key = make_self_signed(tmp_path)
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-    async with live_server(tls_cert=str(cert), tls_key=str(key), credentials=creds) as (server, stub, _):
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="t", text="hi", max_tokens=2))]
+    async with live_server(tls_cert=str(cert), tls_key=str(key), credentials=creds) as (
+        server,
+        stub,
+        _,
+    ):
+        msgs = [
+            m
+            async for m in stub.Generate(
+                pb.GenerateRequest(request_id="t", text="hi", max_tokens=2)
+            )
+        ]
         assert msgs[-1].final.completion_tokens == 2
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as plain:
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -111,11 +163,15 @@ async def test_tls_on(tmp_path):
 async def test_tls_and_auth_together(tmp_path):
     cert, key = make_self_signed(tmp_path)
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-    async with live_server(tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN, credentials=creds) as (_, stub, _):
+    async with live_server(
+        tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN, credentials=creds
+    ) as (_, stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Info(pb.InfoRequest())
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        info_ok = await stub.Info(pb.InfoRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),))
+        info_ok = await stub.Info(
+            pb.InfoRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
         assert info_ok.stats.kv_blocks_total > 0
 
 

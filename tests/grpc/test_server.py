@@ -23,17 +23,25 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 async def test_generate_streams_chunks_then_one_final():
     async with live_server(FakeEngine(step_s=0.001)) as (_, stub, _):
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(request_id="g", text="abc", max_tokens=5))]
+        msgs = [
+            m
+            async for m in stub.Generate(
+                pb.GenerateRequest(request_id="g", text="abc", max_tokens=5)
+            )
+        ]
         kinds = [m.WhichOneof("kind") for m in msgs]
         assert kinds == ["chunk"] * 5 + ["final"]
         assert msgs[-1].final.completion_tokens == 5 and msgs[-1].final.prompt_tokens == 3
         assert msgs[-1].final.e2e_s >= msgs[-1].final.ttft_s > 0
 
 
-@pytest.mark.parametrize(("request_kw", "code", "needle"), [
-    ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-    ({"text": "hi", "max_tokens": 9999}, grpc.StatusCode.INVALID_ARGUMENT, "limit of 4096"),
-])
+@pytest.mark.parametrize(
+    ("request_kw", "code", "needle"),
+    [
+        ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        ({"text": "hi", "max_tokens": 9999}, grpc.StatusCode.INVALID_ARGUMENT, "limit of 4096"),
+    ],
+)
 async def test_generate_errors_are_statuses(request_kw, code, needle):
     async with live_server() as (_, stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -50,7 +58,10 @@ async def test_generate_refused_is_resource_exhausted():
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in stub.Generate(pb.GenerateRequest(request_id="b", text="hi")):
                 pass
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue_full" in info.value.details()
+        assert (
+            info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "queue_full" in info.value.details()
+        )
         first.cancel()
         await wait_for(lambda: not engine.reqs)  # the cancelled Generate freed its blocks
 
@@ -66,10 +77,18 @@ async def test_service_prompt_limit_is_invalid_argument():
 
 
 async def test_info_reports_model_limits_and_stats():
-    async with live_server(FakeEngine(num_blocks=32, block_size=8, max_model_len=128)) as (_, stub, _):
+    async with live_server(FakeEngine(num_blocks=32, block_size=8, max_model_len=128)) as (
+        _,
+        stub,
+        _,
+    ):
         info = await stub.Info(pb.InfoRequest())
         assert (info.model, info.architecture, info.max_model_len, info.block_size) == (
-            "default", "FakeForCausalLM", 128, 8)
+            "default",
+            "FakeForCausalLM",
+            128,
+            8,
+        )
         assert info.max_prompt_tokens == 127 and info.max_tokens_limit == 4096 and info.version
         assert info.stats.kv_blocks_total == info.stats.kv_blocks_free == 32
 
@@ -79,11 +98,15 @@ async def test_exceptions_become_internal_status():
 
     def broken():
         raise RuntimeError("stats exploded")
+
     engine.stats = broken
     async with live_server(engine) as (_, stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Info(pb.InfoRequest())
-        assert info.value.code() == grpc.StatusCode.INTERNAL and "stats exploded" in info.value.details()
+        assert (
+            info.value.code() == grpc.StatusCode.INTERNAL
+            and "stats exploded" in info.value.details()
+        )
 
 
 async def test_health_follows_loading_and_a_stuck_loop():
@@ -132,14 +155,20 @@ async def test_reflection_lists_the_service():
         resp = await call.read()
         names = {s.name for s in resp.list_services_response.service}
         assert {"sloserve.v1.Sloserve", "grpc.health.v1.Health"} <= names
-        await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol="sloserve.v1.Sloserve"))
+        await call.write(
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="sloserve.v1.Sloserve")
+        )
         resp = await call.read()
         assert resp.file_descriptor_response.file_descriptor_proto
         await call.done_writing()
 
 
 async def test_metrics_page_parses_and_counts():
-    async with live_server(FakeEngine(max_running=2, step_s=0.001), metrics_port=0) as (server, stub, _):
+    async with live_server(FakeEngine(max_running=2, step_s=0.001), metrics_port=0) as (
+        server,
+        stub,
+        _,
+    ):
         call = stub.Stream()
         for rid in ("a", "b", "c"):
             await call.write(gen(rid, max_tokens=4))
@@ -147,11 +176,16 @@ async def test_metrics_page_parses_and_counts():
         await read_until(call, Transcript(), {"a", "b", "c", "bad"})
         await call.done_writing()
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+        )
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert all(s.labels["model_name"] == "default" for f in families.values() for s in f.samples)
-    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-               for f in families.values() for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
     assert samples[("sloserve_requests_total", (("outcome", "length"),))] == 2
     assert samples[("sloserve_requests_total", (("outcome", "resource_exhausted"),))] == 1
     assert samples[("sloserve_requests_total", (("outcome", "invalid_argument"),))] == 1
@@ -159,8 +193,13 @@ async def test_metrics_page_parses_and_counts():
     assert samples[("sloserve_ttft_seconds_count", ())] == 2
     assert samples[("sloserve_tpot_seconds_count", ())] == 2
     assert samples[("sloserve_e2e_seconds_count", ())] == 2
-    for name in ("sloserve_waiting_requests", "sloserve_running_requests", "sloserve_kv_blocks_in_use",
-                 "sloserve_prefix_hit_rate", "sloserve_preemptions"):
+    for name in (
+        "sloserve_waiting_requests",
+        "sloserve_running_requests",
+        "sloserve_kv_blocks_in_use",
+        "sloserve_prefix_hit_rate",
+        "sloserve_preemptions",
+    ):
         assert name in families, name
     assert samples[("sloserve_kv_blocks_in_use", ())] == 0
 
@@ -195,7 +234,9 @@ async def test_drain_past_grace_cancels_the_rest():
         assert await server.drain(grace_s=0.2) is False
         await wait_for(lambda: not engine.reqs)
         transcript = Transcript()
-        await read_until(call, transcript, {"slow"})  # not dropped silently: a RequestError, then the end
+        await read_until(
+            call, transcript, {"slow"}
+        )  # not dropped silently: a RequestError, then the end
         err = transcript.terminal("slow").error
         assert err.code == grpc.StatusCode.UNAVAILABLE.value[0] and err.reason == "shutdown", err
         assert await call.read() is grpc.aio.EOF
@@ -225,8 +266,9 @@ async def test_grpc_deadline_ends_the_call_and_frees_the_request():
     engine = FakeEngine(step_s=0.01)
     async with live_server(engine) as (_, stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub.Generate(pb.GenerateRequest(request_id="slow", text="hi", max_tokens=200),
-                                         timeout=0.3):
+            async for _ in stub.Generate(
+                pb.GenerateRequest(request_id="slow", text="hi", max_tokens=200), timeout=0.3
+            ):
                 pass
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         (slo,) = engine.slos.values()
@@ -245,8 +287,13 @@ async def test_generate_failure_after_queueing_is_its_status(caplog):
                 pass
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.details() == "waited 30 s in the queue (reason: queue_timeout)"
-        counts = {s.labels["outcome"]: s.value for m in server.metrics.registry.collect()
-                  if m.name == "sloserve_requests" for s in m.samples if s.name.endswith("_total")}
+        counts = {
+            s.labels["outcome"]: s.value
+            for m in server.metrics.registry.collect()
+            if m.name == "sloserve_requests"
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
         assert counts == {"resource_exhausted": 1.0}
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
@@ -264,7 +311,9 @@ class _EndedContext:
 
 
 async def test_end_call_is_quiet_when_the_call_is_already_over():
-    ended = _EndedContext(RuntimeError('Failed "execute_batch"'))  # what grpc raises after a passed deadline
+    ended = _EndedContext(
+        RuntimeError('Failed "execute_batch"')
+    )  # what grpc raises after a passed deadline
     await end_call(ended, grpc.StatusCode.DEADLINE_EXCEEDED, "too late")
     assert ended.aborts == 1
     sent = _EndedContext(grpc.aio.AbortError())  # the status went out: the handler must stop

@@ -27,7 +27,9 @@ async def test_many_requests_multiplexed_with_one_terminal_each():
         transcript = Transcript()
         await read_until(call, transcript, set(ids))
         await call.done_writing()
-        assert await call.read() is grpc.aio.EOF  # the server ends the stream after the last terminal
+        assert (
+            await call.read() is grpc.aio.EOF
+        )  # the server ends the stream after the last terminal
         assert await call.code() == grpc.StatusCode.OK
         for i, rid in enumerate(ids):
             final = transcript.terminal(rid).final
@@ -35,15 +37,22 @@ async def test_many_requests_multiplexed_with_one_terminal_each():
             assert final.completion_tokens == 6 + i
             assert final.prompt_tokens == len(f"prompt {i}")
             assert transcript.tokens(rid) == expected_tokens(f"prompt {i}", 6 + i)
-            assert "".join(c.text for c in transcript.chunks(rid)) == "".join(map(chr, expected_tokens(f"prompt {i}", 6 + i)))
+            assert "".join(c.text for c in transcript.chunks(rid)) == "".join(
+                map(chr, expected_tokens(f"prompt {i}", 6 + i))
+            )
         # interleaved: the sequence of chunk owners switches far more often than once per request
-        owners = [m.chunk.request_id for m in transcript.messages if m.WhichOneof("kind") == "chunk"]
+        owners = [
+            m.chunk.request_id for m in transcript.messages if m.WhichOneof("kind") == "chunk"
+        ]
         switches = sum(a != b for a, b in zip(owners, owners[1:], strict=False))
         assert switches > 2 * len(ids)
         # nothing arrives for a request after its terminal message
         for rid in ids:
-            last = max(i for i, m in enumerate(transcript.messages)
-                       if getattr(m, m.WhichOneof("kind")).request_id == rid)
+            last = max(
+                i
+                for i, m in enumerate(transcript.messages)
+                if getattr(m, m.WhichOneof("kind")).request_id == rid
+            )
             assert transcript.messages[last].WhichOneof("kind") == "final"
 
 
@@ -99,20 +108,70 @@ def _sampling(**kw) -> pb.SamplingParams:
 @pytest.mark.parametrize(
     ("message", "code", "reason", "needle"),
     [
-        (gen("e1", text=""), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "prompt is empty"),
-        (pb.ClientMessage(generate=pb.GenerateRequest(request_id="e2", token_ids=pb.TokenIds(ids=[]))),
-         grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "prompt is empty"),
-        (gen("e3", text="y" * 300), grpc.StatusCode.INVALID_ARGUMENT, "context_length_exceeded", "context length"),
-        (gen("e4", sampling=_sampling(temperature=-1.0)), grpc.StatusCode.INVALID_ARGUMENT,
-         "invalid_argument", "temperature"),
-        (gen("e5", sampling=_sampling(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "top_p"),
-        (gen("e6", sampling=_sampling(stop=[""])), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "stop"),
-        (gen("e7", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "max_tokens"),
-        (gen("e8", max_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "limit of 4096"),
+        (
+            gen("e1", text=""),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "prompt is empty",
+        ),
+        (
+            pb.ClientMessage(
+                generate=pb.GenerateRequest(request_id="e2", token_ids=pb.TokenIds(ids=[]))
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "prompt is empty",
+        ),
+        (
+            gen("e3", text="y" * 300),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "context_length_exceeded",
+            "context length",
+        ),
+        (
+            gen("e4", sampling=_sampling(temperature=-1.0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "temperature",
+        ),
+        (
+            gen("e5", sampling=_sampling(top_p=1.5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "top_p",
+        ),
+        (
+            gen("e6", sampling=_sampling(stop=[""])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "stop",
+        ),
+        (
+            gen("e7", max_tokens=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "max_tokens",
+        ),
+        (
+            gen("e8", max_tokens=5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "limit of 4096",
+        ),
         (gen("", max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "request_id"),
-        (gen("e9", slo=pb.Slo(ttft_s=-1)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "ttft_s"),
+        (
+            gen("e9", slo=pb.Slo(ttft_s=-1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "ttft_s",
+        ),
         (cancel("nope"), grpc.StatusCode.INVALID_ARGUMENT, "unknown_id", "no live request"),
-        (pb.ClientMessage(), grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "set generate or cancel"),
+        (
+            pb.ClientMessage(),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_argument",
+            "set generate or cancel",
+        ),
     ],
 )
 async def test_bad_input_gets_its_status_and_the_stream_goes_on(message, code, reason, needle):
@@ -139,8 +198,12 @@ async def test_duplicate_id_is_refused_without_a_second_terminal_for_that_id():
         while not any(m.WhichOneof("kind") == "error" for m in transcript.messages):
             transcript.messages.append(await call.read())
         err = [m.error for m in transcript.messages if m.WhichOneof("kind") == "error"][0]
-        assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and err.reason == "duplicate_id"
-        assert err.request_id == "" and "'same' is already live" in err.message  # the message names the id
+        assert (
+            err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and err.reason == "duplicate_id"
+        )
+        assert (
+            err.request_id == "" and "'same' is already live" in err.message
+        )  # the message names the id
         await read_until(call, transcript, {"same"})
         # the live request is unaffected, and a client tracking by id sees exactly one terminal for it
         assert transcript.terminal("same").final.completion_tokens == 20
@@ -207,7 +270,9 @@ async def test_grpc_deadline_becomes_the_e2e_slo():
         await read_until(call, Transcript(), {"d", "explicit"})
         await call.done_writing()
         slos = {rid.split(":", 1)[1]: slo for rid, slo in engine.slos.items()}
-        assert 0 < slos["d"].e2e_s <= 30 * 1.1 and slos["d"].ttft_s is None  # within 10%: the server measures the deadline on its own clock
+        assert (
+            0 < slos["d"].e2e_s <= 30 * 1.1 and slos["d"].ttft_s is None
+        )  # within 10%: the server measures the deadline on its own clock
         assert (slos["explicit"].e2e_s, slos["explicit"].ttft_s) == (5.0, 1.0)
         # without a deadline and without an SLO the engine gets None
         call2 = stub.Stream()
@@ -224,7 +289,9 @@ async def test_same_client_ids_on_two_streams_do_not_collide():
         for call in calls:
             await call.write(gen("same", max_tokens=5))
         transcripts = [Transcript(), Transcript()]
-        await asyncio.gather(*(read_until(c, t, {"same"}) for c, t in zip(calls, transcripts, strict=True)))
+        await asyncio.gather(
+            *(read_until(c, t, {"same"}) for c, t in zip(calls, transcripts, strict=True))
+        )
         for t in transcripts:
             assert t.terminal("same").final.completion_tokens == 5
         for call in calls:
@@ -243,9 +310,11 @@ async def test_requests_before_the_model_is_ready_are_unavailable():
 
 async def test_failures_after_queueing_map_to_statuses():
     engine = FakeEngine(step_s=0.002)
-    engine.late_failures = {"late": ("queue_timeout", "waited 30 s in the queue"),
-                            "past": ("deadline_passed", "the e2e deadline passed while queued"),
-                            "boom": (None, "CUDA error: device-side assert")}
+    engine.late_failures = {
+        "late": ("queue_timeout", "waited 30 s in the queue"),
+        "past": ("deadline_passed", "the e2e deadline passed while queued"),
+        "boom": (None, "CUDA error: device-side assert"),
+    }
     async with live_server(engine) as (_, stub, _):
         call = stub.Stream()
         for rid in ("late", "past", "boom"):
@@ -254,9 +323,15 @@ async def test_failures_after_queueing_map_to_statuses():
         transcript = Transcript()
         await read_until(call, transcript, {"late", "past", "boom", "fine"})
         late, past, boom = (transcript.terminal(r).error for r in ("late", "past", "boom"))
-        assert (late.code, late.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "queue_timeout")
+        assert (late.code, late.reason) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            "queue_timeout",
+        )
         assert "waited 30 s" in late.message
-        assert (past.code, past.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "deadline_passed")
+        assert (past.code, past.reason) == (
+            grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+            "deadline_passed",
+        )
         assert (boom.code, boom.reason) == (grpc.StatusCode.INTERNAL.value[0], "internal")
         assert "device-side assert" in boom.message
         assert transcript.terminal("fine").final.completion_tokens == 3

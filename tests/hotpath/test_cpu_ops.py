@@ -7,8 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from sloserve.layers import norm, rope  # noqa: E402
 
-pytestmark = pytest.mark.skipif(norm._kernel is None or rope._kernel is None,
-                                reason="the compiled extensions are not built (or SLOSERVE_NO_EXTENSIONS)")
+pytestmark = pytest.mark.skipif(
+    norm._kernel is None or rope._kernel is None,
+    reason="the compiled extensions are not built (or SLOSERVE_NO_EXTENSIONS)",
+)
 
 
 def torch_rms_norm(x, weight, eps):
@@ -29,7 +31,9 @@ def test_rms_norm_matches_float64_within_float32_rounding(rows, dim):
     weight = torch.randn(dim, generator=gen)
     got = norm.rms_norm(x, weight, 1e-5)
     torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-5), rtol=2e-6, atol=2e-6)
-    traced = norm.rms_norm(x.t().contiguous().t(), weight, 1e-5) if rows > 1 else got  # strided: torch ops
+    traced = (
+        norm.rms_norm(x.t().contiguous().t(), weight, 1e-5) if rows > 1 else got
+    )  # strided: torch ops
     torch.testing.assert_close(traced, got, rtol=2e-6, atol=2e-6)
 
 

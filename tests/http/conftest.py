@@ -12,8 +12,10 @@ from sloserve.testing.server_process import ServerProcess
 TOKEN = "http-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SLOW = "slowstep"  # a request whose x-request-id holds this takes 10 ms more per step (sloserve.testing.faults)
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 class HttpServerProcess(ServerProcess):
@@ -26,13 +28,31 @@ class HttpServerProcess(ServerProcess):
 
 
 def start(model: Path, template: Path | None, *extra: str, credentials=None) -> HttpServerProcess:
-    args = ["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--metrics-port", "off",
-            "--http-port", "auto", "--log-format", "json", "--max-model-len", "256", *extra]
+    args = [
+        "serve",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--metrics-port",
+        "off",
+        "--http-port",
+        "auto",
+        "--log-format",
+        "json",
+        "--max-model-len",
+        "256",
+        *extra,
+    ]
     if template is not None:
         args += ["--chat-template", str(template)]
     server = HttpServerProcess(args)
     try:
-        server.wait_ready(60, credentials=credentials, metadata=[("authorization", f"Bearer {TOKEN}")])
+        server.wait_ready(
+            60, credentials=credentials, metadata=[("authorization", f"Bearer {TOKEN}")]
+        )
     except BaseException:
         server.kill()
         raise
@@ -50,8 +70,16 @@ def chat_template(tmp_path_factory) -> Path:
 def http_server(tiny_llama: Path, chat_template: Path) -> Iterator[HttpServerProcess]:
     """Auth on, a chat template, at most 4 requests running at once (so a flood is 10x capacity),
     and steps slowed for requests marked SLOW."""
-    server = start(tiny_llama, chat_template, "--auth-token", TOKEN, "--max-batch", "4",
-                   "--inject-faults", f"slow-step:{SLOW}=0.01")
+    server = start(
+        tiny_llama,
+        chat_template,
+        "--auth-token",
+        TOKEN,
+        "--max-batch",
+        "4",
+        "--inject-faults",
+        f"slow-step:{SLOW}=0.01",
+    )
     try:
         yield server
     finally:
@@ -61,7 +89,9 @@ def http_server(tiny_llama: Path, chat_template: Path) -> Iterator[HttpServerPro
 @pytest.fixture(scope="module")
 def client(http_server) -> openai.OpenAI:
     """The official openai client on the session's server (no retries: a test sees every answer)."""
-    with openai.OpenAI(base_url=f"{http_server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60) as c:
+    with openai.OpenAI(
+        base_url=f"{http_server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60
+    ) as c:
         yield c
 
 

@@ -7,11 +7,17 @@ from click.testing import CliRunner
 from sloserve.cli.main import cli
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--http-port", "nine"], "--http-port must be a port in 1..65535, 'auto' or 'off' (or 0)"),
-    (["--http-port", "70000"], "--http-port must be a port in 1..65535"),
-    (["--chat-template", "/no/template.jinja"], "--chat-template '/no/template.jinja' is not a readable file"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--http-port", "nine"], "--http-port must be a port in 1..65535, 'auto' or 'off' (or 0)"),
+        (["--http-port", "70000"], "--http-port must be a port in 1..65535"),
+        (
+            ["--chat-template", "/no/template.jinja"],
+            "--chat-template '/no/template.jinja' is not a readable file",
+        ),
+    ],
+)
 def test_bad_http_flags_are_one_line_errors(args, needle):
     result = CliRunner().invoke(cli, ["serve", *args])
     assert result.exit_code == 2, result.output

@@ -33,7 +33,9 @@ async def edges(engine: FakeEngine, *, start_engine: bool = True):
     if start_engine:
         await wait_for(lambda: lifecycle.ready)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_server.port}", timeout=30) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_server.port}", timeout=30
+        ) as client:
             yield lifecycle, client
     finally:
         await lifecycle.stop()

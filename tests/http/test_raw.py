@@ -29,8 +29,14 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 def test_sse_framing_byte_for_byte(http, tiny_llama):
-    body = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "abc",
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         assert reply.headers["content-type"].startswith("text/event-stream")
@@ -38,31 +44,71 @@ def test_sse_framing_byte_for_byte(http, tiny_llama):
         raw = b"".join(reply.iter_raw())
     events = _events(raw)
     assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: {") for e in events[:-1])
-    chunks = [orjson.loads(e[len(b"data: "):]) for e in events[:-1]]
-    head = {"id": chunks[0]["id"], "object": "text_completion", "created": chunks[0]["created"],
-            "model": str(tiny_llama)}
+    chunks = [orjson.loads(e[len(b"data: ") :]) for e in events[:-1]]
+    head = {
+        "id": chunks[0]["id"],
+        "object": "text_completion",
+        "created": chunks[0]["created"],
+        "model": str(tiny_llama),
+    }
     texts = [c["choices"][0]["text"] for c in chunks[:-2]]
     usage = chunks[-1]["usage"]
     # include_usage: every chunk carries `usage`, null until the last one (as OpenAI's API streams)
-    expected = [{**head, "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": None}], "usage": None}
-                for t in texts]
-    expected.append({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
-                     "usage": None})
-    expected.append({**head, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
-                                                     "prompt_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}}})
-    assert raw == b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in expected) + b"data: [DONE]\n\n"
+    expected = [
+        {
+            **head,
+            "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": None}],
+            "usage": None,
+        }
+        for t in texts
+    ]
+    expected.append(
+        {
+            **head,
+            "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
+            "usage": None,
+        }
+    )
+    expected.append(
+        {
+            **head,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 4,
+                "completion_tokens": 5,
+                "total_tokens": 9,
+                "prompt_tokens_details": {
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
+                },
+            },
+        }
+    )
+    assert (
+        raw
+        == b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in expected) + b"data: [DONE]\n\n"
+    )
 
 
 def test_chat_sse_opens_with_the_role_and_closes_with_the_finish_reason(http):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     raw = http.post("/v1/chat/completions", json=body).content
     events = _events(raw)
-    chunks = [orjson.loads(e[len(b"data: "):]) for e in events[:-1]]
+    chunks = [orjson.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert events[-1] == b"data: [DONE]"
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
 
 
@@ -102,21 +148,44 @@ def test_a_bad_field_is_an_openai_error_naming_it(http, body, status, names):
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert names in (error["param"], error["code"]), error
-    assert error["message"] and error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    assert error["message"] and error["type"] == (
+        "invalid_request_error" if status == 400 else "not_found_error"
+    )
 
 
 def test_unknown_fields_are_ignored(http):
-    body = {"prompt": "x", "max_tokens": 2, "echo": False, "no_stop_trim": True, "skip_special_tokens": False,
-            "return_hidden_states": False, "n": 1, "min_tokens": 0, "priority": 3, "something_new": {"a": 1}}
+    body = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "echo": False,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "return_hidden_states": False,
+        "n": 1,
+        "min_tokens": 0,
+        "priority": 3,
+        "something_new": {"a": 1},
+    }
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_chat_errors(http, http_server):
-    assert http.post("/v1/chat/completions", json={"messages": []}).json()["error"]["param"] == "messages"
+    assert (
+        http.post("/v1/chat/completions", json={"messages": []}).json()["error"]["param"]
+        == "messages"
+    )
     bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
-    assert http.post("/v1/chat/completions", json=bad_part).json()["error"]["param"] == "messages[0].content[0]"
-    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                   "top_logprobs": 2}).json()["error"]["param"] == "top_logprobs"
+    assert (
+        http.post("/v1/chat/completions", json=bad_part).json()["error"]["param"]
+        == "messages[0].content[0]"
+    )
+    assert (
+        http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        ).json()["error"]["param"]
+        == "top_logprobs"
+    )
 
 
 def test_not_json_missing_and_wrong_tokens(http_server):
@@ -149,7 +218,13 @@ def _stats(server):
 def test_a_client_that_disconnects_frees_every_kv_block(http_server, stream):
     """240 tokens at >= 10 ms a step take >= 2.4 s: the client leaves long before that."""
     before = _stats(http_server)
-    body = {"prompt": "a long story", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": stream}
+    body = {
+        "prompt": "a long story",
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     headers = {**AUTH, "x-request-id": f"{SLOW}-{stream}"}
     if stream:
         with httpx.Client(base_url=http_server.url, headers=headers, timeout=60) as c:
@@ -166,7 +241,9 @@ def test_a_client_that_disconnects_frees_every_kv_block(http_server, stream):
             httpx.post(f"{http_server.url}/v1/completions", json=body, headers=headers, timeout=0.3)
     after = http_server.wait_quiescent(30, metadata=META)
     assert quiescent(after), describe(after)
-    assert after.generated_tokens_total - before.generated_tokens_total < 240, "it ran to the end instead"
+    assert after.generated_tokens_total - before.generated_tokens_total < 240, (
+        "it ran to the end instead"
+    )
 
 
 async def test_a_flood_at_10x_capacity_is_refused_with_429_and_nothing_is_lost(http_server):
@@ -177,13 +254,18 @@ async def test_a_flood_at_10x_capacity_is_refused_with_429_and_nothing_is_lost(h
     once the decode step got faster, all 40 were sometimes admitted (2 of 5 runs here), and the
     test failed on "nothing refused".
     """
-    async with httpx.AsyncClient(base_url=http_server.url, headers=AUTH, timeout=60,
-                                 limits=httpx.Limits(max_connections=64)) as c:
-        await c.post("/v1/completions", json={"prompt": "warm", "max_tokens": 8, "ignore_eos": True})
+    async with httpx.AsyncClient(
+        base_url=http_server.url, headers=AUTH, timeout=60, limits=httpx.Limits(max_connections=64)
+    ) as c:
+        await c.post(
+            "/v1/completions", json={"prompt": "warm", "max_tokens": 8, "ignore_eos": True}
+        )
         body = {"prompt": "flood", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
         headers = {"x-slo-ttft-ms": "50"}
         t0 = time.monotonic()
-        replies = await asyncio.gather(*(c.post("/v1/completions", json=body, headers=headers) for _ in range(40)))
+        replies = await asyncio.gather(
+            *(c.post("/v1/completions", json=body, headers=headers) for _ in range(40))
+        )
         took = time.monotonic() - t0
     codes = [r.status_code for r in replies]
     assert len(replies) == 40 and set(codes) <= {200, 429}, codes
@@ -192,7 +274,9 @@ async def test_a_flood_at_10x_capacity_is_refused_with_429_and_nothing_is_lost(h
     for r in refused:
         code = r.json()["error"]["code"]
         assert code in ("slo_unattainable", "queue_full", "deadline_passed")
-        if code == "queue_full":  # a retry later may find room; an objective that cannot be met stays so
+        if (
+            code == "queue_full"
+        ):  # a retry later may find room; an objective that cannot be met stays so
             assert r.headers["retry-after"].isdigit() and r.headers["retry-after-ms"].isdigit()
         else:
             assert r.headers["x-should-retry"] == "false"

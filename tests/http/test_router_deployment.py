@@ -19,11 +19,17 @@ from sloserve.testing.ports import free_port
 
 from tests.http.conftest import HttpServerProcess, start
 
-pytest.importorskip("sglang_router", reason="SGLang Model Gateway is not installed: pip install sglang-router==0.3.2")
+pytest.importorskip(
+    "sglang_router",
+    reason="SGLang Model Gateway is not installed: pip install sglang-router==0.3.2",
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 MODEL = "tiny"  # --served-model-name: the id the router must learn from /server_info
-PROMPTS = [f"Input:\n{a}{b}\n{b}{a}\nOutput:\n" for a, b in ("12", "34", "56", "78", "90", "13", "57", "24")]
+PROMPTS = [
+    f"Input:\n{a}{b}\n{b}{a}\nOutput:\n"
+    for a, b in ("12", "34", "56", "78", "90", "13", "57", "24")
+]
 BODY = {"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
 
 
@@ -34,12 +40,31 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        argv = [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *workers, "--policy", "round_robin", "--log-level", "info",
-                # NOTE: its Prometheus exporter binds 0.0.0.0:29000 unless told, and panics if that is taken
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang_router",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--worker-urls",
+            *workers,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "info",
+            # NOTE: its Prometheus exporter binds 0.0.0.0:29000 unless told, and panics if that is taken
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ]
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
 
     def wait_workers(self, count: int, timeout: float = 30.0) -> list[dict]:
         """The router's /workers once `count` healthy workers are registered under a known model."""
@@ -49,7 +74,9 @@ class Router:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 workers = httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
-                if len(workers) == count and all(w["is_healthy"] and w["model_id"] != "unknown" for w in workers):
+                if len(workers) == count and all(
+                    w["is_healthy"] and w["model_id"] != "unknown" for w in workers
+                ):
                     return workers
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
@@ -72,14 +99,21 @@ class Router:
 def requests_served(replica: HttpServerProcess) -> float:
     """sloserve_requests_total summed over outcomes, from the replica's own /metrics."""
     text = httpx.get(f"{replica.url}/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "sloserve_requests"
-               for sample in family.samples if sample.name == "sloserve_requests_total")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "sloserve_requests"
+        for sample in family.samples
+        if sample.name == "sloserve_requests_total"
+    )
 
 
 @pytest.fixture(scope="module")
 def replicas(tiny_llama: Path) -> Iterator[list[HttpServerProcess]]:
     with ThreadPoolExecutor(2) as pool:  # both load at once
-        futures = [pool.submit(start, tiny_llama, None, "--served-model-name", MODEL) for _ in range(2)]
+        futures = [
+            pool.submit(start, tiny_llama, None, "--served-model-name", MODEL) for _ in range(2)
+        ]
         servers = [future.result() for future in futures]
     try:
         yield servers
@@ -106,10 +140,16 @@ def test_round_robin_spreads_completions_and_keeps_greedy_tokens(replicas, route
     workers = router.wait_workers(2)
     assert sorted(w["url"] for w in workers) == sorted(r.url for r in replicas)
     assert {w["model_id"] for w in workers} == {MODEL}  # learned from /server_info, not "unknown"
-    assert [m["id"] for m in httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"]] == [MODEL]
+    assert [m["id"] for m in httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"]] == [
+        MODEL
+    ]
 
-    direct = [httpx.post(f"{replicas[0].url}/v1/completions", json={**BODY, "prompt": p}, timeout=30).json()
-              for p in PROMPTS]
+    direct = [
+        httpx.post(
+            f"{replicas[0].url}/v1/completions", json={**BODY, "prompt": p}, timeout=30
+        ).json()
+        for p in PROMPTS
+    ]
     before = [requests_served(r) for r in replicas]
     routed = []
     with httpx.Client(base_url=router.url, timeout=30) as client:
@@ -124,17 +164,27 @@ def test_round_robin_spreads_completions_and_keeps_greedy_tokens(replicas, route
         assert mine["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
         assert mine["choices"][0]["text"] == theirs["choices"][0]["text"]
         assert mine["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
-    assert sum(len(reply["choices"][0]["token_ids"]) for reply in direct) > len(PROMPTS)  # not all empty
+    assert sum(len(reply["choices"][0]["token_ids"]) for reply in direct) > len(
+        PROMPTS
+    )  # not all empty
 
 
 def test_a_stream_through_the_router_carries_the_same_text(replicas, router):
     router.wait_workers(2)
     body = {**BODY, "prompt": PROMPTS[0]}
-    whole = httpx.post(f"{replicas[1].url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    whole = httpx.post(f"{replicas[1].url}/v1/completions", json=body, timeout=30).json()[
+        "choices"
+    ][0]
     text, tokens = "", []
-    with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=30) as reply:
-        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
-        events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    with httpx.stream(
+        "POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=30
+    ) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        events = [
+            line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")
+        ]
     assert events[-1] == "[DONE]"
     for event in events[:-1]:
         choice = orjson.loads(event)["choices"][0]
@@ -146,6 +196,11 @@ def test_a_stream_through_the_router_carries_the_same_text(replicas, router):
 def test_objectives_in_the_body_reach_the_replica(router):
     """smg 0.3.2 forwards the body as is but not the x-slo-* headers: through it, objectives go in `slo`."""
     router.wait_workers(2)
-    reply = httpx.post(f"{router.url}/v1/completions", timeout=30,
-                       json={**BODY, "prompt": PROMPTS[0], "slo": {"ttft_s": 1e-6}})
-    assert reply.status_code == 504 and reply.json()["error"]["code"] == "deadline_passed", reply.text
+    reply = httpx.post(
+        f"{router.url}/v1/completions",
+        timeout=30,
+        json={**BODY, "prompt": PROMPTS[0], "slo": {"ttft_s": 1e-6}},
+    )
+    assert reply.status_code == 504 and reply.json()["error"]["code"] == "deadline_passed", (
+        reply.text
+    )

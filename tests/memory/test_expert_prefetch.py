@@ -13,8 +13,10 @@ HIDDEN, INTER = 16, 12
 
 def weights(num_experts: int, seed: int, inter: int = INTER) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_experts, 2 * inter, HIDDEN, generator=gen) * 0.3,
-            torch.randn(num_experts, HIDDEN, inter, generator=gen) * 0.3)
+    return (
+        torch.randn(num_experts, 2 * inter, HIDDEN, generator=gen) * 0.3,
+        torch.randn(num_experts, HIDDEN, inter, generator=gen) * 0.3,
+    )
 
 
 def forced(choices: list[list[int]], num_experts: int) -> torch.Tensor:
@@ -26,7 +28,9 @@ def forced(choices: list[list[int]], num_experts: int) -> torch.Tensor:
     return logits
 
 
-def run(store: ExpertStore, choices: list[list[int]], layer: int = 0, seed: int = 0) -> torch.Tensor:
+def run(
+    store: ExpertStore, choices: list[list[int]], layer: int = 0, seed: int = 0
+) -> torch.Tensor:
     x = torch.randn(len(choices), HIDDEN, generator=torch.Generator().manual_seed(seed))
     return moe_forward(x, forced(choices, store.num_experts), store, layer, len(choices[0]), True)
 
@@ -71,7 +75,9 @@ def test_entering_a_layer_prefetches_the_next_moe_layer():
     run(store, [[0]], layer=1)  # layer 1 begins: layer 3's prediction is copied in
     assert store.counters.prefetches == 1 and store.resident() == [1, 1]
     run(store, [[3]], layer=3)
-    assert store.counters.prefetches_used == 1 and store.misses == 1  # only layer 1's expert 0 missed
+    assert (
+        store.counters.prefetches_used == 1 and store.misses == 1
+    )  # only layer 1's expert 0 missed
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
@@ -86,8 +92,10 @@ def test_wrong_predictions_cost_bytes_never_results(slots):
         guess = [torch.randperm(6, generator=gen)[:3].tolist() for _ in range(2)]
         store.begin_step(guess)
         for layer in (0, 1):
-            assert torch.equal(moe_forward(x, logits[layer], store, layer, 2, True),
-                               moe_forward(x, logits[layer], full, layer, 2, True))
+            assert torch.equal(
+                moe_forward(x, logits[layer], store, layer, 2, True),
+                moe_forward(x, logits[layer], full, layer, 2, True),
+            )
         store.end_step()
     stats = store.stats()
     assert stats["prefetches"] > 0 and 0 <= stats["prefetch_accuracy"] <= 1 and stats["misses"] > 0
@@ -117,7 +125,9 @@ def test_pin_hottest_follows_the_ema_as_routing_drifts():
     store.pin_hottest(0)  # unpinned: three other experts now evict it
     run(store, [[0], [1], [2]])
     assert store._slots._alloc.slot_of(0, 3) < 0
-    assert store.pin_hottest(1) == [[3]] and store.stats()["preload_bytes"] > 0  # still the hottest: copied back
+    assert (
+        store.pin_hottest(1) == [[3]] and store.stats()["preload_bytes"] > 0
+    )  # still the hottest: copied back
 
 
 def test_the_step_captures_each_sequence_last_token_routing():
@@ -187,12 +197,19 @@ def test_prefetch_on_the_side_stream_matches_all_resident_on_cuda():
         logits = [torch.randn(24, 8, generator=gen).cuda() for _ in range(2)]
         store.begin_step([torch.randperm(8, generator=gen)[:2].tolist() for _ in range(2)])
         for layer in (0, 1):
-            assert torch.equal(moe_forward(x, logits[layer], store, layer, 2, True),
-                               moe_forward(x, logits[layer], full, layer, 2, True))
+            assert torch.equal(
+                moe_forward(x, logits[layer], store, layer, 2, True),
+                moe_forward(x, logits[layer], full, layer, 2, True),
+            )
         torch.cuda.synchronize()
         store.end_step()
     stats = store.stats()
-    assert stats["host_pinned"] and stats["prefetches"] > 0 and stats["misses"] > 0 and stats["miss_stall_s"] > 0
+    assert (
+        stats["host_pinned"]
+        and stats["prefetches"] > 0
+        and stats["misses"] > 0
+        and stats["miss_stall_s"] > 0
+    )
 
 
 # -- grouped GEMMs: no host sync with every expert resident ----------------------------------------
@@ -205,10 +222,18 @@ def test_grouped_gemms_give_the_rows_of_one_matmul_per_expert(slots):
     grouped = ExpertStore(w, slots_per_layer=slots, grouped=True)
     assert grouped.grouped and not plain.grouped  # auto: only on CUDA
     gen = torch.Generator().manual_seed(3)
-    for tokens in (1, 2, 3, 9, 40):  # 4 slots: the active experts fit (held) or not (per-expert fallback)
+    for tokens in (
+        1,
+        2,
+        3,
+        9,
+        40,
+    ):  # 4 slots: the active experts fit (held) or not (per-expert fallback)
         x = torch.randn(tokens, HIDDEN, generator=gen)
         logits = torch.randn(tokens, 6, generator=gen)
-        assert torch.equal(moe_forward(x, logits, grouped, 0, 2, True), moe_forward(x, logits, plain, 0, 2, True))
+        assert torch.equal(
+            moe_forward(x, logits, grouped, 0, 2, True), moe_forward(x, logits, plain, 0, 2, True)
+        )
     if slots is not None:
         assert grouped.stats()["misses"] > 0 and grouped.stats()["hits"] > 0
 
@@ -235,11 +260,15 @@ def test_grouped_all_resident_layers_never_read_the_device(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_grouped_layers_on_cuda_sync_nothing_and_match_per_expert_matmuls(dtype):
-    w = [weights(8, 19, inter=16)]  # 32-byte rows in bf16: the alignment torch's grouped kernel needs
+    w = [
+        weights(8, 19, inter=16)
+    ]  # 32-byte rows in bf16: the alignment torch's grouped kernel needs
     grouped = ExpertStore(w, device="cuda", dtype=dtype)
     if not grouped.grouped:
-        pytest.skip("torch's grouped GEMM does not run here for this dtype without a host sync "
-                    "(the per-expert path serves)")
+        pytest.skip(
+            "torch's grouped GEMM does not run here for this dtype without a host sync "
+            "(the per-expert path serves)"
+        )
     plain = ExpertStore(w, device="cuda", dtype=dtype, grouped=False)
     x = torch.randn(64, HIDDEN, device="cuda", dtype=dtype)
     logits = torch.randn(64, 8, device="cuda")
@@ -265,4 +294,6 @@ def test_a_store_whose_rows_torch_cannot_group_serves_per_expert_on_cuda():
     x = torch.randn(32, HIDDEN, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(32, 8, device="cuda")
     plain = ExpertStore(w, device="cuda", dtype=torch.bfloat16, grouped=False)
-    assert torch.equal(moe_forward(x, logits, store, 0, 2, True), moe_forward(x, logits, plain, 0, 2, True))
+    assert torch.equal(
+        moe_forward(x, logits, store, 0, 2, True), moe_forward(x, logits, plain, 0, 2, True)
+    )

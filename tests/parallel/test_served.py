@@ -40,24 +40,38 @@ def _worker_pids(server: ServerProcess) -> list[int]:
 def test_served_tokens_with_two_ranks_equal_one_rank(make_checkpoint, arch):
     model = make_checkpoint(arch)
     prompts = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(4)]
-    config = SloserveConfig(model=ModelConfig(path=str(model), device="cpu", max_model_len=256),
-                            cache=CacheConfig(kv_pool_bytes=256 * 8192))
+    config = SloserveConfig(
+        model=ModelConfig(path=str(model), device="cpu", max_model_len=256),
+        cache=CacheConfig(kv_pool_bytes=256 * 8192),
+    )
     with LLM(config=config) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+        expected = [
+            o.token_ids
+            for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        ]
     server = ServerProcess.cli(model, "--max-model-len", "256", "--tensor-parallel-size", "2")
     try:
         server.wait_ready()
         assert len(_worker_pids(server)) == 1
         assert any("tensor_parallel_size=2" in m for m in server.messages())
         info = server.info()
-        assert info.tensor_parallel_size == 2 and list(info.tensor_parallel_devices) == ["cpu", "cpu"]
+        assert info.tensor_parallel_size == 2 and list(info.tensor_parallel_devices) == [
+            "cpu",
+            "cpu",
+        ]
         with server.sync_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)
             got = []
             for i, ids in enumerate(prompts):
                 req = generate(f"eq{i}", ids=ids, max_tokens=16).generate
-                got.append([t for m in stub.Generate(req, timeout=60) if m.WhichOneof("kind") == "chunk"
-                            for t in m.chunk.token_ids])
+                got.append(
+                    [
+                        t
+                        for m in stub.Generate(req, timeout=60)
+                        if m.WhichOneof("kind") == "chunk"
+                        for t in m.chunk.token_ids
+                    ]
+                )
         assert got == expected
         assert server.stop() == 0
         assert _worker_pids(server) == []
@@ -66,8 +80,15 @@ def test_served_tokens_with_two_ranks_equal_one_rank(make_checkpoint, arch):
 
 
 async def test_a_killed_worker_ends_every_request_with_its_reason_and_health_turns_off(tiny_llama):
-    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256", "--tensor-parallel-size", "2",
-                               "--inject-faults", "slow-step:hold=0.02")
+    server = ServerProcess.cli(
+        tiny_llama,
+        "--max-model-len",
+        "256",
+        "--tensor-parallel-size",
+        "2",
+        "--inject-faults",
+        "slow-step:hold=0.02",
+    )
     try:
         server.wait_ready()
         (worker,) = _worker_pids(server)
@@ -75,7 +96,9 @@ async def test_a_killed_worker_ends_every_request_with_its_reason_and_health_tur
         async with server.aio_channel() as channel:
             watcher = watch_health(channel, SERVICE_NAME, statuses)
             client = StreamClient(pb_grpc.SloserveStub(channel))
-            ids = [f"r{i}-hold" for i in range(4)]  # held: 200 tokens take >= 4 s, far past the kill
+            ids = [
+                f"r{i}-hold" for i in range(4)
+            ]  # held: 200 tokens take >= 4 s, far past the kill
             for rid in ids:
                 await client.send(generate(rid, text=f"live request {rid}", max_tokens=200))
             deadline = time.monotonic() + 60
@@ -86,7 +109,9 @@ async def test_a_killed_worker_ends_every_request_with_its_reason_and_health_tur
             assert await client.wait_terminals(15), client.pending()
             for rid in ids:
                 error = client.records[rid].error
-                assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE.value[0], client.records[rid]
+                assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE.value[0], (
+                    client.records[rid]
+                )
                 assert "tensor parallelism is down: rank 1" in error.message, error.message
                 assert "killed by signal 9" in error.message, error.message
             code = await asyncio.to_thread(server.wait, 30)
@@ -101,7 +126,10 @@ def test_a_size_the_model_cannot_split_fails_start_up_with_a_clear_error(tiny_ll
     server = ServerProcess.cli(tiny_llama, "--tensor-parallel-size", "3")
     try:
         assert server.wait(60) != 0
-        assert any("tensor parallel size 3 does not divide num_attention_heads 4" in m for m in server.messages())
+        assert any(
+            "tensor parallel size 3 does not divide num_attention_heads 4" in m
+            for m in server.messages()
+        )
     finally:
         server.kill()
 
@@ -113,7 +141,9 @@ def test_a_worker_that_dies_while_idle_stops_the_server_with_its_reason(tiny_lla
         (worker,) = _worker_pids(server)
         os.kill(worker, signal.SIGKILL)
         assert server.wait(30) == 1
-        assert any("tensor parallelism is down: rank 1" in m and "killed by signal 9" in m
-                   for m in server.messages()), server.messages()[-5:]
+        assert any(
+            "tensor parallelism is down: rank 1" in m and "killed by signal 9" in m
+            for m in server.messages()
+        ), server.messages()[-5:]
     finally:
         server.kill()

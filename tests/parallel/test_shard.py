@@ -17,12 +17,23 @@ def _load(folder, rank: int, size: int):
     return load_checkpoint(folder, CPU, torch.float32, shard=Shard(rank, size))
 
 
-@pytest.mark.parametrize(("overrides", "size", "needle"), [
-    ({}, 3, "does not divide num_attention_heads 4"),
-    ({"intermediate_size": 130}, 4, "does not divide intermediate_size 130"),
-    ({"num_heads": 6, "num_kv_heads": 3}, 2, "num_key_value_heads 3 of LlamaForCausalLM do not split evenly"),
-    ({"num_heads": 12, "num_kv_heads": 3}, 4, "num_key_value_heads 3 of LlamaForCausalLM do not split evenly"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "size", "needle"),
+    [
+        ({}, 3, "does not divide num_attention_heads 4"),
+        ({"intermediate_size": 130}, 4, "does not divide intermediate_size 130"),
+        (
+            {"num_heads": 6, "num_kv_heads": 3},
+            2,
+            "num_key_value_heads 3 of LlamaForCausalLM do not split evenly",
+        ),
+        (
+            {"num_heads": 12, "num_kv_heads": 3},
+            4,
+            "num_key_value_heads 3 of LlamaForCausalLM do not split evenly",
+        ),
+    ],
+)
 def test_sizes_that_do_not_split_are_refused(tiny_llama, overrides, size, needle):
     spec = dataclasses.replace(load_spec(tiny_llama), **overrides)
     with pytest.raises(ValueError, match=needle):
@@ -35,11 +46,21 @@ def test_moe_sizes_are_checked(tiny_qwen2_moe):
         check_divisible(spec, 4)
 
 
-@pytest.mark.parametrize(("kv_heads", "size", "local_kv"), [(2, 2, 1), (2, 4, 1), (4, 2, 2), (1, 4, 1)])
-def test_local_spec_splits_heads_and_replicates_kv_heads_when_fewer(make_checkpoint, kv_heads, size, local_kv):
-    spec = load_spec(make_checkpoint("llama", num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=8))
+@pytest.mark.parametrize(
+    ("kv_heads", "size", "local_kv"), [(2, 2, 1), (2, 4, 1), (4, 2, 2), (1, 4, 1)]
+)
+def test_local_spec_splits_heads_and_replicates_kv_heads_when_fewer(
+    make_checkpoint, kv_heads, size, local_kv
+):
+    spec = load_spec(
+        make_checkpoint("llama", num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=8)
+    )
     local = local_spec(spec, size)
-    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (8 // size, local_kv, 128 // size)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (
+        8 // size,
+        local_kv,
+        128 // size,
+    )
     # every rank's query heads read only the KV heads it holds
     group = spec.num_heads // spec.num_kv_heads
     for rank in range(size):
@@ -54,7 +75,11 @@ def _rows(t: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2_moe"])
 def test_rank_parts_make_up_the_whole_weights(make_checkpoint, arch):
-    folder = make_checkpoint(arch) if arch != "llama" else make_checkpoint(arch, attention_bias=True, mlp_bias=True)
+    folder = (
+        make_checkpoint(arch)
+        if arch != "llama"
+        else make_checkpoint(arch, attention_bias=True, mlp_bias=True)
+    )
     spec, whole = _load(folder, 0, 1)
     ranks = [_load(folder, r, 2) for r in range(2)]
     q, kv = spec.q_size, spec.kv_size
@@ -66,7 +91,9 @@ def test_rank_parts_make_up_the_whole_weights(make_checkpoint, arch):
             _rows(full, 0, [x[j] for x in qkv])
         _rows(layer.o_w, 1, [p.o_w for p in parts])
         if layer.o_b is not None:
-            assert torch.equal(parts[0].o_b, layer.o_b) and parts[1].o_b is None  # added once, by rank 0
+            assert (
+                torch.equal(parts[0].o_b, layer.o_b) and parts[1].o_b is None
+            )  # added once, by rank 0
         if layer.gate_up_w is not None:
             for j in range(2):  # gate, then up
                 _rows(layer.gate_up_w.chunk(2)[j], 0, [p.gate_up_w.chunk(2)[j] for p in parts])
@@ -86,5 +113,7 @@ def test_replicated_kv_heads_are_the_group_heads(make_checkpoint):
     spec, whole = _load(folder, 0, 1)
     for rank in range(2):
         _, w = _load(folder, rank, 2)
-        k = w.layers[0].qkv_w[spec.q_size // 2:]
-        assert torch.equal(k, whole.layers[0].qkv_w[spec.q_size:])  # the one KV head, whole, on every rank
+        k = w.layers[0].qkv_w[spec.q_size // 2 :]
+        assert torch.equal(
+            k, whole.layers[0].qkv_w[spec.q_size :]
+        )  # the one KV head, whole, on every rank

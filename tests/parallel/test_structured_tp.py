@@ -21,11 +21,18 @@ def test_regex_answers_over_two_ranks_match(tiny_llama):
             stub = pb_grpc.SloserveStub(channel)
             texts = []
             for i in range(4):
-                req = generate(f"re{i}", text=f"prompt {i}", max_tokens=20, ignore_eos=False).generate
+                req = generate(
+                    f"re{i}", text=f"prompt {i}", max_tokens=20, ignore_eos=False
+                ).generate
                 req.sampling.temperature, req.sampling.seed = 1.0, i
                 req.sampling.structured.regex = r"[0-9]{2}-[a-f]{3}"
-                texts.append("".join(m.chunk.text for m in stub.Generate(req, timeout=60)
-                                     if m.WhichOneof("kind") == "chunk"))
+                texts.append(
+                    "".join(
+                        m.chunk.text
+                        for m in stub.Generate(req, timeout=60)
+                        if m.WhichOneof("kind") == "chunk"
+                    )
+                )
         assert all(re.fullmatch(r"[0-9]{2}-[a-f]{3}", t) for t in texts), texts
     finally:
         server.stop()

@@ -22,19 +22,44 @@ from tests.executor.driver import generate
 
 pytestmark = pytest.mark.timeout(240)
 
-PROMPTS = [[256], [256, 72, 101, 108, 108, 111], [256] + list(range(48, 66)), [256] + [(i * 37) % 250 for i in range(69)]]
+PROMPTS = [
+    [256],
+    [256, 72, 101, 108, 108, 111],
+    [256] + list(range(48, 66)),
+    [256] + [(i * 37) % 250 for i in range(69)],
+]
 NEW_TOKENS = 6
 
 
-@pytest.mark.parametrize(("arch", "overrides", "runner_kw"), [
-    ("llama", {}, {}),  # GQA: 4 query heads over 2 KV heads, one KV head per rank
-    ("llama", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8}, {}),  # the KV head replicated
-    ("llama", {"attention_bias": True, "mlp_bias": True}, {}),  # row-parallel biases added once
-    ("qwen2", {}, {}),
-    ("mixtral", {}, {}),
-    ("mixtral", {}, {"expert_slots_per_layer": 2}),  # experts offloaded: each rank caches its slices
-    ("qwen2_moe", {}, {}),
-], ids=["llama-gqa", "llama-kv1", "llama-bias", "qwen2", "mixtral", "mixtral-offload", "qwen2_moe"])
+@pytest.mark.parametrize(
+    ("arch", "overrides", "runner_kw"),
+    [
+        ("llama", {}, {}),  # GQA: 4 query heads over 2 KV heads, one KV head per rank
+        (
+            "llama",
+            {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8},
+            {},
+        ),  # the KV head replicated
+        ("llama", {"attention_bias": True, "mlp_bias": True}, {}),  # row-parallel biases added once
+        ("qwen2", {}, {}),
+        ("mixtral", {}, {}),
+        (
+            "mixtral",
+            {},
+            {"expert_slots_per_layer": 2},
+        ),  # experts offloaded: each rank caches its slices
+        ("qwen2_moe", {}, {}),
+    ],
+    ids=[
+        "llama-gqa",
+        "llama-kv1",
+        "llama-bias",
+        "qwen2",
+        "mixtral",
+        "mixtral-offload",
+        "qwen2_moe",
+    ],
+)
 def test_two_ranks_match_transformers(make_checkpoint, arch, overrides, runner_kw):
     """Batched, chunked, staggered steps over shuffled pages: the executor equality test, on two ranks."""
     folder = make_checkpoint(arch, **overrides)
@@ -44,18 +69,26 @@ def test_two_ranks_match_transformers(make_checkpoint, arch, overrides, runner_k
         assert generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=3) == expected
         info = runner.info()
         assert info["tensor_parallel_size"] == 2 and info["all_reduce_calls"] > 0
-        assert info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0  # two per layer per forward
+        assert (
+            info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0
+        )  # two per layer per forward
     finally:
         runner.close()
-    assert all(proc.poll() == 0 for proc in runner.workers.values())  # "stop" ends every worker cleanly
+    assert all(
+        proc.poll() == 0 for proc in runner.workers.values()
+    )  # "stop" ends every worker cleanly
 
 
 def _tp_runner_with(folder, expert_slots_per_layer: int | None = None) -> TensorParallelRunner:
     config = runner_config(folder)
     if expert_slots_per_layer is not None:
-        config = dataclasses.replace(config, cache=dataclasses.replace(
-            config.cache, expert_slots_per_layer=expert_slots_per_layer))
-    return TensorParallelRunner(dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2)))
+        config = dataclasses.replace(
+            config,
+            cache=dataclasses.replace(config.cache, expert_slots_per_layer=expert_slots_per_layer),
+        )
+    return TensorParallelRunner(
+        dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
+    )
 
 
 def test_llm_two_ranks_equal_one_with_prefix_reuse(tiny_llama):
@@ -65,7 +98,9 @@ def test_llm_two_ranks_equal_one_with_prefix_reuse(tiny_llama):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     results = {}
     for size in (1, 2):
-        with LLM(str(tiny_llama), device="cpu", tensor_parallel_size=size, max_model_len=256) as llm:
+        with LLM(
+            str(tiny_llama), device="cpu", tensor_parallel_size=size, max_model_len=256
+        ) as llm:
             first = llm.generate(prompts, params)
             second = llm.generate(prompts, params)
             assert [o.token_ids for o in first] == [o.token_ids for o in second]
@@ -74,19 +109,25 @@ def test_llm_two_ranks_equal_one_with_prefix_reuse(tiny_llama):
     assert results[2] == results[1]
 
 
-def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(tiny_llama, monkeypatch):
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(
+    tiny_llama, monkeypatch
+):
     import sloserve.parallel.runner as tp_runner
 
     def no_launch(*args, **kw):
         raise AssertionError("a worker was started for a size the model cannot split")
 
     monkeypatch.setattr(tp_runner, "launch", no_launch)
-    with pytest.raises(ValueError, match="tensor parallel size 3 does not divide num_attention_heads 4"):
+    with pytest.raises(
+        ValueError, match="tensor parallel size 3 does not divide num_attention_heads 4"
+    ):
         LLM(str(tiny_llama), device="cpu", tensor_parallel_size=3)
 
 
 def test_compile_with_tensor_parallelism_is_refused(tiny_llama):
-    with pytest.raises(RuntimeError, match="rank 0 failed to start: ValueError: the compiled decode step"):
+    with pytest.raises(
+        RuntimeError, match="rank 0 failed to start: ValueError: the compiled decode step"
+    ):
         LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, enforce_eager=False)
 
 
@@ -94,30 +135,70 @@ def test_two_nodes_on_loopback(tiny_qwen2):
     """torchrun's conventions: node 1 runs `sloserve serve --node-rank 1`, node 0 the engine."""
     port = free_port()
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "sloserve.cli.main", "serve", "--model", str(tiny_qwen2), "--device", "cpu",
-         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-         "--master-port", str(port)], stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli.main",
+            "serve",
+            "--model",
+            str(tiny_qwen2),
+            "--device",
+            "cpu",
+            "--tensor-parallel-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         with LLM(str(tiny_qwen2), device="cpu", max_model_len=256) as llm:
             expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
-        with LLM(str(tiny_qwen2), device="cpu", max_model_len=256, tensor_parallel_size=2, nnodes=2,
-                 master_port=port) as llm:
+        with LLM(
+            str(tiny_qwen2),
+            device="cpu",
+            max_model_len=256,
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_port=port,
+        ) as llm:
             assert llm.engine.runner.workers == {}  # this node runs rank 0 only
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
-        assert node1.wait(timeout=30) == 0  # rank 0's "stop" ends node 1's ranks, and node 1 with them
+        assert (
+            node1.wait(timeout=30) == 0
+        )  # rank 0's "stop" ends node 1's ranks, and node 1 with them
         assert "node 1 of 2 runs tensor-parallel ranks 1-1 of 2" in node1.stderr.read()
     finally:
         if node1.poll() is None:
             node1.kill()
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "--master-port: master port must be given"),
-    (["-tp", "3", "--nnodes", "2", "--master-port", "29500"], "--tensor-parallel-size: tensor parallel size 3 must be a multiple of nnodes 2"),
-    (["-tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank: node rank must be in 0..1, got 2"),
-    (["-tp", "0"], "--tensor-parallel-size: tensor parallel size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["-tp", "2", "--nnodes", "2", "--node-rank", "1"],
+            "--master-port: master port must be given",
+        ),
+        (
+            ["-tp", "3", "--nnodes", "2", "--master-port", "29500"],
+            "--tensor-parallel-size: tensor parallel size 3 must be a multiple of nnodes 2",
+        ),
+        (
+            ["-tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500"],
+            "--node-rank: node rank must be in 0..1, got 2",
+        ),
+        (["-tp", "0"], "--tensor-parallel-size: tensor parallel size must be >= 1, got 0"),
+    ],
+)
 def test_bad_parallel_flags_are_refused_naming_the_flag(tiny_llama, flags, message):
     from click.testing import CliRunner
     from sloserve.cli.main import cli
@@ -126,6 +207,7 @@ def test_bad_parallel_flags_are_refused_naming_the_flag(tiny_llama, flags, messa
     assert result.exit_code != 0
     assert message in result.output
 
+
 def test_tp_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/tp.py end to end at toy sizes: both sizes run and produce the same tokens."""
     import orjson
@@ -133,12 +215,41 @@ def test_tp_benchmark_smoke(tmp_path, monkeypatch):
     from benchmarks import tp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setitem(tp.MODELS, "small", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                 num_attention_heads=4, num_key_value_heads=2))
+    monkeypatch.setitem(
+        tp.MODELS,
+        "small",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    )
     out = tmp_path / "tp.json"
-    assert tp.main(["--models", "small", "--decode-tokens", "4", "--prefill-tokens", "32", "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        tp.main(
+            [
+                "--models",
+                "small",
+                "--decode-tokens",
+                "4",
+                "--prefill-tokens",
+                "32",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = orjson.loads(out.read_bytes())["models"]["small"]
     assert report["1"]["decode_c1"]["all_reduce_ms_per_forward"] == 0.0
     for phase in ("decode_c1", "decode_c8", "prefill"):
         two = report["2"][phase]
-        assert two["tokens_equal_base"] and two["forwards"] > 0 and two["all_reduce_ms_per_forward"] > 0
+        assert (
+            two["tokens_equal_base"]
+            and two["forwards"] > 0
+            and two["all_reduce_ms_per_forward"] > 0
+        )

@@ -38,8 +38,15 @@ class Record:
 _CODES = {code.value[0]: code.value for code in grpc.StatusCode}
 
 
-def generate(request_id: str, *, text: str | None = None, ids: list[int] | None = None, max_tokens: int = 16,
-             ignore_eos: bool = True, slo: pb.Slo | None = None) -> pb.ClientMessage:
+def generate(
+    request_id: str,
+    *,
+    text: str | None = None,
+    ids: list[int] | None = None,
+    max_tokens: int = 16,
+    ignore_eos: bool = True,
+    slo: pb.Slo | None = None,
+) -> pb.ClientMessage:
     req = pb.GenerateRequest(request_id=request_id, max_tokens=max_tokens)
     if ids is not None:
         req.token_ids.ids.extend(ids)
@@ -123,10 +130,12 @@ class StreamClient:
 
     async def wait_terminals(self, timeout: float) -> bool:
         """Wait until every request has its terminal message or the stream ended; False on timeout."""
+
         async def poll() -> None:
             while self.pending() and not self.reader.done():
                 self._changed.clear()
                 await self._changed.wait()
+
         try:
             await asyncio.wait_for(poll(), timeout)
             return True

@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 from sloserve.testing.server_process import ServerProcess
 
-BLOCK_BYTES = 8192  # one 16-token KV page of the tiny llama (2 layers x K,V x 2 heads x 16 dims x fp32)
+BLOCK_BYTES = (
+    8192  # one 16-token KV page of the tiny llama (2 layers x K,V x 2 heads x 16 dims x fp32)
+)
 SMALL_POOL_PAGES = 48  # a pool small enough that a dozen live requests force preemption (swap)
 
 
 def _small_pool(model: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess.cli(model, "--max-model-len", "256", "--kv-pool-size", str(SMALL_POOL_PAGES * BLOCK_BYTES))
+    server = ServerProcess.cli(
+        model, "--max-model-len", "256", "--kv-pool-size", str(SMALL_POOL_PAGES * BLOCK_BYTES)
+    )
     try:
         server.wait_ready()
         yield server

@@ -18,7 +18,9 @@ def count(ci: int, full: int) -> int:
 
 def watch_health(channel: grpc.aio.Channel, service: str, statuses: list[int]) -> asyncio.Task:
     """A task appending every status the health Watch stream reports for `service` until it ends."""
-    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=service)
+    )
 
     async def follow() -> None:
         try:

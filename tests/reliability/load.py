@@ -14,9 +14,16 @@ from sloserve.pb import serving_pb2 as pb
 from tests.reliability.client import Record, StreamClient
 
 
-async def closed_loop(clients: list[StreamClient], make: Callable[[str], pb.ClientMessage], *,
-                      concurrency: int, duration_s: float | None = None, total: int | None = None,
-                      prefix: str = "c", timeout_s: float = 120.0) -> list[Record]:
+async def closed_loop(
+    clients: list[StreamClient],
+    make: Callable[[str], pb.ClientMessage],
+    *,
+    concurrency: int,
+    duration_s: float | None = None,
+    total: int | None = None,
+    prefix: str = "c",
+    timeout_s: float = 120.0,
+) -> list[Record]:
     """`concurrency` workers each send one request and wait for its end; stop after a time or a count."""
     ids = itertools.count()
     done: list[Record] = []
@@ -42,8 +49,14 @@ async def closed_loop(clients: list[StreamClient], make: Callable[[str], pb.Clie
     return done
 
 
-async def open_loop(clients: list[StreamClient], make: Callable[[str], pb.ClientMessage], *,
-                    rate: float, duration_s: float, prefix: str = "o") -> list[Record]:
+async def open_loop(
+    clients: list[StreamClient],
+    make: Callable[[str], pb.ClientMessage],
+    *,
+    rate: float,
+    duration_s: float,
+    prefix: str = "o",
+) -> list[Record]:
     """Send at a fixed `rate` (requests/s) for `duration_s`, round-robin over the streams."""
     records: list[Record] = []
     start = time.monotonic()
@@ -117,4 +130,6 @@ def quantile(values: list[float], q: float) -> float:
         return float("nan")
     if len(values) == 1:
         return values[0]
-    return statistics.quantiles(values, n=1000, method="inclusive")[max(0, min(998, round(q * 1000) - 1))]
+    return statistics.quantiles(values, n=1000, method="inclusive")[
+        max(0, min(998, round(q * 1000) - 1))
+    ]

@@ -25,7 +25,9 @@ from tests.reliability.load import open_loop, quantile
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TTFT_SLO_S = 1.0
-FLOOD_RATE = 400.0  # requests/s for FLOOD_S: 38k output tokens/s, far above what 2 CPU cores sustain
+FLOOD_RATE = (
+    400.0  # requests/s for FLOOD_S: 38k output tokens/s, far above what 2 CPU cores sustain
+)
 FLOOD_S = 3.0
 OUTPUT_TOKENS = 96
 LIGHT_REQUESTS = 12
@@ -33,8 +35,12 @@ STREAMS = 4
 
 
 def _request(rid: str) -> pb.ClientMessage:
-    return generate(rid, text=f"{rid} calibration prompt of a few dozen bytes.", max_tokens=OUTPUT_TOKENS,
-                    slo=pb.Slo(ttft_s=TTFT_SLO_S))
+    return generate(
+        rid,
+        text=f"{rid} calibration prompt of a few dozen bytes.",
+        max_tokens=OUTPUT_TOKENS,
+        slo=pb.Slo(ttft_s=TTFT_SLO_S),
+    )
 
 
 @dataclass
@@ -61,7 +67,9 @@ async def _run(server: ServerProcess) -> Scenario:
     async with server.aio_channel() as channel:
         stub = pb_grpc.SloserveStub(channel)
         clients = [StreamClient(stub) for _ in range(STREAMS)]
-        flood = await open_loop(clients, _request, rate=FLOOD_RATE, duration_s=FLOOD_S, prefix="flood")
+        flood = await open_loop(
+            clients, _request, rate=FLOOD_RATE, duration_s=FLOOD_S, prefix="flood"
+        )
         for client in clients:
             assert await client.wait_terminals(120), f"no terminal for {client.pending()[:5]}"
         stats = server.wait_quiescent()
@@ -76,14 +84,17 @@ async def _run(server: ServerProcess) -> Scenario:
             await client.close()
     admitted = Scenario.admitted(flood)
     ttft = [r.final.ttft_s for r in admitted]
-    print(f"\ncold flood: {len(flood)} sent at {FLOOD_RATE:.0f}/s for {FLOOD_S:g} s the moment the server "
-          f"was ready: {dict(outcomes(flood))}; refusal reasons "
-          f"{dict(Counter(r.error.reason for r in flood if r.error is not None))}\n"
-          f"  admitted TTFT p50 {quantile(ttft, .5):.3f}s p99 {quantile(ttft, .99):.3f}s max {max(ttft, default=0):.3f}s; "
-          f"met {sum(t <= TTFT_SLO_S for t in ttft)} of {len(ttft)}\n"
-          f"  after: {describe(stats)}\n"
-          f"light load after it: {dict(outcomes(light))}; "
-          + "; ".join(r.error.message for r in light if r.error is not None))
+    print(
+        f"\ncold flood: {len(flood)} sent at {FLOOD_RATE:.0f}/s for {FLOOD_S:g} s the moment the server "
+        f"was ready: {dict(outcomes(flood))}; refusal reasons "
+        f"{dict(Counter(r.error.reason for r in flood if r.error is not None))}\n"
+        f"  admitted TTFT p50 {quantile(ttft, 0.5):.3f}s p99 {quantile(ttft, 0.99):.3f}s "
+        f"max {max(ttft, default=0):.3f}s; "
+        f"met {sum(t <= TTFT_SLO_S for t in ttft)} of {len(ttft)}\n"
+        f"  after: {describe(stats)}\n"
+        f"light load after it: {dict(outcomes(light))}; "
+        + "; ".join(r.error.message for r in light if r.error is not None)
+    )
     return Scenario(flood, light)
 
 
@@ -95,7 +106,9 @@ def test_a_flood_at_start_up_is_refused_in_part(scenario):
 def test_a_flood_at_start_up_keeps_the_ttft_of_what_it_admits(scenario):
     admitted = Scenario.admitted(scenario.flood)
     met = sum(r.final.ttft_s <= TTFT_SLO_S for r in admitted)
-    assert met >= 0.95 * len(admitted), f"only {met} of {len(admitted)} admitted requests met their TTFT"
+    assert met >= 0.95 * len(admitted), (
+        f"only {met} of {len(admitted)} admitted requests met their TTFT"
+    )
 
 
 def test_light_load_right_after_an_overload_is_not_refused(scenario):

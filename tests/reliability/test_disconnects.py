@@ -91,18 +91,30 @@ async def _channel_drop_trial(target: str, rng: random.Random, tag: str, stats: 
     channel = grpc.aio.insecure_channel(target)
     client = StreamClient(pb_grpc.SloserveStub(channel))
     for i in range(rng.randint(1, 3)):
-        await client.send(generate(f"{tag}-{i}", text=_prompt(rng), max_tokens=rng.randint(20, 150)))
+        await client.send(
+            generate(f"{tag}-{i}", text=_prompt(rng), max_tokens=rng.randint(20, 150))
+        )
         stats["requests"] += 1
     await _until_tokens(client, rng.randint(0, 8))
     await channel.close(grace=None)
     client.reader.cancel()
 
 
-MODES = ("disconnect", "cancel_then_disconnect", "cancel_all", "unary_cancel", "deadline", "channel_drop")
+MODES = (
+    "disconnect",
+    "cancel_then_disconnect",
+    "cancel_all",
+    "unary_cancel",
+    "deadline",
+    "channel_drop",
+)
 
 
-@pytest.mark.parametrize(("server_fixture", "trials"), [("small_pool_server", TRIALS),
-                                                        ("small_pool_moe_server", TRIALS // 4)], ids=["llama", "mixtral"])
+@pytest.mark.parametrize(
+    ("server_fixture", "trials"),
+    [("small_pool_server", TRIALS), ("small_pool_moe_server", TRIALS // 4)],
+    ids=["llama", "mixtral"],
+)
 async def test_random_disconnects_and_cancels_free_everything(request, server_fixture, trials):
     server = request.getfixturevalue(server_fixture)
     target = f"127.0.0.1:{server.port}"
@@ -119,7 +131,9 @@ async def test_random_disconnects_and_cancels_free_everything(request, server_fi
             await client.send(generate(f"fill-{i}", text="x" * 60, max_tokens=180))
         deadline = time.monotonic() + 60
         while server.info().stats.preemptions_total == before.preemptions_total:
-            assert time.monotonic() < deadline, f"no preemption happened: {describe(server.info().stats)}"
+            assert time.monotonic() < deadline, (
+                f"no preemption happened: {describe(server.info().stats)}"
+            )
             await asyncio.sleep(0.02)
         client.abort()
         stats["requests"] += 8
@@ -141,8 +155,10 @@ async def test_random_disconnects_and_cancels_free_everything(request, server_fi
         await asyncio.wait_for(asyncio.gather(*(trial(n) for n in range(trials))), 480)
 
     after = server.wait_quiescent(timeout=60)
-    print(f"\ndisconnects ({server_fixture}): {trials} trials, {dict(sorted(stats.items()))}\n"
-          f"  before: {describe(before)}\n  after:  {describe(after)}\n  rss: {server.rss_bytes() / 2**20:.0f} MiB")
+    print(
+        f"\ndisconnects ({server_fixture}): {trials} trials, {dict(sorted(stats.items()))}\n"
+        f"  before: {describe(before)}\n  after:  {describe(after)}\n  rss: {server.rss_bytes() / 2**20:.0f} MiB"
+    )
     assert quiescent(after), f"resources still held after every client left: {describe(after)}"
     assert after.kv_blocks_total == before.kv_blocks_total
     assert after.preemptions_total > before.preemptions_total  # the swap path was exercised

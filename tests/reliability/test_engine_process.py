@@ -47,10 +47,15 @@ def _wait_gone(pid: int, within_s: float) -> bool:
 
 def test_greedy_tokens_through_the_server_equal_the_offline_llm(tiny_llama):
     prompts = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(5)]
-    config = SloserveConfig(model=ModelConfig(path=str(tiny_llama), device="cpu", max_model_len=256),
-                            cache=CacheConfig(kv_pool_bytes=256 * 8192))
+    config = SloserveConfig(
+        model=ModelConfig(path=str(tiny_llama), device="cpu", max_model_len=256),
+        cache=CacheConfig(kv_pool_bytes=256 * 8192),
+    )
     with LLM(config=config) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))]
+        expected = [
+            o.token_ids
+            for o in llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        ]
     server = ServerProcess.cli(tiny_llama, "--max-model-len", "256")
     try:
         server.wait_ready()
@@ -59,15 +64,25 @@ def test_greedy_tokens_through_the_server_equal_the_offline_llm(tiny_llama):
             got = []
             for i, ids in enumerate(prompts):
                 req = generate(f"eq{i}", ids=ids, max_tokens=20).generate
-                got.append([t for m in stub.Generate(req, timeout=60) if m.WhichOneof("kind") == "chunk"
-                            for t in m.chunk.token_ids])
+                got.append(
+                    [
+                        t
+                        for m in stub.Generate(req, timeout=60)
+                        if m.WhichOneof("kind") == "chunk"
+                        for t in m.chunk.token_ids
+                    ]
+                )
         assert got == expected
     finally:
         server.stop()
 
 
-async def test_a_killed_engine_process_ends_every_request_within_a_second_and_health_turns_off(tiny_llama):
-    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256", "--inject-faults", "slow-step:hold=0.02")
+async def test_a_killed_engine_process_ends_every_request_within_a_second_and_health_turns_off(
+    tiny_llama,
+):
+    server = ServerProcess.cli(
+        tiny_llama, "--max-model-len", "256", "--inject-faults", "slow-step:hold=0.02"
+    )
     try:
         server.wait_ready()
         engine_pid = server.engine_pid()
@@ -76,7 +91,9 @@ async def test_a_killed_engine_process_ends_every_request_within_a_second_and_he
         async with server.aio_channel() as channel:
             watcher = watch_health(channel, SERVICE_NAME, statuses)
             client = StreamClient(pb_grpc.SloserveStub(channel))
-            ids = [f"r{i}-hold" for i in range(6)]  # held: 200 tokens take >= 4 s, far past the kill
+            ids = [
+                f"r{i}-hold" for i in range(6)
+            ]  # held: 200 tokens take >= 4 s, far past the kill
             for rid in ids:
                 await client.send(generate(rid, text=f"live request {rid}", max_tokens=200))
             deadline = time.monotonic() + 60
@@ -96,8 +113,10 @@ async def test_a_killed_engine_process_ends_every_request_within_a_second_and_he
         assert ended_after < 1.0, f"requests ended {ended_after:.2f}s after the engine was killed"
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses[1:], statuses
         assert code == 1, "a server whose engine died exits non-zero so its supervisor restarts it"
-        assert any("engine process failed: the engine process exited unexpectedly (killed by SIGKILL)" in m
-                   for m in server.messages())
+        assert any(
+            "engine process failed: the engine process exited unexpectedly (killed by SIGKILL)" in m
+            for m in server.messages()
+        )
     finally:
         server.kill()
 
@@ -122,7 +141,9 @@ def test_sigterm_drains_across_the_process_boundary_and_the_engine_exits(tiny_ll
         engine_pid = server.engine_pid()
         with server.sync_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)
-            replies = stub.Generate(generate("d", text="drain me", max_tokens=30).generate, timeout=60)
+            replies = stub.Generate(
+                generate("d", text="drain me", max_tokens=30).generate, timeout=60
+            )
             first = next(replies)
             assert first.WhichOneof("kind") == "chunk"
             server.signal(signal.SIGTERM)

@@ -28,8 +28,18 @@ FAULTS = "fail-forward:poison-fwd,fail-postprocess:poison-post,kill-loop:kill-lo
 def fault_server(tiny_llama):
     """One server for this module, faults injected by the supported switch (--inject-faults via
     its environment variable); the loop-death test (last in the file) ends it."""
-    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256", "--kv-pool-size", str(256 * 8192),
-                               "--max-batch", "16", "--grace", "5", env={"SLOSERVE_INJECT_FAULTS": FAULTS})
+    server = ServerProcess.cli(
+        tiny_llama,
+        "--max-model-len",
+        "256",
+        "--kv-pool-size",
+        str(256 * 8192),
+        "--max-batch",
+        "16",
+        "--grace",
+        "5",
+        env={"SLOSERVE_INJECT_FAULTS": FAULTS},
+    )
     try:
         server.wait_ready()
         yield server
@@ -56,12 +66,16 @@ async def test_a_request_failing_in_processing_fails_alone_with_internal(fault_s
         for rid in ("poison-fwd-1", "poison-post-1"):
             await client.send(generate(rid, text="this request trips a fault", max_tokens=50))
         assert await client.wait_terminals(120), f"no terminal for {client.pending()}"
-        later = await _start_normal(StreamClient(pb_grpc.SloserveStub(channel)), 2, max_tokens=5)  # still serving
+        later = await _start_normal(
+            StreamClient(pb_grpc.SloserveStub(channel)), 2, max_tokens=5
+        )  # still serving
         await client.close()
     for rid, kind in (("poison-fwd-1", "fail-forward"), ("poison-post-1", "fail-postprocess")):
         error = client.records[rid].error
         assert error is not None and error.code == INTERNAL, client.records[rid]
-        assert f"injected {kind} fault for request" in error.message and rid in error.message, error.message
+        assert f"injected {kind} fault for request" in error.message and rid in error.message, (
+            error.message
+        )
     for rid in healthy:
         record = client.records[rid]
         assert record.final is not None and record.final.completion_tokens == 120, record
@@ -71,7 +85,9 @@ async def test_a_request_failing_in_processing_fails_alone_with_internal(fault_s
     assert quiescent(stats), describe(stats)
     assert fault_server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     assert fault_server.proc.poll() is None
-    print(f"\nfaults: {len(healthy)} healthy requests finished, 2 poisoned -> INTERNAL; {describe(stats)}")
+    print(
+        f"\nfaults: {len(healthy)} healthy requests finished, 2 poisoned -> INTERNAL; {describe(stats)}"
+    )
 
 
 async def test_bad_requests_batched_alone_are_not_taken_for_a_broken_runner(fault_server):
@@ -88,9 +104,13 @@ async def test_bad_requests_batched_alone_are_not_taken_for_a_broken_runner(faul
         await client.close()
     for rid in poisoned:
         error = client.records[rid].error
-        assert error is not None and error.code == INTERNAL and "fail-forward" in error.message, client.records[rid]
+        assert error is not None and error.code == INTERNAL and "fail-forward" in error.message, (
+            client.records[rid]
+        )
     for rid in later:
-        assert client.records[rid].final is not None and client.records[rid].tokens == 5, client.records[rid]
+        assert client.records[rid].final is not None and client.records[rid].tokens == 5, (
+            client.records[rid]
+        )
     assert fault_server.health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     assert fault_server.proc.poll() is None
     assert any(m.startswith("fault injection is ON") for m in fault_server.messages())
@@ -104,7 +124,9 @@ async def test_a_dead_engine_loop_turns_health_off_and_exits_non_zero(fault_serv
         healthy = await _start_normal(client, 4, max_tokens=200)
         started = time.monotonic()
         await client.send(generate("kill-loop", text="this one kills the loop", max_tokens=5))
-        assert await client.wait_terminals(60), f"requests hung after the loop died: {client.pending()}"
+        assert await client.wait_terminals(60), (
+            f"requests hung after the loop died: {client.pending()}"
+        )
         code = await asyncio.to_thread(fault_server.wait, 60)
         exited_after = time.monotonic() - started
         await asyncio.wait_for(watcher, 30)
@@ -113,13 +135,22 @@ async def test_a_dead_engine_loop_turns_health_off_and_exits_non_zero(fault_serv
         record = client.records[rid]
         # Each live request ends with UNAVAILABLE (a RequestError, or the stream's own status).
         assert (record.error is not None and record.error.code == UNAVAILABLE) or (
-            record.final is None and record.error is None and client.status == grpc.StatusCode.UNAVAILABLE), record
+            record.final is None
+            and record.error is None
+            and client.status == grpc.StatusCode.UNAVAILABLE
+        ), record
     assert statuses[:1] == [health_pb2.HealthCheckResponse.SERVING]
-    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, f"liveness never turned off: {statuses}"
-    assert any(m.startswith("engine loop died: InjectedFault: injected kill-loop fault for request")
-               for m in fault_server.messages())
-    print(f"\nloop death: exit code {code} after {exited_after:.2f}s; health seen {statuses}; "
-          f"outcomes {[client.records[r].outcome for r in (*healthy, 'kill-loop')]}")
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, (
+        f"liveness never turned off: {statuses}"
+    )
+    assert any(
+        m.startswith("engine loop died: InjectedFault: injected kill-loop fault for request")
+        for m in fault_server.messages()
+    )
+    print(
+        f"\nloop death: exit code {code} after {exited_after:.2f}s; health seen {statuses}; "
+        f"outcomes {[client.records[r].outcome for r in (*healthy, 'kill-loop')]}"
+    )
     try:
         fault_server.wait(1)
     except subprocess.TimeoutExpired:  # pragma: no cover - the assertion above already failed

@@ -21,7 +21,9 @@ from tests.reliability.client import generate
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(12)]
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # channels would share one TCP connection otherwise
+OWN_CONNECTION = [
+    ("grpc.use_local_subchannel_pool", 1)
+]  # channels would share one TCP connection otherwise
 
 
 def _free_port_pair() -> int:
@@ -58,23 +60,54 @@ def _all_gone(pids: list[int], within_s: float) -> bool:
 
 async def _tokens(port: int) -> list[list[int]]:
     """Every prompt on a connection of its own (the kernel spreads connections over the front ends)."""
+
     async def one(i: int, ids: list[int]) -> list[int]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION) as channel:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=OWN_CONNECTION
+        ) as channel:
             req = generate(f"fe{i}", ids=ids, max_tokens=16).generate
-            return [t async for m in pb_grpc.SloserveStub(channel).Generate(req, timeout=60)
-                    if m.WhichOneof("kind") == "chunk" for t in m.chunk.token_ids]
+            return [
+                t
+                async for m in pb_grpc.SloserveStub(channel).Generate(req, timeout=60)
+                if m.WhichOneof("kind") == "chunk"
+                for t in m.chunk.token_ids
+            ]
+
     return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(PROMPTS))))
 
 
 def _requests_counted(metrics_port: int) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith("sloserve_requests_total{"))
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("sloserve_requests_total{")
+    )
 
 
 def _serve(model, *extra: str) -> ServerProcess:
-    return ServerProcess(["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--http-port", "off",
-                          "--log-format", "json", "--max-model-len", "256", *extra])
+    return ServerProcess(
+        [
+            "serve",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--http-port",
+            "off",
+            "--log-format",
+            "json",
+            "--max-model-len",
+            "256",
+            *extra,
+        ]
+    )
 
 
 def test_two_front_ends_on_one_port_give_the_tokens_of_one_and_stop_together(tiny_llama):
@@ -93,7 +126,9 @@ def test_two_front_ends_on_one_port_give_the_tokens_of_one_and_stop_together(tin
         counted = [_requests_counted(metrics), _requests_counted(metrics + 1)]
         # 12 connections, spread by a hash of their ports: all on one front end has p = 2 / 4096
         assert sum(counted) == len(PROMPTS) and min(counted) > 0, counted
-        pids = two.pids()  # front end 0 (the server), the engine, front end 1, multiprocessing's tracker
+        pids = (
+            two.pids()
+        )  # front end 0 (the server), the engine, front end 1, multiprocessing's tracker
         assert two.engine_pid() in pids and len(pids) >= 3, pids
         assert two.stop() == 0
         assert _all_gone(pids, 15)
@@ -116,9 +151,15 @@ def test_killing_the_server_stops_every_process(tiny_llama):
 
 async def _start_held(port: int, n: int) -> tuple[list, list[grpc.aio.Channel]]:
     """n slow requests, each on a connection of its own, every one past its first token."""
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION) for _ in range(n)]
-    calls = [pb_grpc.SloserveStub(ch).Generate(generate(f"r{i}-hold", text=f"held {i}", max_tokens=40).generate,
-                                               timeout=60) for i, ch in enumerate(channels)]
+    channels = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION) for _ in range(n)
+    ]
+    calls = [
+        pb_grpc.SloserveStub(ch).Generate(
+            generate(f"r{i}-hold", text=f"held {i}", max_tokens=40).generate, timeout=60
+        )
+        for i, ch in enumerate(channels)
+    ]
     for call in calls:
         assert (await call.read()).WhichOneof("kind") == "chunk"
     return calls, channels
@@ -135,7 +176,15 @@ async def _rest(call) -> list:
 
 
 def test_a_killed_engine_ends_the_requests_of_every_front_end(tiny_llama):
-    server = _serve(tiny_llama, "--frontends", "2", "--metrics-port", "off", "--inject-faults", "slow-step:hold=0.02")
+    server = _serve(
+        tiny_llama,
+        "--frontends",
+        "2",
+        "--metrics-port",
+        "off",
+        "--inject-faults",
+        "slow-step:hold=0.02",
+    )
 
     async def scenario() -> list[list]:
         calls, channels = await _start_held(server.port, 8)
@@ -152,8 +201,10 @@ def test_a_killed_engine_ends_the_requests_of_every_front_end(tiny_llama):
         pids = server.pids()
         for rest in asyncio.run(scenario()):
             last = rest[-1]
-            assert (last == grpc.StatusCode.UNAVAILABLE
-                    or (last.WhichOneof("kind") == "error" and last.error.code == grpc.StatusCode.UNAVAILABLE.value[0])), rest
+            assert last == grpc.StatusCode.UNAVAILABLE or (
+                last.WhichOneof("kind") == "error"
+                and last.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            ), rest
         assert server.wait(30) == 1
         assert _all_gone(pids, 15)
         died = [m for m in server.messages() if m.startswith("engine process failed")]
@@ -163,7 +214,15 @@ def test_a_killed_engine_ends_the_requests_of_every_front_end(tiny_llama):
 
 
 def test_sigterm_drains_the_requests_of_every_front_end(tiny_llama):
-    server = _serve(tiny_llama, "--frontends", "2", "--metrics-port", "off", "--inject-faults", "slow-step:hold=0.01")
+    server = _serve(
+        tiny_llama,
+        "--frontends",
+        "2",
+        "--metrics-port",
+        "off",
+        "--inject-faults",
+        "slow-step:hold=0.01",
+    )
 
     async def scenario() -> list[list]:
         calls, channels = await _start_held(server.port, 12)
@@ -179,20 +238,42 @@ def test_sigterm_drains_the_requests_of_every_front_end(tiny_llama):
         server.wait_log(lambda m: m.startswith("front end 1 joined the engine process"), 60)
         pids = server.pids()
         for rest in asyncio.run(scenario()):
-            assert rest[-1].WhichOneof("kind") == "final" and rest[-1].final.completion_tokens == 40, rest[-1]
+            assert (
+                rest[-1].WhichOneof("kind") == "final" and rest[-1].final.completion_tokens == 40
+            ), rest[-1]
         assert server.wait(30) == 0
         assert _all_gone(pids, 15)
         draining = [m for m in server.messages() if m.startswith("draining: ")]
         # both front ends drained requests of their own (12 connections all hashed to one: p = 2 / 4096)
-        assert len(draining) == 2 and all(not m.startswith("draining: 0 ") for m in draining), draining
+        assert len(draining) == 2 and all(not m.startswith("draining: 0 ") for m in draining), (
+            draining
+        )
     finally:
         server.kill()
 
 
 def test_http_on_the_shared_port_answers_from_both_front_ends(tiny_llama):
-    server = ServerProcess(["serve", "--model", str(tiny_llama), "--device", "cpu", "--port", "0", "--http-port",
-                            "auto", "--metrics-port", "off", "--log-format", "json", "--max-model-len", "256",
-                            "--frontends", "2"])
+    server = ServerProcess(
+        [
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--http-port",
+            "auto",
+            "--metrics-port",
+            "off",
+            "--log-format",
+            "json",
+            "--max-model-len",
+            "256",
+            "--frontends",
+            "2",
+        ]
+    )
     try:
         server.wait_ready()
         server.wait_log(lambda m: m.startswith("front end 1 joined the engine process"), 60)

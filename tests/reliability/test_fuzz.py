@@ -4,7 +4,8 @@ Each example is one Stream of 1-8 messages (random and missing fields, huge, neg
 non-finite numbers where the types allow, odd unicode, oversized prompts, reused ids, cancels
 of unknown ids, empty messages). Invariant: every GenerateRequest gets exactly one answer (the
 terminal message of its id, or, when it reuses a live id, a duplicate_id error with an empty
-request_id, so no id ever gets two terminals for one request), errors carry a client-side status code and a message, the stream ends OK, and the
+request_id, so no id ever gets two terminals for one request), errors carry a client-side
+status code and a message, the stream ends OK, and the
 server stays healthy and leak-free. A second test sends undecodable bytes.
 """
 
@@ -25,15 +26,34 @@ from tests.reliability.harness import FULL, count
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-FUZZ = settings(max_examples=count(60, 600), deadline=None, derandomize=not FULL, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=count(60, 600),
+    deadline=None,
+    derandomize=not FULL,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 # Codes a client may legitimately get for a bad or unlucky request; INTERNAL/UNKNOWN never.
-CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                grpc.StatusCode.DEADLINE_EXCEEDED.value[0]}
+CLIENT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT.value[0],
+    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+    grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+}
 
-odd_text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=60) | st.sampled_from(
-    ["\x00", "\u202e\u2066abc", "e\u0301\u0301\u0301", "\U0001f9d1\u200d\U0001f680" * 20, "\ufeff", "\uffff",
-     "\n\r\t", "a" * 5000])
+odd_text = st.text(
+    alphabet=st.characters(exclude_categories=("Cs",)), max_size=60
+) | st.sampled_from(
+    [
+        "\x00",
+        "\u202e\u2066abc",
+        "e\u0301\u0301\u0301",
+        "\U0001f9d1\u200d\U0001f680" * 20,
+        "\ufeff",
+        "\uffff",
+        "\n\r\t",
+        "a" * 5000,
+    ]
+)
 request_ids = st.sampled_from(["a", "b", "", "é", "a" * 300]) | odd_text
 uint32 = st.integers(0, 2**32 - 1)
 uint64 = st.integers(0, 2**64 - 1)
@@ -46,7 +66,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
     req = pb.GenerateRequest()
     if draw(st.integers(0, 9)):  # mostly present
         req.request_id = draw(request_ids)
-    kind = draw(st.sampled_from(["text", "text", "ids", "ids", "none", "empty_text", "empty_ids", "huge"]))
+    kind = draw(
+        st.sampled_from(["text", "text", "ids", "ids", "none", "empty_text", "empty_ids", "huge"])
+    )
     if kind == "text":
         req.text = draw(odd_text)
     elif kind == "ids":
@@ -61,8 +83,13 @@ def generate_requests(draw) -> pb.GenerateRequest:
         req.max_tokens = draw(st.integers(0, 24) | uint32)
     if draw(st.booleans()):
         s = req.sampling
-        for name, strategy in (("temperature", float32), ("top_p", float32), ("top_k", uint32),
-                               ("seed", uint64), ("ignore_eos", st.booleans())):
+        for name, strategy in (
+            ("temperature", float32),
+            ("top_p", float32),
+            ("top_k", uint32),
+            ("seed", uint64),
+            ("ignore_eos", st.booleans()),
+        ):
             if draw(st.booleans()):
                 setattr(s, name, draw(strategy))
         s.stop_token_ids.extend(draw(st.lists(st.integers(0, 300) | uint32, max_size=3)))
@@ -110,7 +137,9 @@ def _expected_terminals(messages: list[pb.ClientMessage]) -> collections.Counter
         elif kind is None:
             want[""] += 1  # answered with an error whose request_id is empty
         elif kind == "cancel" and not _echoable(msg.cancel.request_id):
-            want[""] += 1  # its id is refused (request_id_length / request_id_charset), without the id
+            want[""] += (
+                1  # its id is refused (request_id_length / request_id_charset), without the id
+            )
     return want
 
 
@@ -154,8 +183,11 @@ def _code(number: int) -> tuple:
 @settings(FUZZ, max_examples=count(30, 300))
 def test_undecodable_bytes_end_only_their_stream(small_pool_server, tally, payloads):
     with small_pool_server.sync_channel() as channel:
-        raw = channel.stream_stream("/sloserve.v1.Sloserve/Stream", request_serializer=lambda b: b,
-                                    response_deserializer=pb.ServerMessage.FromString)
+        raw = channel.stream_stream(
+            "/sloserve.v1.Sloserve/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
         try:
             replies = list(raw(iter(payloads), timeout=60))
             tally["raw:ok"] += 1
@@ -183,11 +215,16 @@ def test_server_survives_the_fuzzing(small_pool_server, tally):
 
 def test_corrupt_bytes_mid_stream_are_not_dropped_silently(small_pool_server):
     """A message that cannot be parsed must not make the live requests on the stream vanish."""
-    valid = pb.ClientMessage(generate=pb.GenerateRequest(request_id="live", text="hello", max_tokens=250))
+    valid = pb.ClientMessage(
+        generate=pb.GenerateRequest(request_id="live", text="hello", max_tokens=250)
+    )
     valid.generate.sampling.ignore_eos = True
     with small_pool_server.sync_channel() as channel:
-        raw = channel.stream_stream("/sloserve.v1.Sloserve/Stream", request_serializer=lambda b: b,
-                                    response_deserializer=pb.ServerMessage.FromString)
+        raw = channel.stream_stream(
+            "/sloserve.v1.Sloserve/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
         call = raw(iter([valid.SerializeToString(), b"\xff\xff\xff"]), timeout=60)
         terminals = []
         try:
@@ -195,14 +232,18 @@ def test_corrupt_bytes_mid_stream_are_not_dropped_silently(small_pool_server):
         except grpc.RpcError:
             pass
         assert terminals or call.code() == grpc.StatusCode.INVALID_ARGUMENT, (
-            f"the live request vanished: stream ended {call.code()} with no terminal for it")
+            f"the live request vanished: stream ended {call.code()} with no terminal for it"
+        )
 
 
 def test_corrupt_generate_request_is_invalid_argument(small_pool_server):
     """An undecodable GenerateRequest is the client's fault: INVALID_ARGUMENT, not UNKNOWN."""
     with small_pool_server.sync_channel() as channel:
-        raw = channel.unary_stream("/sloserve.v1.Sloserve/Generate", request_serializer=lambda b: b,
-                                   response_deserializer=pb.ServerMessage.FromString)
+        raw = channel.unary_stream(
+            "/sloserve.v1.Sloserve/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
         with pytest.raises(grpc.RpcError) as info:
             list(raw(b"\xff\xff\xff", timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value

@@ -28,7 +28,9 @@ from tests.reliability.load import LoopLag, RssSampler, closed_loop, open_loop, 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-POOL_BYTES = 1024 * 8192  # 1,024 KV pages of the tiny llama (8 MiB); the swap pool is at most as big
+POOL_BYTES = (
+    1024 * 8192
+)  # 1,024 KV pages of the tiny llama (8 MiB); the swap pool is at most as big
 FIXED_OVERHEAD = 256 * 2**20  # allocator slack, gRPC buffers, Python objects of queued requests
 TTFT_SLO_S = 1.0
 REFUSAL_P99_S = 0.1
@@ -38,8 +40,12 @@ CONCURRENCY = 32  # closed-loop clients while measuring capacity (half of --max-
 
 
 def _request(rid: str, slo: bool = True) -> pb.ClientMessage:
-    return generate(rid, text=f"{rid} overload test prompt, a few dozen bytes long.", max_tokens=32,
-                    slo=pb.Slo(ttft_s=TTFT_SLO_S) if slo else None)
+    return generate(
+        rid,
+        text=f"{rid} overload test prompt, a few dozen bytes long.",
+        max_tokens=32,
+        slo=pb.Slo(ttft_s=TTFT_SLO_S) if slo else None,
+    )
 
 
 def _no_slo(rid: str) -> pb.ClientMessage:
@@ -48,7 +54,9 @@ def _no_slo(rid: str) -> pb.ClientMessage:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    server = ServerProcess.cli(tiny_llama, "--max-model-len", "256", "--kv-pool-size", str(POOL_BYTES))
+    server = ServerProcess.cli(
+        tiny_llama, "--max-model-len", "256", "--kv-pool-size", str(POOL_BYTES)
+    )
     try:
         server.wait_ready()
         yield server
@@ -82,8 +90,11 @@ async def test_light_load_prefill_is_not_refused(server):
         probe = await client.send(generate("long-prompt", text="p" * 199, max_tokens=4, slo=slo))
         assert await client.wait_terminals(60)
         await client.close()
-    print(f"\nlight load: decode step {step_s * 1e3:.2f} ms, prompt alone {alone_s * 1e3:.1f} ms, SLO {slo.ttft_s * 1e3:.0f} ms"
-          f" -> {probe.outcome} {probe.error.message if probe.error else f'ttft {probe.final.ttft_s * 1e3:.0f} ms'}")
+    print(
+        f"\nlight load: decode step {step_s * 1e3:.2f} ms, prompt alone {alone_s * 1e3:.1f} ms, "
+        f"SLO {slo.ttft_s * 1e3:.0f} ms"
+        f" -> {probe.outcome} {probe.error.message if probe.error else f'ttft {probe.final.ttft_s * 1e3:.0f} ms'}"
+    )
     assert probe.final is not None, f"refused at light load: {probe.error.message}"
     assert probe.final.ttft_s <= slo.ttft_s
 
@@ -107,7 +118,9 @@ class OverloadRun:
 
     @property
     def attainment(self) -> float:
-        return sum(r.final.ttft_s <= TTFT_SLO_S for r in self.completed) / max(1, len(self.completed))
+        return sum(r.final.ttft_s <= TTFT_SLO_S for r in self.completed) / max(
+            1, len(self.completed)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +134,9 @@ async def _overload(server: ServerProcess) -> OverloadRun:
         clients = [StreamClient(stub) for _ in range(STREAMS)]
         await closed_loop(clients, _no_slo, concurrency=8, duration_s=2.0, prefix="warm")
         t0 = time.monotonic()
-        measured = await closed_loop(clients, _no_slo, concurrency=CONCURRENCY, duration_s=4.0, prefix="sus")
+        measured = await closed_loop(
+            clients, _no_slo, concurrency=CONCURRENCY, duration_s=4.0, prefix="sus"
+        )
         sustainable = len(measured) / (time.monotonic() - t0)
         assert all(r.final is not None for r in measured), outcomes(measured)
         rss_before = server.rss_bytes()
@@ -132,7 +147,9 @@ async def _overload(server: ServerProcess) -> OverloadRun:
                 offered = await open_loop(clients, _request, rate=rate, duration_s=DURATION_S)
                 sent_for = time.monotonic() - t1
                 for client in clients:
-                    assert await client.wait_terminals(120), f"no terminal for {client.pending()[:5]}"
+                    assert await client.wait_terminals(120), (
+                        f"no terminal for {client.pending()[:5]}"
+                    )
         for client in clients:
             await client.close()
             assert client.status == grpc.StatusCode.OK, (client.status, client.details)
@@ -141,16 +158,19 @@ async def _overload(server: ServerProcess) -> OverloadRun:
     refusal_s = [r.done_at - r.sent_at for r in refused]
     ttft = [r.final.ttft_s for r in completed]
     e2e = [r.final.e2e_s for r in completed]
-    print(f"\noverload: sustainable {sustainable:.1f} req/s (closed loop, {CONCURRENCY} clients), offered "
-          f"{rate:.0f} req/s for {DURATION_S}s ({len(offered)} sent, {len(offered) / sent_for:.0f}/s achieved)\n"
-          f"  outcomes {dict(outcomes(offered))}; refusal reasons {dict(Counter(r.error.reason for r in refused))}\n"
-          f"  refusal latency p50 {quantile(refusal_s, .5) * 1e3:.1f} ms p99 {quantile(refusal_s, .99) * 1e3:.1f} ms"
-          f" max {max(refusal_s, default=0) * 1e3:.1f} ms\n"
-          f"  admitted: TTFT p50 {quantile(ttft, .5):.3f}s p99 {quantile(ttft, .99):.3f}s; attainment "
-          f"{result.attainment:.1%} of {len(completed)}; e2e p50 {quantile(e2e, .5):.3f}s p99 {quantile(e2e, .99):.3f}s\n"
-          f"  client loop lag p50 {quantile(lag.lags, .5) * 1e3:.1f} ms p99 {quantile(lag.lags, .99) * 1e3:.1f} ms\n"
-          f"  RSS before {rss_before / 2**20:.0f} MiB, peak {rss.peak / 2**20:.0f} MiB\n"
-          f"  after: {describe(result.after)}")
+    print(
+        f"\noverload: sustainable {sustainable:.1f} req/s (closed loop, {CONCURRENCY} clients), offered "
+        f"{rate:.0f} req/s for {DURATION_S}s ({len(offered)} sent, {len(offered) / sent_for:.0f}/s achieved)\n"
+        f"  outcomes {dict(outcomes(offered))}; refusal reasons {dict(Counter(r.error.reason for r in refused))}\n"
+        f"  refusal latency p50 {quantile(refusal_s, 0.5) * 1e3:.1f} ms p99 {quantile(refusal_s, 0.99) * 1e3:.1f} ms"
+        f" max {max(refusal_s, default=0) * 1e3:.1f} ms\n"
+        f"  admitted: TTFT p50 {quantile(ttft, 0.5):.3f}s p99 {quantile(ttft, 0.99):.3f}s; attainment "
+        f"{result.attainment:.1%} of {len(completed)}; "
+        f"e2e p50 {quantile(e2e, 0.5):.3f}s p99 {quantile(e2e, 0.99):.3f}s\n"
+        f"  client loop lag p50 {quantile(lag.lags, 0.5) * 1e3:.1f} ms p99 {quantile(lag.lags, 0.99) * 1e3:.1f} ms\n"
+        f"  RSS before {rss_before / 2**20:.0f} MiB, peak {rss.peak / 2**20:.0f} MiB\n"
+        f"  after: {describe(result.after)}"
+    )
     return result
 
 
@@ -167,31 +187,48 @@ async def test_overload_excess_is_refused_fast_and_nothing_is_lost(server, run):
 # parse, the load generator included. With the engine in its own process the sustainable rate rose
 # to 230-580 req/s (chunks merged when the stream is busy), so the flood is 2,300-5,800 req/s; a
 # 2,000 req/s flood is refused in p50 30 ms / p99 171 ms, 5,800 req/s in p50 2.2 s (loaded machine).
-@pytest.mark.xfail(strict=False, reason="front end (grpc/, frontend/): above ~2,000 req/s offered on 2 shared cores "
-                   "the gRPC front end cannot parse and answer every request in time; the refusal p99 grows "
-                   "to seconds. Needs cheaper per-request front-end work or front-end load shedding")
+@pytest.mark.xfail(
+    strict=False,
+    reason="front end (grpc/, frontend/): above ~2,000 req/s offered on 2 shared cores "
+    "the gRPC front end cannot parse and answer every request in time; the refusal p99 grows "
+    "to seconds. Needs cheaper per-request front-end work or front-end load shedding",
+)
 async def test_overload_refusals_are_fast(run):
     """The engine runs in its own process, so refusing the excess never waits for a step's GIL."""
     refusal_s = [r.done_at - r.sent_at for r in run.refused]
-    assert quantile(refusal_s, .99) < REFUSAL_P99_S, (
-        f"refusal p99 {quantile(refusal_s, .99) * 1e3:.0f} ms: refusals must come long before the SLO would pass")
+    assert quantile(refusal_s, 0.99) < REFUSAL_P99_S, (
+        f"refusal p99 {quantile(refusal_s, 0.99) * 1e3:.0f} ms: refusals must come long before the SLO would pass"
+    )
 
 
-@pytest.mark.xfail(strict=False, reason="with all of the server on one core (taskset -c 0) the flooded front end "
-                   "takes the engine's CPU: 217 req/s completed vs 287 sustainable (76%); on 2 cores 490 vs 478")
+@pytest.mark.xfail(
+    strict=False,
+    reason="with all of the server on one core (taskset -c 0) the flooded front end "
+    "takes the engine's CPU: 217 req/s completed vs 287 sustainable (76%); on 2 cores 490 vs 478",
+)
 async def test_overload_keeps_doing_useful_work(run):
     goodput = len(run.completed) / DURATION_S
-    assert goodput >= 0.8 * run.sustainable, f"{goodput:.1f} req/s completed vs {run.sustainable:.1f} sustainable"
+    assert goodput >= 0.8 * run.sustainable, (
+        f"{goodput:.1f} req/s completed vs {run.sustainable:.1f} sustainable"
+    )
 
 
 async def test_overload_memory_stays_bounded(run):
     """RSS stays within what it was at steady load plus the pools (KV + swap) and a fixed overhead."""
-    assert run.rss_peak <= run.rss_before + 2 * POOL_BYTES + FIXED_OVERHEAD, (run.rss_before, run.rss_peak)
+    assert run.rss_peak <= run.rss_before + 2 * POOL_BYTES + FIXED_OVERHEAD, (
+        run.rss_before,
+        run.rss_peak,
+    )
 
 
-@pytest.mark.xfail(strict=False, reason="admission (sched/slo/admission.py) learns the front end's backlog only from "
-                   "the first tokens the front end hands out; a front end that cannot even parse the flood in time "
-                   "(see above) stamps arrivals late and reports late (86.7% attainment at 5,800 req/s offered "
-                   "once; it passed in the last four suite runs, one of them before the backlog was priced)")
+@pytest.mark.xfail(
+    strict=False,
+    reason="admission (sched/slo/admission.py) learns the front end's backlog only from "
+    "the first tokens the front end hands out; a front end that cannot even parse the flood in time "
+    "(see above) stamps arrivals late and reports late (86.7% attainment at 5,800 req/s offered "
+    "once; it passed in the last four suite runs, one of them before the backlog was priced)",
+)
 async def test_overload_admitted_requests_keep_their_slo(run):
-    assert run.attainment >= 0.95, f"admitted requests met their TTFT SLO only {run.attainment:.1%} of the time"
+    assert run.attainment >= 0.95, (
+        f"admitted requests met their TTFT SLO only {run.attainment:.1%} of the time"
+    )

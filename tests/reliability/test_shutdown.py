@@ -18,8 +18,13 @@ from tests.reliability.client import Record, StreamClient, generate
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GRACE_S = 3.0
-HOLD_S = 0.05  # every step with a '-hold' request in the batch takes this much longer (--inject-faults)
-LONG, SHORT = 240, 6  # a held long request needs >= LONG * HOLD_S = 12 s: it cannot finish within GRACE_S
+HOLD_S = (
+    0.05  # every step with a '-hold' request in the batch takes this much longer (--inject-faults)
+)
+LONG, SHORT = (
+    240,
+    6,
+)  # a held long request needs >= LONG * HOLD_S = 12 s: it cannot finish within GRACE_S
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
@@ -27,7 +32,9 @@ async def _unary(stub, rid: str, max_tokens: int) -> tuple[str, int]:
     """One Generate call: ('final:<reason>', tokens) or ('status:<CODE>', tokens)."""
     tokens = 0
     try:
-        async for msg in stub.Generate(generate(rid, text=f"unary {rid}", max_tokens=max_tokens).generate):
+        async for msg in stub.Generate(
+            generate(rid, text=f"unary {rid}", max_tokens=max_tokens).generate
+        ):
             if msg.WhichOneof("kind") == "chunk":
                 tokens += len(msg.chunk.token_ids)
             elif msg.WhichOneof("kind") == "final":
@@ -55,8 +62,15 @@ def run(tiny_llama) -> ShutdownRun:
 
 
 async def _sigterm_under_load(model) -> ShutdownRun:
-    server = ServerProcess.cli(model, "--max-model-len", "256", "--grace", str(GRACE_S),
-                               "--inject-faults", f"slow-step:-hold={HOLD_S}")
+    server = ServerProcess.cli(
+        model,
+        "--max-model-len",
+        "256",
+        "--grace",
+        str(GRACE_S),
+        "--inject-faults",
+        f"slow-step:-hold={HOLD_S}",
+    )
     try:
         server.wait_ready()
         async with server.aio_channel() as channel:
@@ -68,9 +82,15 @@ async def _sigterm_under_load(model) -> ShutdownRun:
                     # Short ones finish in the grace period; long ones are held past it by construction.
                     rid = f"s{c}-{i}" if i % 2 else f"s{c}-{i}-hold"
                     lengths[rid] = SHORT if i % 2 else LONG
-                    await client.send(generate(rid, text=f"shutdown test {rid}", max_tokens=lengths[rid]))
-            unary = [asyncio.create_task(_unary(stub, f"u{i}" if i % 2 else f"u{i}-hold", SHORT if i % 2 else LONG))
-                     for i in range(6)]
+                    await client.send(
+                        generate(rid, text=f"shutdown test {rid}", max_tokens=lengths[rid])
+                    )
+            unary = [
+                asyncio.create_task(
+                    _unary(stub, f"u{i}" if i % 2 else f"u{i}-hold", SHORT if i % 2 else LONG)
+                )
+                for i in range(6)
+            ]
             deadline = time.monotonic() + 60
             while not all(r.tokens for c in clients for r in c.records.values()):
                 assert time.monotonic() < deadline, "requests never started"
@@ -86,7 +106,9 @@ async def _sigterm_under_load(model) -> ShutdownRun:
         exited_after = time.monotonic() - signalled
     finally:
         server.kill()
-    return ShutdownRun(clients, lengths, unary_outcomes, late, code, exited_after, server.messages())
+    return ShutdownRun(
+        clients, lengths, unary_outcomes, late, code, exited_after, server.messages()
+    )
 
 
 def _stream_outcomes(run: ShutdownRun) -> Counter[str]:
@@ -103,13 +125,17 @@ def _stream_outcomes(run: ShutdownRun) -> Counter[str]:
 
 
 def test_sigterm_drains_short_requests_refuses_late_ones_and_exits_zero(run):
-    print(f"\nshutdown: exit {run.code} after {run.exited_after:.2f}s (grace {GRACE_S}s); streams "
-          f"{dict(_stream_outcomes(run))} (statuses {[c.status.name if c.status else None for c in run.clients]}); "
-          f"unary {dict(Counter(o for o, _ in run.unary))}; late request: {run.late.outcome} "
-          f"{run.late.error.reason if run.late.error else ''}")
+    print(
+        f"\nshutdown: exit {run.code} after {run.exited_after:.2f}s (grace {GRACE_S}s); streams "
+        f"{dict(_stream_outcomes(run))} (statuses {[c.status.name if c.status else None for c in run.clients]}); "
+        f"unary {dict(Counter(o for o, _ in run.unary))}; late request: {run.late.outcome} "
+        f"{run.late.error.reason if run.late.error else ''}"
+    )
     assert run.code == 0
     late = run.late.error
-    assert late is not None and late.code == UNAVAILABLE.value[0] and late.reason == "draining", run.late
+    assert late is not None and late.code == UNAVAILABLE.value[0] and late.reason == "draining", (
+        run.late
+    )
     for client in run.clients:
         for rid, record in client.records.items():
             assert record.extra_terminals == 0, record
@@ -118,13 +144,17 @@ def test_sigterm_drains_short_requests_refuses_late_ones_and_exits_zero(run):
             if rid.endswith("-hold"):  # held past the grace period: cancelled with UNAVAILABLE
                 assert record.final is None, record
                 assert (record.error is not None and record.error.code == UNAVAILABLE.value[0]) or (
-                    record.error is None and client.status == UNAVAILABLE), record
+                    record.error is None and client.status == UNAVAILABLE
+                ), record
             else:  # short ones finish within the grace period
-                assert record.final is not None, f"{rid} did not finish within the grace period: {record}"
+                assert record.final is not None, (
+                    f"{rid} did not finish within the grace period: {record}"
+                )
                 assert record.final.finish_reason == pb.FINISH_REASON_LENGTH, record
                 assert record.tokens == SHORT == record.final.completion_tokens, record
     assert [outcome for outcome, _ in run.unary] == [
-        "status:UNAVAILABLE" if i % 2 == 0 else "final:FINISH_REASON_LENGTH" for i in range(6)], run.unary
+        "status:UNAVAILABLE" if i % 2 == 0 else "final:FINISH_REASON_LENGTH" for i in range(6)
+    ], run.unary
     assert "stopped" in run.messages
 
 
@@ -134,6 +164,7 @@ def test_sigterm_drops_nothing_silently(run):
         for rid, record in client.records.items():
             if record.final is None and record.error is None:
                 assert client.status == UNAVAILABLE, (
-                    f"{rid} dropped silently: no terminal message and stream status {client.status}")
+                    f"{rid} dropped silently: no terminal message and stream status {client.status}"
+                )
             elif record.error is not None:
                 assert record.error.code == UNAVAILABLE.value[0], record

@@ -22,7 +22,9 @@ def _teach_speed(s) -> None:
 def _fill(s, r, n: int, max_tokens: int, prefix: str = "run") -> None:
     """Start `n` requests (no SLO) and step until all of them are decoding."""
     for i in range(n):
-        s.add_request(f"{prefix}{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        s.add_request(
+            f"{prefix}{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
     step(s, r)
     step(s, r)
     assert len(s.running) == n and all(q.num_output_tokens == 2 for q in s.running)
@@ -56,7 +58,9 @@ def test_a_full_batch_of_long_decodes_refuses_a_tight_slo():
 
 @pytest.mark.parametrize("deadline_steps", [False, True])
 def test_an_empty_batch_admits_the_same_request(deadline_steps):
-    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps)
+    s, r, _ = make_scheduler(
+        _runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps
+    )
     _teach_speed(s)
     s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
     est = s.admission.estimate(s.requests["tight"], [], [], 4)
@@ -72,12 +76,15 @@ def test_an_empty_batch_admits_the_same_request(deadline_steps):
 def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
     """Scheduler._alone: with nothing running or queued a prompt fills the step's token budget, not
     a chunk; admission prices it so, and in chunks again once anyone else is there."""
-    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, prefill_chunk=16,
-                             max_batched_tokens=64)
+    s, r, _ = make_scheduler(
+        _runner(), max_batch=4, adaptive_batch=False, prefill_chunk=16, max_batched_tokens=64
+    )
     _teach_speed(s)
     s.add_request("alone", [98] * 40, SamplingParams(max_tokens=4), SLO(ttft_s=5.0))
     assert s.admission.estimate(s.requests["alone"], [], [], 4).steps == 1
-    assert s.admission.estimate(s.requests["alone"], [], [s.requests["alone"]], 4).steps == 3  # 16+16+8
+    assert (
+        s.admission.estimate(s.requests["alone"], [], [s.requests["alone"]], 4).steps == 3
+    )  # 16+16+8
     out, _ = step(s, r)
     assert [len(q.token_ids) for q in out.sequences] == [40]
     drain(s, r)
@@ -88,7 +95,9 @@ def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
 def test_an_idle_engine_refuses_a_prompt_only_when_its_own_prefill_misses(deadline_steps):
     """The margin is for waits behind others: on an idle engine a 60-token prompt (~70 ms, 70% of a
     100 ms TTFT) is admitted; one whose own prefill takes ~130 ms is refused."""
-    s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps)
+    s, r, _ = make_scheduler(
+        _runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps
+    )
     _teach_speed(s)
     s.add_request("fits", [98] * 60, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
     drain(s, r)
@@ -137,7 +146,9 @@ def test_the_estimate_errs_late_but_close_on_a_priced_clock():
     s, r, clock = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
     _fill(s, r, 4, max_tokens=30)
     for i in range(3):
-        s.add_request(f"q{i}", [100 + i] * (5 + 7 * i), SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True))
+        s.add_request(
+            f"q{i}", [100 + i] * (5 + 7 * i), SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True)
+        )
     _teach_speed(s)
     s.add_request("probe", [120] * 9, SamplingParams(max_tokens=3), SLO(ttft_s=5.0))
     probe = s.requests["probe"]
@@ -155,12 +166,18 @@ def test_the_estimate_errs_late_but_close_on_a_priced_clock():
 @pytest.mark.parametrize("waited_s, refused", [(0.0, False), (0.5, True)])
 def test_a_looser_request_past_the_starvation_guard_counts_as_ahead(waited_s, refused):
     """The queue's order without deadline steps: a request past the 200 ms guard goes first."""
-    s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2,
-                                 deadline_steps=False)
+    s, r, clock = make_scheduler(
+        _runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2, deadline_steps=False
+    )
     s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
     step(s, r)
-    s.add_request("old", [98] * 6, SamplingParams(max_tokens=100, ignore_eos=True), SLO(ttft_s=10.0),
-                  arrival_time=clock.t - waited_s)
+    s.add_request(
+        "old",
+        [98] * 6,
+        SamplingParams(max_tokens=100, ignore_eos=True),
+        SLO(ttft_s=10.0),
+        arrival_time=clock.t - waited_s,
+    )
     _teach_speed(s)
     # Behind 'busy' alone: ~9 steps (~0.1 s). If 'old' has starved it runs first: ~110 steps.
     if refused:
@@ -177,8 +194,13 @@ def test_with_deadline_steps_the_least_slack_goes_first_despite_the_guard():
     s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2)
     s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
     step(s, r)
-    s.add_request("old", [98] * 6, SamplingParams(max_tokens=100, ignore_eos=True), SLO(ttft_s=10.0),
-                  arrival_time=clock.t - 0.5)
+    s.add_request(
+        "old",
+        [98] * 6,
+        SamplingParams(max_tokens=100, ignore_eos=True),
+        SLO(ttft_s=10.0),
+        arrival_time=clock.t - 0.5,
+    )
     _teach_speed(s)
     s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))  # admitted
     first = []
@@ -236,12 +258,21 @@ def test_the_kept_backlog_matches_one_built_from_scratch():
     _fill(s, r, 3, max_tokens=12)
     _teach_speed(s)
     for i in range(7):
-        s.add_request(f"q{i}", [100 + i] * (4 + 3 * i), SamplingParams(max_tokens=3 + 4 * i), SLO(ttft_s=100.0))
+        s.add_request(
+            f"q{i}",
+            [100 + i] * (4 + 3 * i),
+            SamplingParams(max_tokens=3 + 4 * i),
+            SLO(ttft_s=100.0),
+        )
     kept = s.admission._backlog
     assert kept is not None and kept.queued == 7
     fresh = s.admission.backlog(s.running, list(s.waiting), 3)
     assert sorted(kept.slots) == sorted(fresh.slots)
-    assert (kept.pending, kept.occupants, kept.prefill_steps) == (fresh.pending, fresh.occupants, fresh.prefill_steps)
+    assert (kept.pending, kept.occupants, kept.prefill_steps) == (
+        fresh.pending,
+        fresh.occupants,
+        fresh.prefill_steps,
+    )
     step(s, r)
     assert s.admission._backlog is None  # a step changes the batch: rebuilt on the next admission
     drain(s, r)
@@ -253,8 +284,11 @@ def _light_load_admission(monkeypatch=None) -> list[str]:
     prompt, two of those eight after idle at 0.3 s instead of 50 ms (cold threads). The fit over
     every step then prices a 500-token prompt alone above a 0.1 s TTFT; prompt steps cost ~0.12 ms
     a token at their median. Returns which of a 500- and a 1,000-token prompt were admitted."""
-    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0, max_model_len=2048), max_batch=4,
-                             adaptive_batch=False)
+    s, r, _ = make_scheduler(
+        FakeRunner(num_blocks=512, num_host_blocks=0, max_model_len=2048),
+        max_batch=4,
+        adaptive_batch=False,
+    )
     for i in range(64):
         s.admission.on_compute(1, 0.0007 + 0.0002 * (i % 3), decodes=1)
         if i % 8 == 0:

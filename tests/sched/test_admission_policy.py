@@ -21,22 +21,31 @@ def _busy(s, r, n: int = 4, max_tokens: int = 300) -> None:
     for tokens in (1, 2, 500, 3, 1000, 1):
         s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
     for i in range(n):
-        s.add_request(f"run{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        s.add_request(
+            f"run{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
     step(s, r)
     step(s, r)
 
 
 def _scheduler(**sched):
     # NOTE: without slack preemption, so the running requests hold their slots
-    return make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False,
-                          slack_preemption=False, **sched)
+    return make_scheduler(
+        FakeRunner(num_blocks=512, num_host_blocks=0),
+        max_batch=4,
+        adaptive_batch=False,
+        slack_preemption=False,
+        **sched,
+    )
 
 
 def test_a_request_without_objectives_is_never_refused_for_time():
     s, r, _ = _scheduler()
     _busy(s, r)
     s.add_request("patient", [98] * 6, SamplingParams(max_tokens=4))  # its first token is ~4 s away
-    assert s.requests["patient"].predicted_ttft_s > 2.0  # ... and predicted so (the default 2 s is no objective)
+    assert (
+        s.requests["patient"].predicted_ttft_s > 2.0
+    )  # ... and predicted so (the default 2 s is no objective)
 
 
 def test_an_end_to_end_objective_is_refused_only_when_even_the_first_token_is_late():
@@ -90,7 +99,9 @@ def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
     s.add_request("patient", [98] * 6, SamplingParams(max_tokens=4))
     predicted = s.requests["patient"].predicted_ttft_s
     assert predicted > 290 * 0.025  # the lull alone would say ~300 x 12 ms = 3.6 s
-    s.add_request("soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))  # still admitted
+    s.add_request(
+        "soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)
+    )  # still admitted
 
 
 def test_the_front_ends_output_backlog_is_priced_and_fades_in_real_time():
@@ -114,7 +125,9 @@ def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
     _busy(s, r)
     adm = s.admission
     s.add_request("no-ttft", [97] * 6, SamplingParams(max_tokens=4))
-    adm.on_first_token(s.requests["no-ttft"], 10 * s.requests["no-ttft"].model_ttft_s)  # overtaken by design: ignored
+    adm.on_first_token(
+        s.requests["no-ttft"], 10 * s.requests["no-ttft"].model_ttft_s
+    )  # overtaken by design: ignored
     assert adm.calibration == 1.0
     for i in range(8):
         s.add_request(f"q{i}", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
@@ -156,7 +169,9 @@ def test_next_in_line_the_margin_is_how_late_recent_first_tokens_came():
     _first_tokens(s, late_s=0.0)
     s.add_request("on-time", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
     s.abort("on-time")
-    _first_tokens(s, late_s=0.5 * objective, n=16, tag="late")  # now most came half an objective late
+    _first_tokens(
+        s, late_s=0.5 * objective, n=16, tag="late"
+    )  # now most came half an objective late
     with pytest.raises(RequestRefusedError, match="first token expected"):
         s.add_request("after-late", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
     clock.t += admission.LATE_WINDOW_S + 1.0  # old first tokens say nothing of now: the share again
@@ -178,8 +193,12 @@ class _TimedRunner(FakeRunner):
 
 
 def test_with_slack_preemption_a_newcomer_waits_for_no_slot_of_a_prompt_without_objectives():
-    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False,
-                             prefill_chunk=16)
+    s, r, _ = make_scheduler(
+        FakeRunner(num_blocks=512, num_host_blocks=0),
+        max_batch=4,
+        adaptive_batch=False,
+        prefill_chunk=16,
+    )
     for tokens in (1, 2, 500, 3, 1000, 1):
         s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
     for i in range(4):  # long prompts without objectives, still prefilling: no token out yet
@@ -196,7 +215,9 @@ def test_with_slack_preemption_a_newcomer_waits_for_no_slot_of_a_prompt_without_
 def test_a_decoding_request_keeps_its_slot_and_the_newcomer_is_priced_behind_it():
     """Decodes free their slots by finishing: preempting one for a newcomer only churns, so
     admission prices the wait for their slots (here: past the TTFT, so it refuses)."""
-    s, r, _ = make_scheduler(FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False)
+    s, r, _ = make_scheduler(
+        FakeRunner(num_blocks=512, num_host_blocks=0), max_batch=4, adaptive_batch=False
+    )
     _busy(s, r)
     with pytest.raises(RequestRefusedError, match="steps for a slot in the full batch of 4"):
         s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
@@ -209,7 +230,9 @@ def test_priming_prices_steps_before_any_request_ran():
     fed = prime(r, s.admission, s.config, s.max_model_len)
     assert fed == len(priming_shapes(s.config, s.max_model_len)) >= 5
     overhead, per_token = s.admission.speed.fit()
-    assert overhead == pytest.approx(0.002, abs=1e-4) and per_token == pytest.approx(0.0005, rel=0.01)
+    assert overhead == pytest.approx(0.002, abs=1e-4) and per_token == pytest.approx(
+        0.0005, rel=0.01
+    )
 
 
 def test_priming_shapes_span_decode_batches_and_prefill_chunks():
@@ -220,9 +243,15 @@ def test_priming_shapes_span_decode_batches_and_prefill_chunks():
 
 # ---- the priority policy -----------------------------------------------------------------
 
+
 def test_priority_runs_lower_values_first_and_fifo_within_a_priority():
-    s, r, _ = make_scheduler(FakeRunner(num_blocks=512), policy="priority", max_batch=1, adaptive_batch=False,
-                             admission_control=False)
+    s, r, _ = make_scheduler(
+        FakeRunner(num_blocks=512),
+        policy="priority",
+        max_batch=1,
+        adaptive_batch=False,
+        admission_control=False,
+    )
     for name, prio in (("b1", 1), ("a0", 0), ("c1", 1), ("d0", 0)):
         s.add_request(name, [97] * 4, SamplingParams(max_tokens=1), priority=prio)
     order = []
@@ -233,8 +262,12 @@ def test_priority_runs_lower_values_first_and_fifo_within_a_priority():
 
 
 def test_priority_preempts_the_highest_value_then_the_latest_arrival():
-    s, r, clock = make_scheduler(FakeRunner(num_blocks=10, num_host_blocks=0, max_model_len=256),
-                                 policy="priority", preemption_mode="recompute", adaptive_batch=False)
+    s, r, clock = make_scheduler(
+        FakeRunner(num_blocks=10, num_host_blocks=0, max_model_len=256),
+        policy="priority",
+        preemption_mode="recompute",
+        adaptive_batch=False,
+    )
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     s.add_request("urgent", [97] * 6, params, priority=0)
     clock.t += 1
@@ -248,4 +281,3 @@ def test_priority_preempts_the_highest_value_then_the_latest_arrival():
             assert preempted == ["old-low"]
             return
     raise AssertionError("the pool never ran out")
-

@@ -51,10 +51,15 @@ def _mean_tpot(token_times: list[float]) -> float:
 
 def _tight_tpot_with_long_prefill(**sched) -> float:
     s, r, clock = _scheduler(**sched)
-    s.add_request("tight", [97] * 8, SamplingParams(max_tokens=20, ignore_eos=True), SLO(tpot_s=0.012))
+    s.add_request(
+        "tight", [97] * 8, SamplingParams(max_tokens=20, ignore_eos=True), SLO(tpot_s=0.012)
+    )
     long_prompt = [98 + i % 20 for i in range(3000)]
-    arrivals = {3: lambda: s.add_request("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                         SLO(e2e_s=30.0))}
+    arrivals = {
+        3: lambda: s.add_request(
+            "long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True), SLO(e2e_s=30.0)
+        )
+    }
     times = _run(s, r, clock, 80, arrivals)
     assert len(times["tight"]) == 20
     assert len(times.get("long", [])) >= 1, "the long prompt must still be prefilled"
@@ -73,12 +78,19 @@ def test_without_deadline_steps_the_long_prefill_breaks_the_tpot():
 
 def _victim(**sched) -> str:
     # 4-token blocks; three requests grow until the pool runs out and one must give way.
-    s, r, clock = _scheduler(FakeRunner(num_blocks=14, num_host_blocks=0, max_model_len=256),
-                             preemption_mode="recompute", **sched)
-    s.add_request("tight", [97] * 6, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=0.05))
+    s, r, clock = _scheduler(
+        FakeRunner(num_blocks=14, num_host_blocks=0, max_model_len=256),
+        preemption_mode="recompute",
+        **sched,
+    )
+    s.add_request(
+        "tight", [97] * 6, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=0.05)
+    )
     # roomy: an early deadline but a short answer; crowded: a later deadline but many tokens.
     s.add_request("roomy", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True), SLO(e2e_s=5.0))
-    s.add_request("crowded", [99] * 6, SamplingParams(max_tokens=400, ignore_eos=True), SLO(e2e_s=6.0))
+    s.add_request(
+        "crowded", [99] * 6, SamplingParams(max_tokens=400, ignore_eos=True), SLO(e2e_s=6.0)
+    )
     for _ in range(40):
         _run(s, r, clock, 1)
         preempted = [q.request_id for q in s.requests.values() if q.num_preemptions]
@@ -99,21 +111,28 @@ def test_without_slack_preemption_the_latest_deadline_is_preempted():
 def test_no_admitted_request_goes_longer_than_max_wait_without_a_step():
     """The starvation bound: a request is computed at least once every max_wait_s plus one step.
 
-    Eight 5.85 ms-TPOT requests leave no room under the cap (8 decodes take 5.8 ms, 9 take 5.9), so a request without objectives is
+    Eight 5.85 ms-TPOT requests leave no room under the cap (8 decodes take 5.8 ms, 9 take 5.9),
+    so a request without objectives is
     optional in each step -- and still runs once it has waited max_wait_s.
     """
     max_wait_s = 0.2
     s, r, clock = _scheduler(max_wait_s=max_wait_s, adaptive_batch=False)
     for i in range(8):
-        s.add_request(f"tight{i}", [97 + i] * 6, SamplingParams(max_tokens=400, ignore_eos=True),
-                      SLO(tpot_s=0.00585))
+        s.add_request(
+            f"tight{i}",
+            [97 + i] * 6,
+            SamplingParams(max_tokens=400, ignore_eos=True),
+            SLO(tpot_s=0.00585),
+        )
     s.add_request("background", [120] * 6, SamplingParams(max_tokens=400, ignore_eos=True))
     times = _run(s, r, clock, 400)
     background = times["background"]
     gaps = [b - a for a, b in zip(background, background[1:], strict=False)]
     longest_step = price(9)
     assert len(background) >= 5
-    assert max(gaps) > 3 * longest_step, "the background request was never skipped: the test proves nothing"
+    assert max(gaps) > 3 * longest_step, (
+        "the background request was never skipped: the test proves nothing"
+    )
     assert max(gaps) <= max_wait_s + 2 * longest_step
     first_wait = background[0] - 1000.0
     assert first_wait <= max_wait_s + 2 * longest_step
@@ -125,14 +144,31 @@ def test_a_starving_newcomer_waits_for_the_prefix_a_skipped_request_is_still_pre
     computing the same prompt alongside it in the steps the first is skipped."""
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
     for i in range(8):
-        s.add_request(f"tight{i}", [97 + i] * 6, SamplingParams(max_tokens=2000, ignore_eos=True),
-                      SLO(tpot_s=0.00585))
+        s.add_request(
+            f"tight{i}",
+            [97 + i] * 6,
+            SamplingParams(max_tokens=2000, ignore_eos=True),
+            SLO(tpot_s=0.00585),
+        )
     prompt = [100 + i % 7 for i in range(64)]
-    times = _run(s, r, clock, 200, {
-        5: lambda: s.add_request("first", prompt, SamplingParams(max_tokens=2, ignore_eos=True)),
-        40: lambda: s.add_request("second", prompt, SamplingParams(max_tokens=2, ignore_eos=True))})
+    times = _run(
+        s,
+        r,
+        clock,
+        200,
+        {
+            5: lambda: s.add_request(
+                "first", prompt, SamplingParams(max_tokens=2, ignore_eos=True)
+            ),
+            40: lambda: s.add_request(
+                "second", prompt, SamplingParams(max_tokens=2, ignore_eos=True)
+            ),
+        },
+    )
     assert len(times["first"]) == len(times["second"]) == 2
-    assert times["first"][0] > 1000.4, "the first prompt ran in one go: nothing could be shared mid-prefill"
+    assert times["first"][0] > 1000.4, (
+        "the first prompt ran in one go: nothing could be shared mid-prefill"
+    )
     assert s.prefix_hit_tokens_total == 63
     assert s.computed_prompt_tokens_total == 8 * 6 + 64 + 1
 
@@ -140,8 +176,12 @@ def test_a_starving_newcomer_waits_for_the_prefix_a_skipped_request_is_still_pre
 def test_a_skipped_request_stays_running_and_keeps_its_blocks():
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
     for i in range(8):
-        s.add_request(f"tight{i}", [97 + i] * 6, SamplingParams(max_tokens=50, ignore_eos=True),
-                      SLO(tpot_s=0.00585))
+        s.add_request(
+            f"tight{i}",
+            [97 + i] * 6,
+            SamplingParams(max_tokens=50, ignore_eos=True),
+            SLO(tpot_s=0.00585),
+        )
     s.add_request("background", [120] * 6, SamplingParams(max_tokens=50, ignore_eos=True))
     _run(s, r, clock, 20)
     bg = s.requests["background"]
@@ -154,8 +194,11 @@ def _paced_finish(finish_margin: float) -> float:
     s, r, clock = _scheduler(finish_margin=finish_margin, adaptive_batch=False)
     s.add_request("paced", [97] * 8, SamplingParams(max_tokens=30, ignore_eos=True), SLO(e2e_s=1.0))
     for i in range(8):
-        s.add_request(f"bulk{i}", [98 + (i + j) % 20 for j in range(3000)],
-                      SamplingParams(max_tokens=1, ignore_eos=True))
+        s.add_request(
+            f"bulk{i}",
+            [98 + (i + j) % 20 for j in range(3000)],
+            SamplingParams(max_tokens=1, ignore_eos=True),
+        )
     times = _run(s, r, clock, 400)
     assert len(times["paced"]) == 30
     assert any(len(times.get(f"bulk{i}", [])) for i in range(8)), "the bulk must fill the steps"
@@ -176,8 +219,15 @@ def _tight_tpot_among_lost_requests() -> float:
     would refuse the 10 ms requests outright."""
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False, admission_control=False)
     for i in range(8):
-        s.add_request(f"lost{i}", [97 + i] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(e2e_s=0.01))
-    s.add_request("tight", [120] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.00585))
+        s.add_request(
+            f"lost{i}",
+            [97 + i] * 6,
+            SamplingParams(max_tokens=200, ignore_eos=True),
+            SLO(e2e_s=0.01),
+        )
+    s.add_request(
+        "tight", [120] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.00585)
+    )
     times = _run(s, r, clock, 400)
     assert all(len(times[f"lost{i}"]) > 10 for i in range(8)), "the lost requests are still served"
     return _mean_tpot(times["tight"])
@@ -197,12 +247,21 @@ def _urgent_prompt_beside_a_paced_decode(tpot_s: float) -> tuple[int, float, flo
     a 0.3 s TTFT arrives. Returns (steps from its arrival to its first token, the paced request's
     mean TPOT, the prompt's TTFT)."""
     s, r, clock = _scheduler()
-    s.add_request("paced", [97] * 8, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=tpot_s, e2e_s=2.0))
+    s.add_request(
+        "paced",
+        [97] * 8,
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        SLO(tpot_s=tpot_s, e2e_s=2.0),
+    )
     steps: list[int] = []
     times = _run(s, r, clock, 5)
     arrival = clock.t
-    s.add_request("urgent", [98 + i % 20 for i in range(400)], SamplingParams(max_tokens=4, ignore_eos=True),
-                  SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0))
+    s.add_request(
+        "urgent",
+        [98 + i % 20 for i in range(400)],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0),
+    )
     for step in range(1, 60):
         for rid, t in _run(s, r, clock, 1).items():
             times.setdefault(rid, []).extend(t)
@@ -261,11 +320,18 @@ def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
     not at all."""
     s, r, clock = _scheduler()
     if interactive_seen:
-        s.add_request("interactive", [99] * 8, SamplingParams(max_tokens=2, ignore_eos=True), SLO(ttft_s=0.3))
+        s.add_request(
+            "interactive", [99] * 8, SamplingParams(max_tokens=2, ignore_eos=True), SLO(ttft_s=0.3)
+        )
         _run(s, r, clock, 3)
     clock.t += later_s
     for name in ("a", "b"):
-        s.add_request(name, [97 + (name == "b")] * 1500, SamplingParams(max_tokens=2, ignore_eos=True), SLO(e2e_s=30.0))
+        s.add_request(
+            name,
+            [97 + (name == "b")] * 1500,
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            SLO(e2e_s=30.0),
+        )
     out = s.schedule()
     s.update(out, r.execute(out))
     return out.num_tokens
@@ -283,25 +349,47 @@ def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
 def test_the_arrival_room_cuts_optional_prompt_chunks_not_decodes():
     from sloserve.sched.slo.step_model import StepPrice
 
-    plan = DeadlinePlan(StepPrice(OVERHEAD_S, PER_TOKEN_S), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048,
-                        arrival_ttft_s=0.3)
+    plan = DeadlinePlan(
+        StepPrice(OVERHEAD_S, PER_TOKEN_S),
+        [],
+        now=0.0,
+        chunk=512,
+        max_wait_s=2.0,
+        step_tokens=2048,
+        arrival_ttft_s=0.3,
+    )
     assert plan.room(0, 0) == 700 and plan.room(700, 0) == 0  # 75 ms: 5 ms + 700 tokens
     assert plan.decode_fits(700, 200)  # a decode rides along past it
     # an objective no useful step fits a quarter of (5 ms < 5 ms + 16 tokens) leaves no room rule
-    tight = DeadlinePlan(StepPrice(OVERHEAD_S, PER_TOKEN_S), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048,
-                         arrival_ttft_s=0.02)
+    tight = DeadlinePlan(
+        StepPrice(OVERHEAD_S, PER_TOKEN_S),
+        [],
+        now=0.0,
+        chunk=512,
+        max_wait_s=2.0,
+        step_tokens=2048,
+        arrival_ttft_s=0.02,
+    )
     assert tight.room(0, 0) == 1 << 30
 
 
-def _steps_of_two_urgent_prompts(ttft_s: float, **sched) -> tuple[list[set[str]], dict[str, list[float]]]:
+def _steps_of_two_urgent_prompts(
+    ttft_s: float, **sched
+) -> tuple[list[set[str]], dict[str, list[float]]]:
     """A 12 ms-TPOT request decodes; two 400-token prompts with a TTFT objective arrive together.
     Returns which of them computed prompt tokens in each step, and every request's token times."""
     s, r, clock = _scheduler(**sched)
-    s.add_request("tight", [97] * 8, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.012))
+    s.add_request(
+        "tight", [97] * 8, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.012)
+    )
     times = _run(s, r, clock, 3)
     for name, first in (("a", 100), ("b", 300)):
-        s.add_request(name, [first + i % 90 for i in range(400)], SamplingParams(max_tokens=4, ignore_eos=True),
-                      SLO(ttft_s=ttft_s))
+        s.add_request(
+            name,
+            [first + i % 90 for i in range(400)],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            SLO(ttft_s=ttft_s),
+        )
     steps = []
     for _ in range(12):
         out = s.schedule()
@@ -321,7 +409,9 @@ def test_one_urgent_prompt_a_step_goes_past_the_cap_when_the_next_can_wait():
     steps, times = _steps_of_two_urgent_prompts(ttft_s=0.3)
     assert not any({"a", "b"} <= step for step in steps)
     assert times["a"][0] - 1000.0 < 0.3 and times["b"][0] - 1000.0 < 0.3
-    assert {times["a"][0], times["b"][0]} <= set(times["tight"]), "the decode got a token with each prompt's step"
+    assert {times["a"][0], times["b"][0]} <= set(times["tight"]), (
+        "the decode got a token with each prompt's step"
+    )
 
 
 def test_an_urgent_prompt_that_cannot_wait_a_step_joins_the_one_past_the_cap():

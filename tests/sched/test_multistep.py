@@ -67,15 +67,24 @@ def test_runs_of_steps_match_single_steps_on_a_real_model(checkpoint, monkeypatc
     monkeypatch.setattr(scheduler_module, "MAX_RUN_S", 1.0)
     prompts = [_prompt(i) for i in range(8)]
     params = [SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True) for i in range(4)]
-    params += [SamplingParams(max_tokens=20, temperature=0.8, seed=7 + i, ignore_eos=True) for i in range(2)]
-    params += [SamplingParams(max_tokens=24, stop=["e"], ignore_eos=True),
-               SamplingParams(max_tokens=24, stop_token_ids=[101, 102], ignore_eos=True)]
+    params += [
+        SamplingParams(max_tokens=20, temperature=0.8, seed=7 + i, ignore_eos=True)
+        for i in range(2)
+    ]
+    params += [
+        SamplingParams(max_tokens=24, stop=["e"], ignore_eos=True),
+        SamplingParams(max_tokens=24, stop_token_ids=[101, 102], ignore_eos=True),
+    ]
 
     def generate(steps: int):
-        with LLM(checkpoint, device="cpu", max_model_len=128, block_size=4, num_scheduler_steps=steps) as llm:
+        with LLM(
+            checkpoint, device="cpu", max_model_len=128, block_size=4, num_scheduler_steps=steps
+        ) as llm:
             runs = []
             run_steps = llm.engine.runner._run_steps
-            llm.engine.runner._run_steps = lambda out, step: runs.append(out.num_steps) or run_steps(out, step)
+            llm.engine.runner._run_steps = lambda out, step: (
+                runs.append(out.num_steps) or run_steps(out, step)
+            )
             results = llm.generate(prompts, params)
             again = llm.generate(prompts[:2], params[:2])  # prefix hits on blocks a run committed
             return [(o.token_ids, o.text, o.finish_reason) for o in results + again], runs

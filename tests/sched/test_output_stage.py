@@ -20,9 +20,9 @@ def _expected(runner: FakeRunner, i: int, max_tokens: int) -> tuple[list[int], s
     """Tokens, text and finish reason of request i, whose stop string is two characters of its own text."""
     tokens = reference_tokens(runner, _prompt(i), max_tokens)
     text = "".join(map(chr, tokens))
-    stop = text[8 + i:10 + i]
+    stop = text[8 + i : 10 + i]
     end = text.find(stop)
-    return tokens[:end + len(stop)], text[:end], stop
+    return tokens[: end + len(stop)], text[:end], stop
 
 
 @pytest.mark.parametrize("steps", [1, 8])
@@ -44,7 +44,9 @@ def test_a_stop_string_ends_its_request_where_it_completes_even_inside_a_run(ste
     assert s.block_manager.num_free == s.block_manager.num_usable
     assert OUTPUT_STAGES[s].live == 0  # every finished request's text is let go
     if steps > 1:
-        assert max(out.num_steps for out in r.steps) > 1  # runs happened, and stops fell inside them
+        assert (
+            max(out.num_steps for out in r.steps) > 1
+        )  # runs happened, and stops fell inside them
 
 
 def test_a_stop_string_on_the_last_token_turns_length_into_stop():

@@ -71,8 +71,9 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_a_just_resumed_request_is_not_the_next_victim(mode, monkeypatch):
     runner = FakeRunner(num_blocks=12, block_size=2, num_host_blocks=64)
-    s, r, _ = make_scheduler(runner, preemption_mode=mode, max_batch=8, adaptive_batch=False,
-                             prefix_cache=False)
+    s, r, _ = make_scheduler(
+        runner, preemption_mode=mode, max_batch=8, adaptive_batch=False, prefix_cache=False
+    )
     prompts = random_prompts(6, 3, 6, seed=3)
     for i, prompt in enumerate(prompts):
         s.add_request(f"r{i}", prompt, SamplingParams(max_tokens=14), SLO(ttft_s=1.0 + i))
@@ -84,8 +85,14 @@ def test_a_just_resumed_request_is_not_the_next_victim(mode, monkeypatch):
         resumed_now = [x for x in s.running if x.resumed_step is not None and x is not req]
         just_resumed = req.resumed_step is not None
         scheduled = {q.req_id for q in out.sequences}  # already placed in this step: not candidates
-        others = [x for x in s.running if x is not req and x.request_id not in scheduled
-                  and x.resumed_step is None and x.block_table]
+        others = [
+            x
+            for x in s.running
+            if x is not req
+            and x.request_id not in scheduled
+            and x.resumed_step is None
+            and x.block_table
+        ]
         assert not just_resumed or not others, f"{req.request_id} preempted right after resuming"
         spared += any(s._urgency(x) > s._urgency(req) for x in resumed_now)
         original(req, out)
@@ -104,12 +111,24 @@ def test_a_just_resumed_request_is_not_the_next_victim(mode, monkeypatch):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_tight_memory_gives_the_same_tokens_as_running_alone(mode, policy, prefix_cache, chunked):
     runner = FakeRunner(num_blocks=12, block_size=4, num_host_blocks=12)
-    s, r, _ = make_scheduler(runner, preemption_mode=mode, policy=policy, prefix_cache=prefix_cache,
-                             chunked_prefill=chunked, max_batched_tokens=24, prefill_chunk=8,
-                             max_batch=8, adaptive_batch=False)
+    s, r, _ = make_scheduler(
+        runner,
+        preemption_mode=mode,
+        policy=policy,
+        prefix_cache=prefix_cache,
+        chunked_prefill=chunked,
+        max_batched_tokens=24,
+        prefill_chunk=8,
+        max_batch=8,
+        adaptive_batch=False,
+    )
     shared = [ord(c) for c in "shared-prefix-xyz"]
-    prompts = [shared[:k] + p for k, p in zip([0, 17, 17, 9, 17, 0, 12, 17, 17, 4],
-                                              random_prompts(10, 1, 12, seed=1), strict=True)]
+    prompts = [
+        shared[:k] + p
+        for k, p in zip(
+            [0, 17, 17, 9, 17, 0, 12, 17, 17, 4], random_prompts(10, 1, 12, seed=1), strict=True
+        )
+    ]
     for i, prompt in enumerate(prompts):
         s.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10), SLO(ttft_s=1.0 + (i * 7) % 5))
     collected = drain(s, r)
@@ -128,7 +147,11 @@ def test_prefix_hit_serves_full_blocks_and_computes_at_least_the_last_token():
     s.add_request("warm", prompt, SamplingParams(max_tokens=4))
     out = s.schedule()
     seq = out.sequences[0]
-    assert (seq.start_pos, seq.token_ids, seq.kv_present) == (8, prompt[8:], 0)  # the partial block computed
+    assert (seq.start_pos, seq.token_ids, seq.kv_present) == (
+        8,
+        prompt[8:],
+        0,
+    )  # the partial block computed
     outputs = update(s, out, r.execute(out)) + drain(s, r)["warm"]
     assert tokens_of(outputs) == cold == reference_tokens(r, prompt, 4)
     assert outputs[-1].num_cached_tokens == 8
@@ -175,7 +198,9 @@ def test_a_colliding_hash_with_different_tokens_is_a_miss():
 
 
 def test_a_request_waits_for_a_prefix_block_being_computed_instead_of_recomputing_it():
-    s, r, _ = make_scheduler(max_batched_tokens=64, prefill_chunk=64, max_batch=8, adaptive_batch=False)
+    s, r, _ = make_scheduler(
+        max_batched_tokens=64, prefill_chunk=64, max_batch=8, adaptive_batch=False
+    )
     prompt = [ord(c) for c in "the same long prompt, twice"]
     s.add_request("first", prompt, SamplingParams(max_tokens=3))
     s.add_request("second", prompt, SamplingParams(max_tokens=3))
@@ -192,10 +217,14 @@ def test_a_request_waits_for_a_prefix_block_being_computed_instead_of_recomputin
 def _follower_after_one_chunk(**sched):
     """A 24-token prompt prefilled 8 tokens a step (a bystander keeps it from running alone, which
     would take it whole); the same prompt arrives after its first chunk."""
-    s, r, clock = make_scheduler(prefill_chunk=8, max_batched_tokens=64, max_batch=8, adaptive_batch=False, **sched)
+    s, r, clock = make_scheduler(
+        prefill_chunk=8, max_batched_tokens=64, max_batch=8, adaptive_batch=False, **sched
+    )
     prompt = [ord(c) for c in "one ARC task, attempt 1!"]
     s.add_request("leader", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0))
-    s.add_request("bystander", [ord("z")] * 40, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0))
+    s.add_request(
+        "bystander", [ord("z")] * 40, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0)
+    )
     step(s, r)
     return s, r, clock, prompt
 
@@ -207,10 +236,14 @@ def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
     s, r, _, prompt = _follower_after_one_chunk(policy="slo", admission_control=False)
     for tokens in (1, 4, 64, 256, 512, 16):  # priced steps: the deadline plan is on
         s.admission.on_compute(tokens, price(tokens))
-    s.add_request("follower", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(ttft_s=0.02))
+    s.add_request(
+        "follower", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(ttft_s=0.02)
+    )
     out, _ = step(s, r)
     follower = [q for q in out.sequences if q.req_id == "follower"]
-    assert follower and follower[0].start_pos == 8  # the leader's first chunk hit, the rest computed
+    assert (
+        follower and follower[0].start_pos == 8
+    )  # the leader's first chunk hit, the rest computed
     drain(s, r)
     assert_all_free(s)
 
@@ -237,7 +270,9 @@ def test_abort_frees_blocks_at_once_and_mid_step_results_are_dropped():
 @pytest.mark.parametrize("policy", ["slo", "fifo"])
 def test_a_preempted_request_keeps_its_place_in_the_queue(policy):
     runner = FakeRunner(num_blocks=8, block_size=4, num_host_blocks=16)
-    s, r, clock = make_scheduler(runner, policy=policy, max_batch=3, adaptive_batch=False, max_wait_s=0.2)
+    s, r, clock = make_scheduler(
+        runner, policy=policy, max_batch=3, adaptive_batch=False, max_wait_s=0.2
+    )
     for name, c, ttft in (("tight", "a", 0.5), ("mid", "b", 1.0), ("loose", "c", 5.0)):
         s.add_request(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
     step(s, r)

@@ -46,7 +46,7 @@ def test_stop_token_ids_stop():
     runner = FakeRunner()
     expected = reference_tokens(runner, PROMPT, 20)
     outputs, _ = _run(SamplingParams(max_tokens=20, stop_token_ids=[expected[4]]), runner)
-    assert tokens_of(outputs) == expected[:expected.index(expected[4]) + 1]
+    assert tokens_of(outputs) == expected[: expected.index(expected[4]) + 1]
     assert outputs[-1].finish_reason == "stop"
 
 
@@ -56,7 +56,7 @@ def test_stop_string_cuts_the_text_and_is_never_streamed():
     stop = text[10:13]
     outputs, _ = _run(SamplingParams(max_tokens=30, stop=[stop, "never-seen"]), runner)
     streamed = "".join(o.new_text for o in outputs)
-    assert streamed == text[:text.index(stop)]
+    assert streamed == text[: text.index(stop)]
     assert outputs[-1].finish_reason == "stop"
     assert all(stop not in o.new_text for o in outputs)
 
@@ -110,7 +110,9 @@ def test_deadline_already_passed_is_refused():
 
 def test_unattainable_slo_is_refused_once_prefill_speed_is_known():
     s, r, _ = make_scheduler(max_batch=1, adaptive_batch=False)
-    s.add_request("early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05))  # no estimate yet
+    s.add_request(
+        "early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05)
+    )  # no estimate yet
     for _ in range(5):
         s.admission.speed.observe(1000, 1.0)  # 1000 tokens/s
     # 'loose' waits behind 'early' only: (100 + 30) tokens at 1000 tokens/s = 0.13 s < 0.75 * 0.5 s

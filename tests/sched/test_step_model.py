@@ -16,7 +16,9 @@ def _feed(model: MixedStepModel, steps: int, seed: int = 0, noise: float = 0.0) 
     for _ in range(steps):
         prompt, decodes = rng.choice([0, 16, 64, 200, 512]), rng.randrange(0, 40)
         jitter = rng.gauss(0.0, noise) if noise else 0.0
-        model.observe(prompt, decodes, OVERHEAD + PER_TOKEN * prompt + PER_DECODE * decodes + jitter)
+        model.observe(
+            prompt, decodes, OVERHEAD + PER_TOKEN * prompt + PER_DECODE * decodes + jitter
+        )
 
 
 def test_the_fit_recovers_both_slopes_and_the_overhead():
@@ -53,7 +55,11 @@ def test_the_plan_prices_decoding_sequences_apart_from_prompt_tokens():
     plan.cap_s = 0.013
     # 10 decodes take 5 ms of the 13 ms cap; 2 ms overhead and 1 ms margin leave 5 ms: 50 tokens
     assert plan.room(0, 10) == 50
-    assert plan.decode_fits(0, 18) and not plan.decode_fits(0, 20)  # 19 + 1 decodes: 12 + 1 ms, 21: 13.5 ms
-    flat = DeadlinePlan(StepPrice(0.002, 1e-4), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048)
+    assert plan.decode_fits(0, 18) and not plan.decode_fits(
+        0, 20
+    )  # 19 + 1 decodes: 12 + 1 ms, 21: 13.5 ms
+    flat = DeadlinePlan(
+        StepPrice(0.002, 1e-4), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048
+    )
     flat.cap_s = 0.013
     assert flat.room(0, 10) == 100  # without a decode slope a decode costs one token

@@ -12,15 +12,18 @@ from sloserve.pb import serving_pb2 as pb
 def refusals(server: SloserveServer, limit: str) -> float:
     """sloserve_limit_refusals_total{limit} of the server's metrics."""
     value = server.metrics.registry.get_sample_value(
-        "sloserve_limit_refusals_total", {"model_name": server.metrics.model_name, "limit": limit})
+        "sloserve_limit_refusals_total", {"model_name": server.metrics.model_name, "limit": limit}
+    )
     return value or 0.0
 
 
 async def status(call, timeout: float = 10.0) -> tuple[grpc.StatusCode, str]:
     """Read the call to its end (bounded); its status code and details."""
+
     async def drain() -> None:
         while await call.read() is not grpc.aio.EOF:
             pass
+
     try:
         await asyncio.wait_for(drain(), timeout)
     except grpc.aio.AioRpcError:

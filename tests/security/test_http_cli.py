@@ -13,7 +13,10 @@ CASES = [
     (["--http-header-timeout", "0"], "--http-header-timeout must be in (0, 3600] seconds"),
     (["--http-body-timeout", "nan"], "--http-body-timeout must be in (0, 3600] seconds"),
     (["--http-keep-alive", "-1"], "--http-keep-alive must be in (0, 3600] seconds"),
-    (["--http-stream-stall-timeout", "1e9"], "--http-stream-stall-timeout must be in (0, 3600] seconds"),
+    (
+        ["--http-stream-stall-timeout", "1e9"],
+        "--http-stream-stall-timeout must be in (0, 3600] seconds",
+    ),
     (["--http-max-body-size", "lots"], "--http-max-body-size: cannot read size 'lots'"),
     (["--http-max-header-size", "100"], "--http-max-header-size must be >= 1KiB"),
     (["--tls-ca", "{file}"], "--tls-ca: tls ca (client certificates) needs TLS on"),
@@ -33,8 +36,19 @@ def test_serve_refuses_with_one_line(args, needle, tmp_path):
     two_lines.write_text("first-token\n\nsecond-token\n")
     fill = {"file": str(a_file), "two_lines": str(two_lines)}
     runner = CliRunner(env={"SLOSERVE_ALLOW_FAULT_INJECTION": None, "SLOSERVE_INJECT_FAULTS": None})
-    result = runner.invoke(cli, ["serve", "--port", "0", "--http-port", "auto", "--metrics-port", "off",
-                                 *(a.format(**fill) for a in args)])
+    result = runner.invoke(
+        cli,
+        [
+            "serve",
+            "--port",
+            "0",
+            "--http-port",
+            "auto",
+            "--metrics-port",
+            "off",
+            *(a.format(**fill) for a in args),
+        ],
+    )
     assert result.exit_code == 2, (result.output, result.exception)
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
     assert len(errors) == 1 and needle in errors[0], result.stderr

@@ -24,8 +24,12 @@ MAX_TOKENS = 50_000  # far more than loopback's socket buffers hold as SSE chunk
 
 
 async def test_a_stream_whose_client_stopped_reading_is_aborted_in_the_engine(caplog):
-    engine = FakeEngine(num_blocks=10_000, max_model_len=MAX_TOKENS + 100, step_s=0.001)  # ~20 s of tokens at least
-    config = SloserveConfig(server=ServerConfig(port=0, metrics_port=None, max_tokens_limit=MAX_TOKENS))
+    engine = FakeEngine(
+        num_blocks=10_000, max_model_len=MAX_TOKENS + 100, step_s=0.001
+    )  # ~20 s of tokens at least
+    config = SloserveConfig(
+        server=ServerConfig(port=0, metrics_port=None, max_tokens_limit=MAX_TOKENS)
+    )
     lifecycle = Lifecycle(config, engine, watchdog_interval_s=0.02)
     http = HttpServer(lifecycle, HttpConfig(port=0, stream_stall_s=STALL_S))
     await http.start()
@@ -35,9 +39,13 @@ async def test_a_stream_whose_client_stopped_reading_is_aborted_in_the_engine(ca
         await wait_for(lambda: lifecycle.ready)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, and never read
         sock.connect(("127.0.0.1", http.port))
-        body = orjson.dumps({"prompt": "hi", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True})
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        body = orjson.dumps(
+            {"prompt": "hi", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True}
+        )
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         with caplog.at_level(logging.INFO):
             await wait_for(lambda: engine.stats().requests_finished_total == 1, timeout=60)
         assert not engine.reqs  # aborted in the engine, long before its 50,000 tokens
@@ -45,9 +53,16 @@ async def test_a_stream_whose_client_stopped_reading_is_aborted_in_the_engine(ca
         stalls = [r for r in caplog.records if "--http-stream-stall-timeout" in r.getMessage()]
         assert stalls and stalls[0].levelno == logging.WARNING, caplog.text
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-        refusals = lifecycle.metrics.limit_refusals.labels(lifecycle.metrics.model_name, "http_stream_stall")._value.get()
+        refusals = lifecycle.metrics.limit_refusals.labels(
+            lifecycle.metrics.model_name, "http_stream_stall"
+        )._value.get()
         assert refusals == 1
-        assert lifecycle.metrics.requests.labels(lifecycle.metrics.model_name, "cancelled")._value.get() == 1
+        assert (
+            lifecycle.metrics.requests.labels(
+                lifecycle.metrics.model_name, "cancelled"
+            )._value.get()
+            == 1
+        )
     finally:
         sock.close()
         await lifecycle.stop()
@@ -65,7 +80,9 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
             yield b"data: {}\n\n"
 
     async def send(message: dict) -> None:
-        if len(sent) == 3:  # the client's window is full: this write completes only once the connection drops
+        if (
+            len(sent) == 3
+        ):  # the client's window is full: this write completes only once the connection drops
             await unblocked.wait()
             return
         sent.append(message)
@@ -73,7 +90,9 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
     async def close() -> None:
         closed.append(True)
 
-    def abort() -> None:  # what http/guard.py's hook does: drop the connection, the blocked send returns
+    def abort() -> (
+        None
+    ):  # what http/guard.py's hook does: drop the connection, the blocked send returns
         aborted.append(True)
         unblocked.set()
 
@@ -87,5 +106,7 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
     assert stream.sending_since is not None
     stream.stall()
     await asyncio.wait_for(task, 30)
-    assert made == 3 and len(sent) == 3  # the start, two chunks sent, the third blocked: nothing more made
+    assert (
+        made == 3 and len(sent) == 3
+    )  # the start, two chunks sent, the third blocked: nothing more made
     assert stalled == aborted == closed == [True] and watcher.cancelled()

@@ -31,7 +31,11 @@ MESSAGES = 200_000
 RSS_MARGIN = 24 * 1024 * 1024  # unbounded, 200k answers held ~135 MiB
 STALL_S = 2.0
 # a client whose HTTP/2 window holds a few dozen answers
-SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 8192), ("grpc.use_local_subchannel_pool", 1)]
+SMALL_WINDOW = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 8192),
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 
 async def _watch_rss(pid: int, peak: list[int]) -> None:
@@ -43,12 +47,17 @@ async def _watch_rss(pid: int, peak: list[int]) -> None:
 async def test_a_client_that_never_reads_holds_bounded_memory():
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc to read a process's RSS")
-    server = ServerProcess([orjson.dumps({"grace_s": 1.0, "grpc": {"stream_stall_s": STALL_S}}).decode()],
-                           command=(sys.executable, "-m", "sloserve.testing.fake_server"), startup_s=60)
+    server = ServerProcess(
+        [orjson.dumps({"grace_s": 1.0, "grpc": {"stream_stall_s": STALL_S}}).decode()],
+        command=(sys.executable, "-m", "sloserve.testing.fake_server"),
+        startup_s=60,
+    )
     try:
         async with server.aio_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)
-            warm = stub.Stream()  # warm up: the allocator's and grpc's first buffers are not the attack's
+            warm = (
+                stub.Stream()
+            )  # warm up: the allocator's and grpc's first buffers are not the attack's
             for i in range(20):
                 await warm.write(gen(f"w{i}", max_tokens=8))
             await read_until(warm, Transcript(), {f"w{i}" for i in range(20)})
@@ -65,14 +74,20 @@ async def test_a_client_that_never_reads_holds_bounded_memory():
                     yield pb.ClientMessage(cancel=pb.CancelRequest(request_id=f"{i:0200d}"))
 
             call = stub.Stream(flood())  # written as fast as flow control lets it; never read
-            await asyncio.to_thread(server.wait_log, lambda m: "ending a Stream whose client reads nothing" in m, 60)
+            await asyncio.to_thread(
+                server.wait_log, lambda m: "ending a Stream whose client reads nothing" in m, 60
+            )
             watcher.cancel()
             growth = peak[0] - baseline
             assert growth < RSS_MARGIN, f"server RSS grew {growth / 2**20:.1f} MiB"
             # 200k x 200+ bytes is more than any HTTP/2 window grpc grows to: a client that could
             # write them all was read all along
-            assert sent < MESSAGES // 2, f"the client could write {sent} messages: the server kept reading"
-            print(f"server RSS +{growth / 2**20:.1f} MiB; the client wrote {sent} of {MESSAGES} messages")
+            assert sent < MESSAGES // 2, (
+                f"the client could write {sent} messages: the server kept reading"
+            )
+            print(
+                f"server RSS +{growth / 2**20:.1f} MiB; the client wrote {sent} of {MESSAGES} messages"
+            )
             # NOTE: the status this client then reads is its grpc library's: the send the server's
             # end left blocked fails, and grpc.aio reports INTERNAL; the next test reads the status
             call.cancel()
@@ -86,14 +101,18 @@ async def test_the_stalled_stream_ends_resource_exhausted_naming_the_flag():
     async with live_server(grpc_config=config) as (server, _, _channel):
         # a small window: the client stops writing before its own sends block (a send left
         # blocked when the stream ends is failed by grpc.aio as INTERNAL)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=SMALL_WINDOW) as channel:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}", options=SMALL_WINDOW
+        ) as channel:
             stub = pb_grpc.SloserveStub(channel)
             call = stub.Stream()
             for i in range(200):  # answers enough to fill that window, never read
                 message = pb.ClientMessage(cancel=pb.CancelRequest(request_id=f"{i:0200d}"))
                 await asyncio.wait_for(call.write(message), 10)
             await asyncio.wait_for(_until(lambda: refusals(server, "grpc_stream_stalled")), 30)
-            code, details = await status(call, timeout=30)  # it reads at last: what was on its way, then the status
+            code, details = await status(
+                call, timeout=30
+            )  # it reads at last: what was on its way, then the status
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
             assert "--grpc-stream-stall-timeout" in details
             healthy = stub.Stream()  # the server serves the next stream as before
@@ -111,11 +130,21 @@ async def _until(predicate) -> None:
 
 async def test_a_generate_call_never_read_ends_resource_exhausted_and_frees_its_request():
     engine = FakeEngine(step_s=0.001, max_model_len=4096, num_blocks=512)
-    async with live_server(engine, grpc_config=GrpcConfig(stream_stall_s=0.5)) as (server, _, _channel):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=SMALL_WINDOW) as channel:
-            call = pb_grpc.SloserveStub(channel).Generate(gen("never-read", max_tokens=3000).generate)
+    async with live_server(engine, grpc_config=GrpcConfig(stream_stall_s=0.5)) as (
+        server,
+        _,
+        _channel,
+    ):
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}", options=SMALL_WINDOW
+        ) as channel:
+            call = pb_grpc.SloserveStub(channel).Generate(
+                gen("never-read", max_tokens=3000).generate
+            )
             await asyncio.wait_for(_until(lambda: refusals(server, "grpc_stream_stalled")), 30)
-            await asyncio.wait_for(_until(lambda: not engine.stats().running), 30)  # its KV blocks are back
+            await asyncio.wait_for(
+                _until(lambda: not engine.stats().running), 30
+            )  # its KV blocks are back
             code, details = await status(call, timeout=30)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
             assert "--grpc-stream-stall-timeout" in details

@@ -23,18 +23,24 @@ async def _answer(call, message: pb.ClientMessage) -> pb.ServerMessage:
     return reply
 
 
-@pytest.mark.parametrize(("request_id", "limit"), [
-    (HUGE, "request_id_length"),
-    ("x" * 257, "request_id_length"),
-    ("nul\x00id", "request_id_charset"),
-    ("rlo\u202eid", "request_id_charset"),  # right-to-left override
-    ("tab\tid", "request_id_charset"),
-    ("café", "request_id_charset"),
-])
+@pytest.mark.parametrize(
+    ("request_id", "limit"),
+    [
+        (HUGE, "request_id_length"),
+        ("x" * 257, "request_id_length"),
+        ("nul\x00id", "request_id_charset"),
+        ("rlo\u202eid", "request_id_charset"),  # right-to-left override
+        ("tab\tid", "request_id_charset"),
+        ("café", "request_id_charset"),
+    ],
+)
 async def test_a_bad_request_id_is_refused_without_echo(request_id, limit):
     async with live_server(max_message_bytes=8 * 1024 * 1024) as (server, stub, _):
         call = stub.Stream()
-        for message in (gen(request_id, max_tokens=64), pb.ClientMessage(cancel=pb.CancelRequest(request_id=request_id))):
+        for message in (
+            gen(request_id, max_tokens=64),
+            pb.ClientMessage(cancel=pb.CancelRequest(request_id=request_id)),
+        ):
             reply = await _answer(call, message)
             assert reply.WhichOneof("kind") == "error"
             assert reply.error.code == INVALID

@@ -27,21 +27,39 @@ from sloserve.testing.fake_engine import FakeEngine
 from sloserve.testing.live_server import gen, live_server, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-VOCAB = ["a", "b", "ab", "ba", "aab", "c", "é", "bca", ""]  # token id -> text; multi-char and empty tokens
+VOCAB = [
+    "a",
+    "b",
+    "ab",
+    "ba",
+    "aab",
+    "c",
+    "é",
+    "bca",
+    "",
+]  # token id -> text; multi-char and empty tokens
 
 
 # ---- the limits, in the front end and at both edges -------------------------------------------
-@pytest.mark.parametrize(("stop", "needle"), [
-    (["x"] * 17, "stop has 17 strings, over this server's limit of 16 (--max-stop-strings)"),
-    (["y" * 257], "a stop string has 257 characters, over this server's limit of 256 (--max-stop-string-chars)"),
-])
+@pytest.mark.parametrize(
+    ("stop", "needle"),
+    [
+        (["x"] * 17, "stop has 17 strings, over this server's limit of 16 (--max-stop-strings)"),
+        (
+            ["y" * 257],
+            "a stop string has 257 characters, over this server's limit of 256 (--max-stop-string-chars)",
+        ),
+    ],
+)
 async def test_the_front_end_refuses_past_the_default_limits(stop, needle):
     engine = FakeEngine()
     await engine.start()
     frontend = Frontend(engine, SloserveConfig(server=ServerConfig()), Metrics(engine.stats))
     with pytest.raises(LimitExceeded, match=needle.replace("(", r"\(").replace(")", r"\)")):
         frontend.check(ParsedRequest("hi", SamplingParams(stop=stop)))
-    frontend.check(ParsedRequest("hi", SamplingParams(stop=["z" * 256] * 16)))  # at the limit: accepted
+    frontend.check(
+        ParsedRequest("hi", SamplingParams(stop=["z" * 256] * 16))
+    )  # at the limit: accepted
     await engine.stop()
 
 
@@ -68,9 +86,14 @@ def test_the_config_refuses_nonsense(bad):
 async def test_grpc_answers_invalid_argument_and_the_stream_goes_on():
     async with live_server(FakeEngine(step_s=0.001)) as (_, stub, _):
         call = stub.Stream()
-        await call.write(gen("many", sampling=pb.SamplingParams(stop=[f"s{i}" for i in range(100_000)])))
+        await call.write(
+            gen("many", sampling=pb.SamplingParams(stop=[f"s{i}" for i in range(100_000)]))
+        )
         err = (await call.read()).error
-        assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "--max-stop-strings" in err.message
+        assert (
+            err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            and "--max-stop-strings" in err.message
+        )
         await call.write(gen("ok", max_tokens=2))
         while (msg := await call.read()).WhichOneof("kind") != "final":
             assert msg.WhichOneof("kind") == "chunk"
@@ -88,7 +111,9 @@ async def test_http_answers_400_in_openai_shape():
     lifecycle.start(start_engine=True)
     try:
         await wait_for(lambda: lifecycle.ready)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_server.port}", timeout=30) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_server.port}", timeout=30
+        ) as client:
             body = {"prompt": "hello", "max_tokens": 2, "stop": ["q" * 300]}
             resp = await client.post("/v1/completions", json=body)
             assert resp.status_code == 400
@@ -110,7 +135,9 @@ def _naive_cut(text: str, before: int, stops: list[str]) -> int | None:
 class _Scheduler:
     """What the output stage asks of the scheduler: to end a request early."""
 
-    def stop_early(self, req: Request, num_output_tokens: int, status: RequestStatus, error: str | None = None) -> None:
+    def stop_early(
+        self, req: Request, num_output_tokens: int, status: RequestStatus, error: str | None = None
+    ) -> None:
         req.truncate_output(num_output_tokens)
         req.status = status
 
@@ -120,8 +147,10 @@ def _request(stops: list[str]) -> Request:
 
 
 @settings(max_examples=300, deadline=None)
-@given(stops=st.lists(st.text("abcé", min_size=1, max_size=5), min_size=1, max_size=6),
-       tokens=st.lists(st.integers(0, len(VOCAB) - 1), max_size=40))
+@given(
+    stops=st.lists(st.text("abcé", min_size=1, max_size=5), min_size=1, max_size=6),
+    tokens=st.lists(st.integers(0, len(VOCAB) - 1), max_size=40),
+)
 def test_the_engine_cuts_and_streams_as_the_naive_search_does(stops, tokens):
     req = _request(stops)
     processor = OutputProcessor(lambda ids: "".join(VOCAB[i] for i in ids))
@@ -136,7 +165,11 @@ def test_the_engine_cuts_and_streams_as_the_naive_search_does(stops, tokens):
             break
     expected = text if expected_cut is None else text[:expected_cut]
     assert (req.status == RequestStatus.FINISHED_STOPPED) == (expected_cut is not None)
-    assert streamed == (expected if req.is_finished else expected[:max(0, len(expected) - max(map(len, stops)) + 1)])
+    assert streamed == (
+        expected
+        if req.is_finished
+        else expected[: max(0, len(expected) - max(map(len, stops)) + 1)]
+    )
     if not req.is_finished:  # the held-back tail goes out with the last output
         req.status = RequestStatus.FINISHED_ABORTED
         streamed += processor.process([req], _Scheduler())[0].new_text
@@ -144,8 +177,10 @@ def test_the_engine_cuts_and_streams_as_the_naive_search_does(stops, tokens):
 
 
 @settings(max_examples=300, deadline=None)
-@given(stops=st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=8),
-       chunks=st.lists(st.text("abc", max_size=4), max_size=30))
+@given(
+    stops=st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=8),
+    chunks=st.lists(st.text("abc", max_size=4), max_size=30),
+)
 def test_feed_reports_the_earliest_start_of_a_string_ending_in_the_chunk(stops, chunks):
     matcher, text = StopMatcher(stops), ""
     for chunk in chunks:
@@ -160,19 +195,26 @@ def test_work_per_token_is_its_new_text_whatever_the_number_of_strings():
     rng = random.Random(0)
     text = "".join(rng.choice("ab") for _ in range(20_000))
     for count in (1, 16, 10_000):
-        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(30, 60))) + "c" for _ in range(count)]
+        stops = [
+            "".join(rng.choice("ab") for _ in range(rng.randint(30, 60))) + "c"
+            for _ in range(count)
+        ]
         matcher = StopMatcher(stops)
         for i in range(0, len(text), 4):
             steps = matcher.steps
-            assert matcher.feed(text[i:i + 4]) is None
-            assert matcher.steps - steps == len(text[i:i + 4])  # each character once, no pass over the strings
+            assert matcher.feed(text[i : i + 4]) is None
+            assert matcher.steps - steps == len(
+                text[i : i + 4]
+            )  # each character once, no pass over the strings
         assert matcher.max_len == max(map(len, stops))
 
 
 def test_the_piece_that_ends_a_request_reads_at_most_its_matches():
     matcher = StopMatcher(["a" * n for n in range(1, 17)])
     assert matcher.feed("b" * 100) is None and matcher.steps == 100
-    assert matcher.feed("xaaa") == 101 and matcher.steps == 100 + 4 + 6  # a, aa, aaa ending at 3 places
+    assert (
+        matcher.feed("xaaa") == 101 and matcher.steps == 100 + 4 + 6
+    )  # a, aa, aaa ending at 3 places
 
 
 async def test_stop_token_ids_are_bounded_too():
@@ -182,7 +224,9 @@ async def test_stop_token_ids_are_bounded_too():
     metrics = Metrics(engine.stats)
     frontend = Frontend(engine, SloserveConfig(server=ServerConfig()), metrics)
     frontend.check(ParsedRequest("hi", SamplingParams(stop_token_ids=list(range(64)))))
-    with pytest.raises(LimitExceeded, match=r"65 ids, over this server's limit of 64 \(--max-stop-token-ids\)") as err:
+    with pytest.raises(
+        LimitExceeded, match=r"65 ids, over this server's limit of 64 \(--max-stop-token-ids\)"
+    ) as err:
         frontend.check(ParsedRequest("hi", SamplingParams(stop_token_ids=list(range(65)))))
     assert err.value.limit == "max_stop_token_ids"
     await engine.stop()

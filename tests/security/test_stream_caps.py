@@ -24,7 +24,9 @@ async def test_streams_past_the_cap_are_refused_resource_exhausted(caplog):
             code, details = await status(stub.Stream())
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--grpc-max-streams" in details
-        with pytest.raises(grpc.aio.AioRpcError) as generate:  # Generate calls count in the same cap
+        with pytest.raises(
+            grpc.aio.AioRpcError
+        ) as generate:  # Generate calls count in the same cap
             async for _ in stub.Generate(gen("g").generate):
                 pass
         assert generate.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -40,7 +42,11 @@ async def test_streams_past_the_cap_are_refused_resource_exhausted(caplog):
 
 async def test_requests_past_the_per_stream_cap_are_refused_and_the_others_go_on():
     engine = FakeEngine(step_s=0.02, max_running=8)
-    async with live_server(engine, grpc_config=GrpcConfig(max_requests_per_stream=2)) as (server, stub, _):
+    async with live_server(engine, grpc_config=GrpcConfig(max_requests_per_stream=2)) as (
+        server,
+        stub,
+        _,
+    ):
         call = stub.Stream()
         for rid in ("a", "b", "c"):
             await call.write(gen(rid, max_tokens=20))
@@ -58,10 +64,16 @@ async def test_requests_past_the_per_stream_cap_are_refused_and_the_others_go_on
 
 
 async def test_connections_past_the_cap_are_closed_at_accept():
-    async with live_server(grpc_config=GrpcConfig(max_connections=2)) as (server, _, helper_channel):
+    async with live_server(grpc_config=GrpcConfig(max_connections=2)) as (
+        server,
+        _,
+        helper_channel,
+    ):
         await helper_channel.close()  # the helper's connection would count as one
         own = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel, not one shared
-        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=own) for _ in range(3)]
+        channels = [
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=own) for _ in range(3)
+        ]
         try:
             calls = [await open_stream(pb_grpc.SloserveStub(channel)) for channel in channels[:2]]
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -79,7 +91,11 @@ async def test_connections_past_the_cap_are_closed_at_accept():
 
 
 async def test_streams_past_the_per_connection_cap_wait_for_a_free_slot():
-    async with live_server(grpc_config=GrpcConfig(max_streams_per_connection=2)) as (_, stub, _channel):
+    async with live_server(grpc_config=GrpcConfig(max_streams_per_connection=2)) as (
+        _,
+        stub,
+        _channel,
+    ):
         calls = [await open_stream(stub) for _ in range(2)]
         third = stub.Stream()
         writing = asyncio.ensure_future(third.write(gen("third", max_tokens=1)))
@@ -97,9 +113,17 @@ async def test_streams_past_the_per_connection_cap_wait_for_a_free_slot():
 
 
 async def test_a_client_pinging_too_often_is_sent_goaway():
-    pings = [("grpc.keepalive_time_ms", 50), ("grpc.keepalive_permit_without_calls", 1),
-             ("grpc.http2.max_pings_without_data", 0), ("grpc.use_local_subchannel_pool", 1)]
-    async with live_server(grpc_config=GrpcConfig(min_ping_interval_s=5.0)) as (server, _, _channel):
+    pings = [
+        ("grpc.keepalive_time_ms", 50),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    async with live_server(grpc_config=GrpcConfig(min_ping_interval_s=5.0)) as (
+        server,
+        _,
+        _channel,
+    ):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=pings) as channel:
             call = await open_stream(pb_grpc.SloserveStub(channel))
             code, details = await status(call, timeout=20)

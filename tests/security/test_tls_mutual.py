@@ -31,13 +31,17 @@ class Pki:
         self.ca = Authority.create(folder / "ca")
         self.server = self.ca.issue("server", server=True)
         self.client = self.ca.issue("client", server=False)
-        self.impostor = Authority.create(folder / "other", "other-ca").issue("impostor", server=False)
+        self.impostor = Authority.create(folder / "other", "other-ca").issue(
+            "impostor", server=False
+        )
 
     def grpc_credentials(self, client: tuple[Path, Path] | None) -> grpc.ChannelCredentials:
         cert, key = client or (None, None)
-        return grpc.ssl_channel_credentials(root_certificates=self.ca.cert.read_bytes(),
-                                            private_key=key.read_bytes() if key else None,
-                                            certificate_chain=cert.read_bytes() if cert else None)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.cert.read_bytes(),
+            private_key=key.read_bytes() if key else None,
+            certificate_chain=cert.read_bytes() if cert else None,
+        )
 
     def ssl_context(self, client: tuple[Path, Path] | None) -> ssl.SSLContext:
         context = ssl.create_default_context(cafile=str(self.ca.cert))
@@ -54,9 +58,23 @@ def pki(tmp_path_factory) -> Pki:
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, pki: Pki) -> Iterator[HttpServerProcess]:
     cert, key = pki.server
-    server = start(tiny_llama, None, "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(pki.ca.cert),
-                   "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--metrics-token", METRICS_TOKEN,
-                   credentials=pki.grpc_credentials(pki.client))
+    server = start(
+        tiny_llama,
+        None,
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--tls-ca",
+        str(pki.ca.cert),
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-token",
+        METRICS_TOKEN,
+        credentials=pki.grpc_credentials(pki.client),
+    )
     try:
         yield server
     finally:
@@ -86,8 +104,12 @@ def test_grpc_needs_a_client_certificate_the_ca_signed(server, pki):
 
 def test_http_needs_a_client_certificate_the_ca_signed(server, pki):
     url = server.url.replace("http://", "https://")
-    reply = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                       verify=pki.ssl_context(pki.client), timeout=30)
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2},
+        verify=pki.ssl_context(pki.client),
+        timeout=30,
+    )
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
     for client in (None, pki.impostor):
         with pytest.raises(httpx.HTTPError):  # the handshake fails (TLS 1.3: at the first read)
@@ -107,19 +129,52 @@ def test_the_metrics_port_wants_the_certificate_and_the_token(server, pki):
         httpx.get(url.replace("https://", "http://"), headers=good, timeout=10)
     # the HTTP port's /metrics wants the same token
     http_metrics = server.url.replace("http://", "https://") + "/metrics"
-    assert httpx.get(http_metrics, verify=pki.ssl_context(pki.client), timeout=10).status_code == 401
-    assert httpx.get(http_metrics, headers=good, verify=pki.ssl_context(pki.client), timeout=10).status_code == 200
+    assert (
+        httpx.get(http_metrics, verify=pki.ssl_context(pki.client), timeout=10).status_code == 401
+    )
+    assert (
+        httpx.get(
+            http_metrics, headers=good, verify=pki.ssl_context(pki.client), timeout=10
+        ).status_code
+        == 200
+    )
 
 
 def test_the_cli_clients_present_a_client_certificate(server, pki):
     cert, key = pki.client
-    common = ["--server", f"127.0.0.1:{server.port}", "--tls-ca", str(pki.ca.cert), "--timeout", "5"]
-    info = CliRunner().invoke(cli, ["info", *common, "--tls-cert", str(cert), "--tls-key", str(key), "--json"])
+    common = [
+        "--server",
+        f"127.0.0.1:{server.port}",
+        "--tls-ca",
+        str(pki.ca.cert),
+        "--timeout",
+        "5",
+    ]
+    info = CliRunner().invoke(
+        cli, ["info", *common, "--tls-cert", str(cert), "--tls-key", str(key), "--json"]
+    )
     assert info.exit_code == 0 and orjson.loads(info.stdout)["state"] == "serving", info.output
-    generated = CliRunner().invoke(cli, ["generate", "hi", "--max-tokens", "2", *common, "--tls-cert", str(cert),
-                                         "--tls-key", str(key), "--json"])
-    assert generated.exit_code == 0 and orjson.loads(generated.stdout)["finish_reason"], generated.output
-    refused = CliRunner().invoke(cli, ["info", *common])  # no client certificate: the handshake fails
+    generated = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "hi",
+            "--max-tokens",
+            "2",
+            *common,
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--json",
+        ],
+    )
+    assert generated.exit_code == 0 and orjson.loads(generated.stdout)["finish_reason"], (
+        generated.output
+    )
+    refused = CliRunner().invoke(
+        cli, ["info", *common]
+    )  # no client certificate: the handshake fails
     assert refused.exit_code == 2 and "--tls-cert/--tls-key" in refused.output, refused.output
     half = CliRunner().invoke(cli, ["info", *common, "--tls-cert", str(cert)])
     assert half.exit_code == 2 and "needs both --tls-cert and --tls-key" in half.output, half.output

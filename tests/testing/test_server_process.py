@@ -32,8 +32,10 @@ def test_a_child_that_exits_before_listening_fails_with_its_output():
 
 
 def test_the_port_comes_from_the_listening_line_and_the_log_outlives_the_temporary_file():
-    code = ("import json, sys, time; print(json.dumps({'msg': 'listening on 127.0.0.1:4321 (plaintext)'}), "
-            "file=sys.stderr, flush=True); time.sleep(60)")
+    code = (
+        "import json, sys, time; print(json.dumps({'msg': 'listening on 127.0.0.1:4321 (plaintext)'}), "
+        "file=sys.stderr, flush=True); time.sleep(60)"
+    )
     server = ServerProcess([code], command=PRINTER, startup_s=30)
     try:
         assert (server.port, server.target) == (4321, "127.0.0.1:4321")

@@ -41,7 +41,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV page when neither the config nor the backend asks for another
+DEFAULT_BLOCK_SIZE = (
+    16  # tokens per KV page when neither the config nor the backend asks for another
+)
 
 # name -> (module under sloserve.layers.attention, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -77,11 +79,17 @@ def _load_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
     except (ImportError, AttributeError) as exc:
-        raise BackendUnavailableError(f"attention backend {name!r} is not installed: {exc}") from exc
+        raise BackendUnavailableError(
+            f"attention backend {name!r} is not installed: {exc}"
+        ) from exc
 
 
 def _construct(
-    name: str, device: torch.device, dtype: torch.dtype | None, block_size: int | None, head_dim: int | None
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    block_size: int | None,
+    head_dim: int | None,
 ) -> AttentionBackend:
     cls = _load_class(name)
     check = getattr(cls, "unavailable_reason", None)
@@ -123,7 +131,9 @@ def select_backend(
     device = torch.device(device)
     if name != "auto":
         if name not in _REGISTRY:
-            raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(_REGISTRY)}")
+            raise ValueError(
+                f"unknown attention backend {name!r}; choose one of: auto, {', '.join(_REGISTRY)}"
+            )
         size, source = _page_size(name, block_size)
         backend = _construct(name, device, dtype, size, head_dim)
         return BackendChoice(backend, size, f"named in the config; {size}-token KV pages, {source}")
@@ -136,7 +146,9 @@ def select_backend(
             skipped.append(str(exc).removeprefix("attention backend "))
             continue
         why = f"skipped {'; '.join(skipped)}" if skipped else "first choice"
-        return BackendChoice(backend, size, f"auto on {device.type}, {why}; {size}-token KV pages, {source}")
+        return BackendChoice(
+            backend, size, f"auto on {device.type}, {why}; {size}-token KV pages, {source}"
+        )
     raise BackendUnavailableError(f"no attention backend can run on {device}: {'; '.join(skipped)}")
 
 
@@ -149,11 +161,16 @@ def get_backend(
     head_dim: int | None = None,
 ) -> AttentionBackend:
     """The backend `select_backend` chooses for these settings (without its page size or reason)."""
-    return select_backend(name, device, dtype=dtype, block_size=block_size, head_dim=head_dim).backend
+    return select_backend(
+        name, device, dtype=dtype, block_size=block_size, head_dim=head_dim
+    ).backend
 
 
 def available_backends(
-    device: torch.device | str, *, dtype: torch.dtype | None = None, block_size: int | None = None,
+    device: torch.device | str,
+    *,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
     head_dim: int | None = None,
 ) -> list[str]:
     """Names of the backends that can run with these settings (imports each optional module)."""

@@ -38,7 +38,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-
 @runtime_checkable
 class CapturableDecode(Protocol):
     """A backend whose decode step can be captured in a CUDA graph: no host sync, and every shape
@@ -59,10 +58,18 @@ class CapturableDecode(Protocol):
         """Write the new K/V into their slots, then attend each query to its sequence's keys."""
         ...
 
-    def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """`decode` when the new K/V are already in the cache (written by a fused kernel)."""
         ...
+
 
 def write_kv(
     k_cache: torch.Tensor,  # [P, page, Hkv, D]

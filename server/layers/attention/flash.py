@@ -43,7 +43,9 @@ class FlashBackend:
 
     @staticmethod
     def unavailable_reason(
-        device: torch.device | str, dtype: torch.dtype | None = None, block_size: int | None = None,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        block_size: int | None = None,
         head_dim: int | None = None,
     ) -> str | None:
         """Why flash-attn cannot run with these settings, or None when it can."""
@@ -73,20 +75,32 @@ class FlashBackend:
     ) -> torch.Tensor:
         """Attention of q[T, Hq, D] over the paged caches [P, page, Hkv, D] -> [T, Hq, D]."""
         if k_cache.shape[1] % PAGE_MULTIPLE or q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(self.unavailable_reason(q.device, q.dtype, k_cache.shape[1], q.shape[-1]))
+            raise ValueError(
+                self.unavailable_reason(q.device, q.dtype, k_cache.shape[1], q.shape[-1])
+            )
         if q.shape[0] == 0:
             return torch.empty_like(q)
         if meta.decode_only:
             out = self._with_kvcache(
-                q.unsqueeze(1), k_cache, v_cache,
-                cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
-                softmax_scale=scale, causal=True,
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
             )
             return out.squeeze(1)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
         return self._varlen(
-            q, k_cache, v_cache,
-            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
         )

@@ -23,8 +23,13 @@ AVAILABLE = _kernel is not None
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the in-place kernel can run these tensors (built, CPU, float32, contiguous cache)."""
-    return (AVAILABLE and q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous())
+    return (
+        AVAILABLE
+        and q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+    )
 
 
 def paged_decode(
@@ -37,12 +42,21 @@ def paged_decode(
 ) -> torch.Tensor:  # [S, Hq, D]
     """Each query attends to positions 0 .. seq_len-1 of its sequence, read from the pages in place."""
     if _kernel is None:
-        raise RuntimeError("the in-place paged decode kernel is not built (sloserve.hotpath._paged_attention)")
+        raise RuntimeError(
+            "the in-place paged decode kernel is not built (sloserve.hotpath._paged_attention)"
+        )
     num_seqs, num_heads, dim = q.shape
     num_pages, page, kv_heads, kdim = k_cache.shape
-    if kdim != dim or v_cache.shape != k_cache.shape or not v_cache.is_contiguous() or not k_cache.is_contiguous():
-        raise ValueError(f"caches must be contiguous [P, page, Hkv, {dim}], got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
+    if (
+        kdim != dim
+        or v_cache.shape != k_cache.shape
+        or not v_cache.is_contiguous()
+        or not k_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"caches must be contiguous [P, page, Hkv, {dim}], got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
         raise ValueError("the in-place paged decode kernel runs float32 only")
     q = q.contiguous()
@@ -51,12 +65,28 @@ def paged_decode(
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     lens = lens.contiguous()
     if tables.shape[0] != num_seqs or lens.shape[0] != num_seqs:
-        raise ValueError(f"{num_seqs} queries need {num_seqs} block-table rows and lengths, got "
-                         f"{tables.shape[0]} and {lens.shape[0]}")
+        raise ValueError(
+            f"{num_seqs} queries need {num_seqs} block-table rows and lengths, got "
+            f"{tables.shape[0]} and {lens.shape[0]}"
+        )
     out = torch.empty_like(q)
-    _kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            out.data_ptr(), num_seqs, num_heads, kv_heads, dim, page, num_pages, tables.shape[1], float(scale),
-            torch.get_num_threads())
+    _kernel(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        kv_heads,
+        dim,
+        page,
+        num_pages,
+        tables.shape[1],
+        float(scale),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -84,9 +114,17 @@ def write_and_attend(
 # (a whole-pool copy per layer, and lost writes when re-inplacing declines). Nothing else in the
 # graph reads a layer's cache, and the op's output is used, so it is never reordered or dropped.
 @torch.library.custom_op("sloserve::paged_write_and_attend", mutates_args=())
-def paged_write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_write_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     return write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
 
 

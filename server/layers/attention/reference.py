@@ -23,7 +23,9 @@ class ReferenceBackend:
             return _decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         cu, page = meta.cu_seqlens_q_list, k_cache.shape[1]
-        for i, (start, seq_len) in enumerate(zip(meta.start_pos_list, meta.seq_lens_list, strict=True)):
+        for i, (start, seq_len) in enumerate(
+            zip(meta.start_pos_list, meta.seq_lens_list, strict=True)
+        ):
             lo, hi = cu[i], cu[i + 1]
             pages = meta.block_tables_list[i][: (seq_len + page - 1) // page]
             out[lo:hi] = _attend(q[lo:hi], k_cache[pages], v_cache[pages], start, seq_len, scale)
@@ -78,15 +80,22 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
             meta.memo["reference.decode_mask"] = invalid
         k = k.view(num_seqs, length, hkv, dim).transpose(1, 2)  # [S, Hkv, L, D]
         v = v.view(num_seqs, length, hkv, dim).transpose(1, 2)
-        scores = torch.matmul(q.reshape(num_seqs, hkv, hq // hkv, dim), k.transpose(-1, -2)).float() * scale
+        scores = (
+            torch.matmul(q.reshape(num_seqs, hkv, hq // hkv, dim), k.transpose(-1, -2)).float()
+            * scale
+        )
         scores.masked_fill_(invalid, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).reshape(num_seqs, hq, dim)
     if invalid is None:
         heads = torch.arange(hkv, device=q.device)
         other_head = heads[:, None] != heads[None, :]  # [Hkv (query's), Hkv (row's)]
-        invalid = beyond[:, None, None, :, None] | other_head[None, :, None, None, :]  # [S, Hkv, 1, L, Hkv]
+        invalid = (
+            beyond[:, None, None, :, None] | other_head[None, :, None, None, :]
+        )  # [S, Hkv, 1, L, Hkv]
         meta.memo["reference.decode_mask"] = invalid
-    scores = torch.bmm(q, k.view(num_seqs, length * hkv, dim).transpose(1, 2)).float() * scale  # [S, Hq, L*Hkv]
+    scores = (
+        torch.bmm(q, k.view(num_seqs, length * hkv, dim).transpose(1, 2)).float() * scale
+    )  # [S, Hq, L*Hkv]
     scores.view(num_seqs, hkv, hq // hkv, length, hkv).masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.bmm(probs, v.view(num_seqs, length * hkv, dim))  # [S, Hq, D]

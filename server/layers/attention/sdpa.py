@@ -24,8 +24,14 @@ from sloserve.layers.attention.metadata import AttentionMetadata
 _HAS_ENABLE_GQA = torch.__version__ >= "2.5"
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-          causal: bool = False) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
     """SDPA over [..., H, L, D] with GQA (Hq a multiple of Hkv) and a boolean keep-mask or `causal`
     (top-left aligned: for a chunk with no cached context before it).
 
@@ -38,18 +44,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         return _sdpa(q[None], k[None], v[None], mask, scale, causal)[0]
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq == hkv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=causal
+        )
     if _HAS_ENABLE_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True
+        )
     group = hq // hkv
     k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
 
 
-def _prefill_chunk(meta: AttentionMetadata, i: int, page: int,
-                   q: torch.Tensor) -> tuple[int, int, int, slice | torch.Tensor, torch.Tensor | None]:
+def _prefill_chunk(
+    meta: AttentionMetadata, i: int, page: int, q: torch.Tensor
+) -> tuple[int, int, int, slice | torch.Tensor, torch.Tensor | None]:
     """(first token, end, context length, pages, mask) of prefill sequence i, for every layer of a step.
 
     pages: a slice when the sequence's pages are consecutive in the pool (a fresh prompt's usually
@@ -57,7 +67,11 @@ def _prefill_chunk(meta: AttentionMetadata, i: int, page: int,
     no cached context (SDPA's own causal mask), else the bottom-right causal mask [n, L] as 0 / -inf
     in q's dtype, built once instead of per layer (SDPA turns a boolean one into that each call).
     """
-    lo, hi, seq_len = meta.cu_seqlens_q_list[i], meta.cu_seqlens_q_list[i + 1], meta.seq_lens_list[i]
+    lo, hi, seq_len = (
+        meta.cu_seqlens_q_list[i],
+        meta.cu_seqlens_q_list[i + 1],
+        meta.seq_lens_list[i],
+    )
     table = meta.block_tables_list[i][: -(-seq_len // page)]
     if table == list(range(table[0], table[0] + len(table))):
         pages: slice | torch.Tensor = slice(table[0], table[-1] + 1)
@@ -84,7 +98,9 @@ class SdpaBackend:
 
     @staticmethod
     def unavailable_reason(
-        device: torch.device | str, dtype: torch.dtype | None = None, block_size: int | None = None,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        block_size: int | None = None,
         head_dim: int | None = None,
     ) -> str | None:
         """Why this backend cannot run with these settings, or None when it can (always can)."""
@@ -102,14 +118,21 @@ class SdpaBackend:
         if q.shape[0] == 0:
             return torch.empty_like(q)
         if q.shape[1] % k_cache.shape[2]:
-            raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+            raise ValueError(
+                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})"
+            )
         batched = q.is_cuda if self.batched is None else self.batched
         if batched:
             return self._forward_batched(q, k_cache, v_cache, meta, scale)
         return self._forward_split(q, k_cache, v_cache, meta, scale)
 
     def _forward_split(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         page = k_cache.shape[1]
         out = torch.empty_like(q)
@@ -120,7 +143,11 @@ class SdpaBackend:
         split = meta.memo.get("sdpa.split")
         if split is None:  # the same for every layer of the step
             decodes = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
-            prefills = [_prefill_chunk(meta, i, page, q) for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1]
+            prefills = [
+                _prefill_chunk(meta, i, page, q)
+                for i in range(meta.num_seqs)
+                if cu[i + 1] - cu[i] > 1
+            ]
             if not decodes:
                 decode_inputs = None
             elif inplace:
@@ -141,11 +168,18 @@ class SdpaBackend:
         for lo, hi, seq_len, pages, mask in prefills:
             k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
             v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
-            out[lo:hi] = _sdpa(q[lo:hi].transpose(0, 1), k, v, mask, scale, causal=mask is None).transpose(0, 1)
+            out[lo:hi] = _sdpa(
+                q[lo:hi].transpose(0, 1), k, v, mask, scale, causal=mask is None
+            ).transpose(0, 1)
         return out
 
     def _forward_batched(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_seqs = meta.num_seqs
@@ -168,10 +202,14 @@ class SdpaBackend:
         # NOTE: slots past a sequence's length (the tail of its last page, the null page padding
         # the table) hold whatever the pool held, NaN bit patterns included; masked scores still
         # multiply them (0 * NaN = NaN), so they are zeroed, not just masked.
-        outside = (keys[None, :] >= meta.seq_lens.to(torch.long)[:, None])[:, None, :, None]  # [S,1,Lk,1]
+        outside = (keys[None, :] >= meta.seq_lens.to(torch.long)[:, None])[
+            :, None, :, None
+        ]  # [S,1,Lk,1]
         k.masked_fill_(outside, 0.0)  # k, v are fresh gathers: safe to clear in place
         v.masked_fill_(outside, 0.0)
-        rows = meta.start_pos.to(torch.long)[:, None] + torch.arange(max_q, device=device)[None, :]  # [S, maxq]
+        rows = (
+            meta.start_pos.to(torch.long)[:, None] + torch.arange(max_q, device=device)[None, :]
+        )  # [S, maxq]
         # Padded query rows still see key 0 (start_pos + row >= 0), so no row is fully masked.
         mask = keys[None, None, :] <= rows[:, :, None]  # [S, maxq, Lk], bottom-right causal
         out = _sdpa(q_pad.transpose(1, 2), k, v, mask[:, None], scale)  # [S, Hq, maxq, D]
@@ -193,13 +231,20 @@ def _decode_inputs(
 
 
 def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, outside: torch.Tensor,
-    outside_rows: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    outside: torch.Tensor,
+    outside_rows: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """One query per sequence, q[Sd, Hq, D], over its pages padded to the longest; each sees its whole context."""
     num_seqs, length = outside.shape
     rows = num_seqs * length
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(rows, -1)  # [Sd * Lk, Hkv * D]
+    k = (
+        k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
+    )  # [Sd * Lk, Hkv * D]
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
     # Padding slots may hold NaN (see _forward_batched): zeroed in the fresh gathers, then masked.
     # Only those rows are written (index_fill_), a fraction of what a full masked_fill_ touches.
@@ -208,4 +253,6 @@ def _decode(
     shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
     k, v = k.view(shape), v.view(shape)
     mask = ~outside.view(num_seqs, 1, 1, length)  # keys < seq_len
-    return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(2)  # [Sd, Hq, D]
+    return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(
+        2
+    )  # [Sd, Hq, D]

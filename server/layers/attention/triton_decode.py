@@ -27,16 +27,37 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
 
     @triton.jit
     def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr,
-        part_m_ptr, part_l_ptr, part_acc_ptr,
-        scale, num_heads, num_splits,
-        stride_qt, stride_qh,
-        stride_kp, stride_ks, stride_kh,
-        stride_vp, stride_vs, stride_vh,
-        stride_ot, stride_oh,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tables_ptr,
+        seq_ptr,
+        pos_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        part_acc_ptr,
+        scale,
+        num_heads,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        stride_ot,
+        stride_oh,
         stride_tb,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
@@ -52,18 +73,30 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
         d = tl.arange(0, HEAD_DIM)
         g_ok = g < GROUP
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_ok[:, None],
+            other=0.0,
+        )
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for start in range(lo, n_keys, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             k_ok = offs < n_keys
-            page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE, mask=k_ok, other=0).to(tl.int64)
+            page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE, mask=k_ok, other=0).to(
+                tl.int64
+            )
             within = (offs % PAGE).to(tl.int64)
-            k = tl.load(k_ptr + page[:, None] * stride_kp + within[:, None] * stride_ks
-                        + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+            k = tl.load(
+                k_ptr
+                + page[:, None] * stride_kp
+                + within[:, None] * stride_ks
+                + kv_head * stride_kh
+                + d[None, :],
+                mask=k_ok[:, None],
+                other=0.0,
+            )
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -73,8 +106,15 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + page[:, None] * stride_vp + within[:, None] * stride_vs
-                        + kv_head * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(
+                v_ptr
+                + page[:, None] * stride_vp
+                + within[:, None] * stride_vs
+                + kv_head * stride_vh
+                + d[None, :],
+                mask=k_ok[:, None],
+                other=0.0,
+            )
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -87,8 +127,11 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
             tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
         else:
             out = acc / l_i[:, None]
-            tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            tl.store(
+                out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_ok[:, None],
+            )
 
 
 class TritonDecodeBackend:
@@ -96,10 +139,14 @@ class TritonDecodeBackend:
 
     name = "triton"
 
-    def __init__(self, block_n: int | None = None, num_warps: int = 4, num_splits: int | None = None) -> None:
+    def __init__(
+        self, block_n: int | None = None, num_warps: int = 4, num_splits: int | None = None
+    ) -> None:
         if not _HAS_TRITON:
-            raise RuntimeError("the 'triton' attention backend needs the triton package and a CUDA GPU; "
-                               "use --attention-backend sdpa instead")
+            raise RuntimeError(
+                "the 'triton' attention backend needs the triton package and a CUDA GPU; "
+                "use --attention-backend sdpa instead"
+            )
         self.block_n = block_n
         self.num_warps = num_warps
         self.num_splits = num_splits  # None: split long contexts when too few programs fill the GPU
@@ -118,7 +165,9 @@ class TritonDecodeBackend:
 
     @staticmethod
     def unavailable_reason(
-        device: torch.device | str, dtype: torch.dtype | None = None, block_size: int | None = None,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        block_size: int | None = None,
         head_dim: int | None = None,
     ) -> str | None:
         """Why the Triton kernel cannot run with these settings, or None when it can."""
@@ -129,7 +178,9 @@ class TritonDecodeBackend:
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"the Triton paged kernel supports float16, bfloat16 and float32, not {dtype}"
         if head_dim is not None and (head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1)):
-            return f"the Triton paged kernel needs head_dim a power of two in 16..256, got {head_dim}"
+            return (
+                f"the Triton paged kernel needs head_dim a power of two in 16..256, got {head_dim}"
+            )
         return None
 
     def forward(
@@ -152,8 +203,16 @@ class TritonDecodeBackend:
         positions = meta.start_pos.to(torch.long)[seq_of_token] + (
             torch.arange(num_tokens, device=q.device) - cu[seq_of_token]
         )
-        return self._attend(q, k_cache, v_cache, meta.block_tables, seq_of_token, positions, meta.max_seqlen_k,
-                            scale)
+        return self._attend(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            seq_of_token,
+            positions,
+            meta.max_seqlen_k,
+            scale,
+        )
 
     def decode(
         self,
@@ -174,16 +233,40 @@ class TritonDecodeBackend:
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return self.attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
-    def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """`decode` without the write (the fused rotary kernel has written the new K/V already)."""
         _check(q, k_cache, v_cache)
         rows = torch.arange(q.shape[0], device=q.device)
-        return self._attend(q, k_cache, v_cache, block_tables, rows, seq_lens - 1,
-                            block_tables.shape[1] * k_cache.shape[1], scale)
+        return self._attend(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            rows,
+            seq_lens - 1,
+            block_tables.shape[1] * k_cache.shape[1],
+            scale,
+        )
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                seq_of_token: torch.Tensor, positions: torch.Tensor, max_keys: int, scale: float) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_of_token: torch.Tensor,
+        positions: torch.Tensor,
+        max_keys: int,
+        scale: float,
+    ) -> torch.Tensor:
         """One launch over (token, KV head, split); splits > 1 are merged by their softmax partials."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -193,22 +276,47 @@ class TritonDecodeBackend:
         block_n = self.block_n or (64 if head_dim <= 128 else 32)
         splits = self._splits(num_tokens * num_kv_heads, max_keys, block_n, q.device)
         if splits > 1:
-            part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+            part_m = torch.empty(
+                num_tokens, num_heads, splits, dtype=torch.float32, device=q.device
+            )
             part_l = torch.empty_like(part_m)
-            part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            part_acc = torch.empty(
+                num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device
+            )
         else:
             part_m = part_l = part_acc = out  # unused
         _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
-            q, k_cache, v_cache, out, tables, seq_of_token, positions,
-            part_m, part_l, part_acc,
-            scale, num_heads, splits,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1),
+            q,
+            k_cache,
+            v_cache,
+            out,
+            tables,
+            seq_of_token,
+            positions,
+            part_m,
+            part_l,
+            part_acc,
+            scale,
+            num_heads,
+            splits,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            out.stride(0),
+            out.stride(1),
             tables.stride(0),
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            PAGE=page, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SPLIT=splits > 1,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            PAGE=page,
+            BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32,
+            SPLIT=splits > 1,
             num_warps=self.num_warps,
         )
         if splits == 1:
@@ -228,8 +336,12 @@ def _interpreted() -> bool:
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if not q.is_cuda and not _interpreted():
-        raise ValueError("the Triton paged kernel runs on CUDA tensors only; use the sdpa backend on CPU")
+        raise ValueError(
+            "the Triton paged kernel runs on CUDA tensors only; use the sdpa backend on CPU"
+        )
     if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})"
+        )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")

@@ -16,16 +16,22 @@ from sloserve.sched.request import Request
 from sloserve.sched.slo.step_model import MixedStepModel, StepCostModel, StepPrice
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
-SLO_MARGIN = 0.6  # with others running or waiting, the estimate must fit in this share of the time left
+SLO_MARGIN = (
+    0.6  # with others running or waiting, the estimate must fit in this share of the time left
+)
 LONG_DECAY = 0.995  # the long window of step cycle times (a weight of 1/e after 200 steps)
 LONG_WAIT_STEPS = 20  # waits of at least this many steps are also priced by the long window
 CALIBRATION_KEPT = 32  # first tokens whose actual / estimated TTFT ratio calibrates the estimate
 CALIBRATION_QUANTILE = 0.9
 CALIBRATION_MIN_S = 0.25  # shorter waits are mostly fixed delays: their ratios say little
-LATE_QUANTILE = 0.9  # the margin for a request next in line: this quantile of recent first tokens' lateness
+LATE_QUANTILE = (
+    0.9  # the margin for a request next in line: this quantile of recent first tokens' lateness
+)
 LATE_MIN_SAMPLES = 8  # fewer recent first tokens than this: the SLO_MARGIN share instead
 LATE_WINDOW_S = 10.0  # first tokens older than this say nothing of the load now
-PROMPT_STEP_MIN = 64  # prompt tokens: a step with at least this many tells what a prompt token costs
+PROMPT_STEP_MIN = (
+    64  # prompt tokens: a step with at least this many tells what a prompt token costs
+)
 PROMPT_STEPS_KEPT = 32  # recent prompt steps whose cost per prompt token prices a prompt alone
 
 
@@ -79,7 +85,11 @@ class AdmissionControl:
         self.max_wait_s = config.max_wait_s
         self.step_tokens = config.max_batched_tokens
         # Most prompt tokens of one request in one step (without chunking a prompt runs whole).
-        self.chunk = min(config.prefill_chunk, config.max_batched_tokens) if config.chunked_prefill else 1 << 30
+        self.chunk = (
+            min(config.prefill_chunk, config.max_batched_tokens)
+            if config.chunked_prefill
+            else 1 << 30
+        )
         self.max_model_len = max_model_len
         self.speed = StepCostModel()  # step compute time, fed by the engine loop
         self.mix = MixedStepModel()  # the same, per prompt token and per decoding sequence
@@ -95,7 +105,9 @@ class AdmissionControl:
         self.long_cycles = StepCostModel(decay=LONG_DECAY)
         self.refusals: Counter[str] = Counter()
         self._backlog: Backlog | None = None
-        self._step: tuple[float, int, bool] | None = None  # (start, sequences, prefill) of the step in flight
+        self._step: tuple[float, int, bool] | None = (
+            None  # (start, sequences, prefill) of the step in flight
+        )
         self._compute_s = 0.0  # compute time of the last step (on_compute)
         self._step_load = (0, 0)  # (prompt tokens, decoding sequences) of the step in flight
         self._steps = 1  # steps in the run in flight
@@ -103,8 +115,12 @@ class AdmissionControl:
         self._delivery = (0.0, 0.0)  # (lag_s, reported at): see report_delivery_lag
         self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / model TTFT, recent
         self.calibration = 1.0  # estimates are multiplied by this (>= 1): see on_first_token
-        self._late: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_KEPT)  # (when, s late): see lateness
-        self._prompt_costs: deque[float] = deque(maxlen=PROMPT_STEPS_KEPT)  # s per prompt token: see alone_seconds
+        self._late: deque[tuple[float, float]] = deque(
+            maxlen=CALIBRATION_KEPT
+        )  # (when, s late): see lateness
+        self._prompt_costs: deque[float] = deque(
+            maxlen=PROMPT_STEPS_KEPT
+        )  # s per prompt token: see alone_seconds
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""
@@ -112,8 +128,15 @@ class AdmissionControl:
         return RequestRefusedError(reason, message)
 
     # ---- what the scheduler reports --------------------------------------------------------
-    def on_step(self, now: float, seqs: int, prefill: bool, tokens: int = 0, decodes: int = 0,
-                steps: int = 1) -> None:
+    def on_step(
+        self,
+        now: float,
+        seqs: int,
+        prefill: bool,
+        tokens: int = 0,
+        decodes: int = 0,
+        steps: int = 1,
+    ) -> None:
         """A step of `seqs` sequences and `tokens` tokens (0: nothing ran; `decodes` of them one
         decoding sequence each), with a prefill chunk or not, was scheduled at `now`; `steps` > 1:
         a run of that many such decode steps (its cycle is priced per step)."""
@@ -169,13 +192,19 @@ class AdmissionControl:
         if req.ttft_deadline is None or req.predicted_ttft_s is None:
             return
         # NOTE: a request that missed is then overtaken by design: its lateness counts up to its objective
-        self._late.append((req.arrival_time + ttft_s,
-                           min(ttft_s - req.predicted_ttft_s, req.ttft_deadline - req.arrival_time)))
+        self._late.append(
+            (
+                req.arrival_time + ttft_s,
+                min(ttft_s - req.predicted_ttft_s, req.ttft_deadline - req.arrival_time),
+            )
+        )
         if req.model_ttft_s is None or req.model_ttft_s < CALIBRATION_MIN_S:
             return
         self._ratios.append(ttft_s / req.model_ttft_s)
         ordered = sorted(self._ratios)
-        self.calibration = max(1.0, ordered[min(len(ordered) - 1, int(CALIBRATION_QUANTILE * len(ordered)))])
+        self.calibration = max(
+            1.0, ordered[min(len(ordered) - 1, int(CALIBRATION_QUANTILE * len(ordered)))]
+        )
 
     def lateness(self, now: float) -> float | None:
         """How late first tokens under a TTFT objective came against their estimate (the
@@ -242,20 +271,33 @@ class AdmissionControl:
             self._backlog = None
 
     # ---- admission -------------------------------------------------------------------------
-    def check_new(self, req: Request, now: float, running: Sequence[Request], waiting: Iterable[Request],
-                  num_waiting: int, batch_cap: int, cached_tokens: int) -> None:
+    def check_new(
+        self,
+        req: Request,
+        now: float,
+        running: Sequence[Request],
+        waiting: Iterable[Request],
+        num_waiting: int,
+        batch_cap: int,
+        cached_tokens: int,
+    ) -> None:
         """Raise RequestRefusedError when `req` should not even be queued.
 
         `waiting` is the queue in arrival order, `batch_cap` the most requests that run at once.
         """
         if num_waiting >= self.max_waiting:
-            raise self.refuse("queue_full", f"the waiting queue is full ({self.max_waiting} requests); "
-                              "retry later or raise max_waiting")
+            raise self.refuse(
+                "queue_full",
+                f"the waiting queue is full ({self.max_waiting} requests); "
+                "retry later or raise max_waiting",
+            )
         if not self.enabled:
             return
         due = req.ttft_deadline if req.ttft_deadline is not None else req.e2e_deadline
         if due is not None and due <= now:
-            raise self.refuse("deadline_passed", f"the first-token deadline passed {now - due:.3f}s ago")
+            raise self.refuse(
+                "deadline_passed", f"the first-token deadline passed {now - due:.3f}s ago"
+            )
         est = self._first_token(req, now, running, waiting, batch_cap, cached_tokens)
         if est is None:
             return
@@ -284,16 +326,28 @@ class AdmissionControl:
         else:
             late = wait + lag > SLO_MARGIN * left
         if late:
-            slot = f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, " if est.slot_steps else ""
+            slot = (
+                f"{est.slot_steps} steps for a slot in the full batch of {batch_cap}, "
+                if est.slot_steps
+                else ""
+            )
             behind = f" + {lag:.2f}s of output backlog in the front end" if lag > 0 else ""
             raise self.refuse(
                 "slo_unattainable",
                 f"first token expected in ~{wait + lag:.2f}s ({slot}{est.steps} steps in all, "
                 f"{len(running)} running and {est.ahead} waiting ahead{behind}) but the SLO allows "
-                f"{left:.2f}s; relax the SLO or retry later")
+                f"{left:.2f}s; relax the SLO or retry later",
+            )
 
-    def _first_token(self, req: Request, now: float, running: Sequence[Request], waiting: Iterable[Request],
-                     batch_cap: int, cached_tokens: int) -> FirstTokenEstimate | None:
+    def _first_token(
+        self,
+        req: Request,
+        now: float,
+        running: Sequence[Request],
+        waiting: Iterable[Request],
+        batch_cap: int,
+        cached_tokens: int,
+    ) -> FirstTokenEstimate | None:
         """When `req`'s first token comes, queued by the policy's order; None before steps were timed."""
         cost = self.step_costs()
         if cost is None:
@@ -323,8 +377,15 @@ class AdmissionControl:
             return (r.priority, r.arrival_time)
         return (r.arrival_time,)
 
-    def estimate(self, req: Request, running: Sequence[Request], ahead: Iterable[Request],
-                 batch_cap: int, cached_tokens: int = 0, now: float | None = None) -> FirstTokenEstimate | None:
+    def estimate(
+        self,
+        req: Request,
+        running: Sequence[Request],
+        ahead: Iterable[Request],
+        batch_cap: int,
+        cached_tokens: int = 0,
+        now: float | None = None,
+    ) -> FirstTokenEstimate | None:
         """First-token estimate of `req` queued behind `ahead`; None before any step was timed."""
         cost = self.step_costs()
         if cost is None:
@@ -342,8 +403,13 @@ class AdmissionControl:
             return None
         return decode or prefill, prefill or decode
 
-    def backlog(self, running: Sequence[Request], ahead: Iterable[Request], batch_cap: int,
-                key: tuple | None = None) -> Backlog:
+    def backlog(
+        self,
+        running: Sequence[Request],
+        ahead: Iterable[Request],
+        batch_cap: int,
+        key: tuple | None = None,
+    ) -> Backlog:
         """The slots after `running` and then `ahead` (in start order) took theirs.
 
         `key`: the newcomer's place in deadline order; running requests after it (more slack)
@@ -353,19 +419,31 @@ class AdmissionControl:
         # NOTE: with slack preemption a newcomer takes the slot of a running request that has no
         # TTFT or TPOT objective and no token out yet (the scheduler's _free_slot): those hold no
         # slot here.
-        holders = [r for r in running if not self.slot_preemption or r.tpot_s is not None
-                   or r.ttft_deadline is not None or r.first_token_time is not None]
+        holders = [
+            r
+            for r in running
+            if not self.slot_preemption
+            or r.tpot_s is not None
+            or r.ttft_deadline is not None
+            or r.first_token_time is not None
+        ]
         steps = sorted(self._work(r)[1] for r in holders)
         # Slot i frees when the (len(running) - cap + 1 + i)-th running request finishes. A slot
         # taken from a request without objectives frees only when the scheduler preempts it, one
         # per step: the k-th such slot is free at step k.
         free = [0] * max(0, cap - len(running))
         taken = list(range(1, len(running) - len(holders) + 1))
-        first = [r for r in running if key is None or not self.deadline_order or self._key(r) <= key]
-        b = Backlog(slots=sorted(free + taken + steps)[-cap:], cap=batch_cap,
-                    pending=len(running) - len(first) + sum(max(1, r.num_tokens - r.num_computed_tokens)
-                                                            for r in first),
-                    occupants=len(steps))
+        first = [
+            r for r in running if key is None or not self.deadline_order or self._key(r) <= key
+        ]
+        b = Backlog(
+            slots=sorted(free + taken + steps)[-cap:],
+            cap=batch_cap,
+            pending=len(running)
+            - len(first)
+            + sum(max(1, r.num_tokens - r.num_computed_tokens) for r in first),
+            occupants=len(steps),
+        )
         for r in first:
             b.prefill_steps.update(self._prefill_range(r.num_tokens - r.num_computed_tokens, 0))
         for r in ahead:
@@ -381,8 +459,14 @@ class AdmissionControl:
         b.queued += 1
         b.last_key = max(b.last_key, self._key(r))
 
-    def _price(self, b: Backlog, req: Request, cached_tokens: int,
-               costs: tuple[tuple[float, float], tuple[float, float]], now: float | None) -> FirstTokenEstimate:
+    def _price(
+        self,
+        b: Backlog,
+        req: Request,
+        cached_tokens: int,
+        costs: tuple[tuple[float, float], tuple[float, float]],
+        now: float | None,
+    ) -> FirstTokenEstimate:
         """Steps until `req`'s first token after `b`, and their time.
 
         Its first token comes with its last prefill chunk, run once a slot is free. The steps
@@ -398,8 +482,9 @@ class AdmissionControl:
         steps = start + -(-own // chunk)
         busy = min(b.cap, b.occupants)
         tokens = b.pending + own + steps * busy
-        mixed = len(b.prefill_steps) + sum(1 for t in self._prefill_range(own, start, chunk)
-                                           if t not in b.prefill_steps)
+        mixed = len(b.prefill_steps) + sum(
+            1 for t in self._prefill_range(own, start, chunk) if t not in b.prefill_steps
+        )
         extra = max(0, -(-tokens // self.step_tokens) - steps)
         steps += extra
         mixed = min(steps, mixed + extra)
@@ -408,22 +493,35 @@ class AdmissionControl:
             # Deadline steps run the urgent first and cut optional work to the pace, so a step
             # costs what it computes for those ahead: priced by tokens, not by past step times.
             decodes = steps * busy  # one token per occupant per step
-            seconds = steps * price.overhead_s + price.per_token_s * (tokens - decodes) + price.decode_s * decodes
+            seconds = (
+                steps * price.overhead_s
+                + price.per_token_s * (tokens - decodes)
+                + price.decode_s * decodes
+            )
             if self._step is not None and now is not None:
-                seconds += max(0.0, self._steps * price.step_seconds(*self._step_load) - (now - self._step[0]))
+                seconds += max(
+                    0.0, self._steps * price.step_seconds(*self._step_load) - (now - self._step[0])
+                )
             seconds = max(seconds, self._long_run_seconds(steps, tokens))
-            return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
+            return FirstTokenEstimate(
+                seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued
+            )
         (d_over, d_seq), (p_over, p_seq) = costs
         seqs = min(b.cap, b.occupants + 1)
         fit = self.speed.fit()  # prompt tokens on top of the per-sequence cost, at compute speed
-        seconds = ((steps - mixed) * (d_over + d_seq * seqs) + mixed * (p_over + p_seq * seqs)
-                   + (tokens - steps * busy) * (fit[1] if fit else 0.0))
+        seconds = (
+            (steps - mixed) * (d_over + d_seq * seqs)
+            + mixed * (p_over + p_seq * seqs)
+            + (tokens - steps * busy) * (fit[1] if fit else 0.0)
+        )
         if self._step is not None and now is not None:
             began, in_flight, kind = self._step
             over, per_seq = costs[kind]
             seconds += max(0.0, self._steps * (over + in_flight * per_seq) - (now - began))
         seconds = max(seconds, self._long_run_seconds(steps, tokens))
-        return FirstTokenEstimate(seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued)
+        return FirstTokenEstimate(
+            seconds=seconds, steps=steps, slot_steps=start, tokens=tokens, ahead=b.queued
+        )
 
     def _long_run_seconds(self, steps: int, tokens: int) -> float:
         """`steps` steps computing `tokens` tokens at the long window's cycle times (0 before it has
@@ -437,7 +535,9 @@ class AdmissionControl:
 
     def _prefill_range(self, pending: int, start: int, chunk: int | None = None) -> range:
         """The steps from `start` that run prefill chunks of `pending` tokens (none for one token)."""
-        return range(start, start + -(-pending // (chunk or self.chunk))) if pending > 1 else range(0)
+        return (
+            range(start, start + -(-pending // (chunk or self.chunk))) if pending > 1 else range(0)
+        )
 
     def _work(self, r: Request) -> tuple[int, int]:
         """(tokens to compute before its next token, steps until it finishes)."""
@@ -449,5 +549,8 @@ class AdmissionControl:
 
     def timed_out(self, req: Request, now: float) -> bool:
         """True when a never-started request has waited longer than the queue timeout."""
-        return (self.enabled and not req.ever_scheduled
-                and now - req.arrival_time > self.queue_timeout_s)
+        return (
+            self.enabled
+            and not req.ever_scheduled
+            and now - req.arrival_time > self.queue_timeout_s
+        )

@@ -40,8 +40,12 @@ from sloserve.sched.slo.step_model import StepPrice
 
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
-TTFT_SAFETY = 0.25  # an urgent prompt is paced to be done this share of its TTFT objective after arrival
-ARRIVAL_SHARE = 0.25  # of the tightest recent TTFT objective: the longest step optional prompt chunks make
+TTFT_SAFETY = (
+    0.25  # an urgent prompt is paced to be done this share of its TTFT objective after arrival
+)
+ARRIVAL_SHARE = (
+    0.25  # of the tightest recent TTFT objective: the longest step optional prompt chunks make
+)
 ARRIVAL_WINDOW_S = 10.0  # TTFT objectives seen this recently are expected of the next arrivals
 STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decode step, per output) one step may take
 
@@ -49,9 +53,17 @@ STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decod
 class DeadlinePlan:
     """One step's view of every candidate's slack, the horizon and the step cap."""
 
-    def __init__(self, price: StepPrice, running: Iterable[Request], now: float, chunk: int,
-                 max_wait_s: float, step_tokens: int, finish_margin: float = 0.0,
-                 arrival_ttft_s: float | None = None) -> None:
+    def __init__(
+        self,
+        price: StepPrice,
+        running: Iterable[Request],
+        now: float,
+        chunk: int,
+        max_wait_s: float,
+        step_tokens: int,
+        finish_margin: float = 0.0,
+        arrival_ttft_s: float | None = None,
+    ) -> None:
         self.price = price
         self.now = now
         self.chunk = chunk
@@ -66,21 +78,31 @@ class DeadlinePlan:
         # Optional prompt chunks also stop here: room for a newcomer's first token (unless no
         # useful step fits in it). Decodes cost little and still ride along past it.
         self.arrival_cap_s = math.inf
-        if arrival_ttft_s is not None and ARRIVAL_SHARE * arrival_ttft_s >= price.step_seconds(MIN_CHUNK, len(running)):
+        if arrival_ttft_s is not None and ARRIVAL_SHARE * arrival_ttft_s >= price.step_seconds(
+            MIN_CHUNK, len(running)
+        ):
             self.arrival_cap_s = ARRIVAL_SHARE * arrival_ttft_s
         self._overdrawn = False  # a starving request's chunk already went past the cap this step
         self._urgent_prompt = False  # min_chunk already granted one urgent prompt this step (past the room if need be)
         self._waiting: list[Request] | None = None  # the waiting queue in slack order, sorted once
         self.absorb_s = math.inf  # how far past the cap one step may run for an urgent whole prompt
-        paced = [r for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens <= 1
-                 and (r.tpot_s is not None or r.e2e_deadline is not None) and self.must_run(r)]
+        paced = [
+            r
+            for r in running
+            if r.first_token_time is not None
+            and r.num_tokens - r.num_computed_tokens <= 1
+            and (r.tpot_s is not None or r.e2e_deadline is not None)
+            and self.must_run(r)
+        ]
         floor_s = price.step_seconds(0, len(paced))  # the step of the must-run decodes alone
         for r in paced:
             pace = self.pace(r, now)
             if pace >= floor_s:
                 self.cap_s = min(self.cap_s, pace)
                 outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
-                self.absorb_s = min(self.absorb_s, STALL_SHARE * outputs * max(0.0, pace - self.full_step_s))
+                self.absorb_s = min(
+                    self.absorb_s, STALL_SHARE * outputs * max(0.0, pace - self.full_step_s)
+                )
 
     def min_chunk(self, r: Request, n: int, prompt: int, decodes: int) -> int:
         """The least of `n` prompt tokens an urgent r must compute now, in a step that already
@@ -100,7 +122,10 @@ class DeadlinePlan:
         if self._urgent_prompt and self.slack(r) >= self.price.step_seconds(prompt, decodes):
             return 0  # only the room: one urgent prompt a step goes past it, and this one can wait a step
         self._urgent_prompt = True
-        if self.price.step_seconds(prompt + n, decodes) + self.price.margin_s <= self.cap_s + self.absorb_s:
+        if (
+            self.price.step_seconds(prompt + n, decodes) + self.price.margin_s
+            <= self.cap_s + self.absorb_s
+        ):
             return n
         step = self.cap_s if not math.isinf(self.cap_s) else self.full_step_s
         aim = r.arrival_time + TTFT_SAFETY * (r.ttft_deadline - r.arrival_time)
@@ -161,7 +186,12 @@ class DeadlinePlan:
         else:
             prefill = 0.0
             if r.tpot_s is not None and pending <= 1:
-                slack = r.first_token_time + r.tpot_s * max(1, r.num_output_tokens) - now - self.full_step_s
+                slack = (
+                    r.first_token_time
+                    + r.tpot_s * max(1, r.num_output_tokens)
+                    - now
+                    - self.full_step_s
+                )
         finish_by = self.finish_by(r)
         if finish_by is not None:
             outputs = max(1, r.sampling.max_tokens - r.num_output_tokens)
@@ -175,8 +205,9 @@ class DeadlinePlan:
         served like a request without objectives (optional, under the starvation bound): running
         it ahead of the others would only make them miss theirs too."""
         now = self.now
-        return ((r.ttft_deadline is not None and r.first_token_time is None and now > r.ttft_deadline)
-                or (r.e2e_deadline is not None and now > r.e2e_deadline))
+        return (
+            r.ttft_deadline is not None and r.first_token_time is None and now > r.ttft_deadline
+        ) or (r.e2e_deadline is not None and now > r.e2e_deadline)
 
     def urgent(self, r: Request) -> bool:
         """Its slack is under the horizon: skipping it would put its objective at risk."""
@@ -213,7 +244,10 @@ class DeadlinePlan:
 
     def decode_fits(self, prompt: int, decodes: int) -> bool:
         """Does one more decoding sequence keep the step under the cap?"""
-        return math.isinf(self.cap_s) or self.price.step_seconds(prompt, decodes + 1) + self.price.margin_s <= self.cap_s
+        return (
+            math.isinf(self.cap_s)
+            or self.price.step_seconds(prompt, decodes + 1) + self.price.margin_s <= self.cap_s
+        )
 
     def sort_key(self, r: Request) -> tuple[float, float, int]:
         """Least slack first (ties: earlier arrival)."""

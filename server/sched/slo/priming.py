@@ -18,13 +18,18 @@ def priming_shapes(config: SchedulerConfig, max_model_len: int) -> list[tuple[in
     """(sequences, tokens per sequence) of the steps to time: decode batches, then prefill chunks."""
     batch = min(config.max_batch, config.max_batched_tokens)
     decode = sorted({b for b in (1, 4, 16, batch) if b <= batch})
-    chunk = min(config.prefill_chunk if config.chunked_prefill else config.max_batched_tokens,
-                config.max_batched_tokens, max_model_len - 1)
+    chunk = min(
+        config.prefill_chunk if config.chunked_prefill else config.max_batched_tokens,
+        config.max_batched_tokens,
+        max_model_len - 1,
+    )
     prefill = sorted({c for c in (chunk // 4, chunk // 2, chunk) if c > 1})
     return [(b, 1) for b in decode] + [(1, c) for c in prefill]
 
 
-def prime(runner: Runner, admission: AdmissionControl, config: SchedulerConfig, max_model_len: int) -> int:
+def prime(
+    runner: Runner, admission: AdmissionControl, config: SchedulerConfig, max_model_len: int
+) -> int:
     """Time the priming shapes with `runner.time_steps` and feed admission; returns the steps fed.
 
     A runner that cannot time steps (RunnerDefaults: a test double) leaves the model unprimed.

@@ -24,7 +24,9 @@ MIN_DECODE_SPREAD = 1.0  # sequences: the same for decoding sequences
 MAX_CORRELATION = 0.97  # above this the two kinds moved together: their slopes are not separable
 MARGIN_QUANTILE = 0.8  # a step is filled to the cap less this quantile of the fit's recent errors
 MARGIN_STEPS = 256  # recent errors kept
-MARGIN_EVERY = 16  # new errors between re-sorts of the margin (the deadline plan reads it every step)
+MARGIN_EVERY = (
+    16  # new errors between re-sorts of the margin (the deadline plan reads it every step)
+)
 
 
 class MixedStepModel:
@@ -84,7 +86,9 @@ class MixedStepModel:
         deadline should leave free."""
         if self._margin is None:
             errors = sorted(self._errors)
-            self._margin = max(0.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))])
+            self._margin = max(
+                0.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))]
+            )
         return self._margin
 
 
