@@ -9,8 +9,8 @@ Method (issue 12):
 - a Poisson sweep per seed and mode over a ladder of rates, multiples of the naive unloaded
   capacity: upward from 0.5x until attainment falls below 95%; when the first point already
   misses, downward (each rung /1.6, down to ~0.03x) until one meets it, so a naive server whose
-  head-of-line waits miss the objective at half its capacity still gets a QPS@95% (stop 32: it
-  missed at every rate down to 0.2x, and the ratio was undefined). Seeds after the first start at
+  head-of-line waits miss the objective at half its capacity still gets a QPS@95% (a naive
+  server can miss at every rate down to 0.2x, which left the ratio undefined). Seeds after the first start at
   the highest rung the first one met;
   --requests-per-rate fresh requests per point: no point on one server reuses a prompt of an
   earlier one (a new server when the prompts run out);
@@ -223,8 +223,8 @@ def calibrate(args: argparse.Namespace, pool: list) -> tuple[SLO, float, dict]:
 
 
 def estimate_s(n: int, capacity: float, seeds: int, budget_s: float) -> float:
-    """Rough wall time: naive missing at 0.5x and crossing three rungs below (~0.12x: stop 32 saw
-    79-94% at 0.2x), full near 5x, each sweep at most the budget and a point; the two P99 points at naive's
+    """Rough wall time: naive missing at 0.5x and crossing three rungs below (~0.12x: naive can
+    meet only 79-94% at 0.2x), full near 5x, each sweep at most the budget and a point; the two P99 points at naive's
     crossing; 3 s per server start. Later seeds start at the first one's crossing."""
     rungs = [0.5 / 1.6**k for k in range(4)]
     naive = sum(n / (g * capacity) for g in rungs)
