@@ -9,10 +9,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from sloserve.config import SloserveConfig
 from sloserve.engine.client import EngineClient
+from sloserve.engine.outputs import RequestOutput
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend.failures import (
     Failure,
@@ -284,7 +284,12 @@ class Frontend:
         return ids
 
     def _outcome(
-        self, out: Any, arrival: float, first: float | None, now: float, parsed: ParsedRequest
+        self,
+        out: RequestOutput,
+        arrival: float,
+        first: float | None,
+        now: float,
+        parsed: ParsedRequest,
     ) -> Finished | Failure:
         if out.finish_reason == "error":
             failure = failure_from_output(out)
@@ -319,7 +324,7 @@ class Frontend:
             self._idle.set()
 
 
-def _merge(out: Any, behind: list[Any]) -> Any:
+def _merge(out: RequestOutput, behind: list[RequestOutput]) -> RequestOutput:
     """One output carrying the tokens and text of `out` and the outputs queued behind it (the last
     one's status and times)."""
     last, every = behind[-1], (out, *behind)
