@@ -17,7 +17,7 @@ byte tokenizer), where a step still has a fixed cost worth sharing, as on a GPU.
 are ~7x longer than their outputs, so prefill (compute-bound on a CPU) caps the gain; the
 prefix cache halves it.
 
-    python -m benchmarks.engine                                  # ~3-4 min on 2 cores
+    python -m benchmarks.engine                                  # ~1 min on 2 cores
     python -m benchmarks.engine --model tiny --rate 3 --out benchmarks/out/engine_tiny.json
     python -m benchmarks.engine --model default --num-requests 12 --rate 0.2
 """
@@ -260,7 +260,7 @@ def main() -> None:
     ap.add_argument(
         "--rate",
         type=float,
-        default=20.0,
+        default=200.0,
         help="Poisson arrival rate, requests/s (above both arms' capacity on a CPU, so throughput is capacity)",
     )
     ap.add_argument("--ttft-slo", type=float, default=5.0)
