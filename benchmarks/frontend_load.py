@@ -30,6 +30,7 @@ from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SLO
+from sloserve.testing.quantile import quantile
 
 from benchmarks.harness import ServerProcess, free_port, machine, save
 
@@ -37,13 +38,6 @@ OWN_CONNECTION = [
     *CHANNEL_OPTIONS,
     ("grpc.use_local_subchannel_pool", 1),
 ]  # not shared with other channels
-
-
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def workload(max_tokens: int) -> list[WorkloadItem]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -122,14 +121,3 @@ class RssSampler:
     @property
     def peak(self) -> int:
         return max(self.samples)
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation; NaN for an empty list."""
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=1000, method="inclusive")[
-        max(0, min(998, round(q * 1000) - 1))
-    ]

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import pytest
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.quantile import quantile
 from sloserve.testing.server_process import ServerProcess, describe
 
 from tests.reliability.client import Record, StreamClient, generate, outcomes
-from tests.reliability.load import open_loop, quantile
+from tests.reliability.load import open_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

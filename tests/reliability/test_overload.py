@@ -20,11 +20,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.quantile import quantile
 from sloserve.testing.server_process import SERVICE_NAME, ServerProcess, describe, quiescent
 
 from tests.reliability.client import Record, StreamClient, generate, outcomes
 from tests.reliability.harness import count
-from tests.reliability.load import LoopLag, RssSampler, closed_loop, open_loop, quantile
+from tests.reliability.load import LoopLag, RssSampler, closed_loop, open_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -28,11 +28,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.quantile import quantile
 from sloserve.testing.server_process import SERVICE_NAME, ServerProcess, describe, quiescent
 
 from tests.reliability.client import Record, StreamClient, generate
 from tests.reliability.harness import FULL, count
-from tests.reliability.load import quantile
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600 if FULL else 400)]
 
