@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared/data/arc-agi-2/training"
 OUT = ROOT / "server/models/weights/default"
-RESULTS = ROOT / "benchmarks/results"
+RESULTS = ROOT / "benchmarks/out"  # run outputs (git-ignored); docs cite benchmarks/results/
 BOS, EOS, PAD, IGNORE = 256, 257, 258, -100
 NEWLINE = ord("\n")
 SIZES = {  # hidden, layers, heads, kv heads, intermediate

@@ -7,8 +7,6 @@ import pytest
 from click.testing import CliRunner
 from sloserve.cli.bench import bench
 
-from tests.bench.fake_server import FakeThread
-
 RUN_KEYS = {
     "rate",
     "completed",
@@ -25,13 +23,6 @@ RUN_KEYS = {
     "itl_s",
     "e2e_s",
 }
-
-
-@pytest.fixture(scope="module")
-def fake_target():
-    """The fake server on its own event loop in a daemon thread."""
-    with FakeThread() as fake:
-        yield fake.target
 
 
 def test_sweep_writes_json_and_png(fake_target, tmp_path):

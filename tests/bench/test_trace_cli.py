@@ -9,8 +9,6 @@ from sloserve.bench.stats import RequestRecord, summarise
 from sloserve.cli.bench import bench
 from sloserve.sampling_params import SLO
 
-from tests.bench.fake_server import FakeThread
-
 VLLM_FIELDS = {
     "duration",
     "completed",
@@ -26,12 +24,6 @@ VLLM_FIELDS = {
         for metric in ("ttft", "tpot", "itl", "e2el")
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def fake_target():
-    with FakeThread() as fake:
-        yield fake.target
 
 
 def test_trace_replay_with_rules_writes_vllm_fields(fake_target, tmp_path):
