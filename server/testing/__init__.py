@@ -3,6 +3,7 @@
 - ports.free_port
 - server_process.ServerProcess: a live server in a child process (its logs, readiness, Info)
 - procfs: a process tree, CPU time and memory, read from /proc
+- pki: throwaway TLS certificates (self-signed, or a CA signing server and client certificates)
 - quantile.quantile: the one latency quantile (linear interpolation)
 - clock.Clock: a manual monotonic clock
 - tokenizer.ByteTokenizer: one token per byte

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
-import shutil
-import subprocess
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,76 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc
 from sloserve.testing.live_server import Transcript, gen, live_server, read_until
+from sloserve.testing.pki import self_signed
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "s3cret-token"
-
-
-def make_self_signed(folder: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for localhost / 127.0.0.1 (cryptography if installed, else openssl)."""
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-    except ImportError:
-        if shutil.which("openssl") is None:
-            pytest.skip("needs the cryptography package or the openssl CLI to make a certificate")
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=localhost",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-                "-addext",
-                "subjectAltName=DNS:localhost,IP:127.0.0.1",
-            ],
-            check=True,
-            capture_output=True,
-        )
-        return cert, key
-    private = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(private.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(private, hashes.SHA256())
-    )
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(
-        private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert, key
 
 
 async def test_auth_off_needs_no_token():
@@ -140,7 +69,7 @@ async def test_auth_on_accepts_the_token():
 
 
 async def test_tls_on(tmp_path):
-    cert, key = make_self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     async with live_server(tls_cert=str(cert), tls_key=str(key), credentials=creds) as (
         server,
@@ -161,7 +90,7 @@ async def test_tls_on(tmp_path):
 
 
 async def test_tls_and_auth_together(tmp_path):
-    cert, key = make_self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     async with live_server(
         tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN, credentials=creds

@@ -10,9 +10,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 from sloserve.cli.main import cli
+from sloserve.testing.pki import self_signed
 
 from tests.http.conftest import TOKEN, start
-from tests.reliability.certs import self_signed
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,9 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.pki import self_signed
 from sloserve.testing.server_process import SERVICE_NAME, ServerProcess
-
-from tests.reliability.certs import self_signed
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from sloserve.cli.main import cli
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
+from sloserve.testing.pki import Authority
 
 from tests.http.conftest import HttpServerProcess, start
-from tests.security.pki import Authority
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,5 @@
-"""A throwaway certificate authority for mTLS tests: a CA, a server certificate and client certificates it signs."""
+"""Throwaway certificates for TLS tests: a self-signed server certificate, or a CA with the server
+and client certificates it signs (mTLS)."""
 
 from __future__ import annotations
 
@@ -72,15 +73,41 @@ class Authority:
         certificate = builder.sign(self._key, hashes.SHA256())
         cert, key_path = self.folder / f"{name}-cert.pem", self.folder / f"{name}-key.pem"
         cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        key_path.chmod(0o600)
+        _write_key(key, key_path)
         return cert, key_path
+
+
+def self_signed(folder: Path, name: str = "server") -> tuple[Path, Path]:
+    """(cert.pem, key.pem) under `folder`: a P-256 certificate for localhost and 127.0.0.1, valid a day."""
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    certificate = (
+        _builder(subject, subject, key)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert, key_path = folder / f"{name}-cert.pem", folder / f"{name}-key.pem"
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    _write_key(key, key_path)
+    return cert, key_path
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    path.chmod(0o600)
 
 
 def _builder(
