@@ -69,7 +69,7 @@ class EngineCore:
             eos_token_ids=runner.eos_token_ids,
         )
         on_token = None if self._faults is None else self._faults.on_token
-        self.output = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids, on_token)
+        self.output = OutputProcessor(runner.tokenizer.decode, on_token)
         if not runner.runs_steps:  # a runner that runs one step per call
             self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":

@@ -9,7 +9,7 @@ its first output until it finishes; the scheduler's Request holds only tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sloserve.engine.detokenizer import IncrementalDetokenizer
@@ -36,12 +36,10 @@ class OutputProcessor:
     def __init__(
         self,
         decode: Callable[[list[int]], str] | None,
-        eos_token_ids: Sequence[int] = (),
         on_token: Callable[[str], None] | None = None,
     ) -> None:
         """`on_token(request_id)` runs before each new token is processed (the test-only fault hook)."""
         self._decode = decode
-        self._eos_token_ids = frozenset(eos_token_ids)
         self._on_token = on_token
         self._texts: dict[str, RequestText] = {}  # live requests that have had an output
 
@@ -77,20 +75,22 @@ class OutputProcessor:
         """Detokenize the output tokens not yet seen; a stop string completed by one of them ends
         `req` there, with the text cut just before the string.
 
-        Before min_tokens outputs no stop condition applies; a stop token (ended by the
-        scheduler) adds no text; a request ended by length flushes what the detokenizer holds.
+        Before min_tokens outputs no stop string applies; the stop token that the scheduler ended
+        `req` on (always its last) adds no text; a request ended by length flushes what the
+        detokenizer holds.
         """
         tokens = req.output_token_ids
         if state.tokens >= len(tokens):
             return
         params = req.sampling
+        stop_token = len(tokens) - 1 if req.status == RequestStatus.FINISHED_STOPPED else None
         for i in range(state.tokens, len(tokens)):
             if self._on_token is not None:
                 self._on_token(req.request_id)
             state.tokens = i + 1
             token = tokens[i]
             early = i + 1 < params.min_tokens
-            if not early and params.stops_on(token, self._eos_token_ids):
+            if i == stop_token:
                 _flush_text(state, params.stop)
                 return
             if state.detokenizer is not None:

@@ -38,7 +38,7 @@ def make_scheduler(
         eos_token_ids=runner.eos_token_ids,
         clock=clock,
     )
-    OUTPUT_STAGES[scheduler] = OutputProcessor(runner.tokenizer.decode, runner.eos_token_ids)
+    OUTPUT_STAGES[scheduler] = OutputProcessor(runner.tokenizer.decode)
     return scheduler, runner, clock
 
 
