@@ -169,14 +169,18 @@ static void sloserve_rope_head(float *v, const float *cos, const float *sin, ptr
 /* A barrier between the threads of one step. Waiting threads spin (then yield) instead of
  * sleeping: a sleeping barrier (OpenMP's under OMP_WAIT_POLICY=PASSIVE, the CLI's default) costs
  * ~40 us to wake, and a step has ~8 barriers per layer. Phases count up; the
- * last thread to arrive resets the count before it publishes the next phase. */
+ * last thread to arrive resets the count before it publishes the next phase.
+ *
+ * A thread that passes `stalled_ns` (the caller's) adds to it every wait that outlasted the pause
+ * phase: its partner was late, descheduled by another process more often than slower, and a step
+ * that loses half its time this way runs no slower on one thread (see sloserve.executor.team). */
 typedef struct {
     int arrived, phase;
 } sloserve_barrier;
 
 #define SLOSERVE_SPINS_BEFORE_YIELD 4000 /* ~0.1 ms of pause instructions */
 
-static void sloserve_barrier_wait(sloserve_barrier *bar, int threads, int *phase) {
+static void sloserve_barrier_wait(sloserve_barrier *bar, int threads, int *phase, long *stalled_ns) {
     if (threads == 1) return;
     const int next = ++*phase;
     if (__atomic_add_fetch(&bar->arrived, 1, __ATOMIC_ACQ_REL) == threads) {
@@ -184,8 +188,11 @@ static void sloserve_barrier_wait(sloserve_barrier *bar, int threads, int *phase
         __atomic_store_n(&bar->phase, next, __ATOMIC_RELEASE);
         return;
     }
-    for (long spins = 0; __atomic_load_n(&bar->phase, __ATOMIC_ACQUIRE) != next; spins++)
+    const long since = stalled_ns ? sloserve_now_ns() : 0;
+    long spins = 0;
+    for (; __atomic_load_n(&bar->phase, __ATOMIC_ACQUIRE) != next; spins++)
         sloserve_pause(spins, SLOSERVE_SPINS_BEFORE_YIELD);
+    if (stalled_ns && spins > SLOSERVE_SPINS_BEFORE_YIELD) *stalled_ns += sloserve_now_ns() - since;
 }
 
 /* Rows [first, last) of `rows` split evenly between `threads`: this thread's share, in chunks of 4. */
@@ -208,6 +215,7 @@ typedef struct {
     float *work, *logits;
     sloserve_barrier bar;
     int bad;
+    long stalled_ns; /* thread 0's waits past the pause phase (sloserve_barrier_wait) */
 } sloserve_decode_args;
 
 /* Thread `me` of `team` runs its share of the step (sloserve_job): each matrix-vector product is
@@ -226,6 +234,7 @@ static void sloserve_decode_job(void *raw, int me, int team) {
     float *h = a->work, *x = h + batch * H, *qkv = x + batch * H, *attn = qkv + batch * qkv_size;
     float *act = attn + batch * q_size, *scores = act + batch * I, *logits = a->logits;
     sloserve_barrier *bar = &a->bar;
+    long *stalled = me == 0 ? &a->stalled_ns : NULL;
     int phase = 0;
     ptrdiff_t first, last;
     float *my_scores = scores + (ptrdiff_t)me * Hq * max_len;
@@ -235,10 +244,10 @@ static void sloserve_decode_job(void *raw, int me, int team) {
     for (ptrdiff_t l = 0; l < m->num_layers; l++) {
         const sloserve_layer *L = m->layers + l;
         if (me == 0) sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(qkv_size, me, team, &first, &last);
         sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, first, last, qkv, qkv_size, 0);
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         if (me == 0)
             for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
                 float *row = qkv + b * qkv_size;
@@ -247,7 +256,7 @@ static void sloserve_decode_job(void *raw, int me, int team) {
                 memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
                 memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
             }
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         for (ptrdiff_t item = me; item < batch * (Hkv / per_item); item += team) {
             const ptrdiff_t b = item * per_item / Hkv, kv_head = item * per_item % Hkv;
             if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
@@ -255,25 +264,25 @@ static void sloserve_decode_job(void *raw, int me, int team) {
                                     m->num_pages, m->scale, my_scores, attn + b * q_size + kv_head * group * D))
                 __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
         }
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(H, me, team, &first, &last);
         sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, first, last, h, H, 1);
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         if (me == 0) sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(I, me, team, &first, &last);
         sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, first, last, act);
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(H, me, team, &first, &last);
         sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
-        sloserve_barrier_wait(bar, team, &phase);
+        sloserve_barrier_wait(bar, team, &phase, stalled);
     }
     if (me == 0 && a->out_rows == NULL)
         sloserve_rms_norm_rows(h, m->norm, batch, H, m->eps, x);
     else if (me == 0) /* the rows asked for, gathered into the first num_out rows of x */
         for (ptrdiff_t r = 0; r < a->num_out; r++)
             sloserve_rms_norm_rows(h + a->out_rows[r] * H, m->norm, 1, H, m->eps, x + r * H);
-    sloserve_barrier_wait(bar, team, &phase);
+    sloserve_barrier_wait(bar, team, &phase, stalled);
     sloserve_share(m->vocab, me, team, &first, &last);
     sloserve_gemv_rows(m->lm_head, NULL, x, a->num_out, H, first, last, logits, m->vocab, 0);
 }
@@ -287,18 +296,20 @@ static void sloserve_decode_job(void *raw, int me, int team) {
  * written before any row attends, and a row attends to lens = position + 1 tokens, so each
  * token sees exactly its causal prefix. `work` holds
  * sloserve_decode_workspace(m, batch, max_len, threads) floats, threads being the team's size (1
- * when `team` is NULL: the caller alone). Returns 0, or -1 when a block table names a page outside
- * the pool (then the logits are undefined). */
+ * when `team` is NULL: the caller alone). *stalled_ns is set to the caller's waits for late team
+ * threads (0 alone). Returns 0, or -1 when a block table names a page outside the pool (then the
+ * logits are undefined). */
 static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, const int64_t *positions,
                                 const int64_t *slots, const int32_t *tables, ptrdiff_t width, const int32_t *lens,
                                 ptrdiff_t batch, ptrdiff_t max_len, const int64_t *out_rows, ptrdiff_t num_out,
-                                sloserve_team *team, float *work, float *logits) {
+                                sloserve_team *team, float *work, float *logits, long *stalled_ns) {
     sloserve_decode_args a = {m, ids, positions, slots, tables, lens, width, batch, max_len, out_rows,
-                              out_rows ? num_out : batch, work, logits, {0, 0}, 0};
+                              out_rows ? num_out : batch, work, logits, {0, 0}, 0, 0};
     if (team == NULL)
         sloserve_decode_job(&a, 0, 1);
     else
-        sloserve_team_run(team, sloserve_decode_job, &a);
+        sloserve_team_run(team, sloserve_decode_job, &a, &a.stalled_ns);
+    *stalled_ns = a.stalled_ns;
     return a.bad ? -1 : 0;
 }
 

@@ -26,6 +26,7 @@ class DecodeKernel:
         num_threads: int,
         logit_rows: int = 0,
         num_logit_rows: int = -1,
-    ) -> None:
+    ) -> int:
         """logits[batch, V] of one step of `batch` rows, one query token each (data pointers), or, with
-        num_logit_rows >= 0, of the rows `logit_rows` names; ValueError on out-of-range inputs."""
+        num_logit_rows >= 0, of the rows `logit_rows` names; ValueError on out-of-range inputs.
+        Returns the caller's nanoseconds spent waiting for late team threads (0 on one thread)."""

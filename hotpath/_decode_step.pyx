@@ -51,7 +51,7 @@ cdef extern from "_decode_step.h" nogil:
     int sloserve_decode_step(const sloserve_decoder* m, const int64_t* ids, const int64_t* positions,
                              const int64_t* slots, const int32_t* tables, Py_ssize_t width, const int32_t* lens,
                              Py_ssize_t batch, Py_ssize_t max_len, const int64_t* out_rows, Py_ssize_t num_out,
-                             sloserve_team* team, float* work, float* logits)
+                             sloserve_team* team, float* work, float* logits, long* stalled_ns)
 
 
 cdef const float* _ptr(object address):
@@ -136,6 +136,9 @@ cdef class DecodeKernel:
         rows `logit_rows` names (int64 row indices; none at 0: the step only writes K and V). Rows may be one sequence's
         consecutive tokens (see _decode_step.h).
 
+        Returns the nanoseconds the calling thread spent waiting for late team threads (0 on one
+        thread): a measure of how much other processes held this step's threads off their cores.
+
         ValueError when a token id, KV slot, length or logit row is out of range, a position is not
         length - 1, or a block table names a page outside the pool (then the logits are undefined).
         """
@@ -147,11 +150,12 @@ cdef class DecodeKernel:
         cdef int64_t no_rows = 0
         cdef Py_ssize_t b, need, longest = 1
         cdef int rc, threads
+        cdef long stalled_ns = 0
         cdef float* grown
         if self.layers == NULL:
             raise RuntimeError("DecodeKernel was never set")
         if batch <= 0:
-            return
+            return 0
         if batch > SLOSERVE_MAX_BATCH:
             raise ValueError(f"{batch} rows exceed the kernel's {SLOSERVE_MAX_BATCH} per step")
         if self.busy:
@@ -187,8 +191,10 @@ cdef class DecodeKernel:
             with nogil:
                 rc = sloserve_decode_step(&self.model, ids, pos, slot,
                                           <const int32_t*> block_tables, table_width, lens, batch, longest,
-                                          out_rows, num_logit_rows, self.team if threads > 1 else NULL, self.work, <float*> logits)
+                                          out_rows, num_logit_rows, self.team if threads > 1 else NULL, self.work, <float*> logits,
+                                          &stalled_ns)
         finally:
             self.busy = False
         if rc:
             raise ValueError(f"a block table names a page outside [0, {self.model.num_pages})")
+        return stalled_ns

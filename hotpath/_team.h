@@ -120,16 +120,20 @@ static sloserve_team *sloserve_team_start(int size) {
     return t;
 }
 
-/* Runs job(ctx, me, size) on every thread of the team (me = 0 here) and returns when all are done. */
-static void sloserve_team_run(sloserve_team *t, sloserve_job job, void *ctx) {
+/* Runs job(ctx, me, size) on every thread of the team (me = 0 here) and returns when all are done;
+ * adds to *stalled_ns the caller's wait for the last worker when it outlasted the pause phase. */
+static void sloserve_team_run(sloserve_team *t, sloserve_job job, void *ctx, long *stalled_ns) {
     t->job = job, t->ctx = ctx;
     __atomic_store_n(&t->done, 0, __ATOMIC_RELAXED);
     __atomic_add_fetch(&t->generation, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&t->sleepers, __ATOMIC_SEQ_CST))
         syscall(SYS_futex, &t->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     job(ctx, 0, t->size);
-    for (long spins = 0; __atomic_load_n(&t->done, __ATOMIC_ACQUIRE) != t->size - 1; spins++)
+    const long since = sloserve_now_ns();
+    long spins = 0;
+    for (; __atomic_load_n(&t->done, __ATOMIC_ACQUIRE) != t->size - 1; spins++)
         sloserve_pause(spins, SLOSERVE_TEAM_PAUSES);
+    if (spins > SLOSERVE_TEAM_PAUSES) *stalled_ns += sloserve_now_ns() - since;
 }
 
 /* Stops and joins the workers and frees the team (in a forked child, whose copy has no workers,

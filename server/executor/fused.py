@@ -22,8 +22,11 @@ another order than the BLAS); tests hold it to transformers' greedy tokens like 
 
 from __future__ import annotations
 
+import time
+
 import torch
 from sloserve.executor.inputs import DecodeInputs, TokenRows
+from sloserve.executor.team import TeamSize
 from sloserve.hotpath import USING_EXTENSIONS
 from sloserve.layers.linear import MIN_PACKED_ROWS, PackedLinears
 from sloserve.models.decoder import DecoderModel
@@ -90,7 +93,8 @@ class FusedDecode:
 
     def __init__(self, model: DecoderModel, kv: torch.Tensor, threads: int) -> None:
         """threads: the step's team, whatever the batch (its barriers spin, see _decode_step.h,
-        so a second thread pays from one sequence of a 3M-parameter model up)."""
+        so a second thread pays from one sequence of a 3M-parameter model up), unless other
+        processes keep its threads off their cores (`TeamSize`)."""
         why_not = fused_reason(model, kv)
         if why_not:
             raise ValueError(f"the fused decode step cannot run this model: {why_not}")
@@ -127,7 +131,7 @@ class FusedDecode:
             layers,
         )
         self.vocab = dims["vocab"]
-        self.threads = max(1, threads)
+        self.team = TeamSize(threads)
         # the largest batch it takes: the torch path's when its products run on oneDNN and win
         params = w.num_parameters()
         packed_max = max(MIN_PACKED_ROWS - 1, FUSED_MAX_MACS_PACKED // params)
@@ -137,6 +141,15 @@ class FusedDecode:
             else FUSED_MAX_BATCH
         )
 
+    @property
+    def threads(self) -> int:
+        """The team's size (steps run on fewer while it stalls)."""
+        return self.team.threads
+
+    @threads.setter
+    def threads(self, threads: int) -> None:
+        self.team = TeamSize(threads)
+
     def takes(self, step: DecodeInputs) -> bool:
         return step.input_ids.shape[0] <= self.max_batch
 
@@ -144,16 +157,17 @@ class FusedDecode:
         batch = step.input_ids.shape[0]
         logits = torch.empty((batch, self.vocab), dtype=torch.float32)
         tables = step.block_tables
-        self.kernel(
-            step.input_ids.data_ptr(),
-            step.positions.data_ptr(),
-            step.slot_mapping.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            step.seq_lens.data_ptr(),
-            batch,
-            logits.data_ptr(),
-            self.threads,
+        self._run(
+            (
+                step.input_ids.data_ptr(),
+                step.positions.data_ptr(),
+                step.slot_mapping.data_ptr(),
+                tables.data_ptr(),
+                tables.shape[1],
+                step.seq_lens.data_ptr(),
+                batch,
+                logits.data_ptr(),
+            )
         )
         return logits
 
@@ -162,17 +176,24 @@ class FusedDecode:
         sample_idx = step.sample_idx
         logits = torch.empty((sample_idx.shape[0], self.vocab), dtype=torch.float32)
         tables = step.block_tables
-        self.kernel(
-            step.input_ids.data_ptr(),
-            step.positions.data_ptr(),
-            step.slot_mapping.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            step.seq_lens.data_ptr(),
-            step.input_ids.shape[0],
-            logits.data_ptr(),
-            self.threads,
-            sample_idx.data_ptr(),
-            sample_idx.shape[0],
+        self._run(
+            (
+                step.input_ids.data_ptr(),
+                step.positions.data_ptr(),
+                step.slot_mapping.data_ptr(),
+                tables.data_ptr(),
+                tables.shape[1],
+                step.seq_lens.data_ptr(),
+                step.input_ids.shape[0],
+                logits.data_ptr(),
+            ),
+            (sample_idx.data_ptr(), sample_idx.shape[0]),
         )
         return logits
+
+    def _run(self, step: tuple[int, ...], logit_rows: tuple[int, int] | tuple[()] = ()) -> None:
+        """One kernel call on the threads TeamSize picks; how it went goes back to TeamSize."""
+        threads = self.team.next()
+        started = time.perf_counter_ns()
+        stalled = self.kernel(*step, threads, *logit_rows)
+        self.team.report(threads, time.perf_counter_ns() - started, stalled)

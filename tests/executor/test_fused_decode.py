@@ -361,3 +361,21 @@ def test_greedy_tokens_equal_transformers_with_split_steps(runner, monkeypatch):
     expected = hf_greedy(load_hf_model(runner.model_path), PROMPTS, 6)
     assert generate(runner, PROMPTS, 6, chunk=7, stagger=True, seed=1) == expected
     assert any(s is not None for s in splits), "no step was split"
+
+
+def test_each_step_reports_its_team_size_wall_time_and_stalls(runner):
+    """The kernel returns its caller's stalls (0 alone); FusedDecode hands them to TeamSize."""
+    step = _step(runner, [33, 9, 4])
+    kernel = runner.decode_step.fused
+    before = kernel.threads
+    seen = []
+    try:
+        for threads in (1, 2):
+            kernel.threads = threads
+            kernel.team.report = lambda t, wall, stalled: seen.append((t, wall, stalled))
+            kernel(step)
+    finally:
+        kernel.threads = before
+    assert [t for t, _, _ in seen] == [1, 2]
+    assert seen[0][2] == 0
+    assert all(isinstance(s, int) and 0 <= s <= wall for _, wall, s in seen)
