@@ -8,11 +8,16 @@ engine in its process, `--no-engine-process`) a fresh server is started and:
      with a tight first-token SLO (admission refuses most), offered by --clients processes over
      --connections connections each (SO_REUSEPORT spreads connections, not requests, over the
      front ends, and one Python client cannot offer thousands a second alone).
+During both, the CPU each role used is read from /proc, in cores (CPU seconds / wall seconds):
+the engine process, the front ends, the closed-loop client (this process) and the flood
+clients. On one machine the clients share the cores with the server; these say how.
 Every arm of a round is offered the same flood rate (--flood-rate, else --flood-x times the
 capacity the round's first arm measured). Printed per arm: the refusals' latency p50/p99
-(issue 44: ~10 s at p99 with one front end at
-4-5k requests/s offered), the closed loop's completions under the flood / capacity, and step
-p99 flood / steady (issue 11's goal <= x1.2). Arms alternate over --rounds.
+(issue 44: ~10 s at p99 with one front end at 4-5k requests/s offered); the closed loop's
+completions under the flood / capacity (done/cap) and all completions, the closed loop's and
+the admitted flood requests' (served/cap: the flood's requests are the same size); step p99
+flood / steady (issue 11's goal <= x1.2); and the cores each role used. Arms alternate over
+--rounds.
 
     python -m benchmarks.frontend_load [--arms 1,4] [--seconds 10] [--flood-x 10] [--clients 4]
 """
@@ -30,6 +35,7 @@ from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SLO
+from sloserve.testing.procfs import cpu_seconds, process_tree
 from sloserve.testing.quantile import quantile
 
 from benchmarks.harness import ServerProcess, free_port, machine, save
@@ -112,6 +118,31 @@ async def _steady(target: str, args, seconds: float) -> dict:
     }
 
 
+class RoleCpu:
+    """Cores each role's processes used between start() and cores() (see the module doc)."""
+
+    def __init__(self, server: ServerProcess, engine: int) -> None:
+        server_pids = set(server.pids())
+        me = os.getpid()
+        self.roles = {
+            "engine": [engine],
+            "frontends": sorted(server_pids - {engine}),
+            "closed_client": [me],
+            "flood_clients": sorted(set(process_tree(me)) - server_pids - {me}),
+        }
+        self._start = self._now()
+
+    def _now(self) -> tuple[float, dict[str, float]]:
+        return time.perf_counter(), {role: cpu_seconds(p) for role, p in self.roles.items()}
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def cores(self) -> dict[str, float]:
+        (t0, cpu0), (t1, cpu1) = self._start, self._now()
+        return {role: round((cpu1[role] - cpu0[role]) / (t1 - t0), 3) for role in self.roles}
+
+
 def _flood(target: str, args, rate: float, pool) -> dict:
     """The closed loop in this process while --clients processes flood the server at `rate`."""
     jobs = [
@@ -149,6 +180,8 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
         "off",
         "--max-model-len",
         "512",
+        "--log-format",
+        "json",  # RoleCpu reads the engine's pid from its log line
     ]
     cmd += ["--no-engine-process"] if arm == "thread" else ["--frontends", arm]
     server = ServerProcess(cmd, port=port, env={"OMP_WAIT_POLICY": "PASSIVE"})
@@ -167,15 +200,21 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
             2.0 if arm != "thread" and int(arm) > 1 else 0.0
         )  # the other front ends join the engine
         asyncio.run(_steady(target, args, min(3.0, args.seconds)))  # warm
+        cpu = RoleCpu(server, server.proc.pid if arm == "thread" else server.engine_pid())
         steady = asyncio.run(_steady(target, args, args.seconds))
+        steady["cores"] = cpu.cores()
+        cpu.start()
         flood = _flood(target, args, flood_rate or args.flood_x * steady["completed_per_s"], pool)
+        flood["cores"] = cpu.cores()
     finally:
         server.stop(60)
+    served = flood["completed_per_s"] + flood["flood_completed"] / args.seconds
     return {
         "steady": steady,
         "flood": flood,
         "p99_ratio": flood["step_p99_ms"] / steady["step_p99_ms"],
         "completion_ratio": flood["completed_per_s"] / steady["completed_per_s"],
+        "served_ratio": served / steady["completed_per_s"],
     }
 
 
@@ -214,6 +253,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _cores(cores: dict[str, float]) -> str:
+    return "/".join(f"{c:.2f}" for c in cores.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print(f"load average before: {os.getloadavg()}")
@@ -226,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
                 rate = rate or args.flood_x * results[arm][-1]["steady"]["completed_per_s"]
     print(
         f"{'arm':8} {'rnd':>3} {'capacity/s':>10} {'offered/s':>9} {'refused':>7} {'admitted':>8} "
-        f"{'refusal p50':>11} {'refusal p99':>11} {'done/cap':>8} {'step p99 x':>10}"
+        f"{'refusal p50':>11} {'refusal p99':>11} {'done/cap':>8} {'served/cap':>10} "
+        f"{'step p99 x':>10}  cores steady -> flood (engine, front ends, closed client, flood clients)"
     )
     for arm, runs in results.items():
         for rnd, r in enumerate(runs):
@@ -235,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{arm:8} {rnd:3d} {r['steady']['completed_per_s']:10.1f} {f['offered_per_s']:9.0f} {f['refused']:7d} "
                 f"{f['flood_completed']:8d} "
                 f"{f['refusal_p50_ms']:9.1f}ms {f['refusal_p99_ms']:9.1f}ms {r['completion_ratio']:8.2f} "
-                f"{r['p99_ratio']:10.2f}"
+                f"{r['served_ratio']:10.2f} {r['p99_ratio']:10.2f}  "
+                f"{_cores(r['steady']['cores'])} -> {_cores(f['cores'])}"
             )
     base = args.arm_list[0]
     for arm in args.arm_list[1:]:
