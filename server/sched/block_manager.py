@@ -104,6 +104,14 @@ class BlockManager:
             parent = h
         return blocks, hashes, None
 
+    def prompt_hashes(self, tokens: Sequence[int]) -> list[int]:
+        """The chained hashes of every full block of `tokens` (as find_prefix and claim hash them)."""
+        bs, parent, hashes = self.block_size, _ROOT_HASH, []
+        for i in range(len(tokens) // bs):
+            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
     def hit_tokens(self, blocks: Sequence[int], num_tokens: int) -> int:
         """Tokens a hit of `blocks` spares computing: all of them but the request's last token."""
         return min(len(blocks) * self.block_size, num_tokens - 1)

@@ -58,6 +58,7 @@ class Request:
         "status",
         "num_computed_tokens",
         "num_cached_tokens",
+        "expected_cached_tokens",
         "block_table",
         "block_hashes",
         "host_table",
@@ -119,6 +120,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # prompt tokens admission expects it not to compute (cached, claimed, or computed by a
+        # request queued before it: sched/queued_prefixes.py) until it starts
+        self.expected_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.host_table: list[int] = []  # host blocks holding the swapped-out K/V, in order

@@ -22,6 +22,7 @@ from sloserve.sched.block_manager import BlockManager
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from sloserve.sched.quantiles import nearest_rank
 from sloserve.sched.queue_policy import make_queue
+from sloserve.sched.queued_prefixes import QueuedPrefixes
 from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
 from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
@@ -63,6 +64,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.admission = AdmissionControl(sc, self.max_model_len)
+        self.queued_prefixes = QueuedPrefixes()
         self.step_count = 0
         self._handles = itertools.count()
         self.arrivals = (
@@ -120,9 +122,9 @@ class Scheduler:
             self.config.default_ttft_s,
             priority,
         )
-        cached = 0
+        cached, hashes = 0, []
         if self.admission.enabled:
-            cached = self.block_manager.hit_tokens(self._prefix(req)[0], req.num_tokens)
+            cached, hashes = self._shared_prefix(req)
         self.admission.check_new(
             req,
             now,
@@ -134,8 +136,32 @@ class Scheduler:
         )
         self.requests[request_id] = req
         self.waiting.add(req, now)
+        self.queued_prefixes.add(request_id, hashes)
         self.admission.queued(req)
         return req
+
+    def _shared_prefix(self, req: Request) -> tuple[int, list[int]]:
+        """(prompt tokens `req` finds cached or being computed by a running request, its prompt's
+        block hashes); sets req.expected_cached_tokens to those plus the tokens of the blocks that
+        follow them in the prompt of a request queued before it (sched/queued_prefixes.py)."""
+        bm = self.block_manager
+        blocks, _, next_hash = self._prefix(req)
+        hit = len(blocks)
+        if next_hash is None:  # no miss: all cached, or no prefix reuse for this request
+            cached = bm.hit_tokens(blocks, req.num_tokens)
+            req.expected_cached_tokens = cached
+            return cached, []
+        hashes = bm.prompt_hashes(req.prompt_token_ids)
+        claimed = hit
+        while claimed < len(hashes) and bm.is_claimed(hashes[claimed]):
+            claimed += 1
+        shared = claimed
+        while shared < len(hashes) and (
+            bm.is_claimed(hashes[shared]) or hashes[shared] in self.queued_prefixes
+        ):
+            shared += 1
+        req.expected_cached_tokens = min(shared * self.block_size, req.num_tokens - 1)
+        return min(claimed * self.block_size, req.num_tokens - 1), hashes
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as 'cancelled' and free its blocks now; None if it is not live."""
@@ -375,6 +401,7 @@ class Scheduler:
             if req.status == RequestStatus.PREEMPTED:
                 req.resumed_step = self.step_count
             self.waiting.remove(req)
+            self.queued_prefixes.discard(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._schedule_chunk(req, n, out, now, plan)
@@ -733,6 +760,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+            self.queued_prefixes.discard(req.request_id)
         req.status = status
         req.finish_time = self.clock()
         self.block_manager.free(req)

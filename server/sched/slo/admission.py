@@ -358,7 +358,8 @@ class AdmissionControl:
         key = self._key(req)
         if key < b.last_key:
             # Ahead of some queued requests: it starts before those -- unless (slo) they wait
-            # past the starvation guard before its first token and then go first.
+            # past the starvation guard before its first token and then go first. It computes
+            # the blocks it shares with them itself (only cached or claimed ones are spared).
             ahead = [r for r in waiting if self._key(r) <= key]
             b = self.backlog(running, ahead, batch_cap, key)
             if self.policy == "slo" and not self.deadline_order:
@@ -367,7 +368,9 @@ class AdmissionControl:
                 starving = [r for r in waiting if self._key(r) > key and r.arrival_time < starve_by]
                 if starving:
                     b = self.backlog(running, starving + ahead, batch_cap)
-        return self._price(b, req, cached_tokens, cost, now)
+            return self._price(b, req, cached_tokens, cost, now)
+        # Last in line: the blocks it shares with a queued request are computed before it starts.
+        return self._price(b, req, max(cached_tokens, req.expected_cached_tokens), cost, now)
 
     def _key(self, r: Request) -> tuple:
         """The waiting order of the policy (fifo: arrival, so a newcomer is always last)."""
@@ -540,8 +543,10 @@ class AdmissionControl:
         )
 
     def _work(self, r: Request) -> tuple[int, int]:
-        """(tokens to compute before its next token, steps until it finishes)."""
-        pending = max(1, r.num_tokens - r.num_computed_tokens)
+        """(tokens to compute before its next token, steps until it finishes); a request not yet
+        started is spared the prompt blocks it expects from the cache or a request before it."""
+        done = r.num_computed_tokens if r.ever_scheduled else r.expected_cached_tokens
+        pending = max(1, r.num_tokens - done)
         outputs = r.sampling.max_tokens - r.num_output_tokens
         if self.max_model_len is not None:
             outputs = min(outputs, self.max_model_len - r.num_tokens)
