@@ -222,6 +222,9 @@ class Scheduler:
             budget, preempted = self._run(pending, out, budget, now, plan, must_only=True)
             if not preempted:
                 budget = self._admit_waiting(out, budget, now, plan, urgent_only=True)
+                # A slot freed for an urgent newcomer preempted a running request (_free_slot):
+                # it is queued now, and must not also run in this step.
+                pending = deque(r for r in pending if r.status == RequestStatus.RUNNING)
             budget, again = self._run(pending, out, budget, now, plan)
             preempted = preempted or again
         if not preempted:
