@@ -8,7 +8,7 @@ waits at the next barrier for the rest of a timeslice. One thread never waits fo
 The kernel reports how long the caller waited past the spin phase (`stalled`). Steps of team
 size n that spent a share s of their wall time w stalled would take about (w - s) * n alone, so
 the team is worth keeping while s < w * (n - 1) / n (half the time for two threads). That share
-is smoothed over the last ~DECAY_STEPS team steps; above the threshold the next `backoff` steps
+is smoothed over the last ~50 team steps (DECAY); above the threshold the next `backoff` steps
 run alone, then PROBE_STEPS team steps measure the team again: still stalled doubles the backoff
 (up to MAX_BACKOFF_STEPS), clean returns to the team and resets it.
 """

@@ -104,17 +104,19 @@ class BlockManager:
             parent = h
         return blocks, hashes, None
 
-    def prompt_hashes(self, tokens: Sequence[int]) -> list[int]:
-        """The chained hashes of every full block of `tokens` (as find_prefix and claim hash them)."""
-        bs, parent, hashes = self.block_size, _ROOT_HASH, []
-        for i in range(len(tokens) // bs):
+    def prompt_hashes(self, tokens: Sequence[int], known: Sequence[int] = ()) -> list[int]:
+        """The chained hashes of every full block of `tokens` (as find_prefix and claim hash them),
+        continuing `known`, the hashes of its first blocks (find_prefix's hits and next hash)."""
+        bs, hashes = self.block_size, list(known)
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes
 
-    def hit_tokens(self, blocks: Sequence[int], num_tokens: int) -> int:
-        """Tokens a hit of `blocks` spares computing: all of them but the request's last token."""
-        return min(len(blocks) * self.block_size, num_tokens - 1)
+    def hit_tokens(self, num_blocks: int, num_tokens: int) -> int:
+        """Tokens a hit of `num_blocks` blocks spares computing: all of them but the request's last."""
+        return min(num_blocks * self.block_size, num_tokens - 1)
 
     def is_claimed(self, block_hash: int | None) -> bool:
         """True when a running request is computing the block with this hash (see Claims)."""
@@ -136,7 +138,7 @@ class BlockManager:
                 alloc.record_lookup(False)
         req.block_table = list(blocks)
         req.block_hashes = list(hashes)
-        return self.hit_tokens(blocks, req.num_tokens)
+        return self.hit_tokens(len(blocks), req.num_tokens)
 
     def claim(self, req: Request) -> None:
         """Claim every full block of `req`'s tokens not yet computed nor claimed (see Claims)."""

@@ -145,14 +145,13 @@ class Scheduler:
         block hashes); sets req.expected_cached_tokens to those plus the tokens of the blocks that
         follow them in the prompt of a request queued before it (sched/queued_prefixes.py)."""
         bm = self.block_manager
-        blocks, _, next_hash = self._prefix(req)
-        hit = len(blocks)
+        blocks, hit_hashes, next_hash = self._prefix(req)
         if next_hash is None:  # no miss: all cached, or no prefix reuse for this request
-            cached = bm.hit_tokens(blocks, req.num_tokens)
+            cached = bm.hit_tokens(len(blocks), req.num_tokens)
             req.expected_cached_tokens = cached
             return cached, []
-        hashes = bm.prompt_hashes(req.prompt_token_ids)
-        claimed = hit
+        hashes = bm.prompt_hashes(req.prompt_token_ids, [*hit_hashes, next_hash])
+        claimed = len(blocks)
         while claimed < len(hashes) and bm.is_claimed(hashes[claimed]):
             claimed += 1
         shared = claimed
@@ -160,8 +159,8 @@ class Scheduler:
             bm.is_claimed(hashes[shared]) or hashes[shared] in self.queued_prefixes
         ):
             shared += 1
-        req.expected_cached_tokens = min(shared * self.block_size, req.num_tokens - 1)
-        return min(claimed * self.block_size, req.num_tokens - 1), hashes
+        req.expected_cached_tokens = bm.hit_tokens(shared, req.num_tokens)
+        return bm.hit_tokens(claimed, req.num_tokens), hashes
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as 'cancelled' and free its blocks now; None if it is not live."""
@@ -222,9 +221,6 @@ class Scheduler:
             budget, preempted = self._run(pending, out, budget, now, plan, must_only=True)
             if not preempted:
                 budget = self._admit_waiting(out, budget, now, plan, urgent_only=True)
-                # A slot freed for an urgent newcomer preempted a running request (_free_slot):
-                # it is queued now, and must not also run in this step.
-                pending = deque(r for r in pending if r.status == RequestStatus.RUNNING)
             budget, again = self._run(pending, out, budget, now, plan)
             preempted = preempted or again
         if not preempted:
@@ -256,6 +252,9 @@ class Scheduler:
         `must_only`), preempting from its back when blocks run out; (budget left, preempted)."""
         preempted = False
         while pending and budget > 0:
+            if pending[0].status != RequestStatus.RUNNING:
+                pending.popleft()  # preempted for an urgent newcomer's slot (_free_slot): queued now
+                continue
             if must_only and not plan.must_run(pending[0]):
                 break
             req = pending.popleft()
@@ -382,7 +381,7 @@ class Scheduler:
                 self._swapped.append(req)
             else:
                 blocks, hashes, _ = prefix
-                cached = bm.hit_tokens(blocks, req.num_tokens)
+                cached = bm.hit_tokens(len(blocks), req.num_tokens)
                 n = self._chunk(req, budget, first=not out.sequences, computed=cached)
                 if plan is not None:
                     n = self._fit(plan, req, n)

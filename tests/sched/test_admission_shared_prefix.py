@@ -99,3 +99,11 @@ def test_a_queued_request_that_leaves_is_forgotten():
     assert s.requests["c"].expected_cached_tokens == 0  # nobody left to compute it
     drain(s, r)
     assert_all_free(s)
+
+
+def test_prompt_hashes_continue_the_chain_find_prefix_began():
+    s, _, _ = make_scheduler(FakeRunner(num_blocks=1024))
+    bm = s.block_manager
+    whole = bm.prompt_hashes(PROMPT)
+    assert len(whole) == len(PROMPT) // 4 and len(set(whole)) == len(whole)
+    assert bm.prompt_hashes(PROMPT, whole[:10]) == whole
