@@ -243,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--clients", type=int, default=4, help="flood client processes")
     p.add_argument("--connections", type=int, default=4, help="connections per flood client")
-    p.add_argument("--name", default="frontend_scaleout", help="benchmarks/out/NAME.json")
+    p.add_argument("--name", default="frontend_load", help="benchmarks/out/NAME.json")
     args = p.parse_args(argv)
     args.arm_list = args.arms.split(",")
     if any(a != "thread" and not (a.isdigit() and int(a) >= 1) for a in args.arm_list):
