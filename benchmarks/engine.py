@@ -37,6 +37,7 @@ from sloserve.bench.stats import RequestRecord, summarise
 from sloserve.bench.workloads import WorkloadItem, default_workload, load_workload
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine import AsyncEngine
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 
 from benchmarks._output import OUT
@@ -116,7 +117,7 @@ async def replay(
                 if isinstance(item.prompt, str)
                 else item.prompt
             )
-            stream = engine.add_request(record.request_id, ids, params, slo)
+            stream = engine.add_request(NewRequest(record.request_id, ids, params, slo))
             async for out in stream:
                 if out.new_token_ids:
                     record.chunk_times.append(time.monotonic())

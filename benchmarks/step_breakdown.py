@@ -31,6 +31,7 @@ import torch
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine.core import EngineCore
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
 from benchmarks._output import OUT, write_json
@@ -69,7 +70,9 @@ def breakdown(core: EngineCore, batch: int, steps: int, prompt_len: int) -> dict
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):  # distinct prompts: no prefix sharing
-        core.add(rid, [256] + [48 + (i * 7 + j) % 10 for j in range(prompt_len - 1)], params)
+        core.add(
+            NewRequest(rid, [256] + [48 + (i * 7 + j) % 10 for j in range(prompt_len - 1)], params)
+        )
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     sizes: list[int] = []
     warm = 3

@@ -24,6 +24,7 @@ from sloserve.cli.common import (
 )
 from sloserve.cli.options import build_config, engine_options, pop_engine_options, with_engine
 from sloserve.errors import InvalidRequestError, RequestRefusedError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
 _FINISH = {1: "stop", 2: "length", 3: "cancelled"}
@@ -233,7 +234,7 @@ async def _local(engine, prompt: str, params: SamplingParams, echo: bool) -> Com
     start = time.monotonic()
     try:
         token_ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
-        async for out in engine.generate("cli", token_ids, params, None):
+        async for out in engine.generate(NewRequest("cli", token_ids, params)):
             result.add(out.new_token_ids, out.new_text, echo)
             if result.ttft_s is None and out.new_token_ids:
                 result.ttft_s = time.monotonic() - start

@@ -17,6 +17,7 @@ from sloserve.config import (
 )
 from sloserve.engine.core import EngineCore
 from sloserve.logprobs import Logprob
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.runner import Runner
 from sloserve.structured import check_grammar
@@ -126,22 +127,23 @@ class LLM:
         for grammar in {p.grammar for p in per_prompt if p.grammar is not None}:
             check_grammar(grammar)  # a bad one raises here, before anything runs
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(ids, per_prompt, priorities)
+        news = [
+            NewRequest(f"llm-{next(self._ids)}", t, p, priority=q)
+            for t, p, q in zip(ids, per_prompt, priorities, strict=True)
+        ]  # a malformed one raises here, before anything runs
+        return self._run(news)
 
-    def _run(
-        self, prompts: list[list[int]], params: list[SamplingParams], priorities: list[int]
-    ) -> list[CompletionOutput]:
-        """Feed the prompts (never more than the queue cap at once) and step until all finish."""
+    def _run(self, news: list[NewRequest]) -> list[CompletionOutput]:
+        """Feed the requests (never more than the queue cap at once) and step until all finish."""
         core, cap = self._core, self.config.scheduler.max_waiting
-        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        index = {rid: i for i, rid in enumerate(request_ids)}
-        results = [CompletionOutput([], "", None, ids) for ids in prompts]
-        texts: list[list[str]] = [[] for _ in prompts]
-        pending = iter(range(len(prompts)))
+        index = {new.request_id: i for i, new in enumerate(news)}
+        results = [CompletionOutput([], "", None, new.token_ids) for new in news]
+        texts: list[list[str]] = [[] for _ in news]
+        pending = iter(news)
         live = 0
         while True:
-            while live < cap and (i := next(pending, None)) is not None:
-                core.add(request_ids[i], prompts[i], params[i], priority=priorities[i])
+            while live < cap and (new := next(pending, None)) is not None:
+                core.add(new)
                 live += 1
             if not live:
                 break

@@ -22,7 +22,7 @@ from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
 from sloserve.sched.runner import Runner
 from sloserve.sched.scheduler import Scheduler
 
@@ -102,43 +102,26 @@ class AsyncEngine:
         return self._core.model_info if self._core is not None else {}
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        *,
-        priority: int = 0,
-    ) -> RequestStream:
+    def add_request(self, new: NewRequest) -> RequestStream:
         """Queue a request; raises InvalidRequestError / RequestRefusedError / EngineDeadError now."""
         self._check_running()
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream = RequestStream(new.request_id, asyncio.get_running_loop())
         with self._lock:
             self._check_running()
-            self._core.add(request_id, token_ids, params, slo, arrival_time, priority)
-            self._streams[request_id] = stream
+            self._core.add(new)
+            self._streams[new.request_id] = stream
         self._wake.set()
         return stream
 
-    async def generate(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        slo: SLO | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; leaving early (break, cancellation) aborts the request."""
-        stream = self.add_request(request_id, token_ids, params, slo, priority=priority)
+        stream = self.add_request(new)
         try:
             async for out in stream:
                 yield out
         finally:
             if not stream.finished:
-                self.abort(request_id)
+                self.abort(new.request_id)
 
     def report_delivery_lag(self, lag_s: float) -> None:
         """The front end handed a first token to its client `lag_s` after the engine made it."""

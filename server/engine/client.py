@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sloserve.engine.outputs import EngineStats, RequestOutput
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
 
 if TYPE_CHECKING:
     from sloserve.tokenizer import Tokenizer
@@ -45,16 +45,7 @@ class EngineClient(Protocol):
     async def stop(self) -> None:
         """Stop the engine; requests still live end 'cancelled'."""
 
-    def add_request(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    def add_request(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its stream of outputs (the last has finished=True)."""
 
     def report_delivery_lag(self, lag_s: float) -> None:

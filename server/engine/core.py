@@ -19,7 +19,7 @@ from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.errors import InvalidRequestError
 from sloserve.logprobs import StepLogprobs
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
 from sloserve.sched.output import SchedulerOutput
 from sloserve.sched.quantiles import nearest_rank
 from sloserve.sched.runner import Runner
@@ -87,37 +87,18 @@ class EngineCore:
         self._logprobs: StepLogprobs | None = None  # execute() -> update(): what the runner kept
 
     # ---- requests ----------------------------------------------------------------------
-    def add(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> None:
-        """Queue a request (lower `priority` runs first under the priority policy); raises
-        InvalidRequestError / RequestRefusedError now."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(token_ids, list | tuple) or not all(
-            isinstance(t, int) for t in token_ids
-        ):
-            raise InvalidRequestError("the prompt must be a list of integer token ids")
+    def add(self, new: NewRequest) -> None:
+        """Queue a request; raises InvalidRequestError / RequestRefusedError now."""
         vocab = self.runner.vocab_size
-        bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
+        bad = [t for t in new.token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.logit_bias or () if vocab is not None and t >= vocab]
+        bad = [t for t in new.params.logit_bias or () if vocab is not None and t >= vocab]
         if bad:
             raise InvalidRequestError(
                 f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})"
             )
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}")
-        self.scheduler.add_request(
-            request_id, list(token_ids), params, slo, arrival_time, priority=priority
-        )
+        self.scheduler.add_request(new)
 
     def report_delivery_lag(self, lag_s: float) -> None:
         """The front end's delay in handing a first token to its client (admission prices it)."""

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 import zmq.asyncio
 from sloserve.config import SloserveConfig
@@ -35,7 +36,7 @@ from sloserve.engine.process import run_engine
 from sloserve.engine.stream import RequestStream
 from sloserve.engine.wire import EngineLink
 from sloserve.errors import EngineDeadError, InvalidRequestError
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
 
 if TYPE_CHECKING:
     from sloserve.tokenizer import Tokenizer
@@ -229,36 +230,16 @@ class MPEngineClient:
         return dict(self._info)
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        *,
-        priority: int = 0,
-    ) -> RequestStream:
+    def add_request(self, new: NewRequest) -> RequestStream:
         """Send a request; refusals come back on the stream as a final 'error' output (error_kind)."""
         self._check_running()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if (
-            not isinstance(priority, int)
-            or isinstance(priority, bool)
-            or not -(2**63) <= priority < 2**63
-        ):
-            raise InvalidRequestError(
-                f"priority must be a 64-bit integer (msgpack), got {priority!r}"
-            )
-        stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._pending.adds.append(
-            wire.AddRequest(request_id, list(token_ids), params, slo, arrival, priority)
-        )
+        if new.request_id in self._streams:
+            raise InvalidRequestError(f"request id {new.request_id!r} is already in use")
+        stream = RequestStream(new.request_id, asyncio.get_running_loop())
+        self._streams[new.request_id] = stream
+        if new.arrival_time is None:  # stamped here, before it waits for the flush
+            new = msgspec.structs.replace(new, arrival_time=time.monotonic())
+        self._pending.adds.append(new)
         self._schedule_flush()
         return stream
 

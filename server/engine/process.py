@@ -29,6 +29,7 @@ from sloserve.engine import wire
 from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import RequestOutput
 from sloserve.errors import InvalidRequestError, RequestRefusedError
+from sloserve.new_request import NewRequest
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +207,10 @@ class EngineLoop:
                     outputs.append(out)
             shutdown = shutdown or msg.shutdown
 
-    def _add(self, add: wire.AddRequest) -> RequestOutput | None:
+    def _add(self, add: NewRequest) -> RequestOutput | None:
         """Queue one request; what add() would raise in-process comes back as a final error output."""
         try:
-            self.core.add(
-                add.request_id, add.token_ids, add.params, add.slo, add.arrival_time, add.priority
-            )
+            self.core.add(add)
             return None
         except RequestRefusedError as exc:
             return _error_output(add, str(exc), "refused", exc.reason)
@@ -247,9 +246,7 @@ class EngineLoop:
         self.core.close()
 
 
-def _error_output(
-    add: wire.AddRequest, message: str, kind: str, refusal: str | None
-) -> RequestOutput:
+def _error_output(add: NewRequest, message: str, kind: str, refusal: str | None) -> RequestOutput:
     now = time.monotonic()
     return RequestOutput(
         add.request_id,

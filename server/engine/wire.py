@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import msgspec
 from sloserve.engine.outputs import EngineStats, RequestOutput
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,23 +29,10 @@ class EngineLink:
         return f"ipc://{self.folder}/outputs-{self.index}"
 
 
-class AddRequest(msgspec.Struct, array_like=True):
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    slo: SLO | None
-    arrival_time: (
-        float  # time.monotonic() of the front end: CLOCK_MONOTONIC is shared across processes
-    )
-    priority: int = (
-        0  # lower runs first under the priority policy (last: array_like keeps field order)
-    )
-
-
 class Inputs(msgspec.Struct, tag="inputs", array_like=True):
     """Front end -> engine: new requests and aborts gathered in one event-loop turn."""
 
-    adds: list[AddRequest] = []
+    adds: list[NewRequest] = []  # each with its arrival_time: the client stamps it
     aborts: list[str] = []
     shutdown: bool = False  # abort what is left, send the final outputs, then exit
     delivery_lag_s: float | None = None  # the front end's latest first-token delivery lag, if new

@@ -25,6 +25,7 @@ from sloserve.frontend.failures import (
 from sloserve.frontend.limits import Limits
 from sloserve.frontend.metrics import Metrics
 from sloserve.frontend.requests import DEFAULT_MAX_TOKENS, Event, Finished, ParsedRequest, Tokens
+from sloserve.new_request import NewRequest
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +210,14 @@ class Frontend:
                 return
             self.check_open()  # again: draining may have begun while the prompt was tokenized
             stream = self.engine.add_request(
-                handle.engine_id,
-                token_ids,
-                parsed.params,
-                parsed.slo,
-                arrival_time=handle.arrival,
-                priority=parsed.priority,
+                NewRequest(
+                    handle.engine_id,
+                    token_ids,
+                    parsed.params,
+                    parsed.slo,
+                    handle.arrival,
+                    parsed.priority,
+                )
             )
             handle.admitted = True
             self._inflight += 1

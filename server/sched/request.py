@@ -6,7 +6,8 @@ import enum
 import time
 
 from sloserve.logprobs import Logprob
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
+from sloserve.sampling_params import SLO
 
 
 class RequestStatus(enum.IntEnum):
@@ -83,25 +84,19 @@ class Request:
     )
 
     def __init__(
-        self,
-        request_id: str,
-        handle: int,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        default_ttft_s: float = 2.0,
-        priority: int = 0,
+        self, new: NewRequest, handle: int, default_ttft_s: float = 2.0, now: float | None = None
     ) -> None:
-        self.request_id = request_id
+        """`now` is its arrival time when `new` carries none (time.monotonic() if None too)."""
+        self.request_id = new.request_id
         self.handle = handle
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(new.token_ids)
         self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)
-        self.sampling = sampling
-        self.slo = slo
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.priority = priority  # lower runs first under the 'priority' policy
+        self.all_token_ids = list(new.token_ids)
+        self.sampling = sampling = new.params
+        self.slo = slo = new.slo
+        arrival = new.arrival_time if new.arrival_time is not None else now
+        self.arrival_time = time.monotonic() if arrival is None else arrival
+        self.priority = new.priority  # lower runs first under the 'priority' policy
         # Objectives as absolute times (None: not given). `deadline` orders the waiting queue:
         # the tighter of TTFT and end-to-end, else default_ttft_s -- an ordering key only: a
         # request is judged and refused by the objectives it gave, never by this default.
@@ -139,7 +134,7 @@ class Request:
         self.output_logprobs: list[Logprob] | None = [] if sampling.logprobs is not None else None
         self.prompt_logprobs: list[Logprob | None] | None = None
         if sampling.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * len(prompt_token_ids)
+            self.prompt_logprobs = [None] * len(new.token_ids)
         self.prompt_logprobs_sent = False
 
     @property

@@ -17,7 +17,7 @@ from sloserve.config import SloserveConfig
 from sloserve.errors import InvalidRequestError
 from sloserve.hotpath import target_batch_size
 from sloserve.logprobs import Logprob, StepLogprobs
-from sloserve.sampling_params import SLO, SamplingParams
+from sloserve.new_request import NewRequest
 from sloserve.sched.block_manager import BlockManager
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from sloserve.sched.quantiles import nearest_rank
@@ -90,38 +90,19 @@ class Scheduler:
         self._error_quantiles: dict = {}  # stats() runs every step: re-sorted only after new errors
 
     # ---- requests in and out -----------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> Request:
+    def add_request(self, new: NewRequest) -> Request:
         """Validate and queue a request; InvalidRequestError / RequestRefusedError say why not."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty: send at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if new.request_id in self.requests:
+            raise InvalidRequestError(f"request id {new.request_id!r} is already in use")
+        if len(new.token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens but the model takes at most "
+                f"the prompt has {len(new.token_ids)} tokens but the model takes at most "
                 f"{self.max_model_len - 1} (room is needed for one output token); shorten it"
             )
         now = self.clock()
-        if slo is not None and slo.ttft_s is not None:
-            self.arrivals.add(now, slo.ttft_s)
-        req = Request(
-            request_id,
-            next(self._handles),
-            prompt_token_ids,
-            sampling,
-            slo,
-            arrival_time if arrival_time is not None else now,
-            self.config.default_ttft_s,
-            priority,
-        )
+        if new.slo is not None and new.slo.ttft_s is not None:
+            self.arrivals.add(now, new.slo.ttft_s)
+        req = Request(new, next(self._handles), self.config.default_ttft_s, now)
         cached, hashes = 0, []
         if self.admission.enabled:
             cached, hashes = self._shared_prefix(req)
@@ -134,9 +115,9 @@ class Scheduler:
             self._batch_target(extra=1),
             cached,
         )
-        self.requests[request_id] = req
+        self.requests[new.request_id] = req
         self.waiting.add(req, now)
-        self.queued_prefixes.add(request_id, hashes)
+        self.queued_prefixes.add(new.request_id, hashes)
         self.admission.queued(req)
         return req
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError, InvalidRequestError, RequestRefusedError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.testing.tokenizer import ByteTokenizer
 
@@ -90,21 +91,10 @@ class FakeEngine:
         for rid in list(self.reqs):
             self.abort(rid)
 
-    def add_request(
-        self,
-        request_id: str,
-        token_ids: str | list[int],
-        params: SamplingParams,
-        slo: SLO | None = None,
-        arrival_time: float | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    def add_request(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None or self.stopped:
             raise EngineDeadError(self.dead_reason or "engine stopped")
-        ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else list(token_ids)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
+        request_id, ids, params = new.request_id, new.token_ids, new.params
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -126,18 +116,18 @@ class FakeEngine:
         self._free -= blocks
         req = _Req(
             request_id,
-            ids,
+            list(ids),
             params,
-            slo,
+            new.slo,
             blocks,
             RequestStream(request_id, asyncio.get_running_loop()),
         )
-        if arrival_time is not None:  # like the real engine: times and deadlines count from it
-            req.arrival = arrival_time
+        if new.arrival_time is not None:  # like the real engine: times and deadlines count from it
+            req.arrival = new.arrival_time
         self.arrivals[request_id] = req.arrival
-        self.priorities[request_id] = priority
+        self.priorities[request_id] = new.priority
         self.reqs[request_id] = req
-        self.slos[request_id] = slo
+        self.slos[request_id] = new.slo
         self._stats.prompt_tokens_total += len(ids)
         req.task = asyncio.create_task(self._run(req))
         return req.stream

@@ -9,6 +9,7 @@ import pytest
 from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine import AsyncEngine, output_processor
 from sloserve.errors import EngineDeadError, InvalidRequestError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
 from tests.engine.fakes import FakeRunner, reference_tokens
@@ -49,7 +50,7 @@ async def test_concurrent_streams_match_solo_runs_and_blocks_come_back():
     prompts = random_prompts(16, 3, 40, seed=5)
     lengths = [5 + (i * 7) % 23 for i in range(16)]
     streams = [
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+        engine.add_request(NewRequest(f"r{i}", p, SamplingParams(max_tokens=n)))
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
     results = await asyncio.gather(*(_collect(s) for s in streams))
@@ -82,8 +83,8 @@ async def test_abort_mid_generation_frees_everything_and_ends_the_stream():
 
     runner.execute = stepped
     engine, _ = await _engine(runner)
-    stream = engine.add_request("a", [97] * 30, SamplingParams(max_tokens=500))
-    other = engine.add_request("b", [98] * 10, SamplingParams(max_tokens=3))
+    stream = engine.add_request(NewRequest("a", [97] * 30, SamplingParams(max_tokens=500)))
+    other = engine.add_request(NewRequest("b", [98] * 10, SamplingParams(max_tokens=3)))
     permits.release()
     first = await stream.__anext__()
     assert first.new_token_ids and not first.finished
@@ -98,7 +99,7 @@ async def test_abort_mid_generation_frees_everything_and_ends_the_stream():
 
 async def test_leaving_generate_early_aborts_the_request():
     engine, _ = await _engine()
-    agen = engine.generate("g", [97] * 8, SamplingParams(max_tokens=400))
+    agen = engine.generate(NewRequest("g", [97] * 8, SamplingParams(max_tokens=400)))
     async for _ in agen:
         break
     await agen.aclose()
@@ -112,9 +113,10 @@ async def test_a_failing_request_fails_alone():
     runner.fail_when = lambda seq: seq.req_id == "bad" and seq.num_generated >= 2
     engine, _ = await _engine(runner)
     good = [
-        engine.add_request(f"g{i}", [97 + i] * 6, SamplingParams(max_tokens=8)) for i in range(3)
+        engine.add_request(NewRequest(f"g{i}", [97 + i] * 6, SamplingParams(max_tokens=8)))
+        for i in range(3)
     ]
-    bad = engine.add_request("bad", [120] * 6, SamplingParams(max_tokens=8))
+    bad = engine.add_request(NewRequest("bad", [120] * 6, SamplingParams(max_tokens=8)))
     tokens, outs = await _collect(bad)
     assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
     assert len(tokens) == 2
@@ -136,8 +138,8 @@ async def test_a_post_processing_failure_fails_only_that_request(monkeypatch):
         lambda decode, prompt: Broken() if list(prompt) == [97] * 5 else real(decode, prompt),
     )
     engine, runner = await _engine()
-    bad = engine.add_request("bad", [97] * 5, SamplingParams(max_tokens=6))
-    good = engine.add_request("good", [98] * 5, SamplingParams(max_tokens=6))
+    bad = engine.add_request(NewRequest("bad", [97] * 5, SamplingParams(max_tokens=6)))
+    good = engine.add_request(NewRequest("good", [98] * 5, SamplingParams(max_tokens=6)))
     _, outs = await _collect(bad)
     assert outs[-1].finish_reason == "error" and "cannot decode" in outs[-1].error
     assert (await _collect(good))[0] == reference_tokens(runner, [98] * 5, 6)
@@ -150,13 +152,16 @@ async def test_bad_requests_batched_alone_fail_alone_when_the_runner_passes_its_
     runner.fail_when = lambda seq: seq.req_id.startswith("bad")
     engine, _ = await _engine(runner)
     bad = [
-        engine.add_request(f"bad{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(2)
+        engine.add_request(NewRequest(f"bad{i}", [97 + i] * 5, SamplingParams(max_tokens=4)))
+        for i in range(2)
     ]
     for stream in bad:
         _, outs = await _collect(stream)
         assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
     assert engine.alive and engine.dead_reason is None
-    tokens, _ = await _collect(engine.add_request("good", [99] * 5, SamplingParams(max_tokens=4)))
+    tokens, _ = await _collect(
+        engine.add_request(NewRequest("good", [99] * 5, SamplingParams(max_tokens=4)))
+    )
     assert tokens == reference_tokens(runner, [99] * 5, 4)
     assert _all_free(engine)
     await engine.stop()
@@ -167,14 +172,15 @@ async def test_a_broken_runner_kills_the_loop_loudly():
     runner.fail_when = lambda seq: True
     engine, _ = await _engine(runner)
     streams = [
-        engine.add_request(f"r{i}", [97 + i] * 5, SamplingParams(max_tokens=4)) for i in range(3)
+        engine.add_request(NewRequest(f"r{i}", [97 + i] * 5, SamplingParams(max_tokens=4)))
+        for i in range(3)
     ]
     for stream in streams:
         with pytest.raises(EngineDeadError, match="injected failure"):
             await _collect(stream)
     assert not engine.alive and "injected failure" in engine.dead_reason
     with pytest.raises(EngineDeadError):
-        engine.add_request("late", [97], SamplingParams())
+        engine.add_request(NewRequest("late", [97], SamplingParams()))
     await engine.stop()
 
 
@@ -185,7 +191,7 @@ async def test_a_stuck_step_turns_alive_false():
     runner.execute = lambda out: (gate.wait(10), original(out))[1]
     engine = AsyncEngine(_config(), runner, stuck_after_s=0.05)
     await engine.start()
-    stream = engine.add_request("a", [97] * 4, SamplingParams(max_tokens=2))
+    stream = engine.add_request(NewRequest("a", [97] * 4, SamplingParams(max_tokens=2)))
     for _ in range(500):
         if not engine.alive:
             break
@@ -203,9 +209,9 @@ async def test_queue_timeout_ends_the_stream_with_a_refusal():
     original = runner.execute
     runner.execute = lambda out: (gate.wait(10), original(out))[1]
     engine, _ = await _engine(runner, max_batch=1, adaptive_batch=False, queue_timeout_s=0.01)
-    busy = engine.add_request("busy", [97] * 4, SamplingParams(max_tokens=3))
+    busy = engine.add_request(NewRequest("busy", [97] * 4, SamplingParams(max_tokens=3)))
     await asyncio.sleep(0.05)
-    late = engine.add_request("late", [98] * 4, SamplingParams(max_tokens=3))
+    late = engine.add_request(NewRequest("late", [98] * 4, SamplingParams(max_tokens=3)))
     await asyncio.sleep(0.05)
     gate.set()
     await _collect(busy)
@@ -218,21 +224,23 @@ async def test_queue_timeout_ends_the_stream_with_a_refusal():
 async def test_bad_input_and_lifecycle_errors():
     engine = AsyncEngine(_config(), FakeRunner())
     with pytest.raises(EngineDeadError, match="start"):
-        engine.add_request("x", [1], SamplingParams())
+        engine.add_request(NewRequest("x", [1], SamplingParams()))
     await engine.start()
     with pytest.raises(InvalidRequestError, match="empty"):
-        engine.add_request("x", [], SamplingParams())
+        engine.add_request(NewRequest("x", [], SamplingParams()))
     with pytest.raises(
         InvalidRequestError, match="token ids"
     ):  # the front end tokenizes, never the engine
-        engine.add_request("x", "hello", SamplingParams())
+        engine.add_request(NewRequest("x", "hello", SamplingParams()))
     with pytest.raises(InvalidRequestError, match="token ids"):
-        engine.add_request("x", [1, "a"], SamplingParams())
+        engine.add_request(NewRequest("x", [1, "a"], SamplingParams()))
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
-        engine.add_request("x", [1], {"max_tokens": 3})
-    pending = engine.add_request("p", [97] * 3, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        engine.add_request(NewRequest("x", [1], {"max_tokens": 3}))
+    pending = engine.add_request(
+        NewRequest("p", [97] * 3, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    )
     await engine.stop()
     _, outs = await _collect(pending)
     assert outs[-1].finish_reason == "cancelled"
     with pytest.raises(EngineDeadError):
-        engine.add_request("y", [1], SamplingParams())
+        engine.add_request(NewRequest("y", [1], SamplingParams()))

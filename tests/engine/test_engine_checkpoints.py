@@ -10,6 +10,7 @@ import pytest
 from sloserve import LLM, SamplingParams
 from sloserve.engine import AsyncEngine
 from sloserve.llm import build_config
+from sloserve.new_request import NewRequest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
@@ -142,7 +143,9 @@ async def test_abort_mid_generation_frees_everything(checkpoint):
     await engine.start()
     try:
         streams = [
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
+            engine.add_request(
+                NewRequest(f"r{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
+            )
             for i, p in enumerate(_prompts(4, seed=4))
         ]
         for stream in streams:

@@ -13,6 +13,7 @@ from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveC
 from sloserve.engine.mp_client import MPEngineClient
 from sloserve.errors import EngineDeadError
 from sloserve.llm import LLM
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,7 +53,9 @@ async def test_greedy_tokens_equal_the_offline_llm_and_everything_is_freed(tiny_
     try:
         assert engine.ready and engine.alive and engine.model_info["max_model_len"] == 256
         assert engine.tokenizer.encode("ab")[-2:] == [97, 98]
-        streams = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        streams = [
+            engine.add_request(NewRequest(f"r{i}", p, params)) for i, p in enumerate(prompts)
+        ]
         results = await asyncio.gather(*(_collect(s) for s in streams))
         assert [tokens for tokens, _ in results] == expected
         assert all(outs[-1].finish_reason == "length" for _, outs in results)
@@ -67,22 +70,26 @@ async def test_refusals_invalid_requests_and_aborts_cross_the_boundary(tiny_llam
     engine = MPEngineClient(_config(tiny_llama, max_waiting=1))
     await engine.start()
     try:
-        bad = await _collect(engine.add_request("bad", [10**6], SamplingParams(max_tokens=2)))
+        bad = await _collect(
+            engine.add_request(NewRequest("bad", [10**6], SamplingParams(max_tokens=2)))
+        )
         assert bad[1][-1].error_kind == "invalid" and "outside the vocabulary" in bad[1][-1].error
         late = await _collect(
             engine.add_request(
-                "late",
-                [1, 2, 3],
-                SamplingParams(),
-                SLO(e2e_s=1.0),
-                arrival_time=time.monotonic() - 5,
+                NewRequest(
+                    "late",
+                    [1, 2, 3],
+                    SamplingParams(),
+                    SLO(e2e_s=1.0),
+                    arrival_time=time.monotonic() - 5,
+                )
             )
         )
         assert (
             late[1][-1].error_kind == "refused" and late[1][-1].refusal_reason == "deadline_passed"
         )
         long = engine.add_request(
-            "long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)
+            NewRequest("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
         )
         first = await long.__anext__()
         assert first.new_token_ids and engine.abort("long")
@@ -104,7 +111,7 @@ async def test_a_killed_engine_fails_every_live_request_within_a_second(tiny_lla
     try:
         streams = [
             engine.add_request(
-                f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=240, ignore_eos=True)
+                NewRequest(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=240, ignore_eos=True))
             )
             for i in range(4)
         ]
@@ -119,7 +126,7 @@ async def test_a_killed_engine_fails_every_live_request_within_a_second(tiny_lla
         assert time.monotonic() - killed < 1.0
         assert not engine.alive and "SIGKILL" in engine.dead_reason
         with pytest.raises(EngineDeadError):
-            engine.add_request("after", [1, 2], SamplingParams())
+            engine.add_request(NewRequest("after", [1, 2], SamplingParams()))
     finally:
         await engine.stop()
 

@@ -11,6 +11,7 @@ from sloserve.config import CacheConfig, SchedulerConfig, SloserveConfig
 from sloserve.engine import wire
 from sloserve.engine.core import EngineCore
 from sloserve.engine.process import EngineLoop
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
 from tests.engine.fakes import FakeRunner
@@ -50,8 +51,8 @@ class Outputs:
         return got
 
 
-def _add(rid: str, max_tokens: int, prompt: int = 3) -> wire.AddRequest:
-    return wire.AddRequest(
+def _add(rid: str, max_tokens: int, prompt: int = 3) -> NewRequest:
+    return NewRequest(
         rid,
         [1] * prompt,
         SamplingParams(max_tokens=max_tokens, ignore_eos=True),

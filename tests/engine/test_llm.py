@@ -39,9 +39,9 @@ def test_generate_passes_each_prompts_priority_to_the_engine():
         seen: list[int] = []
         add = llm.engine.add
 
-        def spy(*args, **kw):
-            add(*args, **kw)
-            seen.append(llm.engine.scheduler.requests[args[0]].priority)
+        def spy(new):
+            add(new)
+            seen.append(llm.engine.scheduler.requests[new.request_id].priority)
 
         llm.engine.add = spy
         outs = llm.generate(["ab", "cd", "ef"], SamplingParams(max_tokens=2), priority=[2, -1, 0])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from sloserve import LLM
 from sloserve.errors import InvalidRequestError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
 from tests.checkpoints import load_hf_model
@@ -35,8 +36,8 @@ def test_a_prompt_only_request_samples_nothing_and_frees_its_blocks(chunked):
     s, runner, _ = make_scheduler(
         chunked_prefill=chunked, prefill_chunk=8, max_batched_tokens=8 if chunked else 64
     )
-    s.add_request("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
-    s.add_request("gen", PROMPT[:9], SamplingParams(max_tokens=3))
+    s.add_request(NewRequest("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1)))
+    s.add_request(NewRequest("gen", PROMPT[:9], SamplingParams(max_tokens=3)))
     outputs = drain(s, runner)
     assert_all_free(s)
     scored = [seq for out in runner.steps for seq in out.sequences if seq.req_id == "score"]
@@ -55,7 +56,7 @@ def test_a_prompt_only_request_samples_nothing_and_frees_its_blocks(chunked):
 
 def test_an_aborted_prompt_only_request_sends_no_partial_prompt_logprobs():
     s, runner, _ = make_scheduler(chunked_prefill=True, prefill_chunk=4, max_batched_tokens=4)
-    s.add_request("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    s.add_request(NewRequest("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=0)))
     step(s, runner)  # its first chunk
     out = abort(s, "score")
     assert out.finish_reason == "cancelled" and out.prompt_logprobs is None

@@ -136,9 +136,7 @@ def test_the_model_runner_implements_the_protocol(tiny_llama: Path):
 
 def test_the_check_catches_a_drifting_fake():
     class Drifted(FakeEngine):
-        def add_request(
-            self, request_id, prompt, params
-        ):  # renamed, and lost slo / arrival_time / priority
+        def add_request(self, request_id, prompt, params):  # loose arguments, not one NewRequest
             raise NotImplementedError
 
         async def abort(self, request_id):  # became async
@@ -147,7 +145,7 @@ def test_the_check_catches_a_drifting_fake():
     problems = drift(Drifted(), EngineClient)
     assert set(problems) == {"add_request", "abort"}
     assert (
-        "no parameter 'token_ids'" in problems["add_request"]
-        and "no parameter 'priority'" in problems["add_request"]
+        "no parameter 'new'" in problems["add_request"]
+        and "extra parameter 'prompt' without a default" in problems["add_request"]
     )
     assert problems["abort"] == "must not be async"

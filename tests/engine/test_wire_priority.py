@@ -12,6 +12,7 @@ from sloserve.engine.mp_client import MPEngineClient
 from sloserve.engine.outputs import EngineStats
 from sloserve.engine.process import EngineLoop
 from sloserve.errors import InvalidRequestError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 
 from tests.engine.fakes import FakeRunner
@@ -21,8 +22,8 @@ PARAMS = SamplingParams(max_tokens=2)
 
 def test_add_request_round_trips_its_priority():
     adds = [
-        wire.AddRequest("a", [1, 2], PARAMS, SLO(ttft_s=0.5), 12.5, -4),
-        wire.AddRequest("b", [3], PARAMS, None, 13.0),
+        NewRequest("a", [1, 2], PARAMS, SLO(ttft_s=0.5), 12.5, -4),
+        NewRequest("b", [3], PARAMS, None, 13.0),
     ]
     back = wire.decode_inputs(wire.encode(wire.Inputs(adds=adds, aborts=["c"])))
     assert back.adds == adds and back.aborts == ["c"]
@@ -72,19 +73,19 @@ class _RecordingCore:
 def test_the_engine_loop_hands_priority_to_the_core():
     core = _RecordingCore()
     loop = EngineLoop(core, pull=None, push=None, parent_pid=0)
-    assert loop._add(wire.AddRequest("a", [1, 2], PARAMS, None, 5.0, 3)) is None
-    assert core.calls == [("a", [1, 2], PARAMS, None, 5.0, 3)]
+    assert loop._add(NewRequest("a", [1, 2], PARAMS, None, 5.0, 3)) is None
+    assert core.calls == [(NewRequest("a", [1, 2], PARAMS, None, 5.0, 3),)]
 
 
 async def test_the_process_client_sends_priority_and_refuses_what_msgpack_cannot_carry():
     client = MPEngineClient(SloserveConfig())
     client.ready = True  # no process: only what add_request queues for the next flush is checked
-    client.add_request("a", [1, 2], PARAMS, priority=-9)
-    client.add_request("b", [3], PARAMS)
+    client.add_request(NewRequest("a", [1, 2], PARAMS, priority=-9))
+    client.add_request(NewRequest("b", [3], PARAMS))
     assert [(a.request_id, a.priority) for a in client._pending.adds] == [("a", -9), ("b", 0)]
     for bad in (2**63, 1.5, True):
         with pytest.raises(InvalidRequestError, match="priority"):
-            client.add_request("c", [1], PARAMS, priority=bad)
+            client.add_request(NewRequest("c", [1], PARAMS, priority=bad))
     assert "c" not in client._streams
 
 
@@ -99,10 +100,10 @@ def _core() -> EngineCore:
 
 def test_engine_core_gives_priority_to_the_schedulers_request():
     core = _core()
-    core.add("a", [97, 98], PARAMS, priority=-2)
-    core.add("b", [97, 99], PARAMS)
+    core.add(NewRequest("a", [97, 98], PARAMS, priority=-2))
+    core.add(NewRequest("b", [97, 99], PARAMS))
     assert (
         core.scheduler.requests["a"].priority == -2 and core.scheduler.requests["b"].priority == 0
     )
     with pytest.raises(InvalidRequestError, match="priority must be an integer"):
-        core.add("c", [97], PARAMS, priority="high")
+        core.add(NewRequest("c", [97], PARAMS, priority="high"))

@@ -14,6 +14,7 @@ from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats
 from sloserve.frontend.metrics import Metrics
 from sloserve.grpc.convert import stats_pb
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import SchedulerOutput
 
@@ -42,7 +43,7 @@ def test_the_counters_add_up_every_step_and_count_only_computed_prompt_tokens(st
         0.0,
     )  # warm-up is not counted
     params = SamplingParams(max_tokens=9, ignore_eos=True)
-    core.add("a", SHARED + [1, 2, 3], params)
+    core.add(NewRequest("a", SHARED + [1, 2, 3], params))
     counted, seconds = 0, 0.0
     while core.has_work():
         out = core.schedule()
@@ -52,7 +53,7 @@ def test_the_counters_add_up_every_step_and_count_only_computed_prompt_tokens(st
             counted += out.num_steps
             seconds += took
         if counted == 1:  # after a's prompt: b's first four blocks are a's, prefix-cache hits
-            core.add("b", SHARED + [4, 5], params)
+            core.add(NewRequest("b", SHARED + [4, 5], params))
     stats = core.stats()
     assert stats.steps_total == counted and stats.busy_seconds_total == pytest.approx(seconds)
     assert stats.prefix_hit_tokens_total == len(SHARED)
@@ -71,7 +72,7 @@ def test_a_preempted_prompt_is_computed_again():
         scheduler=SchedulerConfig(admission_control=False, preemption_mode="recompute"),
     )
     core = EngineCore(config, FakeRunner(num_blocks=64, block_size=4))
-    core.add("a", [97, 98, 99, 100, 101], SamplingParams(max_tokens=4, ignore_eos=True))
+    core.add(NewRequest("a", [97, 98, 99, 100, 101], SamplingParams(max_tokens=4, ignore_eos=True)))
     core.step()  # the prompt and the first token
     core.scheduler._preempt(
         core.scheduler.requests["a"], SchedulerOutput()

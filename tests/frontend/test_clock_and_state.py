@@ -32,13 +32,9 @@ class TimedEngine(FakeEngine):
         super().__init__(**kw)
         self.added: dict[str, float] = {}
 
-    def add_request(
-        self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0
-    ):
-        self.added[request_id] = time.monotonic()
-        return super().add_request(
-            request_id, token_ids, params, slo, arrival_time, priority=priority
-        )
+    def add_request(self, new):
+        self.added[new.request_id] = time.monotonic()
+        return super().add_request(new)
 
 
 async def test_stream_times_count_from_the_arrival_stamp_not_from_admission():

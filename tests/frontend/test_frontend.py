@@ -87,10 +87,8 @@ class _ErrorEngine(FakeEngine):
         super().__init__()
         self.out = out
 
-    def add_request(
-        self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0
-    ):
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+    def add_request(self, new):
+        stream = RequestStream(new.request_id, asyncio.get_running_loop())
         stream.put(self.out)
         return stream
 

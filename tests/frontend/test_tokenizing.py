@@ -42,13 +42,9 @@ class RecordingEngine(FakeEngine):
         super().__init__(**kw)
         self.prompts: dict[str, object] = {}
 
-    def add_request(
-        self, request_id, token_ids, params, slo=None, arrival_time=None, *, priority=0
-    ):
-        self.prompts[request_id.split(":", 1)[1]] = token_ids  # keyed by the client's id
-        return super().add_request(
-            request_id, token_ids, params, slo, arrival_time, priority=priority
-        )
+    def add_request(self, new):
+        self.prompts[new.request_id.split(":", 1)[1]] = new.token_ids  # keyed by the client's id
+        return super().add_request(new)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sloserve.config import CacheConfig, SchedulerConfig, ServerConfig, SloserveConfig
 from sloserve.engine import AsyncEngine
 from sloserve.grpc.server import SERVICE_NAME, SloserveServer
+from sloserve.new_request import NewRequest
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
@@ -85,7 +86,12 @@ async def test_text_prompts_tokenized_by_the_service_stream_what_the_engine_make
     _, engine, _, stub = served
     text = "caf\u00e9 \u00e9t\u00e9"  # multi-byte characters: more tokens than characters
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    direct = [out async for out in engine.generate("direct", engine.tokenizer.encode(text), params)]
+    direct = [
+        out
+        async for out in engine.generate(
+            NewRequest("direct", engine.tokenizer.encode(text), params)
+        )
+    ]
     call = stub.Stream()
     await call.write(
         gen("svc", text=text, max_tokens=10, sampling=pb.SamplingParams(ignore_eos=True))

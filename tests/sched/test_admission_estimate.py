@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve.errors import RequestRefusedError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 
 from tests.engine.fakes import FakeRunner
@@ -23,7 +24,9 @@ def _fill(s, r, n: int, max_tokens: int, prefix: str = "run") -> None:
     """Start `n` requests (no SLO) and step until all of them are decoding."""
     for i in range(n):
         s.add_request(
-            f"{prefix}{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            NewRequest(
+                f"{prefix}{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            )
         )
     step(s, r)
     step(s, r)
@@ -47,11 +50,11 @@ def test_a_full_batch_of_long_decodes_refuses_a_tight_slo():
     _teach_speed(s)
     # Its prefill alone would take ~15 ms, but no slot frees for 198 decode steps (~2.8 s).
     with pytest.raises(RequestRefusedError) as info:
-        s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+        s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5)))
     assert info.value.reason == "slo_unattainable"
     assert "198 steps for a slot in the full batch of 4" in str(info.value)
     assert s.stats()["refusals"] == {"slo_unattainable": 1}
-    s.add_request("loose", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=5.0))
+    s.add_request(NewRequest("loose", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=5.0)))
     drain(s, r)
     assert_all_free(s)
 
@@ -62,7 +65,7 @@ def test_an_empty_batch_admits_the_same_request(deadline_steps):
         _runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps
     )
     _teach_speed(s)
-    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+    s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5)))
     est = s.admission.estimate(s.requests["tight"], [], [], 4)
     assert est is not None and est.slot_steps == 0 and est.steps == 1 and est.tokens == 6
     if deadline_steps:  # a step priced by the tokens it computes
@@ -80,7 +83,7 @@ def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
         _runner(), max_batch=4, adaptive_batch=False, prefill_chunk=16, max_batched_tokens=64
     )
     _teach_speed(s)
-    s.add_request("alone", [98] * 40, SamplingParams(max_tokens=4), SLO(ttft_s=5.0))
+    s.add_request(NewRequest("alone", [98] * 40, SamplingParams(max_tokens=4), SLO(ttft_s=5.0)))
     assert s.admission.estimate(s.requests["alone"], [], [], 4).steps == 1
     assert (
         s.admission.estimate(s.requests["alone"], [], [s.requests["alone"]], 4).steps == 3
@@ -99,10 +102,12 @@ def test_an_idle_engine_refuses_a_prompt_only_when_its_own_prefill_misses(deadli
         _runner(), max_batch=4, adaptive_batch=False, deadline_steps=deadline_steps
     )
     _teach_speed(s)
-    s.add_request("fits", [98] * 60, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+    s.add_request(NewRequest("fits", [98] * 60, SamplingParams(max_tokens=2), SLO(ttft_s=0.1)))
     drain(s, r)
     with pytest.raises(RequestRefusedError) as info:
-        s.add_request("misses", [99] * 120, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+        s.add_request(
+            NewRequest("misses", [99] * 120, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+        )
     assert info.value.reason == "slo_unattainable"
     drain(s, r)
     assert_all_free(s)
@@ -113,7 +118,7 @@ def test_a_full_batch_about_to_finish_admits_it():
     s, r, _ = make_scheduler(_runner(), max_batch=4, adaptive_batch=False)
     _fill(s, r, 4, max_tokens=5)
     _teach_speed(s)
-    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+    s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5)))
     est = s.admission.estimate(s.requests["tight"], s.running, [], 4)
     assert est.slot_steps == 3 and est.steps == 4  # 3 more tokens each, then its prefill
     drain(s, r)
@@ -122,13 +127,15 @@ def test_a_full_batch_about_to_finish_admits_it():
 
 def test_requests_ahead_take_the_slots_that_free_first():
     s, r, _ = make_scheduler(_runner(), max_batch=2, adaptive_batch=False)
-    s.add_request("a", [97] * 6, SamplingParams(max_tokens=7, ignore_eos=True))
-    s.add_request("b", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True))
+    s.add_request(NewRequest("a", [97] * 6, SamplingParams(max_tokens=7, ignore_eos=True)))
+    s.add_request(NewRequest("b", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True)))
     step(s, r)
     step(s, r)  # a: 5 steps left, b: 10
     _teach_speed(s)
-    s.add_request("w", [99] * 6, SamplingParams(max_tokens=20, ignore_eos=True), SLO(ttft_s=30.0))
-    s.add_request("x", [100] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0))
+    s.add_request(
+        NewRequest("w", [99] * 6, SamplingParams(max_tokens=20, ignore_eos=True), SLO(ttft_s=30.0))
+    )
+    s.add_request(NewRequest("x", [100] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0)))
     est = s.admission.estimate(s.requests["x"], s.running, [s.requests["w"]], 2)
     # w takes a's slot at step 5 (and holds it until 25); x takes b's at step 10.
     assert (est.slot_steps, est.steps, est.ahead) == (10, 11, 1)
@@ -147,10 +154,14 @@ def test_the_estimate_errs_late_but_close_on_a_priced_clock():
     _fill(s, r, 4, max_tokens=30)
     for i in range(3):
         s.add_request(
-            f"q{i}", [100 + i] * (5 + 7 * i), SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True)
+            NewRequest(
+                f"q{i}",
+                [100 + i] * (5 + 7 * i),
+                SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True),
+            )
         )
     _teach_speed(s)
-    s.add_request("probe", [120] * 9, SamplingParams(max_tokens=3), SLO(ttft_s=5.0))
+    s.add_request(NewRequest("probe", [120] * 9, SamplingParams(max_tokens=3), SLO(ttft_s=5.0)))
     probe = s.requests["probe"]
     ahead = [q for q in s.waiting if q is not probe]
     est = s.admission.estimate(probe, s.running, ahead, 4)
@@ -169,40 +180,48 @@ def test_a_looser_request_past_the_starvation_guard_counts_as_ahead(waited_s, re
     s, r, clock = make_scheduler(
         _runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2, deadline_steps=False
     )
-    s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    s.add_request(NewRequest("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True)))
     step(s, r)
     s.add_request(
-        "old",
-        [98] * 6,
-        SamplingParams(max_tokens=100, ignore_eos=True),
-        SLO(ttft_s=10.0),
-        arrival_time=clock.t - waited_s,
+        NewRequest(
+            "old",
+            [98] * 6,
+            SamplingParams(max_tokens=100, ignore_eos=True),
+            SLO(ttft_s=10.0),
+            arrival_time=clock.t - waited_s,
+        )
     )
     _teach_speed(s)
     # Behind 'busy' alone: ~9 steps (~0.1 s). If 'old' has starved it runs first: ~110 steps.
     if refused:
         with pytest.raises(RequestRefusedError) as info:
-            s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
+            s.add_request(
+                NewRequest("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
+            )
         assert info.value.reason == "slo_unattainable" and "1 waiting ahead" in str(info.value)
     else:
-        s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
+        s.add_request(NewRequest("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5)))
     drain(s, r)
     assert_all_free(s)
 
 
 def test_with_deadline_steps_the_least_slack_goes_first_despite_the_guard():
     s, r, clock = make_scheduler(_runner(), max_batch=1, adaptive_batch=False, max_wait_s=0.2)
-    s.add_request("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    s.add_request(NewRequest("busy", [97] * 6, SamplingParams(max_tokens=10, ignore_eos=True)))
     step(s, r)
     s.add_request(
-        "old",
-        [98] * 6,
-        SamplingParams(max_tokens=100, ignore_eos=True),
-        SLO(ttft_s=10.0),
-        arrival_time=clock.t - 0.5,
+        NewRequest(
+            "old",
+            [98] * 6,
+            SamplingParams(max_tokens=100, ignore_eos=True),
+            SLO(ttft_s=10.0),
+            arrival_time=clock.t - 0.5,
+        )
     )
     _teach_speed(s)
-    s.add_request("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))  # admitted
+    s.add_request(
+        NewRequest("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
+    )  # admitted
     first = []
     while s.has_work():
         _, outputs = step(s, r)
@@ -214,7 +233,7 @@ def test_with_deadline_steps_the_least_slack_goes_first_despite_the_guard():
 def test_no_estimate_before_any_step_was_timed_admits():
     s, r, _ = make_scheduler(_runner(), max_batch=1, adaptive_batch=False)
     _fill(s, r, 1, max_tokens=200)
-    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.01))
+    s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.01)))
     assert s.admission.estimate(s.requests["tight"], s.running, [], 1) is None
     drain(s, r)
     assert_all_free(s)
@@ -228,7 +247,7 @@ def test_decode_only_timing_still_prices_the_slot_wait():
         s.admission.speed.observe(1, 0.02)
     assert s.admission.speed.fit() is None
     with pytest.raises(RequestRefusedError) as info:
-        s.add_request("tight", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=1.0))
+        s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=1.0)))
     assert info.value.reason == "slo_unattainable"  # 198 steps of 20 ms
     drain(s, r)
     assert_all_free(s)
@@ -244,7 +263,9 @@ def test_steps_with_a_prefill_chunk_are_priced_apart_from_decode_steps():
         t += 0.04
         adm.on_step(t, 4, True)
         t += 0.3
-    req = s.add_request("probe", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0))
+    req = s.add_request(
+        NewRequest("probe", [98] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=60.0))
+    )
     est = adm.estimate(req, s.running, [], 4)
     assert (est.slot_steps, est.steps) == (8, 9)
     assert est.seconds == pytest.approx(8 * 0.04 + 0.3)  # 8 decode-only steps, then its own prefill
@@ -259,10 +280,12 @@ def test_the_kept_backlog_matches_one_built_from_scratch():
     _teach_speed(s)
     for i in range(7):
         s.add_request(
-            f"q{i}",
-            [100 + i] * (4 + 3 * i),
-            SamplingParams(max_tokens=3 + 4 * i),
-            SLO(ttft_s=100.0),
+            NewRequest(
+                f"q{i}",
+                [100 + i] * (4 + 3 * i),
+                SamplingParams(max_tokens=3 + 4 * i),
+                SLO(ttft_s=100.0),
+            )
         )
     kept = s.admission._backlog
     assert kept is not None and kept.queued == 7
@@ -298,7 +321,9 @@ def _light_load_admission(monkeypatch=None) -> list[str]:
     admitted = []
     for name, token, tokens in (("short", 98, 500), ("long", 99, 1000)):
         try:
-            s.add_request(name, [token] * tokens, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+            s.add_request(
+                NewRequest(name, [token] * tokens, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+            )
             admitted.append(name)
         except RequestRefusedError:
             pass

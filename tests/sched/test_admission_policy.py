@@ -6,6 +6,7 @@ import pytest
 from sloserve.config import SchedulerConfig
 from sloserve.engine.outputs import EngineStats
 from sloserve.errors import RequestRefusedError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.slo import admission
 from sloserve.sched.slo.priming import prime, priming_shapes
@@ -22,7 +23,9 @@ def _busy(s, r, n: int = 4, max_tokens: int = 300) -> None:
         s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
     for i in range(n):
         s.add_request(
-            f"run{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            NewRequest(
+                f"run{i}", [97 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            )
         )
     step(s, r)
     step(s, r)
@@ -42,7 +45,9 @@ def _scheduler(**sched):
 def test_a_request_without_objectives_is_never_refused_for_time():
     s, r, _ = _scheduler()
     _busy(s, r)
-    s.add_request("patient", [98] * 6, SamplingParams(max_tokens=4))  # its first token is ~4 s away
+    s.add_request(
+        NewRequest("patient", [98] * 6, SamplingParams(max_tokens=4))
+    )  # its first token is ~4 s away
     assert (
         s.requests["patient"].predicted_ttft_s > 2.0
     )  # ... and predicted so (the default 2 s is no objective)
@@ -52,16 +57,16 @@ def test_an_end_to_end_objective_is_refused_only_when_even_the_first_token_is_la
     s, r, _ = _scheduler()
     _busy(s, r)
     # ~4.2 s to a free slot: a 5 s end-to-end objective may still be met (no margin taken), a 4 s one cannot.
-    s.add_request("fits", [98] * 6, SamplingParams(max_tokens=4), SLO(e2e_s=5.0))
+    s.add_request(NewRequest("fits", [98] * 6, SamplingParams(max_tokens=4), SLO(e2e_s=5.0)))
     with pytest.raises(RequestRefusedError, match="first token expected"):
-        s.add_request("late", [99] * 6, SamplingParams(max_tokens=4), SLO(e2e_s=4.0))
+        s.add_request(NewRequest("late", [99] * 6, SamplingParams(max_tokens=4), SLO(e2e_s=4.0)))
 
 
 def test_the_ttft_prediction_error_is_measured_when_first_tokens_come():
     s, r, clock = _scheduler()
     for tokens in (1, 2, 500, 3, 1000, 1):
         s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
-    s.add_request("a", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=5.0))
+    s.add_request(NewRequest("a", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=5.0)))
     predicted = s.requests["a"].predicted_ttft_s
     clock.t += 0.25
     drain(s, r)
@@ -82,7 +87,9 @@ def test_cycle_times_of_an_overload_are_forgotten_when_the_engine_goes_idle():
     adm.on_idle()
     (overhead, per_seq), _ = adm.step_costs()
     assert overhead + 4 * per_seq < 0.05  # back to the compute-time model: ~14 ms
-    s.add_request("light", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))  # not refused
+    s.add_request(
+        NewRequest("light", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
+    )  # not refused
 
 
 def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
@@ -96,11 +103,11 @@ def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
         adm.on_step(clock.t, 4, False, tokens=4, decodes=4)
         adm.on_compute(4, 0.011, decodes=4)
         clock.t += seconds
-    s.add_request("patient", [98] * 6, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("patient", [98] * 6, SamplingParams(max_tokens=4)))
     predicted = s.requests["patient"].predicted_ttft_s
     assert predicted > 290 * 0.025  # the lull alone would say ~300 x 12 ms = 3.6 s
     s.add_request(
-        "soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)
+        NewRequest("soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
     )  # still admitted
 
 
@@ -110,32 +117,32 @@ def test_the_front_ends_output_backlog_is_priced_and_fades_in_real_time():
     s, r, clock = _scheduler()
     _busy(s, r)  # a newcomer's first token is ~4.2 s away
     adm = s.admission
-    s.add_request("fits", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
+    s.add_request(NewRequest("fits", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0)))
     adm.report_delivery_lag(1.0, clock.t)
     adm.report_delivery_lag(0.2, clock.t)  # a smaller report does not lower the backlog at once
     with pytest.raises(RequestRefusedError, match="output backlog in the front end"):
-        s.add_request("behind", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
+        s.add_request(NewRequest("behind", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0)))
     clock.t += 1.0  # nothing new reported: the backlog has drained
     assert adm.delivery_lag(clock.t) == 0.0
-    s.add_request("later", [100] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0))
+    s.add_request(NewRequest("later", [100] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=8.0)))
 
 
 def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
     s, r, _ = _scheduler()
     _busy(s, r)
     adm = s.admission
-    s.add_request("no-ttft", [97] * 6, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("no-ttft", [97] * 6, SamplingParams(max_tokens=4)))
     adm.on_first_token(
         s.requests["no-ttft"], 10 * s.requests["no-ttft"].model_ttft_s
     )  # overtaken by design: ignored
     assert adm.calibration == 1.0
     for i in range(8):
-        s.add_request(f"q{i}", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+        s.add_request(NewRequest(f"q{i}", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)))
     for i in range(8):  # their first tokens came twice as late as the model said
         req = s.requests[f"q{i}"]
         adm.on_first_token(req, 2.0 * req.model_ttft_s)
     assert adm.calibration == pytest.approx(2.0)
-    s.add_request("new", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+    s.add_request(NewRequest("new", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)))
     new = s.requests["new"]
     assert new.predicted_ttft_s == pytest.approx(2.0 * new.model_ttft_s, rel=1e-3)
     adm.on_first_token(new, 0.5 * new.model_ttft_s)  # early ones never lower it below 1
@@ -147,7 +154,9 @@ def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
 def _first_tokens(s, late_s: float, n: int = 8, tag: str = "seen") -> None:
     """`n` requests under a TTFT objective got their first tokens `late_s` after their estimate."""
     for i in range(n):
-        s.add_request(f"{tag}{i}", [90 + i] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+        s.add_request(
+            NewRequest(f"{tag}{i}", [90 + i] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+        )
         req = s.requests[f"{tag}{i}"]
         s.admission.on_first_token(req, req.predicted_ttft_s + late_s)
         s.abort(f"{tag}{i}")
@@ -160,25 +169,33 @@ def test_next_in_line_the_margin_is_how_late_recent_first_tokens_came():
     SLO_MARGIN of the time left."""
     s, r, clock = _scheduler()
     _busy(s, r, n=2)  # two decodes running, two slots free: a newcomer starts at the next step
-    s.add_request("probe", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
+    s.add_request(NewRequest("probe", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)))
     estimate = s.requests["probe"].predicted_ttft_s
     s.abort("probe")
     objective = estimate / 0.75  # its estimate is 75% of the objective: past the 60% share
     with pytest.raises(RequestRefusedError, match="first token expected"):
-        s.add_request("early", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+        s.add_request(
+            NewRequest("early", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+        )
     _first_tokens(s, late_s=0.0)
-    s.add_request("on-time", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+    s.add_request(
+        NewRequest("on-time", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+    )
     s.abort("on-time")
     _first_tokens(
         s, late_s=0.5 * objective, n=16, tag="late"
     )  # now most came half an objective late
     with pytest.raises(RequestRefusedError, match="first token expected"):
-        s.add_request("after-late", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+        s.add_request(
+            NewRequest("after-late", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+        )
     clock.t += admission.LATE_WINDOW_S + 1.0  # old first tokens say nothing of now: the share again
     step(s, r)  # (a step in flight again, as when the estimate was probed)
     assert s.admission.lateness(clock.t) is None
     with pytest.raises(RequestRefusedError, match="first token expected"):
-        s.add_request("much-later", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+        s.add_request(
+            NewRequest("much-later", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
+        )
     _first_tokens(s, late_s=0.0, tag="again")
     assert s.admission.lateness(clock.t) == 0.0
     s.admission.on_idle()
@@ -202,10 +219,12 @@ def test_with_slack_preemption_a_newcomer_waits_for_no_slot_of_a_prompt_without_
     for tokens in (1, 2, 500, 3, 1000, 1):
         s.admission.on_compute(tokens, OVERHEAD_S + PER_TOKEN_S * tokens)
     for i in range(4):  # long prompts without objectives, still prefilling: no token out yet
-        s.add_request(f"long{i}", [97 + i] * 96, SamplingParams(max_tokens=8))
+        s.add_request(NewRequest(f"long{i}", [97 + i] * 96, SamplingParams(max_tokens=8)))
     step(s, r)
     assert all(s.requests[f"long{i}"].first_token_time is None for i in range(4))
-    s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=1.0))  # not refused
+    s.add_request(
+        NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=1.0))
+    )  # not refused
     for _ in range(3):
         step(s, r)
     assert s.requests["tight"].num_output_tokens >= 1
@@ -220,7 +239,7 @@ def test_a_decoding_request_keeps_its_slot_and_the_newcomer_is_priced_behind_it(
     )
     _busy(s, r)
     with pytest.raises(RequestRefusedError, match="steps for a slot in the full batch of 4"):
-        s.add_request("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5))
+        s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5)))
     assert s.preemptions_total == 0
 
 
@@ -253,7 +272,7 @@ def test_priority_runs_lower_values_first_and_fifo_within_a_priority():
         admission_control=False,
     )
     for name, prio in (("b1", 1), ("a0", 0), ("c1", 1), ("d0", 0)):
-        s.add_request(name, [97] * 4, SamplingParams(max_tokens=1), priority=prio)
+        s.add_request(NewRequest(name, [97] * 4, SamplingParams(max_tokens=1), priority=prio))
     order = []
     for _ in range(20):
         out, outputs = step(s, r)
@@ -269,11 +288,11 @@ def test_priority_preempts_the_highest_value_then_the_latest_arrival():
         adaptive_batch=False,
     )
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    s.add_request("urgent", [97] * 6, params, priority=0)
+    s.add_request(NewRequest("urgent", [97] * 6, params, priority=0))
     clock.t += 1
-    s.add_request("old-low", [98] * 6, params, priority=2)
+    s.add_request(NewRequest("old-low", [98] * 6, params, priority=2))
     clock.t += 1
-    s.add_request("new-mid", [99] * 6, params, priority=1)
+    s.add_request(NewRequest("new-mid", [99] * 6, params, priority=1))
     for _ in range(40):
         step(s, r)
         preempted = [q.request_id for q in s.requests.values() if q.num_preemptions]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve.errors import RequestRefusedError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.queued_prefixes import QueuedPrefixes
 
@@ -26,7 +27,9 @@ def _burst(s, prompts: list[list[int]], ttft_s: float) -> list[str]:
     refused = []
     for i, prompt in enumerate(prompts):
         try:
-            s.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4), SLO(ttft_s=ttft_s))
+            s.add_request(
+                NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=4), SLO(ttft_s=ttft_s))
+            )
         except RequestRefusedError as exc:
             assert exc.reason == "slo_unattainable"
             refused.append(f"r{i}")
@@ -77,10 +80,10 @@ def test_the_same_burst_without_a_shared_prompt_is_refused(deadline_steps):
 def test_blocks_a_running_request_is_computing_count_as_cached():
     s, r, _ = make_scheduler(FakeRunner(num_blocks=1024), prefill_chunk=64, max_batched_tokens=64)
     _teach_speed(s)
-    s.add_request("first", PROMPT, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("first", PROMPT, SamplingParams(max_tokens=4)))
     step(s, r)  # its first chunk runs; it claims the rest of its prompt's blocks
     assert len(s.queued_prefixes) == 0  # started: no longer held as queued
-    s.add_request("second", PROMPT, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("second", PROMPT, SamplingParams(max_tokens=4)))
     assert s.requests["second"].expected_cached_tokens == 399
     drain(s, r)
     assert_all_free(s)
@@ -89,13 +92,13 @@ def test_blocks_a_running_request_is_computing_count_as_cached():
 def test_a_queued_request_that_leaves_is_forgotten():
     s, r, _ = make_scheduler(FakeRunner(num_blocks=1024))
     _teach_speed(s)
-    s.add_request("a", PROMPT, SamplingParams(max_tokens=4))
-    s.add_request("b", PROMPT, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("a", PROMPT, SamplingParams(max_tokens=4)))
+    s.add_request(NewRequest("b", PROMPT, SamplingParams(max_tokens=4)))
     assert len(s.queued_prefixes) == 2
     s.abort("a")
     s.abort("b")
     assert len(s.queued_prefixes) == 0
-    s.add_request("c", PROMPT, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("c", PROMPT, SamplingParams(max_tokens=4)))
     assert s.requests["c"].expected_cached_tokens == 0  # nobody left to compute it
     drain(s, r)
     assert_all_free(s)

@@ -8,6 +8,7 @@ measure the mechanism rather than a lucky workload.
 
 from __future__ import annotations
 
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.request import RequestStatus
 from sloserve.sched.slo.deadlines import ARRIVAL_WINDOW_S, DeadlinePlan, TightestRecent
@@ -52,12 +53,16 @@ def _mean_tpot(token_times: list[float]) -> float:
 def _tight_tpot_with_long_prefill(**sched) -> float:
     s, r, clock = _scheduler(**sched)
     s.add_request(
-        "tight", [97] * 8, SamplingParams(max_tokens=20, ignore_eos=True), SLO(tpot_s=0.012)
+        NewRequest(
+            "tight", [97] * 8, SamplingParams(max_tokens=20, ignore_eos=True), SLO(tpot_s=0.012)
+        )
     )
     long_prompt = [98 + i % 20 for i in range(3000)]
     arrivals = {
         3: lambda: s.add_request(
-            "long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True), SLO(e2e_s=30.0)
+            NewRequest(
+                "long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True), SLO(e2e_s=30.0)
+            )
         )
     }
     times = _run(s, r, clock, 80, arrivals)
@@ -84,12 +89,20 @@ def _victim(**sched) -> str:
         **sched,
     )
     s.add_request(
-        "tight", [97] * 6, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=0.05)
+        NewRequest(
+            "tight", [97] * 6, SamplingParams(max_tokens=40, ignore_eos=True), SLO(tpot_s=0.05)
+        )
     )
     # roomy: an early deadline but a short answer; crowded: a later deadline but many tokens.
-    s.add_request("roomy", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True), SLO(e2e_s=5.0))
     s.add_request(
-        "crowded", [99] * 6, SamplingParams(max_tokens=400, ignore_eos=True), SLO(e2e_s=6.0)
+        NewRequest(
+            "roomy", [98] * 6, SamplingParams(max_tokens=12, ignore_eos=True), SLO(e2e_s=5.0)
+        )
+    )
+    s.add_request(
+        NewRequest(
+            "crowded", [99] * 6, SamplingParams(max_tokens=400, ignore_eos=True), SLO(e2e_s=6.0)
+        )
     )
     for _ in range(40):
         _run(s, r, clock, 1)
@@ -119,12 +132,16 @@ def test_no_admitted_request_goes_longer_than_max_wait_without_a_step():
     s, r, clock = _scheduler(max_wait_s=max_wait_s, adaptive_batch=False)
     for i in range(8):
         s.add_request(
-            f"tight{i}",
-            [97 + i] * 6,
-            SamplingParams(max_tokens=400, ignore_eos=True),
-            SLO(tpot_s=0.00585),
+            NewRequest(
+                f"tight{i}",
+                [97 + i] * 6,
+                SamplingParams(max_tokens=400, ignore_eos=True),
+                SLO(tpot_s=0.00585),
+            )
         )
-    s.add_request("background", [120] * 6, SamplingParams(max_tokens=400, ignore_eos=True))
+    s.add_request(
+        NewRequest("background", [120] * 6, SamplingParams(max_tokens=400, ignore_eos=True))
+    )
     times = _run(s, r, clock, 400)
     background = times["background"]
     gaps = [b - a for a, b in zip(background, background[1:], strict=False)]
@@ -145,10 +162,12 @@ def test_a_starving_newcomer_waits_for_the_prefix_a_skipped_request_is_still_pre
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
     for i in range(8):
         s.add_request(
-            f"tight{i}",
-            [97 + i] * 6,
-            SamplingParams(max_tokens=2000, ignore_eos=True),
-            SLO(tpot_s=0.00585),
+            NewRequest(
+                f"tight{i}",
+                [97 + i] * 6,
+                SamplingParams(max_tokens=2000, ignore_eos=True),
+                SLO(tpot_s=0.00585),
+            )
         )
     prompt = [100 + i % 7 for i in range(64)]
     times = _run(
@@ -158,10 +177,10 @@ def test_a_starving_newcomer_waits_for_the_prefix_a_skipped_request_is_still_pre
         200,
         {
             5: lambda: s.add_request(
-                "first", prompt, SamplingParams(max_tokens=2, ignore_eos=True)
+                NewRequest("first", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
             ),
             40: lambda: s.add_request(
-                "second", prompt, SamplingParams(max_tokens=2, ignore_eos=True)
+                NewRequest("second", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
             ),
         },
     )
@@ -177,12 +196,16 @@ def test_a_skipped_request_stays_running_and_keeps_its_blocks():
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False)
     for i in range(8):
         s.add_request(
-            f"tight{i}",
-            [97 + i] * 6,
-            SamplingParams(max_tokens=50, ignore_eos=True),
-            SLO(tpot_s=0.00585),
+            NewRequest(
+                f"tight{i}",
+                [97 + i] * 6,
+                SamplingParams(max_tokens=50, ignore_eos=True),
+                SLO(tpot_s=0.00585),
+            )
         )
-    s.add_request("background", [120] * 6, SamplingParams(max_tokens=50, ignore_eos=True))
+    s.add_request(
+        NewRequest("background", [120] * 6, SamplingParams(max_tokens=50, ignore_eos=True))
+    )
     _run(s, r, clock, 20)
     bg = s.requests["background"]
     assert bg.status == RequestStatus.RUNNING and bg.block_table
@@ -192,12 +215,18 @@ def _paced_finish(finish_margin: float) -> float:
     """Seconds from arrival to the last token of a 1 s end-to-end request whose steps are filled
     with a bulk prefill up to its pace (the bulk has no objective: optional work)."""
     s, r, clock = _scheduler(finish_margin=finish_margin, adaptive_batch=False)
-    s.add_request("paced", [97] * 8, SamplingParams(max_tokens=30, ignore_eos=True), SLO(e2e_s=1.0))
+    s.add_request(
+        NewRequest(
+            "paced", [97] * 8, SamplingParams(max_tokens=30, ignore_eos=True), SLO(e2e_s=1.0)
+        )
+    )
     for i in range(8):
         s.add_request(
-            f"bulk{i}",
-            [98 + (i + j) % 20 for j in range(3000)],
-            SamplingParams(max_tokens=1, ignore_eos=True),
+            NewRequest(
+                f"bulk{i}",
+                [98 + (i + j) % 20 for j in range(3000)],
+                SamplingParams(max_tokens=1, ignore_eos=True),
+            )
         )
     times = _run(s, r, clock, 400)
     assert len(times["paced"]) == 30
@@ -220,13 +249,17 @@ def _tight_tpot_among_lost_requests() -> float:
     s, r, clock = _scheduler(max_wait_s=0.2, adaptive_batch=False, admission_control=False)
     for i in range(8):
         s.add_request(
-            f"lost{i}",
-            [97 + i] * 6,
-            SamplingParams(max_tokens=200, ignore_eos=True),
-            SLO(e2e_s=0.01),
+            NewRequest(
+                f"lost{i}",
+                [97 + i] * 6,
+                SamplingParams(max_tokens=200, ignore_eos=True),
+                SLO(e2e_s=0.01),
+            )
         )
     s.add_request(
-        "tight", [120] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.00585)
+        NewRequest(
+            "tight", [120] * 6, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.00585)
+        )
     )
     times = _run(s, r, clock, 400)
     assert all(len(times[f"lost{i}"]) > 10 for i in range(8)), "the lost requests are still served"
@@ -248,19 +281,23 @@ def _urgent_prompt_beside_a_paced_decode(tpot_s: float) -> tuple[int, float, flo
     mean TPOT, the prompt's TTFT)."""
     s, r, clock = _scheduler()
     s.add_request(
-        "paced",
-        [97] * 8,
-        SamplingParams(max_tokens=40, ignore_eos=True),
-        SLO(tpot_s=tpot_s, e2e_s=2.0),
+        NewRequest(
+            "paced",
+            [97] * 8,
+            SamplingParams(max_tokens=40, ignore_eos=True),
+            SLO(tpot_s=tpot_s, e2e_s=2.0),
+        )
     )
     steps: list[int] = []
     times = _run(s, r, clock, 5)
     arrival = clock.t
     s.add_request(
-        "urgent",
-        [98 + i % 20 for i in range(400)],
-        SamplingParams(max_tokens=4, ignore_eos=True),
-        SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0),
+        NewRequest(
+            "urgent",
+            [98 + i % 20 for i in range(400)],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            SLO(ttft_s=0.3, tpot_s=0.03, e2e_s=2.0),
+        )
     )
     for step in range(1, 60):
         for rid, t in _run(s, r, clock, 1).items():
@@ -321,16 +358,23 @@ def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
     s, r, clock = _scheduler()
     if interactive_seen:
         s.add_request(
-            "interactive", [99] * 8, SamplingParams(max_tokens=2, ignore_eos=True), SLO(ttft_s=0.3)
+            NewRequest(
+                "interactive",
+                [99] * 8,
+                SamplingParams(max_tokens=2, ignore_eos=True),
+                SLO(ttft_s=0.3),
+            )
         )
         _run(s, r, clock, 3)
     clock.t += later_s
     for name in ("a", "b"):
         s.add_request(
-            name,
-            [97 + (name == "b")] * 1500,
-            SamplingParams(max_tokens=2, ignore_eos=True),
-            SLO(e2e_s=30.0),
+            NewRequest(
+                name,
+                [97 + (name == "b")] * 1500,
+                SamplingParams(max_tokens=2, ignore_eos=True),
+                SLO(e2e_s=30.0),
+            )
         )
     out = s.schedule()
     s.update(out, r.execute(out))
@@ -380,15 +424,19 @@ def _steps_of_two_urgent_prompts(
     Returns which of them computed prompt tokens in each step, and every request's token times."""
     s, r, clock = _scheduler(**sched)
     s.add_request(
-        "tight", [97] * 8, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.012)
+        NewRequest(
+            "tight", [97] * 8, SamplingParams(max_tokens=200, ignore_eos=True), SLO(tpot_s=0.012)
+        )
     )
     times = _run(s, r, clock, 3)
     for name, first in (("a", 100), ("b", 300)):
         s.add_request(
-            name,
-            [first + i % 90 for i in range(400)],
-            SamplingParams(max_tokens=4, ignore_eos=True),
-            SLO(ttft_s=ttft_s),
+            NewRequest(
+                name,
+                [first + i % 90 for i in range(400)],
+                SamplingParams(max_tokens=4, ignore_eos=True),
+                SLO(ttft_s=ttft_s),
+            )
         )
     steps = []
     for _ in range(12):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve import LLM
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched import scheduler as scheduler_module
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
@@ -28,7 +29,7 @@ def test_runs_give_every_request_the_tokens_it_gets_alone():
     s, r, _ = make_scheduler(runner, num_scheduler_steps=4)
     max_tokens = {f"r{i}": 1 + (i * 5) % 17 + (i % 3) * 20 for i in range(10)}
     for i, rid in enumerate(max_tokens):
-        s.add_request(rid, _prompt(i), SamplingParams(max_tokens=max_tokens[rid]))
+        s.add_request(NewRequest(rid, _prompt(i), SamplingParams(max_tokens=max_tokens[rid])))
     outputs = drain(s, r)
     for i, rid in enumerate(max_tokens):
         got = [t for out in outputs[rid] for t in out.new_token_ids]
@@ -39,8 +40,8 @@ def test_runs_give_every_request_the_tokens_it_gets_alone():
 
 def test_a_run_starts_only_when_nobody_waits_and_is_cut_to_the_fewest_outputs_left():
     s, r, _ = make_scheduler(FakeRunner(num_blocks=256), num_scheduler_steps=8, max_batch=1)
-    s.add_request("a", _prompt(1), SamplingParams(max_tokens=6, ignore_eos=True))
-    s.add_request("b", _prompt(2), SamplingParams(max_tokens=3, ignore_eos=True))
+    s.add_request(NewRequest("a", _prompt(1), SamplingParams(max_tokens=6, ignore_eos=True)))
+    s.add_request(NewRequest("b", _prompt(2), SamplingParams(max_tokens=3, ignore_eos=True)))
     out, _ = step(s, r)  # a's prompt; b waits for the one slot
     assert out.num_steps == 1
     out, _ = step(s, r)

@@ -6,6 +6,7 @@ finish reasons as when the scheduler matched stop strings while applying each to
 from __future__ import annotations
 
 import pytest
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
 from tests.engine.fakes import FakeRunner, reference_tokens
@@ -33,7 +34,7 @@ def test_a_stop_string_ends_its_request_where_it_completes_even_inside_a_run(ste
     for i in range(8):
         tokens, text, stop = _expected(r, i, 40)
         expected[f"r{i}"] = tokens, text
-        s.add_request(f"r{i}", _prompt(i), SamplingParams(max_tokens=40, stop=[stop]))
+        s.add_request(NewRequest(f"r{i}", _prompt(i), SamplingParams(max_tokens=40, stop=[stop])))
     outputs = drain(s, r)
     for rid, (tokens, text) in expected.items():
         got = outputs[rid]
@@ -55,7 +56,7 @@ def test_a_stop_string_on_the_last_token_turns_length_into_stop():
     stop = "".join(map(chr, tokens[4:6]))
     if stop in "".join(map(chr, tokens[:5])):
         pytest.skip("the fake's text repeats the pair earlier")
-    s.add_request("a", _prompt(0), SamplingParams(max_tokens=6, stop=[stop]))
+    s.add_request(NewRequest("a", _prompt(0), SamplingParams(max_tokens=6, stop=[stop])))
     out = drain(s, r)["a"]
     assert [t for o in out for t in o.new_token_ids] == tokens
     assert out[-1].finish_reason == "stop"
@@ -64,7 +65,7 @@ def test_a_stop_string_on_the_last_token_turns_length_into_stop():
 
 def test_an_aborted_request_lets_go_of_its_text():
     s, r, _ = make_scheduler(FakeRunner(num_blocks=64))
-    s.add_request("a", _prompt(0), SamplingParams(max_tokens=30, stop=["~~"]))
+    s.add_request(NewRequest("a", _prompt(0), SamplingParams(max_tokens=30, stop=["~~"])))
     for _ in range(4):
         step(s, r)
     assert OUTPUT_STAGES[s].live == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.request import RequestStatus
 
@@ -25,7 +26,7 @@ def _three_requests(mode: str):
     s, r, _ = make_scheduler(runner, preemption_mode=mode, max_batch=8, adaptive_batch=False)
     prompts = {"tight": [ord("a")] * 8, "mid": [ord("b")] * 8, "loose": [ord("c")] * 8}
     for (name, prompt), ttft in zip(prompts.items(), (0.5, 1.0, 5.0), strict=True):
-        s.add_request(name, prompt, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
+        s.add_request(NewRequest(name, prompt, SamplingParams(max_tokens=6), SLO(ttft_s=ttft)))
     return s, r, prompts
 
 
@@ -58,7 +59,9 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     runner = FakeRunner(num_blocks=8, block_size=4, num_host_blocks=1)
     s, r, _ = make_scheduler(runner, preemption_mode="swap", max_batch=8, adaptive_batch=False)
     for name, c, ttft in (("tight", "a", 0.5), ("mid", "b", 1.0), ("loose", "c", 5.0)):
-        s.add_request(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
+        s.add_request(
+            NewRequest(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
+        )
     _, first = step(s, r)
     out, _ = step(s, r)
     loose = s.requests["loose"]
@@ -76,7 +79,9 @@ def test_a_just_resumed_request_is_not_the_next_victim(mode, monkeypatch):
     )
     prompts = random_prompts(6, 3, 6, seed=3)
     for i, prompt in enumerate(prompts):
-        s.add_request(f"r{i}", prompt, SamplingParams(max_tokens=14), SLO(ttft_s=1.0 + i))
+        s.add_request(
+            NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=14), SLO(ttft_s=1.0 + i))
+        )
     spared = 0
     original = s._preempt
 
@@ -130,7 +135,11 @@ def test_tight_memory_gives_the_same_tokens_as_running_alone(mode, policy, prefi
         )
     ]
     for i, prompt in enumerate(prompts):
-        s.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10), SLO(ttft_s=1.0 + (i * 7) % 5))
+        s.add_request(
+            NewRequest(
+                f"r{i}", prompt, SamplingParams(max_tokens=10), SLO(ttft_s=1.0 + (i * 7) % 5)
+            )
+        )
     collected = drain(s, r)
     for i, prompt in enumerate(prompts):
         assert tokens_of(collected[f"r{i}"]) == reference_tokens(r, prompt, 10), f"r{i}"
@@ -142,9 +151,9 @@ def test_tight_memory_gives_the_same_tokens_as_running_alone(mode, policy, prefi
 def test_prefix_hit_serves_full_blocks_and_computes_at_least_the_last_token():
     s, r, _ = make_scheduler(max_batch=8, adaptive_batch=False)
     prompt = [ord(c) for c in "abcdefghijk"]  # 2 full blocks of 4 and 3 tokens
-    s.add_request("cold", prompt, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("cold", prompt, SamplingParams(max_tokens=4)))
     cold = tokens_of(drain(s, r)["cold"])
-    s.add_request("warm", prompt, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("warm", prompt, SamplingParams(max_tokens=4)))
     out = s.schedule()
     seq = out.sequences[0]
     assert (seq.start_pos, seq.token_ids, seq.kv_present) == (
@@ -164,12 +173,12 @@ def test_a_block_aligned_prompt_seen_before_computes_only_its_last_token_and_wri
     slot already holds what computing it gives, and writes nothing there."""
     s, r, _ = make_scheduler(max_batch=8, adaptive_batch=False)
     prompt = [ord(c) for c in "abcdefghijkl"]  # exactly 3 blocks of 4
-    s.add_request("cold", prompt, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("cold", prompt, SamplingParams(max_tokens=4)))
     cold = tokens_of(drain(s, r)["cold"])
     shared = list(s.block_manager.find_prefix(prompt)[0])
     assert len(shared) == 3
     before = r.kv[:]
-    s.add_request("warm", prompt, SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("warm", prompt, SamplingParams(max_tokens=4)))
     out = s.schedule()
     seq = out.sequences[0]
     assert (seq.start_pos, seq.token_ids, seq.kv_present) == (11, prompt[11:], 1)
@@ -189,7 +198,7 @@ def test_a_colliding_hash_with_different_tokens_is_a_miss():
     s, r, _ = make_scheduler()
     bm = s.block_manager
     prompt = [ord(c) for c in "abcdefghij"]
-    s.add_request("a", prompt, SamplingParams(max_tokens=1))
+    s.add_request(NewRequest("a", prompt, SamplingParams(max_tokens=1)))
     drain(s, r)
     blocks, _, _ = bm.find_prefix(prompt)
     assert len(blocks) == 2
@@ -202,8 +211,8 @@ def test_a_request_waits_for_a_prefix_block_being_computed_instead_of_recomputin
         max_batched_tokens=64, prefill_chunk=64, max_batch=8, adaptive_batch=False
     )
     prompt = [ord(c) for c in "the same long prompt, twice"]
-    s.add_request("first", prompt, SamplingParams(max_tokens=3))
-    s.add_request("second", prompt, SamplingParams(max_tokens=3))
+    s.add_request(NewRequest("first", prompt, SamplingParams(max_tokens=3)))
+    s.add_request(NewRequest("second", prompt, SamplingParams(max_tokens=3)))
     out, _ = step(s, r)
     assert [q.req_id for q in out.sequences] == ["first"]
     out, outputs = step(s, r)
@@ -221,9 +230,16 @@ def _follower_after_one_chunk(**sched):
         prefill_chunk=8, max_batched_tokens=64, max_batch=8, adaptive_batch=False, **sched
     )
     prompt = [ord(c) for c in "one ARC task, attempt 1!"]
-    s.add_request("leader", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0))
     s.add_request(
-        "bystander", [ord("z")] * 40, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0)
+        NewRequest("leader", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(e2e_s=30.0))
+    )
+    s.add_request(
+        NewRequest(
+            "bystander",
+            [ord("z")] * 40,
+            SamplingParams(max_tokens=3, ignore_eos=True),
+            SLO(e2e_s=30.0),
+        )
     )
     step(s, r)
     return s, r, clock, prompt
@@ -237,7 +253,9 @@ def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
     for tokens in (1, 4, 64, 256, 512, 16):  # priced steps: the deadline plan is on
         s.admission.on_compute(tokens, price(tokens))
     s.add_request(
-        "follower", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(ttft_s=0.02)
+        NewRequest(
+            "follower", prompt, SamplingParams(max_tokens=3, ignore_eos=True), SLO(ttft_s=0.02)
+        )
     )
     out, _ = step(s, r)
     follower = [q for q in out.sequences if q.req_id == "follower"]
@@ -251,7 +269,7 @@ def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
 def test_abort_frees_blocks_at_once_and_mid_step_results_are_dropped():
     s, r, _ = make_scheduler()
     for i, prompt in enumerate(random_prompts(4, 5, 30, seed=2)):
-        s.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50))
+        s.add_request(NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=50)))
     step(s, r)
     step(s, r)
     out = s.schedule()
@@ -274,10 +292,14 @@ def test_a_preempted_request_keeps_its_place_in_the_queue(policy):
         runner, policy=policy, max_batch=3, adaptive_batch=False, max_wait_s=0.2
     )
     for name, c, ttft in (("tight", "a", 0.5), ("mid", "b", 1.0), ("loose", "c", 5.0)):
-        s.add_request(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
+        s.add_request(
+            NewRequest(name, [ord(c)] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=ttft))
+        )
     step(s, r)
     clock.t += 0.3  # 'loose' has now been in the system longer than max_wait (0.2 s)
-    s.add_request("newcomer", [ord("d")] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=0.4))
+    s.add_request(
+        NewRequest("newcomer", [ord("d")] * 8, SamplingParams(max_tokens=6), SLO(ttft_s=0.4))
+    )
     step(s, r)  # 'loose' is preempted and queued again
     assert s.requests["loose"].status == RequestStatus.PREEMPTED
     s.waiting.rekey(clock.t)  # as the next schedule() does
@@ -320,10 +342,12 @@ def test_an_overload_with_preemptions_aborts_and_urgent_newcomers_holds_no_block
             params = SamplingParams(max_tokens=rng.choice([8, 32, 64]), ignore_eos=True)
             try:
                 s.add_request(
-                    f"o{n}",
-                    list(f"o{n} overload prompt of a few dozen bytes.".encode()),
-                    params,
-                    slo,
+                    NewRequest(
+                        f"o{n}",
+                        list(f"o{n} overload prompt of a few dozen bytes.".encode()),
+                        params,
+                        slo,
+                    )
                 )
             except RequestRefusedError:
                 pass

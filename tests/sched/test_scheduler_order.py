@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve.config import SchedulerConfig
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.queue_policy import make_queue
 
@@ -29,9 +30,9 @@ def _prompt(c: str, n: int = 6) -> list[int]:
 def test_waiting_requests_start_in_policy_order(policy, expected):
     s, r, _ = make_scheduler(policy=policy, max_batch=1, adaptive_batch=False)
     params = SamplingParams(max_tokens=2)
-    s.add_request("loose", _prompt("a"), params, SLO(ttft_s=5.0))
-    s.add_request("tight", _prompt("b"), params, SLO(ttft_s=0.5))
-    s.add_request("mid", _prompt("c"), params, SLO(ttft_s=1.0))
+    s.add_request(NewRequest("loose", _prompt("a"), params, SLO(ttft_s=5.0)))
+    s.add_request(NewRequest("tight", _prompt("b"), params, SLO(ttft_s=0.5)))
+    s.add_request(NewRequest("mid", _prompt("c"), params, SLO(ttft_s=1.0)))
     assert _admission_order(s, r) == expected
 
 
@@ -40,13 +41,13 @@ def test_waiting_requests_start_in_policy_order(policy, expected):
 )
 def test_aging_lets_a_long_waiting_request_overtake_a_tighter_newcomer(aging, expected):
     s, r, _ = make_scheduler(max_batch=1, adaptive_batch=False, aging=aging, max_wait_s=1e6)
-    s.add_request("busy", _prompt("a"), SamplingParams(max_tokens=22))
+    s.add_request(NewRequest("busy", _prompt("a"), SamplingParams(max_tokens=22)))
     step(s, r)
-    s.add_request("old", _prompt("b"), SamplingParams(max_tokens=1), SLO(ttft_s=10.0))
+    s.add_request(NewRequest("old", _prompt("b"), SamplingParams(max_tokens=1), SLO(ttft_s=10.0)))
     order = ["busy"]
     for _ in range(19):  # 'old' ages while 'busy' decodes (the clock does not move)
         step(s, r)
-    s.add_request("new", _prompt("c"), SamplingParams(max_tokens=1), SLO(ttft_s=3.0))
+    s.add_request(NewRequest("new", _prompt("c"), SamplingParams(max_tokens=1), SLO(ttft_s=3.0)))
     order += [x for x in _admission_order(s, r) if x != "busy"]
     assert order == expected
 
@@ -56,12 +57,12 @@ def test_aging_lets_a_long_waiting_request_overtake_a_tighter_newcomer(aging, ex
 )
 def test_a_request_waiting_past_max_wait_jumps_ahead(max_wait_s, expected):
     s, r, clock = make_scheduler(max_batch=1, adaptive_batch=False, max_wait_s=max_wait_s)
-    s.add_request("busy", _prompt("a"), SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("busy", _prompt("a"), SamplingParams(max_tokens=4)))
     step(s, r)
-    s.add_request("old", _prompt("b"), SamplingParams(max_tokens=1), SLO(ttft_s=10.0))
+    s.add_request(NewRequest("old", _prompt("b"), SamplingParams(max_tokens=1), SLO(ttft_s=10.0)))
     step(s, r)
     clock.t += 0.25
-    s.add_request("new", _prompt("c"), SamplingParams(max_tokens=1), SLO(ttft_s=0.5))
+    s.add_request(NewRequest("new", _prompt("c"), SamplingParams(max_tokens=1), SLO(ttft_s=0.5)))
     assert ["busy"] + [x for x in _admission_order(s, r) if x != "busy"] == expected
 
 
@@ -70,8 +71,8 @@ def test_chunked_prefill_respects_token_budget_and_chunk_size():
         max_batched_tokens=10, prefill_chunk=6, max_batch=8, adaptive_batch=False
     )
     a, b = _prompt("a", 13), _prompt("b", 15)  # equal deadlines: the shorter prompt goes first
-    s.add_request("A", a, SamplingParams(max_tokens=3))
-    s.add_request("B", b, SamplingParams(max_tokens=3))
+    s.add_request(NewRequest("A", a, SamplingParams(max_tokens=3)))
+    s.add_request(NewRequest("B", b, SamplingParams(max_tokens=3)))
     chunks, outputs = [], {}
     while s.has_work():
         out, outs = step(s, r)
@@ -95,19 +96,21 @@ def test_a_prompt_alone_fills_the_step_and_is_chunked_once_another_arrives():
         max_batched_tokens=40, prefill_chunk=6, max_batch=8, adaptive_batch=False
     )
     a, b = _prompt("a", 30), _prompt("b", 20)
-    s.add_request("A", a, SamplingParams(max_tokens=2))
+    s.add_request(NewRequest("A", a, SamplingParams(max_tokens=2)))
     out, _ = step(s, r)
     assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [
         ("A", 30)
     ]  # nobody's TPOT to keep
-    s.add_request("B", b, SamplingParams(max_tokens=2))
+    s.add_request(NewRequest("B", b, SamplingParams(max_tokens=2)))
     out, _ = step(s, r)
     assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [("A", 1), ("B", 6)]
     s2, r2, _ = make_scheduler(
         max_batched_tokens=40, prefill_chunk=6, max_batch=8, adaptive_batch=False
     )
-    s2.add_request("A", a, SamplingParams(max_tokens=2))
-    s2.add_request("B", b, SamplingParams(max_tokens=2))  # waiting beside it: both chunked
+    s2.add_request(NewRequest("A", a, SamplingParams(max_tokens=2)))
+    s2.add_request(
+        NewRequest("B", b, SamplingParams(max_tokens=2))
+    )  # waiting beside it: both chunked
     out, _ = step(s2, r2)
     assert sorted((q.req_id, len(q.token_ids)) for q in out.sequences) == [("A", 6), ("B", 6)]
 
@@ -120,8 +123,8 @@ def test_without_chunking_a_prompt_runs_whole_and_an_oversized_one_runs_alone():
         max_batch=8,
         adaptive_batch=False,
     )
-    s.add_request("A", _prompt("a", 15), SamplingParams(max_tokens=2))
-    s.add_request("B", _prompt("b", 9), SamplingParams(max_tokens=2))
+    s.add_request(NewRequest("A", _prompt("a", 15), SamplingParams(max_tokens=2)))
+    s.add_request(NewRequest("B", _prompt("b", 9), SamplingParams(max_tokens=2)))
     chunks = []
     while s.has_work():
         out, _ = step(s, r)
@@ -138,7 +141,7 @@ def test_adaptive_batch_target_limits_admission_by_queue_depth():
             max_batch=8, batch_decay=decay, max_batched_tokens=512, adaptive_batch=True
         )
         for i in range(6):
-            s.add_request(f"r{i}", _prompt(chr(97 + i)), SamplingParams(max_tokens=2))
+            s.add_request(NewRequest(f"r{i}", _prompt(chr(97 + i)), SamplingParams(max_tokens=2)))
         out, _ = step(s, r)
         assert len(out.sequences) == expected
 
@@ -147,9 +150,11 @@ def test_running_requests_are_scheduled_before_waiting_ones():
     s, r, _ = make_scheduler(
         max_batched_tokens=8, prefill_chunk=8, max_batch=8, adaptive_batch=False
     )
-    s.add_request("first", _prompt("a", 4), SamplingParams(max_tokens=5))
+    s.add_request(NewRequest("first", _prompt("a", 4), SamplingParams(max_tokens=5)))
     _, first_outputs = step(s, r)
-    s.add_request("urgent", _prompt("b", 20), SamplingParams(max_tokens=1), SLO(ttft_s=0.01))
+    s.add_request(
+        NewRequest("urgent", _prompt("b", 20), SamplingParams(max_tokens=1), SLO(ttft_s=0.01))
+    )
     out, outputs = step(s, r)
     assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [("first", 1), ("urgent", 7)]
     got = tokens_of(first_outputs + outputs + drain(s, r)["first"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sloserve.errors import InvalidRequestError, RequestRefusedError
+from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 
 from tests.engine.fakes import EOS, FakeRunner, reference_tokens
@@ -14,7 +15,7 @@ PROMPT = [ord(c) for c in "hello there"]
 
 def _run(params: SamplingParams, runner: FakeRunner | None = None, **sched):
     s, r, _ = make_scheduler(runner, **sched)
-    s.add_request("x", PROMPT, params)
+    s.add_request(NewRequest("x", PROMPT, params))
     outputs = drain(s, r)["x"]
     assert_all_free(s)
     return outputs, r
@@ -70,7 +71,7 @@ def test_max_model_len_gives_length():
 def test_multibyte_characters_are_never_split_in_the_stream():
     runner = FakeRunner(vocab=(0xC3, 0xC4))  # always 0xC3: the 2-byte lead of 'é'..'ÿ'
     s, r, _ = make_scheduler(runner)
-    s.add_request("x", [0xC3], SamplingParams(max_tokens=4))
+    s.add_request(NewRequest("x", [0xC3], SamplingParams(max_tokens=4)))
     deltas = [o.new_text for o in drain(s, r)["x"]]
     assert "\ufffd" not in "".join(deltas[:-1])
 
@@ -78,20 +79,20 @@ def test_multibyte_characters_are_never_split_in_the_stream():
 def test_bad_requests_are_rejected_with_a_message():
     s, _, _ = make_scheduler(FakeRunner(max_model_len=16))
     with pytest.raises(InvalidRequestError, match="empty"):
-        s.add_request("a", [], SamplingParams())
+        s.add_request(NewRequest("a", [], SamplingParams()))
     with pytest.raises(InvalidRequestError, match="at most 15"):
-        s.add_request("a", [1] * 16, SamplingParams())
-    s.add_request("a", [1], SamplingParams())
+        s.add_request(NewRequest("a", [1] * 16, SamplingParams()))
+    s.add_request(NewRequest("a", [1], SamplingParams()))
     with pytest.raises(InvalidRequestError, match="already in use"):
-        s.add_request("a", [1], SamplingParams())
+        s.add_request(NewRequest("a", [1], SamplingParams()))
 
 
 def test_queue_cap_refuses_and_counts():
     s, _, _ = make_scheduler(max_waiting=2)
-    s.add_request("a", [1, 2], SamplingParams())
-    s.add_request("b", [1, 2], SamplingParams())
+    s.add_request(NewRequest("a", [1, 2], SamplingParams()))
+    s.add_request(NewRequest("b", [1, 2], SamplingParams()))
     with pytest.raises(RequestRefusedError) as info:
-        s.add_request("c", [1, 2], SamplingParams())
+        s.add_request(NewRequest("c", [1, 2], SamplingParams()))
     assert info.value.reason == "queue_full"
     assert s.stats()["refusals"] == {"queue_full": 1}
     s.abort("a")
@@ -102,35 +103,43 @@ def test_queue_cap_refuses_and_counts():
 def test_deadline_already_passed_is_refused():
     s, _, clock = make_scheduler()
     with pytest.raises(RequestRefusedError) as info:
-        s.add_request("late", [1, 2], SamplingParams(), SLO(ttft_s=0.5), arrival_time=clock.t - 1.0)
+        s.add_request(
+            NewRequest(
+                "late", [1, 2], SamplingParams(), SLO(ttft_s=0.5), arrival_time=clock.t - 1.0
+            )
+        )
     assert info.value.reason == "deadline_passed"
     s2, _, clock2 = make_scheduler(admission_control=False)
-    s2.add_request("late", [1, 2], SamplingParams(), SLO(ttft_s=0.5), arrival_time=clock2.t - 1.0)
+    s2.add_request(
+        NewRequest("late", [1, 2], SamplingParams(), SLO(ttft_s=0.5), arrival_time=clock2.t - 1.0)
+    )
 
 
 def test_unattainable_slo_is_refused_once_prefill_speed_is_known():
     s, r, _ = make_scheduler(max_batch=1, adaptive_batch=False)
     s.add_request(
-        "early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05)
+        NewRequest("early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05))
     )  # no estimate yet
     for _ in range(5):
         s.admission.speed.observe(1000, 1.0)  # 1000 tokens/s
     # 'loose' waits behind 'early' only: (100 + 30) tokens at 1000 tokens/s = 0.13 s < 0.75 * 0.5 s
-    s.add_request("loose", [2] * 30, SamplingParams(max_tokens=1), SLO(ttft_s=0.5))
+    s.add_request(NewRequest("loose", [2] * 30, SamplingParams(max_tokens=1), SLO(ttft_s=0.5)))
     # a 0.15 s request is queued ahead of 'loose': 100 + 100 tokens = 0.2 s > 0.75 * 0.15 s
     with pytest.raises(RequestRefusedError) as info:
-        s.add_request("nope", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.15))
-    s.add_request("fits", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.35))
+        s.add_request(NewRequest("nope", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.15)))
+    s.add_request(NewRequest("fits", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.35)))
     assert info.value.reason == "slo_unattainable" and "relax the SLO" in str(info.value)
-    s.add_request("no-slo", [3] * 100, SamplingParams(max_tokens=1))  # no explicit SLO: queued
+    s.add_request(
+        NewRequest("no-slo", [3] * 100, SamplingParams(max_tokens=1))
+    )  # no explicit SLO: queued
     drain(s, r)
     assert_all_free(s)
 
 
 def test_queue_timeout_refuses_waiting_requests_and_frees_everything():
     s, r, clock = make_scheduler(max_batch=1, adaptive_batch=False, queue_timeout_s=1.0)
-    s.add_request("busy", [1] * 5, SamplingParams(max_tokens=30))
-    s.add_request("waits", [2] * 5, SamplingParams(max_tokens=1))
+    s.add_request(NewRequest("busy", [1] * 5, SamplingParams(max_tokens=30)))
+    s.add_request(NewRequest("waits", [2] * 5, SamplingParams(max_tokens=1)))
     step(s, r)
     clock.t += 2.0
     _, outputs = step(s, r)

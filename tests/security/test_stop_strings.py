@@ -20,6 +20,7 @@ from sloserve.frontend.lifecycle import Lifecycle
 from sloserve.grpc.server import SloserveServer
 from sloserve.http.config import HttpConfig
 from sloserve.http.server import HttpServer
+from sloserve.new_request import NewRequest
 from sloserve.pb import serving_pb2 as pb
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.request import Request, RequestStatus
@@ -143,7 +144,7 @@ class _Scheduler:
 
 
 def _request(stops: list[str]) -> Request:
-    return Request("r", 0, [0], SamplingParams(max_tokens=10_000, stop=stops))
+    return Request(NewRequest("r", [0], SamplingParams(max_tokens=10_000, stop=stops)), 0)
 
 
 @settings(max_examples=300, deadline=None)
