@@ -228,23 +228,9 @@ def _metrics_port(text: str) -> int | None:
     "and dashboards scrape.",
 )
 @grpc_options
-@click.option(
-    "--inject-faults",
-    envvar="SLOSERVE_INJECT_FAULTS",
-    default="",
-    metavar="SPEC",
-    help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
-    "(see sloserve.testing.faults) [default: off]. Refused unless --allow-fault-injection.",
-)
-@click.option(
-    "--allow-fault-injection",
-    envvar="SLOSERVE_ALLOW_FAULT_INJECTION",
-    is_flag=True,
-    hidden=True,
-    help="Tests only: let --inject-faults act (clients trigger faults by request id).",
-)
-def serve(**kwargs) -> None:
+def serve(make_core=None, **kwargs) -> None:
     """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
+    # NOTE: `make_core` is no flag: python -m sloserve.testing.serve_faults passes a fault-injecting core
     engine_opts = pop_engine_options(kwargs)
     http_limits = pop_http_limits(kwargs)
     grpc_config = pop_grpc_config(kwargs)
@@ -287,18 +273,7 @@ def serve(**kwargs) -> None:
         raise CliError("--max-prompt-tokens must be >= 1")
     if server.grace_s < 0:
         raise CliError("--grace must be >= 0 seconds")
-    config = build_config(engine_opts, server, faults=kwargs["inject_faults"], grpc=grpc_config)
-    if config.faults:
-        if not kwargs["allow_fault_injection"]:
-            raise CliError(
-                "--inject-faults is for tests only (any client can trigger a fault through its request "
-                "id); a test that means it sets SLOSERVE_ALLOW_FAULT_INJECTION=1"
-            )
-        click.echo(
-            f"WARNING: fault injection is ON ({config.faults}): any client can fail or stall requests "
-            "through its request id. Never run this in production.",
-            err=True,
-        )
+    config = build_config(engine_opts, server, grpc=grpc_config)
     if config.parallel.node_rank > 0:
         sys.exit(_serve_node(config))
     http = _http_config(kwargs, http_limits)
@@ -314,7 +289,7 @@ def serve(**kwargs) -> None:
     from sloserve.serve import main as serve_main
 
     try:
-        code = serve_main(config, http=http)
+        code = serve_main(config, http=http, make_core=make_core)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     sys.exit(code)

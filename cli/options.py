@@ -237,7 +237,6 @@ def engine_options(fn: Callable) -> Callable:
 def build_config(
     opts: dict[str, Any],
     server: ServerConfig | None = None,
-    faults: str = "",
     grpc: GrpcConfig | None = None,
 ) -> SloserveConfig:
     """SloserveConfig from the engine flags; every ValueError becomes a one-line CliError."""
@@ -295,7 +294,6 @@ def build_config(
                 master_addr=opts.get("master_addr", "127.0.0.1"),
                 master_port=opts.get("master_port"),
             ),
-            faults=faults,
         )
     except ValueError as exc:
         raise CliError(with_flag(str(exc))) from None
@@ -314,7 +312,6 @@ _FLAGS = (
     ("max stop string chars", "--max-stop-string-chars"),
     ("max stop token ids", "--max-stop-token-ids"),
     ("log format", "--log-format"),
-    ("fault rule", "--inject-faults"),
     ("expert slots", "--expert-slots-per-layer"),
     ("expert memory", "--expert-memory"),
     ("memory budget", "--memory-budget"),

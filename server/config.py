@@ -453,13 +453,6 @@ class SloserveConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
-    faults: str = ""  # fault injection for tests (sloserve.testing.faults); empty = off
-
-    def __post_init__(self) -> None:
-        # NOTE: torch-free; validates the spec once, here
-        from sloserve.testing.faults import FaultPlan
-
-        FaultPlan.parse(self.faults)
 
     @classmethod
     def naive(cls, **model_kw) -> SloserveConfig:
