@@ -22,7 +22,7 @@ from sloserve.cli.common import (
     parse_server,
     rpc_error,
 )
-from sloserve.cli.options import build_config, engine_options, pop_engine_options, with_engine
+from sloserve.cli.options import build_config, engine_options, with_engine
 from sloserve.errors import InvalidRequestError, RequestRefusedError
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
@@ -117,10 +117,9 @@ def generate(
     **kwargs,
 ) -> None:
     """Generate a completion of PROMPT, printing text as it streams."""
-    engine_opts = pop_engine_options(kwargs)
     if not prompt:
         raise CliError("PROMPT is empty: give the text to complete")
-    if server is not None and engine_opts["model"] != "default":
+    if server is not None and kwargs["model"] != "default":
         raise CliError(
             "give either --server (use a running server) or --model (load in process), not both"
         )
@@ -150,8 +149,8 @@ def generate(
             )
         )
     else:
-        check_model(engine_opts["model"])
-        config = build_config(engine_opts)
+        check_model(kwargs["model"])
+        config = build_config(kwargs)
         if not as_json and config.model.path in RANDOM_MODELS:
             click.echo(RANDOM_WEIGHTS_NOTE.format(model=config.model.path), err=True)
         result = asyncio.run(

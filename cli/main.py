@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,17 +25,15 @@ from sloserve.cli.common import (
     rpc_error,
 )
 from sloserve.cli.generate import generate
-from sloserve.cli.http_options import http_limit_options, pop_http_limits
 from sloserve.cli.options import (
     build_config,
+    config_options,
     engine_options,
-    grpc_options,
-    pop_engine_options,
-    pop_grpc_config,
+    pop_config,
     with_engine,
-    with_flag,
 )
-from sloserve.config import ServerConfig
+from sloserve.config import GrpcConfig, ServerConfig
+from sloserve.http.config import HttpConfig
 from sloserve.openmp import default_waiting
 
 
@@ -66,242 +65,32 @@ def _http_port(text: str) -> int | None:
     return int(text)
 
 
-def _metrics_port(text: str) -> int | None:
-    if text.lower() == "off":
-        return None
-    if not text.isdigit() or int(text) > 65535:
-        raise CliError(f"--metrics-port must be a port in 0..65535 or 'off', got {text!r}")
-    return int(text)
-
-
 @cli.command(cls=OneLineCommand)
 @engine_options
-@click.option(
-    "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all)."
-)
-@click.option(
-    "--port", default=50051, show_default=True, type=int, help="gRPC port (0 picks a free one)."
-)
-@click.option(
-    "--metrics-port", default="9464", show_default=True, help="Prometheus port, or 'off'."
-)
+@config_options(ServerConfig, HttpConfig, GrpcConfig)
 @click.option(
     "--http-port",
     default="8000",
     show_default=True,
     help="OpenAI-compatible HTTP API port; 'auto' picks a free one; 'off' or 0 serves gRPC only.",
 )
-@click.option(
-    "--chat-template",
-    default=None,
-    metavar="FILE",
-    help="Jinja chat template for /v1/chat/completions [default: the checkpoint's tokenizer_config.json].",
-)
-@click.option(
-    "--served-model-name", default=None, help="Model id of the HTTP API [default: --model]."
-)
-@click.option(
-    "--auth-token",
-    "--api-key",
-    "auth_token",
-    envvar="SLOSERVE_AUTH_TOKEN",
-    default=None,
-    help="Require 'authorization: Bearer TOKEN' on every call (--api-key: vLLM's name for it).",
-)
 @click.option("--auth-token-file", default=None, help="Read the bearer token from this file.")
-@click.option("--tls-cert", default=None, help="PEM certificate chain (TLS on; needs --tls-key).")
-@click.option("--tls-key", default=None, help="PEM private key of --tls-cert.")
-@click.option(
-    "--tls-ca",
-    default=None,
-    help="PEM CA certificates: clients must present a certificate signed by "
-    "one of them (mTLS) on the gRPC, HTTP and metrics ports; needs --tls-cert.",
-)
-@click.option(
-    "--metrics-host",
-    default=None,
-    help="Address the Prometheus port binds, e.g. 127.0.0.1 to keep it local [default: --host].",
-)
-@click.option(
-    "--metrics-token",
-    envvar="SLOSERVE_METRICS_TOKEN",
-    default=None,
-    help="Require 'authorization: Bearer TOKEN' on the Prometheus port [default: open].",
-)
-@click.option(
-    "--max-tokens-limit",
-    default=4096,
-    show_default=True,
-    type=int,
-    help="Largest max_tokens accepted.",
-)
-@click.option(
-    "--max-logprobs",
-    default=20,
-    show_default=True,
-    type=int,
-    help="Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).",
-)
-@click.option(
-    "--max-n",
-    default=16,
-    show_default=True,
-    type=int,
-    help="Most choices (n) one request may ask for.",
-)
-@click.option(
-    "--max-prompts-per-request",
-    default=64,
-    show_default=True,
-    type=int,
-    help="Most prompts one /v1/completions request may batch (a list of prompts).",
-)
-@click.option(
-    "--max-prompt-tokens",
-    default=None,
-    type=int,
-    help="Longest prompt accepted [default: context length].",
-)
-@click.option(
-    "--max-stop-strings",
-    default=16,
-    show_default=True,
-    type=int,
-    help="Most stop strings one request may give (0: none allowed).",
-)
-@click.option(
-    "--max-stop-string-chars",
-    default=256,
-    show_default=True,
-    type=int,
-    help="Longest stop string accepted, in characters.",
-)
-@click.option(
-    "--max-stop-token-ids",
-    default=64,
-    show_default=True,
-    type=int,
-    help="Most stop_token_ids one request may give (0: none allowed).",
-)
-@click.option(
-    "--grace",
-    default=10.0,
-    show_default=True,
-    type=float,
-    help="Seconds in-flight requests get to finish on SIGTERM/SIGINT.",
-)
-@click.option(
-    "--log-format", default="text", show_default=True, type=click.Choice(["text", "json"])
-)
-@click.option(
-    "--engine-process/--no-engine-process",
-    default=True,
-    show_default=True,
-    help="Run the engine in a process of its own (off: a thread of the server process).",
-)
-@click.option(
-    "--idle-spin",
-    default=1.0,
-    show_default=True,
-    type=float,
-    metavar="SECONDS",
-    help="The engine process keeps polling for input this long after its last step before it sleeps: "
-    "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).",
-)
-@click.option(
-    "--frontends",
-    default=1,
-    show_default=True,
-    type=int,
-    metavar="N",
-    help="Front-end processes (gRPC + HTTP intake, tokenizing) sharing one engine process and the same "
-    "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
-    "metrics, front end k on --metrics-port + k.",
-)
-@http_limit_options
-@click.option(
-    "--metrics-compat",
-    default="none",
-    show_default=True,
-    type=click.Choice(["none", "vllm"]),
-    help="vllm: also export the vllm:-named series gateways (the Inference Extension's endpoint picker) "
-    "and dashboards scrape.",
-)
-@grpc_options
-@click.option(
-    "--inject-faults",
-    envvar="SLOSERVE_INJECT_FAULTS",
-    default="",
-    metavar="SPEC",
-    help="FOR TESTS ONLY: fault rules such as 'fail-forward:poison,slow-step:slow=0.05' "
-    "(see sloserve.testing.faults) [default: off]. Refused unless --allow-fault-injection.",
-)
-@click.option(
-    "--allow-fault-injection",
-    envvar="SLOSERVE_ALLOW_FAULT_INJECTION",
-    is_flag=True,
-    hidden=True,
-    help="Tests only: let --inject-faults act (clients trigger faults by request id).",
-)
-def serve(**kwargs) -> None:
+def serve(make_core=None, **kwargs) -> None:
     """Serve a model over gRPC and an OpenAI-compatible HTTP API until SIGTERM/SIGINT (then drain, exit 0)."""
-    engine_opts = pop_engine_options(kwargs)
-    http_limits = pop_http_limits(kwargs)
-    grpc_config = pop_grpc_config(kwargs)
-    check_model(engine_opts["model"])
-    token = read_token(kwargs["auth_token"], kwargs["auth_token_file"])
-    for flag in ("tls_cert", "tls_key", "tls_ca"):
+    # NOTE: `make_core` is no flag: python -m sloserve.testing.serve_faults passes a fault-injecting core
+    check_model(kwargs["model"])
+    token = kwargs["auth_token"] = read_token(kwargs["auth_token"], kwargs.pop("auth_token_file"))
+    for flag in ("tls_cert", "tls_key", "tls_ca", "chat_template"):
         path = kwargs[flag]
         if path is not None and not Path(path).is_file():
             raise CliError(f"--{flag.replace('_', '-')} {path!r} is not a readable file")
-    try:
-        server = ServerConfig(
-            host=kwargs["host"],
-            port=kwargs["port"],
-            metrics_port=_metrics_port(kwargs["metrics_port"]),
-            auth_token=token,
-            tls_cert=kwargs["tls_cert"],
-            tls_key=kwargs["tls_key"],
-            tls_ca=kwargs["tls_ca"],
-            metrics_host=kwargs["metrics_host"],
-            metrics_token=kwargs["metrics_token"],
-            max_tokens_limit=kwargs["max_tokens_limit"],
-            max_prompt_tokens=kwargs["max_prompt_tokens"],
-            max_logprobs=kwargs["max_logprobs"],
-            max_n=kwargs["max_n"],
-            max_stop_strings=kwargs["max_stop_strings"],
-            max_stop_string_chars=kwargs["max_stop_string_chars"],
-            max_stop_token_ids=kwargs["max_stop_token_ids"],
-            max_prompts_per_request=kwargs["max_prompts_per_request"],
-            grace_s=kwargs["grace"],
-            log_format=kwargs["log_format"],
-            engine_process=kwargs["engine_process"],
-            idle_spin_s=kwargs["idle_spin"],
-            frontends=kwargs["frontends"],
-            metrics_compat=kwargs["metrics_compat"],
-            served_model_name=kwargs["served_model_name"],
-        )
-    except ValueError as exc:
-        raise CliError(with_flag(str(exc))) from None
-    if server.max_prompt_tokens is not None and server.max_prompt_tokens < 1:
-        raise CliError("--max-prompt-tokens must be >= 1")
-    if server.grace_s < 0:
-        raise CliError("--grace must be >= 0 seconds")
-    config = build_config(engine_opts, server, faults=kwargs["inject_faults"], grpc=grpc_config)
-    if config.faults:
-        if not kwargs["allow_fault_injection"]:
-            raise CliError(
-                "--inject-faults is for tests only (any client can trigger a fault through its request "
-                "id); a test that means it sets SLOSERVE_ALLOW_FAULT_INJECTION=1"
-            )
-        click.echo(
-            f"WARNING: fault injection is ON ({config.faults}): any client can fail or stall requests "
-            "through its request id. Never run this in production.",
-            err=True,
-        )
+    port = _http_port(kwargs.pop("http_port"))
+    config = build_config(kwargs)
+    server = config.server
+    http = pop_config(kwargs, HttpConfig, model_name=server.served_model_name)
+    http = None if port is None else dataclasses.replace(http, port=port)
     if config.parallel.node_rank > 0:
         sys.exit(_serve_node(config))
-    http = _http_config(kwargs, http_limits)
     click.echo(
         f"sloserve {__version__}: serving {config.model.path!r} on {server.host}:{server.port}"
         f" ({'mTLS' if server.tls_ca else 'TLS' if server.tls_cert else 'plaintext'}, "
@@ -314,7 +103,7 @@ def serve(**kwargs) -> None:
     from sloserve.serve import main as serve_main
 
     try:
-        code = serve_main(config, http=http)
+        code = serve_main(config, http=http, make_core=make_core)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     sys.exit(code)
@@ -336,24 +125,6 @@ def _serve_node(config) -> int:
         return serve_node(config)
     except ValueError as exc:
         raise CliError(f"cannot load model {config.model.path!r}: {exc}") from None
-
-
-def _http_config(kwargs: dict, limits: dict):
-    """The HTTP edge's settings, or None for --http-port off."""
-    from sloserve.http.config import HttpConfig
-
-    port = _http_port(kwargs["http_port"])
-    template = kwargs["chat_template"]
-    if template is not None and not Path(template).is_file():
-        raise CliError(f"--chat-template {template!r} is not a readable file")
-    if port is None:
-        return None
-    try:
-        return HttpConfig(
-            port=port, chat_template=template, model_name=kwargs["served_model_name"], **limits
-        )
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
 
 
 INFO_KEYS = (
@@ -397,14 +168,13 @@ INFO_KEYS = (
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(server, auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Server state (loading, serving, draining, engine_dead), model, limits and live engine statistics."""
-    engine_opts = pop_engine_options(kwargs)
     if server is not None:
         data = asyncio.run(
             _remote_info(parse_server(server), auth_token, (tls_ca, tls_cert, tls_key), timeout)
         )
     else:
-        check_model(engine_opts["model"])
-        data = asyncio.run(with_engine(build_config(engine_opts), _local_info))
+        check_model(kwargs["model"])
+        data = asyncio.run(with_engine(build_config(kwargs), _local_info))
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sloserve.hotpath import MAX_EXPERT_ENTRIES, MAX_QUEUE_CAPACITY
 
@@ -44,112 +46,253 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def _require(ok: bool, message: str) -> None:
+def port_or_off(text: str) -> int | None:
+    """'9464' -> 9464, 'off' -> None (a port flag that can be turned off)."""
+    if text.lower() == "off":
+        return None
+    if not text.isdigit() or int(text) > 65535:
+        raise ValueError(f"must be a port in 0..65535 or 'off', got {text!r}")
+    return int(text)
+
+
+class ConfigError(ValueError):
+    """A field's value is refused; `field` names it, so the CLI can name the flag that sets it.
+
+    A message that starts with "must" is said of the field itself: str() is "FIELD must ...", the
+    CLI's "--FLAG must ..."; any other message is a sentence of its own ("--FLAG: message").
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}" if message.startswith("must") else message)
+        self.field = field
+        self.message = message
+
+
+def require(ok: bool, field: str, message: str) -> None:
+    """Raise ConfigError(field, message) unless `ok`."""
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(field, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """The command-line flag of a config field (sloserve.cli.options makes its click option).
+
+    name: "--max-batch"; a bool's off-switch is "--no-..." unless named ("--enforce-eager/--compile").
+    parse: the flag is text that this turns into the field's value (a size, a port or 'off');
+    shown: the default as help shows it, where that is not the field's default as text.
+    """
+
+    name: str
+    help: str
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None
+    shown: str | None = None
+    aliases: tuple[str, ...] = ()
+    envvar: str | None = None
+    metavar: str | None = None
+
+
+def flag(default: Any, name: str, help: str, **kw: Any) -> Any:
+    """A field set by a command-line flag: the one place a knob, its flag and its help are written."""
+    return field(default=default, metadata={"flag": Flag(name, help, **kw)})
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "triton")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    path: str = "default"  # a local Hugging Face folder, or 'default' / 'default-moe'
-    device: str = "auto"  # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'
-    dtype: str = (
-        "auto"  # 'auto' (float32 on CPU, bfloat16 on GPU), 'float32', 'bfloat16', 'float16'
+    path: str = flag(
+        "default",
+        "--model",
+        "A Hugging Face checkpoint folder, or a built-in model: 'default' (3M Llama trained on "
+        "ARC grids), 'default-random' / 'default-moe' (random weights).",
     )
-    attention_backend: str = "auto"  # 'auto', 'reference', 'sdpa', 'flash', 'triton'
-    max_model_len: int | None = None  # defaults to the checkpoint's max_position_embeddings
-    # True: run the decode step eagerly; False: torch.compile it (batch buckets, warmed at start-up);
-    # None: the device's default, eager on a CPU (compiling costs ~30 s per shape there and pays
-    # only at small batches; see executor/compiled.py)
-    enforce_eager: bool | None = None
-    # Dense projections of a float32 model on a CPU: 'auto'/'onednn' pack the weights for oneDNN
-    # (AVX-512 where MKL runs AVX2; the projections are then held twice), 'blas' keeps torch's
-    # F.linear (see layers/linear.py). 'onednn' is an error where it cannot run; 'auto' falls back.
-    cpu_gemm: str = "auto"
-    # Host memory on a CPU: 'keep' raises glibc's mmap and trim thresholds so a step's activations
-    # reuse heap pages instead of faulting fresh ones in (executor/host_memory.py); RSS then stays
-    # at its peak. 'system' leaves malloc as it is.
-    host_malloc: str = "keep"
-    grammar_cache: int = (
-        64  # structured output: compiled grammars kept per engine (LRU), one per distinct spec
+    device: str = flag("auto", "--device", "auto, cpu, cuda or cuda:N.")
+    dtype: str = flag(
+        "auto",
+        "--dtype",
+        "Weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU).",
+        choices=DTYPES,
+    )
+    attention_backend: str = flag(
+        "auto",
+        "--attention-backend",
+        "Attention kernel (auto picks the best available).",
+        choices=ATTENTION_BACKENDS,
+    )
+    max_model_len: int | None = flag(
+        None, "--max-model-len", "Context length [default: the checkpoint's]."
+    )
+    # NOTE: eager on a CPU by default: compiling costs ~30 s per shape there and pays only at
+    # small batches (see executor/compiled.py)
+    enforce_eager: bool | None = flag(
+        None,
+        "--enforce-eager/--compile",
+        "Run the decode step eagerly, or compile it: on a GPU, decode steps are captured in "
+        "CUDA graphs per batch bucket at start-up unless --enforce-eager; on a CPU, --compile "
+        "torch.compiles them [default: graphs on a GPU, eager on a CPU].",
+    )
+    # NOTE: 'onednn' is an error where it cannot run; 'auto' falls back (see layers/linear.py)
+    cpu_gemm: str = flag(
+        "auto",
+        "--cpu-gemm",
+        "Dense projections of a float32 model on a CPU: oneDNN on weights packed at load (auto "
+        "uses it where torch has it; the projections are then held twice), or torch's BLAS.",
+        choices=("auto", "onednn", "blas"),
+    )
+    # NOTE: 'keep' raises glibc's mmap and trim thresholds (executor/host_memory.py)
+    host_malloc: str = flag(
+        "keep",
+        "--host-malloc",
+        "On a CPU, keep freed activation memory in the heap (glibc thresholds raised: no page "
+        "faults per step, RSS stays at its peak), or leave malloc as it is.",
+        choices=("keep", "system"),
+    )
+    grammar_cache: int = flag(
+        64,
+        "--grammar-cache",
+        "Structured output: compiled grammars the engine keeps (LRU), one per distinct "
+        "schema, regex or grammar.",
     )
 
     def __post_init__(self) -> None:
-        _require(self.grammar_cache >= 1, f"grammar cache must be >= 1, got {self.grammar_cache}")
-        _require(
+        require(
+            self.grammar_cache >= 1,
+            "grammar_cache",
+            f"grammar cache must be >= 1, got {self.grammar_cache}",
+        )
+        require(
             self.host_malloc in ("keep", "system"),
+            "host_malloc",
             f"host malloc must be keep or system, got {self.host_malloc!r}",
         )
-        _require(
+        require(
             self.cpu_gemm in ("auto", "onednn", "blas"),
+            "cpu_gemm",
             f"cpu gemm must be auto, onednn or blas, got {self.cpu_gemm!r}",
         )
-        _require(
-            bool(self.path), "model path must not be empty (use 'default' for the built-in model)"
+        require(
+            bool(self.path),
+            "path",
+            "model path must not be empty (use 'default' for the built-in model)",
         )
-        _require(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+        require(
+            bool(_DEVICE_RE.match(self.device)),
+            "device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        require(
+            self.dtype in DTYPES,
+            "dtype",
             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
         )
-        _require(
-            self.attention_backend in ("auto", "reference", "sdpa", "flash", "triton"),
+        require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
             f"attention backend must be auto, reference, sdpa, flash or triton, got {self.attention_backend!r}",
         )
-        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
+        require(
+            self.max_model_len is None or self.max_model_len > 0,
+            "max_model_len",
+            "max_model_len must be > 0",
+        )
 
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int | None = (
-        None  # tokens per KV page; None: the attention backend's (flash 256, else 16)
+    block_size: int | None = flag(
+        None,
+        "--block-size",
+        "Tokens per KV page [default: what the attention backend wants: 256 for flash-attn, else 16].",
     )
-    kv_pool_bytes: int | None = None  # None: a default that suits the device (see memory.pool)
+    kv_pool_bytes: int | None = flag(
+        None,
+        "--kv-pool-size",
+        "Bytes for the KV cache pool, e.g. 512MiB or 2GiB [default: suits the device].",
+        parse=parse_size,
+    )
     gpu_memory_fraction: float = 0.85  # used on a GPU when kv_pool_bytes is None
     arena_bytes: int | None = None  # None: 256 MiB on GPU, 16 MiB on CPU
     swap_bytes: int = 256 * 1024**2  # host pool for swap preemption (pinned on CUDA)
-    prefix_cache: bool = True
+    prefix_cache: bool = flag(
+        True, "--prefix-cache", "Reuse the KV of prompt prefixes already computed."
+    )
     # MoE expert residency (see executor/residency.py). At most one of the two explicit settings:
-    expert_slots_per_layer: int | None = (
-        None  # routed experts resident per MoE layer; None: automatic
+    expert_slots_per_layer: int | None = flag(
+        None,
+        "--expert-slots-per-layer",
+        "MoE: routed experts per layer kept on the device (the rest in host memory, copied "
+        "in when routed to) [default: all, or what --memory-budget allows].",
     )
-    expert_memory_bytes: int | None = (
-        None  # device bytes for expert slots (-> slots per layer); None: automatic
+    expert_memory_bytes: int | None = flag(
+        None,
+        "--expert-memory",
+        "MoE: device bytes for resident experts, e.g. 8GiB (instead of --expert-slots-per-layer).",
+        parse=parse_size,
     )
-    # Device bytes for experts + KV pool + workspaces (dense weights not included). None: on a GPU,
-    # gpu_memory_fraction of the memory free after the dense weights; on a CPU, no limit. When all
-    # experts plus the minimum KV pool do not fit, only some experts per layer stay resident.
-    memory_budget_bytes: int | None = None
-    expert_preload: bool = (
-        True  # partial residency: pin the most routed experts, prefetch predicted ones
+    # Dense weights not included; on a GPU the default is gpu_memory_fraction of what is free
+    # after them.
+    memory_budget_bytes: int | None = flag(
+        None,
+        "--memory-budget",
+        "Device bytes for MoE experts + KV pool + workspaces, e.g. 40GiB [default: on a GPU "
+        "the memory fraction of what is free after the dense weights; on a CPU no limit]. "
+        "When all experts and the minimum KV pool do not fit, only some experts stay resident.",
+        parse=parse_size,
+    )
+    expert_preload: bool = flag(
+        True,
+        "--expert-preload",
+        "MoE with partial residency: pin the most routed experts and prefetch each layer's "
+        "predicted experts (off: load experts only when routed to).",
     )
 
     def __post_init__(self) -> None:
         bs = self.block_size
-        _require(
+        require(
             bs is None or (bs > 0 and bs & (bs - 1) == 0),
+            "block_size",
             f"block_size must be a power of two, got {bs}",
         )
-        _require(
-            self.kv_pool_bytes is None or self.kv_pool_bytes > 0, "kv pool size must be > 0 bytes"
+        require(
+            self.kv_pool_bytes is None or self.kv_pool_bytes > 0,
+            "kv_pool_bytes",
+            "kv pool size must be > 0 bytes",
         )
-        _require(0.0 < self.gpu_memory_fraction <= 1.0, "gpu memory fraction must be in (0, 1]")
-        _require(self.swap_bytes >= 0, "swap space must be >= 0 bytes")
+        require(
+            0.0 < self.gpu_memory_fraction <= 1.0,
+            "gpu_memory_fraction",
+            "gpu memory fraction must be in (0, 1]",
+        )
+        require(self.swap_bytes >= 0, "swap_bytes", "swap space must be >= 0 bytes")
         slots = self.expert_slots_per_layer
-        _require(
+        require(
             slots is None or slots <= MAX_EXPERT_ENTRIES,
+            "expert_slots_per_layer",
             f"expert slots per layer must be <= {MAX_EXPERT_ENTRIES}, got {slots}",
         )
-        _require(slots is None or slots >= 1, f"expert slots per layer must be >= 1, got {slots}")
-        _require(
+        require(
+            slots is None or slots >= 1,
+            "expert_slots_per_layer",
+            f"expert slots per layer must be >= 1, got {slots}",
+        )
+        require(
             self.expert_memory_bytes is None or self.expert_memory_bytes > 0,
+            "expert_memory_bytes",
             "expert memory must be > 0 bytes",
         )
-        _require(
+        require(
             slots is None or self.expert_memory_bytes is None,
+            "expert_slots_per_layer",
             "expert slots per layer and expert memory both set residency: give only one",
         )
-        _require(
+        require(
             self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+            "memory_budget_bytes",
             "memory budget must be > 0 bytes",
         )
 
@@ -161,17 +304,36 @@ DEFAULT_SCHEDULER_STEPS = 8  # 8 beat 4 on TPOT at concurrency 1 (docs/design/cp
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    policy: str = "slo"  # 'slo' (deadlines), 'priority' (integer priority, then arrival) or 'fifo'
-    # slo policy only: compose each step from deadlines (who decodes, how big a prefill chunk)
-    # and preempt the running request with the most slack; off = urgency order, least urgent victim
-    deadline_steps: bool = True
-    slack_preemption: bool = True
-    # slo policy: aim each end-to-end deadline this share of its objective early (what the client
-    # counts beyond the engine's clock: the trip in, the last token's way out, a late step's jitter)
-    finish_margin: float = 0.05
-    max_batch: int = 64  # most requests running at once
+    policy: str = flag(
+        "slo",
+        "--policy",
+        "Who runs next: slo (steps composed from deadlines), priority (the request's "
+        "integer priority, lower first, then arrival) or fifo (arrival order).",
+        choices=POLICIES,
+    )
+    # Off: urgency order, and the least urgent request is the preemption victim.
+    deadline_steps: bool = flag(
+        True,
+        "--deadline-steps",
+        "slo policy: compose each step from deadlines (who decodes, how big a prefill chunk).",
+    )
+    slack_preemption: bool = flag(
+        True,
+        "--slack-preemption",
+        "slo policy: preempt the running request with the most slack (off: the least urgent).",
+    )
+    # What the client counts beyond the engine's clock: the trip in, the last token's way out,
+    # a late step's jitter.
+    finish_margin: float = flag(
+        0.05,
+        "--finish-margin",
+        "slo policy: aim each end-to-end deadline this share of its objective early.",
+    )
+    max_batch: int = flag(64, "--max-batch", "Most requests running at once.")
     max_batched_tokens: int = 2048  # token budget of one step
-    chunked_prefill: bool = True
+    chunked_prefill: bool = flag(
+        True, "--chunked-prefill", "Split long prompts across steps so decodes keep flowing."
+    )
     prefill_chunk: int = (
         512  # longest prefill chunk of one request in a step others share (alone: the budget)
     )
@@ -181,148 +343,252 @@ class SchedulerConfig:
         False  # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
     )
     aging: float = 0.95  # key multiplier per step waited
-    max_wait_s: float = (
-        2.0  # starvation bound; the write-up's 200 ms cost goodput (docs/scheduling.md)
+    # NOTE: the write-up's 200 ms cost goodput (docs/scheduling.md)
+    max_wait_s: float = flag(
+        2.0,
+        "--max-wait",
+        "Starvation bound, seconds: every request is offered a step after waiting this long.",
     )
     length_weight_s: float = 1e-4  # seconds of urgency per prompt token
     default_ttft_s: float = 2.0  # first-token objective when a request gives none
     max_waiting: int = 1024  # admission: queue cap
     queue_timeout_s: float = 30.0  # admission: longest wait before refusal
-    admission_control: bool = True  # refuse requests whose SLO cannot be met
-    # Decode steps run back to back per schedule when every running request decodes and none
-    # waits (Scheduler._run_length): the scheduler, output and IPC work is paid once per run.
-    num_scheduler_steps: int = DEFAULT_SCHEDULER_STEPS
+    admission_control: bool = flag(
+        True, "--admission-control", "Refuse early a request whose objectives cannot be met."
+    )
+    # Scheduler._run_length: the scheduler, output and IPC work is paid once per run.
+    num_scheduler_steps: int = flag(
+        DEFAULT_SCHEDULER_STEPS,
+        "--num-scheduler-steps",
+        "Decode steps run back to back per schedule while every running request "
+        "decodes and none waits (the per-step scheduling and output work is paid "
+        "once per run; tokens stream in runs of this many).",
+    )
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.policy in POLICIES,
+            "policy",
             f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}",
         )
-        _require(
+        require(
             0.0 <= self.finish_margin < 1.0,
+            "finish_margin",
             f"finish margin must be in [0, 1), got {self.finish_margin}",
         )
-        _require(self.max_batch >= 1, f"max batch must be >= 1, got {self.max_batch}")
-        _require(
+        require(self.max_batch >= 1, "max_batch", f"max batch must be >= 1, got {self.max_batch}")
+        require(
             1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS,
+            "num_scheduler_steps",
             f"num scheduler steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}",
         )
-        _require(self.max_batched_tokens >= 1, "max batched tokens must be >= 1")
-        _require(self.prefill_chunk >= 1, "prefill chunk must be >= 1")
-        _require(
+        require(
+            self.max_batched_tokens >= 1, "max_batched_tokens", "max batched tokens must be >= 1"
+        )
+        require(self.prefill_chunk >= 1, "prefill_chunk", "prefill chunk must be >= 1")
+        require(
             self.preemption_mode in ("swap", "recompute"),
+            "preemption_mode",
             f"preemption mode must be 'swap' or 'recompute', got {self.preemption_mode!r}",
         )
-        _require(
-            0.0 < self.batch_decay < 1.0, f"batch decay must be in (0, 1), got {self.batch_decay}"
+        require(
+            0.0 < self.batch_decay < 1.0,
+            "batch_decay",
+            f"batch decay must be in (0, 1), got {self.batch_decay}",
         )
-        _require(0.0 < self.aging <= 1.0, f"aging must be in (0, 1], got {self.aging}")
-        _require(
-            math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max wait must be > 0 seconds"
+        require(0.0 < self.aging <= 1.0, "aging", f"aging must be in (0, 1], got {self.aging}")
+        require(
+            math.isfinite(self.max_wait_s) and self.max_wait_s > 0,
+            "max_wait_s",
+            "max wait must be > 0 seconds",
         )
-        _require(self.length_weight_s >= 0, "length weight must be >= 0")
-        _require(self.max_waiting >= 1, "max waiting must be >= 1")
-        _require(
+        require(self.length_weight_s >= 0, "length_weight_s", "length weight must be >= 0")
+        require(self.max_waiting >= 1, "max_waiting", "max waiting must be >= 1")
+        require(
             self.max_waiting <= MAX_QUEUE_CAPACITY,
+            "max_waiting",
             f"max waiting must be <= {MAX_QUEUE_CAPACITY} (the hot-path queue's limit), got {self.max_waiting}",
         )
-        _require(self.queue_timeout_s > 0, "queue timeout must be > 0 seconds")
+        require(self.queue_timeout_s > 0, "queue_timeout_s", "queue timeout must be > 0 seconds")
 
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = 9464  # None disables the Prometheus endpoint
-    max_message_bytes: int = 16 * 1024**2
-    max_prompt_tokens: int | None = None  # None: the model's context length
-    max_tokens_limit: int = 4096
-    max_logprobs: int = (
-        20  # most top log-probabilities per token a request may ask for (OpenAI's limit)
+    host: str = flag("127.0.0.1", "--host", "Address to bind (0.0.0.0 for all).")
+    port: int = flag(50051, "--port", "gRPC port (0 picks a free one).")
+    metrics_port: int | None = flag(
+        9464, "--metrics-port", "Prometheus port, or 'off'.", parse=port_or_off
     )
-    max_n: int = 16  # most choices (n) one request may ask for
+    max_message_bytes: int = 16 * 1024**2
+    max_prompt_tokens: int | None = flag(
+        None, "--max-prompt-tokens", "Longest prompt accepted [default: context length]."
+    )
+    max_tokens_limit: int = flag(4096, "--max-tokens-limit", "Largest max_tokens accepted.")
+    max_logprobs: int = flag(
+        20,
+        "--max-logprobs",
+        "Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).",
+    )
+    max_n: int = flag(16, "--max-n", "Most choices (n) one request may ask for.")
     # Stop strings: OpenAI takes 4, TGI 4 by default; 16 leaves room for a chat template's end
     # markers plus a client's own, and 256 characters for any delimiter. At the limit a
     # request's automaton has <= 4096 nodes.
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 64  # stop_token_ids checked on every token: bounded like the strings
-    max_prompts_per_request: int = 64  # most prompts in one completions request (a list of prompts)
-    auth_token: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = (
-        None  # PEM CA bundle: clients must present a certificate it signed (mTLS), on every port
+    max_stop_strings: int = flag(
+        16, "--max-stop-strings", "Most stop strings one request may give (0: none allowed)."
     )
-    metrics_host: str | None = None  # address the Prometheus port binds [default: host]
-    metrics_token: str | None = None  # bearer token the Prometheus port requires (None: open)
-    grace_s: float = 10.0
-    log_format: str = "text"
-    engine_process: bool = (
-        True  # run EngineCore in a process of its own (False: a thread of this one)
+    max_stop_string_chars: int = flag(
+        256, "--max-stop-string-chars", "Longest stop string accepted, in characters."
     )
-    idle_spin_s: float = (
-        1.0  # engine process: keeps polling this long after its last step before it sleeps
+    max_stop_token_ids: int = flag(
+        64, "--max-stop-token-ids", "Most stop_token_ids one request may give (0: none allowed)."
     )
-    frontends: int = (
-        1  # front-end processes sharing the engine process and the ports (SO_REUSEPORT)
+    max_prompts_per_request: int = flag(
+        64,
+        "--max-prompts-per-request",
+        "Most prompts one /v1/completions request may batch (a list of prompts).",
     )
-    metrics_compat: str = (
-        "none"  # 'vllm': also export the vllm:-named series gateways and dashboards read
+    auth_token: str | None = flag(
+        None,
+        "--auth-token",
+        "Require 'authorization: Bearer TOKEN' on every call (--api-key: vLLM's name for it).",
+        aliases=("--api-key",),
+        envvar="SLOSERVE_AUTH_TOKEN",
     )
-    served_model_name: str | None = (
-        None  # the model_name label of every metric [default: the model path]
+    tls_cert: str | None = flag(
+        None, "--tls-cert", "PEM certificate chain (TLS on; needs --tls-key)."
+    )
+    tls_key: str | None = flag(None, "--tls-key", "PEM private key of --tls-cert.")
+    tls_ca: str | None = flag(
+        None,
+        "--tls-ca",
+        "PEM CA certificates: clients must present a certificate signed by "
+        "one of them (mTLS) on the gRPC, HTTP and metrics ports; needs --tls-cert.",
+    )
+    metrics_host: str | None = flag(
+        None,
+        "--metrics-host",
+        "Address the Prometheus port binds, e.g. 127.0.0.1 to keep it local [default: --host].",
+    )
+    metrics_token: str | None = flag(
+        None,
+        "--metrics-token",
+        "Require 'authorization: Bearer TOKEN' on the Prometheus port [default: open].",
+        envvar="SLOSERVE_METRICS_TOKEN",
+    )
+    grace_s: float = flag(
+        10.0, "--grace", "Seconds in-flight requests get to finish on SIGTERM/SIGINT."
+    )
+    log_format: str = flag(
+        "text", "--log-format", "Log lines as text or JSON.", choices=("text", "json")
+    )
+    engine_process: bool = flag(
+        True,
+        "--engine-process",
+        "Run the engine in a process of its own (off: a thread of the server process).",
+    )
+    idle_spin_s: float = flag(
+        1.0,
+        "--idle-spin",
+        "The engine process keeps polling for input this long after its last step before it sleeps: "
+        "a core kept awake serves the next prompt at full speed (0: sleep at once, to spare the CPU).",
+    )
+    frontends: int = flag(
+        1,
+        "--frontends",
+        "Front-end processes (gRPC + HTTP intake, tokenizing) sharing one engine process and the same "
+        "ports (SO_REUSEPORT): more requests a second can be taken in and refused. Each serves its own "
+        "metrics, front end k on --metrics-port + k.",
+        metavar="N",
+    )
+    metrics_compat: str = flag(
+        "none",
+        "--metrics-compat",
+        "vllm: also export the vllm:-named series gateways (the Inference Extension's endpoint picker) "
+        "and dashboards scrape.",
+        choices=("none", "vllm"),
+    )
+    served_model_name: str | None = flag(
+        None,
+        "--served-model-name",
+        "Model id of the HTTP API [default: --model].",
     )
 
     def __post_init__(self) -> None:
-        _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
-        _require(
+        require(0 <= self.port < 65536, "port", f"port must be in 0..65535, got {self.port}")
+        require(
             self.metrics_port is None or 0 <= self.metrics_port < 65536,
+            "metrics_port",
             "metrics port must be in 0..65535",
         )
-        _require(
+        require(
             (self.tls_cert is None) == (self.tls_key is None),
+            "tls_key",
             "TLS needs both --tls-cert and --tls-key",
         )
-        _require(
+        require(
             self.tls_ca is None or self.tls_cert is not None,
+            "tls_ca",
             "tls ca (client certificates) needs TLS on: give --tls-cert and --tls-key too",
         )
-        _require(
+        require(
             self.metrics_token is None or bool(self.metrics_token.strip()),
+            "metrics_token",
             "metrics token must not be empty",
         )
-        _require(self.log_format in ("text", "json"), "log format must be 'text' or 'json'")
-        _require(self.max_tokens_limit >= 1, "max tokens limit must be >= 1")
-        _require(self.max_logprobs >= 0, f"max logprobs must be >= 0, got {self.max_logprobs}")
-        _require(self.max_n >= 1, f"max n must be >= 1, got {self.max_n}")
-        _require(
+        require(
+            self.log_format in ("text", "json"), "log_format", "log format must be 'text' or 'json'"
+        )
+        require(
+            self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+            "max_prompt_tokens",
+            "must be >= 1",
+        )
+        require(self.max_tokens_limit >= 1, "max_tokens_limit", "max tokens limit must be >= 1")
+        require(
+            self.max_logprobs >= 0,
+            "max_logprobs",
+            f"max logprobs must be >= 0, got {self.max_logprobs}",
+        )
+        require(self.max_n >= 1, "max_n", f"max n must be >= 1, got {self.max_n}")
+        require(
             self.max_stop_strings >= 0,
+            "max_stop_strings",
             f"max stop strings must be >= 0, got {self.max_stop_strings}",
         )
-        _require(
+        require(
             self.max_stop_string_chars >= 1,
+            "max_stop_string_chars",
             f"max stop string chars must be >= 1, got {self.max_stop_string_chars}",
         )
-        _require(
+        require(
             self.max_stop_token_ids >= 0,
+            "max_stop_token_ids",
             f"max stop token ids must be >= 0, got {self.max_stop_token_ids}",
         )
-        _require(
+        require(
             self.max_prompts_per_request >= 1,
+            "max_prompts_per_request",
             f"max prompts per request must be >= 1, got {self.max_prompts_per_request}",
         )
-        _require(
+        require(self.grace_s >= 0, "grace_s", "must be >= 0 seconds")
+        require(
             0 <= self.idle_spin_s <= 60,
+            "idle_spin_s",
             f"idle spin must be in 0..60 seconds, got {self.idle_spin_s}",
         )
-        _require(1 <= self.frontends <= 64, f"frontends must be in 1..64, got {self.frontends}")
-        _require(
+        require(
+            1 <= self.frontends <= 64,
+            "frontends",
+            f"frontends must be in 1..64, got {self.frontends}",
+        )
+        require(
             self.frontends == 1 or self.engine_process,
+            "frontends",
             "frontends > 1 needs the engine in a process of its own (drop --no-engine-process)",
         )
-        _require(
+        require(
             self.metrics_compat in ("none", "vllm"),
+            "metrics_compat",
             f"metrics compat must be none or vllm, got {self.metrics_compat!r}",
         )
 
@@ -331,26 +597,80 @@ class ServerConfig:
 class GrpcConfig:
     """What one gRPC client may hold: streams, requests, queued output, idle time (docs/threat-model.md).
 
-    Durations are seconds; 0 turns an idle or age limit off. An error starts with the field's name
-    (the CLI puts its flag there).
+    Durations are seconds; 0 turns an idle or age limit off.
     """
 
-    max_request_id_length: int = 256  # characters of a request_id, printable ASCII only
-    max_streams: int = 1024  # Stream calls open at once, server-wide
-    max_streams_per_connection: int = 128  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
-    max_connections: int = 1024  # connections open at once; more are closed at accept
-    max_requests_per_stream: int = 512  # requests live on one Stream
-    stream_queue: int = 256  # messages waiting to go out on one Stream before it stops reading
-    stream_stall_s: float = (
-        30.0  # one write blocked this long (the client reads nothing) ends the Stream
+    max_request_id_length: int = flag(
+        256,
+        "--grpc-max-request-id-length",
+        "Longest request_id accepted, in characters (printable ASCII only).",
     )
-    stream_idle_s: float = 600.0  # a Stream with no live request and no message for this long ends
-    max_connection_idle_s: float = 900.0  # a connection with no call for this long gets GOAWAY
-    max_connection_age_s: float = 0.0  # a connection older than this gets GOAWAY (off by default)
-    max_connection_age_grace_s: float = 300.0  # then its calls get this long to finish
-    keepalive_time_s: float = 60.0  # ping an idle connection this often, to find dead peers
-    keepalive_timeout_s: float = 20.0  # a ping unanswered this long closes the connection
-    min_ping_interval_s: float = 10.0  # a client pinging more often without data is sent GOAWAY
+    max_streams: int = flag(
+        1024,
+        "--grpc-max-streams",
+        "Stream calls open at once, server-wide; more are refused RESOURCE_EXHAUSTED.",
+    )
+    max_streams_per_connection: int = flag(
+        128,
+        "--grpc-max-streams-per-connection",
+        "Concurrent calls on one connection (HTTP/2 MAX_CONCURRENT_STREAMS; more wait at the client).",
+    )
+    max_connections: int = flag(
+        1024, "--grpc-max-connections", "Connections open at once; more are closed at accept."
+    )
+    max_requests_per_stream: int = flag(
+        512,
+        "--grpc-max-requests-per-stream",
+        "Requests live on one Stream; more are refused RESOURCE_EXHAUSTED.",
+    )
+    stream_queue: int = flag(
+        256,
+        "--grpc-stream-queue",
+        "Messages waiting to be written on one Stream before the server stops reading it "
+        "(back-pressure).",
+    )
+    stream_stall_s: float = flag(
+        30.0,
+        "--grpc-stream-stall-timeout",
+        "Seconds one write may wait for a client that reads nothing before its Stream ends "
+        "RESOURCE_EXHAUSTED.",
+    )
+    stream_idle_s: float = flag(
+        600.0,
+        "--grpc-stream-idle-timeout",
+        "Seconds a Stream may stay open with no live request and no message before it ends "
+        "UNAVAILABLE (0: never).",
+    )
+    max_connection_idle_s: float = flag(
+        900.0,
+        "--grpc-max-connection-idle",
+        "Seconds a connection with no call stays open (then GOAWAY; 0: forever).",
+    )
+    max_connection_age_s: float = flag(
+        0.0,
+        "--grpc-max-connection-age",
+        "Seconds a connection may live (then GOAWAY; 0: forever).",
+    )
+    max_connection_age_grace_s: float = flag(
+        300.0,
+        "--grpc-max-connection-age-grace",
+        "Seconds the calls of a connection past its age get to finish.",
+    )
+    keepalive_time_s: float = flag(
+        60.0,
+        "--grpc-keepalive-time",
+        "Seconds between the server's pings on a quiet connection (finds dead peers).",
+    )
+    keepalive_timeout_s: float = flag(
+        20.0,
+        "--grpc-keepalive-timeout",
+        "Seconds a ping may go unanswered before the connection is closed.",
+    )
+    min_ping_interval_s: float = flag(
+        10.0,
+        "--grpc-min-ping-interval",
+        "Clients that ping more often than this without data are sent GOAWAY (too_many_pings).",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -362,10 +682,10 @@ class GrpcConfig:
             "stream_queue",
         ):
             value = getattr(self, name)
-            _require(1 <= value <= 2**31 - 1, f"{name} must be in 1..2147483647, got {value}")
+            require(1 <= value <= 2**31 - 1, name, f"must be in 1..2147483647, got {value}")
         for name in ("stream_stall_s", "keepalive_time_s", "keepalive_timeout_s"):
             value = getattr(self, name)
-            _require(math.isfinite(value) and value > 0, f"{name} must be > 0 seconds, got {value}")
+            require(math.isfinite(value) and value > 0, name, f"must be > 0 seconds, got {value}")
         for name in (
             "stream_idle_s",
             "max_connection_idle_s",
@@ -374,9 +694,10 @@ class GrpcConfig:
             "min_ping_interval_s",
         ):
             value = getattr(self, name)
-            _require(
+            require(
                 math.isfinite(value) and value >= 0,
-                f"{name} must be >= 0 seconds (0: off), got {value}",
+                name,
+                f"must be >= 0 seconds (0: off), got {value}",
             )
 
     def channel_options(self) -> list[tuple[str, int]]:
@@ -410,33 +731,57 @@ class ParallelConfig:
     node 0 runs rank 0 (the engine) and its local ranks, node k runs ranks k*per_node.. only.
     """
 
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (one node only)
+    tensor_parallel_size: int = flag(
+        1,
+        "--tensor-parallel-size",
+        "Ranks the model is split over (one process each; gloo on a CPU, NCCL on GPUs).",
+        aliases=("-tp",),
+    )
+    nnodes: int = flag(
+        1, "--nnodes", "Machines the tensor-parallel ranks span (torchrun's convention)."
+    )
+    node_rank: int = flag(
+        0,
+        "--node-rank",
+        "This machine's index among --nnodes: 0 serves; the others only run their ranks.",
+    )
+    master_addr: str = flag(
+        "127.0.0.1",
+        "--master-addr",
+        "Address of node 0, where the ranks meet (bind address on node 0).",
+    )
+    master_port: int | None = flag(
+        None,
+        "--master-port",
+        "Port on node 0 where the ranks meet [default: a free one; required with --nnodes > 1].",
+    )
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
             f"tensor parallel size must be >= 1, got {self.tensor_parallel_size}",
         )
-        _require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
-        _require(
+        require(self.nnodes >= 1, "nnodes", f"nnodes must be >= 1, got {self.nnodes}")
+        require(
             self.tensor_parallel_size % self.nnodes == 0,
+            "tensor_parallel_size",
             f"tensor parallel size {self.tensor_parallel_size} must be a multiple of nnodes {self.nnodes} "
             "(every node runs the same number of ranks)",
         )
-        _require(
+        require(
             0 <= self.node_rank < self.nnodes,
+            "node_rank",
             f"node rank must be in 0..{self.nnodes - 1}, got {self.node_rank}",
         )
-        _require(
+        require(
             self.master_port is None or 0 < self.master_port < 65536,
+            "master_port",
             f"master port must be in 1..65535, got {self.master_port}",
         )
-        _require(
+        require(
             self.nnodes == 1 or self.master_port is not None,
+            "master_port",
             "master port must be given when tensor parallelism spans nodes (--master-port)",
         )
 
@@ -453,13 +798,6 @@ class SloserveConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
-    faults: str = ""  # fault injection for tests (sloserve.testing.faults); empty = off
-
-    def __post_init__(self) -> None:
-        # NOTE: torch-free; validates the spec once, here
-        from sloserve.testing.faults import FaultPlan
-
-        FaultPlan.parse(self.faults)
 
     @classmethod
     def naive(cls, **model_kw) -> SloserveConfig:

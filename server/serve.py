@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from sloserve.config import SloserveConfig
@@ -20,15 +21,21 @@ from sloserve.logs import configure_logging
 log = logging.getLogger(__name__)
 
 
-def build_engine_client(config: SloserveConfig) -> EngineClient:
-    """The engine client: an engine process of its own (--engine-process, default) or an in-process thread."""
+def build_engine_client(
+    config: SloserveConfig, make_core: Callable[..., Any] | None = None
+) -> EngineClient:
+    """The engine client: an engine process of its own (--engine-process, default) or an in-process thread.
+
+    `make_core` replaces EngineCore where the core is built (sloserve.testing wraps it with faults).
+    """
+    factory = {} if make_core is None else {"make_core": make_core}
     if config.server.engine_process:
         from sloserve.engine.mp_client import MPEngineClient
 
-        return MPEngineClient(config)
+        return MPEngineClient(config, **factory)
     from sloserve.engine import AsyncEngine
 
-    return AsyncEngine(config)
+    return AsyncEngine(config, **factory)
 
 
 async def start_edges(
@@ -52,15 +59,19 @@ async def start_edges(
 
 
 async def run(
-    config: SloserveConfig, engine: EngineClient | None = None, http: HttpConfig | None = None
+    config: SloserveConfig,
+    engine: EngineClient | None = None,
+    http: HttpConfig | None = None,
+    make_core: Callable[..., Any] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (drain, exit 0) or a dead engine (exit 1); returns the exit code.
 
     `http` None serves gRPC only. A model that cannot be loaded (a ValueError such as
     CheckpointError) is raised as ValueError, which the CLI prints as one line with exit status 2.
+    `make_core` builds the engine core instead of EngineCore (see build_engine_client).
     """
     if engine is None:
-        engine = build_engine_client(config)
+        engine = build_engine_client(config, make_core)
     lifecycle = await start_edges(config, engine, http)
     others = _start_other_frontends(config, engine, lifecycle, http)
     stop = asyncio.Event()
@@ -130,7 +141,11 @@ def run_frontend(config: SloserveConfig, http: HttpConfig | None, link: Any) -> 
     sys.exit(code)
 
 
-def main(config: SloserveConfig, http: HttpConfig | None = None) -> int:
+def main(
+    config: SloserveConfig,
+    http: HttpConfig | None = None,
+    make_core: Callable[..., Any] | None = None,
+) -> int:
     """Configure logging and run the server in a fresh event loop."""
     configure_logging(config.server.log_format)
-    return asyncio.run(run(config, http=http))
+    return asyncio.run(run(config, http=http, make_core=make_core))

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from sloserve.config import SloserveConfig
@@ -36,11 +36,18 @@ class AsyncEngine:
     """Continuous batching over a ModelRunner (or anything with its API), in this process."""
 
     def __init__(
-        self, config: SloserveConfig, runner: Runner | None = None, *, stuck_after_s: float = 120.0
+        self,
+        config: SloserveConfig,
+        runner: Runner | None = None,
+        *,
+        stuck_after_s: float = 120.0,
+        make_core: Callable[..., EngineCore] = EngineCore,
     ) -> None:
+        """`make_core` builds the core as EngineCore(config, runner, lock=...) does (tests wrap it)."""
         self.config = config
         self.stuck_after_s = stuck_after_s
         self._runner = runner
+        self._make_core = make_core
         self._core: EngineCore | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -56,7 +63,9 @@ class AsyncEngine:
         """Load and warm up the model in a worker thread, then start the loop thread."""
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
-        self._core = await asyncio.to_thread(EngineCore, self.config, self._runner, lock=self._lock)
+        self._core = await asyncio.to_thread(
+            self._make_core, self.config, self._runner, lock=self._lock
+        )
         self._thread = threading.Thread(target=self._run, name="sloserve-engine", daemon=True)
         self._thread.start()
         self.ready = True

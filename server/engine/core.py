@@ -49,14 +49,7 @@ class EngineCore:
         touches it, for a caller that runs add/abort concurrently with execute (AsyncEngine)."""
         self._lock = lock if lock is not None else contextlib.nullcontext()
         if runner is None:
-            runner = _load_runner(config)
-        self._faults = None
-        if config.faults:  # the test-only gate (`sloserve serve` refuses it unless tests allow it)
-            from sloserve.testing.faults import FaultPlan, FaultyRunner
-
-            log.warning("fault injection is ON (%s): for tests only", config.faults)
-            self._faults = FaultPlan.parse(config.faults)
-            runner = FaultyRunner(runner, self._faults)
+            runner = load_runner(config)
         runner.warmup()
         self.config = config
         self.runner = runner
@@ -68,8 +61,7 @@ class EngineCore:
             num_host_blocks=runner.num_host_blocks,
             eos_token_ids=runner.eos_token_ids,
         )
-        on_token = None if self._faults is None else self._faults.on_token
-        self.output = OutputProcessor(runner.tokenizer.decode, on_token)
+        self.output = OutputProcessor(runner.tokenizer.decode)
         if not runner.runs_steps:  # a runner that runs one step per call
             self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
@@ -124,8 +116,6 @@ class EngineCore:
         return self.update(out, sampled, errors, seconds)
 
     def schedule(self) -> SchedulerOutput:
-        if self._faults is not None:
-            self._faults.check("kill-loop", self.scheduler.requests)
         return self.scheduler.schedule()
 
     def execute(
@@ -245,7 +235,7 @@ class EngineCore:
         return info
 
 
-def _load_runner(config: SloserveConfig) -> Runner:
+def load_runner(config: SloserveConfig) -> Runner:
     """The runner the config asks for: one ModelRunner, or rank 0 of a tensor-parallel group."""
     # NOTE: lazy imports, so the engine imports no torch until it loads a model
     if config.parallel.tensor_parallel_size > 1:

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 from sloserve.config import SloserveConfig
 from sloserve.engine import wire
+from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats
 from sloserve.engine.process import run_engine
 from sloserve.engine.stream import RequestStream
@@ -57,8 +58,11 @@ class MPEngineClient:
         *,
         stuck_after_s: float = 120.0,
         link: EngineLink | None = None,
+        make_core: Callable[..., EngineCore] = EngineCore,
     ) -> None:
+        """`make_core` builds the core in the engine process (picklable; tests wrap the core with it)."""
         self.config = config
+        self._make_core = make_core
         self.stuck_after_s = stuck_after_s
         self.ready = False
         self.pid: int | None = None
@@ -125,6 +129,7 @@ class MPEngineClient:
                     [x.outputs for x in links],
                     os.getpid(),
                     logging.getLogger().level,
+                    self._make_core,
                 ),
             )
             self._proc.start()

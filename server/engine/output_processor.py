@@ -33,14 +33,8 @@ class RequestText:
 class OutputProcessor:
     """Turns the requests a step moved into RequestOutputs, their text included."""
 
-    def __init__(
-        self,
-        decode: Callable[[list[int]], str] | None,
-        on_token: Callable[[str], None] | None = None,
-    ) -> None:
-        """`on_token(request_id)` runs before each new token is processed (the test-only fault hook)."""
+    def __init__(self, decode: Callable[[list[int]], str] | None) -> None:
         self._decode = decode
-        self._on_token = on_token
         self._texts: dict[str, RequestText] = {}  # live requests that have had an output
 
     @property
@@ -85,8 +79,6 @@ class OutputProcessor:
         params = req.sampling
         stop_token = len(tokens) - 1 if req.status == RequestStatus.FINISHED_STOPPED else None
         for i in range(state.tokens, len(tokens)):
-            if self._on_token is not None:
-                self._on_token(req.request_id)
             state.tokens = i + 1
             token = tokens[i]
             early = i + 1 < params.min_tokens

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 from sloserve.config import SloserveConfig
@@ -55,10 +55,12 @@ def run_engine(
     outputs_addrs: list[str],
     parent_pid: int,
     log_level: int = logging.INFO,
+    make_core: Callable[[SloserveConfig], EngineCore] = EngineCore,
 ) -> None:
     """Entry point of the engine process (multiprocessing target); returns when told to shut down.
 
     One inputs and one outputs address per front end, front end 0 (the one that started it) first.
+    `make_core(config)` builds the core (sloserve.testing passes one that injects faults).
     """
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -88,7 +90,7 @@ def run_engine(
 
     try:
         try:
-            core = EngineCore(config)
+            core = make_core(config)
         except Exception as exc:  # noqa: BLE001 - reported to the front end, which decides
             tell_all(wire.StartFailed(f"{exc}", isinstance(exc, ValueError)))
             if not isinstance(exc, ValueError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sloserve.config import flag, parse_size, require
+
 DEFAULT_PORT = 8000
 
 
@@ -20,32 +22,73 @@ class HttpConfig:
     """
 
     port: int = DEFAULT_PORT
-    chat_template: str | None = None
+    chat_template: str | None = flag(
+        None,
+        "--chat-template",
+        "Jinja chat template for /v1/chat/completions [default: the checkpoint's tokenizer_config.json].",
+        metavar="FILE",
+    )
     model_name: str | None = None
-    max_connections: int = 512
-    header_timeout_s: float = 10.0
-    max_header_bytes: int = 64 * 1024
-    body_timeout_s: float = 60.0
-    keep_alive_s: float = 30.0
-    max_body_bytes: int = 16 * 1024**2
-    stream_stall_s: float = 30.0
+    max_connections: int = flag(
+        512,
+        "--http-max-connections",
+        "Open HTTP connections at most; one more is answered 503 and closed.",
+    )
+    header_timeout_s: float = flag(
+        10.0,
+        "--http-header-timeout",
+        "A request's headers must all arrive within this (else 408, connection closed).",
+    )
+    max_header_bytes: int = flag(
+        64 * 1024,
+        "--http-max-header-size",
+        "Longest request line plus headers accepted (else 431, connection closed).",
+        parse=parse_size,
+        shown="64KiB",
+    )
+    body_timeout_s: float = flag(
+        60.0,
+        "--http-body-timeout",
+        "A request's whole body must arrive within this after its headers (else 408).",
+    )
+    keep_alive_s: float = flag(
+        30.0, "--http-keep-alive", "An idle keep-alive connection is closed after this."
+    )
+    max_body_bytes: int = flag(
+        16 * 1024**2,
+        "--http-max-body-size",
+        "Largest request body accepted (413 past it), e.g. 4MiB.",
+        parse=parse_size,
+        shown="16MiB",
+    )
+    stream_stall_s: float = flag(
+        30.0,
+        "--http-stream-stall-timeout",
+        "A token stream whose client reads nothing this long is aborted (the request "
+        "ends in the engine).",
+    )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--http-port must be in 1..65535 (or auto / off), got {self.port}")
-        if self.max_connections < 1:
-            raise ValueError(f"--http-max-connections must be >= 1, got {self.max_connections}")
-        if self.max_header_bytes < 1024:
-            raise ValueError(
-                f"--http-max-header-size must be >= 1KiB, got {self.max_header_bytes} bytes"
+        require(0 <= self.port < 65536, "port", f"must be in 0..65535, got {self.port}")
+        require(
+            self.max_connections >= 1,
+            "max_connections",
+            f"must be >= 1, got {self.max_connections}",
+        )
+        require(
+            self.max_header_bytes >= 1024,
+            "max_header_bytes",
+            f"must be >= 1KiB, got {self.max_header_bytes} bytes",
+        )
+        require(
+            self.max_body_bytes >= 1,
+            "max_body_bytes",
+            f"must be > 0 bytes, got {self.max_body_bytes}",
+        )
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "stream_stall_s"):
+            seconds = getattr(self, name)
+            require(
+                math.isfinite(seconds) and 0 < seconds <= 3600,
+                name,
+                f"must be in (0, 3600] seconds, got {seconds}",
             )
-        if self.max_body_bytes < 1:
-            raise ValueError(f"--http-max-body-size must be > 0 bytes, got {self.max_body_bytes}")
-        for flag, seconds in (
-            ("--http-header-timeout", self.header_timeout_s),
-            ("--http-body-timeout", self.body_timeout_s),
-            ("--http-keep-alive", self.keep_alive_s),
-            ("--http-stream-stall-timeout", self.stream_stall_s),
-        ):
-            if not (math.isfinite(seconds) and 0 < seconds <= 3600):
-                raise ValueError(f"{flag} must be in (0, 3600] seconds, got {seconds}")

@@ -10,7 +10,8 @@
 - fake_engine.FakeEngine: an asyncio engine with the AsyncEngine contract
 - live_server: a SloserveServer in this process, and a Stream client's helpers
 - fake_server: a FakeEngine served by a process of its own (`python -m sloserve.testing.fake_server`)
-- faults: the test-only fault hook (`--inject-faults`), loaded by the engine core only when allowed
+- faults: fault injection, a core factory wrapping the engine core and its runner (WithFaults)
+- serve_faults: `sloserve` whose `serve` takes --inject-faults (`python -m sloserve.testing.serve_faults`)
 
 Import the module you need: this package imports nothing, so a light helper never pulls in gRPC.
 """

@@ -11,20 +11,31 @@ every request whose id contains MARKER (request ids reach the engine as
   slow-step:M=S       every step with such a request in the batch takes S seconds longer
                       (holds a request past a grace period on any machine, by construction)
 
-Set it with ``SloserveConfig(faults=...)``, ``sloserve serve --inject-faults SPEC`` or the
-``SLOSERVE_INJECT_FAULTS`` environment variable read by the CLI; `sloserve serve` refuses either
-unless ``SLOSERVE_ALLOW_FAULT_INJECTION=1`` (which only tests set), since any client can name a
-marker in its request id. Never enable it in production.
+The product knows nothing of faults: `WithFaults(plan)` is a core factory (`make_core=` of
+`serve.run`, `AsyncEngine`, `run_engine`) that wraps the core and its runner. A spawned server
+gets one from the test-only entry point ``python -m sloserve.testing.serve_faults serve
+--inject-faults SPEC ...`` (or ``SLOSERVE_INJECT_FAULTS``), which refuses unless
+``SLOSERVE_ALLOW_FAULT_INJECTION=1`` (which only tests set), since any client can name a marker
+in its request id. Never run it in production.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sloserve.config import SloserveConfig
+from sloserve.engine.core import EngineCore, load_runner
+from sloserve.engine.output_processor import OutputProcessor, RequestText
 from sloserve.sched.output import SchedulerOutput
+from sloserve.sched.request import Request
+from sloserve.sched.runner import Runner
+from sloserve.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 KINDS = ("fail-forward", "fail-postprocess", "kill-loop", "slow-step")
 
@@ -95,10 +106,6 @@ class FaultPlan:
         if hit is not None:
             raise InjectedFault(f"injected {kind} fault for request {hit[1]!r}")
 
-    def on_token(self, request_id: str) -> None:
-        """The output stage's hook: fail-postprocess before each new token of `request_id`."""
-        self.check("fail-postprocess", (request_id,))
-
     def delay_s(self, request_ids: Sequence[str]) -> float:
         """Extra seconds a step over `request_ids` takes (the longest matching slow-step rule)."""
         return max(
@@ -130,3 +137,41 @@ class FaultyRunner:
         if delay:
             time.sleep(delay)
         return self._runner.execute(out)
+
+
+class FaultyOutput(OutputProcessor):
+    """The output stage, failing a fail-postprocess request before its next new token."""
+
+    def __init__(self, decode, plan: FaultPlan) -> None:
+        super().__init__(decode)
+        self._plan = plan
+
+    def _add_text(self, req: Request, state: RequestText, scheduler: Scheduler) -> None:
+        if state.tokens < len(req.output_token_ids):
+            self._plan.check("fail-postprocess", (req.request_id,))
+        super()._add_text(req, state, scheduler)
+
+
+class FaultyCore(EngineCore):
+    """EngineCore over a FaultyRunner and a FaultyOutput; its loop dies on a kill-loop request."""
+
+    def __init__(self, plan: FaultPlan, config: SloserveConfig, runner: Runner, **kw) -> None:
+        super().__init__(config, FaultyRunner(runner, plan), **kw)
+        self.output = FaultyOutput(runner.tokenizer.decode, plan)
+        self._plan = plan
+
+    def schedule(self) -> SchedulerOutput:
+        self._plan.check("kill-loop", self.scheduler.requests)
+        return super().schedule()
+
+
+@dataclass(frozen=True, slots=True)
+class WithFaults:
+    """A core factory (picklable, for the engine process): EngineCore with `spec`'s faults injected."""
+
+    spec: str
+
+    def __call__(self, config: SloserveConfig, runner: Runner | None = None, **kw) -> EngineCore:
+        plan = FaultPlan.parse(self.spec)
+        log.warning("fault injection is ON (%s): for tests only", self.spec)
+        return FaultyCore(plan, config, runner if runner is not None else load_runner(config), **kw)

@@ -30,7 +30,9 @@ from sloserve.testing.procfs import cpu_seconds, process_tree, vm_bytes
 
 SERVICE_NAME = "sloserve.v1.Sloserve"
 SLOSERVE = (sys.executable, "-m", "sloserve.cli.main")
-# Servers started here may use --inject-faults, which `serve` refuses without this (tests only).
+# `sloserve` whose `serve` takes --inject-faults (sloserve.testing.serve_faults): for a server a test
+# injects faults into; it refuses them without ALLOW_FAULTS, which servers started here get.
+WITH_FAULTS = (sys.executable, "-m", "sloserve.testing.serve_faults")
 ALLOW_FAULTS = {"SLOSERVE_ALLOW_FAULT_INJECTION": "1"}
 
 

@@ -7,6 +7,7 @@ import socket
 import pytest
 from click.testing import CliRunner
 from sloserve.cli.main import cli
+from sloserve.testing.serve_faults import cli as cli_with_faults
 
 
 def free_port_in_use() -> socket.socket:
@@ -172,8 +173,10 @@ def test_user_error_is_one_line_exit_2(args, needle, tmp_path, not_a_checkpoint)
         "busy": str(busy.getsockname()[1]),
         "closed": str(closed_port),
     }
+    # NOTE: the product has no fault switch: --inject-faults is the test entry point's
+    entry = cli_with_faults if "--inject-faults" in args else cli
     try:
-        result = CliRunner().invoke(cli, [a.format(**fill) for a in args])
+        result = CliRunner().invoke(entry, [a.format(**fill) for a in args])
     finally:
         busy.close()
     assert result.exit_code == 2, (result.output, result.exception)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import pytest
 from click.testing import CliRunner
-from sloserve.cli.options import build_config, engine_options, pop_engine_options
+from sloserve.cli.options import build_config, engine_options
 
 
 def _invoke(*args: str):
@@ -14,7 +14,7 @@ def _invoke(*args: str):
     @click.command()
     @engine_options
     def command(**kwargs) -> None:
-        seen["config"] = build_config(pop_engine_options(kwargs))
+        seen["config"] = build_config(kwargs)
 
     return CliRunner().invoke(command, list(args), catch_exceptions=False), seen
 

@@ -69,14 +69,14 @@ def test_bench_requests_carry_the_grammar_over_grpc_and_http():
 
 def test_grammar_cache_reaches_the_model_config_and_a_bad_one_names_its_flag():
     import click
-    from sloserve.cli.options import build_config, engine_options, pop_engine_options
+    from sloserve.cli.options import build_config, engine_options
 
     seen = {}
 
     @click.command()
     @engine_options
     def command(**kwargs) -> None:
-        seen["config"] = build_config(pop_engine_options(kwargs))
+        seen["config"] = build_config(kwargs)
 
     assert CliRunner().invoke(command, ["--grammar-cache", "8"]).exit_code == 0
     assert seen["config"].model.grammar_cache == 8

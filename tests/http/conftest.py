@@ -7,7 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from sloserve.testing.server_process import ServerProcess
+from sloserve.testing.server_process import SLOSERVE, WITH_FAULTS, ServerProcess
 
 TOKEN = "http-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -27,7 +27,9 @@ class HttpServerProcess(ServerProcess):
         self.url = f"http://127.0.0.1:{self.http_port}"
 
 
-def start(model: Path, template: Path | None, *extra: str, credentials=None) -> HttpServerProcess:
+def start(
+    model: Path, template: Path | None, *extra: str, credentials=None, command=SLOSERVE
+) -> HttpServerProcess:
     args = [
         "serve",
         "--model",
@@ -48,7 +50,7 @@ def start(model: Path, template: Path | None, *extra: str, credentials=None) -> 
     ]
     if template is not None:
         args += ["--chat-template", str(template)]
-    server = HttpServerProcess(args)
+    server = HttpServerProcess(args, command=command)
     try:
         server.wait_ready(
             60, credentials=credentials, metadata=[("authorization", f"Bearer {TOKEN}")]
@@ -79,6 +81,7 @@ def http_server(tiny_llama: Path, chat_template: Path) -> Iterator[HttpServerPro
         "4",
         "--inject-faults",
         f"slow-step:{SLOW}=0.01",
+        command=WITH_FAULTS,
     )
     try:
         yield server

@@ -15,7 +15,7 @@ from sloserve.config import CacheConfig, ModelConfig, SloserveConfig
 from sloserve.llm import LLM
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
-from sloserve.testing.server_process import SERVICE_NAME, ServerProcess
+from sloserve.testing.server_process import SERVICE_NAME, WITH_FAULTS, ServerProcess
 
 from tests.reliability.client import StreamClient, generate
 from tests.reliability.harness import watch_health
@@ -88,6 +88,7 @@ async def test_a_killed_worker_ends_every_request_with_its_reason_and_health_tur
         "2",
         "--inject-faults",
         "slow-step:hold=0.02",
+        command=WITH_FAULTS,
     )
     try:
         server.wait_ready()

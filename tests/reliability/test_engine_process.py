@@ -15,7 +15,7 @@ from sloserve.config import CacheConfig, ModelConfig, SloserveConfig
 from sloserve.llm import LLM
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 from sloserve.sampling_params import SamplingParams
-from sloserve.testing.server_process import SERVICE_NAME, ServerProcess
+from sloserve.testing.server_process import SERVICE_NAME, WITH_FAULTS, ServerProcess
 
 from tests.reliability.client import StreamClient, generate
 from tests.reliability.harness import watch_health
@@ -81,7 +81,12 @@ async def test_a_killed_engine_process_ends_every_request_within_a_second_and_he
     tiny_llama,
 ):
     server = ServerProcess.cli(
-        tiny_llama, "--max-model-len", "256", "--inject-faults", "slow-step:hold=0.02"
+        tiny_llama,
+        "--max-model-len",
+        "256",
+        "--inject-faults",
+        "slow-step:hold=0.02",
+        command=WITH_FAULTS,
     )
     try:
         server.wait_ready()

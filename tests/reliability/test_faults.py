@@ -10,7 +10,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-from sloserve.testing.server_process import SERVICE_NAME, ServerProcess, describe, quiescent
+from sloserve.testing.server_process import (
+    SERVICE_NAME,
+    WITH_FAULTS,
+    ServerProcess,
+    describe,
+    quiescent,
+)
 
 from tests.reliability.client import StreamClient, generate
 from tests.reliability.harness import watch_health
@@ -39,6 +45,7 @@ def fault_server(tiny_llama):
         "--grace",
         "5",
         env={"SLOSERVE_INJECT_FAULTS": FAULTS},
+        command=WITH_FAULTS,
     )
     try:
         server.wait_ready()

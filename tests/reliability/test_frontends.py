@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-from sloserve.testing.server_process import ServerProcess
+from sloserve.testing.server_process import SLOSERVE, WITH_FAULTS, ServerProcess
 
 from tests.reliability.client import generate
 
@@ -90,6 +90,7 @@ def _requests_counted(metrics_port: int) -> float:
 
 
 def _serve(model, *extra: str) -> ServerProcess:
+    # NOTE: the entry point that takes --inject-faults; without it, the product's `serve` as it is
     return ServerProcess(
         [
             "serve",
@@ -106,7 +107,8 @@ def _serve(model, *extra: str) -> ServerProcess:
             "--max-model-len",
             "256",
             *extra,
-        ]
+        ],
+        command=WITH_FAULTS if "--inject-faults" in extra else SLOSERVE,
     )
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
-from sloserve.testing.server_process import ServerProcess
+from sloserve.testing.server_process import WITH_FAULTS, ServerProcess
 
 from tests.reliability.client import Record, StreamClient, generate
 
@@ -70,6 +70,7 @@ async def _sigterm_under_load(model) -> ShutdownRun:
         str(GRACE_S),
         "--inject-faults",
         f"slow-step:-hold={HOLD_S}",
+        command=WITH_FAULTS,
     )
     try:
         server.wait_ready()

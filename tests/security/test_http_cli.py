@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 from sloserve.cli.main import cli
+from sloserve.testing.serve_faults import cli as cli_with_faults
 
 CASES = [
     (["--http-max-connections", "0"], "--http-max-connections must be >= 1"),
@@ -36,8 +37,9 @@ def test_serve_refuses_with_one_line(args, needle, tmp_path):
     two_lines.write_text("first-token\n\nsecond-token\n")
     fill = {"file": str(a_file), "two_lines": str(two_lines)}
     runner = CliRunner(env={"SLOSERVE_ALLOW_FAULT_INJECTION": None, "SLOSERVE_INJECT_FAULTS": None})
+    # NOTE: the product has no fault switch (below): --inject-faults is the test entry point's
     result = runner.invoke(
-        cli,
+        cli_with_faults if "--inject-faults" in args else cli,
         [
             "serve",
             "--port",
@@ -53,3 +55,8 @@ def test_serve_refuses_with_one_line(args, needle, tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
     assert len(errors) == 1 and needle in errors[0], result.stderr
     assert "Traceback" not in result.output
+
+
+def test_the_product_has_no_fault_switch():
+    result = CliRunner().invoke(cli, ["serve", "--inject-faults", "slow-step:x=0.1"])
+    assert result.exit_code == 2 and "No such option '--inject-faults'" in result.output
