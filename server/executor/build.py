@@ -29,7 +29,7 @@ from sloserve.executor.graphs import (
     decode_forward,
     graph_reason,
 )
-from sloserve.executor.host_memory import keep_freed_memory
+from sloserve.executor.host_memory import keep_freed_memory, return_freed_memory
 from sloserve.executor.plan import MemoryPlan
 from sloserve.layers.attention import (
     AttentionBackend,
@@ -230,6 +230,8 @@ def build_model(
         decode_path_reason(model, cache.kv) is None and fused_reason(model, cache.kv) is None
     )
     prepare_projections(config.model.cpu_gemm, weights, loaded.device, loaded.dtype, reads_plain)
+    if loaded.device.type == "cpu":
+        return_freed_memory()  # the loader's temporaries, and plain weights replaced by packed ones
     return BuiltModel(model, experts, prefetcher)
 
 

@@ -133,7 +133,10 @@ def load_checkpoint(
     def get(
         name: str, *shape: int, on: torch.device = device, part: tuple[int, slice] | None = None
     ) -> torch.Tensor:
-        return src.get(name, shape, part).to(device=on, dtype=dtype)
+        # NOTE: a copy even where the device and dtype match: safetensors hands out views of its
+        # file mapping, which stays resident while any of them lives, so a weight released later
+        # (a plain one replaced by its packed copy) would free nothing.
+        return src.get(name, shape, part).to(device=on, dtype=dtype, copy=True)
 
     def cat(
         names: list[str],
