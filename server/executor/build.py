@@ -37,7 +37,7 @@ from sloserve.layers.attention import (
     CapturableDecode,
     select_backend,
 )
-from sloserve.layers.linear import DenseLinear, Linear, OneDnnLinear, PackedLinear, cpu_gemm_reason
+from sloserve.layers.linear import OneDnnLinear, PackedLinear, cpu_gemm_reason
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
@@ -255,16 +255,8 @@ def prepare_projections(
         log.debug("dense projections on F.linear: %s", why_not)
         return
     started = time.monotonic()
-    kind: type[OneDnnLinear | PackedLinear] = OneDnnLinear if reads_plain else PackedLinear
-    count = 0
-
-    def make(proj: Linear) -> Linear:
-        nonlocal count
-        assert isinstance(proj, DenseLinear), "projections are prepared once, from the loader's"
-        count += 1
-        return kind(proj.weight, proj.bias)
-
-    weights.replace_dense(make)
+    kind = OneDnnLinear if reads_plain else PackedLinear
+    count = weights.replace_dense(lambda proj: kind(proj.weight, proj.bias))
     log.info(
         "dense projections on oneDNN: %d weights %s, held once, in %.2fs",
         count,

@@ -43,13 +43,16 @@ class ModelWeights:
         default_factory=dict
     )  # layer -> (w13, w2)
 
-    def replace_dense(self, make: Callable[[Linear], Linear]) -> None:
-        """Each layer's dense projection becomes `make(it)` (the old object is dropped)."""
+    def replace_dense(self, make: Callable[[Linear], Linear]) -> int:
+        """Each layer's dense projection becomes `make(it)` (the old object is dropped); how many."""
+        count = 0
         for layer in self.layers:
             for name in DENSE_PROJECTIONS:
                 proj = getattr(layer, name)
                 if proj is not None:
                     setattr(layer, name, make(proj))
+                    count += 1
+        return count
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied lm_head counted once)."""
