@@ -1,6 +1,6 @@
 """Dense projections on a CPU: torch's BLAS (MKL) against oneDNN on packed weights, side by side.
 
-Part 1 times `F.linear` and oneDNN's product on packed weights (`PackedLinears.packed_product`,
+Part 1 times `F.linear` and oneDNN's product on packed weights (`PackedLinear`,
 whatever the row count) on the model's own projection shapes at several row counts (decode
 batches to prefill chunks), on 1 thread and on all, alternating rounds (best round counts), and
 checks a row's result is the same whatever the row count. Part 2 times
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
-from sloserve.layers.linear import PackedLinears, onednn_available
+from sloserve.layers.linear import PackedLinear, onednn_available
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
@@ -46,14 +46,14 @@ def gemm_table(
     table = []
     for name, (out_f, in_f) in shapes.items():
         w = torch.randn(out_f, in_f)
-        packed = PackedLinears([w])
+        packed = PackedLinear(w)
         x_all = torch.randn(max(rows), in_f)
-        whole = packed.packed_product(x_all, w)
+        whole = packed(x_all)
         for threads in sorted({1, all_threads}):
             torch.set_num_threads(threads)
             for m in rows:
                 x = x_all[:m].contiguous()
-                same_rows = torch.equal(packed.packed_product(x, w), whole[:m])
+                same_rows = torch.equal(packed(x), whole[:m])
                 repeats = max(3, int(2e8 / (2 * m * in_f * out_f)))
                 best = {"blas": float("inf"), "onednn": float("inf")}
                 for _ in range(rounds):
@@ -62,7 +62,7 @@ def gemm_table(
                     )
                     best["onednn"] = min(
                         best["onednn"],
-                        best_time(lambda x=x, w=w, p=packed: p.packed_product(x, w), repeats),
+                        best_time(lambda x=x, p=packed: p(x), repeats),
                     )
                 flops = 2 * m * in_f * out_f
                 row = {
@@ -134,8 +134,8 @@ def main() -> None:
     runners = {gemm: make_runner(path, gemm) for gemm in ("blas", "auto")}
     layer = runners["blas"].model.weights.layers[0]
     shapes = {
-        name: tuple(getattr(layer, name).shape)
-        for name in ("qkv_w", "o_w", "gate_up_w", "down_w")
+        name: tuple(getattr(layer, name).weight.shape)
+        for name in ("qkv", "o", "gate_up", "down")
         if getattr(layer, name) is not None
     }
     print("part 1: one projection (best of rounds)")

@@ -57,8 +57,8 @@ def matmul_weights(runner: ModelRunner) -> list[torch.Tensor]:
     """Every weight a decode step multiplies by, in order (per layer: qkv, o, gate_up, down; then lm_head)."""
     ws = []
     for layer in runner.model.weights.layers:
-        ws += [layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w]
-    return [*ws, runner.model.weights.lm_head]
+        ws += [layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight]
+    return [*ws, runner.model.weights.lm_head.weight]
 
 
 class KernelsOnly:

@@ -21,6 +21,7 @@ import torch
 from sloserve.config import SloserveConfig
 from sloserve.executor.compiled import DecodeStep, decode_path_reason
 from sloserve.executor.experts import ExpertPrefetcher
+from sloserve.executor.fused import fused_reason
 from sloserve.executor.graphs import (
     CudaGraphCapture,
     EagerCapture,
@@ -28,7 +29,7 @@ from sloserve.executor.graphs import (
     decode_forward,
     graph_reason,
 )
-from sloserve.executor.host_memory import keep_freed_memory
+from sloserve.executor.host_memory import keep_freed_memory, return_freed_memory
 from sloserve.executor.plan import MemoryPlan
 from sloserve.layers.attention import (
     AttentionBackend,
@@ -36,7 +37,7 @@ from sloserve.layers.attention import (
     CapturableDecode,
     select_backend,
 )
-from sloserve.layers.linear import PackedLinears, cpu_gemm_reason
+from sloserve.layers.linear import OneDnnLinear, PackedLinear, cpu_gemm_reason
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
@@ -221,25 +222,30 @@ def build_model(
         )
         weights.experts.clear()  # the store holds its own (resident or host) copies
         prefetcher = ExpertPrefetcher(experts, cc.expert_preload)
-    dense = dense_linear(config.model.cpu_gemm, weights, loaded.device, loaded.dtype)
     model = DecoderModel(
-        spec,
-        weights,
-        backend,
-        experts,
-        loaded.max_model_len,
-        loaded.device,
-        loaded.dtype,
-        reduce,
-        dense,
+        spec, weights, backend, experts, loaded.max_model_len, loaded.device, loaded.dtype, reduce
     )
+    # the fused C step and torch.compile read the plain weights: oneDNN then reads them in place
+    reads_plain = config.model.enforce_eager is False or (
+        decode_path_reason(model, cache.kv) is None and fused_reason(model, cache.kv) is None
+    )
+    prepare_projections(config.model.cpu_gemm, weights, loaded.device, loaded.dtype, reads_plain)
+    if loaded.device.type == "cpu":
+        return_freed_memory()  # the loader's temporaries, and plain weights replaced by packed ones
     return BuiltModel(model, experts, prefetcher)
 
 
-def dense_linear(
-    choice: str, weights: ModelWeights, device: torch.device, dtype: torch.dtype
-) -> PackedLinears | None:
-    """The dense projections' oneDNN-packed weights (layers/linear.py), None for torch's F.linear."""
+def prepare_projections(
+    choice: str,
+    weights: ModelWeights,
+    device: torch.device,
+    dtype: torch.dtype,
+    reads_plain: bool,
+) -> None:
+    """Each layer's dense projections in the kind their kernel reads (layers/linear.py), each
+    weight held once: on oneDNN in place when something else reads the plain weight
+    (`reads_plain`), else packed for it with the plain copy released; torch's F.linear when
+    oneDNN cannot run."""
     why_not = cpu_gemm_reason(choice, device, dtype)
     if why_not:
         if choice == "onednn":
@@ -247,21 +253,16 @@ def dense_linear(
                 f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas"
             )
         log.debug("dense projections on F.linear: %s", why_not)
-        return None
+        return
     started = time.monotonic()
-    packed = PackedLinears(
-        w
-        for layer in weights.layers
-        for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-        if w is not None
-    )
+    kind = OneDnnLinear if reads_plain else PackedLinear
+    count = weights.replace_dense(lambda proj: kind(proj.weight, proj.bias))
     log.info(
-        "dense projections on oneDNN: %d weights packed (%.1f MiB held twice) in %.2fs",
-        len(packed),
-        packed.nbytes() / 2**20,
+        "dense projections on oneDNN: %d weights %s, held once, in %.2fs",
+        count,
+        "read in place (the fused step reads them too)" if reads_plain else "packed",
         time.monotonic() - started,
     )
-    return packed
 
 
 # ---- 6. choose the decode path -------------------------------------------------------------------

@@ -28,8 +28,9 @@ import torch
 from sloserve.executor.inputs import DecodeInputs, TokenRows
 from sloserve.executor.team import TeamSize
 from sloserve.hotpath import USING_EXTENSIONS
-from sloserve.layers.linear import MIN_PACKED_ROWS, PackedLinears
+from sloserve.layers.linear import MIN_PACKED_ROWS, Linear, on_onednn
 from sloserve.models.decoder import DecoderModel
+from sloserve.models.weights import LayerWeights
 
 try:
     if not USING_EXTENSIONS:
@@ -47,18 +48,18 @@ FUSED_MAX_BATCH = 64
 # to the torch path.
 FUSED_MAX_MACS_PACKED = 1 << 28
 
-_LAYER_FIELDS = (
-    "ln1",
-    "ln2",
-    "qkv_w",
-    "qkv_b",
-    "o_w",
-    "o_b",
-    "gate_up_w",
-    "gate_up_b",
-    "down_w",
-    "down_b",
-)
+# The projections the kernel reads, by the name of their weight's field in its layer struct
+# (the bias's is the same with _b); it reads the plain weight each projection object holds.
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
+    """The tensors of one layer the kernel reads, by its field names (a plain weight may be None)."""
+    tensors: dict[str, torch.Tensor | None] = {"ln1": layer.ln1, "ln2": layer.ln2}
+    for name in _PROJECTIONS:
+        proj: Linear = getattr(layer, name)
+        tensors[name + "_w"], tensors[name + "_b"] = proj.weight, proj.bias
+    return tensors
 
 
 def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
@@ -72,15 +73,15 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "tensor parallelism splits the layers"
     if kv.device.type != "cpu" or kv.dtype != torch.float32 or not kv.is_contiguous():
         return "the kernel runs a contiguous float32 cache on a CPU"
-    if any(layer.gate_up_w is None or layer.down_w is None for layer in w.layers):
+    if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
-    tensors = [w.embed, w.norm, w.lm_head, model.cos, model.sin]
-    tensors += [
-        getattr(layer, f)
-        for layer in w.layers
-        for f in _LAYER_FIELDS
-        if getattr(layer, f) is not None
-    ]
+    if w.lm_head.weight is None or any(
+        getattr(layer, name).weight is None for layer in w.layers for name in _PROJECTIONS
+    ):
+        return "the kernel reads plain weights (these projections keep only a packed copy)"
+    tensors = [w.embed, w.norm, w.lm_head.weight, w.lm_head.bias, model.cos, model.sin]
+    tensors += [t for layer in w.layers for t in _layer_tensors(layer).values()]
+    tensors = [t for t in tensors if t is not None]
     if any(
         t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors
     ):
@@ -105,8 +106,8 @@ class FusedDecode:
             "heads": spec.num_heads,
             "kv_heads": spec.num_kv_heads,
             "head_dim": spec.head_dim,
-            "inter": w.layers[0].down_w.shape[1],
-            "vocab": w.lm_head.shape[0],
+            "inter": w.layers[0].down.in_features,
+            "vocab": w.lm_head.out_features,
             "page": kv.shape[3],
             "num_pages": kv.shape[2],
             "max_positions": model.cos.shape[0],
@@ -116,8 +117,7 @@ class FusedDecode:
         layers = []
         for i, layer in enumerate(w.layers):
             ptrs = {
-                f: None if getattr(layer, f) is None else getattr(layer, f).data_ptr()
-                for f in _LAYER_FIELDS
+                f: None if t is None else t.data_ptr() for f, t in _layer_tensors(layer).items()
             }
             ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
             layers.append(ptrs)
@@ -125,7 +125,7 @@ class FusedDecode:
             dims,
             w.embed.data_ptr(),
             w.norm.data_ptr(),
-            w.lm_head.data_ptr(),
+            w.lm_head.weight.data_ptr(),
             model.cos.data_ptr(),
             model.sin.data_ptr(),
             layers,
@@ -136,9 +136,7 @@ class FusedDecode:
         params = w.num_parameters()
         packed_max = max(MIN_PACKED_ROWS - 1, FUSED_MAX_MACS_PACKED // params)
         self.max_batch = (
-            min(FUSED_MAX_BATCH, packed_max)
-            if isinstance(model.linear, PackedLinears)
-            else FUSED_MAX_BATCH
+            min(FUSED_MAX_BATCH, packed_max) if on_onednn(w.layers[0].qkv) else FUSED_MAX_BATCH
         )
 
     @property

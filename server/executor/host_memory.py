@@ -57,3 +57,15 @@ def _set_thresholds() -> str:
         f"glibc {version}: freed blocks up to {MMAP_THRESHOLD >> 20} MiB stay in the heap "
         f"(mmap threshold), up to {TRIM_THRESHOLD >> 20} MiB of free heap kept (trim threshold)"
     )
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim; a no-op off glibc):
+    after load-time work frees much at once (plain weights replaced by packed copies), which
+    the raised trim threshold would otherwise keep resident."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

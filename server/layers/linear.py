@@ -1,12 +1,18 @@
-"""Dense projections on a CPU through oneDNN, with the weights packed once at load.
+"""Projection objects: each owns its weight in the form its kernel reads and is called as `proj(x)`.
+
+A kind per kernel, each holding its weight once (nothing keeps a second copy):
+
+- `DenseLinear`: the plain weight, `F.linear` (GPUs, other dtypes, `--cpu-gemm blas`);
+- `OneDnnLinear`: the plain weight, products of MIN_PACKED_ROWS rows and more through oneDNN
+  reading it in place: where something else reads the plain weight too (the fused C decode step,
+  torch.compile);
+- `PackedLinear`: only oneDNN's packed copy (the plain one is released), every product on oneDNN.
 
 torch's CPU `F.linear` calls MKL's sgemm, which on AMD CPUs takes its non-Intel (AVX2) path;
 oneDNN (bundled with torch, dispatched on CPU features, not on the vendor) runs AVX-512 there,
-about twice as fast (docs/design/cpu-decode.md, `benchmarks/cpu_gemm.py`). oneDNN is fastest
-on weights reordered to its blocked layout, so
-`PackedLinears` holds that copy of every dense projection next to the plain one. The plain
-weights stay: the fused decode kernel, tensor-parallel shards, GPUs and `torch.compile` read them.
-Memory: the dense projections are held twice on a CPU (`--cpu-gemm blas` holds them once).
+about twice as fast (docs/design/cpu-decode.md, `benchmarks/cpu_gemm.py`). It is fastest on
+weights reordered to its blocked layout; on the plain weight it gives the same bits at 70-95 % of
+that speed (fewer rows lose more; measured on an AMD EPYC, 896-wide projections).
 
 oneDNN builds (and caches) a primitive for every row count it sees, each holding memory of its
 own, so memory grows with every new row count. So a product runs in row tiles of the few sizes
@@ -15,14 +21,15 @@ less speed than one untiled call (docs/design/cpu-decode.md). Each tile is an Op
 which under passive waiting wakes the second thread.
 
 Numerics: oneDNN sums in another order than MKL, so logits differ in the last bits. A row's
-result does not depend on how many rows share a packed product (measured from 1 to 1024 rows);
-products of fewer than MIN_PACKED_ROWS rows run MKL, whose sums differ from oneDNN's (MKL's own
-one-row product already differed from its many-row one).
+result does not depend on how many rows share a oneDNN product (measured from 1 to 1024 rows);
+`OneDnnLinear` runs products of fewer than MIN_PACKED_ROWS rows on MKL, whose sums differ from
+oneDNN's (MKL's own one-row product already differed from its many-row one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,66 +69,132 @@ def cpu_gemm_reason(choice: str, device: torch.device, dtype: torch.dtype) -> st
     return None
 
 
-class PackedLinears:
-    """oneDNN-packed copies of dense projection weights, looked up by the plain tensor."""
+class Linear(Protocol):
+    """A projection y = x W^T + b, whatever form it keeps W in."""
 
-    def __init__(self, weights: Iterable[torch.Tensor]) -> None:
-        # id(plain) -> (plain, packed): holding the plain tensor keeps its id from being reused
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        with torch.inference_mode():
-            for w in weights:
-                if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
-                    raise ValueError(
-                        f"only 2-D float32 CPU weights are packed, got {tuple(w.shape)} {w.dtype} "
-                        f"on {w.device}"
-                    )
-                self._packed[id(w)] = (
-                    w,
-                    torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT),
-                )
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
 
-    def __len__(self) -> int:
-        return len(self._packed)
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The plain [out, in] weight where this kind keeps one (None: only another form)."""
+        ...
 
     def nbytes(self) -> int:
-        """Bytes of the plain weights the packed copies mirror (the packed ones take about as many)."""
-        return sum(w.numel() * w.element_size() for w, _ in self._packed.values())
+        """Bytes this projection holds (weight in its form, and bias)."""
+        ...
 
-    def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """F.linear(x, w, b) for a 2-D float32 CPU `x`, through the packed copy of `w` when one exists."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class DenseLinear:
+    """The plain weight through `F.linear`."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(slots=True)
+class OneDnnLinear(DenseLinear):
+    """The plain weight, read in place by oneDNN for products of MIN_PACKED_ROWS rows or more."""
+
+    def __post_init__(self) -> None:
+        _check_cpu_float32(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (
             torch.compiler.is_compiling()  # traced graphs keep torch's own linear
             or x.dim() != 2
             or x.shape[0] < MIN_PACKED_ROWS
-            or id(w) not in self._packed
         ):
-            return F.linear(x, w, b)
-        return self.packed_product(x, w, b)
+            return F.linear(x, self.weight, self.bias)
+        return onednn_product(x, self.weight, self.bias)
 
-    def packed_product(
-        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """oneDNN's product on the packed copy of `w`, whatever the row count, in tiles of TILE_ROWS."""
-        packed, rows = self._packed[id(w)][1], x.shape[0]
-        parts = []
-        for start, size in row_tiles(rows):
-            if start + size <= rows:
-                parts.append(
-                    torch.ops.mkldnn._linear_pointwise(
-                        x[start : start + size], packed, b, "none", [], ""
-                    )
+
+class PackedLinear:
+    """Only oneDNN's packed copy of the weight (the plain one is not kept); every product on oneDNN."""
+
+    __slots__ = ("packed", "bias", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        _check_cpu_float32(weight)
+        self.out_features, self.in_features = weight.shape
+        with torch.inference_mode():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.contiguous(), _PACK_ROWS_HINT
+            )
+        self.bias = bias
+
+    @property
+    def weight(self) -> None:
+        return None
+
+    def nbytes(self) -> int:
+        packed = int(torch.ops.mkldnn._nbytes(self.packed))
+        return packed + (0 if self.bias is None else _nbytes(self.bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = onednn_product(x.reshape(-1, self.in_features), self.packed, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+
+def on_onednn(proj: Linear) -> bool:
+    """Whether this projection's products of MIN_PACKED_ROWS rows and more run on oneDNN."""
+    return isinstance(proj, OneDnnLinear | PackedLinear)
+
+
+def onednn_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """oneDNN's product of a 2-D `x` and a plain or packed weight, whatever the row count, in
+    tiles of TILE_ROWS."""
+    rows = x.shape[0]
+    parts = []
+    for start, size in row_tiles(rows):
+        if start + size <= rows:
+            parts.append(
+                torch.ops.mkldnn._linear_pointwise(
+                    x[start : start + size], weight, bias, "none", [], ""
                 )
-            else:  # the last, short tile: padded with zeros to the smallest size
-                pad = x.new_zeros((size, x.shape[1]))
-                pad[: rows - start] = x[start:]
-                parts.append(
-                    torch.ops.mkldnn._linear_pointwise(pad, packed, b, "none", [], "")[
-                        : rows - start
-                    ]
-                )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            )
+        else:  # the last, short tile: padded with zeros to the smallest size
+            pad = x.new_zeros((size, x.shape[1]))
+            pad[: rows - start] = x[start:]
+            parts.append(
+                torch.ops.mkldnn._linear_pointwise(pad, weight, bias, "none", [], "")[
+                    : rows - start
+                ]
+            )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _check_cpu_float32(w: torch.Tensor) -> None:
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+        raise ValueError(
+            f"only 2-D float32 CPU weights run on oneDNN, got {tuple(w.shape)} {w.dtype} "
+            f"on {w.device}"
+        )
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def row_tiles(rows: int) -> list[tuple[int, int]]:

@@ -42,11 +42,10 @@ class DecoderModel:
         device: torch.device,
         dtype: torch.dtype,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        linear: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """`reduce` completes a tensor-parallel rank's partial sums (an all-reduce after the o and
-        down projections, see models/shard.py); None on a single rank. `linear` runs the dense
-        projections (F.linear's signature; layers/linear.PackedLinears on a CPU), F.linear if None."""
+        down projections, see models/shard.py); None on a single rank. Each projection in
+        `weights` runs its own kernel (layers/linear.py)."""
         if spec.moe_layers and experts is None:
             raise ValueError(f"{spec.architecture} has MoE layers: an ExpertStore is required")
         self.spec = spec
@@ -58,7 +57,6 @@ class DecoderModel:
         self._split = [spec.q_size + spec.kv_size, spec.kv_size]
         self.reduce = reduce or _whole
         self.sharded = reduce is not None
-        self.linear = linear or F.linear
 
     @torch.inference_mode()
     def forward(
@@ -69,32 +67,14 @@ class DecoderModel:
         kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
         sample_idx: torch.Tensor,  # [S'] int64, rows whose logits are wanted
     ) -> torch.Tensor:  # [S', V] float32
-        spec, w = self.spec, self.weights
-        num_tokens = input_ids.shape[0]
-        heads = spec.num_heads + spec.num_kv_heads
-        h = F.embedding(input_ids, w.embed)  # [T, H]
-        cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
-        sin = self.sin.index_select(0, positions)
-        for i, layer in enumerate(w.layers):
-            x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
-            qk, v = self.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
-            qk = apply_rope(
-                qk.view(num_tokens, heads, spec.head_dim), cos, sin
-            )  # q and k rotated together
-            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-            v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        def attention(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            h = h + self.reduce(self.linear(attn.reshape(num_tokens, -1), layer.o_w, layer.o_b))
-            x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(
-                self._moe(i, layer, x)
-                if layer.router_w is not None
-                else _mlp(layer, x, self.linear)
-            )
-        h = rms_norm(h.index_select(0, sample_idx), w.norm, spec.rms_norm_eps)
-        return F.linear(h, w.lm_head).float()
+            return self.backend.forward(q, k_cache, v_cache, meta, self.scale)
+
+        h = self._layers(input_ids, positions, attention, self._moe)
+        h = rms_norm(h.index_select(0, sample_idx), self.weights.norm, self.spec.rms_norm_eps)
+        return self.weights.lm_head(h).float()
 
     def decode(
         self,
@@ -111,29 +91,43 @@ class DecoderModel:
         MoE layers route through the expert store as in `forward` (under torch.compile they run
         eagerly between the compiled regions: routing decides shapes and residency on the host).
         """
+
+        def attention(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attend(
+                q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale
+            )
+
+        h = self._layers(input_ids, positions, attention, self._eager_moe)
+        return self.weights.lm_head(rms_norm(h, self.weights.norm, self.spec.rms_norm_eps)).float()
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        moe: Callable[[int, LayerWeights, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:  # [T, H], before the final norm
+        """Every layer over the embedded tokens; `attention(i, q, k, v)` writes layer i's K/V
+        and attends ([T, Hq, D] out), `moe` runs a routed MLP."""
         spec, w = self.spec, self.weights
-        batch = input_ids.shape[0]
+        num_tokens = input_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
-        h = F.embedding(input_ids, w.embed)  # [B, H]
-        cos = self.cos.index_select(0, positions)  # [B, D]
+        h = F.embedding(input_ids, w.embed)  # [T, H]
+        cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
-            qk, v = self.linear(x, layer.qkv_w, layer.qkv_b).split(self._split, dim=-1)
-            qk = apply_rope(qk.view(batch, heads, spec.head_dim), cos, sin)
+            qk, v = layer.qkv(x).split(self._split, dim=-1)
+            qk = apply_rope(
+                qk.view(num_tokens, heads, spec.head_dim), cos, sin
+            )  # q and k rotated together
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-            v = v.reshape(batch, spec.num_kv_heads, spec.head_dim)
-            attn = attend(
-                q, k, v, kv[i, 0], kv[i, 1], slot_mapping, block_tables, seq_lens, self.scale
-            )
-            h = h + self.reduce(self.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b))
+            v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+            attn = attention(i, q, k, v)
+            h = h + self.reduce(layer.o(attn.reshape(num_tokens, -1)))
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(
-                self._eager_moe(i, layer, x)
-                if layer.router_w is not None
-                else _mlp(layer, x, self.linear)
-            )
-        return F.linear(rms_norm(h, w.norm, spec.rms_norm_eps), w.lm_head).float()
+            h = h + self.reduce(moe(i, layer, x) if layer.router is not None else _mlp(layer, x))
+        return h
 
     def decode_fused(
         self,
@@ -158,18 +152,17 @@ class DecoderModel:
             x, h = triton_fused.add_rms_norm(
                 h if delta is None else delta, None if delta is None else h, layer.ln1, eps
             )
-            qkv = self.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(x)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             q = triton_fused.rope_write(
                 qkv, self.cos, self.sin, positions, slot_mapping, k_cache, v_cache, spec.num_heads
             )
             attn = attend(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
-            delta = self.linear(attn.reshape(batch, -1), layer.o_w, layer.o_b)
+            delta = layer.o(attn.reshape(batch, -1))
             x, h = triton_fused.add_rms_norm(delta, h, layer.ln2, eps)
-            gate_up = self.linear(x, layer.gate_up_w, layer.gate_up_b)
-            delta = self.linear(triton_fused.silu_mul(gate_up), layer.down_w, layer.down_b)
+            delta = layer.down(triton_fused.silu_mul(layer.gate_up(x)))
         x, _ = triton_fused.add_rms_norm(delta, h, w.norm, eps)
-        return F.linear(x, w.lm_head).float()
+        return w.lm_head(x).float()
 
     @torch.compiler.disable
     def _eager_moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -177,12 +170,10 @@ class DecoderModel:
         return self._moe(i, layer, x)
 
     def _moe(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x, layer.router_w)  # [T, E]
+        router_logits = layer.router(x)  # [T, E]
         out = moe_forward(x, router_logits, self.experts, i, self.spec.top_k, self.spec.renormalize)
-        if layer.shared_gate_w is not None:
-            out = out + torch.sigmoid(F.linear(x, layer.shared_gate_w)) * _mlp(
-                layer, x, self.linear
-            )
+        if layer.shared_gate is not None:
+            out = out + torch.sigmoid(layer.shared_gate(x)) * _mlp(layer, x)
         return out
 
 
@@ -191,7 +182,7 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _mlp(layer: LayerWeights, x: torch.Tensor, linear: Callable[..., torch.Tensor]) -> torch.Tensor:
+def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused in one matmul."""
-    gate, up = linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+    gate, up = layer.gate_up(x).chunk(2, dim=-1)
+    return layer.down(F.silu(gate) * up)

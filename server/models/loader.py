@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from sloserve.errors import CheckpointError
+from sloserve.layers.linear import DenseLinear
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.models.shard import Shard, local_spec
 from sloserve.models.spec import ModelSpec, load_spec, read_json
@@ -132,7 +133,10 @@ def load_checkpoint(
     def get(
         name: str, *shape: int, on: torch.device = device, part: tuple[int, slice] | None = None
     ) -> torch.Tensor:
-        return src.get(name, shape, part).to(device=on, dtype=dtype)
+        # NOTE: a copy even where the device and dtype match: safetensors hands out views of its
+        # file mapping, which stays resident while any of them lives, so a weight released later
+        # (a plain one replaced by its packed copy) would free nothing.
+        return src.get(name, shape, part).to(device=on, dtype=dtype, copy=True)
 
     def cat(
         names: list[str],
@@ -155,9 +159,9 @@ def load_checkpoint(
             raise CheckpointError(
                 f"{folder}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false"
             )
-        lm_head = embed
+        lm_head = DenseLinear(embed)  # the embedding itself, held once
     else:
-        lm_head = get("lm_head.weight", v, h)
+        lm_head = DenseLinear(get("lm_head.weight", v, h))
     layers, experts = [], {}
     for i in range(spec.num_layers):
         layer, routed = _load_layer(full, shard, i, get, cat, src, expert_device)
@@ -197,21 +201,25 @@ def _load_layer(
     layer = LayerWeights(
         ln1=get(p + "input_layernorm.weight", h),
         ln2=get(p + "post_attention_layernorm.weight", h),
-        qkv_w=cat(qkv_names, [(q, h), (kv, h), (kv, h)], parts=None if whole else rows),
-        qkv_b=cat(
-            [attn + f"{n}_proj.bias" for n in "qkv"],
-            [(q,), (kv,), (kv,)],
-            parts=None if whole else rows,
-        )
-        if spec.qkv_bias
-        else None,
-        o_w=get(
-            attn + "o_proj.weight",
-            h,
-            spec.num_heads * d,
-            part=None if whole else (1, slice(qh.start * d, qh.stop * d)),
+        qkv=DenseLinear(
+            cat(qkv_names, [(q, h), (kv, h), (kv, h)], parts=None if whole else rows),
+            cat(
+                [attn + f"{n}_proj.bias" for n in "qkv"],
+                [(q,), (kv,), (kv,)],
+                parts=None if whole else rows,
+            )
+            if spec.qkv_bias
+            else None,
         ),
-        o_b=get(attn + "o_proj.bias", h) if spec.o_bias and shard.owns_bias else None,
+        o=DenseLinear(
+            get(
+                attn + "o_proj.weight",
+                h,
+                spec.num_heads * d,
+                part=None if whole else (1, slice(qh.start * d, qh.stop * d)),
+            ),
+            get(attn + "o_proj.bias", h) if spec.o_bias and shard.owns_bias else None,
+        ),
     )
 
     def split(n: int, dim: int) -> tuple[int, slice] | None:
@@ -220,22 +228,28 @@ def _load_layer(
     if i not in spec.moe_layers:
         mlp, inter = p + "mlp.", spec.intermediate_size
         up_rows = [split(inter, 0)] * 2
-        layer.gate_up_w = cat(
-            [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-            [(inter, h), (inter, h)],
-            parts=up_rows,
-        )
-        layer.down_w = get(mlp + "down_proj.weight", h, inter, part=split(inter, 1))
+        gate_up_b = down_b = None
         if spec.mlp_bias:
-            layer.gate_up_b = cat(
+            gate_up_b = cat(
                 [mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], parts=up_rows
             )
-            layer.down_b = get(mlp + "down_proj.bias", h) if shard.owns_bias else None
+            down_b = get(mlp + "down_proj.bias", h) if shard.owns_bias else None
+        layer.gate_up = DenseLinear(
+            cat(
+                [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                [(inter, h), (inter, h)],
+                parts=up_rows,
+            ),
+            gate_up_b,
+        )
+        layer.down = DenseLinear(
+            get(mlp + "down_proj.weight", h, inter, part=split(inter, 1)), down_b
+        )
         return layer, None
     e, inter = spec.num_experts, spec.moe_intermediate_size
     if spec.family == "mixtral" and not src.has(p + "mlp.experts.gate_up_proj"):
         moe = p + "block_sparse_moe."
-        layer.router_w = get(moe + "gate.weight", e, h)
+        layer.router = DenseLinear(get(moe + "gate.weight", e, h))
         names = [moe + f"experts.{x}.w{{}}.weight" for x in range(e)]  # w1 gate, w3 up, w2 down
         w13 = torch.stack(
             [
@@ -253,7 +267,7 @@ def _load_layer(
         )
         return layer, (w13, w2)
     moe = p + "mlp."
-    layer.router_w = get(moe + "gate.weight", e, h)
+    layer.router = DenseLinear(get(moe + "gate.weight", e, h))
     if src.has(moe + "experts.gate_up_proj"):  # transformers 5's fused in-memory layout
         fused = moe + "experts.gate_up_proj"
         if whole:
@@ -287,11 +301,13 @@ def _load_layer(
         )
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
-        layer.gate_up_w = cat(
-            [shared + "gate_proj.weight", shared + "up_proj.weight"],
-            [(s, h), (s, h)],
-            parts=[split(s, 0)] * 2,
+        layer.gate_up = DenseLinear(
+            cat(
+                [shared + "gate_proj.weight", shared + "up_proj.weight"],
+                [(s, h), (s, h)],
+                parts=[split(s, 0)] * 2,
+            )
         )
-        layer.down_w = get(shared + "down_proj.weight", h, s, part=split(s, 1))
-        layer.shared_gate_w = get(moe + "shared_expert_gate.weight", 1, h)
+        layer.down = DenseLinear(get(shared + "down_proj.weight", h, s, part=split(s, 1)))
+        layer.shared_gate = DenseLinear(get(moe + "shared_expert_gate.weight", 1, h))
     return layer, (w13, w2)

@@ -1,51 +1,101 @@
-"""Fused weight containers handed from the loader to the model (plain tensors, no nn.Module)."""
+"""Fused weight containers handed from the loader to the model (projection objects, no nn.Module)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from sloserve.layers.linear import Linear
+
+# The dense projections of a layer, the ones a CPU runs on oneDNN (build.prepare_projections).
+DENSE_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer. A MoE layer has router_w (and, for Qwen2-MoE, a shared expert in gate_up_w/down_w)."""
+    """One decoder layer. A MoE layer has a router (and, for Qwen2-MoE, a shared expert in gate_up/down)."""
 
     ln1: torch.Tensor  # [H]
     ln2: torch.Tensor  # [H]
-    qkv_w: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor  # [H, Hq * D]
-    o_b: torch.Tensor | None
-    gate_up_w: torch.Tensor | None = None  # [2I, H] dense MLP or shared expert
-    gate_up_b: torch.Tensor | None = None
-    down_w: torch.Tensor | None = None  # [H, I]
-    down_b: torch.Tensor | None = None
-    router_w: torch.Tensor | None = None  # [E, H]
-    shared_gate_w: torch.Tensor | None = None  # [1, H]
+    qkv: Linear  # [(Hq + 2 Hkv) * D, H]
+    o: Linear  # [H, Hq * D]
+    gate_up: Linear | None = None  # [2I, H] dense MLP or shared expert: gate rows, then up rows
+    down: Linear | None = None  # [H, I]
+    router: Linear | None = None  # [E, H]
+    shared_gate: Linear | None = None  # [1, H]
+
+    def projections(self) -> Iterator[Linear]:
+        """Every projection this layer holds."""
+        for name in (*DENSE_PROJECTIONS, "router", "shared_gate"):
+            proj = getattr(self, name)
+            if proj is not None:
+                yield proj
 
 
 @dataclass(slots=True)
 class ModelWeights:
     embed: torch.Tensor  # [V, H]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H] (may be `embed` itself when tied)
+    lm_head: Linear  # [V, H] (its weight may be `embed` itself when tied)
     layers: list[LayerWeights]
     experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )  # layer -> (w13, w2)
 
+    def replace_dense(self, make: Callable[[Linear], Linear]) -> int:
+        """Each layer's dense projection becomes `make(it)` (the old object is dropped); how many."""
+        count = 0
+        for layer in self.layers:
+            for name in DENSE_PROJECTIONS:
+                proj = getattr(layer, name)
+                if proj is not None:
+                    setattr(layer, name, make(proj))
+                    count += 1
+        return count
+
     def num_parameters(self) -> int:
         """Distinct parameters (a tied lm_head counted once)."""
+        seen: set[int] = {id(self.embed)}
+        total = self.embed.numel() + self.norm.numel()
+        projections = [self.lm_head]
+        for layer in self.layers:
+            total += layer.ln1.numel() + layer.ln2.numel()
+            projections.extend(layer.projections())
+        for proj in projections:
+            if proj.weight is None or id(proj.weight) not in seen:
+                total += proj.out_features * proj.in_features
+            if proj.weight is not None:
+                seen.add(id(proj.weight))
+            if proj.bias is not None:
+                total += proj.bias.numel()
+        for w13, w2 in self.experts.values():
+            total += w13.numel() + w2.numel()
+        return total
+
+    def nbytes(self) -> int:
+        """Bytes these weights hold, each tensor once (a tied lm_head, an expert on the host included)."""
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, self.norm, self.lm_head]
-        for layer in self.layers:
-            tensors.extend(getattr(layer, f) for f in LayerWeights.__slots__)
-        for w13, w2 in self.experts.values():
-            tensors.extend((w13, w2))
-        for t in tensors:
+
+        def add(t: torch.Tensor | None) -> None:
+            nonlocal total
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel()
+                total += t.numel() * t.element_size()
+
+        add(self.embed)
+        add(self.norm)
+        for layer in self.layers:
+            add(layer.ln1)
+            add(layer.ln2)
+        for proj in [self.lm_head, *(p for layer in self.layers for p in layer.projections())]:
+            if proj.weight is None:
+                total += proj.nbytes()
+            else:
+                add(proj.weight)
+                add(proj.bias)
+        for w13, w2 in self.experts.values():
+            add(w13)
+            add(w2)
         return total

@@ -93,13 +93,13 @@ def test_batches_past_the_onednn_crossover_go_to_the_torch_path(
     """With the projections on oneDNN, a batch of MIN_PACKED_ROWS or more whose sequences x
     parameters exceed FUSED_MAX_MACS_PACKED runs the torch path; on BLAS the kernel takes up to
     FUSED_MAX_BATCH."""
-    from sloserve.layers.linear import MIN_PACKED_ROWS, PackedLinears
+    from sloserve.layers.linear import MIN_PACKED_ROWS, on_onednn
 
     params = runner.model.weights.num_parameters()
     monkeypatch.setattr(fused, "FUSED_MAX_MACS_PACKED", 20 * params)
     blas = make_runner(make_checkpoint("llama"), cpu_gemm="blas")
     assert fused.FusedDecode(blas.model, blas.kv, 1).max_batch == fused.FUSED_MAX_BATCH
-    if not isinstance(runner.model.linear, PackedLinears):
+    if not on_onednn(runner.model.weights.layers[0].qkv):
         pytest.skip("this torch build has no oneDNN linear operators")
     assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == 20
     monkeypatch.setattr(

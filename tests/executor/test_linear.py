@@ -1,4 +1,4 @@
-"""Dense projections through oneDNN on packed weights (layers/linear.py) against F.linear."""
+"""Dense projections through oneDNN, on plain and packed weights (layers/linear.py), against F.linear."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import torch.nn.functional as F
 from sloserve.layers.linear import (
     MIN_PACKED_ROWS,
     TILE_ROWS,
-    PackedLinears,
+    DenseLinear,
+    OneDnnLinear,
+    PackedLinear,
     cpu_gemm_reason,
+    on_onednn,
     onednn_available,
+    onednn_product,
     row_tiles,
 )
 
@@ -28,11 +32,11 @@ def test_packed_product_matches_float64(shape, bias):
     torch.manual_seed(0)
     w = torch.randn(shape)
     b = torch.randn(shape[0]) if bias else None
-    packed = PackedLinears([w])
+    kinds = (OneDnnLinear(w, b), PackedLinear(w, b))
     for rows in (1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 100):
         x = torch.randn(rows, shape[1])
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
-        for got in (packed(x, w, b), packed.packed_product(x, w, b)):
+        for got in (*(proj(x) for proj in kinds), onednn_product(x, w, b)):
             assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
 
@@ -41,11 +45,11 @@ def test_packed_product_matches_float64(shape, bias):
 def test_a_row_is_the_same_whatever_the_row_count_from_the_threshold_up():
     torch.manual_seed(1)
     w = torch.randn(1408, 256)
-    packed = PackedLinears([w])
-    x = torch.randn(700, 256)
-    whole = packed(x, w)
-    for rows in (MIN_PACKED_ROWS, 17, 64, 333, 512, 699):
-        assert torch.equal(packed(x[:rows].contiguous(), w), whole[:rows])
+    for packed in (OneDnnLinear(w), PackedLinear(w)):
+        x = torch.randn(700, 256)
+        whole = packed(x)
+        for rows in (MIN_PACKED_ROWS, 17, 64, 333, 512, 699):
+            assert torch.equal(packed(x[:rows].contiguous()), whole[:rows])
 
 
 def test_row_tiles_cover_every_row_once_with_a_few_sizes():
@@ -67,20 +71,20 @@ def test_row_tiles_cover_every_row_once_with_a_few_sizes():
 def test_what_is_not_packed_or_too_small_runs_f_linear():
     torch.manual_seed(2)
     w, other = torch.randn(32, 16), torch.randn(32, 16)
-    packed = PackedLinears([w])
+    packed = OneDnnLinear(w)
     x = torch.randn(MIN_PACKED_ROWS - 1, 16)
-    assert torch.equal(packed(x, w), F.linear(x, w))  # too few rows: bit for bit F.linear
+    assert torch.equal(packed(x), F.linear(x, w))  # too few rows: bit for bit F.linear
     big = torch.randn(40, 16)
-    assert torch.equal(packed(big, other), F.linear(big, other))  # not packed
-    assert torch.equal(packed(big[None], w), F.linear(big[None], w))  # not 2-D
-    assert len(packed) == 1 and packed.nbytes() == 32 * 16 * 4
+    assert torch.equal(DenseLinear(other)(big), F.linear(big, other))  # not packed
+    assert torch.equal(packed(big[None]), F.linear(big[None], w))  # not 2-D
+    assert packed.weight is w and packed.nbytes() == 32 * 16 * 4
 
 
 def test_only_float32_cpu_matrices_are_packed():
     with pytest.raises(ValueError, match="2-D float32 CPU"):
-        PackedLinears([torch.randn(4, 4, dtype=torch.float64)])
+        PackedLinear(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="2-D float32 CPU"):
-        PackedLinears([torch.randn(4)])
+        OneDnnLinear(torch.randn(4))
 
 
 def test_cpu_gemm_reason():
@@ -96,13 +100,13 @@ def test_cpu_gemm_reason():
 
 
 def test_the_runner_packs_on_auto_and_refuses_onednn_where_it_cannot(make_checkpoint, make_runner):
-    from sloserve.layers.linear import PackedLinears as Packed
-
     folder = make_checkpoint("llama")
     auto = make_runner(folder)
-    assert isinstance(auto.model.linear, Packed) == onednn_available()
-    assert make_runner(folder, cpu_gemm="blas").model.linear is F.linear
-    assert make_runner(folder, dtype="bfloat16").model.linear is F.linear  # auto falls back
+    assert on_onednn(auto.model.weights.layers[0].qkv) == onednn_available()
+    assert type(make_runner(folder, cpu_gemm="blas").model.weights.layers[0].qkv) is DenseLinear
+    assert (
+        type(make_runner(folder, dtype="bfloat16").model.weights.layers[0].qkv) is DenseLinear
+    )  # auto falls back
     with pytest.raises(ValueError, match="--cpu-gemm onednn cannot run here"):
         make_runner(folder, dtype="bfloat16", cpu_gemm="onednn")
 

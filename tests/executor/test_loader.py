@@ -35,8 +35,8 @@ def _edit_config(folder: Path, **changes) -> None:
 def test_loads_and_fuses(tiny_llama):
     spec, weights = _load(tiny_llama)
     assert spec.architecture == "LlamaForCausalLM" and spec.num_kv_heads == 2
-    assert weights.layers[0].qkv_w.shape == ((4 + 2 * 2) * 16, 64)
-    assert weights.layers[0].gate_up_w.shape == (2 * 128, 64)
+    assert weights.layers[0].qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
+    assert weights.layers[0].gate_up.weight.shape == (2 * 128, 64)
     assert spec.eos_token_ids == (257,)
 
 
@@ -103,8 +103,10 @@ def test_sharded_checkpoint_loads_like_the_single_file(tiny_llama, llama_copy):
     _shard(llama_copy)
     _, sharded = _load(llama_copy)
     _, single = _load(tiny_llama)
-    torch.testing.assert_close(sharded.layers[1].qkv_w, single.layers[1].qkv_w, rtol=0, atol=0)
-    torch.testing.assert_close(sharded.lm_head, single.lm_head, rtol=0, atol=0)
+    torch.testing.assert_close(
+        sharded.layers[1].qkv.weight, single.layers[1].qkv.weight, rtol=0, atol=0
+    )
+    torch.testing.assert_close(sharded.lm_head.weight, single.lm_head.weight, rtol=0, atol=0)
 
 
 def test_missing_shard_is_named(llama_copy):
@@ -194,10 +196,10 @@ def test_partial_expert_residency_keeps_experts_on_the_host(make_checkpoint, arc
         t.device.type == "cpu" for pair in partial.experts.values() for t in pair
     )
     assert partial.embed.is_meta and all(
-        layer.router_w.is_meta and layer.qkv_w.is_meta for layer in partial.layers
+        layer.router.weight.is_meta and layer.qkv.weight.is_meta for layer in partial.layers
     )
     if arch == "qwen2_moe":  # the shared expert is dense: always on the device
-        assert all(layer.gate_up_w.is_meta for layer in partial.layers)
+        assert all(layer.gate_up.weight.is_meta for layer in partial.layers)
     _, cpu = load_checkpoint(folder, torch.device("cpu"), torch.float32)
     for layer, (w13, w2) in partial.experts.items():
         assert torch.equal(w13, cpu.experts[layer][0]) and torch.equal(w2, cpu.experts[layer][1])

@@ -86,26 +86,32 @@ def test_rank_parts_make_up_the_whole_weights(make_checkpoint, arch):
     for i, layer in enumerate(whole.layers):
         parts = [w.layers[i] for _, w in ranks]
         # qkv: each rank holds its q rows, then its k and v rows
-        qkv = [p.qkv_w.split([q // 2, kv // 2, kv // 2]) for p in parts]
-        for j, full in enumerate(layer.qkv_w.split([q, kv, kv])):
+        qkv = [p.qkv.weight.split([q // 2, kv // 2, kv // 2]) for p in parts]
+        for j, full in enumerate(layer.qkv.weight.split([q, kv, kv])):
             _rows(full, 0, [x[j] for x in qkv])
-        _rows(layer.o_w, 1, [p.o_w for p in parts])
-        if layer.o_b is not None:
+        _rows(layer.o.weight, 1, [p.o.weight for p in parts])
+        if layer.o.bias is not None:
             assert (
-                torch.equal(parts[0].o_b, layer.o_b) and parts[1].o_b is None
+                torch.equal(parts[0].o.bias, layer.o.bias) and parts[1].o.bias is None
             )  # added once, by rank 0
-        if layer.gate_up_w is not None:
+        if layer.gate_up is not None:
             for j in range(2):  # gate, then up
-                _rows(layer.gate_up_w.chunk(2)[j], 0, [p.gate_up_w.chunk(2)[j] for p in parts])
-            _rows(layer.down_w, 1, [p.down_w for p in parts])
-        if layer.router_w is not None:
-            assert all(torch.equal(p.router_w, layer.router_w) for p in parts)
+                _rows(
+                    layer.gate_up.weight.chunk(2)[j],
+                    0,
+                    [p.gate_up.weight.chunk(2)[j] for p in parts],
+                )
+            _rows(layer.down.weight, 1, [p.down.weight for p in parts])
+        if layer.router is not None:
+            assert all(torch.equal(p.router.weight, layer.router.weight) for p in parts)
     for i, (w13, w2) in whole.experts.items():
         for j in range(2):
             _rows(w13.chunk(2, dim=1)[j], 1, [w.experts[i][0].chunk(2, dim=1)[j] for _, w in ranks])
         _rows(w2, 2, [w.experts[i][1] for _, w in ranks])
     for _, w in ranks:
-        assert torch.equal(w.embed, whole.embed) and torch.equal(w.lm_head, whole.lm_head)
+        assert torch.equal(w.embed, whole.embed) and torch.equal(
+            w.lm_head.weight, whole.lm_head.weight
+        )
 
 
 def test_replicated_kv_heads_are_the_group_heads(make_checkpoint):
@@ -113,7 +119,7 @@ def test_replicated_kv_heads_are_the_group_heads(make_checkpoint):
     spec, whole = _load(folder, 0, 1)
     for rank in range(2):
         _, w = _load(folder, rank, 2)
-        k = w.layers[0].qkv_w[spec.q_size // 2 :]
+        k = w.layers[0].qkv.weight[spec.q_size // 2 :]
         assert torch.equal(
-            k, whole.layers[0].qkv_w[spec.q_size :]
+            k, whole.layers[0].qkv.weight[spec.q_size :]
         )  # the one KV head, whole, on every rank
