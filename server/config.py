@@ -140,8 +140,8 @@ class ModelConfig:
     cpu_gemm: str = flag(
         "auto",
         "--cpu-gemm",
-        "Dense projections of a float32 model on a CPU: oneDNN on weights packed at load (auto "
-        "uses it where torch has it; the projections are then held twice), or torch's BLAS.",
+        "Dense projections of a float32 model on a CPU: oneDNN (auto uses it where torch has it; "
+        "each weight is held once, packed or read in place), or torch's BLAS.",
         choices=("auto", "onednn", "blas"),
     )
     # NOTE: 'keep' raises glibc's mmap and trim thresholds (executor/host_memory.py)
