@@ -31,6 +31,7 @@ from sloserve.cli.bench_common import (
     workload_options,
 )
 from sloserve.cli.bench_compare import compare
+from sloserve.cli.common import auth_token_option
 from sloserve.structured import arc_grid_lark
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
@@ -194,14 +195,7 @@ async def _session(
     type=float,
     help="Seconds to wait for the server's model to be loaded.",
 )
-@click.option(
-    "--auth-token",
-    "--api-key",
-    "auth_token",
-    envvar="SLOSERVE_AUTH_TOKEN",
-    default=None,
-    help="Bearer token of the server (--api-key: the same).",
-)
+@auth_token_option
 @report_path_option("--json", "json_path", default=None, help="Write the report as JSON here.")
 @report_path_option(
     "--plot",

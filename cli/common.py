@@ -122,24 +122,22 @@ def client_tls_options(fn):
     return fn
 
 
+auth_token_option = click.option(
+    "--auth-token",
+    "--api-key",
+    "auth_token",
+    envvar="SLOSERVE_AUTH_TOKEN",
+    default=None,
+    help="Bearer token of the server (--api-key: the same).",
+)
+timeout_option = click.option(
+    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server."
+)
+
+
 def client_options(fn):
     """How a client command reaches a server: --auth-token (--api-key), the client_tls_options, --timeout."""
-    fn = click.option(
-        "--timeout",
-        default=10.0,
-        show_default=True,
-        type=float,
-        help="Seconds to reach the server.",
-    )(fn)
-    fn = client_tls_options(fn)
-    return click.option(
-        "--auth-token",
-        "--api-key",
-        "auth_token",
-        envvar="SLOSERVE_AUTH_TOKEN",
-        default=None,
-        help="Bearer token of the server (--api-key: the same).",
-    )(fn)
+    return auth_token_option(client_tls_options(timeout_option(fn)))
 
 
 async def open_channel(
