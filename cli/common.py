@@ -122,6 +122,11 @@ def client_tls_options(fn):
     return fn
 
 
+remote_or_local_option = click.option(
+    "--server",
+    default=None,
+    help="HOST:PORT of a running server [default: load --model in process].",
+)
 auth_token_option = click.option(
     "--auth-token",
     "--api-key",

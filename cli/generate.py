@@ -20,6 +20,7 @@ from sloserve.cli.common import (
     metadata,
     open_channel,
     parse_server,
+    remote_or_local_option,
     rpc_error,
 )
 from sloserve.cli.options import build_config, engine_options, pop_engine_options, with_engine
@@ -50,11 +51,7 @@ class Completion:
 
 @click.command(cls=OneLineCommand)
 @click.argument("prompt")
-@click.option(
-    "--server",
-    default=None,
-    help="HOST:PORT of a running server [default: load --model in process].",
-)
+@remote_or_local_option
 @engine_options
 @click.option(
     "--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate."
