@@ -20,17 +20,18 @@ from sloserve.bench.goodput_search import (
 from sloserve.bench.plan import WorkloadPlan
 from sloserve.bench.report import build_report, format_table, rate_label, write_json, write_plot
 from sloserve.bench.stats import summarise
-from sloserve.bench.workloads import default_workload, load_workload
+from sloserve.bench.workloads import load_workload
 from sloserve.cli.bench_common import (
     BenchInputError,
     OneLineGroup,
     Progress,
     parse_rates,
+    report_path_option,
     run_slo,
     workload_options,
-    workload_plan,
 )
 from sloserve.cli.bench_compare import compare
+from sloserve.cli.common import auth_token_option
 from sloserve.structured import arc_grid_lark
 
 DEFAULT_REQUESTS = 200  # when neither --num-requests nor --duration is given
@@ -194,25 +195,11 @@ async def _session(
     type=float,
     help="Seconds to wait for the server's model to be loaded.",
 )
-@click.option(
-    "--auth-token",
-    "--api-key",
-    "auth_token",
-    envvar="SLOSERVE_AUTH_TOKEN",
-    default=None,
-    help="Bearer token of the server (--api-key: the same).",
-)
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True),
-    default=None,
-    help="Write the report as JSON here.",
-)
-@click.option(
+@auth_token_option
+@report_path_option("--json", "json_path", default=None, help="Write the report as JSON here.")
+@report_path_option(
     "--plot",
     "plot_path",
-    type=click.Path(dir_okay=False, writable=True),
     default=None,
     help="Write latency CDFs (and, for a sweep, attainment and P99 vs rate) as a PNG.",
 )
@@ -221,14 +208,7 @@ def bench(
     ctx,
     server,
     url,
-    workload,
-    attempts,
-    max_tokens,
-    length_scale,
-    time_scale,
-    slo_rules,
-    slo_rules_file,
-    seed,
+    flags,
     num_requests,
     duration,
     rate,
@@ -265,31 +245,21 @@ def bench(
         raise BenchInputError(
             "--goodput-search takes --rate START or --rate MET,MISSED, not a longer list"
         )
-    if time_scale is not None and any(math.isfinite(r) for r in rates):
+    if flags.time_scale is not None and any(math.isfinite(r) for r in rates):
         raise BenchInputError("give --time-scale or --rate for a trace, not both")
     require_bench_extra(url, plot_path)
     slo = run_slo(slo_ttft, slo_tpot, slo_e2e)
-    workload = workload or default_workload()
+    workload = flags.name
     trace = workload.startswith("trace:")
     defaulted = num_requests is None and duration is None and not trace
     if defaulted:
         num_requests = DEFAULT_REQUESTS
-    plan = workload_plan(
-        workload,
-        attempts,
-        max_tokens,
-        length_scale,
-        time_scale,
-        slo_rules,
-        slo_rules_file,
-        seed,
-        None if duration is not None else num_requests,
-    )
+    plan = flags.plan(None if duration is not None else num_requests)
     try:
         if defaulted and workload.startswith(
             ("jsonl:", "arc:")
         ):  # read from a file: repeated to fill
-            held = len(load_workload(workload, seed=seed, attempts=attempts))
+            held = len(load_workload(workload, seed=flags.seed, attempts=flags.attempts))
             if held < num_requests:
                 click.echo(
                     f"note: {workload} holds {held} requests, so the default {num_requests} repeat them "
@@ -303,7 +273,7 @@ def bench(
                 num_requests=num_requests,
                 duration_s=duration,
                 streams=streams,
-                seed=seed + i,
+                seed=flags.seed + i,
                 slo=slo,
                 temperature=temperature,
                 ignore_eos=ignore_eos,
@@ -348,18 +318,18 @@ def bench(
     for run, result in zip(runs, results, strict=True):
         run["rate_label"] = rate_label(result.rate)
     config = {
-        "attempts": attempts,
-        "max_tokens": max_tokens,
+        "attempts": flags.attempts,
+        "max_tokens": flags.max_tokens,
         "num_requests": num_requests,
         "duration_s": duration,
         "rates": [rate_label(r) for r in rates],
         "concurrency": concurrency,
         "streams": streams,
-        "seed": seed,
+        "seed": flags.seed,
         "temperature": temperature,
         "ignore_eos": ignore_eos,
-        "length_scale": length_scale,
-        "time_scale": time_scale,
+        "length_scale": flags.length_scale,
+        "time_scale": flags.time_scale,
         "slo_rules": [r.text for r in plan.rules],
         "arc_grid_grammar": arc_grid_grammar,
         "slo": None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from dataclasses import dataclass
 
 import click
 from sloserve.bench.plan import WorkloadPlan
@@ -61,7 +62,7 @@ def run_slo(ttft: float | None, tpot: float | None, e2e: float | None) -> SLO | 
 
 
 def workload_options(fn):
-    """The flags that say what to send: shared by `bench` and `bench compare`."""
+    """The flags that say what to send, passed to `fn` as one WorkloadFlags, `flags`."""
     decorators = [
         click.option(
             "--workload",
@@ -118,39 +119,65 @@ def workload_options(fn):
             help="Seed of the workload order and arrivals.",
         ),
     ]
-    return functools.reduce(lambda f, d: d(f), reversed(decorators), fn)
+
+    @functools.wraps(fn)
+    def packed(*args, **kwargs):
+        fields = {name: kwargs.pop(name) for name in WorkloadFlags.__slots__}
+        return fn(*args, flags=WorkloadFlags(**fields), **kwargs)
+
+    return functools.reduce(lambda f, d: d(f), reversed(decorators), packed)
 
 
-def workload_plan(
-    workload,
-    attempts,
-    max_tokens,
-    length_scale,
-    time_scale,
-    slo_rules,
-    slo_rules_file,
-    seed,
-    num_requests,
-) -> WorkloadPlan:
-    """The WorkloadPlan of the workload flags; bad input becomes a BenchInputError."""
-    try:
-        rules = [parse_rule(text) for text in slo_rules]
-        if slo_rules_file:
-            rules += load_rules_file(slo_rules_file)
-        if attempts < 1:
-            raise ValueError(f"--attempts must be >= 1, got {attempts}")
-        return WorkloadPlan(
-            workload or default_workload(),
-            seed=seed,
-            attempts=attempts,
-            num_requests=num_requests,
-            max_tokens=max_tokens,
-            length_scale=length_scale,
-            time_scale=time_scale,
-            rules=tuple(rules),
-        )
-    except ValueError as exc:
-        raise BenchInputError(str(exc)) from None
+@dataclass(frozen=True, slots=True)
+class WorkloadFlags:
+    """The flags that say what to send, as given (one value for `bench` and `bench compare`)."""
+
+    workload: str | None
+    attempts: int
+    max_tokens: int | None
+    length_scale: float
+    time_scale: float | None
+    slo_rules: tuple[str, ...]
+    slo_rules_file: str | None
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """The workload spec, or the default one."""
+        return self.workload or default_workload()
+
+    def plan(self, num_requests: int | None) -> WorkloadPlan:
+        """The WorkloadPlan of these flags; bad input becomes a BenchInputError."""
+        try:
+            rules = [parse_rule(text) for text in self.slo_rules]
+            if self.slo_rules_file:
+                rules += load_rules_file(self.slo_rules_file)
+            if self.attempts < 1:
+                raise ValueError(f"--attempts must be >= 1, got {self.attempts}")
+            return WorkloadPlan(
+                self.name,
+                seed=self.seed,
+                attempts=self.attempts,
+                num_requests=num_requests,
+                max_tokens=self.max_tokens,
+                length_scale=self.length_scale,
+                time_scale=self.time_scale,
+                rules=tuple(rules),
+            )
+        except ValueError as exc:
+            raise BenchInputError(str(exc)) from None
+
+
+def report_path_option(flag: str, name: str, *, default: str | None, help: str):
+    """A click option naming a file the report is written to (--json, --plot)."""
+    return click.option(
+        flag,
+        name,
+        type=click.Path(dir_okay=False, writable=True),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
 
 
 class Progress:

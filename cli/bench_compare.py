@@ -12,8 +12,8 @@ from sloserve.cli.bench_common import (
     BenchInputError,
     OneLineCommand,
     Progress,
+    report_path_option,
     workload_options,
-    workload_plan,
 )
 from sloserve.config import POLICIES
 
@@ -111,67 +111,36 @@ def _policies(text: str) -> tuple[str, ...]:
     default=None,
     help="Keep each server's log here [default: discarded].",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True),
-    default="compare.json",
-    show_default=True,
-    help="The report.",
-)
-@click.option(
+@report_path_option("--json", "json_path", default="compare.json", help="The report.")
+@report_path_option(
     "--plot",
     "plot_path",
-    type=click.Path(dir_okay=False, writable=True),
     default="compare.png",
-    show_default=True,
     help="Attainment and interactive attainment vs load, per policy.",
 )
 def compare(
     policies,
     model,
     rates,
-    workload,
-    attempts,
-    max_tokens,
-    length_scale,
-    time_scale,
-    slo_rules,
-    slo_rules_file,
-    seed,
+    flags,
     num_requests,
-    capacity,
-    concurrency,
-    capacity_requests,
-    streams,
     request_timeout,
-    attainment,
-    interactive_class,
     serve_args,
     ready_timeout,
     log_dir,
     json_path,
     plot_path,
+    **bounds,  # the flags that CompareSettings takes by their own names (--capacity, ...)
 ) -> None:
     """Start a fresh server per policy and load, send each the same requests at the same times
     (the policies' order rotating from load to load), and write one JSON and one PNG."""
-    if time_scale is not None:
+    if flags.time_scale is not None:
         raise BenchInputError(
             "--time-scale does not apply to compare: --rates sets each point's rate"
         )
-    if num_requests is None and not (workload or "").startswith("trace:"):
+    if num_requests is None and not flags.name.startswith("trace:"):
         num_requests = DEFAULT_REQUESTS
-    plan = workload_plan(
-        workload,
-        attempts,
-        max_tokens,
-        length_scale,
-        time_scale,
-        slo_rules,
-        slo_rules_file,
-        seed,
-        num_requests,
-    )
+    plan = flags.plan(num_requests)
     try:
         plan.items()  # the workload's errors now, not after a server start
         settings = CompareSettings(
@@ -180,15 +149,10 @@ def compare(
             tuple(parse_loads(rates)),
             plan,
             tuple(serve_args),
-            capacity,
-            concurrency,
-            capacity_requests,
-            streams,
-            request_timeout,
-            attainment,
-            interactive_class,
-            ready_timeout,
-            log_dir,
+            request_timeout_s=request_timeout,
+            ready_timeout_s=ready_timeout,
+            log_dir=log_dir,
+            **bounds,
         )
     except ValueError as exc:
         raise BenchInputError(str(exc)) from None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import click
 import grpc
 from click.exceptions import NoArgsIsHelpError
+from sloserve.bench.client import ready_within
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 RANDOM_MODELS = ("default-random", "default-moe")
@@ -122,6 +122,29 @@ def client_tls_options(fn):
     return fn
 
 
+remote_or_local_option = click.option(
+    "--server",
+    default=None,
+    help="HOST:PORT of a running server [default: load --model in process].",
+)
+auth_token_option = click.option(
+    "--auth-token",
+    "--api-key",
+    "auth_token",
+    envvar="SLOSERVE_AUTH_TOKEN",
+    default=None,
+    help="Bearer token of the server (--api-key: the same).",
+)
+timeout_option = click.option(
+    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server."
+)
+
+
+def client_options(fn):
+    """How a client command reaches a server: --auth-token (--api-key), the client_tls_options, --timeout."""
+    return auth_token_option(client_tls_options(timeout_option(fn)))
+
+
 async def open_channel(
     server: str,
     tls_ca: str | None,
@@ -150,15 +173,12 @@ async def open_channel(
         channel = grpc.aio.secure_channel(server, creds)
     else:
         channel = grpc.aio.insecure_channel(server)
-    try:
-        await asyncio.wait_for(channel.channel_ready(), timeout_s)
-    except (TimeoutError, asyncio.CancelledError):
-        await channel.close()
+    if not await ready_within(channel, timeout_s):
         raise CliError(
             f"cannot reach a sloserve server at {server} within {timeout_s:g} s: start one with "
             "`sloserve serve`, or fix --server (and --tls-ca if it uses TLS, --tls-cert/--tls-key "
             "if it wants a client certificate)"
-        ) from None
+        )
     return channel
 
 

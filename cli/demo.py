@@ -19,7 +19,7 @@ import urllib.request
 import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sloserve.bench.local_server import free_port
+from sloserve.bench.local_server import free_port, sloserve_argv
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc
 
@@ -223,10 +223,7 @@ def demo(
     """Start a server, stream requests over one bidirectional stream, run a short bench, stop it."""
     port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    command = [
-        sys.executable,
-        "-m",
-        "sloserve.cli.main",
+    command = sloserve_argv(
         "serve",
         "--model",
         model,
@@ -238,7 +235,7 @@ def demo(
         "off",
         "--grace",
         "30",
-    ]
+    )
     click.echo(f"$ sloserve serve --model {model} --port {port} --metrics-port {metrics_port}")
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     relay = threading.Thread(target=_relay, args=(proc.stderr, "  [server] "), daemon=True)
@@ -255,10 +252,7 @@ def demo(
             f"\n2) a load burst: sloserve bench --workload {workload} --num-requests {num_requests}"
         )
         bench = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "sloserve.cli.main",
+            sloserve_argv(
                 "bench",
                 "--server",
                 address,
@@ -268,7 +262,7 @@ def demo(
                 str(num_requests),
                 "--streams",
                 "2",
-            ],
+            ),
             text=True,
             capture_output=True,
         )

@@ -16,10 +16,11 @@ from sloserve.cli.common import (
     CliError,
     OneLineCommand,
     check_model,
-    client_tls_options,
+    client_options,
     metadata,
     open_channel,
     parse_server,
+    remote_or_local_option,
     rpc_error,
 )
 from sloserve.cli.options import build_config, engine_options, with_engine
@@ -51,11 +52,7 @@ class Completion:
 
 @click.command(cls=OneLineCommand)
 @click.argument("prompt")
-@click.option(
-    "--server",
-    default=None,
-    help="HOST:PORT of a running server [default: load --model in process].",
-)
+@remote_or_local_option
 @engine_options
 @click.option(
     "--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate."
@@ -82,18 +79,7 @@ class Completion:
     help="Constrain the answer to one ARC grid: rows of digits of one width, each ending in a newline, "
     "then EOS (give --max-tokens 931 for room for a 30x30 grid).",
 )
-@click.option(
-    "--auth-token",
-    "--api-key",
-    "auth_token",
-    envvar="SLOSERVE_AUTH_TOKEN",
-    default=None,
-    help="Bearer token of the server (--api-key: the same).",
-)
-@client_tls_options
-@click.option(
-    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server."
-)
+@client_options
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of the text."
 )

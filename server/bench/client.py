@@ -204,17 +204,24 @@ def build_request(
     return message
 
 
-async def connect(target: str, timeout_s: float = 10.0) -> grpc.aio.Channel:
-    """An open channel to a server; ConnectionError when it is not reachable within timeout_s."""
-    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+async def ready_within(channel: grpc.aio.Channel, timeout_s: float) -> bool:
+    """Whether the channel connects within timeout_s; one that does not is closed."""
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
         await channel.close()
+        return False
+    return True
+
+
+async def connect(target: str, timeout_s: float = 10.0) -> grpc.aio.Channel:
+    """An open channel to a server; ConnectionError when it is not reachable within timeout_s."""
+    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    if not await ready_within(channel, timeout_s):
         raise ConnectionError(
             f"cannot reach a sloserve server at {target} within {timeout_s:g} s: "
             "check --server HOST:PORT and that the server is running"
-        ) from None
+        )
     return channel
 
 

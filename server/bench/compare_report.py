@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sloserve.bench.report import ruled_rows
+
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
@@ -47,15 +49,6 @@ def format_compare(report: dict) -> str:
                 _ms(run["e2e_s"]["p99"]),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    rule = "-" * len(lines[0])
     target = f"{100 * report['attainment_target']:g}%"
     capacity = report["capacity_rps"]
     goodput = [
@@ -75,11 +68,7 @@ def format_compare(report: dict) -> str:
     return "\n".join(
         [
             head,
-            rule,
-            lines[0],
-            rule,
-            *lines[1:],
-            rule,
+            *ruled_rows(rows),
             f"goodput (highest rate with >= {target} attainment, interpolated):",
             *goodput,
         ]

@@ -25,6 +25,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sloserve_argv(*args: str) -> list[str]:
+    """The command line of `sloserve ARGS` run by this interpreter."""
+    return [sys.executable, "-m", "sloserve.cli.main", *args]
+
+
 async def ready_info(target: str, timeout_s: float = 600.0) -> dict:
     """Wait for the server's model to load; return its Info."""
     channel = await connect(target, timeout_s=timeout_s)
@@ -70,10 +75,7 @@ class LocalServer:
     ) -> LocalServer:
         """`sloserve serve --model model *serve_args` on a free port, gRPC only, grace of 1 s."""
         port = free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "sloserve.cli.main",
+        argv = sloserve_argv(
             "serve",
             "--model",
             model,
@@ -88,7 +90,7 @@ class LocalServer:
             "--grace",
             "1",
             *serve_args,
-        ]
+        )
         return cls(argv, port, log_path, label)
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict:

@@ -154,7 +154,13 @@ def format_class_table(runs: list[dict]) -> str:
                     _pair(c["e2e_s"]),
                 )
             )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_CLASS_HEADER))]
+    return "\n".join(ruled_rows(rows))
+
+
+def ruled_rows(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows (the first a header) as aligned columns, the first two left and the rest right, ruled
+    above and below the header and at the end."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
             v.ljust(w) if i < 2 else v.rjust(w)
@@ -163,7 +169,7 @@ def format_class_table(runs: list[dict]) -> str:
         for row in rows
     ]
     rule = "-" * len(lines[0])
-    return "\n".join([rule, lines[0], rule, *lines[1:], rule])
+    return [rule, lines[0], rule, *lines[1:], rule]
 
 
 def _cdf(ax, values: list[float], label: str) -> None:

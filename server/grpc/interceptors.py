@@ -52,7 +52,26 @@ def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class _HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """Replaces the handler of each call with `wrap(handler, details)`; an unknown method passes through."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        return self.wrap(handler, details)
+
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+
+class AuthInterceptor(_HandlerInterceptor):
     """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED.
 
     The standard health service is exempt: Kubernetes gRPC probes (and grpc_health_probe) cannot
@@ -64,13 +83,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             raise ValueError("auth token must not be empty")
         self._token = token
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
+        if details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if isinstance(got, str) and bearer_matches(got, self._token):
@@ -96,17 +112,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _rebuild(handler, deny)
 
 
-class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+class ExceptionInterceptor(_HandlerInterceptor):
     """Turns an exception escaping a handler into its status code (INTERNAL if unknown) and logs it."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
         inner = _behaviour(handler)
         method = details.method
 

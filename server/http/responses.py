@@ -66,19 +66,9 @@ class Shape:
                 if calls:
                     message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
-            choice = {
-                "index": self.index,
-                "message": message,
-                "logprobs": lp,
-                "finish_reason": reason,
-            }
+            choice = self._choice("message", message, lp, reason)
         else:
-            choice = {
-                "index": self.index,
-                "text": self._echoed(text),
-                "logprobs": lp,
-                "finish_reason": finish_reason(done),
-            }
+            choice = self._choice("text", self._echoed(text), lp, finish_reason(done))
         if self.token_ids:
             choice["token_ids"] = token_ids
         return {
@@ -104,14 +94,7 @@ class Shape:
         """Chat's opening chunk carries the role (completions have none)."""
         if not self.chat:
             return None
-        return self._chunk(
-            {
-                "index": self.index,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        )
+        return self._chunk(self._choice("delta", {"role": "assistant", "content": ""}, None, None))
 
     def delta(self, text: str, token_ids: list[int], event: Tokens | None = None) -> dict:
         """A chunk of new text (`event`: the Tokens it came from, for its logprobs)."""
@@ -119,22 +102,16 @@ class Shape:
         if self.tools is not None:
             text = self.tools.feed(text)
         if self.chat:
-            choice = {
-                "index": self.index,
-                "delta": {"content": text},
-                "logprobs": lp,
-                "finish_reason": None,
-            }
+            choice = self._choice("delta", {"content": text}, lp, None)
         else:
-            choice = {
-                "index": self.index,
-                "text": self._echoed(text),
-                "logprobs": lp,
-                "finish_reason": None,
-            }
+            choice = self._choice("text", self._echoed(text), lp, None)
         if self.token_ids:
             choice["token_ids"] = token_ids
         return self._chunk(choice)
+
+    def _choice(self, key: str, body: object, lp: dict | None, reason: str | None) -> dict:
+        """One entry of `choices`, its fields in OpenAI's order."""
+        return {"index": self.index, key: body, "logprobs": lp, "finish_reason": reason}
 
     def _echoed(self, text: str) -> str:
         """The text, with echo's prompt before the first piece."""
@@ -176,20 +153,8 @@ class Shape:
                         {"index": i, **call} for i, call in enumerate(self.tools.calls)
                     ]
                     reason = "tool_calls" if reason == "stop" else reason
-            choice = {
-                "index": self.index,
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-        else:
-            choice = {
-                "index": self.index,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": finish_reason(done),
-            }
-        return self._chunk(choice)
+            return self._chunk(self._choice("delta", delta, None, reason))
+        return self._chunk(self._choice("text", "", None, finish_reason(done)))
 
     def usage_chunk(self, done: Finished) -> dict:
         """stream_options.include_usage: a final chunk with no choices and the usage."""

@@ -56,7 +56,8 @@ class CapturableDecode(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [B, Hq, D]
         """Write the new K/V into their slots, then attend each query to its sequence's keys."""
-        ...
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return self.attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def attend_decode(
         self,
@@ -69,6 +70,14 @@ class CapturableDecode(Protocol):
     ) -> torch.Tensor:
         """`decode` when the new K/V are already in the cache (written by a fused kernel)."""
         ...
+
+
+def check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """ValueError unless the query heads ([T, Hq, D]) are a multiple of the cache's KV heads."""
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})"
+        )
 
 
 def write_kv(

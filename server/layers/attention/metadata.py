@@ -48,6 +48,15 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.cu_seqlens_q_list[-1]
 
+    def token_rows(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each token of q[T, ...]: its sequence, and its row in that sequence's chunk (int64)."""
+        num_tokens = q.shape[0]
+        cu = self.cu_seqlens_q.to(torch.long)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(self.num_seqs, device=q.device), cu[1:] - cu[:-1], output_size=num_tokens
+        )
+        return seq_of_token, torch.arange(num_tokens, device=q.device) - cu[seq_of_token]
+
     @property
     def decode_only(self) -> bool:
         """Every sequence contributes exactly one query token."""

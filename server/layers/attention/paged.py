@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from sloserve.hotpath import USING_EXTENSIONS
+from sloserve.layers.attention.base import write_kv
 
 try:
     if not USING_EXTENSIONS:
@@ -102,9 +103,7 @@ def write_and_attend(
     scale: float,
 ) -> torch.Tensor:  # [S, Hq, D]
     """Write the new K/V into their slots, then decode-attend in place: one layer of a decode step."""
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
     return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

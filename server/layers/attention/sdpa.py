@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from sloserve.layers.attention import paged
+from sloserve.layers.attention.base import check_heads
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 _HAS_ENABLE_GQA = torch.__version__ >= "2.5"
@@ -117,10 +118,7 @@ class SdpaBackend:
         """Attention of q[T, Hq, D] over the paged caches [P, page, Hkv, D] -> [T, Hq, D]."""
         if q.shape[0] == 0:
             return torch.empty_like(q)
-        if q.shape[1] % k_cache.shape[2]:
-            raise ValueError(
-                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})"
-            )
+        check_heads(q, k_cache)
         batched = q.is_cuda if self.batched is None else self.batched
         if batched:
             return self._forward_batched(q, k_cache, v_cache, meta, scale)
@@ -181,7 +179,7 @@ class SdpaBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         num_seqs = meta.num_seqs
         page = k_cache.shape[1]
         max_q = meta.max_seqlen_q
@@ -191,11 +189,7 @@ class SdpaBackend:
         # [S, nb, page, Hkv, D] -> [S, Hkv, Lk, D]
         k = k_cache[table].flatten(1, 2).transpose(1, 2)
         v = v_cache[table].flatten(1, 2).transpose(1, 2)
-        cu = meta.cu_seqlens_q.to(torch.long)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(num_seqs, device=device), cu[1:] - cu[:-1], output_size=num_tokens
-        )
-        row = torch.arange(num_tokens, device=device) - cu[seq_of_token]
+        seq_of_token, row = meta.token_rows(q)
         q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim)
         q_pad[seq_of_token, row] = q
         keys = torch.arange(num_blocks * page, device=device)

@@ -17,6 +17,7 @@ import importlib.util
 import os
 
 import torch
+from sloserve.layers.attention.base import CapturableDecode, check_heads
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -134,8 +135,11 @@ if _HAS_TRITON:  # pragma: no cover - GPU machines only
             )
 
 
-class TritonDecodeBackend:
-    """The Triton paged kernel above; CUDA + triton only, head_dim a power of two in 16..256."""
+class TritonDecodeBackend(CapturableDecode):
+    """The Triton paged kernel above; CUDA + triton only, head_dim a power of two in 16..256.
+
+    `decode` is CapturableDecode's: write the step's K/V, then `attend_decode`.
+    """
 
     name = "triton"
 
@@ -196,13 +200,8 @@ class TritonDecodeBackend:
         _check(q, k_cache, v_cache)
         if num_tokens == 0:
             return torch.empty_like(q)
-        cu = meta.cu_seqlens_q.to(torch.long)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(meta.num_seqs, device=q.device), cu[1:] - cu[:-1], output_size=num_tokens
-        )
-        positions = meta.start_pos.to(torch.long)[seq_of_token] + (
-            torch.arange(num_tokens, device=q.device) - cu[seq_of_token]
-        )
+        seq_of_token, row = meta.token_rows(q)
+        positions = meta.start_pos.to(torch.long)[seq_of_token] + row
         return self._attend(
             q,
             k_cache,
@@ -213,25 +212,6 @@ class TritonDecodeBackend:
             meta.max_seqlen_k,
             scale,
         )
-
-    def decode(
-        self,
-        q: torch.Tensor,  # [B, Hq, D], one query per sequence
-        k: torch.Tensor,  # [B, Hkv, D], the step's new keys
-        v: torch.Tensor,  # [B, Hkv, D]
-        k_cache: torch.Tensor,  # [P, page, Hkv, D]
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [B] int64
-        block_tables: torch.Tensor,  # [B, W] int32
-        seq_lens: torch.Tensor,  # [B] int32, positions + 1
-        scale: float,
-    ) -> torch.Tensor:  # [B, Hq, D]
-        """Write the new K/V, then decode-attend: one layer of a decode step, safe to capture in a CUDA
-        graph (no host sync; every shape and the split count follow from the batch and the table width)."""
-        heads, dim = k_cache.shape[-2:]
-        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-        return self.attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def attend_decode(
         self,
@@ -339,9 +319,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError(
             "the Triton paged kernel runs on CUDA tensors only; use the sdpa backend on CPU"
         )
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})"
-        )
+    check_heads(q, k_cache)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")
