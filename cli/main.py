@@ -17,11 +17,12 @@ from sloserve.cli.common import (
     CliError,
     OneLineCommand,
     check_model,
-    client_tls_options,
+    client_options,
     metadata,
     open_channel,
     parse_server,
     read_token,
+    remote_or_local_option,
     rpc_error,
 )
 from sloserve.cli.generate import generate
@@ -147,24 +148,9 @@ INFO_KEYS = (
 
 
 @cli.command(cls=OneLineCommand)
-@click.option(
-    "--server",
-    default=None,
-    help="HOST:PORT of a running server [default: load --model in process].",
-)
+@remote_or_local_option
 @engine_options
-@click.option(
-    "--auth-token",
-    "--api-key",
-    "auth_token",
-    envvar="SLOSERVE_AUTH_TOKEN",
-    default=None,
-    help="Bearer token of the server (--api-key: the same).",
-)
-@client_tls_options
-@click.option(
-    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to reach the server."
-)
+@client_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(server, auth_token, tls_ca, tls_cert, tls_key, timeout, as_json, **kwargs) -> None:
     """Server state (loading, serving, draining, engine_dead), model, limits and live engine statistics."""
