@@ -152,46 +152,37 @@ class FusedDecode:
         return step.input_ids.shape[0] <= self.max_batch
 
     def __call__(self, step: DecodeInputs) -> torch.Tensor:  # [B, V] float32
-        batch = step.input_ids.shape[0]
-        logits = torch.empty((batch, self.vocab), dtype=torch.float32)
-        tables = step.block_tables
-        self._run(
-            (
-                step.input_ids.data_ptr(),
-                step.positions.data_ptr(),
-                step.slot_mapping.data_ptr(),
-                tables.data_ptr(),
-                tables.shape[1],
-                step.seq_lens.data_ptr(),
-                batch,
-                logits.data_ptr(),
-            )
-        )
+        logits = torch.empty((step.input_ids.shape[0], self.vocab), dtype=torch.float32)
+        self._run(step, logits)
         return logits
 
     def rows(self, step: TokenRows) -> torch.Tensor:  # [S', V] float32, the sampled rows'
         """A step of prefill chunks and decode tokens, one row per token (at most max_batch rows)."""
         sample_idx = step.sample_idx
         logits = torch.empty((sample_idx.shape[0], self.vocab), dtype=torch.float32)
-        tables = step.block_tables
-        self._run(
-            (
-                step.input_ids.data_ptr(),
-                step.positions.data_ptr(),
-                step.slot_mapping.data_ptr(),
-                tables.data_ptr(),
-                tables.shape[1],
-                step.seq_lens.data_ptr(),
-                step.input_ids.shape[0],
-                logits.data_ptr(),
-            ),
-            (sample_idx.data_ptr(), sample_idx.shape[0]),
-        )
+        self._run(step, logits, (sample_idx.data_ptr(), sample_idx.shape[0]))
         return logits
 
-    def _run(self, step: tuple[int, ...], logit_rows: tuple[int, int] | tuple[()] = ()) -> None:
-        """One kernel call on the threads TeamSize picks; how it went goes back to TeamSize."""
+    def _run(
+        self,
+        step: DecodeInputs | TokenRows,
+        logits: torch.Tensor,
+        logit_rows: tuple[int, int] | tuple[()] = (),
+    ) -> None:
+        """One kernel call over the step's rows on the threads TeamSize picks; how it went goes
+        back to TeamSize."""
+        tables = step.block_tables
+        pointers = (
+            step.input_ids.data_ptr(),
+            step.positions.data_ptr(),
+            step.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            step.seq_lens.data_ptr(),
+            step.input_ids.shape[0],
+            logits.data_ptr(),
+        )
         threads = self.team.next()
         started = time.perf_counter_ns()
-        stalled = self.kernel(*step, threads, *logit_rows)
+        stalled = self.kernel(*pointers, threads, *logit_rows)
         self.team.report(threads, time.perf_counter_ns() - started, stalled)
