@@ -19,10 +19,9 @@ from sloserve.executor.warmup import probe, time_steps, warm_up
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
-from sloserve.logprobs import StepLogprobs
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
-from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class ModelRunner:
             shard,
             max(1, self._cpu_threads),
         )
-        self.kept = KeptLogprobs()  # by sample(), until take_logprobs
+        self.kept = KeptLogprobs()  # by sample(), until execute() returns them
         self.split_mixed_steps = (
             True  # see split_mixed (benchmarks and tests turn it off to compare)
         )
@@ -152,19 +151,18 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def execute(self, out: SchedulerOutput) -> list[int] | list[list[int]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Swap blocks, run one forward over every scheduled sequence, sample where asked (a run
-        of decode steps: each sequence's list of tokens)."""
+        of decode steps: each sequence's tokens), with the logprobs kept for those that asked."""
+        self.kept.clear()  # NOTE: what a failed step kept: its sequences run again, alone
         split = self.split_mixed(out) if self.split_mixed_steps else None
-        if split is not None:
-            chunks, decodes = split
-            from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
-            return [
-                next(from_decodes) if _decodes(s) else next(from_chunks)
-                for s in out.sequences
-                if s.sample
-            ]
-        return self._execute(out)
+        if split is None:
+            return self.kept.result(self._execute(out))
+        chunks, decodes = split
+        from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
+        return self.kept.result(
+            [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences]
+        )
 
     def split_mixed(self, out: SchedulerOutput) -> tuple[SchedulerOutput, SchedulerOutput] | None:
         """A mixed step too large for the fused kernel's rows, whose decodes alone it takes, as two
@@ -185,13 +183,15 @@ class ModelRunner:
         chunks = [s for s in out.sequences if not _decodes(s)]
         return dataclasses.replace(out, sequences=chunks), SchedulerOutput(sequences=decodes)
 
-    def _execute(self, out: SchedulerOutput) -> list[int] | list[list[int]]:
+    def _execute(self, out: SchedulerOutput) -> list[list[int]]:
+        """Each sequence's tokens: one where it samples, none where it does not, or a run."""
         step = self.prepare(out)
         if step is None:
             return []
         if out.num_steps > 1:
             return self._run_steps(out, step)
-        return self._step(out, step)
+        sampled = iter(self._step(out, step))
+        return [[next(sampled)] if s.sample else [] for s in out.sequences]
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
         masks = None
@@ -306,7 +306,7 @@ class ModelRunner:
         masks: PendingMask | None = None,
     ) -> list[int]:
         """One token id per sampled sequence, in the order of out.sequences (grammar rows masked first);
-        the logprobs asked for are kept for take_logprobs (from the raw logits, before any processing)."""
+        the logprobs asked for are kept for the step's result (from the raw logits, before any processing)."""
         seqs = out.sequences
         if isinstance(step, DecodeInputs):
             rows, logits = seqs, logits[: step.num_seqs]
@@ -346,11 +346,6 @@ class ModelRunner:
                 [params[i].logprobs for i in wanted],
             )
         return tokens
-
-    def take_logprobs(self) -> StepLogprobs:
-        """The logprobs kept since the last call: per request, its sampled tokens' in order; and its
-        prompt tokens' as (position of the first, entries) runs. Empty when nobody asked."""
-        return self.kept.take()
 
     @staticmethod
     def _sampled(

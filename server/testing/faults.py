@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sloserve.sched.output import SchedulerOutput
+from sloserve.sched.output import SchedulerOutput, StepResult
 
 KINDS = ("fail-forward", "fail-postprocess", "kill-loop", "slow-step")
 
@@ -123,7 +123,7 @@ class FaultyRunner:
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         ids = [seq.req_id for seq in out.sequences]
         self._plan.check("fail-forward", ids)
         delay = self._plan.delay_s(ids)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from sloserve.config import SchedulerConfig
 from sloserve.engine.outputs import EngineStats
+from sloserve.engine.priming import prime, priming_shapes
 from sloserve.errors import RequestRefusedError
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.slo import admission
-from sloserve.sched.slo.priming import prime, priming_shapes
 
 from tests.engine.fakes import FakeRunner
 from tests.engine.helpers import drain, make_scheduler, step
