@@ -103,7 +103,7 @@ class ModelRunner:
         self.inputs = InputBuilder(
             self.pool,
             staging,
-            plan.max_tokens,
+            plan.max_step_tokens,
             plan.max_seqs,
             plan.max_blocks,
             self.block_size,

@@ -23,7 +23,7 @@ def warm_up(runner: ModelRunner) -> None:
         runner.warmup_time_s = runner.decode_step.warm_up(
             lambda n: runner.inputs.build_decode(null, n)
         )
-    prefill = min(runner.inputs.max_tokens, 4 * runner.block_size, runner.max_model_len)
+    prefill = min(runner.inputs.max_step_tokens, 4 * runner.block_size, runner.max_model_len)
     blocks = [0] * math.ceil(prefill / runner.block_size)
     runner.execute(
         SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)])
@@ -61,7 +61,7 @@ def time_steps(
     timings = []
     for seqs, tokens in shapes:
         seqs = min(seqs, inputs.max_seqs)
-        tokens = min(tokens, inputs.max_tokens, max_len - 1)
+        tokens = min(tokens, inputs.max_step_tokens, max_len - 1)
         # decode at a short context, as long as every sequence gets pages of its own
         pages = max(1, min(4, (num_blocks - 1) // seqs))
         start = 0 if tokens > 1 else min(pages * block, max_len) - 1
