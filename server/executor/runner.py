@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -13,14 +14,14 @@ from sloserve.executor.build import allocate, build_model, choose_backend, choos
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
 from sloserve.executor.kept_logprobs import KeptLogprobs
 from sloserve.executor.plan import plan_memory
-from sloserve.executor.report import expert_info, expert_stats, runner_info
+from sloserve.executor.report import decode_mode, expert_info, expert_stats
 from sloserve.executor.swap import copy_blocks
-from sloserve.executor.warmup import probe, time_steps, warm_up
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
+from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 
 log = logging.getLogger(__name__)
@@ -358,18 +359,86 @@ class ModelRunner:
 
     # ---- steps on itself, and what it reports ---------------------------------------------------
     def warmup(self) -> None:
-        """Compile or capture the decode path, then one prefill and one decode step (executor/warmup.py)."""
-        warm_up(self)
+        """Capture (or compile) the decode step's buckets, then one prefill and one decode step on
+        the null page (block 0), so first requests run warm."""
+        greedy = SamplingParams(max_tokens=1)
+        if self.decode_step is not None:
+            null = [ScheduledSequence("warmup", [0], 0, [0], True, greedy)]
+            self.warmup_time_s = self.decode_step.warm_up(
+                lambda n: self.inputs.build_decode(null, n)
+            )
+        prefill = min(self.inputs.max_step_tokens, 4 * self.block_size, self.max_model_len)
+        blocks = [0] * math.ceil(prefill / self.block_size)
+        self.execute(
+            SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)])
+        )
+        batch = min(self.inputs.max_seqs, 8)
+        seqs = [
+            ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy)
+            for i in range(batch)
+        ]
+        self.execute(SchedulerOutput(seqs))
+        self._synchronize()
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
 
     def time_steps(
         self, shapes: list[tuple[int, int]], rounds: int = 4
     ) -> list[tuple[int, int, float]]:
-        """(sequences, tokens each, seconds) of each shape's fastest step, on an empty pool (executor/warmup.py)."""
-        return time_steps(self, shapes, rounds)
+        """(sequences, tokens each, seconds) of steps of the given (sequences, tokens each) shapes,
+        each capped to what a step holds, on an empty pool.
+
+        Each shape runs `rounds` times; its time is the fastest run after the first (the first
+        may allocate or compile; the minimum ignores a busy machine's stalls). Each sequence
+        writes pages of its own (as real ones do: many writes to one page serialise), so this
+        must run before any request holds a page.
+        """
+        greedy = SamplingParams(max_tokens=1)
+        block, max_len, num_blocks = self.block_size, self.max_model_len, self.num_kv_blocks
+        timings = []
+        for seqs, tokens in shapes:
+            seqs = min(seqs, self.inputs.max_seqs)
+            tokens = min(tokens, self.inputs.max_step_tokens, max_len - 1)
+            # decode at a short context, as long as every sequence gets pages of its own
+            pages = max(1, min(4, (num_blocks - 1) // seqs))
+            start = 0 if tokens > 1 else min(pages * block, max_len) - 1
+            n = math.ceil((start + tokens) / block)
+            if seqs * n > num_blocks - 1:
+                continue  # a pool too small for this shape: it is not timed
+            out = SchedulerOutput(
+                [
+                    ScheduledSequence(
+                        f"prime{i}",
+                        [0] * tokens,
+                        start,
+                        list(range(1 + i * n, 1 + (i + 1) * n)),
+                        True,
+                        greedy,
+                    )
+                    for i in range(seqs)
+                ]
+            )
+            times = []
+            for _ in range(rounds):
+                began = time.perf_counter()
+                self.execute(out)
+                self._synchronize()
+                times.append(time.perf_counter() - began)
+            timings.append((seqs, tokens, min(times[1:] or times)))
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
+        return timings
 
     def probe(self) -> None:
         """One greedy decode token on the null page: raises only when the runner itself is broken."""
-        probe(self)
+        seq = ScheduledSequence("__probe__", [0], 0, [0], True, SamplingParams(max_tokens=1))
+        self.execute(SchedulerOutput([seq]))
+        if self.prefetcher is not None:
+            self.prefetcher.forget([seq.req_id])
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def check_health(self) -> None:
         """Nothing to check: an in-process runner fails in the call that breaks it."""
@@ -383,7 +452,28 @@ class ModelRunner:
 
     def info(self) -> dict:
         """What is loaded and how memory is laid out."""
-        return runner_info(self)
+        info = {
+            "model": str(self.model_path),
+            "architecture": self.spec.architecture,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+            "parameters": self.num_parameters,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_host_blocks": self.num_host_blocks,
+            "kv_page_bytes": self.page_bytes,
+            "kv_block_bytes": self.kv_block_bytes,  # one block, all layers, K and V (InfoResponse)
+            "pool": self.pool.report(),
+            "load_time_s": round(self.load_time_s, 3),
+            "decode_step": decode_mode(self.decode_step),
+            "warmup_time_s": round(self.warmup_time_s, 3),
+        }
+        info.update(expert_info(self.experts))
+        if self.experts is not None:
+            info["experts"] = self.experts.stats()
+        return info
 
     def expert_info(self) -> dict:
         """What stays fixed about the experts (InfoResponse): residency, experts, slots, device bytes."""
