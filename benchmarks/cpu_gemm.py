@@ -101,7 +101,7 @@ def prefill_once(runner: ModelRunner, prompt: list[int]) -> int:
     table = list(range(1, 2 + len(prompt) // runner.block_size))
     token = runner.execute(
         SchedulerOutput([ScheduledSequence("p", prompt, 0, table, True, GREEDY)])
-    )[0]
+    ).tokens[0][0]
     runner.execute(SchedulerOutput(finished_req_ids=["p"]))
     return token
 
@@ -109,11 +109,13 @@ def prefill_once(runner: ModelRunner, prompt: list[int]) -> int:
 def greedy_tokens(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
     table = list(range(1, 2 + (len(prompt) + steps) // runner.block_size))
     tokens = [
-        runner.execute(SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)]))[0]
+        runner.execute(
+            SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)])
+        ).tokens[0][0]
     ]
     for i in range(steps - 1):
         seq = ScheduledSequence("g", [tokens[-1]], len(prompt) + i, table, True, GREEDY)
-        tokens.append(runner.execute(SchedulerOutput([seq]))[0])
+        tokens.append(runner.execute(SchedulerOutput([seq])).tokens[0][0])
     runner.execute(SchedulerOutput(finished_req_ids=["g"]))
     return tokens
 

@@ -131,7 +131,7 @@ class EngineDecode:
         self.last: list[int] = []
         for i in range(batch):  # prefill one at a time (not timed)
             seq = ScheduledSequence(f"r{i}", prompt, 0, self.tables[i], True, GREEDY)
-            self.last += runner.execute(SchedulerOutput([seq]))
+            self.last += runner.execute(SchedulerOutput([seq])).tokens[0]
         self.pos = context
         self.step()
 
@@ -140,7 +140,7 @@ class EngineDecode:
             ScheduledSequence(f"r{i}", [self.last[i]], self.pos, self.tables[i], True, GREEDY)
             for i in range(self.batch)
         ]
-        self.last = self.runner.execute(SchedulerOutput(seqs))
+        self.last = [run[0] for run in self.runner.execute(SchedulerOutput(seqs)).tokens]
         self.pos += 1
 
     def close(self) -> None:
@@ -171,10 +171,10 @@ def single_request(runner: ModelRunner, folder: Path, prompt_len: int, new_token
     t = time.perf_counter()
     tokens = runner.execute(
         SchedulerOutput([ScheduledSequence("g", prompt, 0, table, True, GREEDY)])
-    )
+    ).tokens[0]
     while len(tokens) < new_tokens:
         seq = ScheduledSequence("g", tokens[-1:], prompt_len + len(tokens) - 1, table, True, GREEDY)
-        tokens += runner.execute(SchedulerOutput([seq]))
+        tokens += runner.execute(SchedulerOutput([seq])).tokens[0]
     ours = time.perf_counter() - t
     result = {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "sloserve_s": round(ours, 4)}
     try:

@@ -254,7 +254,7 @@ def decode_batch(
             ScheduledSequence(f"b{batch}-{i}", prompts[i], 0, tables[i], True, greedy)
             for i in range(lo, min(batch, lo + group))
         ]
-        last += runner.execute(SchedulerOutput(seqs))
+        last += [run[0] for run in runner.execute(SchedulerOutput(seqs)).tokens]
 
     def step(pos: int) -> None:
         seqs = [
@@ -263,7 +263,7 @@ def decode_batch(
             )
             for i in range(batch)
         ]
-        last[:] = runner.execute(SchedulerOutput(seqs))
+        last[:] = [run[0] for run in runner.execute(SchedulerOutput(seqs)).tokens]
 
     pos = prompt_len
     for _ in range(warmup):

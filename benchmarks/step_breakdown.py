@@ -33,6 +33,7 @@ from sloserve.engine.core import EngineCore
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import StepResult
 
 from benchmarks._output import OUT, write_json
 
@@ -85,9 +86,10 @@ def breakdown(core: EngineCore, batch: int, steps: int, prompt_len: int) -> dict
         logits = forward(step) if step is not None else None
         sync()
         t3 = time.perf_counter()
-        sampled = sample(out, step, logits) if step is not None else []
+        sampled = iter(sample(out, step, logits) if step is not None else [])
+        result = StepResult([[next(sampled)] if s.sample else [] for s in out.sequences])
         t4 = time.perf_counter()
-        core.update(out, sampled, None, t4 - t1)
+        core.update(out, result, t4 - t1)
         t5 = time.perf_counter()
         decoding = all(len(s.token_ids) == 1 for s in out.sequences) and len(out.sequences) == batch
         if not decoding:

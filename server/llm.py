@@ -16,10 +16,10 @@ from sloserve.config import (
     parse_size,
 )
 from sloserve.engine.core import EngineCore
+from sloserve.engine.runner import Runner
 from sloserve.logprobs import Logprob
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
-from sloserve.sched.runner import Runner
 from sloserve.structured import check_grammar
 
 if TYPE_CHECKING:

@@ -14,8 +14,3 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
-
-
-# What a runner's take_logprobs() returns: per request id, its sampled tokens' entries in order;
-# and its prompt tokens' as (position of the first, entries) runs (position 0 has none).
-StepLogprobs = tuple[dict[str, list[Logprob]], dict[str, list[tuple[int, list[Logprob]]]]]

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 from sloserve.config import SloserveConfig
 from sloserve.sampling_params import SamplingParams
-from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 from sloserve.testing.faults import FaultPlan, FaultyRunner, InjectedFault
 
 
@@ -51,9 +51,9 @@ class _Runner:
     def __init__(self) -> None:
         self.calls = 0
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         self.calls += 1
-        return [7] * len(out.sequences)
+        return StepResult([[7] for _ in out.sequences])
 
 
 def _out(*ids: str) -> SchedulerOutput:
@@ -63,7 +63,7 @@ def _out(*ids: str) -> SchedulerOutput:
 def test_faulty_runner_fails_only_steps_with_a_marked_request_and_passes_the_rest_through():
     inner = _Runner()
     runner = FaultyRunner(inner, FaultPlan.parse("fail-forward:bad"))
-    assert runner.execute(_out("a", "b")) == [7, 7] and runner.block_size == 4
+    assert runner.execute(_out("a", "b")).tokens == [[7], [7]] and runner.block_size == 4
     with pytest.raises(InjectedFault):
         runner.execute(_out("a", "s:bad"))
     assert inner.calls == 1

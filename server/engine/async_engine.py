@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 from sloserve.config import SloserveConfig
 from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.runner import Runner
 from sloserve.engine.stream import RequestStream
 from sloserve.errors import EngineDeadError
 from sloserve.new_request import NewRequest
-from sloserve.sched.runner import Runner
 from sloserve.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -182,9 +182,9 @@ class AsyncEngine:
         self._busy_since = time.monotonic()
         with self._lock:
             out = core.schedule()
-        sampled, errors, seconds = core.execute(out)
+        result, seconds = core.execute(out)
         with self._lock:
-            outputs = core.update(out, sampled, errors, seconds)
+            outputs = core.update(out, result, seconds)
             self._deliver(outputs)
         self._busy_since = None
         if out.is_empty and not outputs:

@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING
 from sloserve.config import SloserveConfig
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import EngineStats, RequestOutput
+from sloserve.engine.priming import prime
+from sloserve.engine.runner import Runner
 from sloserve.errors import InvalidRequestError
-from sloserve.logprobs import StepLogprobs
 from sloserve.new_request import NewRequest
-from sloserve.sched.output import SchedulerOutput
+from sloserve.sched.output import SchedulerOutput, StepResult
 from sloserve.sched.quantiles import nearest_rank
-from sloserve.sched.runner import Runner
 from sloserve.sched.scheduler import Scheduler
-from sloserve.sched.slo.priming import prime
 
 if TYPE_CHECKING:
     from sloserve.tokenizer import Tokenizer
@@ -76,7 +75,6 @@ class EngineCore:
         self._steps_since_percentiles = 0
         self._steps_total = 0  # model steps and the runner's seconds on them, since ready
         self._busy_seconds_total = 0.0
-        self._logprobs: StepLogprobs | None = None  # execute() -> update(): what the runner kept
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, new: NewRequest) -> None:
@@ -112,38 +110,26 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the batch, apply the results: the outputs of every request that moved."""
         out = self.schedule()
-        sampled, errors, seconds = self.execute(out)
-        return self.update(out, sampled, errors, seconds)
+        return self.update(out, *self.execute(out))
 
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def execute(
-        self, out: SchedulerOutput
-    ) -> tuple[list[int | None], dict[str, str] | None, float]:
-        """Run the step on the runner: (sampled tokens, per-request errors, seconds taken)."""
+    def execute(self, out: SchedulerOutput) -> tuple[StepResult, float]:
+        """Run the step on the runner: its result (a failed request's error in it) and seconds taken."""
         start = time.monotonic()
         if out.is_empty and not out.finished_req_ids:
-            return [], None, 0.0
+            return StepResult(), 0.0
         try:
-            sampled, errors = list(self.runner.execute(out)), None
+            result = self.runner.execute(out)
         except Exception as exc:  # noqa: BLE001 - find whose request it was
-            self.runner.take_logprobs()  # what the failed step kept: its sequences run again, alone
-            sampled, errors = self._isolate(out, exc)
-        self._logprobs = self.runner.take_logprobs()
-        return sampled, errors, time.monotonic() - start
+            result = self._isolate(out, exc)
+        return result, time.monotonic() - start
 
     def update(
-        self,
-        out: SchedulerOutput,
-        sampled: list[int | None],
-        errors: dict[str, str] | None,
-        seconds: float,
+        self, out: SchedulerOutput, result: StepResult, seconds: float
     ) -> list[RequestOutput]:
-        logprobs, self._logprobs = self._logprobs, None
-        outputs = self.output.process(
-            self.scheduler.update(out, sampled, errors, logprobs), self.scheduler
-        )
+        outputs = self.output.process(self.scheduler.update(out, result), self.scheduler)
         if out.sequences:
             tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
             for _ in range(out.num_steps):
@@ -154,9 +140,7 @@ class EngineCore:
             self._busy_seconds_total += seconds
         return outputs
 
-    def _isolate(
-        self, out: SchedulerOutput, exc: Exception
-    ) -> tuple[list[int | None], dict[str, str]]:
+    def _isolate(self, out: SchedulerOutput, exc: Exception) -> StepResult:
         """Re-run each sequence alone so a failure fails only its own request.
 
         When every sequence fails alone too, the runner is probed with a known-good request
@@ -168,27 +152,27 @@ class EngineCore:
         )
         with self._lock:
             moved = self.scheduler.recover_swaps()
-        sampled: list[int | None] = []
-        errors: dict[str, str] = {}
+        result = StepResult([[] for _ in out.sequences])
         tried = 0
-        for seq in out.sequences:
-            token: int | None = None
-            if seq.req_id not in moved:
-                tried += 1
-                try:
-                    result = self.runner.execute(SchedulerOutput(sequences=[seq]))
-                    token = result[0] if seq.sample else None
-                except Exception as one:  # noqa: BLE001
-                    errors[seq.req_id] = f"{type(one).__name__}: {one}"
-            if seq.sample:
-                sampled.append(token)
-        if tried and len(errors) == tried:
+        for i, seq in enumerate(out.sequences):
+            if seq.req_id in moved:
+                continue
+            tried += 1
+            try:
+                alone = self.runner.execute(SchedulerOutput(sequences=[seq]))
+            except Exception as one:  # noqa: BLE001
+                result.errors[i] = f"{type(one).__name__}: {one}"
+                continue
+            result.tokens[i] = alone.tokens[0]
+            result.logprobs.update(alone.logprobs)
+            result.prompt_logprobs.update(alone.prompt_logprobs)
+        if tried and len(result.errors) == tried:
             try:
                 self.runner.probe()
             except Exception as probe_exc:  # noqa: BLE001 - the runner itself is broken
                 log.error("the runner fails a known-good probe too (%s): it is broken", probe_exc)
                 raise exc from probe_exc
-        return sampled, errors
+        return result
 
     # ---- supervision -------------------------------------------------------------------
     def check_health(self) -> None:

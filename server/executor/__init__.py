@@ -1,4 +1,4 @@
-"""The executor: SchedulerOutput in, sampled token ids out (the only code that touches devices)."""
+"""The executor: SchedulerOutput in, StepResult out (the only code that touches devices)."""
 
 from __future__ import annotations
 

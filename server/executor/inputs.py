@@ -94,21 +94,21 @@ class StepInputs:
     ]  # (sequence index, positions) of the prompt-logprob rows, in order
 
 
-def workspace_bytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+def workspace_bytes(max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
     """Bytes the input buffers take in the pool (for sizing it)."""
     total = 0
     for dtype, kind in _BUFFERS.values():
         size = torch.empty((), dtype=dtype).element_size()
-        total += _length(kind, max_tokens, max_seqs, max_blocks) * size + 256
+        total += _length(kind, max_step_tokens, max_seqs, max_blocks) * size + 256
     return total
 
 
-def _length(kind: str, max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+def _length(kind: str, max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
     return {
-        "tokens": max_tokens,
+        "tokens": max_step_tokens,
         "seqs": max_seqs,
         "seqs+1": max_seqs + 1,
-        "rows": max(max_tokens, max_seqs),
+        "rows": max(max_step_tokens, max_seqs),
         "seqs*blocks": max_seqs * max_blocks,
     }[kind]
 
@@ -120,7 +120,7 @@ class InputBuilder:
         self,
         pool: DevicePool,
         staging: DevicePool | None,
-        max_tokens: int,
+        max_step_tokens: int,
         max_seqs: int,
         max_blocks: int,
         block_size: int,
@@ -128,7 +128,7 @@ class InputBuilder:
         max_model_len: int,
         num_pages: int,
     ) -> None:
-        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.max_step_tokens, self.max_seqs, self.max_blocks = max_step_tokens, max_seqs, max_blocks
         self.num_pages = num_pages
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
         self.device = pool.device
@@ -136,7 +136,7 @@ class InputBuilder:
         self._staging: dict[str, torch.Tensor] = {}  # only when the device is not the host
         self._host: dict[str, np.ndarray] = {}  # numpy views the step writes into
         for name, (dtype, kind) in _BUFFERS.items():
-            shape = (_length(kind, max_tokens, max_seqs, max_blocks),)
+            shape = (_length(kind, max_step_tokens, max_seqs, max_blocks),)
             self._dev[name] = pool.carve(f"inputs.{name}", shape, dtype)
             if staging is not None:  # CUDA: pinned host staging, copied asynchronously
                 self._staging[name] = staging.carve(f"staging.{name}", shape, dtype)
@@ -298,10 +298,10 @@ class InputBuilder:
         start_pos = [s.start_pos for s in seqs]
         tables = [s.block_table for s in seqs]
         width = max(len(t) for t in tables)
-        if num_seqs > self.max_seqs or num_tokens > self.max_tokens or width > self.max_blocks:
+        if num_seqs > self.max_seqs or num_tokens > self.max_step_tokens or width > self.max_blocks:
             raise ValueError(
                 f"step of {num_seqs} sequences / {num_tokens} tokens / {width} blocks exceeds the executor's "
-                f"buffers ({self.max_seqs} / {self.max_tokens} / {self.max_blocks}): the scheduler must respect "
+                f"buffers ({self.max_seqs} / {self.max_step_tokens} / {self.max_blocks}): the scheduler must respect "
                 "max_batch, max_batched_tokens and max_model_len"
             )
         if min(query_lens) < 1:

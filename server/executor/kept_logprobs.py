@@ -1,11 +1,11 @@
-"""The logprobs a step computed for the requests that asked, kept until the engine takes them."""
+"""The logprobs a step computed for the requests that asked, kept until its result carries them."""
 
 from __future__ import annotations
 
 import torch
 from sloserve.layers.logprobs import gather_logprobs
-from sloserve.logprobs import Logprob, StepLogprobs
-from sloserve.sched.output import ScheduledSequence
+from sloserve.logprobs import Logprob
+from sloserve.sched.output import ScheduledSequence, StepResult
 
 
 class KeptLogprobs:
@@ -39,9 +39,13 @@ class KeptLogprobs:
             entries = [next(found) for _ in positions]
             self._prompt.setdefault(seqs[i].req_id, []).append((positions.start + 1, entries))
 
-    def take(self) -> StepLogprobs:
-        """What was kept since the last call, (sampled, prompt); empty when nobody asked."""
-        taken = self._sampled, self._prompt
-        if taken[0] or taken[1]:
+    def result(self, tokens: list[list[int]]) -> StepResult:
+        """The step's result: its `tokens`, and what was kept since the last call (then forgotten)."""
+        result = StepResult(tokens, self._sampled, self._prompt)
+        self._sampled, self._prompt = {}, {}
+        return result
+
+    def clear(self) -> None:
+        """Forget what was kept (a failed step's)."""
+        if self._sampled or self._prompt:
             self._sampled, self._prompt = {}, {}
-        return taken

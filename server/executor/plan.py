@@ -21,7 +21,7 @@ POOL_ROUNDING = (
 
 @dataclass(slots=True, frozen=True)
 class MemoryPlan:
-    max_tokens: int  # flat tokens one step may hold
+    max_step_tokens: int  # flat tokens one step may hold
     max_seqs: int  # sequences one step may hold
     max_blocks: int  # KV blocks of the longest sequence
     page_bytes: int  # one KV page, all layers, K and V
@@ -85,15 +85,15 @@ def plan_memory(
     """
     cc, sc = config.cache, config.scheduler
     max_blocks = math.ceil(max_model_len / block)
-    max_tokens = (
+    max_step_tokens = (
         sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, max_model_len)
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
     page_bytes = token_bytes * block
-    ws_bytes = workspace_bytes(max_tokens, sc.max_batch, max_blocks)
+    ws_bytes = workspace_bytes(max_step_tokens, sc.max_batch, max_blocks)
     arena = cc.arena_bytes or default_arena_bytes(device)
-    moe_rows = max_tokens * spec.top_k if spec.moe_layers else 0
+    moe_rows = max_step_tokens * spec.top_k if spec.moe_layers else 0
     moe_bytes = 0
     if moe_rows:
         moe_bytes = ExpertStore.workspace_bytes(
@@ -146,7 +146,7 @@ def plan_memory(
             f"limit of {MAX_BLOCKS}; lower kv_pool_bytes (--kv-pool-size) or raise the block size"
         )
     return MemoryPlan(
-        max_tokens=max_tokens,
+        max_step_tokens=max_step_tokens,
         max_seqs=sc.max_batch,
         max_blocks=max_blocks,
         page_bytes=page_bytes,

@@ -1,41 +1,10 @@
-"""What a runner reports: its load and memory layout (info), and its experts' fixed facts and counters."""
+"""What a runner reports beside its info(): its decode path's mode, its experts' fixed facts and counters."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from sloserve.executor.compiled import DecodeStep
 from sloserve.executor.graphs import GraphDecode
 from sloserve.memory.expert_cache import ExpertStore
-
-if TYPE_CHECKING:
-    from sloserve.executor.runner import ModelRunner
-
-
-def runner_info(runner: ModelRunner) -> dict:
-    """What is loaded and how memory is laid out."""
-    info = {
-        "model": str(runner.model_path),
-        "architecture": runner.spec.architecture,
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "attention_backend": runner.backend.name,
-        "parameters": runner.num_parameters,
-        "max_model_len": runner.max_model_len,
-        "block_size": runner.block_size,
-        "num_kv_blocks": runner.num_kv_blocks,
-        "num_host_blocks": runner.num_host_blocks,
-        "kv_page_bytes": runner.page_bytes,
-        "kv_block_bytes": runner.kv_block_bytes,  # one block, all layers, K and V (InfoResponse)
-        "pool": runner.pool.report(),
-        "load_time_s": round(runner.load_time_s, 3),
-        "decode_step": decode_mode(runner.decode_step),
-        "warmup_time_s": round(runner.warmup_time_s, 3),
-    }
-    info.update(expert_info(runner.experts))
-    if runner.experts is not None:
-        info["experts"] = runner.experts.stats()
-    return info
 
 
 def decode_mode(step: DecodeStep | GraphDecode | None) -> str:

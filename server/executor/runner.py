@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -13,16 +14,15 @@ from sloserve.executor.build import allocate, build_model, choose_backend, choos
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
 from sloserve.executor.kept_logprobs import KeptLogprobs
 from sloserve.executor.plan import plan_memory
-from sloserve.executor.report import expert_info, expert_stats, runner_info
+from sloserve.executor.report import decode_mode, expert_info, expert_stats
 from sloserve.executor.swap import copy_blocks
-from sloserve.executor.warmup import probe, time_steps, warm_up
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
-from sloserve.logprobs import StepLogprobs
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
-from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ModelRunner:
         self.inputs = InputBuilder(
             self.pool,
             staging,
-            plan.max_tokens,
+            plan.max_step_tokens,
             plan.max_seqs,
             plan.max_blocks,
             self.block_size,
@@ -130,7 +130,7 @@ class ModelRunner:
             shard,
             max(1, self._cpu_threads),
         )
-        self.kept = KeptLogprobs()  # by sample(), until take_logprobs
+        self.kept = KeptLogprobs()  # by sample(), until execute() returns them
         self.split_mixed_steps = (
             True  # see split_mixed (benchmarks and tests turn it off to compare)
         )
@@ -152,19 +152,18 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def execute(self, out: SchedulerOutput) -> list[int] | list[list[int]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Swap blocks, run one forward over every scheduled sequence, sample where asked (a run
-        of decode steps: each sequence's list of tokens)."""
+        of decode steps: each sequence's tokens), with the logprobs kept for those that asked."""
+        self.kept.clear()  # NOTE: what a failed step kept: its sequences run again, alone
         split = self.split_mixed(out) if self.split_mixed_steps else None
-        if split is not None:
-            chunks, decodes = split
-            from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
-            return [
-                next(from_decodes) if _decodes(s) else next(from_chunks)
-                for s in out.sequences
-                if s.sample
-            ]
-        return self._execute(out)
+        if split is None:
+            return self.kept.result(self._execute(out))
+        chunks, decodes = split
+        from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
+        return self.kept.result(
+            [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences]
+        )
 
     def split_mixed(self, out: SchedulerOutput) -> tuple[SchedulerOutput, SchedulerOutput] | None:
         """A mixed step too large for the fused kernel's rows, whose decodes alone it takes, as two
@@ -185,13 +184,15 @@ class ModelRunner:
         chunks = [s for s in out.sequences if not _decodes(s)]
         return dataclasses.replace(out, sequences=chunks), SchedulerOutput(sequences=decodes)
 
-    def _execute(self, out: SchedulerOutput) -> list[int] | list[list[int]]:
+    def _execute(self, out: SchedulerOutput) -> list[list[int]]:
+        """Each sequence's tokens: one where it samples, none where it does not, or a run."""
         step = self.prepare(out)
         if step is None:
             return []
         if out.num_steps > 1:
             return self._run_steps(out, step)
-        return self._step(out, step)
+        sampled = iter(self._step(out, step))
+        return [[next(sampled)] if s.sample else [] for s in out.sequences]
 
     def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
         masks = None
@@ -306,7 +307,7 @@ class ModelRunner:
         masks: PendingMask | None = None,
     ) -> list[int]:
         """One token id per sampled sequence, in the order of out.sequences (grammar rows masked first);
-        the logprobs asked for are kept for take_logprobs (from the raw logits, before any processing)."""
+        the logprobs asked for are kept for the step's result (from the raw logits, before any processing)."""
         seqs = out.sequences
         if isinstance(step, DecodeInputs):
             rows, logits = seqs, logits[: step.num_seqs]
@@ -347,11 +348,6 @@ class ModelRunner:
             )
         return tokens
 
-    def take_logprobs(self) -> StepLogprobs:
-        """The logprobs kept since the last call: per request, its sampled tokens' in order; and its
-        prompt tokens' as (position of the first, entries) runs. Empty when nobody asked."""
-        return self.kept.take()
-
     @staticmethod
     def _sampled(
         out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows
@@ -363,18 +359,86 @@ class ModelRunner:
 
     # ---- steps on itself, and what it reports ---------------------------------------------------
     def warmup(self) -> None:
-        """Compile or capture the decode path, then one prefill and one decode step (executor/warmup.py)."""
-        warm_up(self)
+        """Capture (or compile) the decode step's buckets, then one prefill and one decode step on
+        the null page (block 0), so first requests run warm."""
+        greedy = SamplingParams(max_tokens=1)
+        if self.decode_step is not None:
+            null = [ScheduledSequence("warmup", [0], 0, [0], True, greedy)]
+            self.warmup_time_s = self.decode_step.warm_up(
+                lambda n: self.inputs.build_decode(null, n)
+            )
+        prefill = min(self.inputs.max_step_tokens, 4 * self.block_size, self.max_model_len)
+        blocks = [0] * math.ceil(prefill / self.block_size)
+        self.execute(
+            SchedulerOutput([ScheduledSequence("warmup", [0] * prefill, 0, blocks, True, greedy)])
+        )
+        batch = min(self.inputs.max_seqs, 8)
+        seqs = [
+            ScheduledSequence(f"warmup{i}", [0], prefill - 1, blocks, True, greedy)
+            for i in range(batch)
+        ]
+        self.execute(SchedulerOutput(seqs))
+        self._synchronize()
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
 
     def time_steps(
         self, shapes: list[tuple[int, int]], rounds: int = 4
     ) -> list[tuple[int, int, float]]:
-        """(sequences, tokens each, seconds) of each shape's fastest step, on an empty pool (executor/warmup.py)."""
-        return time_steps(self, shapes, rounds)
+        """(sequences, tokens each, seconds) of steps of the given (sequences, tokens each) shapes,
+        each capped to what a step holds, on an empty pool.
+
+        Each shape runs `rounds` times; its time is the fastest run after the first (the first
+        may allocate or compile; the minimum ignores a busy machine's stalls). Each sequence
+        writes pages of its own (as real ones do: many writes to one page serialise), so this
+        must run before any request holds a page.
+        """
+        greedy = SamplingParams(max_tokens=1)
+        block, max_len, num_blocks = self.block_size, self.max_model_len, self.num_kv_blocks
+        timings = []
+        for seqs, tokens in shapes:
+            seqs = min(seqs, self.inputs.max_seqs)
+            tokens = min(tokens, self.inputs.max_step_tokens, max_len - 1)
+            # decode at a short context, as long as every sequence gets pages of its own
+            pages = max(1, min(4, (num_blocks - 1) // seqs))
+            start = 0 if tokens > 1 else min(pages * block, max_len) - 1
+            n = math.ceil((start + tokens) / block)
+            if seqs * n > num_blocks - 1:
+                continue  # a pool too small for this shape: it is not timed
+            out = SchedulerOutput(
+                [
+                    ScheduledSequence(
+                        f"prime{i}",
+                        [0] * tokens,
+                        start,
+                        list(range(1 + i * n, 1 + (i + 1) * n)),
+                        True,
+                        greedy,
+                    )
+                    for i in range(seqs)
+                ]
+            )
+            times = []
+            for _ in range(rounds):
+                began = time.perf_counter()
+                self.execute(out)
+                self._synchronize()
+                times.append(time.perf_counter() - began)
+            timings.append((seqs, tokens, min(times[1:] or times)))
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
+        return timings
 
     def probe(self) -> None:
         """One greedy decode token on the null page: raises only when the runner itself is broken."""
-        probe(self)
+        seq = ScheduledSequence("__probe__", [0], 0, [0], True, SamplingParams(max_tokens=1))
+        self.execute(SchedulerOutput([seq]))
+        if self.prefetcher is not None:
+            self.prefetcher.forget([seq.req_id])
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def check_health(self) -> None:
         """Nothing to check: an in-process runner fails in the call that breaks it."""
@@ -388,7 +452,28 @@ class ModelRunner:
 
     def info(self) -> dict:
         """What is loaded and how memory is laid out."""
-        return runner_info(self)
+        info = {
+            "model": str(self.model_path),
+            "architecture": self.spec.architecture,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+            "parameters": self.num_parameters,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_host_blocks": self.num_host_blocks,
+            "kv_page_bytes": self.page_bytes,
+            "kv_block_bytes": self.kv_block_bytes,  # one block, all layers, K and V (InfoResponse)
+            "pool": self.pool.report(),
+            "load_time_s": round(self.load_time_s, 3),
+            "decode_step": decode_mode(self.decode_step),
+            "warmup_time_s": round(self.warmup_time_s, 3),
+        }
+        info.update(expert_info(self.experts))
+        if self.experts is not None:
+            info["experts"] = self.experts.stats()
+        return info
 
     def expert_info(self) -> dict:
         """What stays fixed about the experts (InfoResponse): residency, experts, slots, device bytes."""

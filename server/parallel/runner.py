@@ -3,7 +3,7 @@
 The engine sees one runner. Each call that runs a forward (execute, warmup, time_steps, probe)
 is first broadcast to the other ranks as plain data -- the SchedulerOutput, whose block ids come
 from the one block manager on rank 0 -- then run here; every rank runs the same code on its
-shard, so the all-reduces inside the forwards pair up. Only rank 0's sampled tokens are used.
+shard, so the all-reduces inside the forwards pair up. Only rank 0's step results are used.
 
 Any failure leaves the ranks out of step, so the first one breaks the runner for good: every
 later call raises with the reason (a worker that died: its rank and exit status), the engine
@@ -19,12 +19,12 @@ import time
 from typing import Any
 
 from sloserve.config import SloserveConfig
-from sloserve.logprobs import StepLogprobs
 from sloserve.models.loader import resolve_model_path
 from sloserve.models.shard import check_divisible
 from sloserve.models.spec import load_spec
 from sloserve.parallel.group import host_store, join, wait_for_ranks
 from sloserve.parallel.worker import build_rank, enter_rank, launch, rank_device
+from sloserve.sched.output import SchedulerOutput, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +95,12 @@ class TensorParallelRunner:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def take_logprobs(self) -> StepLogprobs:
-        """Rank 0's kept logprobs (the other ranks drop theirs after each command)."""
-        return self.runner.take_logprobs()
-
     def expert_stats(self) -> dict:
         """Rank 0's expert counters ({} for a dense model)."""
         return self.runner.expert_stats()
 
     # ---- the calls every rank runs ---------------------------------------------------------------
-    def execute(self, out) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         return self._everywhere("execute", out)
 
     def warmup(self) -> None:

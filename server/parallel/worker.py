@@ -95,8 +95,7 @@ def serve_commands(runner: ModelRunner, group: RankGroup) -> None:
         if name == "stop":
             return
         if name != "ping":
-            getattr(runner, name)(*args)
-            runner.take_logprobs()  # only rank 0's reach the engine: drop what this rank kept
+            getattr(runner, name)(*args)  # only rank 0's results reach the engine
 
 
 def run_worker(config: SloserveConfig, rank: int, addr: str, port: int, timeout_s: float) -> None:

@@ -1,6 +1,6 @@
 """The plain-data contract between the scheduler and the executor (no torch, no Request objects).
 
-One engine step = one SchedulerOutput. For each scheduled sequence the executor computes
+One engine step = one SchedulerOutput, answered by one StepResult. For each scheduled sequence the executor computes
 ``token_ids`` at positions ``start_pos .. start_pos + len(token_ids) - 1``, writing their K/V into
 the slots named by ``block_table`` (slot of position p = block_table[p // block_size] * block_size
 + p % block_size), attending causally to everything before them in the same block table, and,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sloserve.logprobs import Logprob
 from sloserve.sampling_params import SamplingParams
 
 
@@ -72,3 +73,21 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.sequences and not self.swap_out and not self.swap_in
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner returns for one SchedulerOutput, per scheduled sequence in its order.
+
+    `tokens[i]` is what sequence i sampled, all one shape: one token, a run of decode steps (a
+    stop may end it early), or none (a prefill chunk short of the prompt's end). `errors` names
+    the sequences whose computation failed (by index): they alone finish with 'error', and a
+    sequence that samples but got no token and no error was not computed.
+    """
+
+    tokens: list[list[int]] = field(default_factory=list)
+    # per request that asked: its sampled tokens' entries, in order
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    # per request that asked: its prompt tokens' as (position of the first, entries) runs (0 has none)
+    prompt_logprobs: dict[str, list[tuple[int, list[Logprob]]]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)

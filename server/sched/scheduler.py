@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from sloserve.config import SloserveConfig
 from sloserve.errors import InvalidRequestError
 from sloserve.hotpath import target_batch_size
-from sloserve.logprobs import Logprob, StepLogprobs
+from sloserve.logprobs import Logprob
 from sloserve.new_request import NewRequest
 from sloserve.sched.block_manager import BlockManager
-from sloserve.sched.output import ScheduledSequence, SchedulerOutput
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 from sloserve.sched.quantiles import nearest_rank
 from sloserve.sched.queue_policy import make_queue
 from sloserve.sched.queued_prefixes import QueuedPrefixes
@@ -473,53 +473,39 @@ class Scheduler:
         self._preempt(victim, out)
         return True
 
-    def update(
-        self,
-        out: SchedulerOutput,
-        sampled: Sequence[int | None],
-        errors: dict[str, str] | None = None,
-        logprobs: StepLogprobs | None = None,
-    ) -> list[Request]:
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.
 
-        `sampled` has one entry per sequence with sample=True, in order (None: not computed); in a
-        run of steps (out.num_steps > 1) an entry is the sequence's list of tokens, applied one
-        after another as single steps would (a stop ends it; a shorter list, e.g. a sequence
-        re-run alone after a failure, applies what it has). `errors` names requests whose
-        computation failed -- they alone finish with 'error'. `logprobs` (the runner's take_logprobs)
-        holds what requests that asked for logprobs got: per sampled token, and per prompt position.
+        Each sequence's tokens apply one after another as single steps would (a stop ends them; a
+        run cut short, e.g. a sequence re-run alone after a failure, applies what it has). A
+        sequence in `result.errors` alone finishes with 'error'. The logprobs are what requests
+        that asked for them got: per sampled token, and per prompt position.
         Returns the requests with something new to report; their text is the output stage's.
         """
-        n_sample = sum(1 for s in out.sequences if s.sample)
-        if len(sampled) != n_sample:
+        if len(result.tokens) != len(out.sequences):
             raise ValueError(
-                f"the runner returned {len(sampled)} tokens for {n_sample} sampled sequences"
+                f"the runner returned tokens for {len(result.tokens)} of "
+                f"{len(out.sequences)} sequences"
             )
         outputs, self._outputs = self._outputs, []
-        tokens = iter(sampled)
         now = self.clock()
-        token_logprobs, prompt_logprobs = logprobs or ({}, {})
-        for (req, n), seq in zip(self._scheduled, out.sequences, strict=True):
-            token = next(tokens) if seq.sample else None
+        errors, prompt_logprobs = result.errors, result.prompt_logprobs
+        for i, ((req, n), seq, run) in enumerate(
+            zip(self._scheduled, out.sequences, result.tokens, strict=True)
+        ):
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted or moved back to the queue during the step
-            if errors and req.request_id in errors:
-                req.error = errors[req.request_id]
+            if i in errors:
+                req.error = errors[i]
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(req)
                 continue
-            if seq.sample and token is None:
-                continue
+            if seq.sample and not run:
+                continue  # not computed
             try:
                 if req.request_id in prompt_logprobs:
                     _keep_prompt_logprobs(req, prompt_logprobs[req.request_id])
-                if self._apply(
-                    req,
-                    n,
-                    token if isinstance(token, list) else [token],
-                    now,
-                    token_logprobs.get(req.request_id),
-                ):
+                if self._apply(req, n, run, now, result.logprobs.get(req.request_id)):
                     outputs.append(req)
             except Exception as exc:  # one request's failure must not fail the batch
                 req.error = f"{type(exc).__name__}: {exc}"
@@ -535,35 +521,31 @@ class Scheduler:
         self,
         req: Request,
         n: int,
-        run: list[int | None],
+        run: list[int],
         now: float,
         logprobs: list[Logprob] | None = None,
     ) -> bool:
-        """Advance `req` by its computed chunk of `n` tokens and then one token per further step of
-        the run, appending each sampled token (and its logprobs, when asked) until one finishes it;
-        False when nothing was sampled (and no prompt-only request finished)."""
+        """Advance `req` by its computed chunk of `n` tokens, then append its run's tokens (and their
+        logprobs, when asked), each after one more step, until one finishes it; False when nothing
+        was sampled (and no prompt-only request finished)."""
+        self._advance(req, n)
+        if not run:
+            if req.sampling.prompt_only and req.num_computed_tokens >= req.num_tokens:
+                # scored its prompt: nothing to sample
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                return True
+            return False
+        if req.resumed_step is not None and self.step_count > req.resumed_step:
+            req.resumed_step = None
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if req.predicted_ttft_s is not None:
+                self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
+                self.admission.on_first_token(req, now - req.arrival_time)
+                self._error_quantiles = {}
         for i, token in enumerate(run):
-            start = req.num_computed_tokens
-            req.num_computed_tokens += n if i == 0 else 1
-            self.block_manager.commit(req)
-            self.computed_prompt_tokens_total += max(
-                0, min(req.num_computed_tokens, req.num_prompt_tokens) - start
-            )
-            if token is None:
-                if req.sampling.prompt_only and req.num_computed_tokens >= req.num_tokens:
-                    self._finish(
-                        req, RequestStatus.FINISHED_LENGTH
-                    )  # scored its prompt: nothing to sample
-                    return True
-                return False
-            if req.resumed_step is not None and self.step_count > req.resumed_step:
-                req.resumed_step = None
-            if req.first_token_time is None:
-                req.first_token_time = now
-                if req.predicted_ttft_s is not None:
-                    self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
-                    self.admission.on_first_token(req, now - req.arrival_time)
-                    self._error_quantiles = {}
+            if i:
+                self._advance(req, 1)
             self._append_token(
                 req, token, logprobs[i] if logprobs is not None and i < len(logprobs) else None
             )
@@ -572,6 +554,15 @@ class Scheduler:
                 self._finish(req, req.status)
                 break
         return True
+
+    def _advance(self, req: Request, n: int) -> None:
+        """`req` computed `n` more tokens: commit its full blocks and count the prompt's share."""
+        start = req.num_computed_tokens
+        req.num_computed_tokens += n
+        self.block_manager.commit(req)
+        self.computed_prompt_tokens_total += max(
+            0, min(req.num_computed_tokens, req.num_prompt_tokens) - start
+        )
 
     def _append_token(self, req: Request, token: int, logprob: Logprob | None) -> None:
         """Append a sampled token (and its logprobs, when asked) and finish `req` on a stop token

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from sloserve.config import SloserveConfig
 from sloserve.engine.core import EngineCore, load_runner
 from sloserve.engine.output_processor import OutputProcessor, RequestText
-from sloserve.sched.output import SchedulerOutput
+from sloserve.engine.runner import Runner
+from sloserve.sched.output import SchedulerOutput, StepResult
 from sloserve.sched.request import Request
-from sloserve.sched.runner import Runner
 from sloserve.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class FaultyRunner:
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         ids = [seq.req_id for seq in out.sequences]
         self._plan.check("fail-forward", ids)
         delay = self._plan.delay_s(ids)

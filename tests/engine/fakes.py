@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from sloserve.engine.runner import RunnerDefaults
 from sloserve.sampling_params import SamplingParams
-from sloserve.sched.output import ScheduledSequence, SchedulerOutput
-from sloserve.sched.runner import RunnerDefaults
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 from sloserve.testing.tokenizer import ByteTokenizer
 
 EOS = 3
@@ -78,7 +78,7 @@ class FakeRunner(RunnerDefaults):
         lo, hi = self.vocab
         return lo + state % (hi - lo)
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         self.steps.append(out)
         bs = self.block_size
         for dev, host in out.swap_out:
@@ -86,26 +86,26 @@ class FakeRunner(RunnerDefaults):
         for host, dev in out.swap_in:
             self.kv[dev * bs : (dev + 1) * bs] = self.host[host * bs : (host + 1) * bs]
         if out.num_steps == 1:
-            return self._compute(out.sequences)
+            return StepResult(self._compute(out.sequences))
         runs: list[list[int]] = [[] for _ in out.sequences]
         seqs = out.sequences
         for _ in range(out.num_steps):  # each step's tokens are the next one's inputs
             tokens = self._compute(seqs)
             for run, token in zip(runs, tokens, strict=True):
-                run.append(token)
+                run += token
             seqs = [
                 dataclasses.replace(
                     s,
-                    token_ids=[t],
+                    token_ids=t,
                     start_pos=s.start_pos + len(s.token_ids),
                     kv_present=0,
                     num_generated=s.num_generated + 1,
                 )
                 for s, t in zip(seqs, tokens, strict=True)
             ]
-        return runs
+        return StepResult(runs)
 
-    def _compute(self, seqs: list[ScheduledSequence]) -> list[int]:
+    def _compute(self, seqs: list[ScheduledSequence]) -> list[list[int]]:
         sampled = []
         for seq in seqs:
             if self.fail_when is not None and self.fail_when(seq):
@@ -131,8 +131,7 @@ class FakeRunner(RunnerDefaults):
                         )
                     continue
                 self.kv[slot] = state
-            if seq.sample:
-                sampled.append(self.next_token(state))
+            sampled.append([self.next_token(state)] if seq.sample else [])
         return sampled
 
 

@@ -11,7 +11,7 @@ from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveC
 from sloserve.engine.async_engine import AsyncEngine
 from sloserve.engine.client import EngineClient
 from sloserve.engine.mp_client import MPEngineClient
-from sloserve.sched.runner import Runner
+from sloserve.engine.runner import Runner
 from sloserve.testing.fake_engine import FakeEngine
 from sloserve.testing.faults import FaultPlan, FaultyRunner
 

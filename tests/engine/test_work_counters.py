@@ -47,8 +47,8 @@ def test_the_counters_add_up_every_step_and_count_only_computed_prompt_tokens(st
     counted, seconds = 0, 0.0
     while core.has_work():
         out = core.schedule()
-        sampled, errors, took = core.execute(out)
-        core.update(out, sampled, errors, took)
+        result, took = core.execute(out)
+        core.update(out, result, took)
         if out.sequences:  # a call that only tells the runner of finished requests is no step
             counted += out.num_steps
             seconds += took

@@ -64,7 +64,8 @@ def generate(
             )
             owners.append((r, n, sample))
         finished = [r.req_id for r in reqs if len(r.generated) >= max_new]
-        tokens = iter(runner.execute(SchedulerOutput(seqs, finished_req_ids=finished)))
+        result = runner.execute(SchedulerOutput(seqs, finished_req_ids=finished))
+        tokens = iter(t for run in result.tokens for t in run)
         for r, n, sample in owners:
             r.computed += n
             if sample:

@@ -118,9 +118,9 @@ def test_a_run_of_decode_steps_replays_in_place(tiny_llama, make_runner):
     for r in (runner, single):
         first = r.execute(
             SchedulerOutput([ScheduledSequence("a", prompt, 0, blocks, True, GREEDY)])
-        )
+        ).tokens[0]
         seq = ScheduledSequence("a", first, len(prompt), blocks, True, GREEDY)
-        outs.append(first + r.execute(SchedulerOutput([seq], num_steps=4))[0])
+        outs.append(first + r.execute(SchedulerOutput([seq], num_steps=4)).tokens[0])
     assert outs[0] == outs[1]
 
 

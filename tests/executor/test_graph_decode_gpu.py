@@ -77,11 +77,17 @@ SAMPLED = [
 def _decode_steps(runner, steps: int, sync_mode: str, params=(GREEDY,) * 3) -> list[int]:
     """Decode `steps` tokens of 3 sequences; everything but the sampled ids' copy under sync_mode."""
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
-    last = runner.execute(
-        SchedulerOutput(
-            [ScheduledSequence(f"s{i}", PROMPTS[i], 0, tables[i], True, GREEDY) for i in range(3)]
-        )
-    )
+    last = [
+        token
+        for (token,) in runner.execute(
+            SchedulerOutput(
+                [
+                    ScheduledSequence(f"s{i}", PROMPTS[i], 0, tables[i], True, GREEDY)
+                    for i in range(3)
+                ]
+            )
+        ).tokens
+    ]
     pos = [len(p) for p in PROMPTS]
     for _ in range(steps):
         seqs = [

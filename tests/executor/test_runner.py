@@ -69,8 +69,8 @@ def test_step_inputs_are_views_into_the_pool(runner):
 
 def test_unsampled_chunks_return_no_token(runner):
     out = runner.execute(SchedulerOutput([_seq("a", PROMPT[:4], 0, [1], sample=False)]))
-    assert out == []
-    assert runner.execute(SchedulerOutput([])) == []
+    assert out.tokens == [[]]
+    assert runner.execute(SchedulerOutput([])).tokens == []
 
 
 def test_swap_out_and_back_in_continues_exactly(runner):
@@ -78,15 +78,19 @@ def test_swap_out_and_back_in_continues_exactly(runner):
     # prefill + 2 decode steps on blocks 7, 8, 9
     table = [7, 8, 9]
     tokens = list(PROMPT)
-    tokens += runner.execute(SchedulerOutput([_seq("s", PROMPT, 0, table)]))
+    tokens += runner.execute(SchedulerOutput([_seq("s", PROMPT, 0, table)])).tokens[0]
     for _ in range(2):
-        tokens += runner.execute(SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)]))
+        tokens += runner.execute(
+            SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)])
+        ).tokens[0]
     runner.execute(SchedulerOutput(swap_out=[(7, 0), (8, 1), (9, 2)]))
     runner.kv[:, :, 7:10].fill_(123.0)  # another request reuses the device blocks
     table = [20, 31, 25, 33]  # the swapped blocks, then a fresh one for the tail
     runner.execute(SchedulerOutput(swap_in=[(0, 20), (1, 31), (2, 25)]))
     while len(tokens) < len(PROMPT) + 6:
-        tokens += runner.execute(SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)]))
+        tokens += runner.execute(
+            SchedulerOutput([_seq("s", tokens[-1:], len(tokens) - 1, table)])
+        ).tokens[0]
     assert tokens[len(PROMPT) :] == expected
 
 

@@ -7,12 +7,13 @@ import inspect
 import pytest
 from sloserve.executor.runner import ModelRunner
 from sloserve.parallel.runner import TensorParallelRunner
+from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 # What the engine core and priming read from a runner (the Runner protocol's optional part).
 CAPABILITIES = (
     "vocab_size",
     "runs_steps",
-    "take_logprobs",
     "check_health",
     "close",
     "expert_stats",
@@ -32,7 +33,9 @@ def test_a_dense_runner_answers_each_capability(make_runner, tiny_llama):
     runner = make_runner(tiny_llama)
     assert runner.vocab_size == runner.spec.vocab_size
     assert runner.check_health() is None and runner.expert_stats() == {}
-    assert runner.take_logprobs() == ({}, {})
+    greedy = SamplingParams(max_tokens=1)
+    result = runner.execute(SchedulerOutput([ScheduledSequence("a", [5], 0, [1], True, greedy)]))
+    assert result.logprobs == {} and result.prompt_logprobs == {}
     assert runner.time_steps([(1, 1)], rounds=1)[0][:2] == (1, 1)
 
 

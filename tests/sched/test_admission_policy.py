@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from sloserve.config import SchedulerConfig
 from sloserve.engine.outputs import EngineStats
+from sloserve.engine.priming import prime, priming_shapes
 from sloserve.errors import RequestRefusedError
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SLO, SamplingParams
 from sloserve.sched.slo import admission
-from sloserve.sched.slo.priming import prime, priming_shapes
 
 from tests.engine.fakes import FakeRunner
 from tests.engine.helpers import drain, make_scheduler, step

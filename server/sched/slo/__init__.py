@@ -1,1 +1,1 @@
-"""The SLO machinery: admission control, deadline steps, the step-cost model and its priming."""
+"""The SLO machinery: admission control, deadline steps, the step-cost model (the engine primes it)."""

@@ -10,7 +10,7 @@ and feeds them to the model the scheduler prices steps with.
 from __future__ import annotations
 
 from sloserve.config import SchedulerConfig
-from sloserve.sched.runner import Runner
+from sloserve.engine.runner import Runner
 from sloserve.sched.slo.admission import AdmissionControl
 
 

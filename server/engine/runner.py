@@ -1,4 +1,4 @@
-"""What the engine core and the scheduler's priming need of a model runner (a typing.Protocol).
+"""What the engine core and its priming need of a model runner (a typing.Protocol).
 
 The optional capabilities are declared here, not probed: `RunnerDefaults` gives each one's
 "not supported" value, so a runner that lacks one inherits it instead of being asked by getattr.
@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from sloserve.logprobs import StepLogprobs
-from sloserve.sched.output import SchedulerOutput
+from sloserve.sched.output import SchedulerOutput, StepResult
 
 if TYPE_CHECKING:
     from sloserve.tokenizer import Tokenizer
@@ -37,17 +36,15 @@ class Runner(Protocol):
     def warmup(self) -> None:
         """Compile / allocate whatever the first step would; called once before serving."""
 
-    def execute(self, out: SchedulerOutput) -> Sequence[int | None] | Sequence[list[int]]:
-        """Run one step (or a run of out.num_steps): a token (list) per sequence with sample=True."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step (or a run of out.num_steps): each sequence's tokens and logprobs; raises
+        when the step fails (the engine then runs its sequences alone to find whose it was)."""
 
     def probe(self) -> None:
         """Run a known-good one-token step; raises when the runner itself is broken."""
 
     def info(self) -> dict:
         """The model's description for Info / /v1/models."""
-
-    def take_logprobs(self) -> StepLogprobs | None:
-        """The logprobs the last step kept for requests that asked (None: none kept)."""
 
     def time_steps(self, shapes: list[StepShape]) -> list[StepTiming]:
         """Time steps of these shapes on the empty pool (priming); [] when the runner cannot."""
@@ -67,9 +64,6 @@ class RunnerDefaults:
 
     runs_steps = False
     vocab_size: int | None = None
-
-    def take_logprobs(self) -> StepLogprobs | None:
-        return None
 
     def time_steps(self, shapes: list[StepShape]) -> list[StepTiming]:
         return []
