@@ -19,18 +19,15 @@ from sloserve.hotpath import target_batch_size
 from sloserve.logprobs import Logprob
 from sloserve.new_request import NewRequest
 from sloserve.sched.block_manager import BlockManager
+from sloserve.sched.multistep import longest_run
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
-from sloserve.sched.quantiles import nearest_rank
+from sloserve.sched.preemption import Preemption
 from sloserve.sched.queue_policy import make_queue
 from sloserve.sched.queued_prefixes import QueuedPrefixes
 from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
 from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
-
-PREDICTION_ERRORS_KEPT = 512
-# Longest run of decode steps (num_scheduler_steps) at the priced step time: what a newcomer may
-# wait for it, far under any TTFT objective (a tiny model's run of 4 steps takes ~2.5 ms)
-MAX_RUN_S = 0.010
+from sloserve.sched.stats import SchedulerStats
 
 
 class Scheduler:
@@ -71,23 +68,16 @@ class Scheduler:
             TightestRecent()
         )  # TTFT objectives of recent newcomers: the deadline plan leaves them room
         self._scheduled: list[tuple[Request, int]] = []
-        self._swapped: list[Request] = []  # requests swapped in or out by the current step
         self._outputs: list[Request] = []  # finished outside update() (queue timeouts)
         self._finished_ids: list[str] = []
-        self.prompt_tokens_total = 0
-        self.prefix_hit_tokens_total = 0
-        self.computed_prompt_tokens_total = 0
-        self.generated_tokens_total = 0
-        self.preemptions_total = 0
-        self.requests_finished_total = 0
-        self.kv_blocks_peak = 0  # most blocks held by requests at once
+        self.counters = SchedulerStats()
+        self.preemption = Preemption(
+            sc, self.block_manager, self.waiting, self.running, self.counters, self._urgency
+        )
         self._step_tokens = 0  # tokens scheduled so far in the step being composed
         self._step_decodes = 0  # of which one-token chunks (decoding sequences)
         # Most decode steps per schedule (the core lowers it to 1 for a runner that cannot run them)
         self.max_steps = self.config.num_scheduler_steps
-        # predicted minus actual TTFT of recent requests that had a prediction (seconds)
-        self.ttft_errors: deque[float] = deque(maxlen=PREDICTION_ERRORS_KEPT)
-        self._error_quantiles: dict = {}  # stats() runs every step: re-sorted only after new errors
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, new: NewRequest) -> Request:
@@ -162,7 +152,7 @@ class Scheduler:
     ) -> None:
         """The output stage ended `req` after its first `num_output_tokens` output tokens (a stop
         string, a failure): later tokens of the step are dropped and its blocks freed."""
-        self.generated_tokens_total -= req.num_output_tokens - num_output_tokens
+        self.counters.generated_tokens_total -= req.num_output_tokens - num_output_tokens
         req.truncate_output(num_output_tokens)
         req.error = error
         if req.is_finished:
@@ -184,7 +174,7 @@ class Scheduler:
         self.step_count += 1
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        self._swapped = []
+        self.preemption.swapped = []
         self._step_tokens = 0
         self._step_decodes = 0
         self._expire(now)
@@ -217,7 +207,9 @@ class Scheduler:
             steps=out.num_steps,
         )
         bm = self.block_manager
-        self.kv_blocks_peak = max(self.kv_blocks_peak, bm.num_usable - bm.num_free)
+        self.counters.kv_blocks_peak = max(
+            self.counters.kv_blocks_peak, bm.num_usable - bm.num_free
+        )
         return out
 
     def _run(
@@ -234,7 +226,7 @@ class Scheduler:
         preempted = False
         while pending and budget > 0:
             if pending[0].status != RequestStatus.RUNNING:
-                pending.popleft()  # preempted for an urgent newcomer's slot (_free_slot): queued now
+                pending.popleft()  # preempted for an urgent newcomer's slot (free_slot): queued now
                 continue
             if must_only and not plan.must_run(pending[0]):
                 break
@@ -251,10 +243,10 @@ class Scheduler:
             while req is not None and not self.block_manager.allocate(
                 req, req.num_computed_tokens + n
             ):
-                victim = self._pick_victim(pending, req, plan)
+                victim = self.preemption.victim(pending, req, plan)
                 if victim is not req:
                     pending.remove(victim)
-                self._preempt(victim, out)
+                self.preemption.preempt(victim, out)
                 preempted = True
                 if victim is req:
                     req = None
@@ -266,18 +258,14 @@ class Scheduler:
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps this schedule runs back to back (1: an ordinary step).
 
-        More than one only when nothing else could use them: every running request is in the step,
-        each decoding one token that it samples from, nobody waits and no blocks move. A newcomer
-        waits for the run to end, so a run is also cut to MAX_RUN_S at the priced step time (a
-        large batch's steps run singly). It is cut to the fewest output tokens any request may
-        still produce and to the context length, and its blocks are taken now (a request that
-        stops early in the run leaves the rest of them to be freed with it). A run keeps the order
-        of tokens, their sampling and their stop checks exactly as single steps would.
+        More than one only when nothing else could use them: every running request is in the step
+        (sched/multistep.py decides how many its requests allow), nobody waits and no blocks move.
+        The run's blocks are taken now (a request that stops early in the run leaves the rest of
+        them to be freed with it).
         """
-        steps = self.max_steps
         seqs = out.sequences
         if (
-            steps <= 1
+            self.max_steps <= 1
             or not seqs
             or self.waiting
             or out.swap_in
@@ -286,23 +274,7 @@ class Scheduler:
         ):
             return 1
         price = self.admission.step_price()
-        if price is not None:
-            steps = min(steps, int(MAX_RUN_S / max(1e-9, price.step_seconds(0, len(seqs)))))
-        for (req, n), seq in zip(self._scheduled, seqs, strict=True):
-            if (
-                n != 1
-                or not seq.sample
-                or seq.context is not None
-                or req.num_output_tokens < req.sampling.min_tokens
-            ):
-                return (
-                    1  # NOTE: penalties and min_tokens read each step's tokens so far: single steps
-                )
-            steps = min(
-                steps,
-                req.sampling.max_tokens - req.num_output_tokens,
-                self.max_model_len - req.num_tokens,
-            )
+        steps = longest_run(self._scheduled, seqs, self.max_steps, price, self.max_model_len)
         if steps <= 1:
             return 1
         bm = self.block_manager
@@ -349,7 +321,9 @@ class Scheduler:
                 and (plan is None or not plan.urgent(req))
             ):
                 continue  # another request is computing its next block: hit it when done
-            if len(self.running) >= target and not self._free_slot(req, plan, out):
+            if len(self.running) >= target and not self.preemption.free_slot(
+                req, plan, out, self._scheduled
+            ):
                 return budget
             if req.is_swapped:
                 n = self._chunk(req, budget, first=not out.sequences)
@@ -359,7 +333,7 @@ class Scheduler:
                 if n == 0 or out.swap_out or bm.num_free < len(req.host_table) + extra:
                     return budget
                 out.swap_in.extend(bm.swap_in(req))
-                self._swapped.append(req)
+                self.preemption.swapped.append(req)
             else:
                 blocks, hashes, _ = prefix
                 cached = bm.hit_tokens(len(blocks), req.num_tokens)
@@ -377,8 +351,8 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 if not req.ever_scheduled:
                     req.num_cached_tokens = cached
-                    self.prompt_tokens_total += req.num_prompt_tokens
-                    self.prefix_hit_tokens_total += cached
+                    self.counters.prompt_tokens_total += req.num_prompt_tokens
+                    self.counters.prefix_hit_tokens_total += cached
             if not bm.allocate(req, req.num_computed_tokens + n):
                 raise RuntimeError("block accounting broke: a checked allocation failed")
             if req.status == RequestStatus.PREEMPTED:
@@ -438,40 +412,6 @@ class Scheduler:
         if fit >= min(n, MIN_CHUNK):
             return fit
         return min(n, MIN_CHUNK) if plan.overdraw(req) else 0
-
-    def _free_slot(self, req: Request, plan: DeadlinePlan | None, out: SchedulerOutput) -> bool:
-        """The batch is full: preempt the running request with the most slack for `req`, when `req`
-        waits for its first token under a TTFT objective (a request merely starving preempts
-        nobody, or the preempted would preempt back), the victim need not run, did not run in this
-        step, has no token out yet (a decoding request frees its slot soon enough by finishing;
-        preempting it only churns), and has more slack than `req` by a horizon. One slot per step (admission's estimate
-        counts on that pace): as soon as a newcomer is queued, not once it is urgent -- a flood
-        of newcomers that all turn urgent together would otherwise wait a step each, past their
-        deadlines."""
-        if (
-            plan is None
-            or not self.config.slack_preemption
-            or req.ttft_deadline is None
-            or req.first_token_time is not None
-            or out.swap_out
-        ):
-            return False
-        scheduled = {r.request_id for r, _ in self._scheduled}
-        candidates = [
-            r
-            for r in self.running
-            if r.request_id not in scheduled
-            and r.first_token_time is None
-            and r.resumed_step is None
-            and not plan.must_run(r)
-        ]
-        if not candidates:
-            return False
-        victim = max(candidates, key=plan.sort_key)
-        if plan.slack(victim) <= plan.slack(req) + plan.horizon_s:
-            return False
-        self._preempt(victim, out)
-        return True
 
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.
@@ -540,16 +480,15 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = now
             if req.predicted_ttft_s is not None:
-                self.ttft_errors.append(req.predicted_ttft_s - (now - req.arrival_time))
+                self.counters.add_ttft_error(req.predicted_ttft_s - (now - req.arrival_time))
                 self.admission.on_first_token(req, now - req.arrival_time)
-                self._error_quantiles = {}
         for i, token in enumerate(run):
             if i:
                 self._advance(req, 1)
             self._append_token(
                 req, token, logprobs[i] if logprobs is not None and i < len(logprobs) else None
             )
-            self.generated_tokens_total += 1
+            self.counters.generated_tokens_total += 1
             if req.is_finished:
                 self._finish(req, req.status)
                 break
@@ -560,7 +499,7 @@ class Scheduler:
         start = req.num_computed_tokens
         req.num_computed_tokens += n
         self.block_manager.commit(req)
-        self.computed_prompt_tokens_total += max(
+        self.counters.computed_prompt_tokens_total += max(
             0, min(req.num_computed_tokens, req.num_prompt_tokens) - start
         )
 
@@ -584,20 +523,8 @@ class Scheduler:
 
         Returns the ids of those that were scheduled in the step and are now back in the queue.
         """
-        moved = set()
         self.admission.forget()
-        for req in self._swapped:
-            if req.status.is_finished:
-                continue
-            self.block_manager.free(req)
-            req.num_computed_tokens = 0
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-                req.status = RequestStatus.PREEMPTED
-                self.waiting.requeue(req)
-                moved.add(req.request_id)
-        self._swapped = []
-        return moved
+        return self.preemption.recover()
 
     # ---- helpers -----------------------------------------------------------------------
     def _urgency(self, req: Request) -> tuple:
@@ -638,45 +565,6 @@ class Scheduler:
         """
         running = req.status == RequestStatus.RUNNING
         return len(self.running) == running and len(self.waiting) == (not running)
-
-    def _pick_victim(
-        self, pending: deque[Request], current: Request, plan: DeadlinePlan | None
-    ) -> Request:
-        """Who gives up its blocks: among the running requests not yet scheduled in this step,
-        the one with the most slack (slo with slack_preemption), else the least urgent by the
-        policy's key; those just resumed are spared (no thrashing)."""
-        if plan is not None and self.config.slack_preemption:
-            key = plan.sort_key
-        else:
-            key = self._urgency
-        candidates = [
-            r
-            for r in pending
-            if r.resumed_step is None and (r.block_table or r.num_computed_tokens)
-        ]
-        if candidates:
-            return max(candidates, key=key)
-        if current.resumed_step is None or not pending:
-            return current
-        return pending[-1]
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Move a running request back to the queue: swap its K/V out, else drop it (recompute)."""
-        self.running.remove(req)
-        pairs = None
-        if self.config.preemption_mode == "swap" and req.num_computed_tokens:
-            pairs = self.block_manager.swap_out(req)
-        if pairs:
-            out.swap_out.extend(pairs)
-            self._swapped.append(req)
-        else:
-            self.block_manager.free(req)
-            req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.resumed_step = None
-        req.num_preemptions += 1
-        self.preemptions_total += 1
-        self.waiting.requeue(req)
 
     def _schedule_chunk(
         self,
@@ -739,7 +627,7 @@ class Scheduler:
         req.finish_time = self.clock()
         self.block_manager.free(req)
         self.requests.pop(req.request_id, None)
-        self.requests_finished_total += 1
+        self.counters.requests_finished_total += 1
         if req.ever_scheduled:
             self._finished_ids.append(req.request_id)
 
@@ -754,27 +642,9 @@ class Scheduler:
             kv_blocks_cached=bm.num_cached,
             swap_blocks_total=bm.num_host_blocks,
             swap_blocks_free=bm.num_host_free,
-            prompt_tokens_total=self.prompt_tokens_total,
-            prefix_hit_tokens_total=self.prefix_hit_tokens_total,
-            generated_tokens_total=self.generated_tokens_total,
-            preemptions_total=self.preemptions_total,
             refusals=dict(self.admission.refusals),
-            computed_prompt_tokens_total=self.computed_prompt_tokens_total,
-            requests_finished_total=self.requests_finished_total,
-            kv_blocks_peak=self.kv_blocks_peak,
-            **self._prediction_errors(),
+            **self.counters.counters(),
         )
-
-    def _prediction_errors(self) -> dict:
-        """TTFT prediction error (predicted minus actual) p50 / p90 over the recent requests."""
-        if self.ttft_errors and not self._error_quantiles:
-            errors = sorted(self.ttft_errors)
-            self._error_quantiles = {
-                "ttft_predictions": len(errors),
-                "ttft_prediction_error_p50_s": nearest_rank(errors, 0.5),
-                "ttft_prediction_error_p90_s": nearest_rank(errors, 0.9),
-            }
-        return self._error_quantiles
 
 
 def _keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) -> None:

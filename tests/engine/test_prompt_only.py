@@ -50,8 +50,8 @@ def test_a_prompt_only_request_samples_nothing_and_frees_its_blocks(chunked):
     )
     assert only.prompt_logprobs is not None and len(only.prompt_logprobs) == len(PROMPT)
     assert outputs["gen"][-1].num_output_tokens == 3  # its neighbour ran as usual
-    assert s.generated_tokens_total == 3 and s.requests_finished_total == 2
-    assert s.computed_prompt_tokens_total == len(PROMPT) + 9
+    assert s.counters.generated_tokens_total == 3 and s.counters.requests_finished_total == 2
+    assert s.counters.computed_prompt_tokens_total == len(PROMPT) + 9
 
 
 def test_an_aborted_prompt_only_request_sends_no_partial_prompt_logprobs():

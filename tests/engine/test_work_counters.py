@@ -74,7 +74,7 @@ def test_a_preempted_prompt_is_computed_again():
     core = EngineCore(config, FakeRunner(num_blocks=64, block_size=4))
     core.add(NewRequest("a", [97, 98, 99, 100, 101], SamplingParams(max_tokens=4, ignore_eos=True)))
     core.step()  # the prompt and the first token
-    core.scheduler._preempt(
+    core.scheduler.preemption.preempt(
         core.scheduler.requests["a"], SchedulerOutput()
     )  # K/V dropped: recompute
     while core.has_work():

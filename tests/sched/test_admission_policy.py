@@ -228,7 +228,7 @@ def test_with_slack_preemption_a_newcomer_waits_for_no_slot_of_a_prompt_without_
     for _ in range(3):
         step(s, r)
     assert s.requests["tight"].num_output_tokens >= 1
-    assert s.preemptions_total == 1
+    assert s.counters.preemptions_total == 1
 
 
 def test_a_decoding_request_keeps_its_slot_and_the_newcomer_is_priced_behind_it():
@@ -240,7 +240,7 @@ def test_a_decoding_request_keeps_its_slot_and_the_newcomer_is_priced_behind_it(
     _busy(s, r)
     with pytest.raises(RequestRefusedError, match="steps for a slot in the full batch of 4"):
         s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=0.5)))
-    assert s.preemptions_total == 0
+    assert s.counters.preemptions_total == 0
 
 
 def test_priming_prices_steps_before_any_request_ran():

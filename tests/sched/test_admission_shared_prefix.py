@@ -59,7 +59,7 @@ def test_a_burst_sharing_a_prompt_is_admitted_and_computes_it_once(deadline_step
     assert [s.requests[f"r{i}"].expected_cached_tokens for i in range(4)] == [0, 399, 399, 399]
     outputs = drain(s, r)
     assert all(outputs[f"r{i}"][-1].finish_reason == "length" for i in range(4))
-    assert s.prefix_hit_tokens_total == 3 * 399  # as admission expected: computed once
+    assert s.counters.prefix_hit_tokens_total == 3 * 399  # as admission expected: computed once
     assert len(s.queued_prefixes) == 0
     assert_all_free(s)
 

@@ -188,8 +188,8 @@ def test_a_starving_newcomer_waits_for_the_prefix_a_skipped_request_is_still_pre
     assert times["first"][0] > 1000.4, (
         "the first prompt ran in one go: nothing could be shared mid-prefill"
     )
-    assert s.prefix_hit_tokens_total == 63
-    assert s.computed_prompt_tokens_total == 8 * 6 + 64 + 1
+    assert s.counters.prefix_hit_tokens_total == 63
+    assert s.counters.computed_prompt_tokens_total == 8 * 6 + 64 + 1
 
 
 def test_a_skipped_request_stays_running_and_keeps_its_blocks():

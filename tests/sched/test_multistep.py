@@ -12,7 +12,7 @@ import pytest
 from sloserve import LLM
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
-from sloserve.sched import scheduler as scheduler_module
+from sloserve.sched import multistep
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
 from tests.engine.fakes import FakeRunner, reference_tokens
@@ -65,7 +65,7 @@ def test_runs_of_steps_match_single_steps_on_a_real_model(checkpoint, monkeypatc
     Runs are not cut by time here (MAX_RUN_S): at 10 ms, a machine whose MoE decode step took
     over 2 ms ran no run of 5 and the check that runs reach their length failed.
     """
-    monkeypatch.setattr(scheduler_module, "MAX_RUN_S", 1.0)
+    monkeypatch.setattr(multistep, "MAX_RUN_S", 1.0)
     prompts = [_prompt(i) for i in range(8)]
     params = [SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True) for i in range(4)]
     params += [

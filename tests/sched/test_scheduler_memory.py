@@ -51,7 +51,7 @@ def test_the_least_urgent_running_request_is_preempted(mode):
     drain(s, r, collected=collected)
     for name, prompt in prompts.items():
         assert tokens_of(collected[name]) == reference_tokens(r, prompt, 6), name
-    assert s.preemptions_total >= 1
+    assert s.counters.preemptions_total >= 1
     assert_all_free(s)
 
 
@@ -83,7 +83,7 @@ def test_a_just_resumed_request_is_not_the_next_victim(mode, monkeypatch):
             NewRequest(f"r{i}", prompt, SamplingParams(max_tokens=14), SLO(ttft_s=1.0 + i))
         )
     spared = 0
-    original = s._preempt
+    original = s.preemption.preempt
 
     def preempt(req, out):
         nonlocal spared
@@ -102,7 +102,7 @@ def test_a_just_resumed_request_is_not_the_next_victim(mode, monkeypatch):
         spared += any(s._urgency(x) > s._urgency(req) for x in resumed_now)
         original(req, out)
 
-    monkeypatch.setattr(s, "_preempt", preempt)
+    monkeypatch.setattr(s.preemption, "preempt", preempt)
     collected = drain(s, r)
     assert spared > 0, "the workload never put a just-resumed request at the end of the line"
     for i, prompt in enumerate(prompts):
@@ -144,7 +144,7 @@ def test_tight_memory_gives_the_same_tokens_as_running_alone(mode, policy, prefi
     for i, prompt in enumerate(prompts):
         assert tokens_of(collected[f"r{i}"]) == reference_tokens(r, prompt, 10), f"r{i}"
         assert collected[f"r{i}"][-1].finish_reason == "length"
-    assert s.preemptions_total > 0
+    assert s.counters.preemptions_total > 0
     assert_all_free(s)
 
 
@@ -188,8 +188,8 @@ def test_a_block_aligned_prompt_seen_before_computes_only_its_last_token_and_wri
     outputs += drain(s, r)["warm"]
     assert tokens_of(outputs) == cold == reference_tokens(r, prompt, 4)
     assert outputs[-1].num_cached_tokens == 11
-    assert s.prefix_hit_tokens_total == 11 and s.prompt_tokens_total == 24
-    assert s.computed_prompt_tokens_total == 13
+    assert s.counters.prefix_hit_tokens_total == 11 and s.counters.prompt_tokens_total == 24
+    assert s.counters.computed_prompt_tokens_total == 13
     assert_all_free(s)
     assert s.block_manager.num_cached > 0
 
@@ -355,6 +355,6 @@ def test_an_overload_with_preemptions_aborts_and_urgent_newcomers_holds_no_block
             s.abort(rng.choice(list(s.requests)))
         step(s, r)
         assert not _orphans(s)
-    assert s.preemptions_total > 0
+    assert s.counters.preemptions_total > 0
     drain(s, r)
     assert_all_free(s)

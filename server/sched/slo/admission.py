@@ -420,8 +420,8 @@ class AdmissionControl:
         """
         cap = max(1, batch_cap)
         # NOTE: with slack preemption a newcomer takes the slot of a running request that has no
-        # TTFT or TPOT objective and no token out yet (the scheduler's _free_slot): those hold no
-        # slot here.
+        # TTFT or TPOT objective and no token out yet (sched/preemption.py free_slot): those hold
+        # no slot here.
         holders = [
             r
             for r in running
