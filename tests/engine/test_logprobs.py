@@ -201,7 +201,7 @@ def test_prompt_logprobs_survive_preemption(make_checkpoint):
     params = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     with _llm(folder, kv_pool_bytes=40 * page, max_batch=3) as llm:
         outs = llm.generate(prompts, params)
-        assert llm.engine.scheduler.preemptions_total > 0
+        assert llm.engine.scheduler.counters.preemptions_total > 0
     for prompt, out in zip(prompts, outs, strict=True):
         ref = _reference(folder, prompt + out.token_ids)
         assert len(out.prompt_logprobs) == len(prompt) and len(out.logprobs) == 24
