@@ -85,9 +85,8 @@ class ForwardOnly:
             for i in range(engine.batch)
         ]
         if hasattr(runner, "prepare"):
-            self.inputs = _own_copy(
-                runner.prepare(SchedulerOutput(seqs))
-            )  # engine steps reuse the pool buffers
+            # engine steps reuse the pool buffers
+            self.inputs = _own_copy(runner.prepare(SchedulerOutput(seqs)))
             self.forward = runner.forward
         else:  # a runner from before prepare/forward/sample (for before/after runs of this benchmark)
             self.inputs = _own_copy(runner.inputs.build(seqs))
@@ -280,9 +279,8 @@ def main() -> None:
             f"{r['engine_over_forward_cpu']:>14.1%}"
         )
     peak_after = gemm_peak()
-    if (
-        peak_after > peak
-    ):  # the machine was busier at the start: rescale the fractions to the better peak
+    # the machine was busier at the start: rescale the fractions to the better peak
+    if peak_after > peak:
         for r in rows:
             r["engine_over_peak"] = round(r["engine_over_peak"] * peak / peak_after, 3)
         peak = peak_after

@@ -196,9 +196,8 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
                 await channel.close()
 
         asyncio.run(ready())
-        time.sleep(
-            2.0 if arm != "thread" and int(arm) > 1 else 0.0
-        )  # the other front ends join the engine
+        # the other front ends join the engine
+        time.sleep(2.0 if arm != "thread" and int(arm) > 1 else 0.0)
         asyncio.run(_steady(target, args, min(3.0, args.seconds)))  # warm
         cpu = RoleCpu(server, server.proc.pid if arm == "thread" else server.engine_pid())
         steady = asyncio.run(_steady(target, args, args.seconds))
@@ -220,9 +219,8 @@ def run_arm(arm: str, args, pool, flood_rate: float | None) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--model", default="default"
-    )  # the 3M built-in: fast steps, so the front end is stressed
+    # the 3M built-in: fast steps, so the front end is stressed
+    p.add_argument("--model", default="default")
     p.add_argument(
         "--arms", default="1,4", help="comma-separated: a number of front ends, or 'thread'"
     )

@@ -128,9 +128,8 @@ class Runner:
             seed: harness.arc_pool(seed, args.max_prompt_chars, args.max_tokens, args.workload)
             for seed in args.seeds
         }
-        self.workload = pools[args.seeds[0]][
-            0
-        ]  # the ARC trace, or synthetic-arc where it is absent
+        # the ARC trace, or synthetic-arc where it is absent
+        self.workload = pools[args.seeds[0]][0]
         self.pools = {seed: items for seed, (_, items) in pools.items()}
 
     def load(self, seed: int, start: int, n: int, tag: int) -> tuple[list, list[str]]:

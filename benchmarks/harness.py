@@ -149,9 +149,8 @@ class Peaks:
     """What an Info poller saw during a run (sampled, so a lower bound on the true peaks)."""
 
     running: int = 0  # most requests running at once
-    blocks_in_use: int = (
-        0  # most KV blocks in use at once: total - free (cached free blocks are free)
-    )
+    # most KV blocks in use at once: total - free (cached free blocks are free)
+    blocks_in_use: int = 0
     samples: int = 0
 
 

@@ -71,9 +71,8 @@ async def one_by_one(
     """(gap, TTFT) of each request, sent alone after its gap."""
     channel = await connect(target)
     try:
-        await run_load(
-            channel, items[:2], LoadSpec(concurrency=1)
-        )  # the connection and the stream path
+        # the connection and the stream path
+        await run_load(channel, items[:2], LoadSpec(concurrency=1))
         out = []
         for item, gap in zip(items[2:], gaps, strict=True):
             await asyncio.sleep(gap)

@@ -62,9 +62,8 @@ def make_runner(model: str, decodes: int, chunk: int, context: int) -> tuple[str
 
 
 def timed(runner: ModelRunner, out: SchedulerOutput, max_batch: int, steps: int) -> float:
-    runner.decode_step.fused.max_batch = (
-        max_batch  # 0: no mixed step fits the rows, the flat path runs
-    )
+    # 0: no mixed step fits the rows, the flat path runs
+    runner.decode_step.fused.max_batch = max_batch
     return seconds_per_execute(runner, out, steps)
 
 

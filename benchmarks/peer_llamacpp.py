@@ -244,9 +244,8 @@ def main() -> None:
     for c in args.concurrency:
         sides: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
-            for side in (
-                names[r % len(names) :] + names[: r % len(names)]
-            ):  # the first to run rotates
+            # the first to run rotates
+            for side in names[r % len(names) :] + names[: r % len(names)]:
                 if side == "llama-server":
                     report = bench_peer(gguf, workload, c, args.max_tokens)
                 else:

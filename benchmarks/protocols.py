@@ -69,9 +69,8 @@ async def _bare_http(port: int, items) -> float:
             )
             sent, first, seen = time.perf_counter(), None, b""
             writer.write(head.encode() + body)
-            while not seen.endswith(
-                b"0\r\n\r\n"
-            ):  # the SSE body is chunked: its last chunk is empty
+            # the SSE body is chunked: its last chunk is empty
+            while not seen.endswith(b"0\r\n\r\n"):
                 data = await reader.read(65536)
                 if not data:
                     raise ConnectionError("the server closed the connection mid-response")

@@ -149,9 +149,8 @@ def step_ratio(
                     continue
                 runner.grammar.overlap = arm == "overlapped"
                 masked = decode_step(runner, batch, context, grammar, f"{arm}{r}b{batch}-")
-                runner.execute(
-                    masked
-                )  # the matchers are made outside the timing (the compile is cached)
+                # the matchers are made outside the timing (the compile is cached)
+                runner.execute(masked)
                 best[arm] = min(best[arm], seconds_per_step(runner, masked, steps))
                 runner.grammar.drop([s.req_id for s in masked.sequences])
         runner.grammar.overlap = served

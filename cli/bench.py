@@ -256,9 +256,8 @@ def bench(
         num_requests = DEFAULT_REQUESTS
     plan = flags.plan(None if duration is not None else num_requests)
     try:
-        if defaulted and workload.startswith(
-            ("jsonl:", "arc:")
-        ):  # read from a file: repeated to fill
+        # read from a file: repeated to fill
+        if defaulted and workload.startswith(("jsonl:", "arc:")):
             held = len(load_workload(workload, seed=flags.seed, attempts=flags.attempts))
             if held < num_requests:
                 click.echo(
@@ -310,9 +309,8 @@ def bench(
             )
     except ConnectionError as exc:
         raise BenchInputError(str(exc)) from None
-    except (
-        ValueError
-    ) as exc:  # the plan against this server (a trace too long for its context, ...)
+    # the plan against this server (a trace too long for its context, ...)
+    except ValueError as exc:
         raise BenchInputError(str(exc)) from None
     runs = [summarise(r.records, r.duration_s, slo, r.rate) for r in results]
     for run, result in zip(runs, results, strict=True):

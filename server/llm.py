@@ -45,9 +45,8 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     logprobs: list[Logprob] | None = None  # one per token id, when SamplingParams.logprobs asked
-    prompt_logprobs: list[Logprob | None] | None = (
-        None  # one per prompt token, when prompt_logprobs asked
-    )
+    # one per prompt token, when prompt_logprobs asked
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 def build_config(model: str = "default", **options: Any) -> SloserveConfig:

@@ -53,9 +53,8 @@ class Throttled:
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
         self._logger = logger
         self._interval_s = interval_s
-        self._last: dict[
-            str, tuple[float, int]
-        ] = {}  # kind -> (when last logged, how many held back since)
+        # kind -> (when last logged, how many held back since)
+        self._last: dict[str, tuple[float, int]] = {}
 
     def admit(self, kind: str) -> int | None:
         """None while `kind` was logged less than `interval_s` ago (one more held back); else how many were."""

@@ -27,23 +27,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = (
-        0  # EOS and stop token ids are masked, and stop strings unchecked, until this many
-    )
+    # EOS and stop token ids are masked, and stop strings unchecked, until this many
+    min_tokens: int = 0
     presence_penalty: float = 0.0  # OpenAI's: minus this from every token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
-    repetition_penalty: float = (
-        1.0  # transformers': logits of prompt and output tokens / (or x) this
-    )
+    # transformers': logits of prompt and output tokens / (or x) this
+    repetition_penalty: float = 1.0
     min_p: float = 0.0  # drop tokens whose probability is under min_p x the most likely one's
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    logprobs: int | None = (
-        None  # top log-probabilities per output token (0: the sampled token's only)
-    )
+    # top log-probabilities per output token (0: the sampled token's only)
+    logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
-    grammar: str | None = (
-        None  # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
-    )
+    # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:

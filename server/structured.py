@@ -44,9 +44,8 @@ def grammar_for(kind: str, value: Any) -> str:
             raise InvalidRequestError(
                 f"a JSON schema must be an object, got {type(value).__name__}"
             )
-        text = json.dumps(
-            value
-        )  # key order kept: properties are written in the order the schema lists them
+        # key order kept: properties are written in the order the schema lists them
+        text = json.dumps(value)
     elif kind == "choice":
         if (
             not isinstance(value, list)

@@ -47,9 +47,8 @@ def test_the_dockerfile_copies_real_paths_and_runs_real_flags():
     )
     assert cmd[0] == "serve" and set(flags_in(cmd)) <= serve_flags()
     torch_pin = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
-    assert (
-        f"ARG TORCH_VERSION={torch_pin}" in (ROOT / "Dockerfile").read_text()
-    )  # the version CI tests
+    # the version CI tests
+    assert f"ARG TORCH_VERSION={torch_pin}" in (ROOT / "Dockerfile").read_text()
     ports = {int(p) for i, a in steps if i == "EXPOSE" for p in a.split()}
     assert {
         int(cmd[cmd.index(f) + 1]) for f in ("--port", "--http-port", "--metrics-port")

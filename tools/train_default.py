@@ -374,22 +374,19 @@ def main() -> None:
         mask = targets != IGNORE
         answer = _answer_mask(ids, labels).flatten()
         weight = mask.float() + (args.answer_weight - 1.0) * answer.float()
-        if (
-            args.eos_weight is not None
-        ):  # the answer's end: EOS, where the model may write "Output:" instead
+        # the answer's end: EOS, where the model may write "Output:" instead
+        if args.eos_weight is not None:
             weight = torch.where(targets == EOS, args.eos_weight, weight)
-        if (
-            args.row_end_weight is not None
-        ):  # a row ends: one token early or late makes the grid ragged
+        # a row ends: one token early or late makes the grid ragged
+        if args.row_end_weight is not None:
             weight = torch.where(answer & (targets == NEWLINE), args.row_end_weight, weight)
         loss = (per_token * weight).sum() / weight.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        with (
-            torch.no_grad()
-        ):  # the answer = tokens after the last "Output:\n": the final grid and EOS
+        # the answer = tokens after the last "Output:\n": the final grid and EOS
+        with torch.no_grad():
             answer_loss = (per_token[answer].sum() / answer.sum()).item()
         window.append((per_token.sum() / mask.sum()).item())
         answer_window.append(answer_loss)

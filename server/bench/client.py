@@ -48,9 +48,8 @@ class LoadSpec:
     ignore_eos: bool = False
     request_timeout_s: float = 600.0  # a request still open this long is cancelled and failed
     auth_token: str | None = None
-    grammar: str | None = (
-        None  # a Lark grammar every answer must follow (structured output), e.g. the ARC grid's
-    )
+    # a Lark grammar every answer must follow (structured output), e.g. the ARC grid's
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not (self.rate > 0):

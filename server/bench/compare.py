@@ -111,15 +111,12 @@ def interactive_attainment(records: list[RequestRecord], name: str) -> float | N
     return sum(meets_slo(r, r.slo) for r in members) / len(members) if members else None
 
 
-ServerFactory = Callable[
-    [str, str], Any
-]  # (policy, label) -> a context manager with .target, .wait_ready()
-ProgressFactory = Callable[
-    [str, int], Any
-]  # (label, requests) -> a context manager, called per record
-PointHook = Callable[
-    [Any, dict, list[RequestRecord]], None
-]  # (server, point, records), the server still up
+# (policy, label) -> a context manager with .target, .wait_ready()
+ServerFactory = Callable[[str, str], Any]
+# (label, requests) -> a context manager, called per record
+ProgressFactory = Callable[[str, int], Any]
+# (server, point, records), the server still up
+PointHook = Callable[[Any, dict, list[RequestRecord]], None]
 
 
 class Comparison:

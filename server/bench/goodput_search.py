@@ -42,9 +42,8 @@ class SearchResult:
     rate: float | None = None
     bracket: tuple[float | None, float | None] = (None, None)  # (met, missed)
     converged: bool = False
-    points: list[dict] = field(
-        default_factory=list
-    )  # {"rate", "attainments", "attainment"} in order
+    # {"rate", "attainments", "attainment"} in order
+    points: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {

@@ -43,9 +43,8 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     text: str = ""
     end_time: float | None = None
-    status: str = (
-        "pending"  # 'ok' (a Final arrived), 'refused' (a RequestError), 'failed' (stream lost)
-    )
+    # 'ok' (a Final arrived), 'refused' (a RequestError), 'failed' (stream lost)
+    status: str = "pending"
     finish_reason: str | None = None
     error_code: str | None = None  # gRPC status name of a RequestError or a lost stream
     error_reason: str | None = None

@@ -50,13 +50,11 @@ class WorkloadItem:
     group: str | None = None  # items of one group share a prompt prefix
     slo: SLO | None = None  # per-request objectives (JSONL); None: the run's SLO
     ignore_eos: bool = False  # generate exactly max_tokens (fixed workloads)
-    slo_class: str | None = (
-        None  # the report's class (JSONL 'class'); None: named after its objectives
-    )
+    # the report's class (JSONL 'class'); None: named after its objectives
+    slo_class: str | None = None
     priority: int | None = None  # sent with the request when set (JSONL 'priority')
-    arrival_s: float | None = (
-        None  # a trace's send time, from the run's start; None: the run's arrival process
-    )
+    # a trace's send time, from the run's start; None: the run's arrival process
+    arrival_s: float | None = None
 
 
 def default_workload() -> str:

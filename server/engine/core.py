@@ -66,9 +66,8 @@ class EngineCore:
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
             # NOTE: before ready, so a flood right after start-up is priced, not let in blindly
             prime(runner, self.scheduler.admission, config.scheduler, self.scheduler.max_model_len)
-        self._steps: deque[tuple[float, int]] = deque(
-            maxlen=512
-        )  # (seconds, tokens) of recent steps
+        # (seconds, tokens) of recent steps
+        self._steps: deque[tuple[float, int]] = deque(maxlen=512)
         # NOTE: stats() runs after every step in the engine process: the percentiles are re-sorted
         # only every PERCENTILE_EVERY steps (and when idle), not on each call.
         self._percentiles = (0.0, 0.0)  # step time p50, p99

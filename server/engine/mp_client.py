@@ -67,9 +67,8 @@ class MPEngineClient:
         self.ready = False
         self.pid: int | None = None
         self.owns_engine = link is None
-        self.before_shutdown: Callable[[], Awaitable[None]] | None = (
-            None  # awaited before the engine is told to exit
-        )
+        # awaited before the engine is told to exit
+        self.before_shutdown: Callable[[], Awaitable[None]] | None = None
         self._link = link
         self._watch_fd: int | None = None  # readable when the engine process has ended
         self._proc: multiprocessing.process.BaseProcess | None = None

@@ -131,9 +131,8 @@ def _take_output(req: Request, state: RequestText) -> RequestOutput:
         None if req.output_logprobs is None else req.output_logprobs[req.sent_token_len :]
     )
     prompt_logprobs = None
-    scored = (
-        req.sampling.prompt_only and req.status == RequestStatus.FINISHED_LENGTH
-    )  # its prompt, whole
+    # its prompt, whole
+    scored = req.sampling.prompt_only and req.status == RequestStatus.FINISHED_LENGTH
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or scored):
         prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
     req.sent_token_len = req.num_output_tokens

@@ -63,28 +63,24 @@ class EngineStats:
     ttft_prediction_error_p50_s: float = 0.0  # predicted minus actual TTFT, over recent requests
     ttft_prediction_error_p90_s: float = 0.0
     # Mixture-of-experts models only (empty / zero for a dense one); counted from the end of warm-up.
-    expert_resident_per_layer: list[int] = field(
-        default_factory=list
-    )  # experts on the device, per MoE layer
+    # experts on the device, per MoE layer
+    expert_resident_per_layer: list[int] = field(default_factory=list)
     expert_hits_total: int = 0  # (layer, expert) uses whose weights were already on the device
     expert_misses_total: int = 0  # uses that waited for a copy from host memory
     expert_hit_rate: float = 0.0  # hits / (hits + misses); 1.0 with every expert resident
     expert_prefetches_total: int = 0  # experts copied in ahead of their layer, from the prediction
     expert_prefetch_accuracy: float = 0.0  # share of those prefetches their layer then used
-    expert_prediction_recall: float = (
-        0.0  # share of the experts layers used that the prediction named
-    )
-    expert_bytes_copied_total: int = (
-        0  # host -> device expert bytes: misses, prefetches and pinning
-    )
+    # share of the experts layers used that the prediction named
+    expert_prediction_recall: float = 0.0
+    # host -> device expert bytes: misses, prefetches and pinning
+    expert_bytes_copied_total: int = 0
     expert_bytes_per_step: float = 0.0  # mean over the last 64 steps
     expert_miss_stall_s_total: float = 0.0  # time spent waiting for copies on misses
     # The engine's work since start-up (warm-up excluded): what a scheduling policy costs in steps.
     steps_total: int = 0  # model steps run (a run of n decode steps counts n)
     busy_seconds_total: float = 0.0  # wall time the runner spent on them
-    computed_prompt_tokens_total: int = (
-        0  # prompt tokens computed: hits excluded, recomputes included
-    )
+    # prompt tokens computed: hits excluded, recomputes included
+    computed_prompt_tokens_total: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -34,9 +34,8 @@ from sloserve.new_request import NewRequest
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 200  # while idle: how often the loop wakes to check that its parent lives
-STATS_EVERY_S = (
-    0.05  # while busy with steps that produce no output, stats go out at most this often
-)
+# while busy with steps that produce no output, stats go out at most this often
+STATS_EVERY_S = 0.05
 _PR_SET_PDEATHSIG = 1
 
 

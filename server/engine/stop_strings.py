@@ -26,9 +26,8 @@ class StopMatcher:
             automaton.add_word(stop, len(stop))
         automaton.make_automaton()
         self._search = automaton.iter("")
-        self.max_len = automaton.get_stats()[
-            "longest_word"
-        ]  # streamed text holds back max_len - 1 chars
+        # streamed text holds back max_len - 1 chars
+        self.max_len = automaton.get_stats()["longest_word"]
         self.steps = 0
 
     def feed(self, new_text: str) -> int | None:

@@ -106,9 +106,8 @@ class DecodeStep:
                 step.block_tables,
                 step.seq_lens,
             )
-            if (
-                self.compiled
-            ):  # the inputs share the pool's storage too: same memory, storages of their own
+            # the inputs share the pool's storage too: same memory, storages of their own
+            if self.compiled:
                 args = tuple(torch.from_numpy(a.numpy()) for a in args)
             return self._fn(*args, self.kv)
 

@@ -151,9 +151,8 @@ class GraphDecode:
             raise ValueError(f"decode steps cannot be captured: {why_not}")
         self.model, self.kv, self.forward, self.capturer = model, kv, forward, capture
         self.buckets = graph_buckets(max_seqs)
-        self._replays: dict[
-            int, tuple[Step, tuple[int, ...]]
-        ] = {}  # bucket -> (replay, its inputs' addresses)
+        # bucket -> (replay, its inputs' addresses)
+        self._replays: dict[int, tuple[Step, tuple[int, ...]]] = {}
         self.capture_time_s = 0.0
         self.capture_bytes = 0
 
@@ -202,13 +201,11 @@ class GraphDecode:
         )
         return entry
 
-    def __call__(
-        self, step: DecodeInputs
-    ) -> torch.Tensor:  # [B, V] float32, a view of static memory
+    # [B, V] float32, a view of static memory
+    def __call__(self, step: DecodeInputs) -> torch.Tensor:
         entry = self._replays.get(step.input_ids.shape[0])
-        if (
-            entry is None
-        ):  # a runner used before warm_up(): capture this bucket now (a step's inputs
+        # a runner used before warm_up(): capture this bucket now (a step's inputs
+        if entry is None:
             # are rewritten in place, so running it again while capturing computes the same values)
             log.info(
                 "decode step (%s): capturing batch bucket %d on first use",

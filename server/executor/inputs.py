@@ -52,13 +52,11 @@ class TokenRows:
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [T, width] int32, row t: the table of token t's sequence
     seq_lens: torch.Tensor  # [T] int32
-    sample_idx: (
-        torch.Tensor
-    )  # [S' + P] int64, row of each sampled sequence's last token, then prompt rows
+    # [S' + P] int64, row of each sampled sequence's last token, then prompt rows
+    sample_idx: torch.Tensor
     sampled: list[int]  # index into the step's sequences of each sampled row
-    prompt_rows: list[
-        tuple[int, range]
-    ]  # (sequence index, positions) of the prompt-logprob rows, in order
+    # (sequence index, positions) of the prompt-logprob rows, in order
+    prompt_rows: list[tuple[int, range]]
 
 
 @dataclass(slots=True)
@@ -72,12 +70,10 @@ class _FlatStep:
     tables: list[list[int]]
     max_len: int  # the longest sequence after the step
     sampled: list[int]  # index into the step's sequences of each sampled row
-    sample_idx: (
-        np.ndarray
-    )  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
-    prompt_rows: list[
-        tuple[int, range]
-    ]  # (sequence index, positions) of the prompt-logprob rows, in order
+    # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    sample_idx: np.ndarray
+    # (sequence index, positions) of the prompt-logprob rows, in order
+    prompt_rows: list[tuple[int, range]]
 
 
 @dataclass(slots=True)
@@ -85,13 +81,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_idx: (
-        torch.Tensor
-    )  # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    sample_idx: torch.Tensor
     sampled: list[int]  # index into the step's sequences of each sampled row
-    prompt_rows: list[
-        tuple[int, range]
-    ]  # (sequence index, positions) of the prompt-logprob rows, in order
+    # (sequence index, positions) of the prompt-logprob rows, in order
+    prompt_rows: list[tuple[int, range]]
 
 
 def workspace_bytes(max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -145,9 +139,8 @@ class InputBuilder:
                 self._host[name] = self._dev[name].numpy()
         # the block table each row of block_tables holds at width max_blocks (build_decode), or None
         self._rows: list[list[int] | None] = [None] * max_seqs
-        self._capacity = np.zeros(
-            0, dtype=np.int64
-        )  # tokens each row's table holds (the last build_decode)
+        # tokens each row's table holds (the last build_decode)
+        self._capacity = np.zeros(0, dtype=np.int64)
 
     def build_decode(self, seqs: list[ScheduledSequence], padded: int) -> DecodeInputs:
         """Inputs of a decode-only step (one token per sequence), `padded` rows long.
@@ -198,9 +191,8 @@ class InputBuilder:
                 f"request {seqs[bad].req_id!r} needs {int(pos[bad]) // page + 1} KV blocks for "
                 f"{int(pos[bad]) + 1} tokens but its block table has {int(counts[bad])}"
             )
-        self._capacity = (
-            counts * page
-        )  # tokens the block tables hold: advance_decode stays within them
+        # tokens the block tables hold: advance_decode stays within them
+        self._capacity = counts * page
         slots = tables[np.arange(num_seqs), pos // page].astype(np.int64) * page + pos % page
         _write_present_to_null(seqs, slots, range(num_seqs))
         for name, value, pad in (
@@ -211,9 +203,8 @@ class InputBuilder:
         ):
             buf = host[name]
             buf[:num_seqs] = value
-            buf[num_seqs:padded] = (
-                pad  # padding: token 0 at position 0, written to slot 0 (null page)
-            )
+            # padding: token 0 at position 0, written to slot 0 (null page)
+            buf[num_seqs:padded] = pad
         for i in range(num_seqs, padded):
             if rows[i] is not None:  # a padding row reads page 0 only
                 tables[i, 0] = 0

@@ -14,9 +14,8 @@ from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import CPU_DEFAULT_POOL_BYTES, default_arena_bytes, default_pool_bytes
 from sloserve.models.spec import ModelSpec
 
-POOL_ROUNDING = (
-    256  # DevicePool rounds its size up to a multiple of this: a budget keeps room for it
-)
+# DevicePool rounds its size up to a multiple of this: a budget keeps room for it
+POOL_ROUNDING = 256
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,12 +27,10 @@ class MemoryPlan:
     num_pages: int  # KV pages incl. the null page 0
     expert_slots: int | None  # resident experts per MoE layer when partial, else None
     workspace_bytes: int
-    expert_bytes: (
-        int  # pool bytes of the expert slots (partial residency), alignment included; else 0
-    )
-    moe_workspace_rows: (
-        int  # (token, expert) pairs of one MoE layer's step workspace; 0 without MoE
-    )
+    # pool bytes of the expert slots (partial residency), alignment included; else 0
+    expert_bytes: int
+    # (token, expert) pairs of one MoE layer's step workspace; 0 without MoE
+    moe_workspace_rows: int
     moe_workspace_bytes: int  # that workspace plus the alignment holes its four carves may leave
     arena_bytes: int
     num_host_pages: int
@@ -103,9 +100,8 @@ def plan_memory(
         moe_bytes += min(moe_bytes, 4 * arena)
     fixed = overhead(ws_bytes, moe_bytes, arena)
     budget = cc.memory_budget_bytes
-    if (
-        budget is None and device.type == "cuda"
-    ):  # measured after the dense weights (experts wait on the host)
+    # measured after the dense weights (experts wait on the host)
+    if budget is None and device.type == "cuda":
         budget = default_pool_bytes(device, cc.gpu_memory_fraction)
     residency = None
     expert_device = slot_bytes = 0
@@ -120,9 +116,8 @@ def plan_memory(
         if device.type == "cuda" or budget is not None:
             kv_bytes = budget - expert_device - fixed
         if device.type == "cuda" and config.model.enforce_eager is not True and not spec.moe_layers:
-            kv_bytes -= graph_memory_bytes(
-                spec, sc.max_batch, itemsize
-            )  # the captured decode steps'
+            # the captured decode steps'
+            kv_bytes -= graph_memory_bytes(spec, sc.max_batch, itemsize)
         if device.type != "cuda":  # enough for max_batch full-length sequences, capped
             cpu = min(
                 CPU_DEFAULT_POOL_BYTES, token_bytes * max_model_len * sc.max_batch + page_bytes

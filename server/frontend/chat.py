@@ -24,12 +24,10 @@ NO_TEMPLATE = (
     "tokenizer_config.json); start the server with --chat-template FILE, or use /v1/completions "
     "with a prompt"
 )
-RESERVED = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt"}
-)  # set by the request's fields
-_CONTINUE_TAG = (
-    "CONTINUE_FINAL_MESSAGE_TAG "  # marks where the final message ends in the rendered text
-)
+# set by the request's fields
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# marks where the final message ends in the rendered text
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplate:

@@ -20,9 +20,8 @@ class FailureCode(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"  # the request itself is wrong: change it
     RESOURCE_EXHAUSTED = "resource_exhausted"  # refused for load: retry later or elsewhere
     DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline passed before it could run
-    UNAVAILABLE = (
-        "unavailable"  # the server's state (loading, draining, dead engine): retry elsewhere
-    )
+    # the server's state (loading, draining, dead engine): retry elsewhere
+    UNAVAILABLE = "unavailable"
     INTERNAL = "internal"  # a bug or a device failure: not the client's to fix
 
 
@@ -33,9 +32,8 @@ class Failure:
     code: FailureCode
     reason: str
     message: str
-    limit: str | None = (
-        None  # the server limit that refused it (sloserve_limit_refusals_total{limit})
-    )
+    # the server limit that refused it (sloserve_limit_refusals_total{limit})
+    limit: str | None = None
 
 
 class RequestFailed(Exception):

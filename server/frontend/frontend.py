@@ -29,9 +29,8 @@ from sloserve.new_request import NewRequest
 
 log = logging.getLogger(__name__)
 
-INLINE_TOKENIZE_CHARS = (
-    256  # up to this long, encoding (~15 us) is cheaper than a thread hand-off (~90 us)
-)
+# up to this long, encoding (~15 us) is cheaper than a thread hand-off (~90 us)
+INLINE_TOKENIZE_CHARS = 256
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # the proto's int32: both edges take the same priorities
 
 
@@ -230,9 +229,8 @@ class Frontend:
                 if behind:
                     out = _merge(out, behind)
                 if out.new_token_ids or out.new_text or out.prompt_logprobs is not None:
-                    if first is None and (
-                        out.new_token_ids or out.new_text
-                    ):  # a prompt-only one has none
+                    # a prompt-only one has none
+                    if first is None and (out.new_token_ids or out.new_text):
                         first = now
                         if out.first_token_time is not None:  # admission prices this backlog
                             self.engine.report_delivery_lag(time.monotonic() - out.first_token_time)
@@ -263,9 +261,8 @@ class Frontend:
                 yield self.failure(exc, request=parsed)
         finally:
             if handle.admitted:
-                if (
-                    not finished
-                ):  # abandoned (client gone, call cancelled, shutdown): free its blocks now
+                # abandoned (client gone, call cancelled, shutdown): free its blocks now
+                if not finished:
                     self.engine.abort(handle.engine_id)
                     if not handle.stopped and self.metrics is not None:
                         self.metrics.request_done("cancelled", request=parsed)
@@ -276,9 +273,8 @@ class Frontend:
         keeps serving (a short one inline: a thread hand-off costs more than encoding it)."""
         if isinstance(prompt, list):
             return prompt
-        args = (
-            (prompt,) if add_special_tokens else (prompt, False)
-        )  # False: a chat template wrote them
+        # False: a chat template wrote them
+        args = (prompt,) if add_special_tokens else (prompt, False)
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
             ids = self.engine.tokenizer.encode(*args)
         else:

@@ -7,9 +7,8 @@ from sloserve.frontend.failures import LimitExceeded
 from sloserve.frontend.requests import ParsedRequest
 
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer averages more: longer texts are refused before tokenizing
-CONTEXT_LENGTH = (
-    "context_length_exceeded"  # the reason (error code) clients look for to trim history
-)
+# the reason (error code) clients look for to trim history
+CONTEXT_LENGTH = "context_length_exceeded"
 
 
 class Limits:

@@ -80,9 +80,8 @@ def slo_outcome(slo: SLO | None, finished: Finished | None) -> str:
     tpot = 0.0  # one token (or none): no time per token to judge
     if finished.ttft_s is not None and finished.completion_tokens > 1:
         tpot = max(0.0, finished.e2e_s - finished.ttft_s) / (finished.completion_tokens - 1)
-    ttft = (
-        finished.ttft_s if finished.completion_tokens else finished.e2e_s
-    )  # no token (max_tokens 0): its answer
+    # no token (max_tokens 0): its answer
+    ttft = finished.ttft_s if finished.completion_tokens else finished.e2e_s
     checks = ((slo.ttft_s, ttft), (slo.tpot_s, tpot), (slo.e2e_s, finished.e2e_s))
     met = all(limit is None or (value is not None and value <= limit) for limit, value in checks)
     return "met" if met else "missed"

@@ -15,9 +15,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from sloserve.frontend.bearer import bearer_matches
 
 READ_TIMEOUT_S = 10.0  # a scrape's handshake and request must arrive within this
-MAX_SCRAPES = (
-    16  # connections served at once; more are closed at once (Prometheus scrapes one at a time)
-)
+# connections served at once; more are closed at once (Prometheus scrapes one at a time)
+MAX_SCRAPES = 16
 
 
 class _Handler(WSGIRequestHandler):
@@ -30,9 +29,8 @@ class _Handler(WSGIRequestHandler):
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     tls: ssl.SSLContext | None = None
-    slots: (
-        threading.BoundedSemaphore
-    )  # one per connection being served: a flood cannot start threads without end
+    # one per connection being served: a flood cannot start threads without end
+    slots: threading.BoundedSemaphore
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
         if not self.slots.acquire(blocking=False):  # MAX_SCRAPES already open: drop this one

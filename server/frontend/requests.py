@@ -18,9 +18,8 @@ class ParsedRequest:
     prompt: str | list[int]
     params: SamplingParams
     slo: SLO | None = None
-    priority: int = (
-        0  # NOTE: lower runs first under the `priority` policy; other policies ignore it
-    )
+    # NOTE: lower runs first under the `priority` policy; other policies ignore it
+    priority: int = 0
     add_special_tokens: bool = True  # False for a chat prompt: its template already wrote them
     n: int = 1  # choices wanted: the edge runs n requests over the same prompt (its KV shared by the prefix cache)
 

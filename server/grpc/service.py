@@ -73,9 +73,8 @@ class SloserveService(pb_grpc.SloserveServicer):
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             await self._serve(session)
-            if (
-                session.ending is not None
-            ):  # stalled: its status goes out before the handler returns
+            # stalled: its status goes out before the handler returns
+            if session.ending is not None:
                 await session.ending
         finally:
             self._sessions.discard(session)
@@ -101,9 +100,8 @@ class SloserveService(pb_grpc.SloserveServicer):
     async def _serve(self, session: StreamSession) -> None:
         stalled = functools.partial(self._stalled, session)
         while (msg := await session.next_message()) is not None:
-            if isinstance(
-                msg, Failure
-            ):  # the stream itself is broken or idle: end every request, then it
+            # the stream itself is broken or idle: end every request, then it
+            if isinstance(msg, Failure):
                 await self._end(session, msg)
                 return
             if not await self._write(session.context, msg, stalled):
@@ -135,9 +133,8 @@ class SloserveService(pb_grpc.SloserveServicer):
             session.context.peer(),
         )
         session.drop_queued()
-        session.out.put_nowait(
-            None
-        )  # should the blocked write go out after all, nothing follows it
+        # should the blocked write go out after all, nothing follows it
+        session.out.put_nowait(None)
         session.ending = asyncio.create_task(
             self._end(session, limits.stalled(self.config), write=False)
         )

@@ -73,18 +73,16 @@ class StreamSession:
         self._room.set()
         self.last_read = time.monotonic()  # when the client's last message was read
         self.ending: asyncio.Task | None = None  # the task that ends a stalled stream
-        self._waiting_chunks: dict[
-            str, pb.ServerMessage
-        ] = {}  # client id -> its chunk queued on `out`
+        # client id -> its chunk queued on `out`
+        self._waiting_chunks: dict[str, pb.ServerMessage] = {}
         self.live: dict[str, _Live] = {}  # client id -> its state
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def read(self, request_iterator: AsyncIterator[pb.ClientMessage | Undecodable]) -> None:
         try:
             async for msg in request_iterator:
-                arrival = self.last_read = (
-                    time.monotonic()
-                )  # the one arrival stamp of a request read now
+                # the one arrival stamp of a request read now
+                arrival = self.last_read = time.monotonic()
                 if isinstance(msg, Undecodable):
                     self.out.put_nowait(
                         Failure(FailureCode.INVALID_ARGUMENT, "undecodable", msg.message)
@@ -99,9 +97,8 @@ class StreamSession:
                     self.reject(
                         "", InvalidRequestError("empty ClientMessage: set generate or cancel")
                     )
-                if (
-                    self.out.qsize() >= self.config.stream_queue
-                ):  # back-pressure: read on once it drains
+                # back-pressure: read on once it drains
+                if self.out.qsize() >= self.config.stream_queue:
                     self._room.clear()
                     await self._room.wait()
             # The client half-closed: let the live requests finish, then end the stream.
@@ -112,9 +109,8 @@ class StreamSession:
                 )
         except asyncio.CancelledError:
             raise
-        except (
-            DecodeError
-        ) as exc:  # registered without the lenient parsers of sloserve.grpc.handlers
+        # registered without the lenient parsers of sloserve.grpc.handlers
+        except DecodeError as exc:
             self.out.put_nowait(
                 Failure(
                     FailureCode.INVALID_ARGUMENT,

@@ -81,9 +81,8 @@ class HttpApi:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        arrival = (
-            time.monotonic()
-        )  # the one arrival stamp: every time of the request counts from here
+        # the one arrival stamp: every time of the request counts from here
+        arrival = time.monotonic()
         frontend = self.frontend
         try:
             self.auth.check(request.headers.get("authorization"))
@@ -118,9 +117,8 @@ class HttpApi:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             return failure_response(frontend.failure(exc), chat=chat)
         engine_id = f"http-{request.scope.get(GENERATED) or uuid.uuid4().hex}"
-        if client_id := request.headers.get(
-            "x-request-id"
-        ):  # the caller's id, for logs and tracing
+        # the caller's id, for logs and tracing
+        if client_id := request.headers.get("x-request-id"):
             engine_id += f":{client_id[:128]}"
         handle = RequestHandle(engine_id, arrival)
         return await self.completions.respond(request, handle, req, self._shape(chat, req))

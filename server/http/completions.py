@@ -80,9 +80,8 @@ class Completions:
             if req.stream and isinstance(first, Tokens):
                 streaming = True  # the stream owns the events and the watcher from here
 
-                async def close() -> (
-                    None
-                ):  # the client went away: the front end aborts it in the engine
+                # the client went away: the front end aborts it in the engine
+                async def close() -> None:
                     self.streams.discard(stream)
                     await events.aclose()
                     self.live.pop(handle.engine_id, None)

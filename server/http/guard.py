@@ -142,9 +142,8 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._begun += 1
-        if (
-            self._phase != "header"
-        ):  # a request after the first (kept alive, or pipelined behind a response)
+        # a request after the first (kept alive, or pipelined behind a response)
+        if self._phase != "header":
             self._header_bytes = 0
             self._arm(self.limits.header_timeout_s, "header")
 
@@ -152,18 +151,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm()
         self._header_bytes = 0
         super().on_headers_complete()
-        if (
-            self.cycle is not None and self.cycle.scope is self.scope
-        ):  # the app may drop a stalled stream
+        # the app may drop a stalled stream
+        if self.cycle is not None and self.cycle.scope is self.scope:
             self.scope["extensions"] = {
                 ABORT_EXTENSION: functools.partial(_abort, self.cycle, self.transport)
             }
-        if not (
-            self.pipeline and self.pipeline[0][0] is self.cycle
-        ):  # NOTE: a request queued behind
-            self._arm(
-                self.limits.body_timeout_s, "body"
-            )  # another (pipelined) is not read: no clock
+        # NOTE: a request queued behind
+        if not (self.pipeline and self.pipeline[0][0] is self.cycle):
+            # another (pipelined) is not read: no clock
+            self._arm(self.limits.body_timeout_s, "body")
 
     def on_message_complete(self) -> None:
         self._disarm()

@@ -28,12 +28,10 @@ class Shape:
         tools: bool = False,
     ) -> None:
         self.chat = chat
-        self.tools = (
-            ToolStream() if tools else None
-        )  # chat with tools: `<tool_call>` blocks become tool_calls
-        self.token_ids = (
-            token_ids  # vLLM's `return_token_ids` extension: each choice carries its ids
-        )
+        # chat with tools: `<tool_call>` blocks become tool_calls
+        self.tools = ToolStream() if tools else None
+        # vLLM's `return_token_ids` extension: each choice carries its ids
+        self.token_ids = token_ids
         self.logprobs = logprobs  # set when the request asked for logprobs
         # completions' echo: the prompt's text, put before the first text (a list of prompts: each one's)
         self._echoes = echo if isinstance(echo, list) else None

@@ -39,19 +39,15 @@ class CompletionRequest:
     model: str
     stream: bool
     include_usage: bool
-    return_token_ids: bool = (
-        False  # vLLM's extension: each choice (and chunk) carries its token ids
-    )
+    # vLLM's extension: each choice (and chunk) carries its token ids
+    return_token_ids: bool = False
     echo: bool = False  # completions: the prompt leads the text (and its logprobs, with logprobs)
-    logprobs: bool = (
-        False  # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
-    )
-    tools: ToolRequest | None = (
-        None  # chat with tools: rendered by the template, calls parsed from the answer
-    )
-    prompts: list[str | list[int]] | None = (
-        None  # completions' list of prompts (parsed has the first); None: one
-    )
+    # each choice carries its tokens' logprobs (SamplingParams.logprobs top entries)
+    logprobs: bool = False
+    # chat with tools: rendered by the template, calls parsed from the answer
+    tools: ToolRequest | None = None
+    # completions' list of prompts (parsed has the first); None: one
+    prompts: list[str | list[int]] | None = None
 
     def for_prompt(self, index: int) -> ParsedRequest:
         """The request of prompt `index` of a list of prompts (all share every other field)."""
@@ -82,9 +78,8 @@ def parse_completion(
             "logprobs, its logprobs)",
         )
     if zero:
-        prompt_logprobs = (
-            logprobs or 0
-        )  # the engine scores the prompt; without logprobs none is shown
+        # the engine scores the prompt; without logprobs none is shown
+        prompt_logprobs = logprobs or 0
     request = _request(
         body,
         prompts[0],
@@ -160,9 +155,8 @@ def parse_chat(
         logprobs=logprobs,
         grammar=tools.grammar if tools else None,
     )
-    request.parsed.add_special_tokens = _bool(
-        body, "add_special_tokens", False
-    )  # the template wrote them
+    # the template wrote them
+    request.parsed.add_special_tokens = _bool(body, "add_special_tokens", False)
     request.tools = tools if tools and tools.parses else None
     return request
 

@@ -10,9 +10,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import orjson
 
 DONE = b"data: [DONE]\n\n"
-ABORT_EXTENSION = (
-    "sloserve.abort"  # scope["extensions"] key: drops the connection now (http/guard.py)
-)
+# scope["extensions"] key: drops the connection now (http/guard.py)
+ABORT_EXTENSION = "sloserve.abort"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of tokens
 MEDIA_TYPE = "text/event-stream"
 _RAW_HEADERS = [

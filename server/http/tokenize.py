@@ -20,9 +20,8 @@ class Tokenization:
         """{prompt | messages, add_special_tokens, return_token_strs, ...}
         -> {count, max_model_len, tokens, token_strs}."""
         tokenizer = self.frontend.engine.tokenizer
-        if (
-            "messages" in body
-        ):  # chat: rendered as /v1/chat/completions would (the template writes <s>)
+        # chat: rendered as /v1/chat/completions would (the template writes <s>)
+        if "messages" in body:
             text, special = (
                 render_messages(body, self.render),
                 _flag(body, "add_special_tokens", False),

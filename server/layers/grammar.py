@@ -58,9 +58,8 @@ class GrammarMasks:
         self.cache_size = cache_size
         self._tokenizer_json = tokenizer_json
         self._eos = list(eos_token_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = (
-            None  # built on first use (~1 s for a large vocabulary)
-        )
+        # built on first use (~1 s for a large vocabulary)
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None
@@ -68,9 +67,8 @@ class GrammarMasks:
         self._words = (vocab_size + 31) // 32
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._host: torch.Tensor | None = None
-        self.unpack_on_host = (
-            device.type == "cpu"
-        )  # else the packed words go to the device and unpack there
+        # else the packed words go to the device and unpack there
+        self.unpack_on_host = device.type == "cpu"
         # NOTE: on a GPU the host is idle during the forward, so a worker thread fills the mask then; a
         # CPU forward already runs on every core (the fused decode team spins), and handing the
         # thread the GIL cost more than the fill itself there (benchmarks/structured.py): inline.
@@ -95,9 +93,8 @@ class GrammarMasks:
         if not rows:
             return None
         matchers = [self._matcher(req_ids[i], params[i].grammar) for i in rows]
-        if self._host is None or self._host.shape[0] < len(
-            rows
-        ):  # reused: a step syncs before the next fills it
+        # reused: a step syncs before the next fills it
+        if self._host is None or self._host.shape[0] < len(rows):
             self._host = torch.empty(
                 (max(len(rows), 16), self._words),
                 dtype=torch.int32,
@@ -105,9 +102,8 @@ class GrammarMasks:
             )
         bitmask = self._host[: len(rows)]
         bitmask.fill_(-1)
-        live = [
-            (m, j) for j, m in enumerate(matchers) if not m.is_error()
-        ]  # a stopped one allows EOS alone
+        # a stopped one allows EOS alone
+        live = [(m, j) for j, m in enumerate(matchers) if not m.is_error()]
         filled = None
         if live:
             if self._executor is None:
@@ -128,9 +124,8 @@ class GrammarMasks:
         self._executor.unsafe_compute_mask_ptr(
             live, bitmask.data_ptr(), self._words * 4, bitmask.shape[0]
         )
-        dead = ~(bitmask != 0).any(
-            dim=1
-        )  # nothing allowed (no EOS id to end on): leave the row free
+        # nothing allowed (no EOS id to end on): leave the row free
+        dead = ~(bitmask != 0).any(dim=1)
         if dead.any():
             bitmask[dead] = -1
         if not self.unpack_on_host:
@@ -187,9 +182,8 @@ class GrammarMasks:
                 self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None
             )
         compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if (
-            compiled.is_error()
-        ):  # the front ends check every grammar: only a direct caller gets here
+        # the front ends check every grammar: only a direct caller gets here
+        if compiled.is_error():
             log.error(
                 "a request's grammar does not compile here, so it runs unconstrained: %s",
                 compiled.get_error()[:400],

@@ -80,9 +80,8 @@ def moe_forward(
         contrib = None  # [N, H], (t, j) order
         counts_list = None
         if store.grouped:
-            counts_list = (
-                None if not store.partial else counts.tolist()
-            )  # partial: the one host sync
+            # partial: the one host sync
+            counts_list = None if not store.partial else counts.tolist()
             contrib = _grouped_gemm_experts(
                 hidden, flat_ids, order, counts, counts_list, store, layer, top_k, ws
             )
@@ -136,12 +135,12 @@ def _grouped_gemm_experts(
         w13, w2 = store.stacked(layer, counts)
     try:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        # [N, H]
         rows = torch.index_select(
             hidden, 0, order // top_k, out=ws.rows if ws is not None else None
-        )  # [N, H]
-        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(
-            2, dim=-1
-        )  # [N, I] each
+        )
+        # [N, I] each
+        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         act = torch.mul(F.silu(gate, inplace=True), up, out=ws.act if ws is not None else None)
         out_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [N, H], grouped order
         # The gathered inputs are dead: their rows take the outputs back in (t, j) order.

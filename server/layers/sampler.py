@@ -52,9 +52,8 @@ class Sampler:
         """One token id per row of logits[S, V]."""
         if logits.shape[0] == 0:
             return []
-        return self.sample_on_device(
-            logits, params, req_ids
-        ).tolist()  # the step's one device-to-host copy
+        # the step's one device-to-host copy
+        return self.sample_on_device(logits, params, req_ids).tolist()
 
     def sample_on_device(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], req_ids: Sequence[str]

@@ -270,9 +270,8 @@ class ExpertStore:
         if self._slots is not None:
             self._slots.end_step()
         if self._device_uses is not None:
-            self.counters.hits += int(
-                self._device_uses
-            )  # after sampling: the stream has synchronised
+            # after sampling: the stream has synchronised
+            self.counters.hits += int(self._device_uses)
             self._device_uses.zero_()
         self.counters.end_step()
         captured = self.routing.captured()

@@ -51,20 +51,17 @@ class ExpertSlots:
         self.expert_bytes = (
             self._w13[0, 0].numel() + self._w2[0, 0].numel()
         ) * self._w13.element_size()
-        self._in_slot = [
-            [-1] * slots for _ in range(layers)
-        ]  # expert whose weights each slot holds
+        # expert whose weights each slot holds
+        self._in_slot = [[-1] * slots for _ in range(layers)]
         self._pinned: list[set[int]] = [set() for _ in range(layers)]
-        self.prefetched: list[set[int]] = [
-            set() for _ in range(layers)
-        ]  # copied ahead, not used yet
+        # copied ahead, not used yet
+        self.prefetched: list[set[int]] = [set() for _ in range(layers)]
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._copied = [[torch.cuda.Event() for _ in range(slots)] for _ in range(layers)]
             self._read = [[torch.cuda.Event() for _ in range(slots)] for _ in range(layers)]
-            self._pending = [
-                [False] * slots for _ in range(layers)
-            ]  # a copy the current stream awaits
+            # a copy the current stream awaits
+            self._pending = [[False] * slots for _ in range(layers)]
             self._miss_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
@@ -102,9 +99,8 @@ class ExpertSlots:
             return None
         slot_of = [-1] * len(self._host_w13[li])
         misses = []
-        for e in sorted(
-            active, key=lambda e: self._alloc.slot_of(li, e) < 0
-        ):  # resident ones first
+        # resident ones first
+        for e in sorted(active, key=lambda e: self._alloc.slot_of(li, e) < 0):
             slot, hit = self._alloc.acquire(li, e)
             if e not in pinned:
                 self._alloc.pin(li, e)
@@ -157,9 +153,8 @@ class ExpertSlots:
             started = time.perf_counter()
             for e, slot in misses:
                 self._copy_in(li, e, slot)
-            self.counters.miss_stall_s += (
-                time.perf_counter() - started
-            )  # host copies: the stall itself
+            # host copies: the stall itself
+            self.counters.miss_stall_s += time.perf_counter() - started
             return
         for _, slot in misses:
             self._stream.wait_event(self._read[li][slot])
@@ -179,9 +174,8 @@ class ExpertSlots:
         pinned = self._pinned[li]
         wanted = [e for e in experts if e not in pinned][: self.slots - len(pinned)]
         cold = [e for e in wanted if self._alloc.slot_of(li, e) < 0]
-        for (
-            e
-        ) in wanted:  # the resident ones become most recently used: the copies below evict others
+        # the resident ones become most recently used: the copies below evict others
+        for e in wanted:
             if e not in cold:
                 self._alloc.acquire(li, e)
         for e in cold:

@@ -35,9 +35,8 @@ class RoutingStats:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.ema = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
         self.max_seqs = max_seqs
-        self._capture: torch.Tensor | None = (
-            None  # [L, max_seqs, k] int64, made on the first capture
-        )
+        # [L, max_seqs, k] int64, made on the first capture
+        self._capture: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # [S] int64: each captured sequence's last token row
         self._captured_layers: set[int] = set()
 

@@ -78,9 +78,8 @@ class DevicePool:
         # NOTE: pinning is a host-memory property that only exists with CUDA; guard it.
         self.pinned = bool(pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
         try:
-            make = (
-                torch.zeros if zero else torch.empty
-            )  # empty host memory is not committed until written
+            # empty host memory is not committed until written
+            make = torch.zeros if zero else torch.empty
             self._buffer = make(
                 self.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
             )
@@ -105,9 +104,8 @@ class DevicePool:
         """Bytes a large carve can still take (contiguous), or all bytes not yet carved."""
         if contiguous:
             arena = self.arena_bytes
-            in_arena = (
-                min(_align(self._top + 1, arena), self.total_bytes) - self._top
-            )  # small carves
+            # small carves
+            in_arena = min(_align(self._top + 1, arena), self.total_bytes) - self._top
             whole = self.total_bytes - _align(self._top, arena)  # large carves start on a boundary
             return max(0, in_arena, whole) // _ALIGN * _ALIGN
         return self.total_bytes - self.used_bytes

@@ -118,9 +118,8 @@ class DecoderModel:
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
             qk, v = layer.qkv(x).split(self._split, dim=-1)
-            qk = apply_rope(
-                qk.view(num_tokens, heads, spec.head_dim), cos, sin
-            )  # q and k rotated together
+            # q and k rotated together
+            qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
             attn = attention(i, q, k, v)
@@ -137,9 +136,8 @@ class DecoderModel:
         block_tables: torch.Tensor,  # [B, W] int32
         seq_lens: torch.Tensor,  # [B] int32, positions + 1
         kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
-        attend: Callable[
-            ..., torch.Tensor
-        ],  # (q, k_cache, v_cache, block_tables, seq_lens, scale): reads only
+        # (q, k_cache, v_cache, block_tables, seq_lens, scale): reads only
+        attend: Callable[..., torch.Tensor],
     ) -> torch.Tensor:  # [B, V] float32
         """`decode` of a dense model on the fused Triton kernels (layers/triton_fused.py): per layer
         four matmuls, attention and three fused kernels (residual + norm twice, rotary + KV write,

@@ -39,9 +39,8 @@ class ModelWeights:
     norm: torch.Tensor  # [H]
     lm_head: Linear  # [V, H] (its weight may be `embed` itself when tied)
     layers: list[LayerWeights]
-    experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )  # layer -> (w13, w2)
+    # layer -> (w13, w2)
+    experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def replace_dense(self, make: Callable[[Linear], Linear]) -> int:
         """Each layer's dense projection becomes `make(it)` (the old object is dropped); how many."""

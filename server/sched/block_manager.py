@@ -64,9 +64,8 @@ class BlockManager:
         self._host_free = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._tokens: dict[int, tuple[int, ...]] = {}  # block id -> the tokens it was hashed with
         self._claims: dict[int, int] = {}  # hash -> how many requests claim that block
-        self._claims_by_req: dict[
-            str, list[int]
-        ] = {}  # request id -> its claimed hashes, in block order
+        # request id -> its claimed hashes, in block order
+        self._claims_by_req: dict[str, list[int]] = {}
 
     # ---- sizes -------------------------------------------------------------------------
     @property

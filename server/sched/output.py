@@ -29,9 +29,8 @@ class ScheduledSequence:
     sample: bool  # True when this chunk ends at the last known token: sample the next one
     sampling: SamplingParams
     num_generated: int = 0  # output tokens produced so far (for repetition-free bookkeeping/seeds)
-    kv_present: int = (
-        0  # leading tokens whose K/V the block table already holds: not written (see above)
-    )
+    # leading tokens whose K/V the block table already holds: not written (see above)
+    kv_present: int = 0
     # The request's tokens so far (prompt, then num_generated outputs), only when its sampling needs
     # them (penalties, prompt logprobs: SamplingParams.needs_context); else None.
     context: list[int] | None = None
@@ -49,12 +48,10 @@ class ScheduledSequence:
 @dataclass(slots=True)
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (device block, host block), before forward
-    swap_in: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (host block, device block), before forward
+    # (device block, host block), before forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host block, device block), before forward
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # executor may drop per-request state
     # Decode steps to run back to back (> 1 only when every sequence decodes one token and samples):
     # step i computes each sequence's token sampled by step i - 1 at start_pos + i. The block

@@ -109,9 +109,8 @@ class Request:
         self.deadline = self.arrival_time + _first_token_budget(slo, default_ttft_s)
         self.last_scheduled_time: float | None = None  # when a step last computed any of its tokens
         self.predicted_ttft_s: float | None = None  # admission's first-token estimate, from arrival
-        self.model_ttft_s: float | None = (
-            None  # the same before calibration (admission.calibration)
-        )
+        # the same before calibration (admission.calibration)
+        self.model_ttft_s: float | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

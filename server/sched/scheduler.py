@@ -64,9 +64,8 @@ class Scheduler:
         self.queued_prefixes = QueuedPrefixes()
         self.step_count = 0
         self._handles = itertools.count()
-        self.arrivals = (
-            TightestRecent()
-        )  # TTFT objectives of recent newcomers: the deadline plan leaves them room
+        # TTFT objectives of recent newcomers: the deadline plan leaves them room
+        self.arrivals = TightestRecent()
         self._scheduled: list[tuple[Request, int]] = []
         self._outputs: list[Request] = []  # finished outside update() (queue timeouts)
         self._finished_ids: list[str] = []
@@ -233,9 +232,8 @@ class Scheduler:
             req = pending.popleft()
             n = self._chunk(req, budget, first=not out.sequences)
             if must_only and not plan.urgent(req):
-                n = min(
-                    n, MIN_CHUNK
-                )  # starving, not urgent: progress now, the rest when there is room
+                # starving, not urgent: progress now, the rest when there is room
+                n = min(n, MIN_CHUNK)
             if plan is not None:
                 n = self._fit(plan, req, n)
             if n == 0:

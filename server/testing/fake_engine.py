@@ -70,9 +70,8 @@ class FakeEngine:
         self.flowing = asyncio.Event()  # clear it to hold every token back
         self.flowing.set()
         self.reqs: dict[str, _Req] = {}
-        self.slos: dict[
-            str, SLO | None
-        ] = {}  # every request's SLO as received (for deadline tests)
+        # every request's SLO as received (for deadline tests)
+        self.slos: dict[str, SLO | None] = {}
         self.arrivals: dict[str, float] = {}  # every request's arrival_time as received
         self.priorities: dict[str, int] = {}  # every request's priority as received
         # prompt text -> (refusal reason or None, error): such requests fail after they were queued

@@ -127,9 +127,8 @@ class ServerProcess(LocalServer):
         """The first log message matching `predicate`; raises if the process exits or time runs out."""
         deadline = time.monotonic() + timeout
         while True:
-            exited = (
-                self.proc.poll() is not None
-            )  # before reading, so no line written before the exit is missed
+            # before reading, so no line written before the exit is missed
+            exited = self.proc.poll() is not None
             for entry in self.logs:
                 if predicate(str(entry.get("msg", ""))):
                     return str(entry["msg"])

@@ -18,9 +18,8 @@ class FakeBehaviour:
 
     ttft_s: float = 0.01
     token_s: float = 0.002
-    answers: dict[str, str] = field(
-        default_factory=dict
-    )  # prompt -> text to stream (one char per token)
+    # prompt -> text to stream (one char per token)
+    answers: dict[str, str] = field(default_factory=dict)
     refuse_prefix: str = "REFUSE"  # prompts starting with this get RESOURCE_EXHAUSTED
     max_in_flight: int = 1000  # beyond this, refuse with reason 'queue_full'
     cached_tokens: int = 3

@@ -151,9 +151,8 @@ def test_goodput_defaults_are_the_issues_workload():
         ["--arms", "slo,fifo", "--multiples", "1", "--seeds", "0", "--no-ablation"]
     )
     assert a.arms == ["slo", "fifo"] and a.multiples == [1.0] and a.seeds == [0] and not a.ablation
-    assert a.points is None and goodput.parse_args(["--points", "3"]).points == [
-        3
-    ]  # a full run's 2x point
+    # a full run's 2x point
+    assert a.points is None and goodput.parse_args(["--points", "3"]).points == [3]
 
 
 BAD_ARGUMENTS = [
@@ -326,9 +325,8 @@ def test_estimates_and_steady_throughput():
     ]
     assert ga.steady_throughput(records) == pytest.approx(7 / 7)  # ends 3..10 s, sends until 10 s
     assert ga.steady_throughput(records[:1]) is None
-    assert (
-        seed_table.estimate_s(100, 22.0, 3, 200.0) < 15 * 60
-    )  # naive's unloaded capacity here: ~22 req/s
+    # naive's unloaded capacity here: ~22 req/s
+    assert seed_table.estimate_s(100, 22.0, 3, 200.0) < 15 * 60
 
 
 # --- seed_table ---------------------------------------------------------------------------------
@@ -371,9 +369,8 @@ def test_ratio_rows_judge_the_write_up_goals():
 
 def test_qps_bounds_follow_what_each_sweep_crossed():
     run = lambda rate, att: {"rate": rate, "slo_attainment": att}  # noqa: E731
-    assert seed_table.qps_bounds([run(1.0, 0.99), run(2.0, 0.91)]) == pytest.approx(
-        (1.5, 1.5)
-    )  # interpolated
+    # interpolated
+    assert seed_table.qps_bounds([run(1.0, 0.99), run(2.0, 0.91)]) == pytest.approx((1.5, 1.5))
     assert seed_table.qps_bounds([run(1.0, 0.99), run(2.0, 0.97)]) == (
         2.0,
         math.inf,
@@ -382,9 +379,8 @@ def test_qps_bounds_follow_what_each_sweep_crossed():
     # the median of three seeds is bounded by the medians of their lows and of their highs
     fig = seed_table.bounded_median([(0.0, 1.55), (1.55, 1.55), (0.0, 1.62)])
     assert (fig["low"], fig["high"], fig["median"]) == (0.0, 1.55, 1.55)
-    fig = seed_table.bounded_median(
-        [(0.0, 1.62), (4.28, 4.28), (1.82, 1.82)]
-    )  # one seed's bound, still exact
+    # one seed's bound, still exact
+    fig = seed_table.bounded_median([(0.0, 1.62), (4.28, 4.28), (1.82, 1.82)])
     assert fig["low"] == fig["high"] == fig["median"] == 1.82 and fig["min"] == 1.62
 
 

@@ -75,9 +75,8 @@ def test_each_policy_gets_a_fresh_server_and_the_same_arrivals(tmp_path):
     )
     two = [p for p in report["points"] if p["load"] == "2x"]
     assert all(p["rate"] == pytest.approx(2 * report["capacity_rps"]) for p in two)
-    assert report["goodput_rps"]["slo"] == pytest.approx(
-        2 * report["capacity_rps"]
-    )  # met at every load
+    # met at every load
+    assert report["goodput_rps"]["slo"] == pytest.approx(2 * report["capacity_rps"])
     assert lines[0].startswith("capacity:") and len(lines) == 7
     text = format_compare(report)
     assert "interactive %" in text and "goodput (highest rate with >= 90% attainment" in text

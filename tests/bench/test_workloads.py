@@ -30,9 +30,8 @@ def test_arc_folder_serialises_as_the_trace(arc_dir):
         SHARED + "Input:\n3\n8\nOutput:\n"
     ] * 2
     assert [i.expected_output for i in items] == ["121\n", "121\n", None, None]
-    assert items[0].max_tokens == 4 + 1 and all(
-        i.group == "abc123" for i in items
-    )  # the answer and EOS
+    # the answer and EOS
+    assert items[0].max_tokens == 4 + 1 and all(i.group == "abc123" for i in items)
 
 
 def test_attempts_and_num_requests_cycle(arc_dir):

@@ -121,9 +121,8 @@ class FakeRunner(RunnerDefaults):
                 pos = seq.start_pos + i
                 state = _mix(state, token, pos)
                 slot = self._slot(seq.block_table, pos)
-                if (
-                    i < seq.kv_present
-                ):  # a shared block holds it: never written, and it must be right
+                # a shared block holds it: never written, and it must be right
+                if i < seq.kv_present:
                     if self.kv[slot] != state:
                         raise AssertionError(
                             f"{seq.req_id}: position {pos} is marked kv_present but its slot "

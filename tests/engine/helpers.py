@@ -23,9 +23,8 @@ def make_scheduler(
 ) -> tuple[Scheduler, FakeRunner, Clock]:
     runner = runner or FakeRunner()
     clock = clock or Clock()
-    sched.setdefault(
-        "num_scheduler_steps", 1
-    )  # one token per step unless a test runs steps (test_multistep)
+    # one token per step unless a test runs steps (test_multistep)
+    sched.setdefault("num_scheduler_steps", 1)
     config = SloserveConfig(
         cache=CacheConfig(prefix_cache=prefix_cache), scheduler=SchedulerConfig(**sched)
     )

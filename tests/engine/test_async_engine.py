@@ -228,9 +228,8 @@ async def test_bad_input_and_lifecycle_errors():
     await engine.start()
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request(NewRequest("x", [], SamplingParams()))
-    with pytest.raises(
-        InvalidRequestError, match="token ids"
-    ):  # the front end tokenizes, never the engine
+    # the front end tokenizes, never the engine
+    with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request(NewRequest("x", "hello", SamplingParams()))
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request(NewRequest("x", [1, "a"], SamplingParams()))

@@ -70,9 +70,8 @@ def test_outputs_go_to_their_front_end_and_stats_to_all():
         core,
         [
             wire.Inputs(adds=[_add("a0", 3), _add("a1", 2)]),
-            wire.Inputs(
-                adds=[_add("b0", 40), _add("b1", 2, prompt=10**5)], frontend=1
-            ),  # b1: too long, refused
+            # b1: too long, refused
+            wire.Inputs(adds=[_add("b0", 40), _add("b1", 2, prompt=10**5)], frontend=1),
             wire.Inputs(adds=[_add("c0", 2)], frontend=2),
         ],
     )

@@ -63,9 +63,8 @@ def test_output_logprobs_equal_transformers_log_softmax(make_checkpoint, arch, s
     folder = make_checkpoint(arch)
     params = [
         SamplingParams(max_tokens=6, logprobs=5, ignore_eos=True),
-        SamplingParams(
-            max_tokens=6, logprobs=0, ignore_eos=True, temperature=1.3, seed=3
-        ),  # raw, not scaled
+        # raw, not scaled
+        SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True, temperature=1.3, seed=3),
         SamplingParams(max_tokens=6, ignore_eos=True),
     ]
     with _llm(folder, num_scheduler_steps=steps) as llm:
@@ -90,9 +89,8 @@ def test_prompt_logprobs_equal_transformers_per_position_even_after_a_prefix_hit
     with LLM(
         str(folder), device="cpu", max_model_len=128, block_size=4, max_batched_tokens=chunk
     ) as llm:
-        warm = llm.generate([prompt], SamplingParams(max_tokens=1))[
-            0
-        ]  # its blocks now sit in the prefix cache
+        # its blocks now sit in the prefix cache
+        warm = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         assert warm.prompt_logprobs is None
         again = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         assert again.num_cached_tokens > 0

@@ -74,9 +74,8 @@ def test_a_preempted_prompt_is_computed_again():
     core = EngineCore(config, FakeRunner(num_blocks=64, block_size=4))
     core.add(NewRequest("a", [97, 98, 99, 100, 101], SamplingParams(max_tokens=4, ignore_eos=True)))
     core.step()  # the prompt and the first token
-    core.scheduler.preemption.preempt(
-        core.scheduler.requests["a"], SchedulerOutput()
-    )  # K/V dropped: recompute
+    # K/V dropped: recompute
+    core.scheduler.preemption.preempt(core.scheduler.requests["a"], SchedulerOutput())
     while core.has_work():
         core.step()
     assert core.stats().computed_prompt_tokens_total == 2 * 5

@@ -40,9 +40,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, *, flash: bool, triton: bool) -> 
         stub.flash_attn_varlen_func = stub.flash_attn_with_kvcache = lambda *a, **k: None
         monkeypatch.setitem(sys.modules, "flash_attn", stub)
     else:
-        monkeypatch.setitem(
-            sys.modules, "flash_attn", None
-        )  # `import flash_attn` raises ImportError
+        # `import flash_attn` raises ImportError
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
 
 
 # (flash-attn installed, triton installed, dtype, block size in the config)
@@ -171,9 +170,8 @@ def test_runner_takes_the_backends_page_size_for_pool_inputs_and_scheduler(
     folder = make_checkpoint("llama")
     runner = make_runner(folder, block_size=None)
     assert runner.block_size == runner.inputs.block_size == runner.info()["block_size"] == 32
-    assert (
-        runner.kv.shape[3] == 32 and runner.page_bytes == 32 * 2 * 2 * 2 * 16 * 4
-    )  # layers, K/V, heads, dim
+    # layers, K/V, heads, dim
+    assert runner.kv.shape[3] == 32 and runner.page_bytes == 32 * 2 * 2 * 2 * 16 * 4
     expected = hf_greedy(load_hf_model(folder), PROMPTS, 5)
     assert generate(runner, PROMPTS, 5, chunk=7, stagger=True) == expected
     with LLM(

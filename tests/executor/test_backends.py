@@ -232,9 +232,8 @@ def test_sdpa_prefill_reads_consecutive_pages_in_place(chunks):
     shuffled_out = backend.forward(q, k_cache, v_cache, meta, scale)
     laid_out = backend.forward(q, k_laid, v_laid, laid, scale)
     assert all(isinstance(pages, slice) for _, _, _, pages, _ in laid.memo["sdpa.split"][0])
-    assert any(
-        not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.split"][0]
-    )  # gathered
+    # gathered
+    assert any(not isinstance(pages, slice) for _, _, _, pages, _ in meta.memo["sdpa.split"][0])
     assert torch.equal(laid_out, shuffled_out)
     assert rel_err(laid_out, oracle(q, k_laid, v_laid, laid, scale)) <= 1e-5
 
@@ -285,9 +284,8 @@ def gpu_backend(name: str, dtype: torch.dtype, block_size: int) -> object:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize(
-    "name", [n for n in GPU_BACKENDS if n != "flash"]
-)  # flash needs 256-token pages: below
+# flash needs 256-token pages: below
+@pytest.mark.parametrize("name", [n for n in GPU_BACKENDS if n != "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_gpu_backends_match_oracle(name, dtype, ratio):

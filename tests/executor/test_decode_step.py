@@ -71,17 +71,15 @@ def test_persistent_block_tables_follow_content_not_just_request_ids(eager):
         2 * 4 + 1,
         0,
     ]
-    assert (
-        first.seq_lens.tolist() == [6, 1] and first.block_tables[1, 0].item() == 0
-    )  # padding: null page
+    # padding: null page
+    assert first.seq_lens.tolist() == [6, 1] and first.block_tables[1, 0].item() == 0
     seq.block_table = [3, 4]
     again = eager.inputs.build_decode([seq], 1)
     assert again.block_tables[0, :2].tolist() == [3, 4] and again.slot_mapping.tolist() == [
         4 * 4 + 1
     ]
-    eager.inputs.build(
-        [ScheduledSequence("b", [1, 2, 3], 0, [7], True, GREEDY)]
-    )  # general path reuses rows
+    # general path reuses rows
+    eager.inputs.build([ScheduledSequence("b", [1, 2, 3], 0, [7], True, GREEDY)])
     assert eager.inputs.build_decode([seq], 1).block_tables[0, :2].tolist() == [3, 4]
 
 

@@ -66,9 +66,8 @@ def test_everything_resident_when_it_fits(tiny_mixtral):
     )
     exact = plan_with(tiny_mixtral, memory_budget_bytes=s["everything"] + s["min_kv"] + s["fixed"])
     assert exact.residency.slots is None and "all 4 experts" in exact.residency.reason
-    assert (
-        exact.num_pages == s["min_kv"] // exact.page_bytes
-    )  # the KV pool takes what is left: the minimum
+    # the KV pool takes what is left: the minimum
+    assert exact.num_pages == s["min_kv"] // exact.page_bytes
 
 
 def test_a_budget_short_of_all_experts_chooses_partial_residency(tiny_mixtral):
@@ -100,9 +99,8 @@ def test_a_budget_short_of_the_minimum_is_a_clear_error(tiny_mixtral):
 def test_explicit_slots_and_expert_memory(tiny_mixtral):
     s = sizes(tiny_mixtral)
     assert plan_with(tiny_mixtral, expert_slots_per_layer=1).expert_slots == 1
-    assert (
-        plan_with(tiny_mixtral, expert_slots_per_layer=4).expert_slots is None
-    )  # all of them: all resident
+    # all of them: all resident
+    assert plan_with(tiny_mixtral, expert_slots_per_layer=4).expert_slots is None
     assert plan_with(tiny_mixtral, expert_slots_per_layer=9).expert_slots is None
     plan = plan_with(tiny_mixtral, expert_memory_bytes=3 * s["per_slot"] + 1)
     assert plan.expert_slots == 3 and "set by expert_memory_bytes" in plan.residency.reason
@@ -209,9 +207,8 @@ def test_llm_takes_residency_options(tiny_mixtral):
         policy="fifo",
     )
     full = [o.token_ids for o in LLM(str(tiny_mixtral), **kw).generate(PROMPTS, greedy)]
-    by_bytes = LLM(
-        str(tiny_mixtral), expert_memory_bytes="200KiB", **kw
-    )  # one 192 KiB slot per layer
+    # one 192 KiB slot per layer
+    by_bytes = LLM(str(tiny_mixtral), expert_memory_bytes="200KiB", **kw)
     assert by_bytes.engine.runner.experts.slots_per_layer == 1
     assert [o.token_ids for o in by_bytes.generate(PROMPTS, greedy)] == full
     no_preload = LLM(str(tiny_mixtral), expert_slots_per_layer=2, expert_preload=False, **kw)

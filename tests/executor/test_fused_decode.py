@@ -102,9 +102,8 @@ def test_batches_past_the_onednn_crossover_go_to_the_torch_path(
     if not on_onednn(runner.model.weights.layers[0].qkv):
         pytest.skip("this torch build has no oneDNN linear operators")
     assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == 20
-    monkeypatch.setattr(
-        fused, "FUSED_MAX_MACS_PACKED", params
-    )  # small batches always stay on the kernel
+    # small batches always stay on the kernel
+    monkeypatch.setattr(fused, "FUSED_MAX_MACS_PACKED", params)
     assert fused.FusedDecode(runner.model, runner.kv, 1).max_batch == MIN_PACKED_ROWS - 1
 
 
@@ -113,9 +112,8 @@ def test_logits_match_the_torch_twin_at_page_edges(runner, batch):
     for first in range(0, len(LENGTHS), batch):
         lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
         step = _step(runner, lengths)
-        want = _twin(
-            runner, step
-        )  # writes the step's K/V first; the kernel rewrites the same slots
+        # writes the step's K/V first; the kernel rewrites the same slots
+        want = _twin(runner, step)
         got = runner.decode_step.fused(step)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"lengths {lengths}")
 
@@ -327,9 +325,8 @@ def test_a_mixed_step_past_the_rows_runs_its_decodes_in_the_kernel_and_its_chunk
     assert [s.req_id for s in chunks.sequences] == ["m2", "m3", "m4"]
     assert (chunks.swap_in, chunks.finished_req_ids) == ([(0, 5)], ["gone"])
     assert not decodes.swap_in and not decodes.finished_req_ids
-    assert (
-        runner.split_mixed(SchedulerOutput([s for s in seqs if len(s.token_ids) > 1])) is None
-    )  # no decodes
+    # no decodes
+    assert runner.split_mixed(SchedulerOutput([s for s in seqs if len(s.token_ids) > 1])) is None
     monkeypatch.setattr(runner.decode_step.fused, "max_batch", 2)
     assert runner.split_mixed(SchedulerOutput(seqs)) is None  # 3 decodes: too many for the kernel
 

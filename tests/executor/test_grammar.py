@@ -58,9 +58,8 @@ def test_json_schema_answers_parse_and_validate_greedy_and_sampled(checkpoint, s
         runner = llm.engine.runner
         assert runner.grammar.compiled == 1  # one compile for six requests
         assert 0 < len(runner.grammar) <= 6  # the last to finish are dropped with the next step
-        llm.generate(
-            "x", SamplingParams(max_tokens=1)
-        )  # the next step drops the finished requests' matchers
+        # the next step drops the finished requests' matchers
+        llm.generate("x", SamplingParams(max_tokens=1))
         assert len(runner.grammar) == 0
     for out in outs[:-1]:
         assert out.finish_reason == "stop" and _valid(out.text), out.text

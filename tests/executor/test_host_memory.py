@@ -18,9 +18,8 @@ def test_freed_activations_are_reused_without_page_faults():
     assert keep_freed_memory().startswith("glibc")
     assert keep_freed_memory() == keep_freed_memory()  # applied once per process
 
-    def step() -> (
-        None
-    ):  # a prefill-sized activation: 8 MiB, above glibc's default 128 KiB mmap threshold
+    # a prefill-sized activation: 8 MiB, above glibc's default 128 KiB mmap threshold
+    def step() -> None:
         x = torch.empty(2 << 20)
         x.fill_(1.0)
         del x

@@ -187,9 +187,8 @@ def test_partial_expert_residency_keeps_experts_on_the_host(make_checkpoint, arc
     meta = torch.device("meta")  # a stand-in device: whatever lands there was not kept on the host
     _, full = load_checkpoint(folder, meta, torch.float32, expert_slots=None)
     assert all(t.is_meta for pair in full.experts.values() for t in pair)
-    _, all_slots = load_checkpoint(
-        folder, meta, torch.float32, expert_slots=4
-    )  # 4 experts: all resident
+    # 4 experts: all resident
+    _, all_slots = load_checkpoint(folder, meta, torch.float32, expert_slots=4)
     assert all(t.is_meta for pair in all_slots.experts.values() for t in pair)
     _, partial = load_checkpoint(folder, meta, torch.float32, expert_slots=2)
     assert partial.experts and all(

@@ -86,9 +86,8 @@ def test_sdpa_uses_the_kernel_only_where_it_can_run():
     assert not paged.supports(q.to(torch.bfloat16), k.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize(
-    "head_dim", [4, 12, 128]
-)  # below, between and above the kernel's 8 vector lanes
+# below, between and above the kernel's 8 vector lanes
+@pytest.mark.parametrize("head_dim", [4, 12, 128])
 def test_head_dims_that_are_not_a_multiple_of_the_vector_width(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     pages = [[3, 1], [2], [4, 5, 6]]

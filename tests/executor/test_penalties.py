@@ -57,9 +57,8 @@ def test_logit_bias_and_min_tokens_mask_eos_and_stop_ids_until_reached():
     assert got[0, 5] == pytest.approx(logits[0, 5] + 100.0) and got[0, 6] == pytest.approx(
         logits[0, 6] - 3.5
     )
-    assert (
-        got[1, EOS] == logits[1, EOS] and got[1, 11] == logits[1, 11]
-    )  # min_tokens reached: nothing masked
+    # min_tokens reached: nothing masked
+    assert got[1, EOS] == logits[1, EOS] and got[1, 11] == logits[1, 11]
     assert got[2, EOS] == logits[2, EOS]  # ignore_eos: EOS is not masked
     untouched = process_logits(logits, [SamplingParams()] * 3, [None] * 3, [0] * 3, [EOS])
     assert torch.equal(untouched, logits) and untouched.data_ptr() != logits.data_ptr()

@@ -34,9 +34,8 @@ def test_info_reports_model_and_pool(runner):
         info["attention_backend"] == CPU_AUTO_BACKEND
         and info["block_size"] == runner.block_size == 4
     )
-    assert (
-        info["num_kv_blocks"] == runner.num_kv_blocks > 256
-    )  # 2 MiB of 4-token pages of 512 B/token
+    # 2 MiB of 4-token pages of 512 B/token
+    assert info["num_kv_blocks"] == runner.num_kv_blocks > 256
     assert info["pool"]["carves"]["kv"]["shape"] == [2, 2, runner.num_kv_blocks, 4, 2, 16]
     assert runner.num_host_blocks > 0 and runner.eos_token_ids == [257]
     assert runner.tokenizer.decode(runner.tokenizer.encode("12\n")) == "12\n"
@@ -155,9 +154,8 @@ def test_moe_intermediates_come_from_the_pool(make_checkpoint, make_runner, arch
     rows = 32 * runner.spec.top_k
     assert carves["moe_workspace.rows"]["shape"] == [rows, runner.spec.hidden_size]
     assert carves["moe_workspace.act"]["shape"] == [rows, runner.spec.moe_intermediate_size]
-    assert not any(
-        name.startswith("experts.") for name in carves
-    )  # resident experts stay where loaded
+    # resident experts stay where loaded
+    assert not any(name.startswith("experts.") for name in carves)
     store, reserved = runner.experts, []
     real = store.reserve_workspace
 
@@ -252,12 +250,10 @@ def test_small_cpu_steps_run_on_one_thread_and_large_ones_on_all(
     r._cpu_threads = r._threads_now = 2  # as on a 2-core machine, whatever this one has
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(
-        runner_module, "SERIAL_STEP_MACS", 8 * r._num_params
-    )  # at most 8 tokens: one thread
-    if (
-        r.decode_step.fused is not None
-    ):  # the 12-token prefill below goes to the torch path, not the kernel
+    # at most 8 tokens: one thread
+    monkeypatch.setattr(runner_module, "SERIAL_STEP_MACS", 8 * r._num_params)
+    # the 12-token prefill below goes to the torch path, not the kernel
+    if r.decode_step.fused is not None:
         monkeypatch.setattr(r.decode_step.fused, "max_batch", 8)
     greedy = SamplingParams(max_tokens=1)
     r.execute(SchedulerOutput([ScheduledSequence("a", [5], 3, [1], True, greedy)]))

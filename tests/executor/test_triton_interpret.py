@@ -51,9 +51,8 @@ def test_fused_kernels_compute_the_unfused_formulas():
     out = interpret("fused")
     for case, error in out.items():
         if case.startswith("rope.elsewhere") or case.startswith("rms_norm.passes_x"):
-            assert error == 0, (
-                case
-            )  # nothing written outside the step's slots; no add: x itself is returned
+            # nothing written outside the step's slots; no add: x itself is returned
+            assert error == 0, case
         elif case.endswith("float32") and (
             case.startswith("rope") or case.startswith("add_rms_norm.sum")
         ):

@@ -80,9 +80,8 @@ def fused() -> dict:
     out = {}
     gen = torch.Generator().manual_seed(0)
 
-    def err(
-        got: torch.Tensor, want: torch.Tensor
-    ) -> float:  # relative to the reference's largest value
+    # relative to the reference's largest value
+    def err(got: torch.Tensor, want: torch.Tensor) -> float:
         return (
             (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)
         ).item()

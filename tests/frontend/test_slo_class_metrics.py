@@ -201,9 +201,8 @@ def test_stats_without_prediction_fields_read_as_zero():
         "preemptions_total",
         "step_time_s",
     )
-    older = SimpleNamespace(
-        **dict.fromkeys(fields, 0), refusals={}
-    )  # an engine from before the fields
+    # an engine from before the fields
+    older = SimpleNamespace(**dict.fromkeys(fields, 0), refusals={})
     value = _value(Metrics(lambda: older))
     assert value("sloserve_ttft_prediction_error_seconds", {"quantile": "0.9"}) == 0.0
     assert value("sloserve_ttft_predictions_total") == 0

@@ -96,9 +96,8 @@ async def test_cancel_while_tokenizing_ends_with_cancelled_and_never_reaches_the
         await call.write(gen("c", text=NEVER, max_tokens=5))
         await wait_for(tok.entered.is_set)
         await call.write(cancel("c"))
-        await call.write(
-            cancel("nobody")
-        )  # answered in order: once this reply is here, "c" was cancelled
+        # answered in order: once this reply is here, "c" was cancelled
+        await call.write(cancel("nobody"))
         assert (await call.read()).error.reason == "unknown_id"
         tok.gate.set()
         final = (await call.read()).final
@@ -167,6 +166,5 @@ async def test_a_short_prompt_is_tokenized_inline(gated):
             )
         ]
         assert msgs[-1].final.prompt_tokens == len("short")
-    assert tok.threads == [
-        threading.get_ident()
-    ]  # the event loop's thread: no hand-off for 5 characters
+    # the event loop's thread: no hand-off for 5 characters
+    assert tok.threads == [threading.get_ident()]

@@ -100,9 +100,8 @@ async def test_info_and_metrics_report_the_expert_cache(tiny_mixtral):
         4,
         2,
     )
-    assert (
-        info.expert_device_bytes == 2 * 2 * 3 * 128 * 64 * 4
-    )  # 2 layers x 2 slots x one float32 expert
+    # 2 layers x 2 slots x one float32 expert
+    assert info.expert_device_bytes == 2 * 2 * 3 * 128 * 64 * 4
     s = info.stats
     assert list(s.expert_resident_per_layer) == [2, 2]
     assert s.expert_hits_total > 0 and s.expert_misses_total > 0 and 0 < s.expert_hit_rate < 1
@@ -184,9 +183,8 @@ def test_local_info_json_shows_the_expert_fields(tiny_qwen2_moe):
         1,
     )
     assert data["expert_resident_per_layer"] == [1, 1]  # the warm-up steps filled the one slot
-    assert (
-        data["expert_hits_total"] == 0 and data["expert_hit_rate"] == 1.0
-    )  # counted from the end of warm-up
+    # counted from the end of warm-up
+    assert data["expert_hits_total"] == 0 and data["expert_hit_rate"] == 1.0
     assert data["expert_device_bytes"] > 0
 
 

@@ -90,9 +90,8 @@ async def test_undecodable_bytes_mid_stream_end_live_requests_then_the_stream():
         assert len(terminals) == 1 and terminals[0].error.request_id == "live"
         assert terminals[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert "stream broke" in terminals[0].error.message
-        await wait_for(
-            lambda: not engine.reqs and server.frontend.inflight == 0
-        )  # its blocks are free
+        # its blocks are free
+        await wait_for(lambda: not engine.reqs and server.frontend.inflight == 0)
         assert engine.stats().kv_blocks_free == engine.num_blocks
         # the server goes on serving other calls
         info_after = await stub.Info(pb.InfoRequest())

@@ -234,9 +234,8 @@ async def test_drain_past_grace_cancels_the_rest():
         assert await server.drain(grace_s=0.2) is False
         await wait_for(lambda: not engine.reqs)
         transcript = Transcript()
-        await read_until(
-            call, transcript, {"slow"}
-        )  # not dropped silently: a RequestError, then the end
+        # not dropped silently: a RequestError, then the end
+        await read_until(call, transcript, {"slow"})
         err = transcript.terminal("slow").error
         assert err.code == grpc.StatusCode.UNAVAILABLE.value[0] and err.reason == "shutdown", err
         assert await call.read() is grpc.aio.EOF
@@ -311,9 +310,8 @@ class _EndedContext:
 
 
 async def test_end_call_is_quiet_when_the_call_is_already_over():
-    ended = _EndedContext(
-        RuntimeError('Failed "execute_batch"')
-    )  # what grpc raises after a passed deadline
+    # what grpc raises after a passed deadline
+    ended = _EndedContext(RuntimeError('Failed "execute_batch"'))
     await end_call(ended, grpc.StatusCode.DEADLINE_EXCEEDED, "too late")
     assert ended.aborts == 1
     sent = _EndedContext(grpc.aio.AbortError())  # the status went out: the handler must stop

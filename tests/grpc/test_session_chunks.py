@@ -43,9 +43,8 @@ async def test_tokens_that_arrive_while_the_stream_is_busy_join_the_waiting_chun
     session = StreamSession(_Frontend(), _Context())
     for rid in ("a", "b"):
         session.generate(pb.GenerateRequest(request_id=rid, text="hi"), arrival=0.0)
-    await asyncio.gather(
-        *(entry.task for entry in list(session.live.values()))
-    )  # nothing written yet
+    # nothing written yet
+    await asyncio.gather(*(entry.task for entry in list(session.live.values())))
     msgs = await _drain(session)
     chunks = [m.chunk for m in msgs if m.HasField("chunk")]
     assert [(c.request_id, list(c.token_ids), c.text, c.time_s) for c in chunks] == [
@@ -54,9 +53,10 @@ async def test_tokens_that_arrive_while_the_stream_is_busy_join_the_waiting_chun
     ]
     finals = [m.final for m in msgs if m.HasField("final")]
     assert [f.request_id for f in finals] == ["a", "b"]
+    # the terminal still comes after every token of its request
     assert [
         m.WhichOneof("kind") for m in msgs if m.chunk.request_id == "a" or m.final.request_id == "a"
-    ] == ["chunk", "final"]  # the terminal still comes after every token of its request
+    ] == ["chunk", "final"]
 
 
 async def test_a_reused_id_never_joins_the_previous_requests_chunk():

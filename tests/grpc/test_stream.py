@@ -27,9 +27,8 @@ async def test_many_requests_multiplexed_with_one_terminal_each():
         transcript = Transcript()
         await read_until(call, transcript, set(ids))
         await call.done_writing()
-        assert (
-            await call.read() is grpc.aio.EOF
-        )  # the server ends the stream after the last terminal
+        # the server ends the stream after the last terminal
+        assert await call.read() is grpc.aio.EOF
         assert await call.code() == grpc.StatusCode.OK
         for i, rid in enumerate(ids):
             final = transcript.terminal(rid).final
@@ -201,9 +200,8 @@ async def test_duplicate_id_is_refused_without_a_second_terminal_for_that_id():
         assert (
             err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and err.reason == "duplicate_id"
         )
-        assert (
-            err.request_id == "" and "'same' is already live" in err.message
-        )  # the message names the id
+        # the message names the id
+        assert err.request_id == "" and "'same' is already live" in err.message
         await read_until(call, transcript, {"same"})
         # the live request is unaffected, and a client tracking by id sees exactly one terminal for it
         assert transcript.terminal("same").final.completion_tokens == 20
@@ -270,9 +268,8 @@ async def test_grpc_deadline_becomes_the_e2e_slo():
         await read_until(call, Transcript(), {"d", "explicit"})
         await call.done_writing()
         slos = {rid.split(":", 1)[1]: slo for rid, slo in engine.slos.items()}
-        assert (
-            0 < slos["d"].e2e_s <= 30 * 1.1 and slos["d"].ttft_s is None
-        )  # within 10%: the server measures the deadline on its own clock
+        # within 10%: the server measures the deadline on its own clock
+        assert 0 < slos["d"].e2e_s <= 30 * 1.1 and slos["d"].ttft_s is None
         assert (slos["explicit"].e2e_s, slos["explicit"].ttft_s) == (5.0, 1.0)
         # without a deadline and without an SLO the engine gets None
         call2 = stub.Stream()

@@ -31,9 +31,8 @@ def test_rms_norm_matches_float64_within_float32_rounding(rows, dim):
     weight = torch.randn(dim, generator=gen)
     got = norm.rms_norm(x, weight, 1e-5)
     torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-5), rtol=2e-6, atol=2e-6)
-    traced = (
-        norm.rms_norm(x.t().contiguous().t(), weight, 1e-5) if rows > 1 else got
-    )  # strided: torch ops
+    # strided: torch ops
+    traced = norm.rms_norm(x.t().contiguous().t(), weight, 1e-5) if rows > 1 else got
     torch.testing.assert_close(traced, got, rtol=2e-6, atol=2e-6)
 
 

@@ -144,9 +144,8 @@ def test_every_place_a_checkpoint_keeps_its_template(tmp_path, where):
         template_from_checkpoint(str(folder)).render([{"role": "user", "content": "x"}])
         == "<s>x</s>"
     )
-    if (
-        where != "chat_template.json"
-    ):  # the processor's file: AutoTokenizer does not read it, AutoProcessor does
+    # the processor's file: AutoTokenizer does not read it, AutoProcessor does
+    if where != "chat_template.json":
         assert oracle(folder, [{"role": "user", "content": "x"}]) == "<s>x</s>"
 
 

@@ -119,9 +119,8 @@ def test_a_list_of_prompts_times_n_is_prompt_major_streamed_and_not(
         assert choice.model_extra["token_ids"] == singles[i // 2].model_extra["token_ids"]
         assert choice.text == singles[i // 2].text
     tokenizer = Tokenizer.from_pretrained(tiny_llama)
-    assert reply.usage.prompt_tokens == sum(
-        len(tokenizer.encode(p)) for p in prompts
-    )  # each prompt once
+    # each prompt once
+    assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
     assert reply.usage.completion_tokens == 12
     chunks = list(
         client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
@@ -174,9 +173,8 @@ def test_bad_batches_are_400_naming_the_field_and_reach_no_engine(
     assert field in err.value.message
     stats = http_server.info(metadata=META).stats
     assert quiescent(stats), describe(stats)
-    assert (
-        stats.requests_finished_total == before.requests_finished_total
-    )  # the engine never saw it
+    # the engine never saw it
+    assert stats.requests_finished_total == before.requests_finished_total
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple], float]:
@@ -219,9 +217,8 @@ def test_a_scored_prompt_counts_as_a_request_without_a_first_token(client, model
 
 
 def test_one_bad_prompt_fails_the_batch_and_frees_the_others(client, model, http_server):
-    with pytest.raises(
-        openai.BadRequestError
-    ) as err:  # a token id past the vocabulary: the engine refuses it
+    # a token id past the vocabulary: the engine refuses it
+    with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(
             model=model, prompt=[CONTEXTS[0], [1, 10**6]], max_tokens=0, echo=True, logprobs=1
         )

@@ -274,9 +274,8 @@ async def test_a_flood_at_10x_capacity_is_refused_with_429_and_nothing_is_lost(h
     for r in refused:
         code = r.json()["error"]["code"]
         assert code in ("slo_unattainable", "queue_full", "deadline_passed")
-        if (
-            code == "queue_full"
-        ):  # a retry later may find room; an objective that cannot be met stays so
+        # a retry later may find room; an objective that cannot be met stays so
+        if code == "queue_full":
             assert r.headers["retry-after"].isdigit() and r.headers["retry-after-ms"].isdigit()
         else:
             assert r.headers["x-should-retry"] == "false"

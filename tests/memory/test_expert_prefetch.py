@@ -75,9 +75,8 @@ def test_entering_a_layer_prefetches_the_next_moe_layer():
     run(store, [[0]], layer=1)  # layer 1 begins: layer 3's prediction is copied in
     assert store.counters.prefetches == 1 and store.resident() == [1, 1]
     run(store, [[3]], layer=3)
-    assert (
-        store.counters.prefetches_used == 1 and store.misses == 1
-    )  # only layer 1's expert 0 missed
+    # only layer 1's expert 0 missed
+    assert store.counters.prefetches_used == 1 and store.misses == 1
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
@@ -125,9 +124,8 @@ def test_pin_hottest_follows_the_ema_as_routing_drifts():
     store.pin_hottest(0)  # unpinned: three other experts now evict it
     run(store, [[0], [1], [2]])
     assert store._slots._alloc.slot_of(0, 3) < 0
-    assert (
-        store.pin_hottest(1) == [[3]] and store.stats()["preload_bytes"] > 0
-    )  # still the hottest: copied back
+    # still the hottest: copied back
+    assert store.pin_hottest(1) == [[3]] and store.stats()["preload_bytes"] > 0
 
 
 def test_the_step_captures_each_sequence_last_token_routing():
@@ -260,9 +258,8 @@ def test_grouped_all_resident_layers_never_read_the_device(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_grouped_layers_on_cuda_sync_nothing_and_match_per_expert_matmuls(dtype):
-    w = [
-        weights(8, 19, inter=16)
-    ]  # 32-byte rows in bf16: the alignment torch's grouped kernel needs
+    # 32-byte rows in bf16: the alignment torch's grouped kernel needs
+    w = [weights(8, 19, inter=16)]
     grouped = ExpertStore(w, device="cuda", dtype=dtype)
     if not grouped.grouped:
         pytest.skip(

@@ -97,9 +97,8 @@ async def test_a_killed_worker_ends_every_request_with_its_reason_and_health_tur
         async with server.aio_channel() as channel:
             watcher = watch_health(channel, SERVICE_NAME, statuses)
             client = StreamClient(pb_grpc.SloserveStub(channel))
-            ids = [
-                f"r{i}-hold" for i in range(4)
-            ]  # held: 200 tokens take >= 4 s, far past the kill
+            # held: 200 tokens take >= 4 s, far past the kill
+            ids = [f"r{i}-hold" for i in range(4)]
             for rid in ids:
                 await client.send(generate(rid, text=f"live request {rid}", max_tokens=200))
             deadline = time.monotonic() + 60

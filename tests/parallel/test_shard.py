@@ -91,9 +91,8 @@ def test_rank_parts_make_up_the_whole_weights(make_checkpoint, arch):
             _rows(full, 0, [x[j] for x in qkv])
         _rows(layer.o.weight, 1, [p.o.weight for p in parts])
         if layer.o.bias is not None:
-            assert (
-                torch.equal(parts[0].o.bias, layer.o.bias) and parts[1].o.bias is None
-            )  # added once, by rank 0
+            # added once, by rank 0
+            assert torch.equal(parts[0].o.bias, layer.o.bias) and parts[1].o.bias is None
         if layer.gate_up is not None:
             for j in range(2):  # gate, then up
                 _rows(
@@ -120,6 +119,5 @@ def test_replicated_kv_heads_are_the_group_heads(make_checkpoint):
     for rank in range(2):
         _, w = _load(folder, rank, 2)
         k = w.layers[0].qkv.weight[spec.q_size // 2 :]
-        assert torch.equal(
-            k, whole.layers[0].qkv.weight[spec.q_size :]
-        )  # the one KV head, whole, on every rank
+        # the one KV head, whole, on every rank
+        assert torch.equal(k, whole.layers[0].qkv.weight[spec.q_size :])

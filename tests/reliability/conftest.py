@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from sloserve.testing.server_process import ServerProcess
 
-BLOCK_BYTES = (
-    8192  # one 16-token KV page of the tiny llama (2 layers x K,V x 2 heads x 16 dims x fp32)
-)
+# one 16-token KV page of the tiny llama (2 layers x K,V x 2 heads x 16 dims x fp32)
+BLOCK_BYTES = 8192
 SMALL_POOL_PAGES = 48  # a pool small enough that a dozen live requests force preemption (swap)
 
 

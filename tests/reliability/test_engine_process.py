@@ -96,9 +96,8 @@ async def test_a_killed_engine_process_ends_every_request_within_a_second_and_he
         async with server.aio_channel() as channel:
             watcher = watch_health(channel, SERVICE_NAME, statuses)
             client = StreamClient(pb_grpc.SloserveStub(channel))
-            ids = [
-                f"r{i}-hold" for i in range(6)
-            ]  # held: 200 tokens take >= 4 s, far past the kill
+            # held: 200 tokens take >= 4 s, far past the kill
+            ids = [f"r{i}-hold" for i in range(6)]
             for rid in ids:
                 await client.send(generate(rid, text=f"live request {rid}", max_tokens=200))
             deadline = time.monotonic() + 60

@@ -73,9 +73,8 @@ async def test_a_request_failing_in_processing_fails_alone_with_internal(fault_s
         for rid in ("poison-fwd-1", "poison-post-1"):
             await client.send(generate(rid, text="this request trips a fault", max_tokens=50))
         assert await client.wait_terminals(120), f"no terminal for {client.pending()}"
-        later = await _start_normal(
-            StreamClient(pb_grpc.SloserveStub(channel)), 2, max_tokens=5
-        )  # still serving
+        # still serving
+        later = await _start_normal(StreamClient(pb_grpc.SloserveStub(channel)), 2, max_tokens=5)
         await client.close()
     for rid, kind in (("poison-fwd-1", "fail-forward"), ("poison-post-1", "fail-postprocess")):
         error = client.records[rid].error

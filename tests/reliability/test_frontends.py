@@ -21,9 +21,8 @@ from tests.reliability.client import generate
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[1, *range(10 + 7 * i, 40 + 5 * i)] for i in range(12)]
-OWN_CONNECTION = [
-    ("grpc.use_local_subchannel_pool", 1)
-]  # channels would share one TCP connection otherwise
+# channels would share one TCP connection otherwise
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def _free_port_pair() -> int:
@@ -128,9 +127,8 @@ def test_two_front_ends_on_one_port_give_the_tokens_of_one_and_stop_together(tin
         counted = [_requests_counted(metrics), _requests_counted(metrics + 1)]
         # 12 connections, spread by a hash of their ports: all on one front end has p = 2 / 4096
         assert sum(counted) == len(PROMPTS) and min(counted) > 0, counted
-        pids = (
-            two.pids()
-        )  # front end 0 (the server), the engine, front end 1, multiprocessing's tracker
+        # front end 0 (the server), the engine, front end 1, multiprocessing's tracker
+        pids = two.pids()
         assert two.engine_pid() in pids and len(pids) >= 3, pids
         assert two.stop() == 0
         assert _all_gone(pids, 15)

@@ -137,9 +137,8 @@ def _expected_terminals(messages: list[pb.ClientMessage]) -> collections.Counter
         elif kind is None:
             want[""] += 1  # answered with an error whose request_id is empty
         elif kind == "cancel" and not _echoable(msg.cancel.request_id):
-            want[""] += (
-                1  # its id is refused (request_id_length / request_id_charset), without the id
-            )
+            # its id is refused (request_id_length / request_id_charset), without the id
+            want[""] += 1
     return want
 
 

@@ -29,9 +29,8 @@ from tests.reliability.load import LoopLag, RssSampler, closed_loop, open_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-POOL_BYTES = (
-    1024 * 8192
-)  # 1,024 KV pages of the tiny llama (8 MiB); the swap pool is at most as big
+# 1,024 KV pages of the tiny llama (8 MiB); the swap pool is at most as big
+POOL_BYTES = 1024 * 8192
 FIXED_OVERHEAD = 256 * 2**20  # allocator slack, gRPC buffers, Python objects of queued requests
 TTFT_SLO_S = 1.0
 REFUSAL_P99_S = 0.1

@@ -18,9 +18,8 @@ from tests.reliability.client import Record, StreamClient, generate
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GRACE_S = 3.0
-HOLD_S = (
-    0.05  # every step with a '-hold' request in the batch takes this much longer (--inject-faults)
-)
+# every step with a '-hold' request in the batch takes this much longer (--inject-faults)
+HOLD_S = 0.05
 LONG, SHORT = (
     240,
     6,

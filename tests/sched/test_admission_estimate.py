@@ -85,9 +85,8 @@ def test_a_prompt_alone_is_priced_as_the_one_step_it_runs_in():
     _teach_speed(s)
     s.add_request(NewRequest("alone", [98] * 40, SamplingParams(max_tokens=4), SLO(ttft_s=5.0)))
     assert s.admission.estimate(s.requests["alone"], [], [], 4).steps == 1
-    assert (
-        s.admission.estimate(s.requests["alone"], [], [s.requests["alone"]], 4).steps == 3
-    )  # 16+16+8
+    # 16+16+8
+    assert s.admission.estimate(s.requests["alone"], [], [s.requests["alone"]], 4).steps == 3
     out, _ = step(s, r)
     assert [len(q.token_ids) for q in out.sequences] == [40]
     drain(s, r)
@@ -219,9 +218,8 @@ def test_with_deadline_steps_the_least_slack_goes_first_despite_the_guard():
         )
     )
     _teach_speed(s)
-    s.add_request(
-        NewRequest("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5))
-    )  # admitted
+    # admitted
+    s.add_request(NewRequest("tight", [99] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.5)))
     first = []
     while s.has_work():
         _, outputs = step(s, r)

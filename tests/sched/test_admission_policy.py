@@ -45,12 +45,10 @@ def _scheduler(**sched):
 def test_a_request_without_objectives_is_never_refused_for_time():
     s, r, _ = _scheduler()
     _busy(s, r)
-    s.add_request(
-        NewRequest("patient", [98] * 6, SamplingParams(max_tokens=4))
-    )  # its first token is ~4 s away
-    assert (
-        s.requests["patient"].predicted_ttft_s > 2.0
-    )  # ... and predicted so (the default 2 s is no objective)
+    # its first token is ~4 s away
+    s.add_request(NewRequest("patient", [98] * 6, SamplingParams(max_tokens=4)))
+    # ... and predicted so (the default 2 s is no objective)
+    assert s.requests["patient"].predicted_ttft_s > 2.0
 
 
 def test_an_end_to_end_objective_is_refused_only_when_even_the_first_token_is_late():
@@ -87,9 +85,8 @@ def test_cycle_times_of_an_overload_are_forgotten_when_the_engine_goes_idle():
     adm.on_idle()
     (overhead, per_seq), _ = adm.step_costs()
     assert overhead + 4 * per_seq < 0.05  # back to the compute-time model: ~14 ms
-    s.add_request(
-        NewRequest("light", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.1))
-    )  # not refused
+    # not refused
+    s.add_request(NewRequest("light", [97] * 6, SamplingParams(max_tokens=2), SLO(ttft_s=0.1)))
 
 
 def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
@@ -106,9 +103,8 @@ def test_a_long_wait_is_priced_at_the_longer_run_step_time_not_a_lull():
     s.add_request(NewRequest("patient", [98] * 6, SamplingParams(max_tokens=4)))
     predicted = s.requests["patient"].predicted_ttft_s
     assert predicted > 290 * 0.025  # the lull alone would say ~300 x 12 ms = 3.6 s
-    s.add_request(
-        NewRequest("soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0))
-    )  # still admitted
+    # still admitted
+    s.add_request(NewRequest("soon", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)))
 
 
 def test_the_front_ends_output_backlog_is_priced_and_fades_in_real_time():
@@ -132,9 +128,8 @@ def test_long_waits_under_a_ttft_objective_calibrate_the_estimate_until_idle():
     _busy(s, r)
     adm = s.admission
     s.add_request(NewRequest("no-ttft", [97] * 6, SamplingParams(max_tokens=4)))
-    adm.on_first_token(
-        s.requests["no-ttft"], 10 * s.requests["no-ttft"].model_ttft_s
-    )  # overtaken by design: ignored
+    # overtaken by design: ignored
+    adm.on_first_token(s.requests["no-ttft"], 10 * s.requests["no-ttft"].model_ttft_s)
     assert adm.calibration == 1.0
     for i in range(8):
         s.add_request(NewRequest(f"q{i}", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=60.0)))
@@ -182,9 +177,8 @@ def test_next_in_line_the_margin_is_how_late_recent_first_tokens_came():
         NewRequest("on-time", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
     )
     s.abort("on-time")
-    _first_tokens(
-        s, late_s=0.5 * objective, n=16, tag="late"
-    )  # now most came half an objective late
+    # now most came half an objective late
+    _first_tokens(s, late_s=0.5 * objective, n=16, tag="late")
     with pytest.raises(RequestRefusedError, match="first token expected"):
         s.add_request(
             NewRequest("after-late", [99] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=objective))
@@ -222,9 +216,8 @@ def test_with_slack_preemption_a_newcomer_waits_for_no_slot_of_a_prompt_without_
         s.add_request(NewRequest(f"long{i}", [97 + i] * 96, SamplingParams(max_tokens=8)))
     step(s, r)
     assert all(s.requests[f"long{i}"].first_token_time is None for i in range(4))
-    s.add_request(
-        NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=1.0))
-    )  # not refused
+    # not refused
+    s.add_request(NewRequest("tight", [98] * 6, SamplingParams(max_tokens=4), SLO(ttft_s=1.0)))
     for _ in range(3):
         step(s, r)
     assert s.requests["tight"].num_output_tokens >= 1

@@ -45,9 +45,8 @@ def test_a_stop_string_ends_its_request_where_it_completes_even_inside_a_run(ste
     assert s.block_manager.num_free == s.block_manager.num_usable
     assert OUTPUT_STAGES[s].live == 0  # every finished request's text is let go
     if steps > 1:
-        assert (
-            max(out.num_steps for out in r.steps) > 1
-        )  # runs happened, and stops fell inside them
+        # runs happened, and stops fell inside them
+        assert max(out.num_steps for out in r.steps) > 1
 
 
 def test_a_stop_string_on_the_last_token_turns_length_into_stop():

@@ -259,9 +259,8 @@ def test_an_urgent_newcomer_does_not_wait_for_a_claimed_prefix():
     )
     out, _ = step(s, r)
     follower = [q for q in out.sequences if q.req_id == "follower"]
-    assert (
-        follower and follower[0].start_pos == 8
-    )  # the leader's first chunk hit, the rest computed
+    # the leader's first chunk hit, the rest computed
+    assert follower and follower[0].start_pos == 8
     drain(s, r)
     assert_all_free(s)
 

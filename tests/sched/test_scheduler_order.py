@@ -98,9 +98,8 @@ def test_a_prompt_alone_fills_the_step_and_is_chunked_once_another_arrives():
     a, b = _prompt("a", 30), _prompt("b", 20)
     s.add_request(NewRequest("A", a, SamplingParams(max_tokens=2)))
     out, _ = step(s, r)
-    assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [
-        ("A", 30)
-    ]  # nobody's TPOT to keep
+    # nobody's TPOT to keep
+    assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [("A", 30)]
     s.add_request(NewRequest("B", b, SamplingParams(max_tokens=2)))
     out, _ = step(s, r)
     assert [(q.req_id, len(q.token_ids)) for q in out.sequences] == [("A", 1), ("B", 6)]
@@ -108,9 +107,8 @@ def test_a_prompt_alone_fills_the_step_and_is_chunked_once_another_arrives():
         max_batched_tokens=40, prefill_chunk=6, max_batch=8, adaptive_batch=False
     )
     s2.add_request(NewRequest("A", a, SamplingParams(max_tokens=2)))
-    s2.add_request(
-        NewRequest("B", b, SamplingParams(max_tokens=2))
-    )  # waiting beside it: both chunked
+    # waiting beside it: both chunked
+    s2.add_request(NewRequest("B", b, SamplingParams(max_tokens=2)))
     out, _ = step(s2, r2)
     assert sorted((q.req_id, len(q.token_ids)) for q in out.sequences) == [("A", 6), ("B", 6)]
 

@@ -117,9 +117,8 @@ def test_deadline_already_passed_is_refused():
 
 def test_unattainable_slo_is_refused_once_prefill_speed_is_known():
     s, r, _ = make_scheduler(max_batch=1, adaptive_batch=False)
-    s.add_request(
-        NewRequest("early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05))
-    )  # no estimate yet
+    # no estimate yet
+    s.add_request(NewRequest("early", [1] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.05)))
     for _ in range(5):
         s.admission.speed.observe(1000, 1.0)  # 1000 tokens/s
     # 'loose' waits behind 'early' only: (100 + 30) tokens at 1000 tokens/s = 0.13 s < 0.75 * 0.5 s
@@ -129,9 +128,8 @@ def test_unattainable_slo_is_refused_once_prefill_speed_is_known():
         s.add_request(NewRequest("nope", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.15)))
     s.add_request(NewRequest("fits", [3] * 100, SamplingParams(max_tokens=1), SLO(ttft_s=0.35)))
     assert info.value.reason == "slo_unattainable" and "relax the SLO" in str(info.value)
-    s.add_request(
-        NewRequest("no-slo", [3] * 100, SamplingParams(max_tokens=1))
-    )  # no explicit SLO: queued
+    # no explicit SLO: queued
+    s.add_request(NewRequest("no-slo", [3] * 100, SamplingParams(max_tokens=1)))
     drain(s, r)
     assert_all_free(s)
 

@@ -55,9 +55,8 @@ def test_the_plan_prices_decoding_sequences_apart_from_prompt_tokens():
     plan.cap_s = 0.013
     # 10 decodes take 5 ms of the 13 ms cap; 2 ms overhead and 1 ms margin leave 5 ms: 50 tokens
     assert plan.room(0, 10) == 50
-    assert plan.decode_fits(0, 18) and not plan.decode_fits(
-        0, 20
-    )  # 19 + 1 decodes: 12 + 1 ms, 21: 13.5 ms
+    # 19 + 1 decodes: 12 + 1 ms, 21: 13.5 ms
+    assert plan.decode_fits(0, 18) and not plan.decode_fits(0, 20)
     flat = DeadlinePlan(
         StepPrice(0.002, 1e-4), [], now=0.0, chunk=512, max_wait_s=2.0, step_tokens=2048
     )

@@ -14,9 +14,8 @@ from sloserve.testing.fake_engine import FakeEngine
 from sloserve.testing.live_server import gen, live_server, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-OWN = [
-    ("grpc.use_local_subchannel_pool", 1)
-]  # a connection of its own, so closing it is a disconnect
+# a connection of its own, so closing it is a disconnect
+OWN = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def _cancelled(server) -> float:
@@ -44,9 +43,8 @@ async def test_a_disconnect_mid_stream_logs_no_error_and_counts_cancelled(how, c
             ids = [f"{how}-{trial}-{i}" for i in range(4)]
             for rid in ids:
                 await call.write(gen(rid, text="x" * 32, max_tokens=150))
-            if (
-                how == "close_while_not_reading"
-            ):  # answers pile up behind a client that reads nothing
+            # answers pile up behind a client that reads nothing
+            if how == "close_while_not_reading":
                 for i in range(300):
                     await call.write(
                         pb.ClientMessage(cancel=pb.CancelRequest(request_id=f"{i:0100d}"))

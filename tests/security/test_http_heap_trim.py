@@ -17,12 +17,10 @@ async def test_freed_heap_goes_back_to_the_os_once_idle():
     trimmer = asyncio.create_task(heap.trim_when_idle(lambda: inflight, interval_s=0.01))
     try:
         await asyncio.sleep(0.05)  # the trimmer has taken its floor
-        burst = [
-            bytes(4000) + bytes([i % 256]) for i in range(20_000)
-        ]  # ~80 MiB of glibc heap blocks
-        keep = (
-            bytes(4000) + b"k"
-        )  # allocated after them: the heap's top is not free, so glibc keeps the pages
+        # ~80 MiB of glibc heap blocks
+        burst = [bytes(4000) + bytes([i % 256]) for i in range(20_000)]
+        # allocated after them: the heap's top is not free, so glibc keeps the pages
+        keep = bytes(4000) + b"k"
         del burst
         await asyncio.sleep(0.05)  # in flight: no trim
         busy = heap._resident_bytes()

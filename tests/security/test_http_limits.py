@@ -97,9 +97,8 @@ def test_slowloris_headers_are_closed_after_the_header_timeout(server):
             if i % 2:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
         trickler = socks[1]  # one of those goes on sending its header, a byte at a time
-        for _ in range(
-            4 * HEADER_S
-        ):  # one byte at a time keeps data flowing, not the request alive
+        # one byte at a time keeps data flowing, not the request alive
+        for _ in range(4 * HEADER_S):
             with contextlib.suppress(OSError):
                 trickler.sendall(b"a")
             time.sleep(0.5)
@@ -116,9 +115,8 @@ def test_slowloris_headers_are_closed_after_the_header_timeout(server):
 
 def test_endless_headers_are_refused_past_the_header_size(server):
     before = _refusals(server, "http_header_size")
-    with _connect(
-        server
-    ) as sock:  # one header that never ends: httptools alone would buffer it all
+    # one header that never ends: httptools alone would buffer it all
+    with _connect(server) as sock:
         sock.sendall(
             b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (MAX_HEADER + 1024)
         )
@@ -192,9 +190,8 @@ def test_a_body_over_the_limit_is_refused_as_it_arrives(server):
             + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
         chunk = b"a" * 8192
-        for _ in range(
-            MAX_BODY // len(chunk) + 1
-        ):  # one chunk past the limit, then wait for the answer
+        # one chunk past the limit, then wait for the answer
+        for _ in range(MAX_BODY // len(chunk) + 1):
             sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
         reply = _read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 413 ") and b"--http-max-body-size" in reply, reply
@@ -211,17 +208,15 @@ def test_an_idle_keep_alive_connection_is_closed(server):
     with _connect(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         reply = _read_until_closed(sock)  # nothing more is sent: the keep-alive timeout closes it
-    assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b"HTTP/1.1 ") == 1, (
-        reply
-    )  # and no 408 after
+    # and no 408 after
+    assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b"HTTP/1.1 ") == 1, reply
 
 
 def test_blank_lines_do_not_keep_an_idle_connection_open(server):
     with _connect(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        for _ in range(
-            8 * HEADER_S
-        ):  # a blank line every 0.25 s: each would reset a keep-alive timer
+        # a blank line every 0.25 s: each would reset a keep-alive timer
+        for _ in range(8 * HEADER_S):
             try:
                 sock.sendall(b"\r\n")
             except OSError:

@@ -24,9 +24,8 @@ MAX_TOKENS = 50_000  # far more than loopback's socket buffers hold as SSE chunk
 
 
 async def test_a_stream_whose_client_stopped_reading_is_aborted_in_the_engine(caplog):
-    engine = FakeEngine(
-        num_blocks=10_000, max_model_len=MAX_TOKENS + 100, step_s=0.001
-    )  # ~20 s of tokens at least
+    # ~20 s of tokens at least
+    engine = FakeEngine(num_blocks=10_000, max_model_len=MAX_TOKENS + 100, step_s=0.001)
     config = SloserveConfig(
         server=ServerConfig(port=0, metrics_port=None, max_tokens_limit=MAX_TOKENS)
     )
@@ -80,9 +79,8 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
             yield b"data: {}\n\n"
 
     async def send(message: dict) -> None:
-        if (
-            len(sent) == 3
-        ):  # the client's window is full: this write completes only once the connection drops
+        # the client's window is full: this write completes only once the connection drops
+        if len(sent) == 3:
             await unblocked.wait()
             return
         sent.append(message)
@@ -90,9 +88,8 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
     async def close() -> None:
         closed.append(True)
 
-    def abort() -> (
-        None
-    ):  # what http/guard.py's hook does: drop the connection, the blocked send returns
+    # what http/guard.py's hook does: drop the connection, the blocked send returns
+    def abort() -> None:
         aborted.append(True)
         unblocked.set()
 
@@ -106,7 +103,6 @@ async def test_a_blocked_stream_makes_no_chunk_past_the_one_it_cannot_send():
     assert stream.sending_since is not None
     stream.stall()
     await asyncio.wait_for(task, 30)
-    assert (
-        made == 3 and len(sent) == 3
-    )  # the start, two chunks sent, the third blocked: nothing more made
+    # the start, two chunks sent, the third blocked: nothing more made
+    assert made == 3 and len(sent) == 3
     assert stalled == aborted == closed == [True] and watcher.cancelled()

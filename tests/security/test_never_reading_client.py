@@ -55,9 +55,8 @@ async def test_a_client_that_never_reads_holds_bounded_memory():
     try:
         async with server.aio_channel() as channel:
             stub = pb_grpc.SloserveStub(channel)
-            warm = (
-                stub.Stream()
-            )  # warm up: the allocator's and grpc's first buffers are not the attack's
+            # warm up: the allocator's and grpc's first buffers are not the attack's
+            warm = stub.Stream()
             for i in range(20):
                 await warm.write(gen(f"w{i}", max_tokens=8))
             await read_until(warm, Transcript(), {f"w{i}" for i in range(20)})
@@ -110,9 +109,8 @@ async def test_the_stalled_stream_ends_resource_exhausted_naming_the_flag():
                 message = pb.ClientMessage(cancel=pb.CancelRequest(request_id=f"{i:0200d}"))
                 await asyncio.wait_for(call.write(message), 10)
             await asyncio.wait_for(_until(lambda: refusals(server, "grpc_stream_stalled")), 30)
-            code, details = await status(
-                call, timeout=30
-            )  # it reads at last: what was on its way, then the status
+            # it reads at last: what was on its way, then the status
+            code, details = await status(call, timeout=30)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
             assert "--grpc-stream-stall-timeout" in details
             healthy = stub.Stream()  # the server serves the next stream as before
@@ -142,9 +140,8 @@ async def test_a_generate_call_never_read_ends_resource_exhausted_and_frees_its_
                 gen("never-read", max_tokens=3000).generate
             )
             await asyncio.wait_for(_until(lambda: refusals(server, "grpc_stream_stalled")), 30)
-            await asyncio.wait_for(
-                _until(lambda: not engine.stats().running), 30
-            )  # its KV blocks are back
+            # its KV blocks are back
+            await asyncio.wait_for(_until(lambda: not engine.stats().running), 30)
             code, details = await status(call, timeout=30)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
             assert "--grpc-stream-stall-timeout" in details

@@ -58,9 +58,8 @@ async def test_the_front_end_refuses_past_the_default_limits(stop, needle):
     frontend = Frontend(engine, SloserveConfig(server=ServerConfig()), Metrics(engine.stats))
     with pytest.raises(LimitExceeded, match=needle.replace("(", r"\(").replace(")", r"\)")):
         frontend.check(ParsedRequest("hi", SamplingParams(stop=stop)))
-    frontend.check(
-        ParsedRequest("hi", SamplingParams(stop=["z" * 256] * 16))
-    )  # at the limit: accepted
+    # at the limit: accepted
+    frontend.check(ParsedRequest("hi", SamplingParams(stop=["z" * 256] * 16)))
     await engine.stop()
 
 
@@ -204,18 +203,16 @@ def test_work_per_token_is_its_new_text_whatever_the_number_of_strings():
         for i in range(0, len(text), 4):
             steps = matcher.steps
             assert matcher.feed(text[i : i + 4]) is None
-            assert matcher.steps - steps == len(
-                text[i : i + 4]
-            )  # each character once, no pass over the strings
+            # each character once, no pass over the strings
+            assert matcher.steps - steps == len(text[i : i + 4])
         assert matcher.max_len == max(map(len, stops))
 
 
 def test_the_piece_that_ends_a_request_reads_at_most_its_matches():
     matcher = StopMatcher(["a" * n for n in range(1, 17)])
     assert matcher.feed("b" * 100) is None and matcher.steps == 100
-    assert (
-        matcher.feed("xaaa") == 101 and matcher.steps == 100 + 4 + 6
-    )  # a, aa, aaa ending at 3 places
+    # a, aa, aaa ending at 3 places
+    assert matcher.feed("xaaa") == 101 and matcher.steps == 100 + 4 + 6
 
 
 async def test_stop_token_ids_are_bounded_too():

@@ -24,9 +24,8 @@ async def test_streams_past_the_cap_are_refused_resource_exhausted(caplog):
             code, details = await status(stub.Stream())
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--grpc-max-streams" in details
-        with pytest.raises(
-            grpc.aio.AioRpcError
-        ) as generate:  # Generate calls count in the same cap
+        # Generate calls count in the same cap
+        with pytest.raises(grpc.aio.AioRpcError) as generate:
             async for _ in stub.Generate(gen("g").generate):
                 pass
         assert generate.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -172,9 +172,8 @@ def test_the_cli_clients_present_a_client_certificate(server, pki):
     assert generated.exit_code == 0 and orjson.loads(generated.stdout)["finish_reason"], (
         generated.output
     )
-    refused = CliRunner().invoke(
-        cli, ["info", *common]
-    )  # no client certificate: the handshake fails
+    # no client certificate: the handshake fails
+    refused = CliRunner().invoke(cli, ["info", *common])
     assert refused.exit_code == 2 and "--tls-cert/--tls-key" in refused.output, refused.output
     half = CliRunner().invoke(cli, ["info", *common, "--tls-cert", str(cert)])
     assert half.exit_code == 2 and "needs both --tls-cert and --tls-key" in half.output, half.output

@@ -41,9 +41,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = (
-    16  # tokens per KV page when neither the config nor the backend asks for another
-)
+# tokens per KV page when neither the config nor the backend asks for another
+DEFAULT_BLOCK_SIZE = 16
 
 # name -> (module under sloserve.layers.attention, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {

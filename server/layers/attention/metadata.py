@@ -36,9 +36,8 @@ class AttentionMetadata:
     start_pos_list: list[int]
     block_tables_list: list[list[int]]  # unpadded, each covering its sequence's seq_len
     block_size: int
-    memo: dict = field(
-        default_factory=dict
-    )  # per-step values a backend derives once and reuses per layer
+    # per-step values a backend derives once and reuses per layer
+    memo: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

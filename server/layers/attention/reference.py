@@ -89,13 +89,11 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     if invalid is None:
         heads = torch.arange(hkv, device=q.device)
         other_head = heads[:, None] != heads[None, :]  # [Hkv (query's), Hkv (row's)]
-        invalid = (
-            beyond[:, None, None, :, None] | other_head[None, :, None, None, :]
-        )  # [S, Hkv, 1, L, Hkv]
+        # [S, Hkv, 1, L, Hkv]
+        invalid = beyond[:, None, None, :, None] | other_head[None, :, None, None, :]
         meta.memo["reference.decode_mask"] = invalid
-    scores = (
-        torch.bmm(q, k.view(num_seqs, length * hkv, dim).transpose(1, 2)).float() * scale
-    )  # [S, Hq, L*Hkv]
+    # [S, Hq, L*Hkv]
+    scores = torch.bmm(q, k.view(num_seqs, length * hkv, dim).transpose(1, 2)).float() * scale
     scores.view(num_seqs, hkv, hq // hkv, length, hkv).masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.bmm(probs, v.view(num_seqs, length * hkv, dim))  # [S, Hq, D]

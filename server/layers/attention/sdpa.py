@@ -196,14 +196,12 @@ class SdpaBackend:
         # NOTE: slots past a sequence's length (the tail of its last page, the null page padding
         # the table) hold whatever the pool held, NaN bit patterns included; masked scores still
         # multiply them (0 * NaN = NaN), so they are zeroed, not just masked.
-        outside = (keys[None, :] >= meta.seq_lens.to(torch.long)[:, None])[
-            :, None, :, None
-        ]  # [S,1,Lk,1]
+        # [S,1,Lk,1]
+        outside = (keys[None, :] >= meta.seq_lens.to(torch.long)[:, None])[:, None, :, None]
         k.masked_fill_(outside, 0.0)  # k, v are fresh gathers: safe to clear in place
         v.masked_fill_(outside, 0.0)
-        rows = (
-            meta.start_pos.to(torch.long)[:, None] + torch.arange(max_q, device=device)[None, :]
-        )  # [S, maxq]
+        # [S, maxq]
+        rows = meta.start_pos.to(torch.long)[:, None] + torch.arange(max_q, device=device)[None, :]
         # Padded query rows still see key 0 (start_pos + row >= 0), so no row is fully masked.
         mask = keys[None, None, :] <= rows[:, :, None]  # [S, maxq, Lk], bottom-right causal
         out = _sdpa(q_pad.transpose(1, 2), k, v, mask[:, None], scale)  # [S, Hq, maxq, D]
@@ -236,9 +234,8 @@ def _decode(
     """One query per sequence, q[Sd, Hq, D], over its pages padded to the longest; each sees its whole context."""
     num_seqs, length = outside.shape
     rows = num_seqs * length
-    k = (
-        k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
-    )  # [Sd * Lk, Hkv * D]
+    # [Sd * Lk, Hkv * D]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
     # Padding slots may hold NaN (see _forward_batched): zeroed in the fresh gathers, then masked.
     # Only those rows are written (index_fill_), a fraction of what a full masked_fill_ touches.
@@ -247,6 +244,5 @@ def _decode(
     shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
     k, v = k.view(shape), v.view(shape)
     mask = ~outside.view(num_seqs, 1, 1, length)  # keys < seq_len
-    return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(
-        2
-    )  # [Sd, Hq, D]
+    # [Sd, Hq, D]
+    return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(2)

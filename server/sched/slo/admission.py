@@ -16,22 +16,19 @@ from sloserve.sched.request import Request
 from sloserve.sched.slo.step_model import MixedStepModel, StepCostModel, StepPrice
 
 REASONS = ("queue_full", "deadline_passed", "slo_unattainable", "queue_timeout", "draining")
-SLO_MARGIN = (
-    0.6  # with others running or waiting, the estimate must fit in this share of the time left
-)
+# with others running or waiting, the estimate must fit in this share of the time left
+SLO_MARGIN = 0.6
 LONG_DECAY = 0.995  # the long window of step cycle times (a weight of 1/e after 200 steps)
 LONG_WAIT_STEPS = 20  # waits of at least this many steps are also priced by the long window
 CALIBRATION_KEPT = 32  # first tokens whose actual / estimated TTFT ratio calibrates the estimate
 CALIBRATION_QUANTILE = 0.9
 CALIBRATION_MIN_S = 0.25  # shorter waits are mostly fixed delays: their ratios say little
-LATE_QUANTILE = (
-    0.9  # the margin for a request next in line: this quantile of recent first tokens' lateness
-)
+# the margin for a request next in line: this quantile of recent first tokens' lateness
+LATE_QUANTILE = 0.9
 LATE_MIN_SAMPLES = 8  # fewer recent first tokens than this: the SLO_MARGIN share instead
 LATE_WINDOW_S = 10.0  # first tokens older than this say nothing of the load now
-PROMPT_STEP_MIN = (
-    64  # prompt tokens: a step with at least this many tells what a prompt token costs
-)
+# prompt tokens: a step with at least this many tells what a prompt token costs
+PROMPT_STEP_MIN = 64
 PROMPT_STEPS_KEPT = 32  # recent prompt steps whose cost per prompt token prices a prompt alone
 
 
@@ -105,9 +102,8 @@ class AdmissionControl:
         self.long_cycles = StepCostModel(decay=LONG_DECAY)
         self.refusals: Counter[str] = Counter()
         self._backlog: Backlog | None = None
-        self._step: tuple[float, int, bool] | None = (
-            None  # (start, sequences, prefill) of the step in flight
-        )
+        # (start, sequences, prefill) of the step in flight
+        self._step: tuple[float, int, bool] | None = None
         self._compute_s = 0.0  # compute time of the last step (on_compute)
         self._step_load = (0, 0)  # (prompt tokens, decoding sequences) of the step in flight
         self._steps = 1  # steps in the run in flight
@@ -115,12 +111,10 @@ class AdmissionControl:
         self._delivery = (0.0, 0.0)  # (lag_s, reported at): see report_delivery_lag
         self._ratios: deque[float] = deque(maxlen=CALIBRATION_KEPT)  # actual / model TTFT, recent
         self.calibration = 1.0  # estimates are multiplied by this (>= 1): see on_first_token
-        self._late: deque[tuple[float, float]] = deque(
-            maxlen=CALIBRATION_KEPT
-        )  # (when, s late): see lateness
-        self._prompt_costs: deque[float] = deque(
-            maxlen=PROMPT_STEPS_KEPT
-        )  # s per prompt token: see alone_seconds
+        # (when, s late): see lateness
+        self._late: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_KEPT)
+        # s per prompt token: see alone_seconds
+        self._prompt_costs: deque[float] = deque(maxlen=PROMPT_STEPS_KEPT)
 
     def refuse(self, reason: str, message: str) -> RequestRefusedError:
         """Count a refusal and build its error."""

@@ -40,12 +40,10 @@ from sloserve.sched.slo.step_model import StepPrice
 
 MIN_CHUNK = 16  # tokens: the least a must-run prefill chunk makes, even past the cap
 HORIZON_STEPS = 2.0  # slack under this many full-budget steps: the request must run now
-TTFT_SAFETY = (
-    0.25  # an urgent prompt is paced to be done this share of its TTFT objective after arrival
-)
-ARRIVAL_SHARE = (
-    0.25  # of the tightest recent TTFT objective: the longest step optional prompt chunks make
-)
+# an urgent prompt is paced to be done this share of its TTFT objective after arrival
+TTFT_SAFETY = 0.25
+# of the tightest recent TTFT objective: the longest step optional prompt chunks make
+ARRIVAL_SHARE = 0.25
 ARRIVAL_WINDOW_S = 10.0  # TTFT objectives seen this recently are expected of the next arrivals
 STALL_SHARE = 0.5  # of a paced request's spare time (its pace over a full decode step, per output) one step may take
 

@@ -24,9 +24,8 @@ MIN_DECODE_SPREAD = 1.0  # sequences: the same for decoding sequences
 MAX_CORRELATION = 0.97  # above this the two kinds moved together: their slopes are not separable
 MARGIN_QUANTILE = 0.8  # a step is filled to the cap less this quantile of the fit's recent errors
 MARGIN_STEPS = 256  # recent errors kept
-MARGIN_EVERY = (
-    16  # new errors between re-sorts of the margin (the deadline plan reads it every step)
-)
+# new errors between re-sorts of the margin (the deadline plan reads it every step)
+MARGIN_EVERY = 16
 
 
 class MixedStepModel:
