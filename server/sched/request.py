@@ -168,6 +168,32 @@ class Request:
         self.output_token_ids.append(token)
         self.all_token_ids.append(token)
 
+    def append_sampled(
+        self, token: int, logprob: Logprob | None, eos_token_ids: frozenset[int], max_len: int
+    ) -> None:
+        """Append a sampled token (and its logprobs, when asked) and finish on a stop token (EOS
+        unless ignore_eos, stop_token_ids) or at its length (`max_tokens`, or `max_len` tokens in
+        all); before min_tokens outputs only the length ends it. Stop strings are the output
+        stage's (it may end the request earlier)."""
+        self.append_token(token)
+        if self.output_logprobs is not None and logprob is not None:
+            self.output_logprobs.append(logprob)
+        params = self.sampling
+        if self.num_output_tokens >= params.min_tokens and params.stops_on(token, eos_token_ids):
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+
+    def keep_prompt_logprobs(self, runs: list[tuple[int, list[Logprob]]]) -> None:
+        """Store the prompt positions' logprobs the runner computed, as (first position, entries)
+        runs (a recompute after preemption computes them again: the first ones stay)."""
+        if self.prompt_logprobs is None:
+            return
+        for first, entries in runs:
+            for position, entry in enumerate(entries, first):
+                if position < len(self.prompt_logprobs) and self.prompt_logprobs[position] is None:
+                    self.prompt_logprobs[position] = entry
+
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop the output tokens (and their logprobs) past the first `num_output_tokens`."""
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]

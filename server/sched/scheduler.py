@@ -442,7 +442,7 @@ class Scheduler:
                 continue  # not computed
             try:
                 if req.request_id in prompt_logprobs:
-                    _keep_prompt_logprobs(req, prompt_logprobs[req.request_id])
+                    req.keep_prompt_logprobs(prompt_logprobs[req.request_id])
                 if self._apply(req, n, run, now, result.logprobs.get(req.request_id)):
                     outputs.append(req)
             except Exception as exc:  # one request's failure must not fail the batch
@@ -483,8 +483,11 @@ class Scheduler:
         for i, token in enumerate(run):
             if i:
                 self._advance(req, 1)
-            self._append_token(
-                req, token, logprobs[i] if logprobs is not None and i < len(logprobs) else None
+            req.append_sampled(
+                token,
+                logprobs[i] if logprobs is not None and i < len(logprobs) else None,
+                self.eos_token_ids,
+                self.max_model_len,
             )
             self.counters.generated_tokens_total += 1
             if req.is_finished:
@@ -500,21 +503,6 @@ class Scheduler:
         self.counters.computed_prompt_tokens_total += max(
             0, min(req.num_computed_tokens, req.num_prompt_tokens) - start
         )
-
-    def _append_token(self, req: Request, token: int, logprob: Logprob | None) -> None:
-        """Append a sampled token (and its logprobs, when asked) and finish `req` on a stop token
-        (EOS unless ignore_eos, stop_token_ids) or at its length; before min_tokens outputs only
-        the length ends it. Stop strings are the output stage's (it may end the request earlier)."""
-        req.append_token(token)
-        if req.output_logprobs is not None and logprob is not None:
-            req.output_logprobs.append(logprob)
-        params = req.sampling
-        if req.num_output_tokens >= params.min_tokens and params.stops_on(
-            token, self.eos_token_ids
-        ):
-            req.status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
 
     def recover_swaps(self) -> set[str]:
         """After a failed step: requests whose swap may not have happened restart by recompute.
@@ -643,14 +631,3 @@ class Scheduler:
             refusals=dict(self.admission.refusals),
             **self.counters.counters(),
         )
-
-
-def _keep_prompt_logprobs(req: Request, runs: list[tuple[int, list[Logprob]]]) -> None:
-    """Store the prompt positions' logprobs the runner computed (a recompute after preemption
-    computes them again: the first ones stay)."""
-    if req.prompt_logprobs is None:
-        return
-    for first, entries in runs:
-        for position, entry in enumerate(entries, first):
-            if position < len(req.prompt_logprobs) and req.prompt_logprobs[position] is None:
-                req.prompt_logprobs[position] = entry
