@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from sloserve.bench.driver import drive
-from sloserve.bench.stats import RequestRecord
+from sloserve.bench.record import RequestRecord
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.pb import serving_pb2 as pb
 from sloserve.pb import serving_pb2_grpc as pb_grpc

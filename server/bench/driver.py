@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from sloserve.bench.stats import RequestRecord, effective_slo, slo_class_name
+from sloserve.bench.record import RequestRecord
+from sloserve.bench.stats import effective_slo, slo_class_name
 from sloserve.bench.workloads import WorkloadItem
 
 

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 from sloserve.bench.client import LoadSpec, RunResult
 from sloserve.bench.driver import drive
-from sloserve.bench.stats import RequestRecord
+from sloserve.bench.record import RequestRecord
 from sloserve.bench.workloads import WorkloadItem
 from sloserve.sampling_params import SLO
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from sloserve.bench.client import LoadSpec, RunResult, connect, fetch_info, run_load, wait_ready
-from sloserve.bench.stats import RequestRecord
+from sloserve.bench.record import RequestRecord
 from sloserve.bench.workloads import WorkloadItem
 
 

@@ -9,12 +9,8 @@ second of the run; ``request_goodput`` the requests that met their objectives pe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from sloserve.bench.stats import RequestRecord
+from sloserve.bench.record import RequestRecord
 
 PERCENTILES = (99,)  # vLLM's default --metric-percentiles
 METRICS = ("ttft", "tpot", "itl", "e2el")
