@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from sloserve.sched.block_manager import BlockManager
+from sloserve.sched.request import Request
+
 
 class QueuedPrefixes:
     """Counts of full-block hashes over the prompts of the queued, never-started requests."""
@@ -28,6 +31,28 @@ class QueuedPrefixes:
             return
         self._held[request_id] = hashes
         self._count.update(hashes)
+
+    def price(
+        self, req: Request, bm: BlockManager, found: tuple[list[int], list[int], int | None]
+    ) -> tuple[int, list[int]]:
+        """(prompt tokens `req` finds cached or being computed by a running request, its prompt's
+        block hashes), from what `bm.find_prefix` `found` for it; sets req.expected_cached_tokens
+        to those plus the tokens of the blocks that follow them in the prompt of a request queued
+        before it."""
+        blocks, hit_hashes, next_hash = found
+        if next_hash is None:  # no miss: all cached, or no prefix reuse for this request
+            cached = bm.hit_tokens(len(blocks), req.num_tokens)
+            req.expected_cached_tokens = cached
+            return cached, []
+        hashes = bm.prompt_hashes(req.prompt_token_ids, [*hit_hashes, next_hash])
+        claimed = len(blocks)
+        while claimed < len(hashes) and bm.is_claimed(hashes[claimed]):
+            claimed += 1
+        shared = claimed
+        while shared < len(hashes) and (bm.is_claimed(hashes[shared]) or hashes[shared] in self):
+            shared += 1
+        req.expected_cached_tokens = bm.hit_tokens(shared, req.num_tokens)
+        return bm.hit_tokens(claimed, req.num_tokens), hashes
 
     def discard(self, request_id: str) -> None:
         """Forget a request (started, finished or refused); nothing if it is not held."""

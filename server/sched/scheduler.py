@@ -94,7 +94,8 @@ class Scheduler:
         req = Request(new, next(self._handles), self.config.default_ttft_s, now)
         cached, hashes = 0, []
         if self.admission.enabled:
-            cached, hashes = self._shared_prefix(req)
+            found = self._prefix(req)
+            cached, hashes = self.queued_prefixes.price(req, self.block_manager, found)
         self.admission.check_new(
             req,
             now,
@@ -109,28 +110,6 @@ class Scheduler:
         self.queued_prefixes.add(new.request_id, hashes)
         self.admission.queued(req)
         return req
-
-    def _shared_prefix(self, req: Request) -> tuple[int, list[int]]:
-        """(prompt tokens `req` finds cached or being computed by a running request, its prompt's
-        block hashes); sets req.expected_cached_tokens to those plus the tokens of the blocks that
-        follow them in the prompt of a request queued before it (sched/queued_prefixes.py)."""
-        bm = self.block_manager
-        blocks, hit_hashes, next_hash = self._prefix(req)
-        if next_hash is None:  # no miss: all cached, or no prefix reuse for this request
-            cached = bm.hit_tokens(len(blocks), req.num_tokens)
-            req.expected_cached_tokens = cached
-            return cached, []
-        hashes = bm.prompt_hashes(req.prompt_token_ids, [*hit_hashes, next_hash])
-        claimed = len(blocks)
-        while claimed < len(hashes) and bm.is_claimed(hashes[claimed]):
-            claimed += 1
-        shared = claimed
-        while shared < len(hashes) and (
-            bm.is_claimed(hashes[shared]) or hashes[shared] in self.queued_prefixes
-        ):
-            shared += 1
-        req.expected_cached_tokens = bm.hit_tokens(shared, req.num_tokens)
-        return bm.hit_tokens(claimed, req.num_tokens), hashes
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as 'cancelled' and free its blocks now; None if it is not live."""
