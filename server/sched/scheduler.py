@@ -214,7 +214,7 @@ class Scheduler:
                 # starving, not urgent: progress now, the rest when there is room
                 n = min(n, MIN_CHUNK)
             if plan is not None:
-                n = self._fit(plan, req, n)
+                n = plan.fit(req, n, *self._step_load())
             if n == 0:
                 continue
             while req is not None and not self.block_manager.allocate(
@@ -305,7 +305,7 @@ class Scheduler:
             if req.is_swapped:
                 n = self._chunk(req, budget, first=not out.sequences)
                 if plan is not None:
-                    n = self._fit(plan, req, n)
+                    n = plan.fit(req, n, *self._step_load())
                 extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
                 if n == 0 or out.swap_out or bm.num_free < len(req.host_table) + extra:
                     return budget
@@ -316,7 +316,7 @@ class Scheduler:
                 cached = bm.hit_tokens(len(blocks), req.num_tokens)
                 n = self._chunk(req, budget, first=not out.sequences, computed=cached)
                 if plan is not None:
-                    n = self._fit(plan, req, n)
+                    n = plan.fit(req, n, *self._step_load())
                 if n == 0:
                     if plan is not None:
                         continue
@@ -376,19 +376,6 @@ class Scheduler:
     def _step_load(self) -> tuple[int, int]:
         """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""
         return self._step_tokens - self._step_decodes, self._step_decodes
-
-    def _fit(self, plan: DeadlinePlan, req: Request, n: int) -> int:
-        """`n` cut to the room under the step cap: 0 skips an optional request this step; a
-        must-run decode always computes, a must-run prefill as DeadlinePlan.overdraw allows."""
-        load = self._step_load()
-        if n <= 1:
-            return n if plan.must_run(req) or plan.decode_fits(*load) else 0
-        fit = min(n, plan.room(*load))
-        if plan.urgent(req):
-            return max(fit, plan.min_chunk(req, n, *load))
-        if fit >= min(n, MIN_CHUNK):
-            return fit
-        return min(n, MIN_CHUNK) if plan.overdraw(req) else 0
 
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
         """Apply one step's results: advance progress, append sampled tokens, finish requests.

@@ -229,6 +229,19 @@ class DeadlinePlan:
             return True
         return False
 
+    def fit(self, r: Request, n: int, prompt: int, decodes: int) -> int:
+        """`n` tokens of r cut to the room under the step cap, in a step that already computes
+        `prompt` prompt tokens and `decodes` decoding sequences: 0 skips an optional request this
+        step; a must-run decode always computes, a must-run prefill as `overdraw` allows."""
+        if n <= 1:
+            return n if self.must_run(r) or self.decode_fits(prompt, decodes) else 0
+        fit = min(n, self.room(prompt, decodes))
+        if self.urgent(r):
+            return max(fit, self.min_chunk(r, n, prompt, decodes))
+        if fit >= min(n, MIN_CHUNK):
+            return fit
+        return min(n, MIN_CHUNK) if self.overdraw(r) else 0
+
     def room(self, prompt: int, decodes: int) -> int:
         """Prompt tokens that still fit under the cap and the arrival room in a step that already
         computes `prompt` prompt tokens and `decodes` decoding sequences."""
