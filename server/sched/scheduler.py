@@ -351,26 +351,13 @@ class Scheduler:
 
     def _deadline_plan(self, now: float) -> DeadlinePlan | None:
         """This step's deadline view (the slo policy with deadline_steps), once steps have been priced."""
-        sc = self.config
-        if sc.policy != "slo" or not sc.deadline_steps:
+        if self.config.policy != "slo" or not self.config.deadline_steps:
             return None
         price = self.admission.step_price()
         if price is None:
             return None
-        chunk = (
-            min(sc.prefill_chunk, sc.max_batched_tokens)
-            if sc.chunked_prefill
-            else sc.max_batched_tokens
-        )
-        return DeadlinePlan(
-            price,
-            self.running,
-            now,
-            chunk,
-            sc.max_wait_s,
-            sc.max_batched_tokens,
-            sc.finish_margin,
-            self.arrivals.tightest(now),
+        return DeadlinePlan.for_step(
+            self.config, price, self.running, now, self.arrivals.tightest(now)
         )
 
     def _step_load(self) -> tuple[int, int]:

@@ -35,6 +35,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+from sloserve.config import SchedulerConfig
 from sloserve.sched.request import Request
 from sloserve.sched.slo.step_model import StepPrice
 
@@ -228,6 +229,32 @@ class DeadlinePlan:
             self._overdrawn = True
             return True
         return False
+
+    @classmethod
+    def for_step(
+        cls,
+        config: SchedulerConfig,
+        price: StepPrice,
+        running: Iterable[Request],
+        now: float,
+        arrival_ttft_s: float | None,
+    ) -> DeadlinePlan:
+        """The plan of a step at `now` under the scheduler's settings (its prefill chunk, the
+        starvation bound, the step's token cap, the finish margin)."""
+        sc = config
+        chunk = sc.max_batched_tokens
+        if sc.chunked_prefill:
+            chunk = min(sc.prefill_chunk, sc.max_batched_tokens)
+        return cls(
+            price,
+            running,
+            now,
+            chunk,
+            sc.max_wait_s,
+            sc.max_batched_tokens,
+            sc.finish_margin,
+            arrival_ttft_s,
+        )
 
     def fit(self, r: Request, n: int, prompt: int, decodes: int) -> int:
         """`n` tokens of r cut to the room under the step cap, in a step that already computes
