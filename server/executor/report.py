@@ -19,6 +19,7 @@ def runner_info(runner: ModelRunner) -> dict:
         "architecture": runner.spec.architecture,
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "dtype_reason": runner.dtype_reason,
         "attention_backend": runner.backend.name,
         "parameters": runner.num_parameters,
         "max_model_len": runner.max_model_len,
