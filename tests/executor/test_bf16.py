@@ -9,6 +9,7 @@ transformers in float32 on the same weights, held against transformers' own bf16
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -143,3 +144,16 @@ def test_bf16_top1_agrees_with_float32_as_transformers_bf16_does(
 def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
     pairs = [(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)]
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+@needs_bf16
+def test_info_says_which_dtype_and_why(make_checkpoint):
+    from click.testing import CliRunner
+    from sloserve.cli.main import cli
+
+    folder = make_checkpoint("llama", dtype="bfloat16")
+    args = ["info", "--model", str(folder), "--device", "cpu", "--json"]
+    result = CliRunner().invoke(cli, [*args, "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["dtype"] == "float32" and data["dtype_reason"].startswith("--dtype float32")
