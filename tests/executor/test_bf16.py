@@ -157,3 +157,21 @@ def test_info_says_which_dtype_and_why(make_checkpoint):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["dtype"] == "float32" and data["dtype_reason"].startswith("--dtype float32")
+
+
+@needs_bf16
+def test_bf16_kv_pages_with_prefix_reuse(make_checkpoint):
+    """The offline API on bf16 KV pages: a second pass over shared prefixes hits the prefix cache
+    and gives the same tokens."""
+    from sloserve.llm import LLM
+    from sloserve.sampling_params import SamplingParams
+
+    folder = make_checkpoint("llama", dtype="bfloat16")
+    prefix = [256] + [(i * 11) % 250 for i in range(40)]
+    prompts = [prefix + [7, 8], prefix + [9], prefix + [10, 11, 12]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(str(folder), device="cpu", dtype="bfloat16", max_model_len=256) as llm:
+        first = llm.generate(prompts, params)
+        second = llm.generate(prompts, params)
+    assert all(o.num_cached_tokens >= 32 for o in second)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
