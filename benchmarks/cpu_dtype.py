@@ -2,9 +2,10 @@
 
 The model is weight_residency's random-weight Llama of Qwen2.5-0.5B's shape (358M parameters
 besides the tied 151,936-token embedding), saved in bf16. Each run is a fresh `sloserve serve` of
-one arm driven by one `sloserve bench` closed loop over the ARC-like synthetic workload, every
-request to exactly `--max-tokens` tokens; arms alternate run by run so that drift on a shared
-machine hits both alike, and the load average is recorded around each run:
+one arm driven by one `sloserve bench` closed loop over distinct ARC prompts of at most
+`--max-prompt-chars` characters (peer_llamacpp's workload; mean ~600 tokens at 900), every request
+to exactly `--max-tokens` tokens; arms alternate run by run so that drift on a shared machine hits
+both alike, and the load average is recorded around each run:
 
   c1    one request at a time: decode tok/s (1 / TPOT p50) and TTFT p50
   c16   sixteen in flight: output tok/s and TTFT p50
@@ -29,12 +30,13 @@ from pathlib import Path
 
 from benchmarks._output import OUT, write_json
 from benchmarks.ab_builds import free_port
+from benchmarks.peer_llamacpp import write_workload
 from benchmarks.weight_residency import SHAPE, checkpoint
 
 ARMS = ("float32", "bfloat16")
-LOADS = {  # name -> (concurrency, requests, workload seed)
-    "c1": (1, 4, 1),
-    "c16": (16, 32, 0),
+LOADS = {  # name -> (concurrency, requests: the workload's first)
+    "c1": (1, 4),
+    "c16": (16, 24),
 }
 
 
@@ -43,9 +45,9 @@ def bench_bin() -> Path:
     return Path(sys.executable).with_name("sloserve")
 
 
-def served(folder: Path, dtype: str, load: str, max_tokens: int, workdir: Path) -> dict:
+def served(folder: Path, dtype: str, load: str, workload: Path, workdir: Path) -> dict:
     """One fresh server at `dtype`, one closed-loop bench run against it."""
-    concurrency, requests, seed = LOADS[load]
+    concurrency, requests = LOADS[load]
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     log_path = workdir / f"serve_{dtype}_{load}_{time.monotonic_ns()}.log"
     report = workdir / f"bench_{time.monotonic_ns()}.json"
@@ -69,15 +71,11 @@ def served(folder: Path, dtype: str, load: str, max_tokens: int, workdir: Path) 
         "--server",
         f"127.0.0.1:{grpc_port}",
         "--workload",
-        "synthetic-arc",
-        "--seed",
-        str(seed),
+        f"jsonl:{workload}",
         "--num-requests",
         str(requests),
         "--concurrency",
         str(concurrency),
-        "--max-tokens",
-        str(max_tokens),
         "--ignore-eos",
         "--json",
         str(report),
@@ -112,6 +110,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--rounds", type=int, default=2, help="runs per arm and load, alternating")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-chars", type=int, default=900)
     p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     p.add_argument("--json", type=Path, default=OUT / "cpu_dtype.json")
     args = p.parse_args()
@@ -119,10 +118,16 @@ def main() -> None:
     folder = checkpoint(args.vocab, "bfloat16")
     runs: dict[str, dict[str, list[dict]]] = {load: {a: [] for a in ARMS} for load in args.loads}
     with tempfile.TemporaryDirectory() as tmp:
+        workload = Path(tmp) / "workload.jsonl"
+        spec = write_workload(
+            workload, max(LOADS[x][1] for x in args.loads), args.max_prompt_chars, args.max_tokens
+        )
+        lengths = [len(json.loads(line)["prompt"]) for line in workload.read_text().splitlines()]
+        print(f"{spec}: {len(lengths)} prompts of {statistics.mean(lengths):.0f} tokens on average")
         for r in range(args.rounds):
             for load in args.loads:
                 for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
-                    result = served(folder, arm, load, args.max_tokens, Path(tmp))
+                    result = served(folder, arm, load, workload, Path(tmp))
                     runs[load][arm].append(result)
                     print(f"round {r} {load} {arm}: {json.dumps(result)}", flush=True)
 
@@ -139,11 +144,11 @@ def main() -> None:
         {
             "model": {"vocab_size": args.vocab, **SHAPE, "checkpoint_dtype": "bfloat16"},
             "loads": {
-                k: dict(zip(("concurrency", "requests", "seed"), v, strict=True))
-                for k, v in LOADS.items()
+                k: dict(zip(("concurrency", "requests"), v, strict=True)) for k, v in LOADS.items()
             },
             "max_tokens": args.max_tokens,
-            "workload": "synthetic-arc, --ignore-eos",
+            "workload": f"{spec}: distinct prompts of at most {args.max_prompt_chars} characters "
+            f"(mean {statistics.mean(lengths):.0f}), --ignore-eos",
             "rounds": args.rounds,
             "runs": runs,
             "median": summary,
