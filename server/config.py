@@ -115,7 +115,9 @@ class ModelConfig:
     dtype: str = flag(
         "auto",
         "--dtype",
-        "Weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU).",
+        "Weights and KV dtype (auto: bfloat16 on GPU; on a CPU a bf16 checkpoint runs bfloat16 "
+        "where the CPU has AVX512-BF16 or AMX-BF16 and a start-up probe finds it faster, "
+        "everything else float32).",
         choices=DTYPES,
     )
     attention_backend: str = flag(

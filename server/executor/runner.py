@@ -79,6 +79,7 @@ class ModelRunner:
             loaded.dtype,
             loaded.max_model_len,
         )
+        self.dtype_reason = loaded.dtype_reason
         self.backend, self.block_size = choice.backend, choice.block_size
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = frozenset(self.eos_token_ids)
@@ -457,6 +458,7 @@ class ModelRunner:
             "architecture": self.spec.architecture,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype_reason": self.dtype_reason,
             "attention_backend": self.backend.name,
             "parameters": self.num_parameters,
             "max_model_len": self.max_model_len,

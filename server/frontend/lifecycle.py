@@ -125,6 +125,7 @@ class Lifecycle:
                 "architecture",
                 "device",
                 "dtype",
+                "dtype_reason",
                 "attention_backend",
                 "max_model_len",
                 "tensor_parallel_size",

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from sloserve.config import ParallelConfig
+from sloserve.executor.precision import bf16_units
 from sloserve.llm import LLM
 from sloserve.parallel.runner import TensorParallelRunner
 from sloserve.sampling_params import SamplingParams
@@ -253,3 +254,21 @@ def test_tp_benchmark_smoke(tmp_path, monkeypatch):
             and two["forwards"] > 0
             and two["all_reduce_ms_per_forward"] > 0
         )
+
+
+@pytest.mark.skipif(not bf16_units(), reason="this CPU has no AVX512-BF16 or AMX-BF16 units")
+def test_two_ranks_in_bf16_agree_with_float32(make_checkpoint):
+    """A bf16 checkpoint at --dtype auto: every rank picks bf16 by the CPU's units alone (no
+    probe, so the ranks agree), sums its partials in bf16, and the top-1 tokens agree with
+    transformers in float32 as often as one rank's do (tests/executor/test_bf16.py)."""
+    folder = make_checkpoint("llama", dtype="bfloat16")
+    reference = hf_greedy(load_hf_model(folder), PROMPTS, 24)
+    runner = _tp_runner_with(folder)
+    try:
+        info = runner.info()
+        assert info["dtype"] == "bfloat16" and "not probed" in info["dtype_reason"]
+        got = generate(runner, PROMPTS, 24, chunk=7, stagger=True, seed=3, forced=reference)
+    finally:
+        runner.close()
+    pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.95
