@@ -53,9 +53,8 @@ from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import ModelWeights
 from sloserve.tokenizer import Tokenizer
 
-log = logging.getLogger(
-    "sloserve.executor.runner"
-)  # NOTE: the start-up lines keep the runner's logger
+# NOTE: the start-up lines keep the runner's logger
+log = logging.getLogger("sloserve.executor.runner")
 
 
 def resolve_device(name: str) -> torch.device:

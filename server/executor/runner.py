@@ -132,9 +132,8 @@ class ModelRunner:
             max(1, self._cpu_threads),
         )
         self.kept = KeptLogprobs()  # by sample(), until execute() returns them
-        self.split_mixed_steps = (
-            True  # see split_mixed (benchmarks and tests turn it off to compare)
-        )
+        # see split_mixed (benchmarks and tests turn it off to compare)
+        self.split_mixed_steps = True
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
         log.info(

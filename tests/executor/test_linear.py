@@ -61,9 +61,8 @@ def test_row_tiles_cover_every_row_once_with_a_few_sizes():
             assert size in TILE_ROWS
             assert nxt is None or start + size == nxt
         last_start, last_size = tiles[-1]
-        assert (
-            rows <= last_start + last_size < rows + TILE_ROWS[-1]
-        )  # only the last runs past, padded
+        # only the last runs past, padded
+        assert rows <= last_start + last_size < rows + TILE_ROWS[-1]
         assert len(tiles) <= rows // TILE_ROWS[0] + len(TILE_ROWS)
 
 
@@ -106,9 +105,8 @@ def test_the_runner_packs_on_auto_and_refuses_onednn_where_it_cannot(make_checkp
     auto = make_runner(folder)
     assert on_onednn(auto.model.weights.layers[0].qkv) == onednn_available()
     assert type(make_runner(folder, cpu_gemm="blas").model.weights.layers[0].qkv) is DenseLinear
-    assert (
-        type(make_runner(folder, dtype="float16").model.weights.layers[0].qkv) is DenseLinear
-    )  # auto falls back (bfloat16 packs: test_bf16.py)
+    # auto falls back (bfloat16 packs: test_bf16.py)
+    assert type(make_runner(folder, dtype="float16").model.weights.layers[0].qkv) is DenseLinear
     with pytest.raises(ValueError, match="--cpu-gemm onednn cannot run here"):
         make_runner(folder, dtype="float16", cpu_gemm="onednn")
 

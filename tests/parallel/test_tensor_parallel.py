@@ -70,14 +70,12 @@ def test_two_ranks_match_transformers(make_checkpoint, arch, overrides, runner_k
         assert generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=3) == expected
         info = runner.info()
         assert info["tensor_parallel_size"] == 2 and info["all_reduce_calls"] > 0
-        assert (
-            info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0
-        )  # two per layer per forward
+        # two per layer per forward
+        assert info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0
     finally:
         runner.close()
-    assert all(
-        proc.poll() == 0 for proc in runner.workers.values()
-    )  # "stop" ends every worker cleanly
+    # "stop" ends every worker cleanly
+    assert all(proc.poll() == 0 for proc in runner.workers.values())
 
 
 def _tp_runner_with(folder, expert_slots_per_layer: int | None = None) -> TensorParallelRunner:
@@ -173,9 +171,8 @@ def test_two_nodes_on_loopback(tiny_qwen2):
         ) as llm:
             assert llm.engine.runner.workers == {}  # this node runs rank 0 only
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
-        assert (
-            node1.wait(timeout=30) == 0
-        )  # rank 0's "stop" ends node 1's ranks, and node 1 with them
+        # rank 0's "stop" ends node 1's ranks, and node 1 with them
+        assert node1.wait(timeout=30) == 0
         assert "node 1 of 2 runs tensor-parallel ranks 1-1 of 2" in node1.stderr.read()
     finally:
         if node1.poll() is None:
