@@ -1,14 +1,16 @@
-"""Resident weight bytes over the weights' own float32 bytes, on a CPU: each weight held once?
+"""Resident weight bytes over the checkpoint's bytes, on a CPU: each weight held once?
 
 Builds (once, under benchmarks/out/) a random-weight Llama of Qwen2.5-0.5B's shape (hidden 896,
 24 layers, 14 heads, 2 KV heads, intermediate 4864, tied embeddings; `--vocab`, 151,936 by default),
 then per arm, in a child process of its own, builds a `ModelRunner` and reports two ratios over the
-float32 bytes of the checkpoint's distinct parameters: the bytes the model's weights hold
-(`ModelWeights.nbytes`, a packed copy at its own size) and the process's RSS growth over the build
-(with and without its KV pool of 32 MiB; the rest of what is not weights: the step's buffers,
-imports, warm-up activations). Arms: `auto` (the default: the fused C step reads the plain weights
-and oneDNN reads them in place), `packed` (SLOSERVE_NO_EXTENSIONS=1: no fused step, only oneDNN's
-packed copy kept), `blas` (`--cpu-gemm blas`, torch's F.linear).
+bytes of the checkpoint's distinct parameters in the dtype it is stored in: the bytes the model's
+weights hold (`ModelWeights.nbytes`, a packed copy at its own size) and the process's RSS growth
+over the build (with and without its KV pool of 32 MiB; the rest of what is not weights: the
+step's buffers, imports, warm-up activations). Arms on the float32 checkpoint: `auto` (the default:
+the fused C step reads the plain weights and oneDNN reads them in place), `packed`
+(SLOSERVE_NO_EXTENSIONS=1: no fused step, only oneDNN's packed copy kept), `blas` (`--cpu-gemm
+blas`, torch's F.linear); on the same model saved in bf16: `bf16` (`--dtype bfloat16`, oneDNN's
+packed bf16 copy; needs a CPU with AVX512-BF16 or AMX-BF16).
 
     python -m benchmarks.weight_residency [--vocab 151936] [--json PATH]
 """
@@ -33,11 +35,20 @@ SHAPE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=4096,
 )
+# arm -> (--cpu-gemm, environment, the checkpoint's and the runner's dtype)
 ARMS = {
-    "auto": ("auto", {}),
-    "packed": ("auto", {"SLOSERVE_NO_EXTENSIONS": "1"}),
-    "blas": ("blas", {}),
+    "auto": ("auto", {}, "float32"),
+    "packed": ("auto", {"SLOSERVE_NO_EXTENSIONS": "1"}, "float32"),
+    "blas": ("blas", {}, "float32"),
+    "bf16": ("auto", {}, "bfloat16"),
 }
+
+
+def checkpoint(vocab: int, dtype: str = "float32") -> Path:
+    """The Qwen2.5-0.5B-shape random-weight Llama saved in `dtype` (built once under benchmarks/out)."""
+    from tests.checkpoints import tiny_checkpoint
+
+    return tiny_checkpoint("llama", OUT / "checkpoints", vocab_size=vocab, dtype=dtype, **SHAPE)
 
 
 def rss_bytes() -> int:
@@ -48,7 +59,7 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def child(folder: str, cpu_gemm: str) -> dict:
+def child(folder: str, cpu_gemm: str, dtype: str) -> dict:
     """One runner built in this process: what its weights hold and how much RSS grew."""
     import torch
     from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
@@ -56,7 +67,9 @@ def child(folder: str, cpu_gemm: str) -> dict:
 
     torch.set_num_threads(1)
     config = SloserveConfig(
-        model=ModelConfig(path=folder, device="cpu", cpu_gemm=cpu_gemm, max_model_len=512),
+        model=ModelConfig(
+            path=folder, device="cpu", cpu_gemm=cpu_gemm, dtype=dtype, max_model_len=512
+        ),
         cache=CacheConfig(kv_pool_bytes=32 << 20, swap_bytes=0),
         scheduler=SchedulerConfig(max_batch=4, max_batched_tokens=256),
     )
@@ -64,20 +77,21 @@ def child(folder: str, cpu_gemm: str) -> dict:
     runner = ModelRunner(config)
     grown = rss_bytes() - before
     weights = runner.model.weights
-    float32 = weights.num_parameters() * 4
+    stored = weights.num_parameters() * runner.dtype.itemsize  # the checkpoint's bytes
     pool = runner.pool.total_bytes  # zeroed at allocation: resident
     layer = weights.layers[0]
     return {
+        "dtype": str(runner.dtype).removeprefix("torch."),
         "projection_kind": type(layer.qkv).__name__,
         "fused_step": runner.decode_step is not None and runner.decode_step.fused is not None,
         "parameters": weights.num_parameters(),
-        "float32_bytes": float32,
+        "checkpoint_bytes": stored,
         "held_bytes": weights.nbytes(),
-        "held_ratio": round(weights.nbytes() / float32, 4),
+        "held_ratio": round(weights.nbytes() / stored, 4),
         "rss_growth_bytes": grown,
-        "rss_ratio": round(grown / float32, 4),
+        "rss_ratio": round(grown / stored, 4),
         "pool_bytes": pool,
-        "rss_less_pool_ratio": round((grown - pool) / float32, 4),
+        "rss_less_pool_ratio": round((grown - pool) / stored, 4),
     }
 
 
@@ -86,19 +100,27 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--json", default=str(OUT / "weight_residency.json"))
-    parser.add_argument("--child", nargs=2, metavar=("FOLDER", "CPU_GEMM"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", nargs=3, metavar=("FOLDER", "CPU_GEMM", "DTYPE"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
         return
-    from tests.checkpoints import tiny_checkpoint
-
-    folder = tiny_checkpoint("llama", OUT / "checkpoints", vocab_size=args.vocab, **SHAPE)
     report = {"model": {"vocab_size": args.vocab, **SHAPE}, "arms": {}}
     for arm in args.arms:
-        cpu_gemm, env = ARMS[arm]
+        cpu_gemm, env, dtype = ARMS[arm]
+        folder = checkpoint(args.vocab, dtype)
         out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.weight_residency", "--child", str(folder), cpu_gemm],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.weight_residency",
+                "--child",
+                str(folder),
+                cpu_gemm,
+                dtype,
+            ],
             env={**os.environ, **env},
             check=True,
             capture_output=True,
@@ -107,8 +129,8 @@ def main() -> None:
         result = json.loads(out.strip().splitlines()[-1])
         report["arms"][arm] = result
         print(
-            f"{arm:7s} {result['projection_kind']:13s} held/float32 {result['held_ratio']:.3f}  "
-            f"RSS growth/float32 {result['rss_ratio']:.3f} "
+            f"{arm:7s} {result['projection_kind']:16s} held/checkpoint {result['held_ratio']:.3f}  "
+            f"RSS growth/checkpoint {result['rss_ratio']:.3f} "
             f"(less the KV pool {result['rss_less_pool_ratio']:.3f})"
         )
     write_json(Path(args.json), report)

@@ -133,6 +133,8 @@ INFO_KEYS = (
     "architecture",
     "version",
     "device",
+    "dtype",
+    "dtype_reason",
     "attention_backend",
     "max_model_len",
     "max_prompt_tokens",

@@ -115,7 +115,9 @@ class ModelConfig:
     dtype: str = flag(
         "auto",
         "--dtype",
-        "Weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU).",
+        "Weights and KV dtype (auto: bfloat16 on GPU; on a CPU a bf16 checkpoint runs bfloat16 "
+        "where the CPU has AVX512-BF16 or AMX-BF16 and a start-up probe finds it faster, "
+        "everything else float32).",
         choices=DTYPES,
     )
     attention_backend: str = flag(
@@ -334,14 +336,12 @@ class SchedulerConfig:
     chunked_prefill: bool = flag(
         True, "--chunked-prefill", "Split long prompts across steps so decodes keep flowing."
     )
-    prefill_chunk: int = (
-        512  # longest prefill chunk of one request in a step others share (alone: the budget)
-    )
+    # longest prefill chunk of one request in a step others share (alone: the budget)
+    prefill_chunk: int = 512
     preemption_mode: str = "swap"  # 'swap' (falls back to recompute) or 'recompute'
     batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
-    adaptive_batch: bool = (
-        False  # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
-    )
+    # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
+    adaptive_batch: bool = False
     aging: float = 0.95  # key multiplier per step waited
     # NOTE: the write-up's 200 ms cost goodput (docs/scheduling.md)
     max_wait_s: float = flag(

@@ -63,11 +63,13 @@ def tiny_config(arch: str, **overrides):
     return classes[arch](**{**_COMMON, **_EXTRA[arch], **overrides})
 
 
-def tiny_checkpoint(arch: str, tmp_root: Path, *, seed: int = 0, **overrides) -> Path:
-    """Folder holding a tiny `arch` checkpoint (built once per distinct arguments under tmp_root)."""
-    digest = hashlib.sha1(
-        json.dumps([seed, overrides], sort_keys=True, default=str).encode()
-    ).hexdigest()[:8]
+def tiny_checkpoint(
+    arch: str, tmp_root: Path, *, seed: int = 0, dtype: str = "float32", **overrides
+) -> Path:
+    """Folder holding a tiny `arch` checkpoint (built once per distinct arguments under tmp_root),
+    saved in `dtype` (the float32 weights rounded to it)."""
+    key = [seed, overrides] if dtype == "float32" else [seed, overrides, dtype]
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     folder = Path(tmp_root) / f"{arch}-{digest}"
     if (folder / "config.json").is_file():
         return folder
@@ -84,6 +86,7 @@ def tiny_checkpoint(arch: str, tmp_root: Path, *, seed: int = 0, **overrides) ->
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
+    model.to(getattr(torch, dtype))
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)

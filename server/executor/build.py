@@ -31,13 +31,19 @@ from sloserve.executor.graphs import (
 )
 from sloserve.executor.host_memory import keep_freed_memory, return_freed_memory
 from sloserve.executor.plan import MemoryPlan
+from sloserve.executor.precision import checkpoint_dtype, choose_dtype
 from sloserve.layers.attention import (
     AttentionBackend,
     BackendChoice,
     CapturableDecode,
     select_backend,
 )
-from sloserve.layers.linear import OneDnnLinear, PackedLinear, cpu_gemm_reason
+from sloserve.layers.linear import (
+    OneDnnLinear,
+    PackedBf16Linear,
+    PackedLinear,
+    cpu_gemm_reason,
+)
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
@@ -47,11 +53,8 @@ from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import ModelWeights
 from sloserve.tokenizer import Tokenizer
 
-log = logging.getLogger(
-    "sloserve.executor.runner"
-)  # NOTE: the start-up lines keep the runner's logger
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# NOTE: the start-up lines keep the runner's logger
+log = logging.getLogger("sloserve.executor.runner")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,13 +71,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> float32 on a CPU (bf16 matmuls are ~100x slower there), bfloat16 on a GPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 # ---- 1. load -------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Loaded:
@@ -86,6 +82,7 @@ class Loaded:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+    dtype_reason: str  # why this dtype (executor/precision.py)
     max_model_len: int
     eos_token_ids: list[int]
     num_parameters: int  # counted before build_model hands the experts to their store
@@ -95,10 +92,14 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
     """Resolve device and dtype, read the checkpoint (this rank's shard) and its tokenizer, check max_model_len."""
     mc = config.model
     device = resolve_device(mc.device)
-    dtype = resolve_dtype(mc.dtype, device)
+    path = resolve_model_path(mc.path)
+    # NOTE: tensor-parallel ranks decide by the CPU's units alone: each rank's probe times its own
+    # run, and every rank must hold the same dtype.
+    choice = choose_dtype(mc.dtype, device, checkpoint_dtype(path), probe=shard.size == 1)
+    dtype = choice.dtype
+    log.info("dtype %s: %s", str(dtype).removeprefix("torch."), choice.reason)
     if device.type == "cpu" and mc.host_malloc == "keep":
         keep_freed_memory()
-    path = resolve_model_path(mc.path)
     # NOTE: routed experts stay on the host until the residency is decided, which needs the device
     # budget left after the dense weights (executor/residency.py); build_model's ExpertStore places them.
     spec, weights = load_checkpoint(path, device, dtype, experts_on_host=True, shard=shard)
@@ -119,6 +120,7 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
         tokenizer,
         device,
         dtype,
+        choice.reason,
         mc.max_model_len or limit,
         eos,
         weights.num_parameters(),
@@ -255,12 +257,19 @@ def prepare_projections(
         log.debug("dense projections on F.linear: %s", why_not)
         return
     started = time.monotonic()
-    kind = OneDnnLinear if reads_plain else PackedLinear
+    if dtype == torch.bfloat16:  # nothing else reads bf16 weights: the fused step runs float32
+        kind, how = PackedBf16Linear, "packed in bf16"
+        if weights.lm_head.weight is not weights.embed:  # a tied head reads the embedding itself
+            weights.lm_head = kind(weights.lm_head.weight, weights.lm_head.bias)
+    elif reads_plain:
+        kind, how = OneDnnLinear, "read in place (the fused step reads them too)"
+    else:
+        kind, how = PackedLinear, "packed"
     count = weights.replace_dense(lambda proj: kind(proj.weight, proj.bias))
     log.info(
         "dense projections on oneDNN: %d weights %s, held once, in %.2fs",
         count,
-        "read in place (the fused step reads them too)" if reads_plain else "packed",
+        how,
         time.monotonic() - started,
     )
 

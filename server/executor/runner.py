@@ -79,6 +79,7 @@ class ModelRunner:
             loaded.dtype,
             loaded.max_model_len,
         )
+        self.dtype_reason = loaded.dtype_reason
         self.backend, self.block_size = choice.backend, choice.block_size
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = frozenset(self.eos_token_ids)
@@ -131,9 +132,8 @@ class ModelRunner:
             max(1, self._cpu_threads),
         )
         self.kept = KeptLogprobs()  # by sample(), until execute() returns them
-        self.split_mixed_steps = (
-            True  # see split_mixed (benchmarks and tests turn it off to compare)
-        )
+        # see split_mixed (benchmarks and tests turn it off to compare)
+        self.split_mixed_steps = True
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
         log.info(
@@ -457,6 +457,7 @@ class ModelRunner:
             "architecture": self.spec.architecture,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype_reason": self.dtype_reason,
             "attention_backend": self.backend.name,
             "parameters": self.num_parameters,
             "max_model_len": self.max_model_len,

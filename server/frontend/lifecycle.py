@@ -109,9 +109,8 @@ class Lifecycle:
             await self.engine.start()
         except Exception as exc:  # noqa: BLE001 - a model that cannot load is fatal for this server
             self.start_error = exc
-            if isinstance(
-                exc, ValueError
-            ):  # CheckpointError and friends: the user's to fix, no traceback
+            # CheckpointError and friends: the user's to fix, no traceback
+            if isinstance(exc, ValueError):
                 log.error("cannot load model %r: %s", self.config.model.path, exc)
             else:
                 log.error("engine failed to start: %s", exc, exc_info=exc)
@@ -125,6 +124,7 @@ class Lifecycle:
                 "architecture",
                 "device",
                 "dtype",
+                "dtype_reason",
                 "attention_backend",
                 "max_model_len",
                 "tensor_parallel_size",

@@ -207,6 +207,8 @@ def info_pb(
         max_tokens_limit=max_tokens_limit,
         block_size=int(model_info.get("block_size") or 0),
         device=str(model_info.get("device", "")),
+        dtype=str(model_info.get("dtype", "")),
+        dtype_reason=str(model_info.get("dtype_reason", "")),
         attention_backend=str(model_info.get("attention_backend", "")),
         kv_block_bytes=int(model_info.get("kv_block_bytes") or 0),
         expert_residency=str(model_info.get("expert_residency") or ""),

@@ -28,10 +28,13 @@ def generate(
     seed: int = 0,
     params: list[SamplingParams] | None = None,
     stagger: bool = False,
+    forced: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """Run every prompt to `max_new` tokens in shared steps; pages come from a shuffled free list.
 
     chunk: longest prefill chunk per step (None = whole prompt). stagger: request i joins at step i.
+    forced: each prompt's continuation to feed (teacher forcing) instead of the sampled tokens,
+    which are still what is returned.
     """
     free = list(range(1, runner.num_kv_blocks))
     random.Random(seed).shuffle(free)
@@ -62,15 +65,15 @@ def generate(
                     len(r.generated),
                 )
             )
-            owners.append((r, n, sample))
+            owners.append((i, r, n, sample))
         finished = [r.req_id for r in reqs if len(r.generated) >= max_new]
         result = runner.execute(SchedulerOutput(seqs, finished_req_ids=finished))
         tokens = iter(t for run in result.tokens for t in run)
-        for r, n, sample in owners:
+        for i, r, n, sample in owners:
             r.computed += n
             if sample:
                 token = next(tokens)
                 r.generated.append(token)
-                r.tokens.append(token)
+                r.tokens.append(token if forced is None else forced[i][len(r.generated) - 1])
         step += 1
     return [r.generated for r in reqs]

@@ -282,6 +282,19 @@ def gpu_backend(name: str, dtype: torch.dtype, block_size: int) -> object:
     return cls()
 
 
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_cpu_split_path_on_bf16_caches_matches_oracle(ratio, batch):
+    """bf16 pages on a CPU: decode tokens attend in float32 matmuls (sdpa._decode_float32), prefill
+    chunks on SDPA; both within bf16's rounding of the float64 oracle."""
+    chunks = [m for length in LENGTHS for m in modes(length).values()]
+    if batch == "decode":
+        chunks = [(n - 1, 1) for n in LENGTHS]
+    q, k, v, meta, scale = make_case(chunks, ratio, seed=ratio, dtype=torch.bfloat16)
+    out = SdpaBackend(batched=False).forward(q, k, v, meta, scale)
+    assert out.dtype == torch.bfloat16 and rel_err(out, oracle(q, k, v, meta, scale)) <= 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 # flash needs 256-token pages: below

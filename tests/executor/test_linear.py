@@ -61,9 +61,8 @@ def test_row_tiles_cover_every_row_once_with_a_few_sizes():
             assert size in TILE_ROWS
             assert nxt is None or start + size == nxt
         last_start, last_size = tiles[-1]
-        assert (
-            rows <= last_start + last_size < rows + TILE_ROWS[-1]
-        )  # only the last runs past, padded
+        # only the last runs past, padded
+        assert rows <= last_start + last_size < rows + TILE_ROWS[-1]
         assert len(tiles) <= rows // TILE_ROWS[0] + len(TILE_ROWS)
 
 
@@ -80,7 +79,7 @@ def test_what_is_not_packed_or_too_small_runs_f_linear():
     assert packed.weight is w and packed.nbytes() == 32 * 16 * 4
 
 
-def test_only_float32_cpu_matrices_are_packed():
+def test_only_float32_cpu_matrices_are_packed_as_float32():
     with pytest.raises(ValueError, match="2-D float32 CPU"):
         PackedLinear(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="2-D float32 CPU"):
@@ -90,8 +89,10 @@ def test_only_float32_cpu_matrices_are_packed():
 def test_cpu_gemm_reason():
     cpu = torch.device("cpu")
     assert cpu_gemm_reason("blas", cpu, torch.float32) == "--cpu-gemm blas"
-    assert "float32 on a CPU" in cpu_gemm_reason("auto", cpu, torch.bfloat16)
-    assert "float32 on a CPU" in cpu_gemm_reason("onednn", torch.device("cuda"), torch.float32)
+    assert "float32 and bfloat16 on a CPU" in cpu_gemm_reason("auto", cpu, torch.float16)
+    assert "float32 and bfloat16 on a CPU" in cpu_gemm_reason(
+        "onednn", torch.device("cuda"), torch.float32
+    )
     assert cpu_gemm_reason("auto", cpu, torch.float32) == (
         None if onednn_available() else "this torch build has no oneDNN linear operators"
     )
@@ -104,11 +105,10 @@ def test_the_runner_packs_on_auto_and_refuses_onednn_where_it_cannot(make_checkp
     auto = make_runner(folder)
     assert on_onednn(auto.model.weights.layers[0].qkv) == onednn_available()
     assert type(make_runner(folder, cpu_gemm="blas").model.weights.layers[0].qkv) is DenseLinear
-    assert (
-        type(make_runner(folder, dtype="bfloat16").model.weights.layers[0].qkv) is DenseLinear
-    )  # auto falls back
+    # auto falls back (bfloat16 packs: test_bf16.py)
+    assert type(make_runner(folder, dtype="float16").model.weights.layers[0].qkv) is DenseLinear
     with pytest.raises(ValueError, match="--cpu-gemm onednn cannot run here"):
-        make_runner(folder, dtype="bfloat16", cpu_gemm="onednn")
+        make_runner(folder, dtype="float16", cpu_gemm="onednn")
 
 
 def test_config_refuses_an_unknown_cpu_gemm(tmp_path):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from sloserve.config import ParallelConfig
+from sloserve.executor.precision import bf16_units
 from sloserve.llm import LLM
 from sloserve.parallel.runner import TensorParallelRunner
 from sloserve.sampling_params import SamplingParams
@@ -69,14 +70,12 @@ def test_two_ranks_match_transformers(make_checkpoint, arch, overrides, runner_k
         assert generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, seed=3) == expected
         info = runner.info()
         assert info["tensor_parallel_size"] == 2 and info["all_reduce_calls"] > 0
-        assert (
-            info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0
-        )  # two per layer per forward
+        # two per layer per forward
+        assert info["all_reduce_calls"] % (2 * runner.spec.num_layers) == 0
     finally:
         runner.close()
-    assert all(
-        proc.poll() == 0 for proc in runner.workers.values()
-    )  # "stop" ends every worker cleanly
+    # "stop" ends every worker cleanly
+    assert all(proc.poll() == 0 for proc in runner.workers.values())
 
 
 def _tp_runner_with(folder, expert_slots_per_layer: int | None = None) -> TensorParallelRunner:
@@ -172,9 +171,8 @@ def test_two_nodes_on_loopback(tiny_qwen2):
         ) as llm:
             assert llm.engine.runner.workers == {}  # this node runs rank 0 only
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
-        assert (
-            node1.wait(timeout=30) == 0
-        )  # rank 0's "stop" ends node 1's ranks, and node 1 with them
+        # rank 0's "stop" ends node 1's ranks, and node 1 with them
+        assert node1.wait(timeout=30) == 0
         assert "node 1 of 2 runs tensor-parallel ranks 1-1 of 2" in node1.stderr.read()
     finally:
         if node1.poll() is None:
@@ -253,3 +251,21 @@ def test_tp_benchmark_smoke(tmp_path, monkeypatch):
             and two["forwards"] > 0
             and two["all_reduce_ms_per_forward"] > 0
         )
+
+
+@pytest.mark.skipif(not bf16_units(), reason="this CPU has no AVX512-BF16 or AMX-BF16 units")
+def test_two_ranks_in_bf16_agree_with_float32(make_checkpoint):
+    """A bf16 checkpoint at --dtype auto: every rank picks bf16 by the CPU's units alone (no
+    probe, so the ranks agree), sums its partials in bf16, and the top-1 tokens agree with
+    transformers in float32 as often as one rank's do (tests/executor/test_bf16.py)."""
+    folder = make_checkpoint("llama", dtype="bfloat16")
+    reference = hf_greedy(load_hf_model(folder), PROMPTS, 24)
+    runner = _tp_runner_with(folder)
+    try:
+        info = runner.info()
+        assert info["dtype"] == "bfloat16" and "not probed" in info["dtype_reason"]
+        got = generate(runner, PROMPTS, 24, chunk=7, stagger=True, seed=3, forced=reference)
+    finally:
+        runner.close()
+    pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.95

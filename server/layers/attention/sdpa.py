@@ -244,5 +244,29 @@ def _decode(
     shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
     k, v = k.view(shape), v.view(shape)
     mask = ~outside.view(num_seqs, 1, 1, length)  # keys < seq_len
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        return _decode_float32(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale)
     # [Sd, Hq, D]
     return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).squeeze(2)
+
+
+def _decode_float32(
+    q: torch.Tensor,  # [Sd, Hq, D]
+    k: torch.Tensor,  # [Sd, Hkv, Lk, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [Sd, 1, 1, Lk] bool, True: attend
+    scale: float,
+) -> torch.Tensor:  # [Sd, Hq, D] in q's dtype
+    """Decode attention of a bf16 (or float16) cache on a CPU, in float32: scores, softmax and
+    sums. Query head h reads KV head h // (Hq / Hkv), as SDPA's `enable_gqa` does.
+
+    NOTE: torch's CPU SDPA on bf16 single-row queries with a mask ran ~11x slower than this
+    (16 sequences x 656 keys, 14 / 2 heads of 64: 6.2 ms against 0.56 ms a layer, 2 threads).
+    """
+    num_seqs, num_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, dim).float()
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scale)  # [Sd, Hkv, G, Lk]
+    scores.masked_fill_(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v.float())  # [Sd, Hkv, G, D]
+    return out.view(num_seqs, num_heads, dim).to(q.dtype)

@@ -1,0 +1,160 @@
+"""One bf16 checkpoint served by the same build at --dtype float32 and at --dtype bfloat16, side by side.
+
+The model is weight_residency's random-weight Llama of Qwen2.5-0.5B's shape (358M parameters
+besides the tied 151,936-token embedding), saved in bf16. Each run is a fresh `sloserve serve` of
+one arm driven by one `sloserve bench` closed loop over distinct ARC prompts of at most
+`--max-prompt-chars` characters (peer_llamacpp's workload; mean ~600 tokens at 900), every request
+to exactly `--max-tokens` tokens; arms alternate run by run so that drift on a shared machine hits
+both alike, and the load average is recorded around each run:
+
+  c1    one request at a time: decode tok/s (1 / TPOT p50) and TTFT p50
+  c16   sixteen in flight: output tok/s and TTFT p50
+
+    python -m benchmarks.cpu_dtype [--rounds 2] [--json PATH]
+
+bf16 needs a CPU with AVX512-BF16 or AMX-BF16 (the server refuses --dtype bfloat16 without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._output import OUT, write_json
+from benchmarks.ab_builds import free_port
+from benchmarks.peer_llamacpp import write_workload
+from benchmarks.weight_residency import SHAPE, checkpoint
+
+ARMS = ("float32", "bfloat16")
+LOADS = {  # name -> (concurrency, requests: the workload's first)
+    "c1": (1, 4),
+    "c16": (16, 24),
+}
+
+
+def bench_bin() -> Path:
+    """This interpreter's `sloserve` command."""
+    return Path(sys.executable).with_name("sloserve")
+
+
+def served(folder: Path, dtype: str, load: str, workload: Path, workdir: Path) -> dict:
+    """One fresh server at `dtype`, one closed-loop bench run against it."""
+    concurrency, requests = LOADS[load]
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    log_path = workdir / f"serve_{dtype}_{load}_{time.monotonic_ns()}.log"
+    report = workdir / f"bench_{time.monotonic_ns()}.json"
+    serve = [
+        str(bench_bin()),
+        "serve",
+        "--model",
+        str(folder),
+        "--dtype",
+        dtype,
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    bench = [
+        str(bench_bin()),
+        "bench",
+        "--server",
+        f"127.0.0.1:{grpc_port}",
+        "--workload",
+        f"jsonl:{workload}",
+        "--num-requests",
+        str(requests),
+        "--concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--json",
+        str(report),
+    ]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            load_before = os.getloadavg()[0]
+            subprocess.run(bench, check=True, capture_output=True, timeout=1800)
+            load_after = os.getloadavg()[0]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    run = json.loads(report.read_text())["runs"][0]
+    text = log_path.read_text()
+    why = re.search(r"dtype (\w+): (.*)", text)
+    kinds = re.search(r"dense projections on oneDNN: (.*), in ", text)
+    return {
+        "dtype": why.group(1) if why else None,
+        "dtype_reason": why.group(2).strip() if why else None,
+        "projections": kinds.group(1) if kinds else None,
+        "output_tok_s": run["output_token_throughput"],
+        "decode_tok_s": 1.0 / run["tpot_s"]["p50"],
+        "ttft_p50_s": run["ttft_s"]["p50"],
+        "completed": run["completed"],
+        "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--rounds", type=int, default=2, help="runs per arm and load, alternating")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-chars", type=int, default=900)
+    p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
+    p.add_argument("--json", type=Path, default=OUT / "cpu_dtype.json")
+    args = p.parse_args()
+
+    folder = checkpoint(args.vocab, "bfloat16")
+    runs: dict[str, dict[str, list[dict]]] = {load: {a: [] for a in ARMS} for load in args.loads}
+    with tempfile.TemporaryDirectory() as tmp:
+        workload = Path(tmp) / "workload.jsonl"
+        spec = write_workload(
+            workload, max(LOADS[x][1] for x in args.loads), args.max_prompt_chars, args.max_tokens
+        )
+        lengths = [len(json.loads(line)["prompt"]) for line in workload.read_text().splitlines()]
+        print(f"{spec}: {len(lengths)} prompts of {statistics.mean(lengths):.0f} tokens on average")
+        for r in range(args.rounds):
+            for load in args.loads:
+                for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                    result = served(folder, arm, load, workload, Path(tmp))
+                    runs[load][arm].append(result)
+                    print(f"round {r} {load} {arm}: {json.dumps(result)}", flush=True)
+
+    fields = {"c1": ("decode_tok_s", "ttft_p50_s"), "c16": ("output_tok_s", "ttft_p50_s")}
+    summary: dict[str, dict] = {}
+    print(f"{'':24s} {'float32':>10s} {'bfloat16':>10s} {'bf16/f32':>9s}")
+    for load in args.loads:
+        for field in fields[load]:
+            a, b = (statistics.median(x[field] for x in runs[load][arm]) for arm in ARMS)
+            summary[f"{load} {field}"] = {"float32": a, "bfloat16": b, "ratio": b / a}
+            print(f"{load + ' ' + field:24s} {a:10.3f} {b:10.3f} {b / a:9.3f}")
+    write_json(
+        args.json,
+        {
+            "model": {"vocab_size": args.vocab, **SHAPE, "checkpoint_dtype": "bfloat16"},
+            "loads": {
+                k: dict(zip(("concurrency", "requests"), v, strict=True)) for k, v in LOADS.items()
+            },
+            "max_tokens": args.max_tokens,
+            "workload": f"{spec}: distinct prompts of at most {args.max_prompt_chars} characters "
+            f"(mean {statistics.mean(lengths):.0f}), --ignore-eos",
+            "rounds": args.rounds,
+            "runs": runs,
+            "median": summary,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
