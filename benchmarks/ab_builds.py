@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks._output import OUT, write_json
+from benchmarks.harness import bench_fresh_server
 
 TOKENS_SCRIPT = r"""
 import json, sys
@@ -38,12 +37,6 @@ with LLM(model) as llm:
     outs = llm.generate([i.prompt for i in items], SamplingParams(max_tokens=max_tokens, temperature=0))
 print(json.dumps([o.token_ids for o in outs]))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def greedy_tokens(venv: Path, model: str, n: int, max_tokens: int) -> list[list[int]]:
@@ -60,41 +53,9 @@ def greedy_tokens(venv: Path, model: str, n: int, max_tokens: int) -> list[list[
 
 def served(venv: Path, model: str, bench_args: list[str], workdir: Path) -> dict:
     """One fresh server of this build, one closed-loop bench run against it: the bench's summary."""
-    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    serve = [
-        str(venv / "bin/sloserve"),
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(grpc_port),
-        "--http-port",
-        str(http_port),
-        "--metrics-port",
-        str(metrics_port),
-    ]
-    report = workdir / f"bench_{time.monotonic_ns()}.json"
-    with open(workdir / "serve.log", "a") as log:
-        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            subprocess.run(
-                [
-                    str(venv / "bin/sloserve"),
-                    "bench",
-                    "--server",
-                    f"127.0.0.1:{grpc_port}",
-                    *bench_args,
-                    "--json",
-                    str(report),
-                ],
-                check=True,
-                capture_output=True,
-                timeout=1800,
-            )
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-    run = json.loads(report.read_text())["runs"][0]
+    run = bench_fresh_server(
+        venv / "bin/sloserve", ["--model", model], bench_args, workdir / "serve.log"
+    )
     return {
         "output_tok_s": run["output_token_throughput"],
         "ttft_p50_s": run["ttft_s"]["p50"],

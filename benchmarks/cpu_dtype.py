@@ -22,14 +22,13 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks._output import OUT, write_json
-from benchmarks.ab_builds import free_port
+from benchmarks.harness import bench_fresh_server
 from benchmarks.peer_llamacpp import write_workload
 from benchmarks.weight_residency import SHAPE, checkpoint
 
@@ -48,48 +47,14 @@ def bench_bin() -> Path:
 def served(folder: Path, dtype: str, load: str, workload: Path, workdir: Path) -> dict:
     """One fresh server at `dtype`, one closed-loop bench run against it."""
     concurrency, requests = LOADS[load]
-    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     log_path = workdir / f"serve_{dtype}_{load}_{time.monotonic_ns()}.log"
-    report = workdir / f"bench_{time.monotonic_ns()}.json"
-    serve = [
-        str(bench_bin()),
-        "serve",
-        "--model",
-        str(folder),
-        "--dtype",
-        dtype,
-        "--port",
-        str(grpc_port),
-        "--http-port",
-        str(http_port),
-        "--metrics-port",
-        str(metrics_port),
-    ]
-    bench = [
-        str(bench_bin()),
-        "bench",
-        "--server",
-        f"127.0.0.1:{grpc_port}",
-        "--workload",
-        f"jsonl:{workload}",
-        "--num-requests",
-        str(requests),
-        "--concurrency",
-        str(concurrency),
-        "--ignore-eos",
-        "--json",
-        str(report),
-    ]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            load_before = os.getloadavg()[0]
-            subprocess.run(bench, check=True, capture_output=True, timeout=1800)
-            load_after = os.getloadavg()[0]
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-    run = json.loads(report.read_text())["runs"][0]
+    bench = ["--workload", f"jsonl:{workload}", "--num-requests", str(requests)]
+    bench += ["--concurrency", str(concurrency), "--ignore-eos"]
+    load_before = os.getloadavg()[0]
+    run = bench_fresh_server(
+        bench_bin(), ["--model", str(folder), "--dtype", dtype], bench, log_path
+    )
+    load_after = os.getloadavg()[0]
     text = log_path.read_text()
     why = re.search(r"dtype (\w+): (.*)", text)
     kinds = re.search(r"dense projections on oneDNN: (.*), in ", text)

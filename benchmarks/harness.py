@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,6 +110,29 @@ def launch(
 
 
 send = send_load  # (target, items, spec) -> RunResult
+
+
+def bench_fresh_server(
+    sloserve: Path, serve_args: list[str], bench_args: list[str], log_path: Path
+) -> dict:
+    """One fresh `SLOSERVE serve SERVE_ARGS` on free ports, one `SLOSERVE bench BENCH_ARGS` run
+    against its gRPC port, the server stopped: the bench report's first run (its JSON schema:
+    sloserve.bench.report). Only the command line is used, so any build's `sloserve` serves."""
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    ports = ["--port", str(grpc_port), "--http-port", str(http_port)]
+    serve = [str(sloserve), "serve", *serve_args, *ports, "--metrics-port", str(metrics_port)]
+    report = log_path.with_name(f"bench_{time.monotonic_ns()}.json")
+    bench = [str(sloserve), "bench", "--server", f"127.0.0.1:{grpc_port}", *bench_args]
+    with open(log_path, "a") as log:
+        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            subprocess.run(
+                [*bench, "--json", str(report)], check=True, capture_output=True, timeout=1800
+            )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    return json.loads(report.read_text())["runs"][0]
 
 
 def message_dict(message) -> dict:
