@@ -1,10 +1,11 @@
 """The plain-data contract between the scheduler and the executor (no torch, no Request objects).
 
-One engine step = one SchedulerOutput, answered by one StepResult. For each scheduled sequence the executor computes
-``token_ids`` at positions ``start_pos .. start_pos + len(token_ids) - 1``, writing their K/V into
-the slots named by ``block_table`` (slot of position p = block_table[p // block_size] * block_size
-+ p % block_size), attending causally to everything before them in the same block table, and,
-when ``sample`` is set, samples one next token from the logits of the last position.
+One engine step = one SchedulerOutput, answered by one StepResult. For each scheduled sequence
+the executor computes ``token_ids`` at positions ``start_pos .. start_pos + len(token_ids) - 1``,
+writing their K/V into the slots named by ``block_table`` (slot of position p =
+block_table[p // block_size] * block_size + p % block_size), attending causally to everything
+before them in the same block table, and, when ``sample`` is set, samples one next token from
+the logits of the last position.
 
 The one exception to writing: the first ``kv_present`` tokens already have their K/V in the
 block table (a prefix-cache hit on a block other requests share). They are computed for their
