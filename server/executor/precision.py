@@ -4,9 +4,8 @@ On a GPU `auto` is bfloat16. On a CPU `auto` keeps a float32 (or unlabelled) che
 (its exact equality with transformers holds), and serves a bf16 checkpoint in bf16 where the CPU
 has bf16 dot-product units (AVX512-BF16 or AMX-BF16) and a start-up probe, torch's own `linear`
 in both dtypes at a prefill-like shape, finds bf16 faster; float32 otherwise. Nothing is assumed
-from the vendor or the model name: on one EPYC (AVX512-BF16, no AMX) bf16 ran that product ×2.3
-faster than float32, on an AMX Xeon ×7.2; without the units torch emulates bf16, several times
-slower.
+from the vendor or the model name (how much bf16 gains differs by machine, and without the units
+torch emulates bf16, several times slower: docs/design/cpu-decode.md).
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _PACK_ROWS_HINT = 512
 # Row tiles of a packed product, largest first (see the module docstring).
 TILE_ROWS = (512, 256, 128, 64, 32, 16)
-# bf16 row tiles: down to one row, so nothing is padded (measured on an AMD EPYC with AVX512-BF16,
-# 896-wide projections: one row packed ran 2-2.5x faster than it padded to 16, and 1.5-2.5x faster
-# than F.linear on the plain bf16 weight, at every row count up to 16).
+# bf16 row tiles: down to one row, so nothing is padded (a padded decode row costs more than it
+# saves: docs/design/cpu-decode.md, "bf16 on the CPU").
 BF16_TILE_ROWS = (*TILE_ROWS, 8, 4, 2, 1)
 # Fewer rows than this run F.linear: oneDNN's packed product loses to MKL below it
 # (docs/design/cpu-decode.md).

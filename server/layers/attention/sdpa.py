@@ -260,8 +260,8 @@ def _decode_float32(
     """Decode attention of a bf16 (or float16) cache on a CPU, in float32: scores, softmax and
     sums. Query head h reads KV head h // (Hq / Hkv), as SDPA's `enable_gqa` does.
 
-    NOTE: torch's CPU SDPA on bf16 single-row queries with a mask ran ~11x slower than this
-    (16 sequences x 656 keys, 14 / 2 heads of 64: 6.2 ms against 0.56 ms a layer, 2 threads).
+    NOTE: torch's CPU SDPA on bf16 single-row queries with a mask runs an order of magnitude
+    slower than this (docs/design/cpu-decode.md, "bf16 on the CPU").
     """
     num_seqs, num_heads, dim = q.shape
     kv_heads = k.shape[1]
