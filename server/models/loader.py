@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from sloserve.errors import CheckpointError
 from sloserve.layers.linear import DenseLinear
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
+from sloserve.models.safetensors_file import CHUNK_BYTES, SafetensorsFile
 from sloserve.models.shard import Shard, local_spec
 from sloserve.models.spec import ModelSpec, load_spec, read_json
 from sloserve.models.weights import LayerWeights, ModelWeights
@@ -33,11 +33,18 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 class TensorSource:
-    """Name -> tensor over one or many safetensors files, each opened once; errors name the file."""
+    """Name -> tensor over one or many safetensors files, read without a memory map; errors name the file.
+
+    Each tensor is read into memory of its own (models/safetensors_file.py), so what a load holds
+    is the weights it keeps, never the file's pages beside them.
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._handles: dict[Path, object] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
+        # NOTE: one conversion buffer for the whole load: a fresh one per tensor leaves the
+        # allocator's heap fragmented by hundreds of MiB that outlive the load
+        self._scratch: torch.Tensor | None = None
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
@@ -61,47 +68,51 @@ class TensorSource:
                     f"shard {file.name} named in {index.name} is missing from {folder}"
                 )
 
-    def _open(self, file: Path):
-        if file in self._handles:
-            return self._handles[file]
+    def _open(self, file: Path) -> SafetensorsFile:
+        if file in self._files:
+            return self._files[file]
         try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except (SafetensorError, OSError, ValueError) as exc:
+            opened = SafetensorsFile(file)
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
-        self._handles[file] = handle
-        return handle
+        self._files[file] = opened
+        return opened
 
     def has(self, name: str) -> bool:
         return name in self._where
 
     def get(
-        self, name: str, shape: tuple[int, ...], part: tuple[int, slice] | None = None
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        part: tuple[int, slice] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The tensor `name` (on the CPU), checked against the shape the config implies.
+        """The tensor `name` on the CPU, checked against the shape the config implies.
 
         With `part` = (dim, slice), only that slice along that dimension is read from the file
-        (a tensor-parallel rank's share; the rest of the tensor is never loaded).
+        (a tensor-parallel rank's share; the rest of the tensor is never loaded). In `dtype`
+        (default: the file's), or into `out` (see SafetensorsFile.read).
         """
         file = self._where.get(name)
         if file is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-        try:
-            if part is None:
-                tensor = self._open(file).get_tensor(name)
-                found = tuple(tensor.shape)
-            else:
-                view = self._open(file).get_slice(name)
-                found = tuple(view.get_shape())
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+        opened = self._open(file)
+        if name not in opened.entries:
+            raise CheckpointError(f"{file}: tensor {name!r} is missing from the file")
+        found = opened.shape(name)
         if found != tuple(shape):
             raise CheckpointError(
                 f"{file}: tensor {name!r} has shape {found}, but config.json implies {tuple(shape)}"
             )
-        if part is not None:
-            dim, sl = part
-            tensor = view[(slice(None),) * dim + (sl,)]
-        return tensor
+        try:
+            if self._scratch is None:
+                self._scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+            return opened.read(name, part, dtype=dtype, out=out, scratch=self._scratch)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
 
 
 def load_checkpoint(
@@ -131,26 +142,49 @@ def load_checkpoint(
     expert_device = torch.device("cpu") if partial or experts_on_host else device
 
     def get(
-        name: str, *shape: int, on: torch.device = device, part: tuple[int, slice] | None = None
+        name: str,
+        *shape: int,
+        on: torch.device = device,
+        part: tuple[int, slice] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # NOTE: a copy even where the device and dtype match: safetensors hands out views of its
-        # file mapping, which stays resident while any of them lives, so a weight released later
-        # (a plain one replaced by its packed copy) would free nothing.
-        return src.get(name, shape, part).to(device=on, dtype=dtype, copy=True)
+        """The weight in `dtype` on `on` (read into `out` when given)."""
+        if on.type == "cpu":
+            return src.get(name, shape, part, dtype=dtype, out=out)
+        tensor = src.get(name, shape, part).to(device=on, dtype=dtype)
+        return tensor if out is None else out.copy_(tensor)
 
     def cat(
         names: list[str],
         shapes: list[tuple[int, ...]],
         on: torch.device = device,
         parts: list[tuple[int, slice] | None] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The weights joined along dim 0 (parts, if any, slice dim 0 too), read into `out` when given."""
         parts = parts or [None] * len(names)
-        return torch.cat(
-            [
-                src.get(n, s, p).to(device=on, dtype=dtype)
-                for n, s, p in zip(names, shapes, parts, strict=True)
-            ]
-        )
+        pairs = zip(shapes, parts, strict=True)
+        rows = [len(range(*p[1].indices(s[0]))) if p else s[0] for s, p in pairs]
+        if out is None:
+            out = torch.empty(sum(rows), *shapes[0][1:], dtype=dtype, device=on)
+        at = 0
+        # NOTE: each read lands in its rows of the result: no part is held beside it
+        for n, s, p, r in zip(names, shapes, parts, rows, strict=True):
+            get(n, *s, on=on, part=p, out=out[at : at + r])
+            at += r
+        return out
+
+    def stacked(
+        make: Callable[[int, torch.Tensor | None], torch.Tensor], count: int
+    ) -> torch.Tensor:
+        """[count, ...] of make(x, into) for each x: the first sizes it, the rest are read in place."""
+        first = make(0, None)
+        out = torch.empty((count, *first.shape), dtype=first.dtype, device=first.device)
+        out[0].copy_(first)
+        del first
+        for x in range(1, count):
+            make(x, out[x])
+        return out
 
     h, v = spec.hidden_size, spec.vocab_size
     embed = get("model.embed_tokens.weight", v, h)
@@ -164,7 +198,7 @@ def load_checkpoint(
         lm_head = DenseLinear(get("lm_head.weight", v, h))
     layers, experts = [], {}
     for i in range(spec.num_layers):
-        layer, routed = _load_layer(full, shard, i, get, cat, src, expert_device)
+        layer, routed = _load_layer(full, shard, i, get, cat, stacked, src, expert_device)
         layers.append(layer)
         if routed is not None:
             experts[i] = routed
@@ -186,6 +220,7 @@ def _load_layer(
     i: int,
     get: Getter,
     cat: Callable,
+    stacked: Callable,
     src: TensorSource,
     expert_device: torch.device,
 ):
@@ -251,21 +286,9 @@ def _load_layer(
         moe = p + "block_sparse_moe."
         layer.router = DenseLinear(get(moe + "gate.weight", e, h))
         names = [moe + f"experts.{x}.w{{}}.weight" for x in range(e)]  # w1 gate, w3 up, w2 down
-        w13 = torch.stack(
-            [
-                cat(
-                    [n.format(1), n.format(3)],
-                    [(inter, h), (inter, h)],
-                    on=expert_device,
-                    parts=[split(inter, 0)] * 2,
-                )
-                for n in names
-            ]
+        return layer, _stacked_experts(
+            names, (1, 3, 2), inter, h, split, get, cat, stacked, expert_device
         )
-        w2 = torch.stack(
-            [get(n.format(2), h, inter, on=expert_device, part=split(inter, 1)) for n in names]
-        )
-        return layer, (w13, w2)
     moe = p + "mlp."
     layer.router = DenseLinear(get(moe + "gate.weight", e, h))
     if src.has(moe + "experts.gate_up_proj"):  # transformers 5's fused in-memory layout
@@ -285,19 +308,8 @@ def _load_layer(
         w2 = get(moe + "experts.down_proj", e, h, inter, on=expert_device, part=split(inter, 2))
     else:
         names = [moe + f"experts.{x}.{{}}_proj.weight" for x in range(e)]
-        w13 = torch.stack(
-            [
-                cat(
-                    [n.format("gate"), n.format("up")],
-                    [(inter, h), (inter, h)],
-                    on=expert_device,
-                    parts=[split(inter, 0)] * 2,
-                )
-                for n in names
-            ]
-        )
-        w2 = torch.stack(
-            [get(n.format("down"), h, inter, on=expert_device, part=split(inter, 1)) for n in names]
+        w13, w2 = _stacked_experts(
+            names, ("gate", "up", "down"), inter, h, split, get, cat, stacked, expert_device
         )
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
@@ -311,3 +323,33 @@ def _load_layer(
         layer.down = DenseLinear(get(shared + "down_proj.weight", h, s, part=split(s, 1)))
         layer.shared_gate = DenseLinear(get(moe + "shared_expert_gate.weight", 1, h))
     return layer, (w13, w2)
+
+
+def _stacked_experts(
+    names: list[str],
+    kinds: tuple,
+    inter: int,
+    h: int,
+    split: Callable,
+    get: Getter,
+    cat: Callable,
+    stacked: Callable,
+    on: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, H] (gate then up) and w2 [E, H, I] of per-expert tensors `names[x].format(kind)`."""
+    gate, up, down = kinds
+    w13 = stacked(
+        lambda x, into: cat(
+            [names[x].format(gate), names[x].format(up)],
+            [(inter, h), (inter, h)],
+            on=on,
+            parts=[split(inter, 0)] * 2,
+            out=into,
+        ),
+        len(names),
+    )
+    w2 = stacked(
+        lambda x, into: get(names[x].format(down), h, inter, on=on, part=split(inter, 1), out=into),
+        len(names),
+    )
+    return w13, w2
