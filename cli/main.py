@@ -135,6 +135,7 @@ INFO_KEYS = (
     "device",
     "dtype",
     "dtype_reason",
+    "weight_resident_bytes",
     "attention_backend",
     "max_model_len",
     "max_prompt_tokens",

@@ -1,10 +1,13 @@
-"""What a runner reports beside its info(): its decode path's mode, its experts' fixed facts and counters."""
+"""What a runner reports beside its info(): its decode path's mode, resident weight bytes, its experts'
+fixed facts and counters."""
 
 from __future__ import annotations
 
+import torch
 from sloserve.executor.compiled import DecodeStep
 from sloserve.executor.graphs import GraphDecode
 from sloserve.memory.expert_cache import ExpertStore
+from sloserve.models.weights import ModelWeights
 
 
 def decode_mode(step: DecodeStep | GraphDecode | None) -> str:
@@ -14,6 +17,22 @@ def decode_mode(step: DecodeStep | GraphDecode | None) -> str:
     if isinstance(step, GraphDecode):
         return step.mode
     return "compiled" if step.compiled else "eager"
+
+
+def weight_bytes(weights: ModelWeights, store: ExpertStore | None) -> int:
+    """Bytes every weight holds, each once, in the form its kernel reads (packed copies at their own size).
+
+    The experts count where the store keeps them: all resident, or their host copies plus the
+    device slots of partial residency.
+    """
+    total = weights.nbytes()
+    if store is not None:
+        total += store.device_bytes
+        if store.partial:
+            itemsize = torch.empty((), dtype=store.dtype).element_size()
+            per_expert = 3 * store.intermediate_size * store.hidden_size * itemsize
+            total += len(store.layers) * store.num_experts * per_expert
+    return total
 
 
 def expert_info(store: ExpertStore | None) -> dict:

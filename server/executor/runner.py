@@ -14,7 +14,7 @@ from sloserve.executor.build import allocate, build_model, choose_backend, choos
 from sloserve.executor.inputs import DecodeInputs, InputBuilder, StepInputs, TokenRows
 from sloserve.executor.kept_logprobs import KeptLogprobs
 from sloserve.executor.plan import plan_memory
-from sloserve.executor.report import decode_mode, expert_info, expert_stats
+from sloserve.executor.report import decode_mode, expert_info, expert_stats, weight_bytes
 from sloserve.executor.swap import copy_blocks
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
@@ -93,6 +93,7 @@ class ModelRunner:
         self.page_bytes, self.kv_block_bytes = cache.page_bytes, cache.block_bytes
         self.model, self.experts, self.prefetcher = built.model, built.experts, built.prefetcher
         self.residency = plan.residency
+        self.weight_bytes = weight_bytes(built.model.weights, built.experts)
         self._num_params = loaded.num_parameters
         # CPU, whole model: small steps run on one thread (see SERIAL_STEP_MACS); 0: never switch.
         self._cpu_threads = (
@@ -137,11 +138,13 @@ class ModelRunner:
         self.warmup_time_s = 0.0
         self.load_time_s = time.monotonic() - started
         log.info(
-            "loaded %s (%s) on %s/%s: %d KV pages of %d tokens, backend %s, %.1fs",
+            "loaded %s (%s) on %s/%s: weights %.1f MiB resident, %d KV pages of %d tokens, "
+            "backend %s, %.1fs",
             self.model_path,
             self.spec.architecture,
             self.device,
             self.dtype,
+            self.weight_bytes / 2**20,
             plan.num_pages,
             self.block_size,
             self.backend.name,
@@ -460,6 +463,7 @@ class ModelRunner:
             "dtype_reason": self.dtype_reason,
             "attention_backend": self.backend.name,
             "parameters": self.num_parameters,
+            "weight_resident_bytes": self.weight_bytes,
             "max_model_len": self.max_model_len,
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,

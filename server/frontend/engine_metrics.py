@@ -43,15 +43,17 @@ class Families:
 
 
 class EngineCollector(Collector):
-    """Reads engine.stats() at scrape time; `service_refusals` adds the front end's own refusals."""
+    """Reads engine.stats() (and model_info) at scrape time; `service_refusals` adds the front end's own refusals."""
 
     def __init__(
         self,
         engine_stats: Callable[[], Any],
         service_refusals: collections.Counter[str],
         model_name: str,
+        engine_info: Callable[[], dict] | None = None,
     ) -> None:
         self._stats = engine_stats
+        self._info = engine_info
         self._service_refusals = service_refusals
         self._f = Families(model_name)
 
@@ -140,6 +142,20 @@ class EngineCollector(Collector):
             getattr(s, "ttft_predictions", 0),
         )
         yield from _expert_metrics(f, s)
+        yield from self._weight_metrics()
+
+    def _weight_metrics(self) -> Iterator[Any]:
+        """The resident weight bytes, once the engine's model_info says them."""
+        try:
+            held = (self._info() if self._info is not None else {}).get("weight_resident_bytes")
+        except Exception:  # noqa: BLE001 - an engine not yet started has no model_info
+            return
+        if held is not None:
+            yield self._f.gauge(
+                "sloserve_weight_resident_bytes",
+                "Bytes the model's weights hold, each once, in the form its kernels read.",
+                held,
+            )
 
 
 def _expert_metrics(f: Families, s: Any) -> Iterator[Any]:

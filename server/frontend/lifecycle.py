@@ -51,6 +51,7 @@ class Lifecycle:
         self.watchdog_interval_s = watchdog_interval_s
         self.metrics = Metrics(
             engine.stats,
+            engine_info=lambda: engine.model_info,
             model_name=config.server.served_model_name or config.model.path,
             compat=config.server.metrics_compat,
         )
@@ -125,6 +126,7 @@ class Lifecycle:
                 "device",
                 "dtype",
                 "dtype_reason",
+                "weight_resident_bytes",
                 "attention_backend",
                 "max_model_len",
                 "tensor_parallel_size",

@@ -17,6 +17,8 @@ gauges (among them ``sloserve_kv_cache_usage_ratio``, 0-1):
   by one of the server's input limits (``max_tokens``, ``grpc_max_streams``, ...), by limit.
 - ``sloserve_inter_token_latency_seconds``: the wait between deliveries of tokens after the
   first, per token (a delivery of n tokens counts n waits of 1/n of it).
+- ``sloserve_weight_resident_bytes``: bytes every weight of the loaded model holds, each once, in
+  the form its kernel reads (``weight_resident_bytes`` of ``sloserve info``); absent until loaded.
 - ``sloserve_ttft_prediction_error_seconds{quantile="0.5"|"0.9"}``: admission's predicted minus
   actual time to first token over recent requests (positive: the token came sooner than
   predicted), and ``sloserve_ttft_predictions``, the admitted requests whose prediction could
@@ -97,6 +99,7 @@ class Metrics:
         self,
         engine_stats: Callable[[], Any] | None = None,
         *,
+        engine_info: Callable[[], dict] | None = None,
         model_name: str = "default",
         compat: str = "none",
     ) -> None:
@@ -175,7 +178,9 @@ class Metrics:
         )
         self.service_refusals: collections.Counter[str] = collections.Counter()
         if engine_stats is not None:
-            r.register(EngineCollector(engine_stats, self.service_refusals, model_name))
+            r.register(
+                EngineCollector(engine_stats, self.service_refusals, model_name, engine_info)
+            )
         if compat == "vllm":
             h = self.histograms
             r.register(

@@ -209,6 +209,7 @@ def info_pb(
         device=str(model_info.get("device", "")),
         dtype=str(model_info.get("dtype", "")),
         dtype_reason=str(model_info.get("dtype_reason", "")),
+        weight_resident_bytes=int(model_info.get("weight_resident_bytes") or 0),
         attention_backend=str(model_info.get("attention_backend", "")),
         kv_block_bytes=int(model_info.get("kv_block_bytes") or 0),
         expert_residency=str(model_info.get("expert_residency") or ""),
