@@ -19,6 +19,7 @@ quiet machine with ~16 GiB free and ~13 GiB of disk. Never run in CI.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -184,6 +185,18 @@ class TreeRss:
             self.samples += 1
             self._stop.wait(self.every_s)
 
+    def by_process(self) -> dict[str, float]:
+        """GiB resident now per process of the tree, keyed `pid command`."""
+        out = {}
+        for pid in self._tree(self.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            command = " ".join(a.decode(errors="replace") for a in argv if a)
+            out[f"{pid} {command[:80]}"] = round((self._vm(pid, "VmRSS:") or 0) / GIB, 3)
+        return out
+
     def hwm_sum(self) -> int:
         """The sum of each live process's own VmHWM: an upper bound on the tree's peak at one moment."""
         return sum(self._vm(p, "VmHWM:") or 0 for p in self._tree(self.pid))
@@ -200,6 +213,8 @@ def sloserve_bin() -> list[str]:
 def run_arm(name: str, flags: list[str], folder: Path, args, workdir: Path) -> dict:
     """One fresh server with `flags`: peak tree RSS through load and the c1 run, and its tok/s."""
     from sloserve.bench.local_server import LocalServer, free_port
+
+    from benchmarks.harness import engine_info
 
     grpc_port, http_port = free_port(), free_port()
     serve = [
@@ -227,7 +242,7 @@ def run_arm(name: str, flags: list[str], folder: Path, args, workdir: Path) -> d
     result: dict = {"flags": flags, "log": str(log_path)}
     try:
         try:
-            info = server.wait_ready(args.ready_timeout)
+            server.wait_ready(args.ready_timeout)
         except RuntimeError:
             lines = [x for x in log_path.read_text().splitlines() if x.strip()]
             result["skipped"] = lines[-1] if lines else f"exit {server.proc.returncode}"
@@ -235,8 +250,10 @@ def run_arm(name: str, flags: list[str], folder: Path, args, workdir: Path) -> d
         result["ready_s"] = round(time.monotonic() - started, 1)
         result["rss_after_load_gib"] = round(rss.now() / GIB, 3)
         result["peak_rss_load_gib"] = round(rss.peak / GIB, 3)
+        result["rss_by_process_gib"] = rss.by_process()
+        full = asyncio.run(engine_info(server.target))
         result["info"] = {
-            k: info.get(k) for k in ("dtype", "dtype_reason", "weight_resident_bytes")
+            k: full.get(k) for k in ("dtype", "dtype_reason", "weight_resident_bytes")
         }
         report = workdir / f"bench_{name}.json"
         bench = [
