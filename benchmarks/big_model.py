@@ -160,6 +160,7 @@ def checkpoint(shape: dict, cache: Path) -> Path:
 
 
 def checkpoint_bytes(folder: Path) -> int:
+    """Bytes of the folder's safetensors files."""
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
@@ -207,6 +208,7 @@ class TreeRss:
 
 
 def sloserve_bin() -> list[str]:
+    """`sloserve` run by this interpreter."""
     return [sys.executable, "-m", "sloserve.cli.main"]
 
 
@@ -289,6 +291,7 @@ def run_arm(name: str, flags: list[str], folder: Path, args, workdir: Path) -> d
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
+    """NAME=FLAGS -> (NAME, the flags split as a shell would)."""
     name, sep, flags = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"an arm is NAME=FLAGS (FLAGS may be empty), got {text!r}")

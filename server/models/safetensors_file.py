@@ -79,9 +79,11 @@ class SafetensorsFile:
             self.entries[name] = _entry(name, meta, data, data_size)
 
     def keys(self) -> list[str]:
+        """The names of the file's tensors."""
         return list(self.entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor `name`'s shape, from the header (nothing is read)."""
         return self.entries[name].shape
 
     def read(
