@@ -268,14 +268,20 @@ def _tail(log: Path, lines: int = 3) -> str:
 
 
 @contextlib.contextmanager
-def serve(arm: Arm, folder: Path, workdir: Path) -> Iterator[Server]:
-    """arm's server, started fresh on folder's checkpoint, stopped on exit; Refused if it does not start."""
+def serve(arm: Arm, folder: Path, workdir: Path, context: int) -> Iterator[Server]:
+    """arm's server, started fresh on folder's checkpoint, stopped on exit; Refused if it does not start.
+
+    context: the tokens a request needs (prompt and output): what a llama.cpp slot and vLLM hold."""
     if arm.kind == "sloserve":
         yield from _serve_sloserve(arm, folder, workdir)
     elif arm.kind == "vllm":
         yield from _serve_peer(
             [VLLM_SCRIPTS / "serve.sh", folder],
-            {"VLLM_VENV": str(VLLM_VENV), "PEER_DIR": str(VLLM_DIR)},
+            {
+                "VLLM_VENV": str(VLLM_VENV),
+                "PEER_DIR": str(VLLM_DIR),
+                "MAX_MODEL_LEN": str(max(4096, context)),
+            },
             VLLM_DIR / "vllm-server",
             "bfloat16",
         )
@@ -284,7 +290,7 @@ def serve(arm: Arm, folder: Path, workdir: Path) -> Iterator[Server]:
         # PARITY=1 (float32 KV) is for check_equal's log-probability match, not for speed.
         yield from _serve_peer(
             [PEER_SCRIPTS / "serve.sh", gguf(folder, arm.gguf)],
-            {"PEER_DIR": str(PEER_DIR), "PARITY": "0"},
+            {"PEER_DIR": str(PEER_DIR), "PARITY": "0", "CTX_PER_SLOT": str(max(2048, context))},
             PEER_DIR / "llama-server",
             arm.gguf,
         )
@@ -356,10 +362,13 @@ def llama_timings(log_text: str) -> dict:
 
 def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Path) -> dict:
     """One fresh server of arm, one closed-loop `sloserve bench --url` run, its memory after."""
-    with serve(arm, folder, workdir) as server:
+    items = [json.loads(line) for line in workload.read_text().splitlines()]
+    requests = len(items)
+    # byte-level: a token per UTF-8 byte, <s>, and the output
+    context = max(len(i["prompt"].encode()) + 1 + i["max_tokens"] for i in items)
+    with serve(arm, folder, workdir, context) as server:
         report = workdir / f"bench-{time.monotonic_ns()}.json"
         log_start = server.log.stat().st_size
-        requests = len(workload.read_text().splitlines())
         load_before = os.getloadavg()
         subprocess.run(
             [
@@ -570,7 +579,9 @@ def main() -> None:
             "ratios": ratios,
             "c1_ceiling": ceilings,
             "memory_note": "after the load, summed over the server's process tree: pss_bytes "
-            "(shared pages split) is the figure to compare; rss_bytes counts shared pages twice",
+            "(shared pages split) is the figure to compare; rss_bytes counts shared pages twice. "
+            "Each server's KV cache is in it as the server sizes it (vLLM: "
+            f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '4')} GiB)",
         },
     )
 
