@@ -16,18 +16,18 @@ within a task included, exactly `--max-tokens` output tokens each, closed loop a
   llamacpp-bf16   llama-server (../shared/peer/llamacpp: build.sh once, ~10 min) on the bf16 GGUF
   llamacpp-q8_0   the same on the q8_0 GGUF
 
-Every run starts its server fresh and drives it with one client, `sloserve bench --url` (its
-OpenAI-compatible HTTP API) and --ignore-eos; one server at a time, the arms' order rotating from
-run to run; the load average is recorded around each run and the resident memory of the server's
-whole process tree once the load is done (the sum of VmRSS over the tree, which counts a page
-shared by two processes twice, and of Pss, which splits it: PSS is the figure to compare).
-llama-server does not stream a token that ends inside a UTF-8 character, so a streaming client's
-first chunk comes late for a random byte-level model; as peer_llamacpp does, its TTFT and TPOT are
-the server's own timings (its log's per-request prompt and generation times), the client's
-streaming TTFT kept beside them. The machine's read bandwidth (best of several sums of a
-512 MiB tensor in torch) over each arm's weight bytes read per decode token (the checkpoint's
-parameters besides the embedding table at the arm's bytes per weight) is its c1 ceiling; c1
-decode tok/s (1 / TPOT p50) is reported as a fraction of it.
+Every run starts its server fresh, sends it one short unrelated warm-up request, and drives it with
+one client, `sloserve bench --url` (its OpenAI-compatible HTTP API) and --ignore-eos; one server at
+a time, the arms' order rotating from run to run; the load average is recorded around each run and
+the resident memory of the server's whole process tree once the load is done (the sum of VmRSS over
+the tree, which counts a page shared by two processes twice, and of Pss, which splits it: PSS is
+the figure to compare). llama-server does not stream a token that ends inside a UTF-8 character, so
+a streaming client's first chunk comes late for a random byte-level model; as peer_llamacpp does,
+its TTFT and TPOT are the server's own timings (its log's per-request prompt and generation times),
+the client's streaming TTFT kept beside them. The machine's read bandwidth (best of several sums of
+a 512 MiB tensor in torch) over each arm's weight bytes read per decode token (the checkpoint's
+parameters besides the embedding table at the arm's bytes per weight) is its c1 ceiling; c1 decode
+tok/s (1 / TPOT p50) is reported as a fraction of it.
 
     python -m benchmarks.peers [--shape qwen05] [--arms ...] [--concurrency 1 4 16] [--rounds 1]
 
@@ -360,6 +360,21 @@ def llama_timings(log_text: str) -> dict:
     }
 
 
+def warm_up(url: str) -> None:
+    """One short request unrelated to the workload, as peer_llamacpp's client sends: a server's
+    first-request costs (llama.cpp sizes its buffers then) stay out of the measured run."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+    body = {"model": model, "prompt": "warm up\n", "max_tokens": 4, "temperature": 0.0}
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        reply.read()
+
+
 def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Path) -> dict:
     """One fresh server of arm, one closed-loop `sloserve bench --url` run, its memory after."""
     items = [json.loads(line) for line in workload.read_text().splitlines()]
@@ -367,6 +382,7 @@ def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Pat
     # byte-level: a token per UTF-8 byte, <s>, and the output
     context = max(len(i["prompt"].encode()) + 1 + i["max_tokens"] for i in items)
     with serve(arm, folder, workdir, context) as server:
+        warm_up(server.url)
         report = workdir / f"bench-{time.monotonic_ns()}.json"
         log_start = server.log.stat().st_size
         load_before = os.getloadavg()
