@@ -102,7 +102,7 @@ ARMS = {
 
 
 class Refused(Exception):
-    """A server that did not come up: the arm is skipped, and this says why."""
+    """A server that did not come up or serve the load: the arm is skipped, and this says why."""
 
 
 def checkpoint(shape: str) -> Path:
@@ -371,8 +371,11 @@ def warm_up(url: str) -> None:
         data=json.dumps(body).encode(),
         headers={"content-type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        reply.read()
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            reply.read()
+    except OSError as exc:
+        raise Refused(f"the warm-up request failed: {exc}") from exc
 
 
 def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Path) -> dict:
@@ -386,7 +389,7 @@ def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Pat
         report = workdir / f"bench-{time.monotonic_ns()}.json"
         log_start = server.log.stat().st_size
         load_before = os.getloadavg()
-        subprocess.run(
+        done = subprocess.run(
             [
                 SLOSERVE,
                 "bench",
@@ -402,9 +405,12 @@ def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Pat
                 "--json",
                 report,
             ],
-            check=True,
             stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
+        if done.returncode != 0:
+            raise Refused(f"sloserve bench failed: {done.stderr.strip()[-300:]}")
         load_after = os.getloadavg()
         memory = tree_memory(server.pid)
         with server.log.open("rb") as f:
