@@ -46,35 +46,59 @@ PEER_DIR = Path(
 SLOSERVE = Path(sys.executable).with_name("sloserve")
 
 
+def make_checkpoint(folder: Path, shape: dict[str, int] | None = None) -> Path:
+    """The peer's make_checkpoint.py: a random-weight byte-level Llama (float32) of `shape`
+    (its flags without dashes: hidden, layers, heads, kv-heads, ffn; None: its defaults)."""
+    flags = [f"--{k}={v}" for k, v in (shape or {}).items()]
+    subprocess.run(
+        [sys.executable, PEER_SCRIPTS / "make_checkpoint.py", folder, *flags], check=True
+    )
+    return folder
+
+
+def convert(folder: Path, gguf: Path, outtype: str = "f32") -> Path:
+    """The peer's convert.py (llama.cpp's own converter): the Hugging Face folder as GGUF."""
+    subprocess.run(
+        [
+            PEER_DIR / "venv" / "bin" / "python",
+            PEER_SCRIPTS / "convert.py",
+            folder,
+            gguf,
+            "--llama-cpp",
+            PEER_DIR / "llama.cpp",
+            "--outtype",
+            outtype,
+        ],
+        check=True,
+    )
+    return gguf
+
+
 def ensure_checkpoint() -> tuple[Path, Path]:
     """The Hugging Face folder and its GGUF, made (and converted) when the folder is missing."""
     folder, gguf = PEER_DIR / "models" / "small", PEER_DIR / "models" / "small-f32.gguf"
     if not (folder / "config.json").is_file() or not gguf.is_file():
-        subprocess.run([sys.executable, PEER_SCRIPTS / "make_checkpoint.py", folder], check=True)
-        subprocess.run(
-            [
-                PEER_DIR / "venv" / "bin" / "python",
-                PEER_SCRIPTS / "convert.py",
-                folder,
-                gguf,
-                "--llama-cpp",
-                PEER_DIR / "llama.cpp",
-            ],
-            check=True,
-        )
+        convert(make_checkpoint(folder), gguf)
     return folder, gguf
 
 
-def write_workload(path: Path, num_requests: int, max_chars: int, max_tokens: int) -> str:
-    """num_requests distinct ARC prompts of at most max_chars, each asking for exactly max_tokens.
+def write_workload(
+    path: Path, num_requests: int, max_chars: int, max_tokens: int, *, distinct: bool = True
+) -> str:
+    """num_requests ARC prompts of at most max_chars, each asking for exactly max_tokens.
 
-    Distinct: the trace lists two attempts per test input, and a repeated prompt is a prefix-cache
-    hit for both servers, which would measure the caches instead of the per-token cost."""
+    distinct: each prompt once. The trace lists two attempts per test input, and a repeated prompt
+    is a prefix-cache hit for both servers, which would measure the caches instead of the
+    per-token cost. Otherwise the trace's first num_requests requests as they come, attempts and
+    the prefixes shared within a task included (the workload a prefix cache serves)."""
     spec, items = arc_pool(0, max_chars, max_tokens)
-    prompts = list(dict.fromkeys(item.prompt for item in items))
+    prompts = [item.prompt for item in items]
+    if distinct:
+        prompts = list(dict.fromkeys(prompts))
     if len(prompts) < num_requests:
         raise SystemExit(
-            f"{spec} has only {len(prompts)} distinct prompts of at most {max_chars} characters"
+            f"{spec} has only {len(prompts)} {'distinct ' * distinct}prompts of at most "
+            f"{max_chars} characters"
         )
     with path.open("w") as f:
         for prompt in prompts[:num_requests]:
@@ -83,28 +107,28 @@ def write_workload(path: Path, num_requests: int, max_chars: int, max_tokens: in
 
 
 class Peer:
-    """llama-server through the peer's serve.sh (16 slots, float32 KV, no flash attention)."""
+    """llama-server through the peer's serve.sh (16 slots; float32 KV and no flash attention
+    unless `env` says PARITY=0); `pid` and `log` once it is up."""
 
-    def __init__(self, gguf: Path) -> None:
+    def __init__(self, gguf: Path, env: dict[str, str] | None = None) -> None:
         self.gguf, self.port = gguf, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **(env or {}), "PORT": str(self.port), "PEER_DIR": str(PEER_DIR)}
+        self.log = PEER_DIR / "llama-server.log"
+        self.pid = 0
 
     def __enter__(self) -> Peer:
-        env = {**os.environ, "PORT": str(self.port), "PEER_DIR": str(PEER_DIR)}
         subprocess.run(
             ["bash", PEER_SCRIPTS / "serve.sh", self.gguf],
             check=True,
-            env=env,
+            env=self.env,
             stdout=subprocess.DEVNULL,
         )
+        self.pid = int((PEER_DIR / "llama-server.pid").read_text())
         return self
 
     def __exit__(self, *exc) -> None:
-        subprocess.run(
-            ["bash", PEER_SCRIPTS / "serve.sh", "stop"],
-            check=False,
-            env={**os.environ, "PEER_DIR": str(PEER_DIR)},
-        )
+        subprocess.run(["bash", PEER_SCRIPTS / "serve.sh", "stop"], check=False, env=self.env)
 
 
 def bench_peer(gguf: Path, workload: Path, concurrency: int, max_tokens: int) -> dict:
