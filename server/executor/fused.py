@@ -51,6 +51,8 @@ FUSED_MAX_MACS_PACKED = 1 << 28
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The dtypes the kernel reads weights and KV pages in (one for both: the model's).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
@@ -71,8 +73,8 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "MoE layers route on the host"
     if model.sharded:
         return "tensor parallelism splits the layers"
-    if kv.device.type != "cpu" or kv.dtype != torch.float32 or not kv.is_contiguous():
-        return "the kernel runs a contiguous float32 cache on a CPU"
+    if kv.device.type != "cpu" or kv.dtype not in KERNEL_DTYPES or not kv.is_contiguous():
+        return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
     if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
     if w.lm_head.weight is None or any(
@@ -82,11 +84,24 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     tensors = [w.embed, w.norm, w.lm_head.weight, w.lm_head.bias, model.cos, model.sin]
     tensors += [t for layer in w.layers for t in _layer_tensors(layer).values()]
     tensors = [t for t in tensors if t is not None]
-    if any(
-        t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors
-    ):
-        return "the kernel reads contiguous float32 weights on a CPU"
+    if any(t.device.type != "cpu" or t.dtype != kv.dtype or not t.is_contiguous() for t in tensors):
+        return f"the kernel reads contiguous {_name(kv.dtype)} weights on a CPU, as the cache"
     return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _vector(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    """The address of `t` as float32 (the kernel reads norms, biases, cos and sin so): `t`
+    itself, or a float32 copy kept alive in `keep` (exact: a bf16 widens without rounding)."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32:
+        t = t.float()
+        keep.append(t)
+    return t.data_ptr()
 
 
 class FusedDecode:
@@ -101,6 +116,9 @@ class FusedDecode:
             raise ValueError(f"the fused decode step cannot run this model: {why_not}")
         spec, w = model.spec, model.weights
         self.model, self.kv = model, kv  # the kernel holds their addresses: keep them alive
+        # NOTE: the small float32 copies of a bf16 model's vectors (norms, biases, cos/sin): the
+        # kernel keeps activations in float32, and these are a few MiB beside the matrices.
+        self._floats: list[torch.Tensor] = []
         dims = {
             "hidden": spec.hidden_size,
             "heads": spec.num_heads,
@@ -113,21 +131,24 @@ class FusedDecode:
             "max_positions": model.cos.shape[0],
             "eps": spec.rms_norm_eps,
             "scale": model.scale,
+            "weight_dtype": _name(kv.dtype),
+            "kv_dtype": _name(kv.dtype),
         }
         layers = []
         for i, layer in enumerate(w.layers):
             ptrs = {
-                f: None if t is None else t.data_ptr() for f, t in _layer_tensors(layer).items()
+                f: t.data_ptr() if f.endswith("_w") else _vector(t, self._floats)
+                for f, t in _layer_tensors(layer).items()
             }
             ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
             layers.append(ptrs)
         self.kernel = DecodeKernel(
             dims,
             w.embed.data_ptr(),
-            w.norm.data_ptr(),
+            _vector(w.norm, self._floats),
             w.lm_head.weight.data_ptr(),
-            model.cos.data_ptr(),
-            model.sin.data_ptr(),
+            _vector(model.cos, self._floats),
+            _vector(model.sin, self._floats),
             layers,
         )
         self.vocab = dims["vocab"]
