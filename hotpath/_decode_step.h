@@ -14,6 +14,14 @@
  * then logits = rms_norm(h, norm) W_lm^T. Norms and rotary round as _cpu_ops does; the dot
  * products sum in 8 independent lanes (four weight rows per load of x), so they differ from a
  * BLAS in the last bits (as any two BLAS do) but not between thread counts or instruction sets.
+ *
+ * The weight matrices (embed, lm_head, each layer's four) are float32 or bf16 (sloserve_weight;
+ * _decode_step_gemv.h is instantiated once per type: a type with per-row scales, such as int8,
+ * is one more instantiation and one more case in the dispatch below), and the KV pages float32
+ * or bf16 (K/V rounded to bf16 when written, as torch rounds). A bf16 weight is widened to float32
+ * in registers, and the activations, norms, rotary, softmax and every sum stay float32, in the
+ * same lanes: on bf16 weights the step computes the float32 step's arithmetic on the widened
+ * weights, reading half the bytes.
  */
 #ifndef SLOSERVE_DECODE_STEP_H
 #define SLOSERVE_DECODE_STEP_H

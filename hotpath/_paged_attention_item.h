@@ -4,6 +4,9 @@
  * AVX, baseline x86-64) and pick one at load time: the wheel stays portable, a modern CPU gets wide
  * vectors. The loops are written with LANES independent accumulators, so they vectorise without
  * reassociation flags and give the same sums on every instruction set and thread count.
+ *
+ * The pages are float32 or bf16 (uint16, widened to float32 in registers): the kernels that read
+ * them are written once, in _paged_attention_rows.h, and instantiated per type below.
  */
 #ifndef SLOSERVE_PAGED_ATTENTION_ITEM_H
 #define SLOSERVE_PAGED_ATTENTION_ITEM_H
@@ -34,11 +37,13 @@ typedef float sloserve_v4 __attribute__((vector_size(16)));
 SLOSERVE_INLINE sloserve_v8 sloserve_load8(const float *p) { return *(const sloserve_v8u *)p; }
 
 /* bf16 values as uint16: a bf16 is the high half of a float32, so widening is exact (a shift). */
-typedef uint16_t sloserve_u16x8 __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t sloserve_u32x8 __attribute__((vector_size(32)));
 
+/* NOTE: built element by element, GCC 12 makes this one zero-extending load and a shift (AVX2);
+ * __builtin_convertvector of a 16-byte vector made it five instructions. */
 SLOSERVE_INLINE sloserve_v8 sloserve_load8_bf16(const uint16_t *p) {
-    const sloserve_u32x8 bits = __builtin_convertvector(*(const sloserve_u16x8 *)p, sloserve_u32x8) << 16;
+    sloserve_u32x8 bits = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    bits <<= 16;
     sloserve_v8 v;
     memcpy(&v, &bits, sizeof v);
     return v;

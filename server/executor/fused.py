@@ -11,13 +11,19 @@ block table, and only the sampled rows get logits. Every row's K/V is written be
 attends, so each token sees exactly its causal prefix; the oracle there is the flat torch path
 (`DecoderModel.forward`).
 
-It serves dense float32 models on a CPU, one rank, batches up to FUSED_MAX_BATCH. Its
+It serves dense float32 and bf16 models on a CPU, one rank, batches up to FUSED_MAX_BATCH. Its
 matrix-vector products read each weight row once per two sequences and need no FMA to run at
 the core's multiply-add rate, so on the CPUs measured it beat the torch path up to the largest
 batch it takes. Its pure-torch twin is
 `DecoderModel.decode` (eager), which runs everything else, and SLOSERVE_NO_EXTENSIONS=1.
 Tokens equal the twin's except where two logits tie to the last bits (the dot products sum in
 another order than the BLAS); tests hold it to transformers' greedy tokens like every path.
+
+A bf16 model's step reads the plain bf16 weights and bf16 KV pages in place (half the bytes of
+float32: at one sequence the step is bound by that read) and widens them in registers: the
+activations and every sum stay float32, so it is the float32 step's arithmetic on the widened
+weights (tests hold it there, and to its bf16 twin, which rounds each activation, within bf16
+rounding). Norms, biases and the rotary tables are read as float32 copies (a few MiB).
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ FUSED_MAX_BATCH = 64
 # a batch of at least MIN_PACKED_ROWS whose arithmetic (sequences x parameters) exceeds this goes
 # to the torch path.
 FUSED_MAX_MACS_PACKED = 1 << 28
+# bf16: the torch path's products run oneDNN's bf16 kernels (AVX512-BF16 dot products) where the
+# kernel multiplies and adds widened weights in float32, so from a few sequences of a large model
+# the torch path wins, below 16 rows too: a batch whose sequences x parameters exceed this goes
+# there (the 494M Llama: the kernel won at 2 sequences, lost from 3; docs/design/cpu-decode.md).
+FUSED_MAX_MACS_BF16 = 1 << 30
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
@@ -159,6 +170,8 @@ class FusedDecode:
         self.max_batch = (
             min(FUSED_MAX_BATCH, packed_max) if on_onednn(w.layers[0].qkv) else FUSED_MAX_BATCH
         )
+        if kv.dtype == torch.bfloat16:
+            self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))
 
     @property
     def threads(self) -> int:

@@ -427,6 +427,21 @@ def test_bf16_models_take_the_kernel_reading_each_weight_once_in_place(bf16_pair
 
 
 @needs_bf16
+def test_bf16_batches_past_their_crossover_go_to_the_torch_path(bf16_pair, monkeypatch):
+    """A bf16 batch whose sequences x parameters exceed FUSED_MAX_MACS_BF16 runs the torch path
+    (oneDNN's bf16 products), below MIN_PACKED_ROWS too; one sequence always takes the kernel."""
+    low, _ = bf16_pair
+    params = low.model.weights.num_parameters()
+    assert fused.FusedDecode(low.model, low.kv, 1).max_batch == min(
+        fused.FUSED_MAX_BATCH, fused.FUSED_MAX_MACS_BF16 // params
+    )
+    monkeypatch.setattr(fused, "FUSED_MAX_MACS_BF16", 3 * params)
+    assert fused.FusedDecode(low.model, low.kv, 1).max_batch == 3
+    monkeypatch.setattr(fused, "FUSED_MAX_MACS_BF16", params // 2)
+    assert fused.FusedDecode(low.model, low.kv, 1).max_batch == 1
+
+
+@needs_bf16
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_bf16_logits_are_the_float32_kernels_on_the_same_weights(bf16_pair, batch):
     """The bf16 step is the float32 step on the widened weights but for the K/V it rounds; the
