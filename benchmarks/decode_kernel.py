@@ -2,12 +2,14 @@
 
 For each dtype (one runner each on the same checkpoint), batch size and context length it times
 `ModelRunner.forward` on one prepared decode step, with the runner's FusedDecode and with it
-switched off (DecoderModel.decode, eager torch ops over the same paged cache), every arm in each
-round (the best round of each counts), and prints milliseconds per step and the ratios: twin /
-fused per dtype, and the float32 fused step / the bf16 one (every batch size through the kernel,
-also those above its serving limit: this is where that limit comes from). Thread counts are the
-runner's own, as served, unless `--threads` sets both (one thread: the products alone,
-without the team's barriers, which a machine shared with other busy processes stalls).
+switched off (DecoderModel.decode, eager torch ops over the same paged cache), and for bf16 also
+a runner as served by default (the torch path on oneDNN's packed bf16 copies: fused.BF16_DECODE
+off), every arm in each round (the best round of each counts), and prints milliseconds per step
+and the ratios: twin / fused per dtype, packed / fused for bf16, and the float32 fused step / the
+bf16 one (every batch size through the kernel, also those above its serving limit: this is
+where that limit comes from). Thread counts are the runner's own, as served, unless `--threads`
+sets both (one thread: the products alone, without the team's barriers, which a machine shared
+with other busy processes stalls).
 
 At batch 1 a step reads every weight once, so it is bound by memory bandwidth: beside it a plain
 streaming read (`torch.sum` of a 1 GiB buffer, the same threads) measures the machine's read rate,
@@ -89,7 +91,13 @@ def model_path(name: str) -> str:
     return str(ensure_default_model(name)) if name in BUILTIN_MODELS else name
 
 
-def make_runner(path: str, dtype: str, batches: list[int], contexts: list[int]) -> ModelRunner:
+def make_runner(
+    path: str, dtype: str, batches: list[int], contexts: list[int], fused: bool = True
+) -> ModelRunner:
+    """A runner of `path` at `dtype`; `fused`: its decode step on the kernel (bf16 under
+    BF16_DECODE, so its projections keep the plain weights), else a bf16 one on oneDNN's packed
+    copies, as served by default."""
+    fused_module.BF16_DECODE = fused
     cfg = json.loads((Path(path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
@@ -102,10 +110,12 @@ def make_runner(path: str, dtype: str, batches: list[int], contexts: list[int]) 
         scheduler=SchedulerConfig(max_batch=max(batches), max_batched_tokens=1024),
     )
     runner = ModelRunner(config)
-    fused = runner.decode_step.fused if runner.decode_step else None
-    if fused is None:
+    kernel = runner.decode_step.fused if runner.decode_step else None
+    if not fused:
+        return runner
+    if kernel is None:
         raise SystemExit(f"{path} in {dtype}: decode steps cannot take the fused kernel here")
-    fused.max_batch = max(batches)  # time the kernel past its serving limit too
+    kernel.max_batch = max(batches)  # time the kernel past its serving limit too
     return runner
 
 
@@ -127,6 +137,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     fused_module.FUSED_MAX_BATCH = max(args.batches)
     runners = {d: make_runner(path, d, args.batches, args.contexts) for d in args.dtypes}
+    # bf16 as served by default: the torch path on oneDNN's packed bf16 copies
+    packed = (
+        make_runner(path, "bfloat16", args.batches, args.contexts, fused=False)
+        if "bfloat16" in args.dtypes
+        else None
+    )
     kernels = {d: r.decode_step.fused for d, r in runners.items()}
     for kernel in kernels.values():
         kernel.threads = torch.get_num_threads()
@@ -152,12 +168,15 @@ def main() -> None:
     head = f"{'batch':>5} {'context':>7}"
     for d in args.dtypes:
         head += f" {d + ' fused':>15} {'torch':>8} {'torch/fused':>11}"
+    head += f" {'bf16 packed':>11} {'packed/fused':>12}" if packed else ""
     print(head + (" f32/bf16 fused" if len(args.dtypes) == 2 else "") + "  (ms per step)")
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             steps = {d: decode_step(r, batch, context) for d, r in runners.items()}
+            packed_step = decode_step(packed, batch, context) if packed else None
             best = {(d, arm): float("inf") for d in args.dtypes for arm in ("fused", "torch")}
+            best["packed"] = float("inf")
             for i in range(args.rounds):
                 order = args.dtypes if i % 2 == 0 else args.dtypes[::-1]
                 for d in order:
@@ -165,6 +184,10 @@ def main() -> None:
                     for arm, kernel in (("fused", kernels[d]), ("torch", None)):
                         seconds = timed(r, steps[d], kernel, args.steps)
                         best[d, arm] = min(best[d, arm], seconds)
+                if packed:
+                    best["packed"] = min(
+                        best["packed"], timed(packed, packed_step, None, args.steps)
+                    )
             line = f"{batch:>5} {context:>7}"
             row: dict = {"batch": batch, "context": context, "threads": torch.get_num_threads()}
             for d in args.dtypes:
@@ -178,6 +201,11 @@ def main() -> None:
                 if batch == 1:
                     ceiling = bandwidth / token_bytes[d]
                     row[d]["fused_share_of_ceiling"] = round(1 / f / ceiling, 3)
+            if packed:
+                ratio = best["packed"] / best["bfloat16", "fused"]
+                row["bfloat16"]["packed_ms"] = round(best["packed"] * 1e3, 4)
+                row["bfloat16"]["packed_over_fused"] = round(ratio, 3)
+                line += f" {best['packed'] * 1e3:>11.3f} {ratio:>12.2f}"
             if len(args.dtypes) == 2:
                 ratio = best[args.dtypes[0], "fused"] / best[args.dtypes[1], "fused"]
                 row["fused_first_over_second"] = round(ratio, 3)

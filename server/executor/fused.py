@@ -11,19 +11,19 @@ block table, and only the sampled rows get logits. Every row's K/V is written be
 attends, so each token sees exactly its causal prefix; the oracle there is the flat torch path
 (`DecoderModel.forward`).
 
-It serves dense float32 and bf16 models on a CPU, one rank, batches up to FUSED_MAX_BATCH. Its
-matrix-vector products read each weight row once per two sequences and need no FMA to run at
-the core's multiply-add rate, so on the CPUs measured it beat the torch path up to the largest
-batch it takes. Its pure-torch twin is
+It serves dense float32 models (and bf16 ones under BF16_DECODE) on a CPU, one rank, batches
+up to FUSED_MAX_BATCH. Its matrix-vector products read each weight row once per two sequences
+and need no FMA to run at the core's multiply-add rate, so on the CPUs measured it beat the
+torch path up to the largest batch it takes. Its pure-torch twin is
 `DecoderModel.decode` (eager), which runs everything else, and SLOSERVE_NO_EXTENSIONS=1.
 Tokens equal the twin's except where two logits tie to the last bits (the dot products sum in
 another order than the BLAS); tests hold it to transformers' greedy tokens like every path.
 
-A bf16 model's step reads the plain bf16 weights and bf16 KV pages in place (half the bytes of
-float32: at one sequence the step is bound by that read) and widens them in registers: the
-activations and every sum stay float32, so it is the float32 step's arithmetic on the widened
-weights (tests hold it there, and to its bf16 twin, which rounds each activation, within bf16
-rounding). Norms, biases and the rotary tables are read as float32 copies (a few MiB).
+A bf16 model's step (BF16_DECODE) reads the plain bf16 weights and bf16 KV pages in place (half
+the bytes of float32) and widens them in registers: the activations and every sum stay
+float32, so it is the float32 step's arithmetic on the widened weights (tests hold it there,
+and to its bf16 twin, which rounds each activation, within bf16 rounding). Norms, biases and the
+rotary tables are read as float32 copies (a few MiB).
 """
 
 from __future__ import annotations
@@ -58,6 +58,13 @@ FUSED_MAX_MACS_PACKED = 1 << 28
 # the torch path wins, below 16 rows too: a batch whose sequences x parameters exceed this goes
 # there (the 494M Llama: the kernel won at 2 sequences, lost from 3; docs/design/cpu-decode.md).
 FUSED_MAX_MACS_BF16 = 1 << 30
+# NOTE: bf16 models take the kernel only when this is set. It runs them (plain bf16 weights and
+# pages, tested), but on the machine measured, shared with other busy processes, the torch path
+# on oneDNN's packed bf16 products beat it at one and two sequences (its AVX512-BF16 dot products
+# issue a quarter of the kernel's instructions a byte, and there the step was compute-bound;
+# docs/design/cpu-decode.md, `benchmarks.decode_kernel --dtypes bfloat16`), so bf16 keeps the
+# packed copies until a measurement says otherwise.
+BF16_DECODE = False
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
@@ -86,6 +93,8 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "tensor parallelism splits the layers"
     if kv.device.type != "cpu" or kv.dtype not in KERNEL_DTYPES or not kv.is_contiguous():
         return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
+    if kv.dtype == torch.bfloat16 and not BF16_DECODE:
+        return "bf16 decode runs faster on oneDNN's packed bf16 products (fused.BF16_DECODE)"
     if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
     if w.lm_head.weight is None or any(

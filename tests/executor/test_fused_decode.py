@@ -406,7 +406,9 @@ def bf16_pair(request, make_checkpoint, make_runner):
     arch, tied = request.param.removesuffix("-tied"), request.param.endswith("-tied")
     overrides = {"tie_word_embeddings": True} if tied else {}
     folder = make_checkpoint(arch, dtype="bfloat16", **overrides)
-    low = make_runner(folder, dtype="bfloat16", max_batch=8, kv_pool_bytes=4 * 2**20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "BF16_DECODE", True)
+        low = make_runner(folder, dtype="bfloat16", max_batch=8, kv_pool_bytes=4 * 2**20)
     high = make_runner(folder, dtype="float32", max_batch=8, kv_pool_bytes=8 * 2**20)
     torch.manual_seed(0)
     low.kv.normal_()
@@ -418,8 +420,13 @@ def bf16_pair(request, make_checkpoint, make_runner):
 
 
 @needs_bf16
-def test_bf16_models_take_the_kernel_reading_each_weight_once_in_place(bf16_pair):
+def test_bf16_models_take_the_kernel_only_under_bf16_decode(bf16_pair, make_runner):
+    """By default a bf16 model decodes on oneDNN's packed bf16 copies (measured faster); under
+    BF16_DECODE on the kernel, reading each plain weight once, in place."""
     low, _ = bf16_pair
+    default = make_runner(low.model_path, dtype="bfloat16", kv_pool_bytes=4 * 2**20)
+    assert default.decode_step is not None and default.decode_step.fused is None
+    assert "BF16_DECODE" in fused.fused_reason(default.model, default.kv)
     w = low.model.weights
     assert low.decode_step.fused is not None and low.kv.dtype == torch.bfloat16
     assert all(type(p) is OneDnnBf16Linear for layer in w.layers for p in layer.projections())
@@ -431,6 +438,7 @@ def test_bf16_batches_past_their_crossover_go_to_the_torch_path(bf16_pair, monke
     """A bf16 batch whose sequences x parameters exceed FUSED_MAX_MACS_BF16 runs the torch path
     (oneDNN's bf16 products), below MIN_PACKED_ROWS too; one sequence always takes the kernel."""
     low, _ = bf16_pair
+    monkeypatch.setattr(fused, "BF16_DECODE", True)
     params = low.model.weights.num_parameters()
     assert fused.FusedDecode(low.model, low.kv, 1).max_batch == min(
         fused.FUSED_MAX_BATCH, fused.FUSED_MAX_MACS_BF16 // params
