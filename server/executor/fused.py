@@ -56,7 +56,8 @@ FUSED_MAX_MACS_PACKED = 1 << 28
 # bf16: the torch path's products run oneDNN's bf16 kernels (AVX512-BF16 dot products) where the
 # kernel multiplies and adds widened weights in float32, so from a few sequences of a large model
 # the torch path wins, below 16 rows too: a batch whose sequences x parameters exceed this goes
-# there (the 494M Llama: the kernel won at 2 sequences, lost from 3; docs/design/cpu-decode.md).
+# there (the 494M Llama, against the torch path on the plain weights: the kernel won at 2
+# sequences, lost from 3; docs/design/cpu-decode.md).
 FUSED_MAX_MACS_BF16 = 1 << 30
 # NOTE: bf16 models take the kernel only when this is set. It runs them (plain bf16 weights and
 # pages, tested), but on the machine measured, shared with other busy processes, the torch path
