@@ -1,21 +1,34 @@
-"""The fused decode step (one C call) beside its torch twin, side by side in one run.
+"""The fused decode step (one C call) beside its torch twin, float32 and bf16, side by side in one run.
 
-For each batch size and context length it times `ModelRunner.forward` on one prepared decode
-step, with the runner's FusedDecode and with it switched off (DecoderModel.decode, eager torch
-ops over the same paged cache), in alternating rounds (the best round of each counts), and
-prints milliseconds per step and the ratio twin / fused (every batch size through the kernel,
-also those above FUSED_MAX_BATCH: this is where that limit comes from). Thread counts are the runner's own
-(one thread for small steps, see SERIAL_STEP_MACS), as served.
+For each dtype (one runner each on the same checkpoint), batch size and context length it times
+`ModelRunner.forward` on one prepared decode step, with the runner's FusedDecode and with it
+switched off (DecoderModel.decode, eager torch ops over the same paged cache), and for bf16 also
+a runner as served by default (the torch path on oneDNN's packed bf16 copies: fused.BF16_DECODE
+off), every arm in each round (the best round of each counts), and prints milliseconds per step
+and the ratios: twin / fused per dtype, packed / fused for bf16, and the float32 fused step / the
+bf16 one (every batch size through the kernel, also those above its serving limit: this is
+where that limit comes from). Thread counts are the runner's own, as served, unless `--threads`
+sets both (one thread: the products alone, without the team's barriers, which a machine shared
+with other busy processes stalls).
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel [--model default] [--batches 1 2 4 8 16]
+At batch 1 a step reads every weight once, so it is bound by memory bandwidth: beside it a plain
+streaming read (`torch.sum` of a 1 GiB buffer, the same threads) measures the machine's read rate,
+and the table gives each dtype's ceiling (weight bytes per token / that rate, in tokens/s) and the
+fused step's share of it.
+
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel [--model default] [--batches 1 4 16]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel --model qwen-shape --dtypes float32 bfloat16
 
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
-of issue 14's llama-server comparison); `default-random` is the ~40M one.
+of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
+weight_residency's random-weight Llama of Qwen2.5-0.5B's shape (358M parameters, tied 151,936
+vocab) saved in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -31,6 +44,7 @@ from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 from benchmarks._output import OUT, write_json
 
 GREEDY = SamplingParams(max_tokens=1 << 20)
+STREAM_BYTES = 1 << 30
 
 
 def decode_step(runner: ModelRunner, batch: int, context: int):
@@ -58,63 +72,170 @@ def timed(runner: ModelRunner, step, fused, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def read_bandwidth(buffer: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes per second of a streaming read of `buffer` (the best of `repeats`)."""
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * buffer.element_size() / best
+
+
+def model_path(name: str) -> str:
+    if name == "qwen-shape":
+        from benchmarks.weight_residency import checkpoint
+
+        return str(checkpoint(151936, "bfloat16"))
+    return str(ensure_default_model(name)) if name in BUILTIN_MODELS else name
+
+
+def make_runner(
+    path: str, dtype: str, batches: list[int], contexts: list[int], fused: bool = True
+) -> ModelRunner:
+    """A runner of `path` at `dtype`; `fused`: its decode step on the kernel (bf16 under
+    BF16_DECODE, so its projections keep the plain weights), else a bf16 one on oneDNN's packed
+    copies, as served by default."""
+    fused_module.BF16_DECODE = fused
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    config = SloserveConfig(
+        model=ModelConfig(path=path, device="cpu", dtype=dtype, max_model_len=1024),
+        cache=CacheConfig(
+            kv_pool_bytes=max(batches) * (max(contexts) + 64) * token_bytes + (64 << 20),
+            swap_bytes=0,
+        ),
+        scheduler=SchedulerConfig(max_batch=max(batches), max_batched_tokens=1024),
+    )
+    runner = ModelRunner(config)
+    kernel = runner.decode_step.fused if runner.decode_step else None
+    if not fused:
+        return runner
+    if kernel is None:
+        raise SystemExit(f"{path} in {dtype}: decode steps cannot take the fused kernel here")
+    kernel.max_batch = max(batches)  # time the kernel past its serving limit too
+    return runner
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads of both paths (default: torch's)"
+    )
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=OUT / "decode_kernel.json")
     args = parser.parse_args()
-    path = str(ensure_default_model(args.model)) if args.model in BUILTIN_MODELS else args.model
-    config = SloserveConfig(
-        model=ModelConfig(path=path, device="cpu", max_model_len=1024),
-        cache=CacheConfig(
-            kv_pool_bytes=(max(args.batches) * (max(args.contexts) + 64)) * 8 * 2**10, swap_bytes=0
-        ),
-        scheduler=SchedulerConfig(max_batch=max(args.batches), max_batched_tokens=1024),
+    path = model_path(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fused_module.FUSED_MAX_BATCH = max(args.batches)
+    runners = {d: make_runner(path, d, args.batches, args.contexts) for d in args.dtypes}
+    # bf16 as served by default: the torch path on oneDNN's packed bf16 copies
+    packed = (
+        make_runner(path, "bfloat16", args.batches, args.contexts, fused=False)
+        if "bfloat16" in args.dtypes
+        else None
     )
-    fused_module.FUSED_MAX_BATCH = max(args.batches)  # time the kernel past its serving limit too
-    runner = ModelRunner(config)
-    fused = runner.decode_step.fused if runner.decode_step else None
-    if fused is None:
-        raise SystemExit(f"{path}: decode steps cannot take the fused kernel here")
+    kernels = {d: r.decode_step.fused for d, r in runners.items()}
+    for kernel in kernels.values():
+        kernel.threads = torch.get_num_threads()
+    info = next(iter(runners.values())).info()
+    load = [round(x, 2) for x in os.getloadavg()]
     print(
-        f"{runner.info()['architecture']} {runner.info()['parameters'] / 1e6:.1f}M params, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, load {os.getloadavg()[0]:.1f}"
+        f"{info['architecture']} {info['parameters'] / 1e6:.1f}M params, {torch.get_num_threads()} "
+        f"threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, load {load}"
     )
-    print(f"{'batch':>5} {'context':>7} {'fused ms':>9} {'torch ms':>9} {'torch/fused':>11}")
+    stream = torch.ones(STREAM_BYTES // 4)
+    bandwidth = read_bandwidth(stream)
+    del stream
+    token_bytes = {
+        d: r.model.weights.num_parameters() * r.dtype.itemsize for d, r in runners.items()
+    }
+    print(
+        f"streaming read {bandwidth / 1e9:.1f} GB/s; weight bytes per token "
+        + ", ".join(
+            f"{d} {b / 1e9:.3f} GB (ceiling {bandwidth / b:.1f} tok/s)"
+            for d, b in token_bytes.items()
+        )
+    )
+    head = f"{'batch':>5} {'context':>7}"
+    for d in args.dtypes:
+        head += f" {d + ' fused':>15} {'torch':>8} {'torch/fused':>11}"
+    head += f" {'bf16 packed':>11} {'packed/fused':>12}" if packed else ""
+    print(head + (" f32/bf16 fused" if len(args.dtypes) == 2 else "") + "  (ms per step)")
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            step = decode_step(runner, batch, context)
-            best = {"fused": float("inf"), "torch": float("inf")}
-            for _ in range(args.rounds):
-                best["fused"] = min(best["fused"], timed(runner, step, fused, args.steps))
-                best["torch"] = min(best["torch"], timed(runner, step, None, args.steps))
-            ratio = best["torch"] / best["fused"]
-            rows.append(
-                {
-                    "batch": batch,
-                    "context": context,
-                    "fused_ms": round(best["fused"] * 1e3, 4),
-                    "torch_ms": round(best["torch"] * 1e3, 4),
-                    "torch_over_fused": round(ratio, 3),
-                    "threads": torch.get_num_threads(),
+            steps = {d: decode_step(r, batch, context) for d, r in runners.items()}
+            packed_step = decode_step(packed, batch, context) if packed else None
+            best = {(d, arm): float("inf") for d in args.dtypes for arm in ("fused", "torch")}
+            best["packed"] = float("inf")
+            for i in range(args.rounds):
+                order = args.dtypes if i % 2 == 0 else args.dtypes[::-1]
+                for d in order:
+                    r = runners[d]
+                    for arm, kernel in (("fused", kernels[d]), ("torch", None)):
+                        seconds = timed(r, steps[d], kernel, args.steps)
+                        best[d, arm] = min(best[d, arm], seconds)
+                if packed:
+                    best["packed"] = min(
+                        best["packed"], timed(packed, packed_step, None, args.steps)
+                    )
+            line = f"{batch:>5} {context:>7}"
+            row: dict = {"batch": batch, "context": context, "threads": torch.get_num_threads()}
+            for d in args.dtypes:
+                f, t = best[d, "fused"], best[d, "torch"]
+                line += f" {f * 1e3:>15.3f} {t * 1e3:>8.3f} {t / f:>11.2f}"
+                row[d] = {
+                    "fused_ms": round(f * 1e3, 4),
+                    "torch_ms": round(t * 1e3, 4),
+                    "torch_over_fused": round(t / f, 3),
                 }
-            )
-            print(
-                f"{batch:>5} {context:>7} {best['fused'] * 1e3:>9.3f} {best['torch'] * 1e3:>9.3f} {ratio:>11.2f}"
-            )
-    runner.decode_step.fused = fused
+                if batch == 1:
+                    ceiling = bandwidth / token_bytes[d]
+                    row[d]["fused_share_of_ceiling"] = round(1 / f / ceiling, 3)
+            if packed:
+                ratio = best["packed"] / best["bfloat16", "fused"]
+                row["bfloat16"]["packed_ms"] = round(best["packed"] * 1e3, 4)
+                row["bfloat16"]["packed_over_fused"] = round(ratio, 3)
+                line += f" {best['packed'] * 1e3:>11.3f} {ratio:>12.2f}"
+            if len(args.dtypes) == 2:
+                ratio = best[args.dtypes[0], "fused"] / best[args.dtypes[1], "fused"]
+                row["fused_first_over_second"] = round(ratio, 3)
+                line += f" {ratio:>14.2f}"
+            print(line, flush=True)
+            rows.append(row)
+    for d, r in runners.items():
+        r.decode_step.fused = kernels[d]
+    share = {
+        d: row[d]["fused_share_of_ceiling"]
+        for row in rows
+        if row["batch"] == 1
+        for d in args.dtypes
+    }
+    if share:
+        print(
+            "batch 1, fused step / bandwidth ceiling (last context): "
+            + ", ".join(f"{d} {100 * s:.0f}%" for d, s in share.items())
+        )
     report = {
         "benchmark": "decode_kernel",
-        "model": path,
-        "parameters": runner.info()["parameters"],
+        "model": args.model,
+        "parameters": info["parameters"],
+        "dtypes": args.dtypes,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
-        "load_average": os.getloadavg(),
+        "load_average_before": load,
+        "load_average_after": os.getloadavg(),
         "torch": torch.__version__,
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "weight_bytes_per_token": token_bytes,
         "rows": rows,
     }
     write_json(args.out, report)

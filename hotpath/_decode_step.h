@@ -14,6 +14,14 @@
  * then logits = rms_norm(h, norm) W_lm^T. Norms and rotary round as _cpu_ops does; the dot
  * products sum in 8 independent lanes (four weight rows per load of x), so they differ from a
  * BLAS in the last bits (as any two BLAS do) but not between thread counts or instruction sets.
+ *
+ * The weight matrices (embed, lm_head, each layer's four) are float32 or bf16 (sloserve_weight;
+ * _decode_step_gemv.h is instantiated once per type: a type with per-row scales, such as int8,
+ * is one more instantiation and one more case in the dispatch below), and the KV pages float32
+ * or bf16 (K/V rounded to bf16 when written, as torch rounds). A bf16 weight is widened to float32
+ * in registers, and the activations, norms, rotary, softmax and every sum stay float32, in the
+ * same lanes: on bf16 weights the step computes the float32 step's arithmetic on the widened
+ * weights, reading half the bytes.
  */
 #ifndef SLOSERVE_DECODE_STEP_H
 #define SLOSERVE_DECODE_STEP_H
@@ -30,22 +38,38 @@
 
 
 
+/* Element types of the weight matrices and the KV pages; activations and sums are float32 always. */
+enum { SLOSERVE_F32 = 0, SLOSERVE_BF16 = 1 };
+
+/* A weight matrix [out, in], read in place: `data` of `type` (SLOSERVE_F32: float; SLOSERVE_BF16:
+ * uint16_t), and per-row float scales for a type that has them (NULL for these two). */
+typedef struct {
+    const void *data;
+    const float *scale;
+    int type;
+} sloserve_weight;
+
 typedef struct {
     const float *ln1, *ln2;          /* [H] */
-    const float *qkv_w, *qkv_b;      /* [(Hq + 2 Hkv) D, H], bias or NULL */
-    const float *o_w, *o_b;          /* [H, Hq D] */
-    const float *gate_up_w, *gate_up_b; /* [2I, H]: gate rows, then up rows */
-    const float *down_w, *down_b;    /* [H, I] */
-    float *k_cache, *v_cache;        /* [P, page, Hkv, D] */
+    sloserve_weight qkv_w;           /* [(Hq + 2 Hkv) D, H] */
+    const float *qkv_b;              /* bias or NULL */
+    sloserve_weight o_w;             /* [H, Hq D] */
+    const float *o_b;
+    sloserve_weight gate_up_w;       /* [2I, H]: gate rows, then up rows */
+    const float *gate_up_b;
+    sloserve_weight down_w;          /* [H, I] */
+    const float *down_b;
+    void *k_cache, *v_cache;         /* [P, page, Hkv, D] of the decoder's kv_type */
 } sloserve_layer;
 
 typedef struct {
     ptrdiff_t hidden, heads, kv_heads, head_dim, inter, vocab, num_layers, page, num_pages;
     float eps, scale;
-    const float *embed;   /* [V, H] */
-    const float *norm;    /* [H] */
-    const float *lm_head; /* [V, H] */
-    const float *cos, *sin; /* [max positions, D] */
+    int kv_type;                /* SLOSERVE_F32 or SLOSERVE_BF16 */
+    sloserve_weight embed;      /* [V, H] */
+    const float *norm;          /* [H] */
+    sloserve_weight lm_head;    /* [V, H]; a tied head is the embedding */
+    const float *cos, *sin;     /* [max positions, D] */
     const sloserve_layer *layers;
 } sloserve_decoder;
 
@@ -56,94 +80,54 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
     return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) + (ptrdiff_t)threads * m->heads * max_len;
 }
 
-/* The matrix-vector products. Every value is summed as sloserve_dot sums it (lane i adds the
- * products at d = i mod 8 in order, the tail past the last multiple of 8 goes to lane 0, then
- * the lanes fold), whichever kernel below computes it: a row's result does not depend on the
- * batch it is in, the rows beside it, the thread or the instruction set. */
+/* The matrix-vector products, once per weight type (_decode_step_gemv.h), and their dispatch. */
+#define SLOSERVE_T float
+#define SLOSERVE_T_NAME(name) name##_f32
+#define SLOSERVE_T_LOAD8(p) sloserve_load8(p)
+#define SLOSERVE_T_AT(p, i) ((p)[i])
+#define SLOSERVE_T_SCALE(v, w, row) (v)
+#include "_decode_step_gemv.h"
 
-SLOSERVE_INLINE float sloserve_dot1(const float *w, const float *x, ptrdiff_t k) {
-    sloserve_v8 acc = {0};
-    ptrdiff_t d = 0;
-    for (; d + 8 <= k; d += 8) acc += sloserve_load8(w + d) * sloserve_load8(x + d);
-    acc = sloserve_tail(acc, w, x, d, k);
-    const sloserve_v8 zero = {0};
-    return sloserve_fold4(acc, zero, zero, zero)[0];
-}
-
-/* Four weight rows (w, w + k, ...) against one x: one load of x serves four rows. */
-SLOSERVE_INLINE sloserve_v4 sloserve_dot4(const float *w, const float *x, ptrdiff_t k) {
-    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    ptrdiff_t d = 0;
-    for (; d + 8 <= k; d += 8) {
-        const sloserve_v8 xv = sloserve_load8(x + d);
-        a0 += sloserve_load8(w + d) * xv;
-        a1 += sloserve_load8(w + k + d) * xv;
-        a2 += sloserve_load8(w + 2 * k + d) * xv;
-        a3 += sloserve_load8(w + 3 * k + d) * xv;
-    }
-    return sloserve_fold4(sloserve_tail(a0, w, x, d, k), sloserve_tail(a1, w + k, x, d, k),
-                          sloserve_tail(a2, w + 2 * k, x, d, k), sloserve_tail(a3, w + 3 * k, x, d, k));
-}
-
-/* dots[4 b + r] = x[b] . w[j + r] for r < n (n <= 4) and every b. */
-SLOSERVE_INLINE void sloserve_dots(const float *w, const float *x, ptrdiff_t batch, ptrdiff_t k, ptrdiff_t j,
-                                   ptrdiff_t n, float *dots) {
-    const float *rows = w + j * k;
-    if (n < 4) {
-        for (ptrdiff_t b = 0; b < batch; b++)
-            for (ptrdiff_t r = 0; r < n; r++) dots[4 * b + r] = sloserve_dot1(rows + r * k, x + b * k, k);
-        return;
-    }
-    ptrdiff_t b = 0;
-    for (; b + 2 <= batch; b += 2) {
-        sloserve_v4 s0, s1;
-        sloserve_dot4x2_strided(x + b * k, x + (b + 1) * k, rows, k, k, &s0, &s1); /* each weight load: two sequences */
-        memcpy(dots + 4 * b, &s0, sizeof s0);
-        memcpy(dots + 4 * (b + 1), &s1, sizeof s1);
-    }
-    if (b < batch) {
-        const sloserve_v4 s0 = sloserve_dot4(rows, x + b * k, k);
-        memcpy(dots + 4 * b, &s0, sizeof s0);
-    }
-}
+#define SLOSERVE_T uint16_t
+#define SLOSERVE_T_NAME(name) name##_bf16
+#define SLOSERVE_T_LOAD8(p) sloserve_load8_bf16(p)
+#define SLOSERVE_T_AT(p, i) sloserve_bf16_float((p)[i])
+#define SLOSERVE_T_SCALE(v, w, row) (v)
+#include "_decode_step_gemv.h"
 
 /* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) and every b
  * (x: [batch, k] contiguous, batch <= SLOSERVE_MAX_BATCH; y: row stride ldy). */
-SLOSERVE_CLONES
-static void sloserve_gemv_rows(const float *w, const float *bias, const float *x, ptrdiff_t batch, ptrdiff_t k,
-                               ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    float dots[4 * SLOSERVE_MAX_BATCH];
-    for (ptrdiff_t j = j0; j < j1; j += 4) {
-        const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
-        sloserve_dots(w, x, batch, k, j, n, dots);
-        for (ptrdiff_t b = 0; b < batch; b++)
-            for (ptrdiff_t r = 0; r < n; r++) {
-                float v = dots[4 * b + r];
-                if (bias) v = v + bias[j + r];
-                y[b * ldy + j + r] = accumulate ? y[b * ldy + j + r] + v : v;
-            }
-    }
+static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                               ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
+    if (w->type == SLOSERVE_BF16)
+        sloserve_gemv_rows_bf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
+    else
+        sloserve_gemv_rows_f32(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
 }
 
 /* act[b, j] = silu(x[b] . w[j] + bg[j]) * (x[b] . w[inter + j] + bu[j]) for j in [j0, j1). */
-SLOSERVE_CLONES
-static void sloserve_swiglu_rows(const float *w, const float *bias, const float *x, ptrdiff_t batch, ptrdiff_t k,
-                                 ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    float gates[4 * SLOSERVE_MAX_BATCH], ups[4 * SLOSERVE_MAX_BATCH];
-    for (ptrdiff_t j = j0; j < j1; j += 4) {
-        const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
-        sloserve_dots(w, x, batch, k, j, n, gates);
-        sloserve_dots(w, x, batch, k, inter + j, n, ups);
-        for (ptrdiff_t b = 0; b < batch; b++)
-            for (ptrdiff_t r = 0; r < n; r++) {
-                float gate = gates[4 * b + r], up = ups[4 * b + r];
-                if (bias) {
-                    gate = gate + bias[j + r];
-                    up = up + bias[inter + j + r];
-                }
-                act[b * inter + j + r] = (gate / (1.0f + expf(-gate))) * up;
-            }
-    }
+static void sloserve_swiglu_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                 ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+    if (w->type == SLOSERVE_BF16)
+        sloserve_swiglu_rows_bf16(w, bias, x, batch, k, inter, j0, j1, act);
+    else
+        sloserve_swiglu_rows_f32(w, bias, x, batch, k, inter, j0, j1, act);
+}
+
+/* Row `row` of an [rows, n] matrix of `type` as n floats (exact: bf16 widens by a shift). */
+static void sloserve_row_float(const void *m, int type, ptrdiff_t row, ptrdiff_t n, float *out) {
+    if (type == SLOSERVE_BF16)
+        for (ptrdiff_t d = 0; d < n; d++) out[d] = sloserve_bf16_float(((const uint16_t *)m)[row * n + d]);
+    else
+        memcpy(out, (const float *)m + row * n, n * sizeof(float));
+}
+
+/* n floats into slot `slot` of a cache of `type` ([slots, n]): bf16 rounds as torch's `.to` does. */
+static void sloserve_store_row(void *cache, int type, ptrdiff_t slot, const float *v, ptrdiff_t n) {
+    if (type == SLOSERVE_BF16)
+        for (ptrdiff_t d = 0; d < n; d++) ((uint16_t *)cache)[slot * n + d] = sloserve_float_bf16(v[d]);
+    else
+        memcpy((float *)cache + slot * n, v, n * sizeof(float));
 }
 
 /* out[b] = weight * (x[b] * (1 / sqrt(mean(x[b]^2) + eps))); the sum of squares in 8 lanes, the
@@ -240,41 +224,46 @@ static void sloserve_decode_job(void *raw, int me, int team) {
     float *my_scores = scores + (ptrdiff_t)me * Hq * max_len;
     const ptrdiff_t per_item = sloserve_item_kv_heads(batch, Hkv, team); /* KV heads per attention item */
     if (me == 0)
-        for (ptrdiff_t b = 0; b < batch; b++) memcpy(h + b * H, m->embed + ids[b] * H, H * sizeof(float));
+        for (ptrdiff_t b = 0; b < batch; b++) sloserve_row_float(m->embed.data, m->embed.type, ids[b], H, h + b * H);
     for (ptrdiff_t l = 0; l < m->num_layers; l++) {
         const sloserve_layer *L = m->layers + l;
         if (me == 0) sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);
         sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(qkv_size, me, team, &first, &last);
-        sloserve_gemv_rows(L->qkv_w, L->qkv_b, x, batch, H, first, last, qkv, qkv_size, 0);
+        sloserve_gemv_rows(&L->qkv_w, L->qkv_b, x, batch, H, first, last, qkv, qkv_size, 0);
         sloserve_barrier_wait(bar, team, &phase, stalled);
         if (me == 0)
             for (ptrdiff_t b = 0; b < batch; b++) { /* rotate q and k, then write k and v to the slot */
                 float *row = qkv + b * qkv_size;
                 const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
                 for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
-                memcpy(L->k_cache + slots[b] * row_kv, row + q_size, row_kv * sizeof(float));
-                memcpy(L->v_cache + slots[b] * row_kv, row + q_size + row_kv, row_kv * sizeof(float));
+                sloserve_store_row(L->k_cache, m->kv_type, slots[b], row + q_size, row_kv);
+                sloserve_store_row(L->v_cache, m->kv_type, slots[b], row + q_size + row_kv, row_kv);
             }
         sloserve_barrier_wait(bar, team, &phase, stalled);
         for (ptrdiff_t item = me; item < batch * (Hkv / per_item); item += team) {
             const ptrdiff_t b = item * per_item / Hkv, kv_head = item * per_item % Hkv;
-            if (sloserve_paged_item(qkv + b * qkv_size + kv_head * group * D, L->k_cache, L->v_cache,
-                                    tables + b * width, lens[b], kv_head, per_item, group, Hkv, D, m->page,
-                                    m->num_pages, m->scale, my_scores, attn + b * q_size + kv_head * group * D))
-                __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
+            const float *q = qkv + b * qkv_size + kv_head * group * D;
+            float *out = attn + b * q_size + kv_head * group * D;
+            const int rc =
+                m->kv_type == SLOSERVE_BF16
+                    ? sloserve_paged_item_bf16(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
+                                               per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out)
+                    : sloserve_paged_item_f32(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
+                                              per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out);
+            if (rc) __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
         }
         sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(H, me, team, &first, &last);
-        sloserve_gemv_rows(L->o_w, L->o_b, attn, batch, q_size, first, last, h, H, 1);
+        sloserve_gemv_rows(&L->o_w, L->o_b, attn, batch, q_size, first, last, h, H, 1);
         sloserve_barrier_wait(bar, team, &phase, stalled);
         if (me == 0) sloserve_rms_norm_rows(h, L->ln2, batch, H, m->eps, x);
         sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(I, me, team, &first, &last);
-        sloserve_swiglu_rows(L->gate_up_w, L->gate_up_b, x, batch, H, I, first, last, act);
+        sloserve_swiglu_rows(&L->gate_up_w, L->gate_up_b, x, batch, H, I, first, last, act);
         sloserve_barrier_wait(bar, team, &phase, stalled);
         sloserve_share(H, me, team, &first, &last);
-        sloserve_gemv_rows(L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
+        sloserve_gemv_rows(&L->down_w, L->down_b, act, batch, I, first, last, h, H, 1);
         sloserve_barrier_wait(bar, team, &phase, stalled);
     }
     if (me == 0 && a->out_rows == NULL)
@@ -284,7 +273,7 @@ static void sloserve_decode_job(void *raw, int me, int team) {
             sloserve_rms_norm_rows(h + a->out_rows[r] * H, m->norm, 1, H, m->eps, x + r * H);
     sloserve_barrier_wait(bar, team, &phase, stalled);
     sloserve_share(m->vocab, me, team, &first, &last);
-    sloserve_gemv_rows(m->lm_head, NULL, x, a->num_out, H, first, last, logits, m->vocab, 0);
+    sloserve_gemv_rows(&m->lm_head, NULL, x, a->num_out, H, first, last, logits, m->vocab, 0);
 }
 
 /* One decode step of `batch` rows: ids, positions, KV slots [batch] int64; tables [batch, width]

@@ -1,11 +1,12 @@
 """Type stubs for the compiled `_decode_step` module (its pure-torch twin is DecoderModel.decode)."""
 
 class DecodeKernel:
-    """A dense decoder's whole decode step in one nogil call; addresses of its weights and cache set once."""
+    """A dense decoder's whole decode step in one nogil call; addresses of its weights and cache set
+    once (weights and KV pages float32 or bf16: dims' weight_dtype and kv_dtype)."""
 
     def __init__(
         self,
-        dims: dict[str, int | float],
+        dims: dict[str, int | float | str],
         embed: int,
         norm: int,
         lm_head: int,

@@ -17,26 +17,35 @@ from libc.stdlib cimport free, malloc, realloc
 cdef extern from "_decode_step.h" nogil:
     enum: SLOSERVE_MAX_BATCH
 
+    enum: SLOSERVE_F32
+    enum: SLOSERVE_BF16
+
+    ctypedef struct sloserve_weight:
+        const void* data
+        const float* scale
+        int type
+
     ctypedef struct sloserve_layer:
         const float* ln1
         const float* ln2
-        const float* qkv_w
+        sloserve_weight qkv_w
         const float* qkv_b
-        const float* o_w
+        sloserve_weight o_w
         const float* o_b
-        const float* gate_up_w
+        sloserve_weight gate_up_w
         const float* gate_up_b
-        const float* down_w
+        sloserve_weight down_w
         const float* down_b
-        float* k_cache
-        float* v_cache
+        void* k_cache
+        void* v_cache
 
     ctypedef struct sloserve_decoder:
         Py_ssize_t hidden, heads, kv_heads, head_dim, inter, vocab, num_layers, page, num_pages
         float eps, scale
-        const float* embed
+        int kv_type
+        sloserve_weight embed
         const float* norm
-        const float* lm_head
+        sloserve_weight lm_head
         const float* cos
         const float* sin
         const sloserve_layer* layers
@@ -54,8 +63,24 @@ cdef extern from "_decode_step.h" nogil:
                              sloserve_team* team, float* work, float* logits, long* stalled_ns)
 
 
+# The element types the kernel reads weights and KV pages in, by torch's name for them.
+_TYPES = {"float32": SLOSERVE_F32, "bfloat16": SLOSERVE_BF16}
+
+
 cdef const float* _ptr(object address):
     return <const float*> <uintptr_t> (0 if address is None else address)
+
+
+cdef int _type(str name) except -1:
+    if name not in _TYPES:
+        raise ValueError(f"the kernel reads {' or '.join(_TYPES)} weights and KV pages, not {name}")
+    return _TYPES[name]
+
+
+cdef sloserve_weight _weight(object address, int kind):
+    cdef sloserve_weight w
+    w.data, w.scale, w.type = <const void*> _ptr(address), NULL, kind
+    return w
 
 
 cdef class DecodeKernel:
@@ -72,9 +97,13 @@ cdef class DecodeKernel:
     def __init__(self, dict dims, uintptr_t embed, uintptr_t norm, uintptr_t lm_head, uintptr_t cos, uintptr_t sin,
                  list layers):
         """dims: hidden, heads, kv_heads, head_dim, inter, vocab, page, num_pages, max_positions, eps,
-        scale. layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w,
-        down_b, k_cache, v_cache (addresses; a missing bias is None)."""
+        scale, and weight_dtype, kv_dtype ("float32" or "bfloat16": of the weight matrices (embed,
+        lm_head and each layer's *_w) and of the KV pages; norms, biases, cos and sin are float32).
+        layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
+        k_cache, v_cache (addresses; a missing bias is None)."""
         cdef Py_ssize_t i
+        cdef int wtype = _type(dims.get("weight_dtype", "float32"))
+        cdef int kvtype = _type(dims.get("kv_dtype", "float32"))
         if self.layers != NULL:
             raise RuntimeError("DecodeKernel is set once")
         for key in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "page", "num_pages", "max_positions"):
@@ -91,22 +120,23 @@ cdef class DecodeKernel:
         for i, layer in enumerate(layers):
             self.layers[i].ln1 = _ptr(layer["ln1"])
             self.layers[i].ln2 = _ptr(layer["ln2"])
-            self.layers[i].qkv_w = _ptr(layer["qkv_w"])
+            self.layers[i].qkv_w = _weight(layer["qkv_w"], wtype)
             self.layers[i].qkv_b = _ptr(layer["qkv_b"])
-            self.layers[i].o_w = _ptr(layer["o_w"])
+            self.layers[i].o_w = _weight(layer["o_w"], wtype)
             self.layers[i].o_b = _ptr(layer["o_b"])
-            self.layers[i].gate_up_w = _ptr(layer["gate_up_w"])
+            self.layers[i].gate_up_w = _weight(layer["gate_up_w"], wtype)
             self.layers[i].gate_up_b = _ptr(layer["gate_up_b"])
-            self.layers[i].down_w = _ptr(layer["down_w"])
+            self.layers[i].down_w = _weight(layer["down_w"], wtype)
             self.layers[i].down_b = _ptr(layer["down_b"])
-            self.layers[i].k_cache = <float*> _ptr(layer["k_cache"])
-            self.layers[i].v_cache = <float*> _ptr(layer["v_cache"])
+            self.layers[i].k_cache = <void*> _ptr(layer["k_cache"])
+            self.layers[i].v_cache = <void*> _ptr(layer["v_cache"])
         m = &self.model
         m.hidden, m.heads, m.kv_heads = dims["hidden"], dims["heads"], dims["kv_heads"]
         m.head_dim, m.inter, m.vocab = dims["head_dim"], dims["inter"], dims["vocab"]
         m.num_layers, m.page, m.num_pages = len(layers), dims["page"], dims["num_pages"]
         m.eps, m.scale = dims["eps"], dims["scale"]
-        m.embed, m.norm, m.lm_head = _ptr(embed), _ptr(norm), _ptr(lm_head)
+        m.embed, m.norm, m.lm_head = _weight(embed, wtype), _ptr(norm), _weight(lm_head, wtype)
+        m.kv_type = kvtype
         m.cos, m.sin = _ptr(cos), _ptr(sin)
         m.layers = self.layers
         self.max_positions = dims["max_positions"]

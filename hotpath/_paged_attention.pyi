@@ -16,5 +16,7 @@ def paged_decode(
     table_width: int,
     scale: float,
     num_threads: int,
+    kv_bf16: bool = False,
 ) -> None:
-    """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place (data pointers)."""
+    """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place (data
+    pointers; q and out float32, the pages float32 or, with kv_bf16, bf16)."""

@@ -6,7 +6,8 @@
 
 One query token per sequence attends to positions 0 .. seq_len-1 of its own pages::
 
-    k_cache, v_cache  [P, page, Hkv, D] float32, contiguous (one layer of the pool)
+    k_cache, v_cache  [P, page, Hkv, D] float32 or bf16 (widened in registers), contiguous (one
+                      layer of the pool)
     q, out            [S, Hq, D] float32, contiguous; query head h reads KV head h // (Hq / Hkv)
     block_tables      [S, W] int32; position p of sequence s lives in page block_tables[s, p // page]
     seq_lens          [S] int32
@@ -23,7 +24,7 @@ The pure-torch twin is `SdpaBackend`'s gather path; SLOSERVE_NO_EXTENSIONS=1 sel
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int32_t, uintptr_t
+from libc.stdint cimport int32_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 
@@ -33,21 +34,26 @@ cdef enum:
 
 
 cdef extern from "_paged_attention_item.h" nogil:
-    int sloserve_paged_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
-                            Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count, Py_ssize_t group,
-                            Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale,
-                            float* scores, float* out)
+    int sloserve_paged_item_f32(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
+                                Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count, Py_ssize_t group,
+                                Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale,
+                                float* scores, float* out)
+    int sloserve_paged_item_bf16(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                 const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count,
+                                 Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page,
+                                 Py_ssize_t num_pages, float scale, float* scores, float* out)
     Py_ssize_t sloserve_item_kv_heads(Py_ssize_t seqs, Py_ssize_t hkv, int threads)
 
 
 def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,
                  uintptr_t out, Py_ssize_t num_seqs, Py_ssize_t num_heads, Py_ssize_t num_kv_heads,
                  Py_ssize_t head_dim, Py_ssize_t page, Py_ssize_t num_pages, Py_ssize_t table_width,
-                 float scale, int num_threads):
+                 float scale, int num_threads, bint kv_bf16=False):
     """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place.
 
     Arguments are data pointers of contiguous CPU tensors (the caller checks dtypes, shapes and
-    contiguity; see sloserve.layers.attention.paged). ValueError when a sequence's length needs
+    contiguity; see sloserve.layers.attention.paged): q and out float32, the caches float32, or bf16
+    (uint16) with kv_bf16. ValueError when a sequence's length needs
     more pages than its table row holds or names a page outside the pool; then `out` is undefined.
     """
     if num_seqs <= 0:
@@ -56,8 +62,6 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
         raise ValueError(f"bad shapes: {num_heads} query heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
                          f"page {page}")
     cdef const float* qp = <const float*> q
-    cdef const float* kp = <const float*> k_cache
-    cdef const float* vp = <const float*> v_cache
     cdef const int32_t* tp = <const int32_t*> block_tables
     cdef const int32_t* lp = <const int32_t*> seq_lens
     cdef float* op = <float*> out
@@ -84,10 +88,18 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
             else:
                 s = (i * per_item) // num_kv_heads
                 h = (i * per_item) % num_kv_heads
-                bad |= -sloserve_paged_item(qp + (s * num_heads + h * group) * head_dim, kp, vp,
-                                            tp + s * table_width, lp[s], h, per_item, group, num_kv_heads, head_dim,
-                                            page, num_pages, scale, scores,
-                                            op + (s * num_heads + h * group) * head_dim)
+                if kv_bf16:
+                    bad |= -sloserve_paged_item_bf16(qp + (s * num_heads + h * group) * head_dim,
+                                                     <const uint16_t*> k_cache, <const uint16_t*> v_cache,
+                                                     tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,
+                                                     head_dim, page, num_pages, scale, scores,
+                                                     op + (s * num_heads + h * group) * head_dim)
+                else:
+                    bad |= -sloserve_paged_item_f32(qp + (s * num_heads + h * group) * head_dim,
+                                                    <const float*> k_cache, <const float*> v_cache,
+                                                    tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,
+                                                    head_dim, page, num_pages, scale, scores,
+                                                    op + (s * num_heads + h * group) * head_dim)
                 free(scores)
     if bad & 2:
         raise MemoryError("paged_decode: cannot allocate the scores buffer")

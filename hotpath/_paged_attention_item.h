@@ -4,6 +4,9 @@
  * AVX, baseline x86-64) and pick one at load time: the wheel stays portable, a modern CPU gets wide
  * vectors. The loops are written with LANES independent accumulators, so they vectorise without
  * reassociation flags and give the same sums on every instruction set and thread count.
+ *
+ * The pages are float32 or bf16 (uint16, widened to float32 in registers): the kernels that read
+ * them are written once, in _paged_attention_rows.h, and instantiated per type below.
  */
 #ifndef SLOSERVE_PAGED_ATTENTION_ITEM_H
 #define SLOSERVE_PAGED_ATTENTION_ITEM_H
@@ -33,6 +36,35 @@ typedef float sloserve_v4 __attribute__((vector_size(16)));
 
 SLOSERVE_INLINE sloserve_v8 sloserve_load8(const float *p) { return *(const sloserve_v8u *)p; }
 
+/* bf16 values as uint16: a bf16 is the high half of a float32, so widening is exact (a shift). */
+typedef uint32_t sloserve_u32x8 __attribute__((vector_size(32)));
+
+/* NOTE: built element by element, GCC 12 makes this one zero-extending load and a shift (AVX2);
+ * __builtin_convertvector of a 16-byte vector made it five instructions. */
+SLOSERVE_INLINE sloserve_v8 sloserve_load8_bf16(const uint16_t *p) {
+    sloserve_u32x8 bits = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    bits <<= 16;
+    sloserve_v8 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+SLOSERVE_INLINE float sloserve_bf16_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* f rounded to bf16 to nearest, ties to even, as torch's `.to(torch.bfloat16)` rounds a CPU
+ * tensor (every NaN becomes 0xffff there, a quiet NaN; measured on torch 2.13). */
+static inline uint16_t sloserve_float_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0xffff;
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 static inline float sloserve_dot(const float *a, const float *b, ptrdiff_t n) {
     float acc[SLOSERVE_LANES] = {0};
     ptrdiff_t d = 0;
@@ -56,102 +88,6 @@ SLOSERVE_INLINE sloserve_v4 sloserve_fold4(sloserve_v8 a0, sloserve_v8 a1, slose
     const sloserve_v4 lane0 = __builtin_shufflevector(x0, y0, 0, 1, 4, 5), lane1 = __builtin_shufflevector(x0, y0, 2, 3, 6, 7);
     const sloserve_v4 lane2 = __builtin_shufflevector(x1, y1, 0, 1, 4, 5), lane3 = __builtin_shufflevector(x1, y1, 2, 3, 6, 7);
     return (lane0 + lane2) + (lane1 + lane3);
-}
-
-/* out[r] = sloserve_dot(q, rows + r * stride, dim) for r < 4, the same bits; dim a multiple of 8. */
-SLOSERVE_INLINE sloserve_v4 sloserve_dot4_strided(const float *q, const float *rows, ptrdiff_t stride, ptrdiff_t dim) {
-    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (ptrdiff_t d = 0; d < dim; d += 8) {
-        const sloserve_v8 qv = sloserve_load8(q + d);
-        a0 += sloserve_load8(rows + d) * qv;
-        a1 += sloserve_load8(rows + stride + d) * qv;
-        a2 += sloserve_load8(rows + 2 * stride + d) * qv;
-        a3 += sloserve_load8(rows + 3 * stride + d) * qv;
-    }
-    return sloserve_fold4(a0, a1, a2, a3);
-}
-
-/* The products past the last multiple of 8 go to lane 0, as sloserve_dot sums them. */
-SLOSERVE_INLINE sloserve_v8 sloserve_tail(sloserve_v8 acc, const float *w, const float *x, ptrdiff_t d, ptrdiff_t k) {
-    for (; d < k; d++) acc[0] += w[d] * x[d];
-    return acc;
-}
-
-/* Four rows (rows, rows + stride, ...) against two vectors q0, q1 of `dim` floats: each row load
- * serves both (eight independent sums, where one vector's four wait on the adder's latency);
- * out0[r] is sloserve_dot(q0, row r, dim), the same bits. The attention's K rows (stride: a page
- * row) and the decode step's weight rows (stride: their length) both go through here. */
-SLOSERVE_INLINE void sloserve_dot4x2_strided(const float *q0, const float *q1, const float *rows, ptrdiff_t stride,
-                                             ptrdiff_t dim, sloserve_v4 *out0, sloserve_v4 *out1) {
-    sloserve_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    ptrdiff_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-        const sloserve_v8 u = sloserve_load8(q0 + d), v = sloserve_load8(q1 + d);
-        sloserve_v8 r = sloserve_load8(rows + d);
-        a0 += r * u;
-        b0 += r * v;
-        r = sloserve_load8(rows + stride + d);
-        a1 += r * u;
-        b1 += r * v;
-        r = sloserve_load8(rows + 2 * stride + d);
-        a2 += r * u;
-        b2 += r * v;
-        r = sloserve_load8(rows + 3 * stride + d);
-        a3 += r * u;
-        b3 += r * v;
-    }
-    const float *r1 = rows + stride, *r2 = rows + 2 * stride, *r3 = rows + 3 * stride;
-    *out0 = sloserve_fold4(sloserve_tail(a0, rows, q0, d, dim), sloserve_tail(a1, r1, q0, d, dim),
-                           sloserve_tail(a2, r2, q0, d, dim), sloserve_tail(a3, r3, q0, d, dim));
-    *out1 = sloserve_fold4(sloserve_tail(b0, rows, q1, d, dim), sloserve_tail(b1, r1, q1, d, dim),
-                           sloserve_tail(b2, r2, q1, d, dim), sloserve_tail(b3, r3, q1, d, dim));
-}
-
-/* out[0:64] += sum over j < n, in order, of w[j] * rows[j * stride : j * stride + 64]: the output
- * held in eight registers across the positions instead of loaded and stored at each one; every
- * element sums in the order the one-position-at-a-time loop gives it. */
-SLOSERVE_INLINE void sloserve_weighted_rows64(const float *w, const float *rows, ptrdiff_t stride, ptrdiff_t n,
-                                              float *out) {
-    sloserve_v8 o0 = sloserve_load8(out), o1 = sloserve_load8(out + 8), o2 = sloserve_load8(out + 16);
-    sloserve_v8 o3 = sloserve_load8(out + 24), o4 = sloserve_load8(out + 32), o5 = sloserve_load8(out + 40);
-    sloserve_v8 o6 = sloserve_load8(out + 48), o7 = sloserve_load8(out + 56);
-    for (ptrdiff_t j = 0; j < n; j++) {
-        const float *row = rows + j * stride, wj = w[j];
-        o0 += wj * sloserve_load8(row);
-        o1 += wj * sloserve_load8(row + 8);
-        o2 += wj * sloserve_load8(row + 16);
-        o3 += wj * sloserve_load8(row + 24);
-        o4 += wj * sloserve_load8(row + 32);
-        o5 += wj * sloserve_load8(row + 40);
-        o6 += wj * sloserve_load8(row + 48);
-        o7 += wj * sloserve_load8(row + 56);
-    }
-    memcpy(out, &o0, sizeof o0);
-    memcpy(out + 8, &o1, sizeof o1);
-    memcpy(out + 16, &o2, sizeof o2);
-    memcpy(out + 24, &o3, sizeof o3);
-    memcpy(out + 32, &o4, sizeof o4);
-    memcpy(out + 40, &o5, sizeof o5);
-    memcpy(out + 48, &o6, sizeof o6);
-    memcpy(out + 56, &o7, sizeof o7);
-}
-
-/* The same for `width` (< 64, a multiple of 8) floats, one vector at a time. */
-SLOSERVE_INLINE void sloserve_weighted_rows8(const float *w, const float *rows, ptrdiff_t stride, ptrdiff_t n,
-                                             ptrdiff_t width, float *out) {
-    for (ptrdiff_t c = 0; c < width; c += 8) {
-        sloserve_v8 o = sloserve_load8(out + c);
-        for (ptrdiff_t j = 0; j < n; j++) o += w[j] * sloserve_load8(rows + j * stride + c);
-        memcpy(out + c, &o, sizeof o);
-    }
-}
-
-/* Ask for the next page's rows of the item's KV heads (n rows of `width` floats, stride apart)
- * while this page computes: pages are scattered through the pool, so the hardware's stream
- * prefetch starts over at every one of them. */
-SLOSERVE_INLINE void sloserve_prefetch_rows(const float *rows, ptrdiff_t stride, ptrdiff_t n, ptrdiff_t width) {
-    for (ptrdiff_t j = 0; j < n; j++)
-        for (ptrdiff_t d = 0; d < width; d += 16) __builtin_prefetch(rows + j * stride + d, 0, 0);
 }
 
 /* Positions of page b that a sequence of seq_len positions fills. */
@@ -188,86 +124,19 @@ static inline float sloserve_exp_nonpositive(float x) {
     return x <= -87.3f ? 0.0f : y * scale.f;
 }
 
-/* One work item: KV heads [kv_head, kv_head + kv_count) of one sequence, page by page (a page's
- * rows of those heads are adjacent, so an item of every KV head reads whole rows). q, out: the
- * item's first query head row ([kv_count * group, dim], contiguous); scores: kv_count * group *
- * seq_len floats. Each query head's result is the same bits whatever kv_count is.
- * Returns 0, or -1 when a block id is outside [0, num_pages) (then nothing is read from it). */
-SLOSERVE_CLONES
-static int sloserve_paged_item(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                               ptrdiff_t seq_len, ptrdiff_t kv_head, ptrdiff_t kv_count, ptrdiff_t group,
-                               ptrdiff_t hkv, ptrdiff_t dim, ptrdiff_t page, ptrdiff_t num_pages, float scale,
-                               float *scores, float *out) {
-    const ptrdiff_t stride = hkv * dim; /* floats between consecutive positions of one page */
-    const ptrdiff_t heads = kv_count * group, width = kv_count * dim; /* the item's query heads; its row floats */
-    const ptrdiff_t page_floats = page * stride, head_offset = kv_head * dim, num_blocks = (seq_len + page - 1) / page;
-    for (ptrdiff_t b = 0; b < num_blocks; b++)
-        if (table[b] < 0 || table[b] >= num_pages) return -1;
-    for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
-        const float *page_rows = k_cache + table[b] * page_floats + head_offset;
-        const ptrdiff_t first = b * page, n = sloserve_page_len(seq_len, b, page);
-        if (b + 1 < num_blocks)
-            sloserve_prefetch_rows(k_cache + table[b + 1] * page_floats + head_offset, stride,
-                                   sloserve_page_len(seq_len, b + 1, page), width);
-        for (ptrdiff_t kk = 0; kk < kv_count; kk++) {
-            const float *rows = page_rows + kk * dim, *qk = q + kk * group * dim;
-            float *sk = scores + kk * group * seq_len;
-            ptrdiff_t j = 0;
-            if (dim % 8 == 0) /* four positions (of two query heads) at a time, the same sums as one at a time */
-                for (; j + 4 <= n; j += 4) {
-                    ptrdiff_t g = 0;
-                    for (; g + 2 <= group; g += 2) {
-                        sloserve_v4 s0, s1;
-                        sloserve_dot4x2_strided(qk + g * dim, qk + (g + 1) * dim, rows + j * stride, stride, dim,
-                                                &s0, &s1);
-                        s0 *= scale;
-                        s1 *= scale;
-                        memcpy(sk + g * seq_len + first + j, &s0, sizeof s0);
-                        memcpy(sk + (g + 1) * seq_len + first + j, &s1, sizeof s1);
-                    }
-                    for (; g < group; g++) {
-                        const sloserve_v4 s = sloserve_dot4_strided(qk + g * dim, rows + j * stride, stride, dim) * scale;
-                        memcpy(sk + g * seq_len + first + j, &s, sizeof s);
-                    }
-                }
-            for (; j < n; j++)
-                for (ptrdiff_t g = 0; g < group; g++)
-                    sk[g * seq_len + first + j] = sloserve_dot(qk + g * dim, rows + j * stride, dim) * scale;
-        }
-    }
-    for (ptrdiff_t g = 0; g < heads; g++) { /* softmax, running maximum subtracted */
-        float *s = scores + g * seq_len, m = s[0], acc[SLOSERVE_LANES] = {0};
-        for (ptrdiff_t p = 1; p < seq_len; p++) m = s[p] > m ? s[p] : m;
-        for (ptrdiff_t p = 0; p < seq_len; p++) s[p] = sloserve_exp_nonpositive(s[p] - m);
-        ptrdiff_t p = 0;
-        for (; p + SLOSERVE_LANES <= seq_len; p += SLOSERVE_LANES)
-            for (int j = 0; j < SLOSERVE_LANES; j++) acc[j] += s[p + j];
-        for (; p < seq_len; p++) acc[0] += s[p];
-        for (int lanes = SLOSERVE_LANES / 2; lanes > 0; lanes /= 2)
-            for (int j = 0; j < lanes; j++) acc[j] += acc[j + lanes];
-        const float inv = 1.0f / acc[0];
-        for (ptrdiff_t p = 0; p < seq_len; p++) s[p] *= inv;
-        for (ptrdiff_t d = 0; d < dim; d++) out[g * dim + d] = 0.0f;
-    }
-    for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over V, in the same position order */
-        const float *page_rows = v_cache + table[b] * page_floats + head_offset;
-        const ptrdiff_t first = b * page, n = sloserve_page_len(seq_len, b, page);
-        if (b + 1 < num_blocks)
-            sloserve_prefetch_rows(v_cache + table[b + 1] * page_floats + head_offset, stride,
-                                   sloserve_page_len(seq_len, b + 1, page), width);
-        for (ptrdiff_t g = 0; g < heads; g++) { /* out[d] sums its positions in order, for every d */
-            const float *w = scores + g * seq_len + first, *rows = page_rows + (g / group) * dim;
-            float *o = out + g * dim;
-            ptrdiff_t c = 0;
-            for (; c + 64 <= dim; c += 64) sloserve_weighted_rows64(w, rows + c, stride, n, o + c);
-            if (dim % 8 == 0)
-                sloserve_weighted_rows8(w, rows + c, stride, n, dim - c, o + c);
-            else
-                for (ptrdiff_t j = 0; j < n; j++)
-                    for (ptrdiff_t d = c; d < dim; d++) o[d] += w[j] * rows[j * stride + d];
-        }
-    }
-    return 0;
-}
+/* The kernels that read rows of one element type (K/V pages, weights), once per type: float32,
+ * and bf16 (uint16, the high half of a float32, widened in registers). Everything they sum is
+ * float32, in the same lanes and order whatever the type. */
+#define SLOSERVE_T float
+#define SLOSERVE_T_NAME(name) name##_f32
+#define SLOSERVE_T_LOAD8(p) sloserve_load8(p)
+#define SLOSERVE_T_AT(p, i) ((p)[i])
+#include "_paged_attention_rows.h"
+
+#define SLOSERVE_T uint16_t
+#define SLOSERVE_T_NAME(name) name##_bf16
+#define SLOSERVE_T_LOAD8(p) sloserve_load8_bf16(p)
+#define SLOSERVE_T_AT(p, i) sloserve_bf16_float((p)[i])
+#include "_paged_attention_rows.h"
 
 #endif

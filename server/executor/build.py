@@ -39,6 +39,7 @@ from sloserve.layers.attention import (
     select_backend,
 )
 from sloserve.layers.linear import (
+    OneDnnBf16Linear,
     OneDnnLinear,
     PackedBf16Linear,
     PackedLinear,
@@ -257,8 +258,15 @@ def prepare_projections(
         log.debug("dense projections on F.linear: %s", why_not)
         return
     started = time.monotonic()
-    if dtype == torch.bfloat16:  # nothing else reads bf16 weights: the fused step runs float32
-        kind, how = PackedBf16Linear, "packed in bf16"
+    if dtype == torch.bfloat16:
+        # NOTE: where the fused step reads the plain bf16 weights, oneDNN reads them in place too:
+        # its prefill products lose a few % to the packed copy from 128 rows up (more below;
+        # docs/design/cpu-decode.md, "bf16 on the CPU"), where decode reads half the bytes.
+        kind, how = (
+            (OneDnnBf16Linear, "read in place in bf16 (the fused step reads them too)")
+            if reads_plain
+            else (PackedBf16Linear, "packed in bf16")
+        )
         if weights.lm_head.weight is not weights.embed:  # a tied head reads the embedding itself
             weights.lm_head = kind(weights.lm_head.weight, weights.lm_head.bias)
     elif reads_plain:

@@ -48,8 +48,11 @@ def decode_path_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return f"the {model.backend.name} backend is named"
     if not paged.AVAILABLE:
         return "the paged kernel extension is not built"
-    if kv.device.type != "cpu" or kv.dtype != torch.float32:
-        return f"the in-place kernel runs float32 on a CPU, not {kv.dtype} on {kv.device.type}"
+    if kv.device.type != "cpu" or kv.dtype not in paged.CACHE_DTYPES:
+        return (
+            f"the in-place kernel runs float32 or bfloat16 caches on a CPU, not {kv.dtype} "
+            f"on {kv.device.type}"
+        )
     return None
 
 

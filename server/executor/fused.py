@@ -11,13 +11,19 @@ block table, and only the sampled rows get logits. Every row's K/V is written be
 attends, so each token sees exactly its causal prefix; the oracle there is the flat torch path
 (`DecoderModel.forward`).
 
-It serves dense float32 models on a CPU, one rank, batches up to FUSED_MAX_BATCH. Its
-matrix-vector products read each weight row once per two sequences and need no FMA to run at
-the core's multiply-add rate, so on the CPUs measured it beat the torch path up to the largest
-batch it takes. Its pure-torch twin is
+It serves dense float32 models (and bf16 ones under BF16_DECODE) on a CPU, one rank, batches
+up to FUSED_MAX_BATCH. Its matrix-vector products read each weight row once per two sequences
+and need no FMA to run at the core's multiply-add rate, so on the CPUs measured it beat the
+torch path up to the largest batch it takes. Its pure-torch twin is
 `DecoderModel.decode` (eager), which runs everything else, and SLOSERVE_NO_EXTENSIONS=1.
 Tokens equal the twin's except where two logits tie to the last bits (the dot products sum in
 another order than the BLAS); tests hold it to transformers' greedy tokens like every path.
+
+A bf16 model's step (BF16_DECODE) reads the plain bf16 weights and bf16 KV pages in place (half
+the bytes of float32) and widens them in registers: the activations and every sum stay
+float32, so it is the float32 step's arithmetic on the widened weights (tests hold it there,
+and to its bf16 twin, which rounds each activation, within bf16 rounding). Norms, biases and the
+rotary tables are read as float32 copies (a few MiB).
 """
 
 from __future__ import annotations
@@ -47,10 +53,25 @@ FUSED_MAX_BATCH = 64
 # a batch of at least MIN_PACKED_ROWS whose arithmetic (sequences x parameters) exceeds this goes
 # to the torch path.
 FUSED_MAX_MACS_PACKED = 1 << 28
+# bf16: the torch path's products run oneDNN's bf16 kernels (AVX512-BF16 dot products) where the
+# kernel multiplies and adds widened weights in float32, so from a few sequences of a large model
+# the torch path wins, below 16 rows too: a batch whose sequences x parameters exceed this goes
+# there (the 494M Llama, against the torch path on the plain weights: the kernel won at 2
+# sequences, lost from 3; docs/design/cpu-decode.md).
+FUSED_MAX_MACS_BF16 = 1 << 30
+# NOTE: bf16 models take the kernel only when this is set. It runs them (plain bf16 weights and
+# pages, tested), but on the machine measured, shared with other busy processes, the torch path
+# on oneDNN's packed bf16 products beat it at one and two sequences (its AVX512-BF16 dot products
+# issue a quarter of the kernel's instructions a byte, and there the step was compute-bound;
+# docs/design/cpu-decode.md, `benchmarks.decode_kernel --dtypes bfloat16`), so bf16 keeps the
+# packed copies until a measurement says otherwise.
+BF16_DECODE = False
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The dtypes the kernel reads weights and KV pages in (one for both: the model's).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
@@ -71,8 +92,10 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "MoE layers route on the host"
     if model.sharded:
         return "tensor parallelism splits the layers"
-    if kv.device.type != "cpu" or kv.dtype != torch.float32 or not kv.is_contiguous():
-        return "the kernel runs a contiguous float32 cache on a CPU"
+    if kv.device.type != "cpu" or kv.dtype not in KERNEL_DTYPES or not kv.is_contiguous():
+        return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
+    if kv.dtype == torch.bfloat16 and not BF16_DECODE:
+        return "bf16 decode runs faster on oneDNN's packed bf16 products (fused.BF16_DECODE)"
     if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
     if w.lm_head.weight is None or any(
@@ -82,11 +105,24 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     tensors = [w.embed, w.norm, w.lm_head.weight, w.lm_head.bias, model.cos, model.sin]
     tensors += [t for layer in w.layers for t in _layer_tensors(layer).values()]
     tensors = [t for t in tensors if t is not None]
-    if any(
-        t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors
-    ):
-        return "the kernel reads contiguous float32 weights on a CPU"
+    if any(t.device.type != "cpu" or t.dtype != kv.dtype or not t.is_contiguous() for t in tensors):
+        return f"the kernel reads contiguous {_name(kv.dtype)} weights on a CPU, as the cache"
     return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _vector(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    """The address of `t` as float32 (the kernel reads norms, biases, cos and sin so): `t`
+    itself, or a float32 copy kept alive in `keep` (exact: a bf16 widens without rounding)."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32:
+        t = t.float()
+        keep.append(t)
+    return t.data_ptr()
 
 
 class FusedDecode:
@@ -101,6 +137,9 @@ class FusedDecode:
             raise ValueError(f"the fused decode step cannot run this model: {why_not}")
         spec, w = model.spec, model.weights
         self.model, self.kv = model, kv  # the kernel holds their addresses: keep them alive
+        # NOTE: the small float32 copies of a bf16 model's vectors (norms, biases, cos/sin): the
+        # kernel keeps activations in float32, and these are a few MiB beside the matrices.
+        self._floats: list[torch.Tensor] = []
         dims = {
             "hidden": spec.hidden_size,
             "heads": spec.num_heads,
@@ -113,21 +152,24 @@ class FusedDecode:
             "max_positions": model.cos.shape[0],
             "eps": spec.rms_norm_eps,
             "scale": model.scale,
+            "weight_dtype": _name(kv.dtype),
+            "kv_dtype": _name(kv.dtype),
         }
         layers = []
         for i, layer in enumerate(w.layers):
             ptrs = {
-                f: None if t is None else t.data_ptr() for f, t in _layer_tensors(layer).items()
+                f: t.data_ptr() if f.endswith("_w") else _vector(t, self._floats)
+                for f, t in _layer_tensors(layer).items()
             }
             ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
             layers.append(ptrs)
         self.kernel = DecodeKernel(
             dims,
             w.embed.data_ptr(),
-            w.norm.data_ptr(),
+            _vector(w.norm, self._floats),
             w.lm_head.weight.data_ptr(),
-            model.cos.data_ptr(),
-            model.sin.data_ptr(),
+            _vector(model.cos, self._floats),
+            _vector(model.sin, self._floats),
             layers,
         )
         self.vocab = dims["vocab"]
@@ -138,6 +180,8 @@ class FusedDecode:
         self.max_batch = (
             min(FUSED_MAX_BATCH, packed_max) if on_onednn(w.layers[0].qkv) else FUSED_MAX_BATCH
         )
+        if kv.dtype == torch.bfloat16:
+            self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))
 
     @property
     def threads(self) -> int:

@@ -8,7 +8,9 @@ A kind per kernel, each holding its weight once (nothing keeps a second copy):
   torch.compile);
 - `PackedLinear`: only oneDNN's packed copy (the plain one is released), every product on oneDNN;
 - `PackedBf16Linear`: the same in bf16, on oneDNN's bf16 kernels (AVX512-BF16 or AMX tiles, sums
-  in float32), in row tiles down to one row: a decode row is never padded to more.
+  in float32), in row tiles down to one row: a decode row is never padded to more;
+- `OneDnnBf16Linear`: `OneDnnLinear` in bf16: the plain bf16 weight that the fused C decode step
+  reads, oneDNN's bf16 kernels reading it in place for products of MIN_PACKED_ROWS rows and more.
 
 torch's CPU `F.linear` calls MKL's sgemm, which on AMD CPUs takes its non-Intel (AVX2) path;
 oneDNN (bundled with torch, dispatched on CPU features, not on the vendor) runs AVX-512 there,
@@ -134,6 +136,15 @@ class OneDnnLinear(DenseLinear):
         ):
             return F.linear(x, self.weight, self.bias)
         return onednn_product(x, self.weight, self.bias)
+
+
+@dataclass(slots=True)
+class OneDnnBf16Linear(OneDnnLinear):
+    """The plain bf16 weight, read in place by oneDNN's bf16 kernels for products of
+    MIN_PACKED_ROWS rows or more."""
+
+    def __post_init__(self) -> None:
+        _check_cpu_matrix(self.weight, torch.bfloat16)
 
 
 class PackedLinear:

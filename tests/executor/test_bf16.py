@@ -97,7 +97,9 @@ def test_a_bf16_checkpoint_runs_bf16_weights_held_once(make_checkpoint, make_run
         info["dtype"] == "bfloat16"
         and info["dtype_reason"] == "--dtype bfloat16 (" + ", ".join(bf16_units()) + ")"
     )
-    assert runner.decode_step is None  # the fused and in-place steps read float32
+    # decode steps read the bf16 pages in place (the fused C step only under fused.BF16_DECODE,
+    # tests/executor/test_fused_decode.py)
+    assert runner.decode_step is not None and runner.decode_step.fused is None
 
 
 def test_a_float32_checkpoint_stays_float32_under_auto(make_checkpoint, make_runner):

@@ -83,7 +83,26 @@ def test_rejects_pages_outside_the_pool_and_lengths_past_the_table():
 def test_sdpa_uses_the_kernel_only_where_it_can_run():
     q, k, v, _meta, _scale = make_case([(3, 1)], 1, seed=1)
     assert paged.supports(q, k)
-    assert not paged.supports(q.to(torch.bfloat16), k.to(torch.bfloat16))
+    assert paged.supports(q.to(torch.bfloat16), k.to(torch.bfloat16))
+    assert not paged.supports(q.to(torch.float16), k.to(torch.float16))
+
+
+@pytest.mark.parametrize("head_dim", [12, 64])
+def test_bf16_pages_give_the_float32_kernels_bits_on_the_widened_pages(head_dim):
+    """A bf16 page is widened exactly in registers and everything else is the float32 kernel's
+    arithmetic: the same bits as the float32 kernel on the pages widened, rounded to q's dtype."""
+    gen = torch.Generator().manual_seed(head_dim)
+    lens = torch.tensor([1, PAGE + 3, 3 * PAGE], dtype=torch.int32)
+    tables = torch.tensor([[5, 0, 0], [3, 1, 0], [4, 2, 6]], dtype=torch.int32)
+    k = torch.randn(7, PAGE, 2, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(7, PAGE, 2, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, 4, head_dim, generator=gen)
+    want = paged.paged_decode(q, k.float(), v.float(), tables, lens, head_dim**-0.5)
+    assert torch.equal(paged.paged_decode(q, k, v, tables, lens, head_dim**-0.5), want)
+    low = q.to(torch.bfloat16)
+    got = paged.paged_decode(low, k, v, tables, lens, head_dim**-0.5)
+    want = paged.paged_decode(low.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
 
 
 # below, between and above the kernel's 8 vector lanes

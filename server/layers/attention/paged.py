@@ -2,7 +2,8 @@
 
 The kernel (`sloserve.hotpath._paged_attention`) walks each sequence's block table and reads
 its K/V rows where they lie in the pool: no per-layer gather of whole pages, no padding, no
-mask tensors. It runs float32 caches on the CPU; everything else (and SLOSERVE_NO_EXTENSIONS=1,
+mask tensors. It runs float32 and bf16 caches on the CPU (a bf16 page widened in registers; the
+queries, scores, softmax and sums in float32); everything else (and SLOSERVE_NO_EXTENSIONS=1,
 or an unbuilt extension) keeps the gather path in `sdpa.py`, its pure-torch twin.
 """
 
@@ -20,22 +21,25 @@ except ImportError:  # not built, or forced off: callers fall back to the gather
     _kernel = None
 
 AVAILABLE = _kernel is not None
+# The cache dtypes it reads (the queries and the output are float32 inside, in q's dtype outside).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the in-place kernel can run these tensors (built, CPU, float32, contiguous cache)."""
+    """Whether the in-place kernel can run these tensors (built, CPU, a contiguous float32 or
+    bf16 cache, float32 or bf16 queries)."""
     return (
         AVAILABLE
         and q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and q.dtype in CACHE_DTYPES
+        and k_cache.dtype in CACHE_DTYPES
         and k_cache.is_contiguous()
     )
 
 
 def paged_decode(
-    q: torch.Tensor,  # [S, Hq, D] float32, one query token per sequence
-    k_cache: torch.Tensor,  # [P, page, Hkv, D] float32, contiguous
+    q: torch.Tensor,  # [S, Hq, D] float32 or bf16, one query token per sequence
+    k_cache: torch.Tensor,  # [P, page, Hkv, D] float32 or bf16, contiguous
     v_cache: torch.Tensor,  # [P, page, Hkv, D]
     block_tables: torch.Tensor,  # [S, W] int32
     seq_lens: torch.Tensor,  # [S] int32
@@ -58,9 +62,17 @@ def paged_decode(
             f"caches must be contiguous [P, page, Hkv, {dim}], got {tuple(k_cache.shape)} "
             f"and {tuple(v_cache.shape)}"
         )
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise ValueError("the in-place paged decode kernel runs float32 only")
-    q = q.contiguous()
+    if (
+        q.dtype not in CACHE_DTYPES
+        or k_cache.dtype not in CACHE_DTYPES
+        or v_cache.dtype != k_cache.dtype
+    ):
+        raise ValueError(
+            "the in-place paged decode kernel runs float32 or bfloat16 queries and caches (K and V "
+            f"alike), got {q.dtype} queries, {k_cache.dtype} K and {v_cache.dtype} V"
+        )
+    out_dtype = q.dtype
+    q = q.to(torch.float32).contiguous()
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     tables = tables.contiguous()
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
@@ -87,8 +99,9 @@ def paged_decode(
         tables.shape[1],
         float(scale),
         torch.get_num_threads(),
+        k_cache.dtype == torch.bfloat16,
     )
-    return out
+    return out.to(out_dtype)
 
 
 def write_and_attend(
