@@ -135,6 +135,8 @@ INFO_KEYS = (
     "device",
     "dtype",
     "dtype_reason",
+    "quantization",
+    "weight_bytes",
     "attention_backend",
     "max_model_len",
     "max_prompt_tokens",

@@ -125,6 +125,8 @@ class Lifecycle:
                 "device",
                 "dtype",
                 "dtype_reason",
+                "quantization",
+                "weight_bytes",
                 "attention_backend",
                 "max_model_len",
                 "tensor_parallel_size",
