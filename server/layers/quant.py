@@ -4,22 +4,23 @@
 (symmetric: absmax / 127), the layout a fused decode step reads too. Products by row count,
 chosen by measurement (`benchmarks/cpu_int8.py`, docs/design/cpu-decode.md "int8 on the CPU"):
 
-- fewer than W8A8_MIN_ROWS rows (decode): W8A16, torch's `_weight_int8pack_mm`, the activation
-  as it is (bf16 or float32) against the int8 weight, each output scaled by its channel's scale;
-- more: W8A8, each activation row quantized to int8 with a scale of its own (per token,
-  dynamic), `torch._int_mm` sums in int32, the sums scaled by both scales.
+- W8A8 (1 row, and 5 rows and more): each activation row quantized to int8 with a scale of its
+  own (per token, dynamic), `torch._int_mm` sums in int32, the sums scaled by both scales;
+- W8A16 (2 to 4 rows): torch's `_weight_int8pack_mm`, the activation as it is (bf16 or float32)
+  against the int8 weight, each output scaled by its channel's scale (rounded to the
+  activation's dtype); the only row counts where it measured faster than W8A8.
 
-Both kernels read the same plain int8 weight; neither needs another copy. `_int_mm` runs on any
-CPU (VNNI where the CPU has it, slower without), so nothing here needs an instruction set to be
-correct.
+Both kernels read the same plain int8 weight; neither needs another copy. `_int_mm` runs
+oneDNN's s8 GEMM, dispatched on the CPU's features (VNNI or AMX where present, plain AVX2/AVX-512
+int8 arithmetic without, slower), so nothing here needs an instruction set to run.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Rows from which a product quantizes its activations too (W8A8); fewer run weight-only (W8A16).
-W8A8_MIN_ROWS = 16
+# Row counts whose products run weight-only (W8A16); every other count quantizes its activations too.
+W8A16_ROWS = range(2, 5)
 # Rows of a weight quantized at a time at load: the float32 temporaries stay this small.
 _QUANTIZE_ROWS = 4096
 
@@ -33,7 +34,7 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear:
-    """The int8 weight [out, in] with a float32 scale per output row; W8A16 or W8A8 by row count."""
+    """The int8 weight [out, in] with a float32 scale per output row; W8A8 or W8A16 by row count."""
 
     __slots__ = ("qweight", "scale", "bias", "out_features", "in_features")
 
@@ -80,7 +81,7 @@ class Int8Linear:
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:  # no row to compute (a step that samples nothing)
             return x.new_empty((*lead, self.out_features))
-        if x2.shape[0] < W8A8_MIN_ROWS:
+        if x2.shape[0] in W8A16_ROWS:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(x.dtype))
         else:
             xq, xs = quantize_rows(x2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from sloserve.config import ConfigError, ModelConfig
 from sloserve.layers.linear import DenseLinear
-from sloserve.layers.quant import W8A8_MIN_ROWS, Int8Linear
+from sloserve.layers.quant import W8A16_ROWS, Int8Linear
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence
 
@@ -24,7 +24,7 @@ NEW_TOKENS = 40
 
 class ReferenceInt8:
     """The int8 kind's products in float64 plain torch, from the same int8 rows and scales:
-    weight-only below W8A8_MIN_ROWS rows, per-token int8 activations from there."""
+    weight-only at the row counts of W8A16_ROWS, per-token int8 activations at every other."""
 
     def __init__(self, proj: Int8Linear) -> None:
         self.q, self.s, self.bias = proj.qweight.double(), proj.scale.double(), proj.bias
@@ -34,7 +34,7 @@ class ReferenceInt8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).double()
-        if x2.shape[0] < W8A8_MIN_ROWS:
+        if x2.shape[0] in W8A16_ROWS:
             y = x2 @ (self.q * self.s[:, None]).t()
         else:
             xs = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
@@ -71,7 +71,7 @@ def test_products_equal_the_reference_that_quantizes_the_same_way(dtype, bias):
     # float32: the kernels' own rounding (W8A8's int32 sums are exact); bf16: the output's and
     # the scales' rounding to bf16 (8 bits)
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2)
-    for rows in (0, 1, 3, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, 37, 600):
+    for rows in (0, 1, 2, 3, 4, 5, 16, 37, 600):
         x = torch.randn(rows, 96).to(dtype)
         got = proj(x)
         assert got.dtype == dtype and got.shape == (rows, 200)
@@ -109,7 +109,7 @@ def test_logits_of_an_int8_model_match_the_same_model_on_the_reference(
     # scales of the weight-only kernel rounded to 8 bits), which near-ties of W8A8's activation
     # rounding can amplify for a few elements: bounded at most and on average
     atol, mean = (1e-4, 1e-5) if dtype == "float32" else (0.15, 2e-2)
-    for prompt in (PROMPTS[0][:5], PROMPTS[1]):  # weight-only rows, then W8A8 ones
+    for prompt in (PROMPTS[0][:3], PROMPTS[1]):  # weight-only rows, then W8A8 ones
         got, want = _logits(runner, prompt), _logits(reference, prompt)
         print(
             f"{dtype} {len(prompt)} rows: logits within {(got - want).abs().max():.2e}, "
@@ -132,9 +132,10 @@ def test_int8_top1_agreement_with_float32(make_checkpoint, make_runner, arch):
     pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     print(f"int8 top-1 agreement with float32 ({arch}): {agreement:.4f} over {len(pairs)} tokens")
-    # NOTE: measured 0.966 (llama) and 0.981 (qwen2) over 320 tokens on these tiny random models
-    # (hidden 64); int8 rounds every weight by up to half a step of its row's scale, and W8A8
-    # every activation too, so this is a floor, not equality
+    # NOTE: measured 0.963 (llama) and 0.956 (qwen2) over 320 tokens on these tiny random models
+    # (hidden 64; bf16 agrees 0.988 on the llama, int8 weight-only at every row count 0.978):
+    # int8 rounds every weight by up to half a step of its row's scale, and W8A8 every
+    # activation too, so this is a floor, not equality
     assert agreement >= 0.9
 
 
