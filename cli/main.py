@@ -135,8 +135,6 @@ INFO_KEYS = (
     "device",
     "dtype",
     "dtype_reason",
-    "quantization",
-    "weight_bytes",
     "attention_backend",
     "max_model_len",
     "max_prompt_tokens",
@@ -149,6 +147,8 @@ INFO_KEYS = (
     "tensor_parallel_size",
     "tensor_parallel_devices",
 )
+# NOTE: only a local `info` says these (InfoResponse has no field for them yet)
+LOCAL_INFO_KEYS = (*INFO_KEYS, "quantization", "weight_bytes")
 
 
 @cli.command(cls=OneLineCommand)
@@ -205,7 +205,7 @@ async def _local_info(engine) -> dict:
 
     model_info = dict(engine.model_info)
     data: dict = {"state": "serving" if engine.ready else "loading"}
-    data.update((key, model_info.get(key)) for key in INFO_KEYS if key in model_info)
+    data.update((key, model_info.get(key)) for key in LOCAL_INFO_KEYS if key in model_info)
     data["model"] = model_info.get("model", data.get("model"))
     data["version"] = __version__
     stats = engine.stats()

@@ -183,3 +183,16 @@ def test_the_cli_names_the_flag(make_checkpoint):
     args = ["info", "--model", str(make_checkpoint("llama")), "--device", "cpu"]
     result = CliRunner().invoke(cli, [*args, "--quantization", "int4"])
     assert result.exit_code != 0 and "--quantization" in result.output
+
+
+def test_info_says_the_quantization_and_the_weight_bytes(make_checkpoint):
+    import json
+
+    from click.testing import CliRunner
+    from sloserve.cli.main import cli
+
+    args = ["info", "--model", str(make_checkpoint("llama")), "--device", "cpu", "--json"]
+    result = CliRunner().invoke(cli, [*args, "--quantization", "int8"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["quantization"] == "int8" and data["weight_bytes"] > 0
