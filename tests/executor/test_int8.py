@@ -23,25 +23,32 @@ NEW_TOKENS = 40
 
 
 class ReferenceInt8:
-    """The int8 kind's products in float64 plain torch, from the same int8 rows and scales:
-    weight-only at the row counts of W8A16_ROWS, per-token int8 activations at every other."""
+    """The int8 kind's products in plain torch, from the same int8 rows and scales: weight-only
+    at the row counts of W8A16_ROWS (float64), per-token int8 activations at every other.
+
+    W8A8 quantizes the activations in float32 as the kernel does and sums exactly in float64, then
+    scales in float32 like the kernel: a float64 scale would round a few sums the other way,
+    and the next layer's activation rounding would turn that into a whole int8 step.
+    """
 
     def __init__(self, proj: Int8Linear) -> None:
-        self.q, self.s, self.bias = proj.qweight.double(), proj.scale.double(), proj.bias
+        self.q, self.s, self.bias = proj.qweight, proj.scale, proj.bias
         self.out_features, self.in_features = proj.out_features, proj.in_features
 
     weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).double()
+        x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] in W8A16_ROWS:
-            y = x2 @ (self.q * self.s[:, None]).t()
+            y = x2.double() @ (self.q.double() * self.s.double()[:, None]).t()
         else:
-            xs = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            xq = torch.round(x2 / xs).clamp(-127, 127)
-            y = (xq @ self.q.t()) * xs * self.s
+            x32 = x2.float()
+            xs = x32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+            xq = torch.round(x32 / xs).clamp(-127, 127)
+            sums = (xq.double() @ self.q.double().t()).float()
+            y = sums * (xs * self.s)
         if self.bias is not None:
-            y = y + self.bias.double()
+            y = y.double() + self.bias.double()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -105,10 +112,10 @@ def test_logits_of_an_int8_model_match_the_same_model_on_the_reference(
         weights.lm_head.weight if weights.lm_head.weight is not None else _head(reference),
         weights.lm_head.bias,
     )
-    # NOTE: float32 logits agree to float rounding; bf16 ones to bf16's (activations and the
-    # scales of the weight-only kernel rounded to 8 bits), which near-ties of W8A8's activation
-    # rounding can amplify for a few elements: bounded at most and on average
-    atol, mean = (1e-4, 1e-5) if dtype == "float32" else (0.15, 2e-2)
+    # NOTE: W8A8 rows match the reference exactly (measured); weight-only rows to float32
+    # rounding (float32), or to the bf16 rounding of the activations and of the weight-only
+    # kernel's scales (bf16; measured 0.023 at most, 0.0055 on average, of logits up to 2.7)
+    atol, mean = (1e-4, 1e-5) if dtype == "float32" else (0.05, 1e-2)
     for prompt in (PROMPTS[0][:3], PROMPTS[1]):  # weight-only rows, then W8A8 ones
         got, want = _logits(runner, prompt), _logits(reference, prompt)
         print(
