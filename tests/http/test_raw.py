@@ -269,11 +269,14 @@ async def test_a_flood_at_10x_capacity_is_refused_with_429_and_nothing_is_lost(h
         )
         took = time.monotonic() - t0
     codes = [r.status_code for r in replies]
-    assert len(replies) == 40 and set(codes) <= {200, 429}, codes
-    refused = [r for r in replies if r.status_code == 429]
+    # NOTE: a request whose objective passed while it queued is refused with 504 (deadline_passed,
+    # gRPC DEADLINE_EXCEEDED): seen on a loaded machine
+    assert len(replies) == 40 and set(codes) <= {200, 429, 504}, codes
+    refused = [r for r in replies if r.status_code in (429, 504)]
     assert refused, f"nothing refused in {took:.1f}s: {codes}"
     for r in refused:
         code = r.json()["error"]["code"]
+        assert code == "deadline_passed" if r.status_code == 504 else code != "deadline_passed"
         assert code in ("slo_unattainable", "queue_full", "deadline_passed")
         # a retry later may find room; an objective that cannot be met stays so
         if code == "queue_full":
