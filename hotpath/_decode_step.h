@@ -18,10 +18,12 @@
  * The weight matrices (embed, lm_head, each layer's four) are float32 or bf16 (sloserve_weight;
  * _decode_step_gemv.h is instantiated once per type: a type with per-row scales, such as int8,
  * is one more instantiation and one more case in the dispatch below), and the KV pages float32
- * or bf16 (K/V rounded to bf16 when written, as torch rounds). A bf16 weight is widened to float32
- * in registers, and the activations, norms, rotary, softmax and every sum stay float32, in the
- * same lanes: on bf16 weights the step computes the float32 step's arithmetic on the widened
- * weights, reading half the bytes.
+ * or bf16 (K/V rounded to bf16 when written, as torch rounds). bf16 products run on AVX512-BF16
+ * dot products where the CPU has them (_decode_step_dpbf16.h: each product's activation rows
+ * rounded to bf16, sums in a fixed order of their own, so those bits depend on the instruction
+ * set), else the weight is widened to float32 in registers and the step computes the float32
+ * step's arithmetic on the widened weights, in the same lanes. Either way the activations, norms,
+ * rotary, softmax and the residual stream stay float32, and the weights are read in half the bytes.
  */
 #ifndef SLOSERVE_DECODE_STEP_H
 #define SLOSERVE_DECODE_STEP_H
@@ -95,10 +97,16 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
 #define SLOSERVE_T_SCALE(v, w, row) (v)
 #include "_decode_step_gemv.h"
 
+/* bf16 products on AVX512-BF16 dot products, where the CPU has them (sloserve_dpbf16_set). */
+#include "_decode_step_dpbf16.h"
+
 /* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) and every b
  * (x: [batch, k] contiguous, batch <= SLOSERVE_MAX_BATCH; y: row stride ldy). */
 static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
+    if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled &&
+        sloserve_gemv_rows_dpbf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate) == 0)
+        return;
     if (w->type == SLOSERVE_BF16)
         sloserve_gemv_rows_bf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
     else
@@ -108,6 +116,9 @@ static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, cons
 /* act[b, j] = silu(x[b] . w[j] + bg[j]) * (x[b] . w[inter + j] + bu[j]) for j in [j0, j1). */
 static void sloserve_swiglu_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                  ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+    if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled &&
+        sloserve_swiglu_rows_dpbf16(w, bias, x, batch, k, inter, j0, j1, act) == 0)
+        return;
     if (w->type == SLOSERVE_BF16)
         sloserve_swiglu_rows_bf16(w, bias, x, batch, k, inter, j0, j1, act);
     else

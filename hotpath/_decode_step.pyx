@@ -61,6 +61,21 @@ cdef extern from "_decode_step.h" nogil:
                              const int64_t* slots, const int32_t* tables, Py_ssize_t width, const int32_t* lens,
                              Py_ssize_t batch, Py_ssize_t max_len, const int64_t* out_rows, Py_ssize_t num_out,
                              sloserve_team* team, float* work, float* logits, long* stalled_ns)
+    int sloserve_dpbf16_set(int on)
+    int sloserve_dpbf16_enabled
+
+
+# bf16 products on AVX512-BF16 dot products wherever the CPU has them (_decode_step_dpbf16.h).
+sloserve_dpbf16_set(1)
+
+
+def bf16_dot_products(enabled: bool | None = None) -> bool:
+    """Whether bf16 products run on AVX512-BF16 dot products (activations rounded to bf16): False
+    forces the widened float32 path (tests compare the two), True restores the dot products where
+    the CPU has them, None only asks. Set between steps, never while one runs."""
+    if enabled is not None:
+        sloserve_dpbf16_set(1 if enabled else 0)
+    return bool(sloserve_dpbf16_enabled)
 
 
 # The element types the kernel reads weights and KV pages in, by torch's name for them.
