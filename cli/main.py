@@ -136,6 +136,7 @@ INFO_KEYS = (
     "dtype",
     "dtype_reason",
     "weight_resident_bytes",
+    "quantization",
     "attention_backend",
     "max_model_len",
     "max_prompt_tokens",

@@ -99,6 +99,7 @@ def flag(default: Any, name: str, help: str, **kw: Any) -> Any:
 
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+QUANTIZATIONS = ("none", "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "triton")
 
@@ -146,6 +147,14 @@ class ModelConfig:
         "each weight is held once, packed or read in place), or torch's BLAS.",
         choices=("auto", "onednn", "blas"),
     )
+    quantization: str = flag(
+        "none",
+        "--quantization",
+        "Quantize the dense projections at load (CPU only): int8 holds each weight as int8 rows "
+        "with a scale per row (products: weight-only at few rows, per-token int8 activations at "
+        "more); the embedding, LM head and MoE experts stay in the model's dtype.",
+        choices=QUANTIZATIONS,
+    )
     # NOTE: 'keep' raises glibc's mmap and trim thresholds (executor/host_memory.py)
     host_malloc: str = flag(
         "keep",
@@ -176,6 +185,11 @@ class ModelConfig:
             self.cpu_gemm in ("auto", "onednn", "blas"),
             "cpu_gemm",
             f"cpu gemm must be auto, onednn or blas, got {self.cpu_gemm!r}",
+        )
+        require(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"quantization must be none or int8, got {self.quantization!r}",
         )
         require(
             bool(self.path),

@@ -48,6 +48,7 @@ def test_parse_size_rejects_with_the_accepted_forms(text):
         (lambda: SchedulerConfig(max_wait_s=math.nan), "max wait"),
         (lambda: CacheConfig(block_size=12), "power of two"),
         (lambda: ModelConfig(dtype="int4"), "dtype must be"),
+        (lambda: ModelConfig(quantization="int4"), "quantization must be none or int8"),
         (lambda: ModelConfig(path=""), "default"),
         (lambda: ServerConfig(port=70000), "port must be"),
         (lambda: ServerConfig(tls_cert="c.pem"), "both --tls-cert and --tls-key"),

@@ -32,6 +32,7 @@ from sloserve.executor.graphs import (
 from sloserve.executor.host_memory import keep_freed_memory, return_freed_memory
 from sloserve.executor.plan import MemoryPlan
 from sloserve.executor.precision import checkpoint_dtype, choose_dtype
+from sloserve.executor.residency import mib
 from sloserve.layers.attention import (
     AttentionBackend,
     BackendChoice,
@@ -45,6 +46,7 @@ from sloserve.layers.linear import (
     PackedLinear,
     cpu_gemm_reason,
 )
+from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
 from sloserve.models.decoder import DecoderModel
@@ -93,6 +95,11 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
     """Resolve device and dtype, read the checkpoint (this rank's shard) and its tokenizer, check max_model_len."""
     mc = config.model
     device = resolve_device(mc.device)
+    if mc.quantization != "none" and device.type != "cpu":
+        raise ValueError(
+            f"--quantization {mc.quantization} runs on a CPU only for now, not on {device.type}: "
+            "drop it (or pass --device cpu)"
+        )
     path = resolve_model_path(mc.path)
     # NOTE: tensor-parallel ranks decide by the CPU's units alone: each rank's probe times its own
     # run, and every rank must hold the same dtype.
@@ -206,6 +213,10 @@ def build_model(
     projections, build the decoder."""
     cc, spec, weights = config.cache, loaded.spec, loaded.weights
     experts = prefetcher = None
+    if spec.moe_layers and config.model.quantization != "none":
+        log.info(
+            "--quantization %s: routed experts stay in the model's dtype", config.model.quantization
+        )
     if spec.moe_layers:
         automatic = cc.expert_slots_per_layer is None and cc.expert_memory_bytes is None
         (log.warning if plan.residency.partial and automatic else log.info)(
@@ -232,7 +243,14 @@ def build_model(
     reads_plain = config.model.enforce_eager is False or (
         decode_path_reason(model, cache.kv) is None and fused_reason(model, cache.kv) is None
     )
-    prepare_projections(config.model.cpu_gemm, weights, loaded.device, loaded.dtype, reads_plain)
+    prepare_projections(
+        config.model.cpu_gemm,
+        weights,
+        loaded.device,
+        loaded.dtype,
+        reads_plain,
+        config.model.quantization,
+    )
     if loaded.device.type == "cpu":
         return_freed_memory()  # the loader's temporaries, and plain weights replaced by packed ones
     return BuiltModel(model, experts, prefetcher)
@@ -244,20 +262,35 @@ def prepare_projections(
     device: torch.device,
     dtype: torch.dtype,
     reads_plain: bool,
+    quantization: str = "none",
 ) -> None:
     """Each layer's dense projections in the kind their kernel reads (layers/linear.py), each
     weight held once: on oneDNN in place when something else reads the plain weight
     (`reads_plain`), else packed for it with the plain copy released; torch's F.linear when
-    oneDNN cannot run."""
+    oneDNN cannot run. `quantization` int8: quantized at load, one weight at a time, each source
+    weight dropped as its int8 copy replaces it (layers/quant.py)."""
     why_not = cpu_gemm_reason(choice, device, dtype)
+    if why_not and choice == "onednn":
+        raise ValueError(
+            f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas"
+        )
+    started = time.monotonic()
+    if quantization == "int8":
+        count = weights.replace_dense(lambda proj: Int8Linear.quantize(proj.weight, proj.bias))
+        # NOTE: the LM head keeps the model's dtype (docs/design/cpu-decode.md, "int8 on the CPU")
+        if not why_not and dtype == torch.bfloat16 and weights.lm_head.weight is not weights.embed:
+            weights.lm_head = PackedBf16Linear(weights.lm_head.weight, weights.lm_head.bias)
+        log.info(
+            "dense projections quantized to int8: %d weights, held once, in %.2fs; "
+            "weights resident: %s",
+            count,
+            time.monotonic() - started,
+            mib(weights.nbytes()),
+        )
+        return
     if why_not:
-        if choice == "onednn":
-            raise ValueError(
-                f"--cpu-gemm onednn cannot run here: {why_not}; use --cpu-gemm auto or blas"
-            )
         log.debug("dense projections on F.linear: %s", why_not)
         return
-    started = time.monotonic()
     if dtype == torch.bfloat16:
         # NOTE: where the fused step reads the plain bf16 weights, oneDNN reads them in place too:
         # its prefill products lose ~5-15 % to the packed copy at 128-512 rows (more below;

@@ -44,6 +44,7 @@ from sloserve.executor.inputs import DecodeInputs, TokenRows
 from sloserve.executor.team import TeamSize
 from sloserve.hotpath import USING_EXTENSIONS
 from sloserve.layers.linear import MIN_PACKED_ROWS, Linear, on_onednn
+from sloserve.layers.quant import Int8Linear
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.weights import LayerWeights
 
@@ -109,6 +110,8 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         )
     if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
+    if any(isinstance(p, Int8Linear) for layer in w.layers for p in layer.projections()):
+        return "int8 weights: the fused step reads float32/bf16"
     if w.lm_head.weight is None or any(
         getattr(layer, name).weight is None for layer in w.layers for name in _PROJECTIONS
     ):

@@ -80,6 +80,7 @@ class ModelRunner:
             loaded.max_model_len,
         )
         self.dtype_reason = loaded.dtype_reason
+        self.quantization = config.model.quantization
         self.backend, self.block_size = choice.backend, choice.block_size
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = frozenset(self.eos_token_ids)
@@ -461,6 +462,7 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
+            "quantization": self.quantization,
             "attention_backend": self.backend.name,
             "parameters": self.num_parameters,
             "weight_resident_bytes": self.weight_bytes,

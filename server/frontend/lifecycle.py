@@ -127,6 +127,7 @@ class Lifecycle:
                 "dtype",
                 "dtype_reason",
                 "weight_resident_bytes",
+                "quantization",
                 "attention_backend",
                 "max_model_len",
                 "tensor_parallel_size",
