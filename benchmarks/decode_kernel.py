@@ -7,8 +7,8 @@ a runner on oneDNN's packed bf16 copies (fused.BF16_DECODE off, as served on a C
 AVX512-BF16 dot products) and, where the CPU has them, the kernel's widened path beside its dot
 products (`widened`: float32 arithmetic on the widened weights, the fallback elsewhere); every
 arm in each round (the best round of each counts). It prints milliseconds per step and the
-ratios: twin / fused per dtype, packed / fused and widened / fused for bf16, and the float32
-fused step / the bf16 one (every batch size through the kernel, also those above its serving
+ratios: twin / fused per dtype, packed / fused and widened / fused for bf16, and the first
+dtype's fused step / the second's (every batch size through the kernel, also those above its serving
 limit: this is where that limit comes from). Thread counts are the runner's own, as served,
 unless `--threads` sets both (one thread: the products alone, without the team's barriers,
 which a machine shared with other busy processes stalls).
@@ -20,6 +20,9 @@ fused step's share of it.
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel [--model default] [--batches 1 4 16]
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel --model qwen-shape --dtypes float32 bfloat16
+
+`--dtypes int8` adds a runner of the model at bf16 under `--quantization int8` (its projections
+Int8Linear: the kernel's W8A8 products on VNNI against the torch path's).
 
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
@@ -102,15 +105,21 @@ def model_path(name: str) -> str:
 def make_runner(
     path: str, dtype: str, batches: list[int], contexts: list[int], fused: bool = True
 ) -> ModelRunner:
-    """A runner of `path` at `dtype`; `fused`: its decode step on the kernel (bf16 under
-    BF16_DECODE, so its projections keep the plain weights), else a bf16 one on oneDNN's packed
-    copies (fused.BF16_DECODE off)."""
+    """A runner of `path` at `dtype` ("int8": bf16 with --quantization int8); `fused`: its decode
+    step on the kernel (bf16 under BF16_DECODE, so its projections keep the plain weights), else
+    a bf16 one on oneDNN's packed copies (fused.BF16_DECODE off)."""
     fused_module.BF16_DECODE = fused
     cfg = json.loads((Path(path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
     config = SloserveConfig(
-        model=ModelConfig(path=path, device="cpu", dtype=dtype, max_model_len=1024),
+        model=ModelConfig(
+            path=path,
+            device="cpu",
+            dtype="bfloat16" if dtype == "int8" else dtype,
+            quantization="int8" if dtype == "int8" else "none",
+            max_model_len=1024,
+        ),
         cache=CacheConfig(
             kv_pool_bytes=max(batches) * (max(contexts) + 64) * token_bytes + (64 << 20),
             swap_bytes=0,
@@ -130,7 +139,9 @@ def make_runner(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"]
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
     parser.add_argument(
@@ -165,9 +176,8 @@ def main() -> None:
     stream = torch.ones(STREAM_BYTES // 4)
     bandwidth = read_bandwidth(stream)
     del stream
-    token_bytes = {
-        d: r.model.weights.num_parameters() * r.dtype.itemsize for d, r in runners.items()
-    }
+    # every weight is read once a token: their resident bytes (held once, in the form read)
+    token_bytes = {d: r.model.weights.nbytes() for d, r in runners.items()}
     print(
         f"streaming read {bandwidth / 1e9:.1f} GB/s; weight bytes per token "
         + ", ".join(
@@ -180,7 +190,8 @@ def main() -> None:
         head += f" {d + ' fused':>15} {'torch':>8} {'torch/fused':>11}"
     head += f" {'bf16 packed':>11} {'packed/fused':>12}" if packed else ""
     head += f" {'widened':>8} {'widened/fused':>13}" if widened else ""
-    print(head + (" f32/bf16 fused" if len(args.dtypes) == 2 else "") + "  (ms per step)")
+    pair = f" {args.dtypes[0]}/{args.dtypes[1]} fused" if len(args.dtypes) == 2 else ""
+    print(head + pair + "  (ms per step)")
     rows = []
     for context in args.contexts:
         for batch in args.batches:

@@ -279,7 +279,9 @@ def prepare_projections(
         count = weights.replace_dense(lambda proj: Int8Linear.quantize(proj.weight, proj.bias))
         # NOTE: the LM head keeps the model's dtype (docs/design/cpu-decode.md, "int8 on the CPU")
         if not why_not and dtype == torch.bfloat16 and weights.lm_head.weight is not weights.embed:
-            weights.lm_head = PackedBf16Linear(weights.lm_head.weight, weights.lm_head.bias)
+            # the fused step reads the int8 rows and the plain bf16 head
+            head = OneDnnBf16Linear if reads_plain else PackedBf16Linear
+            weights.lm_head = head(weights.lm_head.weight, weights.lm_head.bias)
         log.info(
             "dense projections quantized to int8: %d weights, held once, in %.2fs; "
             "weights resident: %s",

@@ -640,3 +640,90 @@ def test_bf16_greedy_tokens_agree_with_float32_at_least_as_the_torch_path_does(
 def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
     pairs = [(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)]
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+# ---- int8: the kernel reading Int8Linear's int8 rows and per-row scales ----------------------------
+# Its products are W8A8 at every batch, as Int8Linear's one-row product computes them (activations
+# quantized per token, exact integer sums, the float32 rescale), so against the twin
+# (DecoderModel.decode on the same Int8Linear objects: W8A8 at 1 row and from 5, weight-only at
+# 2-4) it agrees to float32 rounding at batch 1 and 8, up to an activation's int8 rounding
+# flipped by those last bits (measured 1e-7 of the largest logit on float32 models). A bf16 model's
+# twin also rounds every activation to bf16 before quantizing it and every product after, and an
+# int8 step turns those roundings into whole steps of an activation now and then: within 6 %
+# there (measured up to 3.9 %, where bf16 weights alone stay within 1.3 %).
+INT8_TWIN_TOLERANCE = 1e-3
+INT8_BF16_TWIN_TOLERANCE = 0.06
+
+
+@pytest.fixture(scope="module", params=["llama-float32", "qwen2-float32", "llama-bfloat16"])
+def int8_runner(request, make_checkpoint, make_runner):
+    arch, dtype = request.param.split("-")
+    if dtype == "bfloat16" and not (bf16_units() and fused.bf16_dot_products()):
+        pytest.skip("bf16 takes the kernel only where it has AVX512-BF16 dot products")
+    folder = make_checkpoint(arch, dtype=dtype, intermediate_size=70)
+    runner = make_runner(
+        folder, dtype=dtype, quantization="int8", max_batch=8, kv_pool_bytes=4 * 2**20
+    )
+    assert runner.decode_step.fused is not None
+    torch.manual_seed(0)
+    runner.kv.normal_()
+    return runner
+
+
+@pytest.fixture(params=["vnni", "widened"])
+def int8_path(request):
+    """Runs a test on VNNI (skipped on a CPU without it) and on the widened int32 loop."""
+    from sloserve.hotpath._decode_step import int8_vnni
+
+    default = int8_vnni()
+    on = request.param == "vnni"
+    if int8_vnni(on) != on:
+        int8_vnni(default)
+        pytest.skip("this CPU has no AVX512-VNNI")
+    yield request.param
+    int8_vnni(default)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_int8_logits_agree_with_the_int8_twin(int8_runner, batch, int8_path):
+    for first in range(0, len(LENGTHS), batch):
+        lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
+        step = _step(int8_runner, lengths)
+        want = _twin(int8_runner, step)
+        got = int8_runner.decode_step.fused(step)
+        worst = (got - want).abs().max() / want.abs().max()
+        print(f"{int8_runner.dtype} int8 {int8_path} {lengths}: {worst.item():.2e}")
+        bf16 = int8_runner.dtype == torch.bfloat16
+        assert worst <= (INT8_BF16_TWIN_TOLERANCE if bf16 else INT8_TWIN_TOLERANCE), lengths
+
+
+def test_int8_vnni_and_the_widened_loop_give_the_same_bits(int8_runner):
+    """The integer sums are exact, so the two paths agree bit for bit."""
+    from sloserve.hotpath._decode_step import int8_vnni
+
+    if not int8_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    step = _step(int8_runner, [33, 9, 4, 40, 1])
+    vnni = int8_runner.decode_step.fused(step)
+    try:
+        int8_vnni(False)
+        widened = int8_runner.decode_step.fused(step)
+    finally:
+        int8_vnni(True)
+    assert torch.equal(vnni, widened)
+
+
+def test_int8_rows_give_the_same_bits_at_any_thread_count_and_batch_position(int8_runner):
+    step = _step(int8_runner, [33, 9, 4, 40, 1])
+    kernel = int8_runner.decode_step.fused
+    before = kernel.threads
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            kernel.threads = threads
+            got.append(kernel(step))
+    finally:
+        kernel.threads = before
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    for i in range(5):
+        assert torch.equal(kernel(_rows(step, [i]))[0], got[0][i]), i
