@@ -109,15 +109,11 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
  * (x: [batch, k] contiguous, batch <= SLOSERVE_MAX_BATCH; y: row stride ldy). */
 static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    if (w->type == SLOSERVE_I8) {
-        /* NOTE: only when no thread finds memory for 64 quantized rows (a few hundred KiB) */
-        if (sloserve_gemv_rows_i8(w, bias, x, batch, k, j0, j1, y, ldy, accumulate)) abort();
-        return;
-    }
-    if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled &&
-        sloserve_gemv_rows_dpbf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate) == 0)
-        return;
-    if (w->type == SLOSERVE_BF16)
+    if (w->type == SLOSERVE_I8)
+        sloserve_gemv_rows_i8(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
+    else if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled)
+        sloserve_gemv_rows_dpbf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
+    else if (w->type == SLOSERVE_BF16)
         sloserve_gemv_rows_bf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
     else
         sloserve_gemv_rows_f32(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
@@ -126,14 +122,11 @@ static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, cons
 /* act[b, j] = silu(x[b] . w[j] + bg[j]) * (x[b] . w[inter + j] + bu[j]) for j in [j0, j1). */
 static void sloserve_swiglu_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                  ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    if (w->type == SLOSERVE_I8) {
-        if (sloserve_swiglu_rows_i8(w, bias, x, batch, k, inter, j0, j1, act)) abort();
-        return;
-    }
-    if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled &&
-        sloserve_swiglu_rows_dpbf16(w, bias, x, batch, k, inter, j0, j1, act) == 0)
-        return;
-    if (w->type == SLOSERVE_BF16)
+    if (w->type == SLOSERVE_I8)
+        sloserve_swiglu_rows_i8(w, bias, x, batch, k, inter, j0, j1, act);
+    else if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled)
+        sloserve_swiglu_rows_dpbf16(w, bias, x, batch, k, inter, j0, j1, act);
+    else if (w->type == SLOSERVE_BF16)
         sloserve_swiglu_rows_bf16(w, bias, x, batch, k, inter, j0, j1, act);
     else
         sloserve_swiglu_rows_f32(w, bias, x, batch, k, inter, j0, j1, act);

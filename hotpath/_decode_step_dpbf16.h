@@ -146,14 +146,11 @@ static uint16_t *sloserve_rounded_buffer(ptrdiff_t elements) {
     return buffer;
 }
 
-/* sloserve_gemv_rows_bf16's result on dot products; 0, or -1 (nothing written) when the rounded
- * activations find no memory. */
+/* sloserve_gemv_rows_bf16's result on dot products, the rounded activations in xb ([batch, kp]). */
 SLOSERVE_DPBF16_TARGET
-static int sloserve_gemv_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
-                                     ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    const ptrdiff_t kp = (k + 31) / 32 * 32;
-    uint16_t *xb = sloserve_rounded_buffer(batch * kp);
-    if (xb == NULL) return -1;
+static void sloserve_gemv_rows_dpbf16_in(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                         ptrdiff_t k, ptrdiff_t kp, ptrdiff_t j0, ptrdiff_t j1, float *y,
+                                         ptrdiff_t ldy, int accumulate, uint16_t *xb) {
     sloserve_round_rows(x, batch, k, kp, xb);
     float dots[4 * SLOSERVE_MAX_BATCH];
     for (ptrdiff_t j = j0; j < j1; j += 4) {
@@ -166,16 +163,13 @@ static int sloserve_gemv_rows_dpbf16(const sloserve_weight *w, const float *bias
                 y[b * ldy + j + r] = accumulate ? y[b * ldy + j + r] + v : v;
             }
     }
-    return 0;
 }
 
-/* sloserve_swiglu_rows_bf16's result on dot products; 0, or -1 (nothing written) as above. */
+/* sloserve_swiglu_rows_bf16's result on dot products, the rounded activations in xb. */
 SLOSERVE_DPBF16_TARGET
-static int sloserve_swiglu_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
-                                       ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    const ptrdiff_t kp = (k + 31) / 32 * 32;
-    uint16_t *xb = sloserve_rounded_buffer(batch * kp);
-    if (xb == NULL) return -1;
+static void sloserve_swiglu_rows_dpbf16_in(const sloserve_weight *w, const float *bias, const float *x,
+                                           ptrdiff_t batch, ptrdiff_t k, ptrdiff_t kp, ptrdiff_t inter, ptrdiff_t j0,
+                                           ptrdiff_t j1, float *act, uint16_t *xb) {
     sloserve_round_rows(x, batch, k, kp, xb);
     float gates[4 * SLOSERVE_MAX_BATCH], ups[4 * SLOSERVE_MAX_BATCH];
     const uint16_t *data = (const uint16_t *)w->data;
@@ -193,7 +187,35 @@ static int sloserve_swiglu_rows_dpbf16(const sloserve_weight *w, const float *bi
                 act[b * inter + j + r] = (gate / (1.0f + expf(-gate))) * up;
             }
     }
-    return 0;
+}
+
+/* The two with this thread's buffer for the rounded activations, or, where it finds no memory,
+ * one row at a time through the stack (the same bits: a row's result does not depend on the
+ * rows beside it). */
+static void sloserve_gemv_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                      ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
+    const ptrdiff_t kp = (k + 31) / 32 * 32;
+    uint16_t *xb = sloserve_rounded_buffer(batch * kp);
+    if (xb) {
+        sloserve_gemv_rows_dpbf16_in(w, bias, x, batch, k, kp, j0, j1, y, ldy, accumulate, xb);
+        return;
+    }
+    uint16_t row[kp];
+    for (ptrdiff_t b = 0; b < batch; b++)
+        sloserve_gemv_rows_dpbf16_in(w, bias, x + b * k, 1, k, kp, j0, j1, y + b * ldy, ldy, accumulate, row);
+}
+
+static void sloserve_swiglu_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                        ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+    const ptrdiff_t kp = (k + 31) / 32 * 32;
+    uint16_t *xb = sloserve_rounded_buffer(batch * kp);
+    if (xb) {
+        sloserve_swiglu_rows_dpbf16_in(w, bias, x, batch, k, kp, inter, j0, j1, act, xb);
+        return;
+    }
+    uint16_t row[kp];
+    for (ptrdiff_t b = 0; b < batch; b++)
+        sloserve_swiglu_rows_dpbf16_in(w, bias, x + b * k, 1, k, kp, inter, j0, j1, act + b * inter, row);
 }
 
 #else
@@ -203,13 +225,14 @@ static int sloserve_dpbf16_set(int on) {
     (void)on;
     return 0;
 }
-static int sloserve_gemv_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
-                                     ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    return -1;
+/* never called: sloserve_dpbf16_enabled stays 0 */
+static void sloserve_gemv_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                      ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
+    (void)w, (void)bias, (void)x, (void)batch, (void)k, (void)j0, (void)j1, (void)y, (void)ldy, (void)accumulate;
 }
-static int sloserve_swiglu_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
-                                       ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    return -1;
+static void sloserve_swiglu_rows_dpbf16(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                        ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+    (void)w, (void)bias, (void)x, (void)batch, (void)k, (void)inter, (void)j0, (void)j1, (void)act;
 }
 #endif
 

@@ -161,15 +161,6 @@ static void sloserve_sums_widened(const int8_t *rows, const uint8_t *xq, ptrdiff
         }
 }
 
-/* The rows' activations quantized into this thread's buffer (offset by 128, kp a multiple of 64)
- * and their scales; NULL when the buffer finds no memory. */
-static uint8_t *sloserve_quantize_rows(const float *x, ptrdiff_t batch, ptrdiff_t k, ptrdiff_t kp, float *scales) {
-    uint8_t *xq = sloserve_quantized_buffer(batch * kp);
-    if (xq == NULL) return NULL;
-    for (ptrdiff_t b = 0; b < batch; b++) scales[b] = sloserve_quantize_row(x + b * k, k, kp, 128, xq + b * kp);
-    return xq;
-}
-
 /* v[4 b + r] = x[b] . w[j + r] for r < n, each scaled as quant.py scales: (float)sum * (s_b * scale). */
 static void sloserve_dots_i8(const sloserve_weight *w, const uint8_t *xq, const float *xs, ptrdiff_t batch,
                              ptrdiff_t k, ptrdiff_t kp, ptrdiff_t j, ptrdiff_t n, float *v) {
@@ -183,49 +174,63 @@ static void sloserve_dots_i8(const sloserve_weight *w, const uint8_t *xq, const 
         for (ptrdiff_t r = 0; r < n; r++) v[4 * b + r] = (float)sums[4 * b + r] * (xs[b] * w->scale[j + r]);
 }
 
-/* sloserve_gemv_rows on int8 weights; 0, or -1 (nothing written) when the quantized activations
- * find no memory. */
-static int sloserve_gemv_rows_i8(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
-                                 ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    const ptrdiff_t kp = (k + 63) / 64 * 64;
-    float xs[SLOSERVE_MAX_BATCH], dots[4 * SLOSERVE_MAX_BATCH];
-    const uint8_t *xq = sloserve_quantize_rows(x, batch, k, kp, xs);
-    if (xq == NULL) return -1;
+/* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) (gate_up:
+ * act[b, j] = silu(gate) * up, `inter` the gate rows' count, y and ldy unused), the activations
+ * quantized into xq ([batch, kp]). */
+static void sloserve_rows_i8(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                             ptrdiff_t k, ptrdiff_t kp, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *y,
+                             ptrdiff_t ldy, int accumulate, uint8_t *xq) {
+    float xs[SLOSERVE_MAX_BATCH], gates[4 * SLOSERVE_MAX_BATCH], ups[4 * SLOSERVE_MAX_BATCH];
+    for (ptrdiff_t b = 0; b < batch; b++) xs[b] = sloserve_quantize_row(x + b * k, k, kp, 128, xq + b * kp);
     for (ptrdiff_t j = j0; j < j1; j += 4) {
         const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
-        sloserve_dots_i8(w, xq, xs, batch, k, kp, j, n, dots);
+        sloserve_dots_i8(w, xq, xs, batch, k, kp, j, n, gates);
+        if (inter) sloserve_dots_i8(w, xq, xs, batch, k, kp, inter + j, n, ups);
         for (ptrdiff_t b = 0; b < batch; b++)
             for (ptrdiff_t r = 0; r < n; r++) {
-                float v = dots[4 * b + r];
+                float v = gates[4 * b + r];
+                if (inter) {
+                    float up = ups[4 * b + r];
+                    if (bias) {
+                        v = v + bias[j + r];
+                        up = up + bias[inter + j + r];
+                    }
+                    y[b * inter + j + r] = (v / (1.0f + expf(-v))) * up;
+                    continue;
+                }
                 if (bias) v = v + bias[j + r];
                 y[b * ldy + j + r] = accumulate ? y[b * ldy + j + r] + v : v;
             }
     }
-    return 0;
 }
 
-/* sloserve_swiglu_rows on int8 weights; 0, or -1 as above. */
-static int sloserve_swiglu_rows_i8(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
-                                   ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+/* sloserve_rows_i8 with this thread's buffer, or, where it finds no memory, one row at a time
+ * through the stack (the same bits: a row's result does not depend on the rows beside it). */
+static void sloserve_rows_i8_buffered(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                      ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *y,
+                                      ptrdiff_t ldy, int accumulate) {
     const ptrdiff_t kp = (k + 63) / 64 * 64;
-    float xs[SLOSERVE_MAX_BATCH], gates[4 * SLOSERVE_MAX_BATCH], ups[4 * SLOSERVE_MAX_BATCH];
-    const uint8_t *xq = sloserve_quantize_rows(x, batch, k, kp, xs);
-    if (xq == NULL) return -1;
-    for (ptrdiff_t j = j0; j < j1; j += 4) {
-        const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
-        sloserve_dots_i8(w, xq, xs, batch, k, kp, j, n, gates);
-        sloserve_dots_i8(w, xq, xs, batch, k, kp, inter + j, n, ups);
-        for (ptrdiff_t b = 0; b < batch; b++)
-            for (ptrdiff_t r = 0; r < n; r++) {
-                float gate = gates[4 * b + r], up = ups[4 * b + r];
-                if (bias) {
-                    gate = gate + bias[j + r];
-                    up = up + bias[inter + j + r];
-                }
-                act[b * inter + j + r] = (gate / (1.0f + expf(-gate))) * up;
-            }
+    uint8_t *xq = sloserve_quantized_buffer(batch * kp);
+    if (xq) {
+        sloserve_rows_i8(w, bias, x, batch, k, kp, inter, j0, j1, y, ldy, accumulate, xq);
+        return;
     }
-    return 0;
+    uint8_t row[kp];
+    for (ptrdiff_t b = 0; b < batch; b++)
+        sloserve_rows_i8(w, bias, x + b * k, 1, k, kp, inter, j0, j1, y + b * (inter ? inter : ldy), ldy,
+                         accumulate, row);
+}
+
+/* sloserve_gemv_rows on int8 weights. */
+static void sloserve_gemv_rows_i8(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                  ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
+    sloserve_rows_i8_buffered(w, bias, x, batch, k, 0, j0, j1, y, ldy, accumulate);
+}
+
+/* sloserve_swiglu_rows on int8 weights. */
+static void sloserve_swiglu_rows_i8(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
+                                    ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
+    sloserve_rows_i8_buffered(w, bias, x, batch, k, inter, j0, j1, act, inter, 0);
 }
 
 #endif
