@@ -3,13 +3,15 @@
 For each dtype (one runner each on the same checkpoint), batch size and context length it times
 `ModelRunner.forward` on one prepared decode step, with the runner's FusedDecode and with it
 switched off (DecoderModel.decode, eager torch ops over the same paged cache), and for bf16 also
-a runner as served by default (the torch path on oneDNN's packed bf16 copies: fused.BF16_DECODE
-off), every arm in each round (the best round of each counts), and prints milliseconds per step
-and the ratios: twin / fused per dtype, packed / fused for bf16, and the float32 fused step / the
-bf16 one (every batch size through the kernel, also those above its serving limit: this is
-where that limit comes from). Thread counts are the runner's own, as served, unless `--threads`
-sets both (one thread: the products alone, without the team's barriers, which a machine shared
-with other busy processes stalls).
+a runner on oneDNN's packed bf16 copies (fused.BF16_DECODE off, as served on a CPU without
+AVX512-BF16 dot products) and, where the CPU has them, the kernel's widened path beside its dot
+products (`widened`: float32 arithmetic on the widened weights, the fallback elsewhere); every
+arm in each round (the best round of each counts). It prints milliseconds per step and the
+ratios: twin / fused per dtype, packed / fused and widened / fused for bf16, and the first
+dtype's fused step / the second's (every batch size through the kernel, also those above its serving
+limit: this is where that limit comes from). Thread counts are the runner's own, as served,
+unless `--threads` sets both (one thread: the products alone, without the team's barriers,
+which a machine shared with other busy processes stalls).
 
 At batch 1 a step reads every weight once, so it is bound by memory bandwidth: beside it a plain
 streaming read (`torch.sum` of a 1 GiB buffer, the same threads) measures the machine's read rate,
@@ -18,6 +20,9 @@ fused step's share of it.
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel [--model default] [--batches 1 4 16]
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel --model qwen-shape --dtypes float32 bfloat16
+
+`--dtypes int8` adds a runner of the model at bf16 under `--quantization int8` (its projections
+Int8Linear: the kernel's W8A8 products on VNNI against the torch path's).
 
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
@@ -37,6 +42,7 @@ import torch
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.executor import fused as fused_module
+from sloserve.hotpath._decode_step import bf16_dot_products
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
@@ -64,12 +70,17 @@ def decode_step(runner: ModelRunner, batch: int, context: int):
     return runner.prepare(SchedulerOutput(seqs))
 
 
-def timed(runner: ModelRunner, step, fused, steps: int) -> float:
+def timed(runner: ModelRunner, step, fused, steps: int, dot_products: bool = True) -> float:
+    """Seconds per step; `dot_products` False: bf16 products on the widened path."""
     runner.decode_step.fused = fused
-    started = time.perf_counter()
-    for _ in range(steps):
-        runner.forward(step)
-    return (time.perf_counter() - started) / steps
+    bf16_dot_products(dot_products)
+    try:
+        started = time.perf_counter()
+        for _ in range(steps):
+            runner.forward(step)
+        return (time.perf_counter() - started) / steps
+    finally:
+        bf16_dot_products(True)
 
 
 def read_bandwidth(buffer: torch.Tensor, repeats: int = 3) -> float:
@@ -94,15 +105,21 @@ def model_path(name: str) -> str:
 def make_runner(
     path: str, dtype: str, batches: list[int], contexts: list[int], fused: bool = True
 ) -> ModelRunner:
-    """A runner of `path` at `dtype`; `fused`: its decode step on the kernel (bf16 under
-    BF16_DECODE, so its projections keep the plain weights), else a bf16 one on oneDNN's packed
-    copies, as served by default."""
+    """A runner of `path` at `dtype` ("int8": bf16 with --quantization int8); `fused`: its decode
+    step on the kernel (bf16 under BF16_DECODE, so its projections keep the plain weights), else
+    a bf16 one on oneDNN's packed copies (fused.BF16_DECODE off)."""
     fused_module.BF16_DECODE = fused
     cfg = json.loads((Path(path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
     config = SloserveConfig(
-        model=ModelConfig(path=path, device="cpu", dtype=dtype, max_model_len=1024),
+        model=ModelConfig(
+            path=path,
+            device="cpu",
+            dtype="bfloat16" if dtype == "int8" else dtype,
+            quantization="int8" if dtype == "int8" else "none",
+            max_model_len=1024,
+        ),
         cache=CacheConfig(
             kv_pool_bytes=max(batches) * (max(contexts) + 64) * token_bytes + (64 << 20),
             swap_bytes=0,
@@ -122,7 +139,9 @@ def make_runner(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"]
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
     parser.add_argument(
@@ -137,13 +156,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     fused_module.FUSED_MAX_BATCH = max(args.batches)
     runners = {d: make_runner(path, d, args.batches, args.contexts) for d in args.dtypes}
-    # bf16 as served by default: the torch path on oneDNN's packed bf16 copies
+    # bf16 on the torch path over oneDNN's packed bf16 copies
     packed = (
         make_runner(path, "bfloat16", args.batches, args.contexts, fused=False)
         if "bfloat16" in args.dtypes
         else None
     )
     kernels = {d: r.decode_step.fused for d, r in runners.items()}
+    # the widened bf16 path beside the dot products, where the CPU has them
+    widened = "bfloat16" in args.dtypes and bf16_dot_products()
     for kernel in kernels.values():
         kernel.threads = torch.get_num_threads()
     info = next(iter(runners.values())).info()
@@ -155,9 +176,8 @@ def main() -> None:
     stream = torch.ones(STREAM_BYTES // 4)
     bandwidth = read_bandwidth(stream)
     del stream
-    token_bytes = {
-        d: r.model.weights.num_parameters() * r.dtype.itemsize for d, r in runners.items()
-    }
+    # every weight is read once a token: their resident bytes (held once, in the form read)
+    token_bytes = {d: r.model.weights.nbytes() for d, r in runners.items()}
     print(
         f"streaming read {bandwidth / 1e9:.1f} GB/s; weight bytes per token "
         + ", ".join(
@@ -169,14 +189,16 @@ def main() -> None:
     for d in args.dtypes:
         head += f" {d + ' fused':>15} {'torch':>8} {'torch/fused':>11}"
     head += f" {'bf16 packed':>11} {'packed/fused':>12}" if packed else ""
-    print(head + (" f32/bf16 fused" if len(args.dtypes) == 2 else "") + "  (ms per step)")
+    head += f" {'widened':>8} {'widened/fused':>13}" if widened else ""
+    pair = f" {args.dtypes[0]}/{args.dtypes[1]} fused" if len(args.dtypes) == 2 else ""
+    print(head + pair + "  (ms per step)")
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             steps = {d: decode_step(r, batch, context) for d, r in runners.items()}
             packed_step = decode_step(packed, batch, context) if packed else None
             best = {(d, arm): float("inf") for d in args.dtypes for arm in ("fused", "torch")}
-            best["packed"] = float("inf")
+            best["packed"] = best["widened"] = float("inf")
             for i in range(args.rounds):
                 order = args.dtypes if i % 2 == 0 else args.dtypes[::-1]
                 for d in order:
@@ -184,6 +206,9 @@ def main() -> None:
                     for arm, kernel in (("fused", kernels[d]), ("torch", None)):
                         seconds = timed(r, steps[d], kernel, args.steps)
                         best[d, arm] = min(best[d, arm], seconds)
+                    if d == "bfloat16" and widened:
+                        seconds = timed(r, steps[d], kernels[d], args.steps, dot_products=False)
+                        best["widened"] = min(best["widened"], seconds)
                 if packed:
                     best["packed"] = min(
                         best["packed"], timed(packed, packed_step, None, args.steps)
@@ -206,6 +231,11 @@ def main() -> None:
                 row["bfloat16"]["packed_ms"] = round(best["packed"] * 1e3, 4)
                 row["bfloat16"]["packed_over_fused"] = round(ratio, 3)
                 line += f" {best['packed'] * 1e3:>11.3f} {ratio:>12.2f}"
+            if widened:
+                ratio = best["widened"] / best["bfloat16", "fused"]
+                row["bfloat16"]["widened_ms"] = round(best["widened"] * 1e3, 4)
+                row["bfloat16"]["widened_over_fused"] = round(ratio, 3)
+                line += f" {best['widened'] * 1e3:>8.3f} {ratio:>13.2f}"
             if len(args.dtypes) == 2:
                 ratio = best[args.dtypes[0], "fused"] / best[args.dtypes[1], "fused"]
                 row["fused_first_over_second"] = round(ratio, 3)

@@ -16,12 +16,14 @@
  * BLAS in the last bits (as any two BLAS do) but not between thread counts or instruction sets.
  *
  * The weight matrices (embed, lm_head, each layer's four) are float32 or bf16 (sloserve_weight;
- * _decode_step_gemv.h is instantiated once per type: a type with per-row scales, such as int8,
- * is one more instantiation and one more case in the dispatch below), and the KV pages float32
- * or bf16 (K/V rounded to bf16 when written, as torch rounds). A bf16 weight is widened to float32
- * in registers, and the activations, norms, rotary, softmax and every sum stay float32, in the
- * same lanes: on bf16 weights the step computes the float32 step's arithmetic on the widened
- * weights, reading half the bytes.
+ * _decode_step_gemv.h is instantiated once per type), a layer's four may be int8 rows with a
+ * scale each (_decode_step_int8.h: W8A8, exact integer sums), and the KV pages float32
+ * or bf16 (K/V rounded to bf16 when written, as torch rounds). bf16 products run on AVX512-BF16
+ * dot products where the CPU has them (_decode_step_dpbf16.h: each product's activation rows
+ * rounded to bf16, sums in a fixed order of their own, so those bits depend on the instruction
+ * set), else the weight is widened to float32 in registers and the step computes the float32
+ * step's arithmetic on the widened weights, in the same lanes. Either way the activations, norms,
+ * rotary, softmax and the residual stream stay float32, and the weights are read in half the bytes.
  */
 #ifndef SLOSERVE_DECODE_STEP_H
 #define SLOSERVE_DECODE_STEP_H
@@ -39,13 +41,15 @@
 
 
 /* Element types of the weight matrices and the KV pages; activations and sums are float32 always. */
-enum { SLOSERVE_F32 = 0, SLOSERVE_BF16 = 1 };
+enum { SLOSERVE_F32 = 0, SLOSERVE_BF16 = 1, SLOSERVE_I8 = 2 };
 
 /* A weight matrix [out, in], read in place: `data` of `type` (SLOSERVE_F32: float; SLOSERVE_BF16:
- * uint16_t), and per-row float scales for a type that has them (NULL for these two). */
+ * uint16_t; SLOSERVE_I8: int8_t, with a float scale and the int32 sum of its weights per row;
+ * NULL for the others). Only the four layer projections may be SLOSERVE_I8. */
 typedef struct {
     const void *data;
     const float *scale;
+    const int32_t *rowsum;
     int type;
 } sloserve_weight;
 
@@ -95,11 +99,21 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
 #define SLOSERVE_T_SCALE(v, w, row) (v)
 #include "_decode_step_gemv.h"
 
+/* bf16 products on AVX512-BF16 dot products, where the CPU has them (sloserve_dpbf16_set). */
+#include "_decode_step_dpbf16.h"
+
+/* int8 products (W8A8, per-token activation scales) on VNNI where the CPU has it (sloserve_vnni_set). */
+#include "_decode_step_int8.h"
+
 /* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) and every b
  * (x: [batch, k] contiguous, batch <= SLOSERVE_MAX_BATCH; y: row stride ldy). */
 static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    if (w->type == SLOSERVE_BF16)
+    if (w->type == SLOSERVE_I8)
+        sloserve_gemv_rows_i8(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
+    else if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled)
+        sloserve_gemv_rows_dpbf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
+    else if (w->type == SLOSERVE_BF16)
         sloserve_gemv_rows_bf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
     else
         sloserve_gemv_rows_f32(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
@@ -108,7 +122,11 @@ static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, cons
 /* act[b, j] = silu(x[b] . w[j] + bg[j]) * (x[b] . w[inter + j] + bu[j]) for j in [j0, j1). */
 static void sloserve_swiglu_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                  ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    if (w->type == SLOSERVE_BF16)
+    if (w->type == SLOSERVE_I8)
+        sloserve_swiglu_rows_i8(w, bias, x, batch, k, inter, j0, j1, act);
+    else if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled)
+        sloserve_swiglu_rows_dpbf16(w, bias, x, batch, k, inter, j0, j1, act);
+    else if (w->type == SLOSERVE_BF16)
         sloserve_swiglu_rows_bf16(w, bias, x, batch, k, inter, j0, j1, act);
     else
         sloserve_swiglu_rows_f32(w, bias, x, batch, k, inter, j0, j1, act);

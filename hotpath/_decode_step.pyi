@@ -1,5 +1,11 @@
 """Type stubs for the compiled `_decode_step` module (its pure-torch twin is DecoderModel.decode)."""
 
+def bf16_dot_products(enabled: bool | None = None) -> bool:
+    """Whether bf16 products run on AVX512-BF16 dot products; False forces the widened path."""
+
+def int8_vnni(enabled: bool | None = None) -> bool:
+    """Whether int8 products run on AVX512-VNNI; False forces the widened int32 loop."""
+
 class DecodeKernel:
     """A dense decoder's whole decode step in one nogil call; addresses of its weights and cache set
     once (weights and KV pages float32 or bf16: dims' weight_dtype and kv_dtype)."""

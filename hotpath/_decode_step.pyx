@@ -19,10 +19,12 @@ cdef extern from "_decode_step.h" nogil:
 
     enum: SLOSERVE_F32
     enum: SLOSERVE_BF16
+    enum: SLOSERVE_I8
 
     ctypedef struct sloserve_weight:
         const void* data
         const float* scale
+        const int32_t* rowsum
         int type
 
     ctypedef struct sloserve_layer:
@@ -61,6 +63,34 @@ cdef extern from "_decode_step.h" nogil:
                              const int64_t* slots, const int32_t* tables, Py_ssize_t width, const int32_t* lens,
                              Py_ssize_t batch, Py_ssize_t max_len, const int64_t* out_rows, Py_ssize_t num_out,
                              sloserve_team* team, float* work, float* logits, long* stalled_ns)
+    int sloserve_dpbf16_set(int on)
+    int sloserve_dpbf16_enabled
+    int sloserve_vnni_set(int on)
+    int sloserve_vnni_enabled
+
+
+# bf16 products on AVX512-BF16 dot products wherever the CPU has them (_decode_step_dpbf16.h).
+sloserve_dpbf16_set(1)
+# int8 products on AVX512-VNNI wherever the CPU has it (_decode_step_int8.h).
+sloserve_vnni_set(1)
+
+
+def bf16_dot_products(enabled: bool | None = None) -> bool:
+    """Whether bf16 products run on AVX512-BF16 dot products (activations rounded to bf16): False
+    forces the widened float32 path (tests compare the two), True restores the dot products where
+    the CPU has them, None only asks. Set between steps, never while one runs."""
+    if enabled is not None:
+        sloserve_dpbf16_set(1 if enabled else 0)
+    return bool(sloserve_dpbf16_enabled)
+
+
+def int8_vnni(enabled: bool | None = None) -> bool:
+    """Whether int8 products run on AVX512-VNNI: False forces the widened int32 loop (the same
+    bits: the sums are exact), True restores VNNI where the CPU has it, None only asks. Set
+    between steps, never while one runs."""
+    if enabled is not None:
+        sloserve_vnni_set(1 if enabled else 0)
+    return bool(sloserve_vnni_enabled)
 
 
 # The element types the kernel reads weights and KV pages in, by torch's name for them.
@@ -79,7 +109,19 @@ cdef int _type(str name) except -1:
 
 cdef sloserve_weight _weight(object address, int kind):
     cdef sloserve_weight w
-    w.data, w.scale, w.type = <const void*> _ptr(address), NULL, kind
+    w.data, w.scale, w.rowsum, w.type = <const void*> _ptr(address), NULL, NULL, kind
+    return w
+
+
+cdef sloserve_weight _projection(dict layer, str name, int kind) except *:
+    """Projection `name` of a layer dict: int8 when the dict gives its scale and row sums."""
+    cdef sloserve_weight w = _weight(layer[name + "_w"], kind)
+    if layer.get(name + "_scale") is not None:
+        if layer.get(name + "_rowsum") is None:
+            raise ValueError(f"int8 projection {name} needs {name}_rowsum beside {name}_scale")
+        w.scale = _ptr(layer[name + "_scale"])
+        w.rowsum = <const int32_t*> <uintptr_t> layer[name + "_rowsum"]
+        w.type = SLOSERVE_I8
     return w
 
 
@@ -100,7 +142,9 @@ cdef class DecodeKernel:
         scale, and weight_dtype, kv_dtype ("float32" or "bfloat16": of the weight matrices (embed,
         lm_head and each layer's *_w) and of the KV pages; norms, biases, cos and sin are float32).
         layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-        k_cache, v_cache (addresses; a missing bias is None)."""
+        k_cache, v_cache (addresses; a missing bias is None); a projection of int8 rows also
+        gives <name>_scale (float32 per row) and <name>_rowsum (int32: the sum of each row's
+        weights), its products then W8A8 as layers/quant.py computes them."""
         cdef Py_ssize_t i
         cdef int wtype = _type(dims.get("weight_dtype", "float32"))
         cdef int kvtype = _type(dims.get("kv_dtype", "float32"))
@@ -120,13 +164,13 @@ cdef class DecodeKernel:
         for i, layer in enumerate(layers):
             self.layers[i].ln1 = _ptr(layer["ln1"])
             self.layers[i].ln2 = _ptr(layer["ln2"])
-            self.layers[i].qkv_w = _weight(layer["qkv_w"], wtype)
+            self.layers[i].qkv_w = _projection(layer, "qkv", wtype)
             self.layers[i].qkv_b = _ptr(layer["qkv_b"])
-            self.layers[i].o_w = _weight(layer["o_w"], wtype)
+            self.layers[i].o_w = _projection(layer, "o", wtype)
             self.layers[i].o_b = _ptr(layer["o_b"])
-            self.layers[i].gate_up_w = _weight(layer["gate_up_w"], wtype)
+            self.layers[i].gate_up_w = _projection(layer, "gate_up", wtype)
             self.layers[i].gate_up_b = _ptr(layer["gate_up_b"])
-            self.layers[i].down_w = _weight(layer["down_w"], wtype)
+            self.layers[i].down_w = _projection(layer, "down", wtype)
             self.layers[i].down_b = _ptr(layer["down_b"])
             self.layers[i].k_cache = <void*> _ptr(layer["k_cache"])
             self.layers[i].v_cache = <void*> _ptr(layer["v_cache"])

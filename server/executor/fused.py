@@ -11,7 +11,7 @@ block table, and only the sampled rows get logits. Every row's K/V is written be
 attends, so each token sees exactly its causal prefix; the oracle there is the flat torch path
 (`DecoderModel.forward`).
 
-It serves dense float32 models (and bf16 ones under BF16_DECODE) on a CPU, one rank, batches
+It serves dense float32 and bf16 models (their projections int8 too) on a CPU, one rank, batches
 up to FUSED_MAX_BATCH. Its matrix-vector products read each weight row once per two sequences
 and need no FMA to run at the core's multiply-add rate, so on the CPUs measured it beat the
 torch path up to the largest batch it takes. Its pure-torch twin is
@@ -19,11 +19,26 @@ torch path up to the largest batch it takes. Its pure-torch twin is
 Tokens equal the twin's except where two logits tie to the last bits (the dot products sum in
 another order than the BLAS); tests hold it to transformers' greedy tokens like every path.
 
-A bf16 model's step (BF16_DECODE) reads the plain bf16 weights and bf16 KV pages in place (half
-the bytes of float32) and widens them in registers: the activations and every sum stay
-float32, so it is the float32 step's arithmetic on the widened weights (tests hold it there,
-and to its bf16 twin, which rounds each activation, within bf16 rounding). Norms, biases and the
-rotary tables are read as float32 copies (a few MiB).
+A bf16 model's step reads the plain bf16 weights and bf16 KV pages in place (half the bytes of
+float32). Where the CPU has AVX512-BF16 its matrix-vector products round each product's
+activation rows to bf16 once and run `vdpbf16ps` (32 multiply-adds an instruction, float32
+sums in a fixed order: a row's bits do not depend on its batch or the threads, but differ from
+the widened path's); elsewhere they widen the weights to float32 in registers (the float32
+step's arithmetic on the widened weights). Norms, rotary, attention, softmax and the residual
+stream stay float32; tests hold both paths to the bf16 twin (which rounds every activation)
+within bf16 rounding. On the 494M Llama (Qwen2.5-0.5B's shape, 600-token contexts, 2 threads)
+the dot-product step took 28.0 / 32.1 / 43.1 / 49.0 / 72.8 ms at 1 / 2 / 4 / 8 / 16 sequences
+against 38.2 / 40.0 / 42.8 / 50.7 / 63.8 on oneDNN's packed bf16 copies (the widened path: 39.4
+/ 38.4 / 72.4 / 96.8 / 161.8), batch 1 at 76 % of the read-bandwidth ceiling
+(docs/design/cpu-decode.md, "bf16 on the CPU"). The projections then keep the plain weights,
+whose prefill products on oneDNN cost ~5-15 % more than on its packed copies. Norms, biases and
+the rotary tables are read as float32 copies (a few MiB).
+
+Int8Linear projections (--quantization int8) are read as their int8 rows and per-row scales:
+W8A8 with per-token activation scales at every batch, as Int8Linear's one-row product computes
+it, on AVX512-VNNI where the CPU has it (exact int32 sums: the same bits on every path; 22.7 ms
+a step at one sequence of that model against 34.6 on the torch int8 path; "int8 on the CPU"
+there).
 """
 
 from __future__ import annotations
@@ -42,9 +57,9 @@ from sloserve.models.weights import LayerWeights
 try:
     if not USING_EXTENSIONS:
         raise ImportError("SLOSERVE_NO_EXTENSIONS forces the torch path")
-    from sloserve.hotpath._decode_step import DecodeKernel
+    from sloserve.hotpath._decode_step import DecodeKernel, bf16_dot_products
 except ImportError:  # not built, or forced off: DecoderModel.decode runs every step
-    DecodeKernel = None
+    DecodeKernel = bf16_dot_products = None
 
 # Largest decode batch the kernel takes (its workspace limit, SLOSERVE_MAX_BATCH); it beats the
 # torch path up to here (docs/design/cpu-decode.md). A larger batch runs the torch path.
@@ -54,19 +69,16 @@ FUSED_MAX_BATCH = 64
 # a batch of at least MIN_PACKED_ROWS whose arithmetic (sequences x parameters) exceeds this goes
 # to the torch path.
 FUSED_MAX_MACS_PACKED = 1 << 28
-# bf16: the torch path's products run oneDNN's bf16 kernels (AVX512-BF16 dot products) where the
-# kernel multiplies and adds widened weights in float32, so from a few sequences of a large model
-# the torch path wins, below 16 rows too: a batch whose sequences x parameters exceed this goes
-# there (the 494M Llama, against the torch path on the plain weights: the kernel won at 2
-# sequences, lost from 3; docs/design/cpu-decode.md).
-FUSED_MAX_MACS_BF16 = 1 << 30
-# NOTE: bf16 models take the kernel only when this is set. It runs them (plain bf16 weights and
-# pages, tested), but on the machine measured, shared with other busy processes, the torch path
-# on oneDNN's packed bf16 products beat it at one and two sequences (its AVX512-BF16 dot products
-# issue a quarter of the kernel's instructions a byte, and there the step was compute-bound;
-# docs/design/cpu-decode.md, `benchmarks.decode_kernel --dtypes bfloat16`), so bf16 keeps the
-# packed copies until a measurement says otherwise.
-BF16_DECODE = False
+# bf16: a batch whose sequences x parameters exceed this goes to the torch path (oneDNN's bf16
+# products), below 16 rows too. The 494M Llama against oneDNN's packed bf16 copies: the kernel's
+# dot products ×1.36 / ×1.25 faster at 1 / 2 sequences, even at 4 and 8 (×0.99 / ×1.03), ×0.88
+# at 16 (docs/design/cpu-decode.md): up to 8 sequences of that model.
+FUSED_MAX_MACS_BF16 = 1 << 32
+# NOTE: bf16 models take the kernel where its products run on AVX512-BF16 dot products (and the
+# projections then keep the plain weights, OneDnnBf16Linear). Its widened path, the fallback on a
+# CPU without them, lost to oneDNN's packed bf16 products at every batch measured while the
+# machine was busy, so there bf16 keeps the packed copies; False sends bf16 to them everywhere.
+BF16_DECODE = True
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
@@ -76,12 +88,28 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
-    """The tensors of one layer the kernel reads, by its field names (a plain weight may be None)."""
+    """The tensors of one layer the kernel reads, by its field names (a plain weight may be None):
+    an int8 projection's weight is its int8 rows (its scales: `_int8_scales`)."""
     tensors: dict[str, torch.Tensor | None] = {"ln1": layer.ln1, "ln2": layer.ln2}
     for name in _PROJECTIONS:
         proj: Linear = getattr(layer, name)
-        tensors[name + "_w"], tensors[name + "_b"] = proj.weight, proj.bias
+        weight = proj.qweight if isinstance(proj, Int8Linear) else proj.weight
+        tensors[name + "_w"], tensors[name + "_b"] = weight, proj.bias
     return tensors
+
+
+def _int8_scales(layer: LayerWeights, keep: list[torch.Tensor]) -> dict[str, int]:
+    """The addresses of each int8 projection's per-row scales and weight sums (the sums computed
+    here, one int32 a row, kept alive in `keep`): the kernel's VNNI products need them."""
+    addresses = {}
+    for name in _PROJECTIONS:
+        proj = getattr(layer, name)
+        if isinstance(proj, Int8Linear):
+            rowsum = proj.qweight.sum(dim=1, dtype=torch.int32)
+            keep += [rowsum, proj.scale]
+            addresses[name + "_scale"] = proj.scale.data_ptr()
+            addresses[name + "_rowsum"] = rowsum.data_ptr()
+    return addresses
 
 
 def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
@@ -96,17 +124,25 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     if kv.device.type != "cpu" or kv.dtype not in KERNEL_DTYPES or not kv.is_contiguous():
         return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
     if kv.dtype == torch.bfloat16 and not BF16_DECODE:
-        return "bf16 decode runs faster on oneDNN's packed bf16 products (fused.BF16_DECODE)"
+        return "bf16 decode runs on oneDNN's packed bf16 products (fused.BF16_DECODE is off)"
+    if kv.dtype == torch.bfloat16 and not bf16_dot_products():
+        return (
+            "without AVX512-BF16 dot products bf16 decode runs faster on oneDNN's packed bf16 "
+            "products than on the kernel's widened weights"
+        )
     if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
-    if any(isinstance(p, Int8Linear) for layer in w.layers for p in layer.projections()):
-        return "int8 weights: the fused step reads float32/bf16"
+    layers = [_layer_tensors(layer) for layer in w.layers]
     if w.lm_head.weight is None or any(
-        getattr(layer, name).weight is None for layer in w.layers for name in _PROJECTIONS
+        t[name + "_w"] is None for t in layers for name in _PROJECTIONS
     ):
         return "the kernel reads plain weights (these projections keep only a packed copy)"
+    int8 = [getattr(layer, name) for layer in w.layers for name in _PROJECTIONS]
+    int8 = [p for p in int8 if isinstance(p, Int8Linear)]
+    if any(not p.qweight.is_contiguous() or not p.scale.is_contiguous() for p in int8):
+        return "the kernel reads contiguous int8 rows and scales"
     tensors = [w.embed, w.norm, w.lm_head.weight, w.lm_head.bias, model.cos, model.sin]
-    tensors += [t for layer in w.layers for t in _layer_tensors(layer).values()]
+    tensors += [t for ts in layers for t in ts.values() if t is not None and t.dtype != torch.int8]
     tensors = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" or t.dtype != kv.dtype or not t.is_contiguous() for t in tensors):
         return f"the kernel reads contiguous {_name(kv.dtype)} weights on a CPU, as the cache"
@@ -164,6 +200,7 @@ class FusedDecode:
                 f: t.data_ptr() if f.endswith("_w") else _vector(t, self._floats)
                 for f, t in _layer_tensors(layer).items()
             }
+            ptrs.update(_int8_scales(layer, self._floats))
             ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
             layers.append(ptrs)
         self.kernel = DecodeKernel(
@@ -183,7 +220,11 @@ class FusedDecode:
         self.max_batch = (
             min(FUSED_MAX_BATCH, packed_max) if on_onednn(w.layers[0].qkv) else FUSED_MAX_BATCH
         )
-        if kv.dtype == torch.bfloat16:
+        if isinstance(w.layers[0].qkv, Int8Linear):
+            # NOTE: the 494M Llama at int8 (bf16 activations on the torch path): the kernel
+            # ×1.96 / ×1.54 / ×1.25 / ×1.31 the torch int8 path at 8 / 16 / 32 / 64 sequences
+            self.max_batch = FUSED_MAX_BATCH
+        elif kv.dtype == torch.bfloat16:
             self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))
 
     @property

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from sloserve.executor import precision
+from sloserve.executor import fused, precision
 from sloserve.executor.precision import bf16_units, checkpoint_dtype, choose_dtype
 from sloserve.layers.linear import PackedBf16Linear, onednn_available
 
@@ -83,7 +83,11 @@ def test_packed_bf16_product_matches_float64(bias):
 
 
 @needs_bf16
-def test_a_bf16_checkpoint_runs_bf16_weights_held_once(make_checkpoint, make_runner):
+def test_a_bf16_checkpoint_runs_bf16_weights_held_once(make_checkpoint, make_runner, monkeypatch):
+    """Off the fused step (fused.BF16_DECODE off, as on a CPU without AVX512-BF16 dot products),
+    every projection holds only oneDNN's packed bf16 copy; the fused step's plain weights are
+    tests/executor/test_fused_decode.py's."""
+    monkeypatch.setattr(fused, "BF16_DECODE", False)
     folder = make_checkpoint("llama", dtype="bfloat16")
     runner = make_runner(folder, dtype="bfloat16")
     weights = runner.model.weights
@@ -97,8 +101,7 @@ def test_a_bf16_checkpoint_runs_bf16_weights_held_once(make_checkpoint, make_run
         info["dtype"] == "bfloat16"
         and info["dtype_reason"] == "--dtype bfloat16 (" + ", ".join(bf16_units()) + ")"
     )
-    # decode steps read the bf16 pages in place (the fused C step only under fused.BF16_DECODE,
-    # tests/executor/test_fused_decode.py)
+    # decode steps on DecoderModel.decode, reading the bf16 pages in place
     assert runner.decode_step is not None and runner.decode_step.fused is None
 
 

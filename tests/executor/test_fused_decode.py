@@ -381,10 +381,12 @@ def test_each_step_reports_its_team_size_wall_time_and_stalls(runner):
 
 
 # ---- bf16: the same kernel reading bf16 weights and bf16 KV pages --------------------------------
-# Its oracle is the float32 kernel on the same (widened) weights, cos/sin and cache: the two
-# compute the same float32 arithmetic, and differ only where the bf16 step rounds the K/V it
-# writes. Against the bf16 twin (DecoderModel.decode, which rounds every activation to bf16) it
-# agrees to bf16 rounding.
+# Two paths: AVX512-BF16 dot products (each product's activation rows rounded to bf16), where the
+# CPU has them, and the widened path elsewhere (forced here by bf16_dot_products(False)). The
+# widened path's oracle is the float32 kernel on the same (widened) weights, cos/sin and cache:
+# the two compute the same float32 arithmetic, and differ only where the bf16 step rounds the K/V
+# it writes. Both agree with the bf16 twin (DecoderModel.decode, which rounds every activation to
+# bf16) to bf16 rounding, and each gives a row the same bits at any thread count or batch position.
 needs_bf16 = pytest.mark.skipif(
     not bf16_units() or not onednn_available(),
     reason="this CPU has no AVX512-BF16 or AMX-BF16 units: --dtype bfloat16 is refused",
@@ -395,20 +397,51 @@ BF16_TWIN_TOLERANCE = 0.03
 # The same against the float32 kernel on the widened weights: only the written K/V differ there
 # (rounded to bf16, 2^-9 relative).
 BF16_FLOAT32_TOLERANCE = 0.01
+# The bf16 products' two paths, by the name tests give them (the dot products where the CPU has them).
+BF16_PATHS = ("dot products", "widened")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-tied"])
+@pytest.fixture(params=BF16_PATHS)
+def bf16_path(request):
+    """Runs a test on each path of the bf16 products (skipping the dot products on a CPU without
+    AVX512-BF16), restoring the default after it."""
+    from sloserve.hotpath._decode_step import bf16_dot_products
+
+    default = bf16_dot_products()
+    on = request.param == "dot products"
+    if bf16_dot_products(on) != on:
+        bf16_dot_products(default)
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    yield request.param
+    bf16_dot_products(default)
+
+
+@pytest.fixture
+def widened():
+    """The widened bf16 path (float32 arithmetic on the widened weights) for one test."""
+    from sloserve.hotpath._decode_step import bf16_dot_products
+
+    default = bf16_dot_products()
+    bf16_dot_products(False)
+    yield
+    bf16_dot_products(default)
+
+
+# "-odd": an intermediate size of 70, neither a multiple of the dot products' 32 elements (the
+# down product's masked last chunk) nor of the 4 rows they take at a time.
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-tied", "llama-odd"])
 def bf16_pair(request, make_checkpoint, make_runner):
     """(bf16 runner, float32 runner) of one bf16 checkpoint; the float32 one holds the bf16 one's
     cos/sin and KV pages widened, so both compute the same float32 arithmetic."""
     if not bf16_units() or not onednn_available():
         pytest.skip("this CPU has no AVX512-BF16 or AMX-BF16 units")
-    arch, tied = request.param.removesuffix("-tied"), request.param.endswith("-tied")
-    overrides = {"tie_word_embeddings": True} if tied else {}
+    if not fused.bf16_dot_products():
+        pytest.skip("bf16 takes the kernel only where it has AVX512-BF16 dot products")
+    arch, variant = request.param.partition("-")[::2]
+    overrides = {"tied": {"tie_word_embeddings": True}, "odd": {"intermediate_size": 70}}
+    overrides = overrides.get(variant, {})
     folder = make_checkpoint(arch, dtype="bfloat16", **overrides)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused, "BF16_DECODE", True)
-        low = make_runner(folder, dtype="bfloat16", max_batch=8, kv_pool_bytes=4 * 2**20)
+    low = make_runner(folder, dtype="bfloat16", max_batch=8, kv_pool_bytes=4 * 2**20)
     high = make_runner(folder, dtype="float32", max_batch=8, kv_pool_bytes=8 * 2**20)
     torch.manual_seed(0)
     low.kv.normal_()
@@ -420,13 +453,29 @@ def bf16_pair(request, make_checkpoint, make_runner):
 
 
 @needs_bf16
-def test_bf16_models_take_the_kernel_only_under_bf16_decode(bf16_pair, make_runner):
-    """By default a bf16 model decodes on oneDNN's packed bf16 copies (measured faster); under
-    BF16_DECODE on the kernel, reading each plain weight once, in place."""
+def test_bf16_models_take_the_kernel_where_it_has_dot_products(bf16_pair, make_runner, monkeypatch):
+    """Where the CPU has AVX512-BF16 dot products a bf16 model decodes on the kernel, reading
+    each plain weight once, in place; without them, or with BF16_DECODE off, on oneDNN's packed
+    bf16 copies (measured faster than the widened path)."""
     low, _ = bf16_pair
+    monkeypatch.setattr(fused, "BF16_DECODE", False)
+    packed = make_runner(low.model_path, dtype="bfloat16", kv_pool_bytes=4 * 2**20)
+    assert packed.decode_step is not None and packed.decode_step.fused is None
+    assert "BF16_DECODE" in fused.fused_reason(packed.model, packed.kv)
+    monkeypatch.setattr(fused, "BF16_DECODE", True)
+    dot_products = fused.bf16_dot_products()
+    try:
+        fused.bf16_dot_products(False)
+        assert "AVX512-BF16" in fused.fused_reason(packed.model, packed.kv)
+    finally:
+        fused.bf16_dot_products(dot_products)
+    if not dot_products:
+        pytest.skip("this CPU has no AVX512-BF16 dot products: bf16 decodes on packed copies")
     default = make_runner(low.model_path, dtype="bfloat16", kv_pool_bytes=4 * 2**20)
-    assert default.decode_step is not None and default.decode_step.fused is None
-    assert "BF16_DECODE" in fused.fused_reason(default.model, default.kv)
+    assert default.decode_step.fused is not None and default.kv.dtype == torch.bfloat16
+    w = default.model.weights
+    assert all(type(p) is OneDnnBf16Linear for layer in w.layers for p in layer.projections())
+    assert w.nbytes() == w.num_parameters() * 2  # plain bf16, held once: nothing packed beside it
     w = low.model.weights
     assert low.decode_step.fused is not None and low.kv.dtype == torch.bfloat16
     assert all(type(p) is OneDnnBf16Linear for layer in w.layers for p in layer.projections())
@@ -438,7 +487,6 @@ def test_bf16_batches_past_their_crossover_go_to_the_torch_path(bf16_pair, monke
     """A bf16 batch whose sequences x parameters exceed FUSED_MAX_MACS_BF16 runs the torch path
     (oneDNN's bf16 products), below MIN_PACKED_ROWS too; one sequence always takes the kernel."""
     low, _ = bf16_pair
-    monkeypatch.setattr(fused, "BF16_DECODE", True)
     params = low.model.weights.num_parameters()
     assert fused.FusedDecode(low.model, low.kv, 1).max_batch == min(
         fused.FUSED_MAX_BATCH, fused.FUSED_MAX_MACS_BF16 // params
@@ -451,8 +499,8 @@ def test_bf16_batches_past_their_crossover_go_to_the_torch_path(bf16_pair, monke
 
 @needs_bf16
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_bf16_logits_are_the_float32_kernels_on_the_same_weights(bf16_pair, batch):
-    """The bf16 step is the float32 step on the widened weights but for the K/V it rounds; the
+def test_bf16_logits_are_the_float32_kernels_on_the_same_weights(bf16_pair, batch, widened):
+    """The widened bf16 step is the float32 step on the widened weights but for the K/V it rounds; the
     first layer's K/V, written before any attention, are the float32 step's rounded exactly as
     torch's `.to(torch.bfloat16)` rounds."""
     low, high = bf16_pair
@@ -471,7 +519,7 @@ def test_bf16_logits_are_the_float32_kernels_on_the_same_weights(bf16_pair, batc
 
 @needs_bf16
 @pytest.mark.parametrize("batch", [1, 8])
-def test_bf16_logits_agree_with_the_bf16_twin(bf16_pair, batch):
+def test_bf16_logits_agree_with_the_bf16_twin(bf16_pair, batch, bf16_path):
     low, _ = bf16_pair
     for first in range(0, len(LENGTHS), batch):
         lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
@@ -483,7 +531,25 @@ def test_bf16_logits_agree_with_the_bf16_twin(bf16_pair, batch):
 
 
 @needs_bf16
-def test_bf16_one_thread_two_and_three_give_the_same_bits(bf16_pair):
+@pytest.mark.parametrize("batch", [1, 8])
+def test_bf16_dot_products_agree_with_the_float32_kernel_to_bf16_rounding(bf16_pair, batch):
+    """The dot products round each product's activations to bf16 (2^-9 relative), as the twin
+    does, so against the float32 step on the widened weights they agree as the twin does."""
+    from sloserve.hotpath._decode_step import bf16_dot_products
+
+    if not bf16_dot_products():
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    low, high = bf16_pair
+    for first in range(0, len(LENGTHS), batch):
+        lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
+        got = low.decode_step.fused(_step(low, lengths))
+        want = high.decode_step.fused(_step(high, lengths))
+        worst = (got - want).abs().max() / want.abs().max()
+        assert worst <= BF16_TWIN_TOLERANCE, (lengths, worst.item())
+
+
+@needs_bf16
+def test_bf16_one_thread_two_and_three_give_the_same_bits(bf16_pair, bf16_path):
     low, _ = bf16_pair
     step = _step(low, [33, 9, 4, 40, 1])
     kernel = low.decode_step.fused
@@ -496,6 +562,35 @@ def test_bf16_one_thread_two_and_three_give_the_same_bits(bf16_pair):
     finally:
         kernel.threads = before
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+@needs_bf16
+def test_a_bf16_row_gives_the_same_bits_alone_and_at_any_batch_position(bf16_pair, bf16_path):
+    """A sequence's logits do not depend on the rows beside it: alone (batch 1, the one-sequence
+    products), first or last of a batch (paired with another sequence, or the odd one out)."""
+    low, _ = bf16_pair
+    step = _step(low, [33, 9, 4, 40, 1])
+    kernel = low.decode_step.fused
+    batched = kernel(step)
+    order = [4, 2, 0, 3, 1]
+    permuted = kernel(_rows(step, order))
+    for i in range(5):
+        alone = kernel(_rows(step, [i]))
+        assert torch.equal(alone[0], batched[i]), i
+        assert torch.equal(permuted[order.index(i)], batched[i]), i
+
+
+def _rows(step: DecodeInputs, order: list[int]) -> DecodeInputs:
+    """The step's sequences `order` names, in that order."""
+    pick = torch.tensor(order)
+    return DecodeInputs(
+        step.input_ids[pick],
+        step.positions[pick],
+        step.slot_mapping[pick],
+        step.block_tables[pick].contiguous(),
+        step.seq_lens[pick],
+        len(order),
+    )
 
 
 @needs_bf16
@@ -519,7 +614,7 @@ def test_a_bf16_mixed_step_as_rows_agrees_with_the_flat_path(bf16_pair):
 
 @needs_bf16
 def test_bf16_greedy_tokens_agree_with_float32_at_least_as_the_torch_path_does(
-    bf16_pair, monkeypatch
+    bf16_pair, monkeypatch, bf16_path
 ):
     """Teacher-forced on transformers' float32 greedy tokens over the same bf16 weights, the
     kernel's top-1 agrees at least as often as the torch path's (DecoderModel.decode, which
@@ -534,7 +629,10 @@ def test_bf16_greedy_tokens_agree_with_float32_at_least_as_the_torch_path_does(
     monkeypatch.setattr(low.decode_step, "fused", counting)
     fused_path = generate(low, PROMPTS, 12, chunk=7, stagger=True, seed=1, forced=reference)
     ours, theirs = _agreement(fused_path, reference), _agreement(torch_path, reference)
-    print(f"top-1 agreement with float32: bf16 kernel {ours:.3f}, bf16 torch path {theirs:.3f}")
+    print(
+        f"top-1 agreement with float32: bf16 kernel ({bf16_path}) {ours:.3f}, "
+        f"bf16 torch path {theirs:.3f}"
+    )
     assert counting.calls and counting.mixed
     assert ours >= theirs - 0.02, (ours, theirs)
 
@@ -542,3 +640,91 @@ def test_bf16_greedy_tokens_agree_with_float32_at_least_as_the_torch_path_does(
 def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
     pairs = [(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)]
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+# ---- int8: the kernel reading Int8Linear's int8 rows and per-row scales ----------------------------
+# Its products are W8A8 at every batch, as Int8Linear's one-row product computes them (activations
+# quantized per token, exact integer sums, the float32 rescale), so against the twin
+# (DecoderModel.decode on the same Int8Linear objects: W8A8 at 1 row and from 5, weight-only at
+# 2-4) it agrees to float32 rounding at batch 1 and 8, up to an activation's int8 rounding
+# flipped by those last bits (measured 1e-7 of the largest logit on float32 models). A bf16 model's
+# twin also rounds every activation to bf16 before quantizing it and every product after, and an
+# int8 step turns those roundings into whole steps of an activation now and then: within 6 %
+# there (measured up to 3.9 %, where bf16 weights alone stay within 1.3 %).
+INT8_TWIN_TOLERANCE = 1e-3
+INT8_BF16_TWIN_TOLERANCE = 0.06
+
+
+@pytest.fixture(scope="module", params=["llama-float32", "qwen2-float32", "llama-bfloat16"])
+def int8_runner(request, make_checkpoint, make_runner):
+    arch, dtype = request.param.split("-")
+    if dtype == "bfloat16" and not (bf16_units() and fused.bf16_dot_products()):
+        pytest.skip("bf16 takes the kernel only where it has AVX512-BF16 dot products")
+    folder = make_checkpoint(arch, dtype=dtype, intermediate_size=70)
+    runner = make_runner(
+        folder, dtype=dtype, quantization="int8", max_batch=8, kv_pool_bytes=4 * 2**20
+    )
+    # the kernel beat the torch int8 path at every batch it takes (docs/design/cpu-decode.md)
+    assert runner.decode_step.fused.max_batch == fused.FUSED_MAX_BATCH
+    torch.manual_seed(0)
+    runner.kv.normal_()
+    return runner
+
+
+@pytest.fixture(params=["vnni", "widened"])
+def int8_path(request):
+    """Runs a test on VNNI (skipped on a CPU without it) and on the widened int32 loop."""
+    from sloserve.hotpath._decode_step import int8_vnni
+
+    default = int8_vnni()
+    on = request.param == "vnni"
+    if int8_vnni(on) != on:
+        int8_vnni(default)
+        pytest.skip("this CPU has no AVX512-VNNI")
+    yield request.param
+    int8_vnni(default)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_int8_logits_agree_with_the_int8_twin(int8_runner, batch, int8_path):
+    for first in range(0, len(LENGTHS), batch):
+        lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
+        step = _step(int8_runner, lengths)
+        want = _twin(int8_runner, step)
+        got = int8_runner.decode_step.fused(step)
+        worst = (got - want).abs().max() / want.abs().max()
+        print(f"{int8_runner.dtype} int8 {int8_path} {lengths}: {worst.item():.2e}")
+        bf16 = int8_runner.dtype == torch.bfloat16
+        assert worst <= (INT8_BF16_TWIN_TOLERANCE if bf16 else INT8_TWIN_TOLERANCE), lengths
+
+
+def test_int8_vnni_and_the_widened_loop_give_the_same_bits(int8_runner):
+    """The integer sums are exact, so the two paths agree bit for bit."""
+    from sloserve.hotpath._decode_step import int8_vnni
+
+    if not int8_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    step = _step(int8_runner, [33, 9, 4, 40, 1])
+    vnni = int8_runner.decode_step.fused(step)
+    try:
+        int8_vnni(False)
+        widened = int8_runner.decode_step.fused(step)
+    finally:
+        int8_vnni(True)
+    assert torch.equal(vnni, widened)
+
+
+def test_int8_rows_give_the_same_bits_at_any_thread_count_and_batch_position(int8_runner):
+    step = _step(int8_runner, [33, 9, 4, 40, 1])
+    kernel = int8_runner.decode_step.fused
+    before = kernel.threads
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            kernel.threads = threads
+            got.append(kernel(step))
+    finally:
+        kernel.threads = before
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    for i in range(5):
+        assert torch.equal(kernel(_rows(step, [i]))[0], got[0][i]), i
