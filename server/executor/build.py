@@ -40,6 +40,7 @@ from sloserve.layers.attention import (
     select_backend,
 )
 from sloserve.layers.linear import (
+    DenseLinear,
     OneDnnBf16Linear,
     OneDnnLinear,
     PackedBf16Linear,
@@ -110,7 +111,12 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
         keep_freed_memory()
     # NOTE: routed experts stay on the host until the residency is decided, which needs the device
     # budget left after the dense weights (executor/residency.py); build_model's ExpertStore places them.
-    spec, weights = load_checkpoint(path, device, dtype, experts_on_host=True, shard=shard)
+    # int8 quantizes each dense projection as it is read (this rank's slice of it), so the load
+    # never holds the model in `dtype` (docs/design/cpu-decode.md, "int8 on the CPU").
+    make_dense = int8_projection if mc.quantization == "int8" else DenseLinear
+    spec, weights = load_checkpoint(
+        path, device, dtype, experts_on_host=True, shard=shard, make_dense=make_dense
+    )
     tokenizer = Tokenizer.from_pretrained(path)
     limit = spec.context_limit
     if mc.max_model_len is not None and mc.max_model_len > limit:
@@ -133,6 +139,17 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
         eos,
         weights.num_parameters(),
     )
+
+
+def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+    """The loader's dense projection under --quantization int8: the weight quantized, the heap's
+    free pages handed back."""
+    proj = Int8Linear.quantize(weight, bias)
+    # NOTE: each weight read in the model's dtype is freed below the int8 rows that follow it; the
+    # heap keeps such holes resident (the whole model's worth at a small model's sizes), so they
+    # go back to the OS here, one weight behind.
+    return_freed_memory()
+    return proj
 
 
 # ---- 2. choose the attention backend ---------------------------------------------------------------
@@ -267,8 +284,8 @@ def prepare_projections(
     """Each layer's dense projections in the kind their kernel reads (layers/linear.py), each
     weight held once: on oneDNN in place when something else reads the plain weight
     (`reads_plain`), else packed for it with the plain copy released; torch's F.linear when
-    oneDNN cannot run. `quantization` int8: quantized at load, one weight at a time, each source
-    weight dropped as its int8 copy replaces it (layers/quant.py)."""
+    oneDNN cannot run. `quantization` int8: the loader quantized them as it read them (`load`);
+    one still in the model's dtype is quantized here, an int8 one is kept as it is."""
     why_not = cpu_gemm_reason(choice, device, dtype)
     if why_not and choice == "onednn":
         raise ValueError(
@@ -276,17 +293,22 @@ def prepare_projections(
         )
     started = time.monotonic()
     if quantization == "int8":
-        count = weights.replace_dense(lambda proj: Int8Linear.quantize(proj.weight, proj.bias))
+        count = weights.replace_dense(
+            lambda proj: (
+                proj
+                if isinstance(proj, Int8Linear)
+                else Int8Linear.quantize(proj.weight, proj.bias)
+            )
+        )
         # NOTE: the LM head keeps the model's dtype (docs/design/cpu-decode.md, "int8 on the CPU")
         if not why_not and dtype == torch.bfloat16 and weights.lm_head.weight is not weights.embed:
             # the fused step reads the int8 rows and the plain bf16 head
             head = OneDnnBf16Linear if reads_plain else PackedBf16Linear
             weights.lm_head = head(weights.lm_head.weight, weights.lm_head.bias)
         log.info(
-            "dense projections quantized to int8: %d weights, held once, in %.2fs; "
+            "dense projections in int8: %d weights, held once, quantized as they loaded; "
             "weights resident: %s",
             count,
-            time.monotonic() - started,
             mib(weights.nbytes()),
         )
         return

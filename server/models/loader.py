@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from sloserve.errors import CheckpointError
-from sloserve.layers.linear import DenseLinear
+from sloserve.layers.linear import DenseLinear, Linear
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.models.safetensors_file import CHUNK_BYTES, SafetensorsFile
 from sloserve.models.shard import Shard, local_spec
@@ -115,6 +115,10 @@ class TensorSource:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
 
 
+# (weight, bias) -> the projection that holds them: DenseLinear, or a kind that converts them
+MakeDense = Callable[[torch.Tensor, torch.Tensor | None], Linear]
+
+
 def load_checkpoint(
     folder: Path,
     device: torch.device,
@@ -123,6 +127,7 @@ def load_checkpoint(
     expert_slots: int | None = None,
     experts_on_host: bool = False,
     shard: Shard = Shard(),
+    make_dense: MakeDense = DenseLinear,
 ) -> tuple[ModelSpec, ModelWeights]:
     """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`.
 
@@ -134,6 +139,11 @@ def load_checkpoint(
 
     With `shard` (a tensor-parallel rank), only that rank's part of each split weight is read
     (see models/shard.py) and the spec returned is the rank's local one.
+
+    Each dense projection (qkv, o, gate_up, down: a dense MLP's or a shared expert's) becomes
+    `make_dense(weight, bias)` as soon as its weight is assembled (this rank's slice of it), before
+    the next one is read: a factory that converts (int8 quantizing, layers/quant.py) lets the
+    weight in `dtype` go, so the load never holds the whole model in `dtype`.
     """
     full = load_spec(folder)
     spec = local_spec(full, shard.size)
@@ -198,7 +208,9 @@ def load_checkpoint(
         lm_head = DenseLinear(get("lm_head.weight", v, h))
     layers, experts = [], {}
     for i in range(spec.num_layers):
-        layer, routed = _load_layer(full, shard, i, get, cat, stacked, src, expert_device)
+        layer, routed = _load_layer(
+            full, shard, i, get, cat, stacked, src, expert_device, make_dense
+        )
         layers.append(layer)
         if routed is not None:
             experts[i] = routed
@@ -223,6 +235,7 @@ def _load_layer(
     stacked: Callable,
     src: TensorSource,
     expert_device: torch.device,
+    make_dense: MakeDense,
 ):
     """Layer i's fused weights (this rank's part of them), checked against the full `spec`'s shapes."""
     h, d = spec.hidden_size, spec.head_dim
@@ -236,7 +249,7 @@ def _load_layer(
     layer = LayerWeights(
         ln1=get(p + "input_layernorm.weight", h),
         ln2=get(p + "post_attention_layernorm.weight", h),
-        qkv=DenseLinear(
+        qkv=make_dense(
             cat(qkv_names, [(q, h), (kv, h), (kv, h)], parts=None if whole else rows),
             cat(
                 [attn + f"{n}_proj.bias" for n in "qkv"],
@@ -246,7 +259,7 @@ def _load_layer(
             if spec.qkv_bias
             else None,
         ),
-        o=DenseLinear(
+        o=make_dense(
             get(
                 attn + "o_proj.weight",
                 h,
@@ -269,7 +282,7 @@ def _load_layer(
                 [mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], parts=up_rows
             )
             down_b = get(mlp + "down_proj.bias", h) if shard.owns_bias else None
-        layer.gate_up = DenseLinear(
+        layer.gate_up = make_dense(
             cat(
                 [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
                 [(inter, h), (inter, h)],
@@ -277,7 +290,7 @@ def _load_layer(
             ),
             gate_up_b,
         )
-        layer.down = DenseLinear(
+        layer.down = make_dense(
             get(mlp + "down_proj.weight", h, inter, part=split(inter, 1)), down_b
         )
         return layer, None
@@ -313,14 +326,15 @@ def _load_layer(
         )
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
-        layer.gate_up = DenseLinear(
+        layer.gate_up = make_dense(
             cat(
                 [shared + "gate_proj.weight", shared + "up_proj.weight"],
                 [(s, h), (s, h)],
                 parts=[split(s, 0)] * 2,
-            )
+            ),
+            None,
         )
-        layer.down = DenseLinear(get(shared + "down_proj.weight", h, s, part=split(s, 1)))
+        layer.down = make_dense(get(shared + "down_proj.weight", h, s, part=split(s, 1)), None)
         layer.shared_gate = DenseLinear(get(moe + "shared_expert_gate.weight", 1, h))
     return layer, (w13, w2)
 

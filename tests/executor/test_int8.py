@@ -9,8 +9,12 @@ import random
 import pytest
 import torch
 from sloserve.config import ConfigError, ModelConfig
+from sloserve.executor.build import int8_projection
 from sloserve.layers.linear import DenseLinear
 from sloserve.layers.quant import W8A16_ROWS, Int8Linear
+from sloserve.models.loader import load_checkpoint
+from sloserve.models.shard import Shard
+from sloserve.models.weights import DENSE_PROJECTIONS
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence
 
@@ -159,6 +163,32 @@ def test_int8_weights_hold_at_most_055_of_bf16(make_checkpoint, make_runner):
     assert held <= 0.55 * bf16, (held, bf16)
     info = runner.info()
     assert info["quantization"] == "int8" and info["weight_resident_bytes"] == held
+
+
+@pytest.mark.parametrize(("arch", "size"), [("qwen2", 1), ("qwen2", 2), ("qwen2_moe", 2)])
+def test_the_loader_quantizes_each_ranks_slice_as_it_reads_it(make_checkpoint, arch, size):
+    """int8 at load: each dense projection (a shared expert's included) is this rank's slice of the
+    weight quantized, exactly as quantizing the plain load afterwards would give."""
+    folder = make_checkpoint(arch)
+    cpu = torch.device("cpu")
+    for rank in range(size):
+        shard = Shard(rank, size)
+        _, plain = load_checkpoint(folder, cpu, torch.float32, shard=shard)
+        _, int8 = load_checkpoint(
+            folder, cpu, torch.float32, shard=shard, make_dense=int8_projection
+        )
+        for want_layer, got_layer in zip(plain.layers, int8.layers, strict=True):
+            for name in DENSE_PROJECTIONS:
+                want, got = getattr(want_layer, name), getattr(got_layer, name)
+                if want is None:
+                    assert got is None
+                    continue
+                ref = Int8Linear.quantize(want.weight, want.bias)
+                assert isinstance(got, Int8Linear), (arch, rank, name)
+                assert torch.equal(got.qweight, ref.qweight) and torch.equal(got.scale, ref.scale)
+                assert (got.bias is None) == (ref.bias is None)
+                assert got.bias is None or torch.equal(got.bias, ref.bias)
+            assert type(got_layer.router) is type(want_layer.router)
 
 
 def test_int8_float32_model_takes_the_fused_decode_step(make_checkpoint, make_runner):

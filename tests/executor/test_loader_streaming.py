@@ -119,6 +119,9 @@ PEAK = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
+    from sloserve.executor.build import int8_projection
+    from sloserve.layers.linear import DenseLinear
+    from sloserve.layers.quant import Int8Linear
     from sloserve.models.loader import load_checkpoint
 
     def status(key):
@@ -127,9 +130,12 @@ PEAK = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     dtype = getattr(torch, sys.argv[2])
+    make = int8_projection if sys.argv[3] == "int8" else DenseLinear
     Path("/proc/self/clear_refs").write_text("5")
     before = status("VmRSS:")
-    _, weights = load_checkpoint(Path(sys.argv[1]), torch.device("cpu"), dtype)
+    _, weights = load_checkpoint(Path(sys.argv[1]), torch.device("cpu"), dtype, make_dense=make)
+    if sys.argv[3] == "int8-after":
+        weights.replace_dense(lambda p: Int8Linear.quantize(p.weight, p.bias))
     print(status("VmHWM:") - before, weights.nbytes())
     """
 )
@@ -141,11 +147,45 @@ def test_loading_peaks_near_the_weights_it_keeps(sharded, dtype):
     """A bf16 checkpoint at bf16 (weights = file bytes) and at float32 (weights = twice them): the
     growth of the peak RSS over the load stays within 5% + 24 MiB of the weights (a memory-mapped
     load holds the file's pages beside them: +100% at bf16, +50% at float32)."""
+    peak, kept = _peak(sharded, dtype, "dense")
+    assert peak <= kept * 1.05 + 24 * 2**20, (peak / 2**20, kept / 2**20)
+
+
+# ~190 MB in bf16, most of it in the layers (int8 halves them): a small vocabulary, many layers
+DEEP = SMALL | dict(num_hidden_layers=32, vocab_size=1024)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("deep") / "model"
+    write_checkpoint(folder, config(DEEP), shard_bytes=32 * 2**20)
+    return folder
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_int8_quantizes_each_weight_as_it_loads(deep):
+    """A bf16 checkpoint loaded into int8 projections: the peak RSS growth stays within the int8
+    weights kept + one layer's bf16 projections + 32 MiB (the read buffer, a weight's float32
+    quantizing temporaries); quantizing after the load (the control) holds the whole bf16 model
+    first and passes that bound."""
+    h, inter, layers = DEEP["hidden_size"], DEEP["intermediate_size"], DEEP["num_hidden_layers"]
+    rows = (DEEP["num_attention_heads"] + 2 * DEEP["num_key_value_heads"]) * h // 8
+    layer_bf16 = 2 * (rows * h + h * h + 3 * inter * h)
+    peak, kept = _peak(deep, "bfloat16", "int8")
+    bound = kept + layer_bf16 + 32 * 2**20
+    assert peak <= bound, (peak / 2**20, kept / 2**20)
+    after, kept_after = _peak(deep, "bfloat16", "int8-after")
+    assert kept_after == kept
+    assert after > layers * layer_bf16 > bound, (after / 2**20, kept / 2**20)
+
+
+def _peak(folder: Path, dtype: str, make: str) -> tuple[int, int]:
+    """(peak RSS growth over the load, bytes the weights keep), measured in a child of its own."""
     out = subprocess.run(
-        [sys.executable, "-c", PEAK, str(sharded), dtype],
+        [sys.executable, "-c", PEAK, str(folder), dtype, make],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
     peak, kept = map(int, out.split())
-    assert peak <= kept * 1.05 + 24 * 2**20, (peak / 2**20, kept / 2**20)
+    return peak, kept
