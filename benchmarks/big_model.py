@@ -313,7 +313,7 @@ def main() -> None:
     )
     p.add_argument(
         "--common-flags",
-        default="--max-model-len 1024 --kv-pool-size 512MiB",
+        default="--max-model-len 1024 --kv-pool-size 1GiB",
         help="server flags every arm gets",
     )
     p.add_argument("--requests", type=int, default=4)
