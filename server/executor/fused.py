@@ -74,11 +74,18 @@ FUSED_MAX_MACS_PACKED = 1 << 28
 # dot products ×1.36 / ×1.25 faster at 1 / 2 sequences, even at 4 and 8 (×0.99 / ×1.03), ×0.88
 # at 16 (docs/design/cpu-decode.md): up to 8 sequences of that model.
 FUSED_MAX_MACS_BF16 = 1 << 32
-# NOTE: bf16 models take the kernel where its products run on AVX512-BF16 dot products (and the
-# projections then keep the plain weights, OneDnnBf16Linear). Its widened path, the fallback on a
-# CPU without them, lost to oneDNN's packed bf16 products at every batch measured while the
-# machine was busy, so there bf16 keeps the packed copies; False sends bf16 to them everywhere.
-BF16_DECODE = True
+# NOTE: which bf16 models take the kernel, where its products run on AVX512-BF16 dot products (the
+# projections then keep the plain weights, OneDnnBf16Linear): "tied" (the default) those whose LM
+# head is the embedding, True every one, False none (oneDNN's packed bf16 copies). A tied head
+# cannot be packed without holding the embedding twice, so off the kernel it runs F.linear on the
+# plain bf16 embedding (23 ms at one row for 151,936 x 896, packed 10 ms), and the kernel's dot
+# products won ×1.36-1.55 at one sequence of the tied 494M Llama. With every projection packed,
+# one sequence streams the weights at the memory's rate on either path (an untied byte-level 358M
+# served at c1: ×0.97 output tok/s with the kernel), while the plain weights cost prefill 4-17%
+# and 16 sequences ×0.90 output tok/s (benchmarks.ab_builds, docs/design/cpu-decode.md). The
+# widened path, the fallback on a CPU without the dot products, lost to the packed copies at every
+# batch measured, so there bf16 keeps them.
+BF16_DECODE: bool | str = "tied"
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
@@ -125,6 +132,12 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
     if kv.dtype == torch.bfloat16 and not BF16_DECODE:
         return "bf16 decode runs on oneDNN's packed bf16 products (fused.BF16_DECODE is off)"
+    untied = w.lm_head.weight is not w.embed and not isinstance(w.layers[0].qkv, Int8Linear)
+    if kv.dtype == torch.bfloat16 and BF16_DECODE == "tied" and untied:
+        return (
+            "bf16 decode with an untied LM head runs on oneDNN's packed bf16 products "
+            "(as fast at one sequence, faster at many: fused.BF16_DECODE)"
+        )
     if kv.dtype == torch.bfloat16 and not bf16_dot_products():
         return (
             "without AVX512-BF16 dot products bf16 decode runs faster on oneDNN's packed bf16 "

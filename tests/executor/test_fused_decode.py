@@ -13,7 +13,7 @@ import torch
 from sloserve.executor import fused
 from sloserve.executor.inputs import DecodeInputs, StepInputs, TokenRows
 from sloserve.executor.precision import bf16_units
-from sloserve.layers.linear import OneDnnBf16Linear, onednn_available
+from sloserve.layers.linear import OneDnnBf16Linear, PackedBf16Linear, onednn_available
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
 
@@ -427,6 +427,12 @@ def widened():
     bf16_dot_products(default)
 
 
+@pytest.fixture(autouse=True)
+def every_bf16_model_on_the_kernel(monkeypatch):
+    """Untied bf16 models on the kernel too (by default only tied ones take it: fused.BF16_DECODE)."""
+    monkeypatch.setattr(fused, "BF16_DECODE", True)
+
+
 # "-odd": an intermediate size of 70, neither a multiple of the dot products' 32 elements (the
 # down product's masked last chunk) nor of the 4 rows they take at a time.
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama-tied", "llama-odd"])
@@ -441,7 +447,12 @@ def bf16_pair(request, make_checkpoint, make_runner):
     overrides = {"tied": {"tie_word_embeddings": True}, "odd": {"intermediate_size": 70}}
     overrides = overrides.get(variant, {})
     folder = make_checkpoint(arch, dtype="bfloat16", **overrides)
-    low = make_runner(folder, dtype="bfloat16", max_batch=8, kv_pool_bytes=4 * 2**20)
+    # every bf16 model on the kernel, untied ones too (the default takes only tied ones)
+    default, fused.BF16_DECODE = fused.BF16_DECODE, True
+    try:
+        low = make_runner(folder, dtype="bfloat16", max_batch=8, kv_pool_bytes=4 * 2**20)
+    finally:
+        fused.BF16_DECODE = default
     high = make_runner(folder, dtype="float32", max_batch=8, kv_pool_bytes=8 * 2**20)
     torch.manual_seed(0)
     low.kv.normal_()
@@ -455,9 +466,20 @@ def bf16_pair(request, make_checkpoint, make_runner):
 @needs_bf16
 def test_bf16_models_take_the_kernel_where_it_has_dot_products(bf16_pair, make_runner, monkeypatch):
     """Where the CPU has AVX512-BF16 dot products a bf16 model decodes on the kernel, reading
-    each plain weight once, in place; without them, or with BF16_DECODE off, on oneDNN's packed
-    bf16 copies (measured faster than the widened path)."""
+    each plain weight once, in place (by default only a model whose LM head is its embedding);
+    without them, or with BF16_DECODE off, on oneDNN's packed bf16 copies (measured faster than
+    the widened path)."""
     low, _ = bf16_pair
+    tied = low.model.weights.lm_head.weight is low.model.weights.embed
+    monkeypatch.setattr(fused, "BF16_DECODE", "tied")
+    chosen = make_runner(low.model_path, dtype="bfloat16", kv_pool_bytes=4 * 2**20)
+    if tied or not fused.bf16_dot_products():
+        assert (chosen.decode_step.fused is not None) == fused.bf16_dot_products()
+    else:
+        assert chosen.decode_step.fused is None
+        assert "untied" in fused.fused_reason(chosen.model, chosen.kv)
+        w = chosen.model.weights
+        assert all(type(p) is PackedBf16Linear for layer in w.layers for p in layer.projections())
     monkeypatch.setattr(fused, "BF16_DECODE", False)
     packed = make_runner(low.model_path, dtype="bfloat16", kv_pool_bytes=4 * 2**20)
     assert packed.decode_step is not None and packed.decode_step.fused is None
