@@ -165,14 +165,15 @@ def deep(tmp_path_factory) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_int8_quantizes_each_weight_as_it_loads(deep):
     """A bf16 checkpoint loaded into int8 projections: the peak RSS growth stays within the int8
-    weights kept + one layer's bf16 projections + 32 MiB (the read buffer, a weight's float32
-    quantizing temporaries); quantizing after the load (the control) holds the whole bf16 model
-    first and passes that bound."""
+    weights kept + one layer's bf16 projections + 64 MiB (the read buffer, a weight's float32
+    quantizing temporaries, the allocator's slack: 122-135 MiB measured for 93 MiB kept, and a
+    clean-clone CI run reached 135 against a 32 MiB constant's 130); quantizing after the load (the
+    control, ~208 MiB) holds the whole bf16 model first and passes that bound."""
     h, inter, layers = DEEP["hidden_size"], DEEP["intermediate_size"], DEEP["num_hidden_layers"]
     rows = (DEEP["num_attention_heads"] + 2 * DEEP["num_key_value_heads"]) * h // 8
     layer_bf16 = 2 * (rows * h + h * h + 3 * inter * h)
     peak, kept = _peak(deep, "bfloat16", "int8")
-    bound = kept + layer_bf16 + 32 * 2**20
+    bound = kept + layer_bf16 + 64 * 2**20
     assert peak <= bound, (peak / 2**20, kept / 2**20)
     after, kept_after = _peak(deep, "bfloat16", "int8-after")
     assert kept_after == kept
