@@ -78,13 +78,10 @@ FUSED_MAX_MACS_BF16 = 1 << 32
 # projections then keep the plain weights, OneDnnBf16Linear): "tied" (the default) those whose LM
 # head is the embedding, True every one, False none (oneDNN's packed bf16 copies). A tied head
 # cannot be packed without holding the embedding twice, so off the kernel it runs F.linear on the
-# plain bf16 embedding (23 ms at one row for 151,936 x 896, packed 10 ms), and the kernel's dot
-# products won ×1.36-1.55 at one sequence of the tied 494M Llama. With every projection packed,
-# one sequence streams the weights at the memory's rate on either path (an untied byte-level 358M
-# served at c1: ×0.97 output tok/s with the kernel), while the plain weights cost prefill 4-17%
-# and 16 sequences ×0.90 output tok/s (benchmarks.ab_builds, docs/design/cpu-decode.md). The
-# widened path, the fallback on a CPU without the dot products, lost to the packed copies at every
-# batch measured, so there bf16 keeps them.
+# plain embedding; with every projection packed, one sequence streams the weights at the memory's
+# rate on either path and the plain weights only cost prefill and large batches. The widened path
+# (no dot products) lost to the packed copies everywhere. Measurements: docs/design/cpu-decode.md,
+# "bf16 on the CPU".
 BF16_DECODE: bool | str = "tied"
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
