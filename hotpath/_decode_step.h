@@ -16,8 +16,9 @@
  * BLAS in the last bits (as any two BLAS do) but not between thread counts or instruction sets.
  *
  * The weight matrices (embed, lm_head, each layer's four) are float32 or bf16 (sloserve_weight;
- * _decode_step_gemv.h is instantiated once per type), a layer's four may be int8 rows with a
- * scale each (_decode_step_int8.h: W8A8, exact integer sums), and the KV pages float32
+ * _decode_step_gemv.h is instantiated once per type), or int8 rows with a scale each
+ * (_decode_step_int8.h: W8A8, exact integer sums; an int8 embedding row is read as its weights
+ * times its scale), and the KV pages float32
  * or bf16 (K/V rounded to bf16 when written, as torch rounds). bf16 products run on AVX512-BF16
  * dot products where the CPU has them (_decode_step_dpbf16.h: each product's activation rows
  * rounded to bf16, sums in a fixed order of their own, so those bits depend on the instruction
@@ -45,7 +46,7 @@ enum { SLOSERVE_F32 = 0, SLOSERVE_BF16 = 1, SLOSERVE_I8 = 2 };
 
 /* A weight matrix [out, in], read in place: `data` of `type` (SLOSERVE_F32: float; SLOSERVE_BF16:
  * uint16_t; SLOSERVE_I8: int8_t, with a float scale and the int32 sum of its weights per row;
- * NULL for the others). Only the four layer projections may be SLOSERVE_I8. */
+ * NULL for the others). The embedding's rowsum stays NULL (only a product reads it). */
 typedef struct {
     const void *data;
     const float *scale;
@@ -132,12 +133,17 @@ static void sloserve_swiglu_rows(const sloserve_weight *w, const float *bias, co
         sloserve_swiglu_rows_f32(w, bias, x, batch, k, inter, j0, j1, act);
 }
 
-/* Row `row` of an [rows, n] matrix of `type` as n floats (exact: bf16 widens by a shift). */
-static void sloserve_row_float(const void *m, int type, ptrdiff_t row, ptrdiff_t n, float *out) {
-    if (type == SLOSERVE_BF16)
-        for (ptrdiff_t d = 0; d < n; d++) out[d] = sloserve_bf16_float(((const uint16_t *)m)[row * n + d]);
+/* Row `row` of an [rows, n] weight as n floats (exact: bf16 widens by a shift; int8 is each weight
+ * times its row's scale in float32, as Int8Linear.lookup computes it). */
+static void sloserve_row_float(const sloserve_weight *w, ptrdiff_t row, ptrdiff_t n, float *out) {
+    if (w->type == SLOSERVE_I8) {
+        const int8_t *q = (const int8_t *)w->data + row * n;
+        const float scale = w->scale[row];
+        for (ptrdiff_t d = 0; d < n; d++) out[d] = (float)q[d] * scale;
+    } else if (w->type == SLOSERVE_BF16)
+        for (ptrdiff_t d = 0; d < n; d++) out[d] = sloserve_bf16_float(((const uint16_t *)w->data)[row * n + d]);
     else
-        memcpy(out, (const float *)m + row * n, n * sizeof(float));
+        memcpy(out, (const float *)w->data + row * n, n * sizeof(float));
 }
 
 /* n floats into slot `slot` of a cache of `type` ([slots, n]): bf16 rounds as torch's `.to` does. */
@@ -242,7 +248,7 @@ static void sloserve_decode_job(void *raw, int me, int team) {
     float *my_scores = scores + (ptrdiff_t)me * Hq * max_len;
     const ptrdiff_t per_item = sloserve_item_kv_heads(batch, Hkv, team); /* KV heads per attention item */
     if (me == 0)
-        for (ptrdiff_t b = 0; b < batch; b++) sloserve_row_float(m->embed.data, m->embed.type, ids[b], H, h + b * H);
+        for (ptrdiff_t b = 0; b < batch; b++) sloserve_row_float(&m->embed, ids[b], H, h + b * H);
     for (ptrdiff_t l = 0; l < m->num_layers; l++) {
         const sloserve_layer *L = m->layers + l;
         if (me == 0) sloserve_rms_norm_rows(h, L->ln1, batch, H, m->eps, x);

@@ -19,6 +19,7 @@ class DecodeKernel:
         cos: int,
         sin: int,
         layers: list[dict[str, int | None]],
+        int8_head: dict[str, int | None] | None = None,
     ) -> None: ...
     def __call__(
         self,

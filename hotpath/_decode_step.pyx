@@ -137,14 +137,16 @@ cdef class DecodeKernel:
     cdef bint busy
 
     def __init__(self, dict dims, uintptr_t embed, uintptr_t norm, uintptr_t lm_head, uintptr_t cos, uintptr_t sin,
-                 list layers):
+                 list layers, dict int8_head=None):
         """dims: hidden, heads, kv_heads, head_dim, inter, vocab, page, num_pages, max_positions, eps,
         scale, and weight_dtype, kv_dtype ("float32" or "bfloat16": of the weight matrices (embed,
         lm_head and each layer's *_w) and of the KV pages; norms, biases, cos and sin are float32).
         layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
         k_cache, v_cache (addresses; a missing bias is None); a projection of int8 rows also
         gives <name>_scale (float32 per row) and <name>_rowsum (int32: the sum of each row's
-        weights), its products then W8A8 as layers/quant.py computes them."""
+        weights), its products then W8A8 as layers/quant.py computes them. int8_head: the int8
+        embedding's and LM head's addresses beside theirs, embed_scale (its rows then int8, read
+        as Int8Linear.lookup reads them), lm_head_scale and lm_head_rowsum (as a projection's)."""
         cdef Py_ssize_t i
         cdef int wtype = _type(dims.get("weight_dtype", "float32"))
         cdef int kvtype = _type(dims.get("kv_dtype", "float32"))
@@ -180,6 +182,10 @@ cdef class DecodeKernel:
         m.num_layers, m.page, m.num_pages = len(layers), dims["page"], dims["num_pages"]
         m.eps, m.scale = dims["eps"], dims["scale"]
         m.embed, m.norm, m.lm_head = _weight(embed, wtype), _ptr(norm), _weight(lm_head, wtype)
+        if int8_head:
+            if int8_head.get("embed_scale") is not None:
+                m.embed.scale, m.embed.type = _ptr(int8_head["embed_scale"]), SLOSERVE_I8
+            m.lm_head = _projection({"lm_head_w": lm_head, **int8_head}, "lm_head", wtype)
         m.kv_type = kvtype
         m.cos, m.sin = _ptr(cos), _ptr(sin)
         m.layers = self.layers

@@ -150,9 +150,10 @@ class ModelConfig:
     quantization: str = flag(
         "none",
         "--quantization",
-        "Quantize the dense projections at load (CPU only): int8 holds each weight as int8 rows "
-        "with a scale per row (products: weight-only at few rows, per-token int8 activations at "
-        "more); the embedding, LM head and MoE experts stay in the model's dtype.",
+        "Quantize at load (CPU only): int8 holds each dense projection, the embedding and the "
+        "LM head (a tied one once) as int8 rows with a scale per row (products: weight-only at "
+        "few rows, per-token int8 activations at more); routed MoE experts stay in the model's "
+        "dtype.",
         choices=QUANTIZATIONS,
     )
     # NOTE: 'keep' raises glibc's mmap and trim thresholds (executor/host_memory.py)

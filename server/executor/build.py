@@ -111,11 +111,18 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
         keep_freed_memory()
     # NOTE: routed experts stay on the host until the residency is decided, which needs the device
     # budget left after the dense weights (executor/residency.py); build_model's ExpertStore places them.
-    # int8 quantizes each dense projection as it is read (this rank's slice of it), so the load
-    # never holds the model in `dtype` (docs/design/cpu-decode.md, "int8 on the CPU").
-    make_dense = int8_projection if mc.quantization == "int8" else DenseLinear
+    # int8 quantizes each dense projection as it is read (this rank's slice of it), the embedding
+    # and LM head too, so the load never holds the model in `dtype` (docs/design/cpu-decode.md,
+    # "int8 on the CPU").
+    int8 = mc.quantization == "int8"
     spec, weights = load_checkpoint(
-        path, device, dtype, experts_on_host=True, shard=shard, make_dense=make_dense
+        path,
+        device,
+        dtype,
+        experts_on_host=True,
+        shard=shard,
+        make_dense=int8_projection if int8 else DenseLinear,
+        make_head=int8_projection if int8 else None,
     )
     tokenizer = Tokenizer.from_pretrained(path)
     limit = spec.context_limit
@@ -284,8 +291,9 @@ def prepare_projections(
     """Each layer's dense projections in the kind their kernel reads (layers/linear.py), each
     weight held once: on oneDNN in place when something else reads the plain weight
     (`reads_plain`), else packed for it with the plain copy released; torch's F.linear when
-    oneDNN cannot run. `quantization` int8: the loader quantized them as it read them (`load`);
-    one still in the model's dtype is quantized here, an int8 one is kept as it is."""
+    oneDNN cannot run. `quantization` int8: the loader quantized them, the embedding and the LM
+    head as it read them (`load`); one still in the model's dtype is quantized here, an int8 one
+    is kept as it is."""
     why_not = cpu_gemm_reason(choice, device, dtype)
     if why_not and choice == "onednn":
         raise ValueError(
@@ -300,14 +308,10 @@ def prepare_projections(
                 else Int8Linear.quantize(proj.weight, proj.bias)
             )
         )
-        # NOTE: the LM head keeps the model's dtype (docs/design/cpu-decode.md, "int8 on the CPU")
-        if not why_not and dtype == torch.bfloat16 and weights.lm_head.weight is not weights.embed:
-            # the fused step reads the int8 rows and the plain bf16 head
-            head = OneDnnBf16Linear if reads_plain else PackedBf16Linear
-            weights.lm_head = head(weights.lm_head.weight, weights.lm_head.bias)
+        quantize_head(weights)
         log.info(
-            "dense projections in int8: %d weights, held once, quantized as they loaded; "
-            "weights resident: %s",
+            "dense projections, embedding and LM head in int8: %d weights, held once, quantized "
+            "as they loaded; weights resident: %s",
             count,
             mib(weights.nbytes()),
         )
@@ -325,7 +329,7 @@ def prepare_projections(
             if reads_plain
             else (PackedBf16Linear, "packed in bf16")
         )
-        if weights.lm_head.weight is not weights.embed:  # a tied head reads the embedding itself
+        if not weights.tied:  # a tied head reads the embedding itself
             weights.lm_head = kind(weights.lm_head.weight, weights.lm_head.bias)
     elif reads_plain:
         kind, how = OneDnnLinear, "read in place (the fused step reads them too)"
@@ -338,6 +342,18 @@ def prepare_projections(
         how,
         time.monotonic() - started,
     )
+
+
+def quantize_head(weights: ModelWeights) -> None:
+    """The embedding and the LM head in int8 where the loader left them in the model's dtype (a
+    tied head stays the embedding's own Int8Linear)."""
+    tied = weights.tied
+    if not isinstance(weights.embed, Int8Linear):
+        weights.embed = Int8Linear.quantize(weights.embed)
+    if tied:
+        weights.lm_head = weights.embed
+    elif not isinstance(weights.lm_head, Int8Linear):
+        weights.lm_head = Int8Linear.quantize(weights.lm_head.weight, weights.lm_head.bias)
 
 
 # ---- 6. choose the decode path -------------------------------------------------------------------

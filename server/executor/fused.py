@@ -34,7 +34,8 @@ against 38.2 / 40.0 / 42.8 / 50.7 / 63.8 on oneDNN's packed bf16 copies (the wid
 whose prefill products on oneDNN cost ~5-15 % more than on its packed copies. Norms, biases and
 the rotary tables are read as float32 copies (a few MiB).
 
-Int8Linear projections (--quantization int8) are read as their int8 rows and per-row scales:
+Int8Linear projections (--quantization int8), the embedding and LM head included, are read as
+their int8 rows and per-row scales (an embedding row as its weights times its scale):
 W8A8 with per-token activation scales at every batch, as Int8Linear's one-row product computes
 it, on AVX512-VNNI where the CPU has it (exact int32 sums: the same bits on every path; 22.7 ms
 a step at one sequence of that model against 34.6 on the torch int8 path; "int8 on the CPU"
@@ -52,7 +53,7 @@ from sloserve.hotpath import USING_EXTENSIONS
 from sloserve.layers.linear import MIN_PACKED_ROWS, Linear, on_onednn
 from sloserve.layers.quant import Int8Linear
 from sloserve.models.decoder import DecoderModel
-from sloserve.models.weights import LayerWeights
+from sloserve.models.weights import LayerWeights, ModelWeights
 
 try:
     if not USING_EXTENSIONS:
@@ -129,7 +130,7 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
     if kv.dtype == torch.bfloat16 and not BF16_DECODE:
         return "bf16 decode runs on oneDNN's packed bf16 products (fused.BF16_DECODE is off)"
-    untied = w.lm_head.weight is not w.embed and not isinstance(w.layers[0].qkv, Int8Linear)
+    untied = not w.tied and not isinstance(w.layers[0].qkv, Int8Linear)
     if kv.dtype == torch.bfloat16 and BF16_DECODE == "tied" and untied:
         return (
             "bf16 decode with an untied LM head runs on oneDNN's packed bf16 products "
@@ -143,20 +144,44 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     if any(layer.gate_up is None or layer.down is None for layer in w.layers):
         return "a layer has no dense MLP"
     layers = [_layer_tensors(layer) for layer in w.layers]
-    if w.lm_head.weight is None or any(
+    if _matrix(w.lm_head) is None or any(
         t[name + "_w"] is None for t in layers for name in _PROJECTIONS
     ):
         return "the kernel reads plain weights (these projections keep only a packed copy)"
     int8 = [getattr(layer, name) for layer in w.layers for name in _PROJECTIONS]
-    int8 = [p for p in int8 if isinstance(p, Int8Linear)]
+    int8 = [p for p in (*int8, w.embed, w.lm_head) if isinstance(p, Int8Linear)]
     if any(not p.qweight.is_contiguous() or not p.scale.is_contiguous() for p in int8):
         return "the kernel reads contiguous int8 rows and scales"
-    tensors = [w.embed, w.norm, w.lm_head.weight, w.lm_head.bias, model.cos, model.sin]
+    if isinstance(w.lm_head, Int8Linear) and w.lm_head.bias is not None:
+        return "the kernel's LM head has no bias"
+    tensors = [_matrix(w.embed), w.norm, _matrix(w.lm_head), w.lm_head.bias, model.cos, model.sin]
+    tensors = [t for t in tensors if t is not None and t.dtype != torch.int8]
     tensors += [t for ts in layers for t in ts.values() if t is not None and t.dtype != torch.int8]
     tensors = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" or t.dtype != kv.dtype or not t.is_contiguous() for t in tensors):
         return f"the kernel reads contiguous {_name(kv.dtype)} weights on a CPU, as the cache"
     return None
+
+
+def _matrix(weight: torch.Tensor | Linear) -> torch.Tensor | None:
+    """The matrix the kernel reads for the embedding or the LM head: int8 rows, or the plain weight."""
+    if isinstance(weight, Int8Linear):
+        return weight.qweight
+    return weight if isinstance(weight, torch.Tensor) else weight.weight
+
+
+def _int8_head(w: ModelWeights, keep: list[torch.Tensor]) -> dict[str, int]:
+    """The int8 embedding's scales and the int8 LM head's scales and row sums (computed here, kept
+    alive in `keep`) by the kernel's names for them; {} where both keep the model's dtype."""
+    addresses = {}
+    if isinstance(w.embed, Int8Linear):
+        addresses["embed_scale"] = w.embed.scale.data_ptr()
+    if isinstance(w.lm_head, Int8Linear):
+        rowsum = w.lm_head.qweight.sum(dim=1, dtype=torch.int32)
+        keep += [rowsum, w.lm_head.scale]
+        addresses["lm_head_scale"] = w.lm_head.scale.data_ptr()
+        addresses["lm_head_rowsum"] = rowsum.data_ptr()
+    return addresses
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -215,12 +240,13 @@ class FusedDecode:
             layers.append(ptrs)
         self.kernel = DecodeKernel(
             dims,
-            w.embed.data_ptr(),
+            _matrix(w.embed).data_ptr(),
             _vector(w.norm, self._floats),
-            w.lm_head.weight.data_ptr(),
+            _matrix(w.lm_head).data_ptr(),
             _vector(model.cos, self._floats),
             _vector(model.sin, self._floats),
             layers,
+            _int8_head(w, self._floats),
         )
         self.vocab = dims["vocab"]
         self.team = TeamSize(threads)

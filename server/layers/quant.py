@@ -10,7 +10,9 @@ chosen by measurement (`benchmarks/cpu_int8.py`, docs/design/cpu-decode.md "int8
   against the int8 weight, each output scaled by its channel's scale (rounded to the
   activation's dtype); the only row counts where it measured faster than W8A8.
 
-Both kernels read the same plain int8 weight; neither needs another copy. `_int_mm` runs
+Both kernels read the same plain int8 weight; neither needs another copy. An embedding [vocab,
+hidden] is such a weight too: `lookup` gathers its rows (a tied LM head is the same object, so one
+int8 copy serves both). `_int_mm` runs
 oneDNN's s8 GEMM, dispatched on the CPU's features (VNNI or AMX where present, plain AVX2/AVX-512
 int8 arithmetic without, slower), so nothing here needs an instruction set to run.
 """
@@ -71,6 +73,12 @@ class Int8Linear:
     def dequantized(self) -> torch.Tensor:
         """The float32 weight these int8 rows stand for (tests and references; not kept)."""
         return self.qweight.float() * self.scale[:, None]
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of this weight as an embedding: int8 rows times their scales, in `dtype`."""
+        rows = self.qweight.index_select(0, ids.reshape(-1)).float()
+        rows = rows * self.scale.index_select(0, ids.reshape(-1))[:, None]
+        return rows.to(dtype).reshape(*ids.shape, self.in_features)
 
     def nbytes(self) -> int:
         tensors = (self.qweight, self.scale, self.bias)

@@ -52,6 +52,7 @@ class DecoderModel:
         self.weights = weights
         self.backend = backend
         self.experts = experts
+        self.dtype = dtype
         self.scale = spec.head_dim**-0.5
         self.cos, self.sin = rope_tables(spec.rope, spec.head_dim, max_positions, device, dtype)
         self._split = [spec.q_size + spec.kv_size, spec.kv_size]
@@ -112,7 +113,7 @@ class DecoderModel:
         spec, w = self.spec, self.weights
         num_tokens = input_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
-        h = F.embedding(input_ids, w.embed)  # [T, H]
+        h = w.embedding(input_ids, self.dtype)  # [T, H]
         cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):
@@ -144,7 +145,7 @@ class DecoderModel:
         SwiGLU), the residual added inside the next norm."""
         spec, w, eps = self.spec, self.weights, self.spec.rms_norm_eps
         batch = input_ids.shape[0]
-        h = F.embedding(input_ids, w.embed)  # [B, H], the residual stream
+        h = w.embedding(input_ids, self.dtype)  # [B, H], the residual stream
         delta = None  # what the last sublayer adds to h (added inside the next norm)
         for i, layer in enumerate(w.layers):
             x, h = triton_fused.add_rms_norm(

@@ -128,6 +128,7 @@ def load_checkpoint(
     experts_on_host: bool = False,
     shard: Shard = Shard(),
     make_dense: MakeDense = DenseLinear,
+    make_head: MakeDense | None = None,
 ) -> tuple[ModelSpec, ModelWeights]:
     """Spec and fused weights of the checkpoint in `folder`, on `device` in `dtype`.
 
@@ -144,6 +145,10 @@ def load_checkpoint(
     `make_dense(weight, bias)` as soon as its weight is assembled (this rank's slice of it), before
     the next one is read: a factory that converts (int8 quantizing, layers/quant.py) lets the
     weight in `dtype` go, so the load never holds the whole model in `dtype`.
+
+    With `make_head` (int8), the embedding becomes `make_head(embedding, None)` as it is read, the
+    embedding of ModelWeights and a tied LM head both (one object); an untied head becomes
+    `make_head(head, None)`.
     """
     full = load_spec(folder)
     spec = local_spec(full, shard.size)
@@ -198,14 +203,17 @@ def load_checkpoint(
 
     h, v = spec.hidden_size, spec.vocab_size
     embed = get("model.embed_tokens.weight", v, h)
+    if make_head is not None:
+        embed = make_head(embed, None)
     if spec.tie_word_embeddings or not src.has("lm_head.weight"):
         if not spec.tie_word_embeddings:
             raise CheckpointError(
                 f"{folder}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false"
             )
-        lm_head = DenseLinear(embed)  # the embedding itself, held once
+        # the embedding itself, held once
+        lm_head = embed if make_head is not None else DenseLinear(embed)
     else:
-        lm_head = DenseLinear(get("lm_head.weight", v, h))
+        lm_head = (make_head or DenseLinear)(get("lm_head.weight", v, h), None)
     layers, experts = [], {}
     for i in range(spec.num_layers):
         layer, routed = _load_layer(

@@ -6,7 +6,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from sloserve.layers.linear import Linear
+from sloserve.layers.quant import Int8Linear
 
 # The dense projections of a layer, the ones a CPU runs on oneDNN (build.prepare_projections).
 DENSE_PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -35,12 +37,26 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed: torch.Tensor  # [V, H]
+    """The whole model's weights. Under --quantization int8 the embedding is an Int8Linear (its
+    int8 rows and per-row scales), and a tied LM head is that same object."""
+
+    embed: torch.Tensor | Int8Linear  # [V, H]
     norm: torch.Tensor  # [H]
-    lm_head: Linear  # [V, H] (its weight may be `embed` itself when tied)
+    lm_head: Linear  # [V, H] (`embed` itself, or a projection of its weight, when tied)
     layers: list[LayerWeights]
     # layer -> (w13, w2)
     experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head reads the embedding's own weight (held once)."""
+        return self.lm_head is self.embed or self.lm_head.weight is self.embed
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The embedding rows of `ids` in `dtype` (int8 rows scaled, or the plain rows)."""
+        if isinstance(self.embed, Int8Linear):
+            return self.embed.lookup(ids, dtype)
+        return F.embedding(ids, self.embed)
 
     def replace_dense(self, make: Callable[[Linear], Linear]) -> int:
         """Each layer's dense projection becomes `make(it)` (the old object is dropped); how many."""
@@ -56,8 +72,12 @@ class ModelWeights:
     def num_parameters(self) -> int:
         """Distinct parameters (a tied lm_head counted once)."""
         seen: set[int] = {id(self.embed)}
-        total = self.embed.numel() + self.norm.numel()
-        projections = [self.lm_head]
+        total = self.norm.numel()
+        if isinstance(self.embed, Int8Linear):
+            total += self.embed.out_features * self.embed.in_features
+        else:
+            total += self.embed.numel()
+        projections = [] if self.lm_head is self.embed else [self.lm_head]
         for layer in self.layers:
             total += layer.ln1.numel() + layer.ln2.numel()
             projections.extend(layer.projections())
@@ -83,12 +103,18 @@ class ModelWeights:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
 
-        add(self.embed)
         add(self.norm)
         for layer in self.layers:
             add(layer.ln1)
             add(layer.ln2)
-        for proj in [self.lm_head, *(p for layer in self.layers for p in layer.projections())]:
+        projections = [p for layer in self.layers for p in layer.projections()]
+        if isinstance(self.embed, Int8Linear):
+            projections.append(self.embed)
+        else:
+            add(self.embed)
+        if self.lm_head is not self.embed:
+            projections.append(self.lm_head)
+        for proj in projections:
             if proj.weight is None:
                 total += proj.nbytes()
             else:
