@@ -237,10 +237,6 @@ def build_model(
     projections, build the decoder."""
     cc, spec, weights = config.cache, loaded.spec, loaded.weights
     experts = prefetcher = None
-    if spec.moe_layers and config.model.quantization != "none":
-        log.info(
-            "--quantization %s: routed experts stay in the model's dtype", config.model.quantization
-        )
     if spec.moe_layers:
         automatic = cc.expert_slots_per_layer is None and cc.expert_memory_bytes is None
         (log.warning if plan.residency.partial and automatic else log.info)(
@@ -257,6 +253,7 @@ def build_model(
             workspace_rows=plan.moe_workspace_rows,
             resident_in_pool=False,
             max_seqs=plan.max_seqs,
+            quantization=config.model.quantization,
         )
         weights.experts.clear()  # the store holds its own (resident or host) copies
         prefetcher = ExpertPrefetcher(experts, cc.expert_preload)

@@ -3,7 +3,6 @@ fixed facts and counters."""
 
 from __future__ import annotations
 
-import torch
 from sloserve.executor.compiled import DecodeStep
 from sloserve.executor.graphs import GraphDecode
 from sloserve.memory.expert_cache import ExpertStore
@@ -29,9 +28,7 @@ def weight_bytes(weights: ModelWeights, store: ExpertStore | None) -> int:
     if store is not None:
         total += store.device_bytes
         if store.partial:
-            itemsize = torch.empty((), dtype=store.dtype).element_size()
-            per_expert = 3 * store.intermediate_size * store.hidden_size * itemsize
-            total += len(store.layers) * store.num_experts * per_expert
+            total += len(store.layers) * store.num_experts * store.expert_bytes
     return total
 
 

@@ -16,12 +16,14 @@ active expert runs in one `torch._grouped_mm` per projection, its slice bounds a
 with every expert resident the layer makes no host sync at all. Otherwise (and with partial
 residency, which must learn the active experts on the host to serve misses) the counts are read
 back once per layer and each expert runs one matmul on its slice. Both give the same rows.
+int8 experts (`--quantization int8`, a CPU) run the per-expert path through Int8Linear's products.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_cache import ExpertStore, MoeWorkspace
 
 __all__ = ["ExpertStore", "moe_forward", "route"]
@@ -181,6 +183,11 @@ def _sliced_experts(
     active = [e for e, c in enumerate(counts_list) if c]
     for e, w13, w2 in store.experts(layer, active):
         lo, hi = starts[e], starts[e] + counts_list[e]
+        if isinstance(w13, Int8Linear):
+            # int8 experts: Int8Linear's products (W8A8 or W8A16 by the expert's row count)
+            gate, up = w13(rows[lo:hi]).chunk(2, dim=-1)
+            out_sorted[lo:hi] = w2(F.silu(gate, inplace=True).mul_(up))
+            continue
         if ws is None:
             gate_up = torch.mm(rows[lo:hi], w13.t())
             act = torch.empty(

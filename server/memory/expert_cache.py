@@ -12,6 +12,11 @@ each MoE layer will likely route to. Entering layer i (`before_layer`) prefetche
 predicted experts. Routing statistics (memory/expert_stats.py) stay on the device; pinning the
 hottest (`pin_hottest`: by the EMA of each expert's share; `preload`: by cumulative counts)
 reads them once.
+
+With ``quantization="int8"`` (a CPU only) each expert is held as int8 rows with a float32 scale
+per row (Int8Linear's layout, quantized per expert as the store places it): resident stacks, host
+copies and slots alike; `experts` then yields Int8Linear pairs, whose products pick W8A8 or W8A16
+by row count as a dense projection's do.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_slots import ExpertSlots
 from sloserve.memory.expert_stats import ExpertCounters, RoutingStats
 
@@ -53,6 +59,7 @@ class ExpertStore:
         max_seqs: int = 0,  # sequences per step whose routing is captured for the next step's prediction
         grouped: bool
         | None = None,  # two grouped GEMMs per layer (None: on CUDA when torch has them)
+        quantization: str = "none",  # "int8": int8 rows and per-row scales (a CPU only)
     ) -> None:
         items = dict(weights) if isinstance(weights, Mapping) else dict(enumerate(weights))
         if not items:
@@ -70,6 +77,18 @@ class ExpertStore:
             _check_shapes(
                 layer, w13, w2, self.num_experts, self.hidden_size, self.intermediate_size
             )
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"expert quantization must be none or int8, got {quantization!r}")
+        self.int8 = quantization == "int8"
+        if self.int8 and self.device.type != "cpu":
+            raise ValueError(f"int8 experts run on a CPU only, not on {self.device.type}")
+        # the experts' own dtype (the workspace keeps the activations' dtype, self.dtype)
+        self.weight_dtype = torch.int8 if self.int8 else self.dtype
+        scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.int8:
+            for layer, (w13, w2) in items.items():
+                (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+                items[layer], scales[layer] = (q13, q2), (s13, s2)
         if slots_per_layer is not None and slots_per_layer < 1:
             raise ValueError(
                 f"expert slots per layer must be >= 1 (or None for all), got {slots_per_layer}"
@@ -100,14 +119,27 @@ class ExpertStore:
                 )
             )
         self._slots: ExpertSlots | None = None
+        self._s13 = self._s2 = None
         if not self.partial:
+            wd = self.weight_dtype
             self._w13 = [
-                self._place(f"experts.{layer}.w13", shape13, items[layer][0])
+                self._place(f"experts.{layer}.w13", shape13, items[layer][0], wd)
                 for layer in self.layers
             ]
             self._w2 = [
-                self._place(f"experts.{layer}.w2", shape2, items[layer][1]) for layer in self.layers
+                self._place(f"experts.{layer}.w2", shape2, items[layer][1], wd)
+                for layer in self.layers
             ]
+            if self.int8:
+                f32 = torch.float32
+                self._s13 = [
+                    self._place(f"experts.{layer}.s13", shape13[:2], scales[layer][0], f32)
+                    for layer in self.layers
+                ]
+                self._s2 = [
+                    self._place(f"experts.{layer}.s2", shape2[:2], scales[layer][1], f32)
+                    for layer in self.layers
+                ]
         else:  # partial residency: host copies + device slots chosen by the hot path's allocator
             self._slots = ExpertSlots(
                 [items[layer] for layer in self.layers],
@@ -116,13 +148,16 @@ class ExpertStore:
                 self.counters,
                 self._carve,
                 self.device,
-                self.dtype,
+                self.weight_dtype,
+                [scales[layer] for layer in self.layers] if self.int8 else None,
             )
         self.grouped = (
             self._grouped_works()
             if grouped is None and self.device.type == "cuda"
             else bool(grouped)
         )
+        if self.grouped and self.int8:
+            raise ValueError("int8 experts run per expert, not in grouped GEMMs")
         # All resident + grouped GEMMs: the layers never learn their active experts on the host, so
         # uses are counted on the device and folded into the hits when the step ends.
         self._device_uses = None
@@ -131,15 +166,20 @@ class ExpertStore:
 
     # -- placement -------------------------------------------------------------------------
 
-    def _carve(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _carve(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        dtype = dtype or self.dtype
         if self._pool is not None:
-            return self._pool.carve(name, shape, self.dtype)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+            return self._pool.carve(name, shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def _place(self, name: str, shape: tuple[int, ...], source: torch.Tensor) -> torch.Tensor:
+    def _place(
+        self, name: str, shape: tuple[int, ...], source: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         if self._pool is None or not self._resident_in_pool:
-            return source.to(device=self.device, dtype=self.dtype).contiguous()
-        out = self._pool.carve(name, shape, self.dtype)
+            return source.to(device=self.device, dtype=dtype).contiguous()
+        out = self._pool.carve(name, shape, dtype)
         out.copy_(source)
         return out
 
@@ -297,7 +337,14 @@ class ExpertStore:
             return
         self.counters.hits += len(active)
         for e in active:
-            yield e, self._w13[li][e], self._w2[li][e]
+            if self._s13 is not None:
+                yield (
+                    e,
+                    Int8Linear(self._w13[li][e], self._s13[li][e], None),
+                    Int8Linear(self._w2[li][e], self._s2[li][e], None),
+                )
+            else:
+                yield e, self._w13[li][e], self._w2[li][e]
 
     def _score(self, li: int, active: Sequence[int]) -> None:
         """Count how the step's prediction and prefetches for this layer fared."""
@@ -345,17 +392,16 @@ class ExpertStore:
         return [[] for _ in self.layers] if self._slots is None else self._slots.pinned()
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert as held: w13 and w2 (and an int8 one's scale per row)."""
+        h, i = self.hidden_size, self.intermediate_size
+        scales = (2 * i + h) * 4 if self.int8 else 0
+        return 3 * i * h * self.weight_dtype.itemsize + scales
+
+    @property
     def device_bytes(self) -> int:
         """Device bytes the experts take: every expert when all resident, else the slots."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            len(self.layers)
-            * self.slots_per_layer
-            * 3
-            * self.intermediate_size
-            * self.hidden_size
-            * itemsize
-        )
+        return len(self.layers) * self.slots_per_layer * self.expert_bytes
 
     @property
     def hits(self) -> int:
@@ -394,6 +440,14 @@ class ExpertStore:
             self._device_uses.zero_()
         if routing:
             self.routing.reset()
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts [E, R, C] as int8 [E, R, C] and a float32 scale per row [E, R] (each
+    expert's rows quantized as Int8Linear quantizes a weight)."""
+    e, r, c = w.shape
+    proj = Int8Linear.quantize(w.reshape(e * r, c))
+    return proj.qweight.view(e, r, c), proj.scale.view(e, r)
 
 
 def _check_shapes(layer: int, w13: torch.Tensor, w2: torch.Tensor, e: int, h: int, i: int) -> None:

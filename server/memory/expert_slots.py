@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_stats import ExpertCounters
 
-Slot = tuple[int, torch.Tensor, torch.Tensor]  # (expert, w13 [2I, H], w2 [H, I])
+# (expert, w13 [2I, H], w2 [H, I]): the plain weights, or int8 ones as Int8Linear
+Slot = tuple[int, torch.Tensor | Int8Linear, torch.Tensor | Int8Linear]
 
 
 class ExpertSlots:
@@ -36,21 +38,29 @@ class ExpertSlots:
         slots: int,
         alloc,
         counters: ExpertCounters,
-        carve: Callable[[str, tuple[int, ...]], torch.Tensor],
+        carve: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor],
         device: torch.device,
         dtype: torch.dtype,
+        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
+        """`scales`: int8 experts (`host` int8, `dtype` torch.int8), each layer's float32 scale per
+        row (s13 [E, 2I], s2 [E, H]); their slots are carved beside the weights' and copied with them."""
         self.device, self.slots, self._alloc, self.counters = device, slots, alloc, counters
         self._cuda = device.type == "cuda"
         pin = self._cuda and torch.cuda.is_available()
         self._host_w13 = [_host_copy(w13, dtype, pin) for w13, _ in host]
         self._host_w2 = [_host_copy(w2, dtype, pin) for _, w2 in host]
         layers = len(host)
-        self._w13 = carve("expert_slots.w13", (layers, slots, *self._host_w13[0].shape[1:]))
-        self._w2 = carve("expert_slots.w2", (layers, slots, *self._host_w2[0].shape[1:]))
-        self.expert_bytes = (
-            self._w13[0, 0].numel() + self._w2[0, 0].numel()
-        ) * self._w13.element_size()
+        self._w13 = carve("expert_slots.w13", (layers, slots, *self._host_w13[0].shape[1:]), dtype)
+        self._w2 = carve("expert_slots.w2", (layers, slots, *self._host_w2[0].shape[1:]), dtype)
+        self._host_scales = scales
+        self._s13 = self._s2 = None
+        if scales is not None:
+            f32 = torch.float32
+            self._s13 = carve("expert_slots.s13", (layers, slots, scales[0][0].shape[1]), f32)
+            self._s2 = carve("expert_slots.s2", (layers, slots, scales[0][1].shape[1]), f32)
+        slot_tensors = [t for t in (self._w13, self._w2, self._s13, self._s2) if t is not None]
+        self.expert_bytes = sum(t[0, 0].numel() * t.element_size() for t in slot_tensors)
         # expert whose weights each slot holds
         self._in_slot = [[-1] * slots for _ in range(layers)]
         self._pinned: list[set[int]] = [set() for _ in range(layers)]
@@ -229,11 +239,18 @@ class ExpertSlots:
     def pinned(self) -> list[list[int]]:
         return [sorted(p) for p in self._pinned]
 
-    def _ready(self, li: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ready(
+        self, li: int, slot: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[Int8Linear, Int8Linear]:
         """The slot's weights, once the current stream has waited for a copy still in flight."""
         if self._cuda and self._pending[li][slot]:
             torch.cuda.current_stream(self.device).wait_event(self._copied[li][slot])
             self._pending[li][slot] = False
+        if self._s13 is not None:
+            return (
+                Int8Linear(self._w13[li, slot], self._s13[li, slot], None),
+                Int8Linear(self._w2[li, slot], self._s2[li, slot], None),
+            )
         return self._w13[li, slot], self._w2[li, slot]
 
     def _done_reading(self, li: int, slot: int) -> None:
@@ -257,6 +274,9 @@ class ExpertSlots:
         else:
             self._w13[li, slot].copy_(self._host_w13[li][expert])
             self._w2[li, slot].copy_(self._host_w2[li][expert])
+            if self._host_scales is not None:
+                self._s13[li, slot].copy_(self._host_scales[li][0][expert])
+                self._s2[li, slot].copy_(self._host_scales[li][1][expert])
         self._in_slot[li][slot] = expert
 
 

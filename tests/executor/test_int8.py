@@ -133,15 +133,24 @@ def test_logits_of_an_int8_model_match_the_same_model_on_the_reference(
         assert (got - want).abs().mean() <= mean
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2_moe"])
-def test_int8_top1_agreement_with_float32(make_checkpoint, make_runner, arch):
+@pytest.mark.parametrize(
+    ("arch", "slots"),
+    [("llama", None), ("qwen2", None), ("mixtral", None), ("mixtral", 2), ("qwen2_moe", None)],
+    ids=["llama", "qwen2", "mixtral", "mixtral-offload", "qwen2_moe"],
+)
+def test_int8_top1_agreement_with_float32(make_checkpoint, make_runner, arch, slots):
     folder = make_checkpoint(arch)
     reference = hf_greedy(load_hf_model(folder), PROMPTS, NEW_TOKENS)
-    runner = make_runner(folder, quantization="int8", kv_pool_bytes=8 << 20)
+    runner = make_runner(
+        folder, quantization="int8", kv_pool_bytes=8 << 20, expert_slots_per_layer=slots
+    )
+    if runner.spec.moe_layers:
+        store = runner.model.experts
+        assert store.int8 and store.partial == (slots is not None)
     got = generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, forced=reference)
     pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
-    print(f"int8 top-1 agreement with float32 ({arch}): {agreement:.4f} over {len(pairs)} tokens")
+    print(f"int8 top-1 agreement with float32 ({arch}, slots {slots}): {agreement:.4f}")
     # NOTE: routed experts keep the model's dtype; a Qwen2-MoE shared expert, the embedding and
     # the LM head are int8. Measured 0.959 (llama), 0.966 (qwen2), 0.947 (mixtral), 0.959
     # (qwen2_moe) over 320 tokens on these tiny random models (with the embedding and head in

@@ -339,3 +339,39 @@ def test_workspace_rows_give_identical_outputs_and_fall_back_when_short(slots):
     assert store._alloc.rows_in_use == 0 and store._alloc.peak_rows == 64
     with pytest.raises(ValueError, match="workspace rows"):
         store_of(block, workspace_rows=-1)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 9, 40])
+def test_int8_experts_match_their_dequantized_weights_resident_or_in_slots(num_tokens):
+    """--quantization int8: each expert held as int8 rows with a float32 scale per row, all
+    resident or in pool slots (the same products, so the same bits), within the int8 activations'
+    rounding of the float products on the dequantized weights (W8A8 at 1 and 5+ rows per expert,
+    weight-only at 2-4)."""
+    from sloserve.memory.expert_cache import quantize_experts
+
+    block = mixtral_block(top_k=2, seed=num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(5))
+    w13, w2 = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+    dequantized = ExpertStore([(q13.float() * s13[..., None], q2.float() * s2[..., None])])
+    resident = store_of(block, quantization="int8")
+    pool = DevicePool(1 << 20, None, "cpu")
+    partial = store_of(block, quantization="int8", slots_per_layer=3, pool=pool)
+    assert resident.expert_bytes == 3 * INTER * HIDDEN + (2 * INTER + HIDDEN) * 4
+    assert resident.device_bytes == 6 * resident.expert_bytes
+    assert partial.device_bytes == 3 * resident.expert_bytes
+    with torch.no_grad():
+        want = ours(block, x, dequantized)
+        got = ours(block, x, resident)
+        assert torch.equal(ours(block, x, partial), got)
+    worst = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"int8 experts, {num_tokens} tokens: within {worst:.2e} of the largest output")
+    assert worst <= 2e-2
+
+
+def test_int8_experts_are_refused_off_a_cpu_and_in_grouped_gemms():
+    block = mixtral_block()
+    with pytest.raises(ValueError, match="int8 experts run per expert"):
+        store_of(block, quantization="int8", grouped=True)
+    with pytest.raises(ValueError, match="expert quantization must be none or int8"):
+        store_of(block, quantization="int4")
