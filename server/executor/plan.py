@@ -107,10 +107,12 @@ def plan_memory(
     expert_device = slot_bytes = 0
     if spec.moe_layers:
         min_kv = cc.kv_pool_bytes if cc.kv_pool_bytes is not None else (max_blocks + 1) * page_bytes
-        residency = choose_residency(cc, spec, itemsize, budget, min_kv, fixed, arena)
+        int8 = config.model.quantization == "int8"
+        residency = choose_residency(cc, spec, itemsize, budget, min_kv, fixed, arena, int8)
         expert_device = residency.device_bytes
         if residency.partial:
-            expert_device = slot_bytes = slot_pool_bytes(residency.device_bytes, arena)
+            carves = 4 if int8 else 2
+            expert_device = slot_bytes = slot_pool_bytes(residency.device_bytes, arena, carves)
     kv_bytes = cc.kv_pool_bytes
     if kv_bytes is None:
         if device.type == "cuda" or budget is not None:

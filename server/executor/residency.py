@@ -38,14 +38,17 @@ class Residency:
         return self.slots is not None
 
 
-def expert_bytes(spec: ModelSpec, itemsize: int) -> int:
-    """Bytes of one routed expert: gate and up [2I, H] plus down [H, I]."""
-    return 3 * spec.moe_intermediate_size * spec.hidden_size * itemsize
+def expert_bytes(spec: ModelSpec, itemsize: int, int8: bool = False) -> int:
+    """Bytes of one routed expert: gate and up [2I, H] plus down [H, I] (`int8`: a byte each, and
+    a float32 scale per row, as ExpertStore holds them under --quantization int8)."""
+    i, h = spec.moe_intermediate_size, spec.hidden_size
+    return 3 * i * h + (2 * i + h) * 4 if int8 else 3 * i * h * itemsize
 
 
-def slot_pool_bytes(slot_bytes: int, arena: int) -> int:
-    """Pool bytes the two expert slot carves take, with what arena alignment may skip before them."""
-    return slot_bytes + min(slot_bytes, 2 * arena)
+def slot_pool_bytes(slot_bytes: int, arena: int, carves: int = 2) -> int:
+    """Pool bytes the expert slot carves take (two; int8 four: the scales' too), with what arena
+    alignment may skip before them."""
+    return slot_bytes + min(slot_bytes, carves * arena)
 
 
 def choose_residency(
@@ -56,6 +59,7 @@ def choose_residency(
     min_kv: int,
     workspaces: int,
     arena: int,
+    int8: bool = False,
 ) -> Residency:
     """The residency of `spec`'s experts under `budget` (None: unbounded) beside `min_kv` + `workspaces`.
 
@@ -63,7 +67,8 @@ def choose_residency(
     pool, so their arena alignment counts as well (slot_pool_bytes).
     """
     num_experts, layers = spec.num_experts, len(spec.moe_layers)
-    one = expert_bytes(spec, itemsize)
+    one = expert_bytes(spec, itemsize, int8)
+    carves = 4 if int8 else 2
     per_slot = layers * one  # one slot in every MoE layer
     everything = num_experts * per_slot
     rest = min_kv + workspaces
@@ -87,10 +92,10 @@ def choose_residency(
         )
     else:
         slots = min(max(budget - rest, 0) // per_slot, num_experts - 1)
-        while slots >= 1 and slot_pool_bytes(slots * per_slot, arena) + rest > budget:
+        while slots >= 1 and slot_pool_bytes(slots * per_slot, arena, carves) + rest > budget:
             slots -= 1
         if slots < 1:
-            least = slot_pool_bytes(per_slot, arena)
+            least = slot_pool_bytes(per_slot, arena, carves)
             raise ValueError(
                 f"the memory budget ({mib(budget)}) cannot hold even the minimum for {spec.architecture}: one "
                 f"expert slot per MoE layer ({mib(least)} with alignment) + the minimum KV pool ({mib(min_kv)}) "
@@ -118,7 +123,7 @@ def choose_residency(
         )
     if (
         budget is not None
-        and (slot_pool_bytes(device, arena) if slots_used else device) + rest > budget
+        and (slot_pool_bytes(device, arena, carves) if slots_used else device) + rest > budget
     ):
         raise ValueError(
             f"{how} keeps {mib(device)} of experts resident, which with the minimum KV pool ({mib(min_kv)}) and "

@@ -10,6 +10,7 @@ import pytest
 import torch
 from sloserve.config import ConfigError, ModelConfig
 from sloserve.executor.build import int8_projection
+from sloserve.executor.residency import expert_bytes
 from sloserve.layers.quant import W8A16_ROWS, Int8Linear
 from sloserve.models.loader import load_checkpoint
 from sloserve.models.shard import Shard
@@ -147,6 +148,8 @@ def test_int8_top1_agreement_with_float32(make_checkpoint, make_runner, arch, sl
     if runner.spec.moe_layers:
         store = runner.model.experts
         assert store.int8 and store.partial == (slots is not None)
+        # the plan sized the slots (or the budget) for the experts as the store holds them
+        assert store.expert_bytes == expert_bytes(runner.spec, 4, int8=True)
     got = generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, forced=reference)
     pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
