@@ -21,8 +21,11 @@ fused step's share of it.
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel [--model default] [--batches 1 4 16]
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernel --model qwen-shape --dtypes float32 bfloat16
 
-`--dtypes int8` adds a runner of the model at bf16 under `--quantization int8` (its projections
-Int8Linear: the kernel's W8A8 products on VNNI against the torch path's).
+`--dtypes int8` adds a runner of the model at bf16 under `--quantization int8` (its projections,
+embedding and LM head Int8Linear: the kernel's W8A8 products on VNNI against the torch path's);
+`int8-plain-head` the same with the embedding and LM head back in bf16 (a tied head the embedding
+itself), the layout before they were int8: `--dtypes int8 int8-plain-head` times the two side by
+side.
 
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
@@ -42,7 +45,9 @@ import torch
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
 from sloserve.executor import ModelRunner
 from sloserve.executor import fused as fused_module
+from sloserve.executor.fused import FusedDecode
 from sloserve.hotpath._decode_step import bf16_dot_products
+from sloserve.layers.linear import DenseLinear
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput
@@ -105,9 +110,11 @@ def model_path(name: str) -> str:
 def make_runner(
     path: str, dtype: str, batches: list[int], contexts: list[int], fused: bool = True
 ) -> ModelRunner:
-    """A runner of `path` at `dtype` ("int8": bf16 with --quantization int8); `fused`: its decode
-    step on the kernel (bf16 under BF16_DECODE, so its projections keep the plain weights), else
-    a bf16 one on oneDNN's packed copies (fused.BF16_DECODE off)."""
+    """A runner of `path` at `dtype` ("int8": bf16 with --quantization int8; "int8-plain-head":
+    that with the embedding and head in bf16); `fused`: its decode step on the kernel (bf16 under
+    BF16_DECODE, so its projections keep the plain weights), else a bf16 one on oneDNN's packed
+    copies (fused.BF16_DECODE off)."""
+    int8 = dtype.startswith("int8")
     fused_module.BF16_DECODE = fused
     cfg = json.loads((Path(path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -116,8 +123,8 @@ def make_runner(
         model=ModelConfig(
             path=path,
             device="cpu",
-            dtype="bfloat16" if dtype == "int8" else dtype,
-            quantization="int8" if dtype == "int8" else "none",
+            dtype="bfloat16" if int8 else dtype,
+            quantization="int8" if int8 else "none",
             max_model_len=1024,
         ),
         cache=CacheConfig(
@@ -132,6 +139,12 @@ def make_runner(
         return runner
     if kernel is None:
         raise SystemExit(f"{path} in {dtype}: decode steps cannot take the fused kernel here")
+    if dtype == "int8-plain-head":
+        w = runner.model.weights
+        tied, head = w.tied, w.lm_head
+        w.embed = w.embed.dequantized().to(runner.dtype)
+        w.lm_head = DenseLinear(w.embed if tied else head.dequantized().to(runner.dtype))
+        kernel = runner.decode_step.fused = FusedDecode(runner.model, runner.kv, kernel.threads)
     kernel.max_batch = max(batches)  # time the kernel past its serving limit too
     return runner
 
@@ -140,7 +153,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument(
-        "--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"]
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16", "int8", "int8-plain-head"],
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])

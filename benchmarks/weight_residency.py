@@ -10,7 +10,8 @@ step's buffers, imports, warm-up activations). Arms on the float32 checkpoint: `
 the fused C step reads the plain weights and oneDNN reads them in place), `packed`
 (SLOSERVE_NO_EXTENSIONS=1: no fused step, only oneDNN's packed copy kept), `blas` (`--cpu-gemm
 blas`, torch's F.linear); on the same model saved in bf16: `bf16` (`--dtype bfloat16`, oneDNN's
-packed bf16 copy; needs a CPU with AVX512-BF16 or AMX-BF16).
+packed bf16 copy; needs a CPU with AVX512-BF16 or AMX-BF16) and `int8` (`--quantization int8`:
+every projection, the embedding and the LM head as int8 rows with a float32 scale per row).
 
     python -m benchmarks.weight_residency [--vocab 151936] [--json PATH]
 """
@@ -35,12 +36,13 @@ SHAPE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=4096,
 )
-# arm -> (--cpu-gemm, environment, the checkpoint's and the runner's dtype)
+# arm -> (--cpu-gemm, environment, the checkpoint's and the runner's dtype, --quantization)
 ARMS = {
-    "auto": ("auto", {}, "float32"),
-    "packed": ("auto", {"SLOSERVE_NO_EXTENSIONS": "1"}, "float32"),
-    "blas": ("blas", {}, "float32"),
-    "bf16": ("auto", {}, "bfloat16"),
+    "auto": ("auto", {}, "float32", "none"),
+    "packed": ("auto", {"SLOSERVE_NO_EXTENSIONS": "1"}, "float32", "none"),
+    "blas": ("blas", {}, "float32", "none"),
+    "bf16": ("auto", {}, "bfloat16", "none"),
+    "int8": ("auto", {}, "bfloat16", "int8"),
 }
 
 
@@ -59,7 +61,7 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def child(folder: str, cpu_gemm: str, dtype: str) -> dict:
+def child(folder: str, cpu_gemm: str, dtype: str, quantization: str) -> dict:
     """One runner built in this process: what its weights hold and how much RSS grew."""
     import torch
     from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig, SloserveConfig
@@ -68,7 +70,12 @@ def child(folder: str, cpu_gemm: str, dtype: str) -> dict:
     torch.set_num_threads(1)
     config = SloserveConfig(
         model=ModelConfig(
-            path=folder, device="cpu", cpu_gemm=cpu_gemm, dtype=dtype, max_model_len=512
+            path=folder,
+            device="cpu",
+            cpu_gemm=cpu_gemm,
+            dtype=dtype,
+            quantization=quantization,
+            max_model_len=512,
         ),
         cache=CacheConfig(kv_pool_bytes=32 << 20, swap_bytes=0),
         scheduler=SchedulerConfig(max_batch=4, max_batched_tokens=256),
@@ -83,6 +90,7 @@ def child(folder: str, cpu_gemm: str, dtype: str) -> dict:
     return {
         "dtype": str(runner.dtype).removeprefix("torch."),
         "projection_kind": type(layer.qkv).__name__,
+        "embedding_kind": type(weights.embed).__name__,
         "fused_step": runner.decode_step is not None and runner.decode_step.fused is not None,
         "parameters": weights.num_parameters(),
         "checkpoint_bytes": stored,
@@ -101,7 +109,10 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--json", default=str(OUT / "weight_residency.json"))
     parser.add_argument(
-        "--child", nargs=3, metavar=("FOLDER", "CPU_GEMM", "DTYPE"), help=argparse.SUPPRESS
+        "--child",
+        nargs=4,
+        metavar=("FOLDER", "CPU_GEMM", "DTYPE", "QUANTIZATION"),
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
     if args.child:
@@ -109,7 +120,7 @@ def main() -> None:
         return
     report = {"model": {"vocab_size": args.vocab, **SHAPE}, "arms": {}}
     for arm in args.arms:
-        cpu_gemm, env, dtype = ARMS[arm]
+        cpu_gemm, env, dtype, quantization = ARMS[arm]
         folder = checkpoint(args.vocab, dtype)
         out = subprocess.run(
             [
@@ -120,6 +131,7 @@ def main() -> None:
                 str(folder),
                 cpu_gemm,
                 dtype,
+                quantization,
             ],
             env={**os.environ, **env},
             check=True,
