@@ -150,10 +150,10 @@ class ModelConfig:
     quantization: str = flag(
         "none",
         "--quantization",
-        "Quantize at load (CPU only): int8 holds each dense projection, the embedding and the "
-        "LM head (a tied one once) as int8 rows with a scale per row (products: weight-only at "
-        "few rows, per-token int8 activations at more); routed MoE experts stay in the model's "
-        "dtype.",
+        "Quantize at load (CPU only): int8 holds every weight matrix (the dense projections, "
+        "the embedding and the LM head, a tied one once, and routed MoE experts) as int8 rows "
+        "with a scale per row (products: weight-only at few rows, per-token int8 activations at "
+        "more); norms and biases keep the model's dtype.",
         choices=QUANTIZATIONS,
     )
     # NOTE: 'keep' raises glibc's mmap and trim thresholds (executor/host_memory.py)

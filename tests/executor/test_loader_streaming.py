@@ -119,7 +119,7 @@ PEAK = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from sloserve.executor.build import int8_projection
+    from sloserve.executor.build import int8_projection, quantize_head
     from sloserve.layers.linear import DenseLinear
     from sloserve.layers.quant import Int8Linear
     from sloserve.models.loader import load_checkpoint
@@ -131,11 +131,15 @@ PEAK = textwrap.dedent(
 
     dtype = getattr(torch, sys.argv[2])
     make = int8_projection if sys.argv[3] == "int8" else DenseLinear
+    head = int8_projection if sys.argv[3] == "int8" else None
     Path("/proc/self/clear_refs").write_text("5")
     before = status("VmRSS:")
-    _, weights = load_checkpoint(Path(sys.argv[1]), torch.device("cpu"), dtype, make_dense=make)
+    _, weights = load_checkpoint(
+        Path(sys.argv[1]), torch.device("cpu"), dtype, make_dense=make, make_head=head
+    )
     if sys.argv[3] == "int8-after":
         weights.replace_dense(lambda p: Int8Linear.quantize(p.weight, p.bias))
+        quantize_head(weights)
     print(status("VmHWM:") - before, weights.nbytes())
     """
 )
@@ -164,7 +168,8 @@ def deep(tmp_path_factory) -> Path:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_int8_quantizes_each_weight_as_it_loads(deep):
-    """A bf16 checkpoint loaded into int8 projections: the peak RSS growth stays within the int8
+    """A bf16 checkpoint loaded into int8 projections, embedding and head (as `load` does under
+    --quantization int8): the peak RSS growth stays within the int8
     weights kept + one layer's bf16 projections + 64 MiB (the read buffer, a weight's float32
     quantizing temporaries, the allocator's slack: 122-135 MiB measured for 93 MiB kept, and a
     clean-clone CI run reached 135 against a 32 MiB constant's 130); quantizing after the load (the
