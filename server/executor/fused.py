@@ -157,7 +157,6 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     tensors = [_matrix(w.embed), w.norm, _matrix(w.lm_head), w.lm_head.bias, model.cos, model.sin]
     tensors = [t for t in tensors if t is not None and t.dtype != torch.int8]
     tensors += [t for ts in layers for t in ts.values() if t is not None and t.dtype != torch.int8]
-    tensors = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" or t.dtype != kv.dtype or not t.is_contiguous() for t in tensors):
         return f"the kernel reads contiguous {_name(kv.dtype)} weights on a CPU, as the cache"
     return None
