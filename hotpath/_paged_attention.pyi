@@ -17,6 +17,8 @@ def paged_decode(
     scale: float,
     num_threads: int,
     kv_bf16: bool = False,
+    kv_int8: bool = False,
 ) -> None:
     """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place (data
-    pointers; q and out float32, the pages float32 or, with kv_bf16, bf16)."""
+    pointers; q and out float32, the pages float32, bf16 with kv_bf16, or int8 rows and their
+    scales with kv_int8)."""

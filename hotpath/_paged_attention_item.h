@@ -5,8 +5,9 @@
  * vectors. The loops are written with LANES independent accumulators, so they vectorise without
  * reassociation flags and give the same sums on every instruction set and thread count.
  *
- * The pages are float32 or bf16 (uint16, widened to float32 in registers): the kernels that read
- * them are written once, in _paged_attention_rows.h, and instantiated per type below.
+ * The pages are float32, bf16 (uint16, widened to float32 in registers) or int8 rows each followed
+ * by its float32 scale (sloserve/layers/attention/kv_int8.py): the kernels that read them are
+ * written once, in _paged_attention_rows.h, and instantiated per type below.
  */
 #ifndef SLOSERVE_PAGED_ATTENTION_ITEM_H
 #define SLOSERVE_PAGED_ATTENTION_ITEM_H
@@ -47,6 +48,32 @@ SLOSERVE_INLINE sloserve_v8 sloserve_load8_bf16(const uint16_t *p) {
     sloserve_v8 v;
     memcpy(&v, &bits, sizeof v);
     return v;
+}
+
+/* Eight int8 values as float lanes (exact). */
+SLOSERVE_INLINE sloserve_v8 sloserve_load8_i8(const int8_t *p) {
+    const sloserve_v8 v = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    return v;
+}
+
+/* The float32 scale stored after the `dim` values of an int8 KV row (unaligned). */
+SLOSERVE_INLINE float sloserve_kv8_scale(const int8_t *row, ptrdiff_t dim) {
+    float s;
+    memcpy(&s, row + dim, sizeof s);
+    return s;
+}
+
+/* An int8 KV row of `n` floats: round(v / scale) with scale = absmax / 127, then the scale's bytes,
+ * as kv_int8.quantize_rows writes it (a row of zeros has scale 0). */
+static inline void sloserve_kv8_store(int8_t *row, const float *v, ptrdiff_t n) {
+    float absmax = 0.0f;
+    for (ptrdiff_t d = 0; d < n; d++) absmax = fabsf(v[d]) > absmax ? fabsf(v[d]) : absmax;
+    const float scale = absmax / 127.0f, divisor = scale > 0.0f ? scale : 1.0f;
+    for (ptrdiff_t d = 0; d < n; d++) {
+        float r = nearbyintf(v[d] / divisor);
+        row[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    memcpy(row + n, &scale, sizeof scale);
 }
 
 SLOSERVE_INLINE float sloserve_bf16_float(uint16_t h) {
@@ -137,6 +164,15 @@ static inline float sloserve_exp_nonpositive(float x) {
 #define SLOSERVE_T_NAME(name) name##_bf16
 #define SLOSERVE_T_LOAD8(p) sloserve_load8_bf16(p)
 #define SLOSERVE_T_AT(p, i) sloserve_bf16_float((p)[i])
+#include "_paged_attention_rows.h"
+
+#define SLOSERVE_KV8_SCALE_BYTES 4
+#define SLOSERVE_T int8_t
+#define SLOSERVE_T_NAME(name) name##_kv8
+#define SLOSERVE_T_LOAD8(p) sloserve_load8_i8(p)
+#define SLOSERVE_T_AT(p, i) ((float)(p)[i])
+#define SLOSERVE_T_PITCH(dim) ((dim) + SLOSERVE_KV8_SCALE_BYTES)
+#define SLOSERVE_T_ROW_SCALE(row, dim) sloserve_kv8_scale(row, dim)
 #include "_paged_attention_rows.h"
 
 #endif
