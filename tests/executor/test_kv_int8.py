@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 from sloserve.config import CacheConfig, ConfigError, ModelConfig, ParallelConfig, SloserveConfig
+from sloserve.executor import fused
 from sloserve.executor import plan as plan_module
 from sloserve.layers.attention import kv_int8, paged
 from sloserve.layers.attention.reference import ReferenceBackend
@@ -22,6 +23,7 @@ from sloserve.layers.attention.sdpa import SdpaBackend
 from sloserve.llm import LLM
 from sloserve.models.spec import load_spec
 from sloserve.sampling_params import SamplingParams
+from sloserve.sched.output import ScheduledSequence
 
 from tests.executor.conftest import runner_config
 from tests.executor.driver import generate
@@ -127,8 +129,55 @@ def test_int8_pages_count_their_scales_and_hold_more_tokens(make_checkpoint, mak
     assert info["kv_tokens"] == (int8.num_kv_blocks - 1) * int8.block_size
     # head_dim 16: 20 bytes a row against 64
     assert info["kv_tokens"] >= 3 * base["kv_tokens"]
-    # decode steps read the int8 pages in place (the fused C step declines them)
-    assert int8.decode_step is not None and int8.decode_step.fused is None
+    # decode steps run the fused C step on the int8 pages
+    assert int8.decode_step is not None and int8.decode_step.fused is not None
+
+
+@pytest.mark.skipif(fused.DecodeKernel is None, reason="the fused decode extension is not built")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fused_step_on_int8_pages_gives_the_torch_twins_logits_and_rows(
+    make_checkpoint, make_runner, arch
+):
+    """The C step writes each K/V row quantized as write_kv does (to the last step of float32
+    rounding of its inputs) and attends over int8 pages as the paged kernel does."""
+    runner = make_runner(
+        make_checkpoint(arch), kv_pool_bytes=4 << 20, max_batch=8, kv_cache_dtype="int8"
+    )
+    kernel = runner.decode_step.fused
+    assert kernel is not None
+    torch.manual_seed(0)
+    runner.kv.copy_(kv_int8.quantize_rows(torch.randn(*runner.kv.shape[:-1], runner.spec.head_dim)))
+    for lengths in ([1], [3, 4, 5], [8, 9, 33, 40, 1, 4]):
+        step = _step(runner, lengths)
+        slots = step.slot_mapping
+        by_slot = runner.kv.flatten(2, 3)  # [layers, K/V, slots, KV heads, row]
+        with torch.inference_mode():
+            want = runner.model.decode(
+                step.input_ids,
+                step.positions,
+                slots,
+                step.block_tables,
+                step.seq_lens,
+                runner.kv,
+            )
+        want_kv = kv_int8.dequantize(by_slot[:, :, slots])
+        by_slot[:, :, slots] = 0
+        got = kernel(step)
+        got_kv = kv_int8.dequantize(by_slot[:, :, slots])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"lengths {lengths}")
+        step_size = want_kv.abs().amax(-1, keepdim=True) / 127
+        assert ((got_kv - want_kv).abs() <= step_size * 1.01 + 1e-6).all()
+
+
+def _step(runner, lengths: list[int]):
+    """A decode step of one sequence per length, each on pages of its own."""
+    seqs, next_page = [], 1
+    for i, n in enumerate(lengths):
+        pages = -(-n // runner.block_size)
+        table = list(range(next_page, next_page + pages))
+        seqs.append(ScheduledSequence(f"s{i}", [40 + 7 * i], n - 1, table, True, SamplingParams()))
+        next_page += pages
+    return runner.inputs.build_decode(seqs, len(seqs))
 
 
 def test_prefix_reuse_and_swap_preemption_keep_int8_tokens(make_checkpoint):
