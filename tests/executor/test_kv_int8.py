@@ -17,6 +17,7 @@ import torch
 from sloserve.config import CacheConfig, ConfigError, ModelConfig, ParallelConfig, SloserveConfig
 from sloserve.executor import fused
 from sloserve.executor import plan as plan_module
+from sloserve.executor.precision import bf16_units
 from sloserve.layers.attention import kv_int8, paged
 from sloserve.layers.attention.reference import ReferenceBackend
 from sloserve.layers.attention.sdpa import SdpaBackend
@@ -109,6 +110,24 @@ def test_greedy_top1_agrees_with_float32_pages(make_checkpoint, make_runner, arc
     reference = generate(base, PROMPTS, NEW_TOKENS, chunk=7, stagger=True)
     runner = make_runner(folder, backend=backend, kv_pool_bytes=8 << 20, kv_cache_dtype="int8")
     assert runner.kv.dtype == torch.int8
+    got = generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, forced=reference)
+    pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= AGREEMENT_FLOOR
+
+
+@pytest.mark.skipif(not bf16_units(), reason="this CPU has no AVX512-BF16 or AMX-BF16 units")
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])
+def test_a_bf16_model_on_int8_pages_agrees_with_its_bf16_pages(
+    make_checkpoint, make_runner, overrides
+):
+    """bf16 weights beside int8 pages: the tied model decodes on the fused step, the untied one on
+    the torch path (fused.BF16_DECODE), both against the same model on bf16 pages."""
+    folder = make_checkpoint("llama", dtype="bfloat16", **overrides)
+    base = make_runner(folder, dtype="bfloat16", kv_pool_bytes=8 << 20)
+    reference = generate(base, PROMPTS, NEW_TOKENS, chunk=7, stagger=True)
+    runner = make_runner(folder, dtype="bfloat16", kv_pool_bytes=8 << 20, kv_cache_dtype="int8")
+    assert runner.dtype == torch.bfloat16 and runner.kv.dtype == torch.int8
+    assert (runner.decode_step.fused is not None) == ("tie_word_embeddings" in overrides)
     got = generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, forced=reference)
     pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
     assert sum(a == b for a, b in pairs) / len(pairs) >= AGREEMENT_FLOOR
