@@ -63,7 +63,7 @@ typedef struct {
     const float *gate_up_b;
     sloserve_weight down_w;          /* [H, I] */
     const float *down_b;
-    void *k_cache, *v_cache;         /* [P, page, Hkv, D] of the decoder's kv_type ([.., D + 4] bytes: I8) */
+    void *k_cache, *v_cache;         /* [P, page, Hkv, D] of the decoder's kv_type ([.., D + 2] bytes: I8) */
 } sloserve_layer;
 
 typedef struct {
@@ -142,7 +142,7 @@ static void sloserve_row_float(const void *m, int type, ptrdiff_t row, ptrdiff_t
 
 /* heads * dim floats into slot `slot` of a cache of `type` ([slots, heads, dim]): bf16 rounds as
  * torch's `.to` does; int8 quantizes each head's row as kv_int8.quantize_rows does ([slots, heads,
- * dim + 4] bytes). */
+ * dim + 2] bytes). */
 static void sloserve_store_row(void *cache, int type, ptrdiff_t slot, const float *v, ptrdiff_t heads,
                                ptrdiff_t dim) {
     const ptrdiff_t n = heads * dim;

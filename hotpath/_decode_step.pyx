@@ -94,7 +94,7 @@ def int8_vnni(enabled: bool | None = None) -> bool:
 
 
 # The element types the kernel reads weights and KV pages in, by torch's name for them (int8 KV
-# pages: rows of int8 values, each followed by its float32 scale; sloserve/layers/attention/kv_int8.py).
+# pages: rows of int8 values, each followed by its bf16 scale; sloserve/layers/attention/kv_int8.py).
 _TYPES = {"float32": SLOSERVE_F32, "bfloat16": SLOSERVE_BF16}
 _KV_TYPES = {**_TYPES, "int8": SLOSERVE_I8}
 

@@ -7,7 +7,7 @@
 One query token per sequence attends to positions 0 .. seq_len-1 of its own pages::
 
     k_cache, v_cache  [P, page, Hkv, D] float32 or bf16 (widened in registers), or int8 rows of
-                      D values and their float32 scale ([P, page, Hkv, D + 4] bytes); contiguous
+                      D values and their bf16 scale ([P, page, Hkv, D + 2] bytes); contiguous
                       (one layer of the pool)
     q, out            [S, Hq, D] float32, contiguous; query head h reads KV head h // (Hq / Hkv)
     block_tables      [S, W] int32; position p of sequence s lives in page block_tables[s, p // page]

@@ -6,7 +6,7 @@
  * reassociation flags and give the same sums on every instruction set and thread count.
  *
  * The pages are float32, bf16 (uint16, widened to float32 in registers) or int8 rows each followed
- * by its float32 scale (sloserve/layers/attention/kv_int8.py): the kernels that read them are
+ * by its bf16 scale (sloserve/layers/attention/kv_int8.py): the kernels that read them are
  * written once, in _paged_attention_rows.h, and instantiated per type below.
  */
 #ifndef SLOSERVE_PAGED_ATTENTION_ITEM_H
@@ -50,6 +50,22 @@ SLOSERVE_INLINE sloserve_v8 sloserve_load8_bf16(const uint16_t *p) {
     return v;
 }
 
+SLOSERVE_INLINE float sloserve_bf16_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* f rounded to bf16 to nearest, ties to even, as torch's `.to(torch.bfloat16)` rounds a CPU
+ * tensor (every NaN becomes 0xffff there, a quiet NaN; measured on torch 2.13). */
+static inline uint16_t sloserve_float_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0xffff;
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 /* Eight int8 values as float lanes (exact): each 4-byte half broadcast to four lanes, its byte
  * shifted to the top and arithmetic-shifted back down (a sign extension), then converted.
  * NOTE: GCC 12 made a lane-by-lane build (or __builtin_convertvector) eight scalar conversions and
@@ -65,40 +81,11 @@ SLOSERVE_INLINE sloserve_v8 sloserve_load8_i8(const int8_t *p) {
     return __builtin_convertvector(v, sloserve_v8);
 }
 
-/* The float32 scale stored after the `dim` values of an int8 KV row (unaligned). */
+/* The bf16 scale stored after the `dim` values of an int8 KV row (unaligned), as a float. */
 SLOSERVE_INLINE float sloserve_kv8_scale(const int8_t *row, ptrdiff_t dim) {
-    float s;
+    uint16_t s;
     memcpy(&s, row + dim, sizeof s);
-    return s;
-}
-
-/* An int8 KV row of `n` floats: round(v / scale) with scale = absmax / 127, then the scale's bytes,
- * as kv_int8.quantize_rows writes it (a row of zeros has scale 0). */
-static inline void sloserve_kv8_store(int8_t *row, const float *v, ptrdiff_t n) {
-    float absmax = 0.0f;
-    for (ptrdiff_t d = 0; d < n; d++) absmax = fabsf(v[d]) > absmax ? fabsf(v[d]) : absmax;
-    const float scale = absmax / 127.0f, divisor = scale > 0.0f ? scale : 1.0f;
-    for (ptrdiff_t d = 0; d < n; d++) {
-        float r = nearbyintf(v[d] / divisor);
-        row[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
-    }
-    memcpy(row + n, &scale, sizeof scale);
-}
-
-SLOSERVE_INLINE float sloserve_bf16_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* f rounded to bf16 to nearest, ties to even, as torch's `.to(torch.bfloat16)` rounds a CPU
- * tensor (every NaN becomes 0xffff there, a quiet NaN; measured on torch 2.13). */
-static inline uint16_t sloserve_float_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0xffff;
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    return sloserve_bf16_float(s);
 }
 
 static inline float sloserve_dot(const float *a, const float *b, ptrdiff_t n) {
@@ -175,7 +162,22 @@ static inline float sloserve_exp_nonpositive(float x) {
 #define SLOSERVE_T_AT(p, i) sloserve_bf16_float((p)[i])
 #include "_paged_attention_rows.h"
 
-#define SLOSERVE_KV8_SCALE_BYTES 4
+/* An int8 KV row of `n` floats: absmax / 127 rounded to bf16 is the scale, round(v / scale) the
+ * values (clamped to +-127), then the scale's bytes, as kv_int8.quantize_rows writes it (a row of
+ * zeros has scale 0). */
+static inline void sloserve_kv8_store(int8_t *row, const float *v, ptrdiff_t n) {
+    float absmax = 0.0f;
+    for (ptrdiff_t d = 0; d < n; d++) absmax = fabsf(v[d]) > absmax ? fabsf(v[d]) : absmax;
+    const uint16_t bits = sloserve_float_bf16(absmax / 127.0f);
+    const float scale = sloserve_bf16_float(bits), divisor = scale > 0.0f ? scale : 1.0f;
+    for (ptrdiff_t d = 0; d < n; d++) {
+        float r = nearbyintf(v[d] / divisor);
+        row[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    memcpy(row + n, &bits, sizeof bits);
+}
+
+#define SLOSERVE_KV8_SCALE_BYTES 2
 #define SLOSERVE_T int8_t
 #define SLOSERVE_T_NAME(name) name##_kv8
 #define SLOSERVE_T_LOAD8(p) sloserve_load8_i8(p)

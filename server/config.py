@@ -236,7 +236,7 @@ class CacheConfig:
         "auto",
         "--kv-cache-dtype",
         "KV page dtype: auto (the model's dtype) or int8 (a CPU only: each token's K and V rows "
-        "in int8 with a float32 scale per KV head, ~3.8x the tokens of float32 pages).",
+        "in int8 with a bf16 scale per KV head, ~3.9x the tokens of float32 pages).",
         choices=KV_CACHE_DTYPES,
     )
     gpu_memory_fraction: float = 0.85  # used on a GPU when kv_pool_bytes is None

@@ -209,7 +209,7 @@ def allocate(plan: MemoryPlan, loaded: Loaded, block_size: int) -> KVCache:
         host_kv = host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), dtype)
     log.info(
         "KV pages: %s, %d pages of %d tokens (%d tokens, %.0f tokens per GiB)",
-        "int8 with a float32 scale per token and KV head" if dtype == torch.int8 else _name(dtype),
+        "int8 with a bf16 scale per token and KV head" if dtype == torch.int8 else _name(dtype),
         plan.num_pages - 1,
         block_size,
         (plan.num_pages - 1) * block_size,

@@ -46,8 +46,8 @@ def test_round_trip_is_within_half_a_step_of_each_rows_absmax(dtype):
     assert rows.dtype == torch.int8 and rows.shape == (50, 3, kv_int8.row_bytes(64))
     back = kv_int8.dequantize(rows, torch.float32)
     absmax = x.float().abs().amax(-1, keepdim=True)
-    # half a step, and the float32 rounding of the scale and the product
-    assert ((back - x.float()).abs() <= absmax / 254 * (1 + 1e-5)).all()
+    # half a step of the scale rounded to bf16 (8 significant bits)
+    assert ((back - x.float()).abs() <= absmax / 254 * (1 + 2**-7)).all()
     assert (back[7, 1] == 0).all()
     assert kv_int8.dequantize(rows, dtype).dtype == dtype
 

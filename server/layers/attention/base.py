@@ -16,7 +16,7 @@ class BackendUnavailableError(RuntimeError):
 @runtime_checkable
 class AttentionBackend(Protocol):
     """Paged attention over caches shaped [pages, page_size, kv_heads, head_dim] (an int8 cache:
-    [..., head_dim + 4], each row's scale after its values: kv_int8.py).
+    [..., head_dim + 2], each row's scale after its values: kv_int8.py).
 
     A backend class has a ``name``, a constructor callable without arguments (raising
     ImportError or RuntimeError when its package is missing), and a static

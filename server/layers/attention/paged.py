@@ -42,7 +42,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(
     q: torch.Tensor,  # [S, Hq, D] float32 or bf16, one query token per sequence
-    k_cache: torch.Tensor,  # [P, page, Hkv, D] float32 or bf16 ([..., D + 4] int8), contiguous
+    k_cache: torch.Tensor,  # [P, page, Hkv, D] float32 or bf16 ([..., D + 2] int8), contiguous
     v_cache: torch.Tensor,  # [P, page, Hkv, D]
     block_tables: torch.Tensor,  # [S, W] int32
     seq_lens: torch.Tensor,  # [S] int32
