@@ -25,7 +25,7 @@ The pure-torch twin is `SdpaBackend`'s gather path; SLOSERVE_NO_EXTENSIONS=1 sel
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int8_t, int32_t, uint16_t, uintptr_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 
@@ -48,6 +48,25 @@ cdef extern from "_paged_attention_item.h" nogil:
                                 Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page,
                                 Py_ssize_t num_pages, float scale, float* scores, float* out)
     Py_ssize_t sloserve_item_kv_heads(Py_ssize_t seqs, Py_ssize_t hkv, int threads)
+    void sloserve_kv8_store(int8_t* row, const float* v, Py_ssize_t n)
+
+
+def write_int8_rows(uintptr_t rows, uintptr_t cache, uintptr_t slots, Py_ssize_t num_tokens, Py_ssize_t heads,
+                    Py_ssize_t head_dim, Py_ssize_t num_slots):
+    """cache[slots[t], h] = row h of token t quantized (kv_int8.quantize_rows' bytes): rows float32
+    [T, heads, head_dim] and slots int64 [T], contiguous; cache [num_slots, heads, head_dim + 2]
+    int8. ValueError, before anything is written, when a slot is outside [0, num_slots)."""
+    cdef const float* src = <const float*> rows
+    cdef int8_t* dst = <int8_t*> cache
+    cdef const int64_t* sp = <const int64_t*> slots
+    cdef Py_ssize_t t, h, pitch = head_dim + 2
+    for t in range(num_tokens):
+        if sp[t] < 0 or sp[t] >= num_slots:
+            raise ValueError(f"slot {sp[t]} of token {t} is outside the cache's [0, {num_slots})")
+    with nogil:
+        for t in range(num_tokens):
+            for h in range(heads):
+                sloserve_kv8_store(dst + (sp[t] * heads + h) * pitch, src + (t * heads + h) * head_dim, head_dim)
 
 
 def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,

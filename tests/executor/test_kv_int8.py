@@ -52,6 +52,29 @@ def test_round_trip_is_within_half_a_step_of_each_rows_absmax(dtype):
     assert kv_int8.dequantize(rows, dtype).dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_written_in_c_are_the_bytes_torch_writes(monkeypatch, dtype):
+    torch.manual_seed(2)
+    x = (torch.randn(9, 2, 64) * torch.logspace(-4, 4, 9)[:, None, None]).to(dtype)
+    x[3] = 0.0
+    slots = torch.tensor([5, 0, 17, 3, 11, 2, 30, 8, 1])
+    got = torch.zeros(8, 4, 2, kv_int8.row_bytes(64), dtype=torch.int8)
+    kv_int8.write_rows(got, x, slots)
+    monkeypatch.setattr(kv_int8, "_write_rows", None)
+    want = torch.zeros_like(got)
+    kv_int8.write_rows(want, x, slots)
+    assert torch.equal(got, want)
+    assert torch.equal(want.view(-1, 2, 66)[slots], kv_int8.quantize_rows(x))
+
+
+@pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
+    cache = torch.zeros(2, 4, 2, kv_int8.row_bytes(16), dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"slot 8 of token 1 is outside the cache's \[0, 8\)"):
+        kv_int8.write_rows(cache, torch.ones(2, 2, 16), torch.tensor([0, 8]))
+    assert not cache.any()
+
+
 @pytest.mark.skipif(not paged.AVAILABLE, reason="the paged kernel extension is not built")
 @pytest.mark.parametrize("dim", [16, 64, 128, 12])
 def test_the_kernel_on_int8_pages_equals_it_on_the_same_pages_dequantized(dim):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
-from sloserve.layers.attention.kv_int8 import is_int8, quantize_rows
+from sloserve.layers.attention.kv_int8 import is_int8, write_rows
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 
@@ -91,8 +91,10 @@ def write_kv(
 ) -> None:
     """Scatter the new tokens' K/V into their cache slots (slot = page * page_size + offset); an
     int8 cache takes each row quantized with its scale (kv_int8.py)."""
-    heads, row = k_cache.shape[-2:]
     if is_int8(k_cache):
-        k, v = quantize_rows(k), quantize_rows(v)
+        write_rows(k_cache, k, slot_mapping)
+        write_rows(v_cache, v, slot_mapping)
+        return
+    heads, row = k_cache.shape[-2:]
     k_cache.view(-1, heads, row).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, heads, row).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

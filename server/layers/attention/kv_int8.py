@@ -19,6 +19,14 @@ pages").
 from __future__ import annotations
 
 import torch
+from sloserve.hotpath import USING_EXTENSIONS
+
+try:
+    if not USING_EXTENSIONS:
+        raise ImportError("SLOSERVE_NO_EXTENSIONS forces the pure-torch path")
+    from sloserve.hotpath._paged_attention import write_int8_rows as _write_rows
+except ImportError:  # not built, or forced off: write_rows quantizes in torch
+    _write_rows = None
 
 SCALE_BYTES = 2
 
@@ -40,6 +48,29 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     wide = scale.float()
     values = torch.round(x / torch.where(wide > 0, wide, 1.0)).clamp_(-127, 127)
     return torch.cat([values.to(torch.int8), scale.view(torch.int8)], dim=-1)
+
+
+def write_rows(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache[slot] = quantize_rows(x[t]) for each token t: x [T, Hkv, D], cache [..., Hkv, D + 2].
+
+    NOTE: on a CPU one C call (the same bytes as quantize_rows): the torch ops per K and V per layer
+    cost more than the whole attention of a small model's decode step.
+    """
+    heads, row = cache.shape[-2:]
+    if _write_rows is not None and cache.device.type == "cpu" and cache.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        _write_rows(
+            x.data_ptr(),
+            cache.data_ptr(),
+            slots.data_ptr(),
+            x.shape[0],
+            heads,
+            row - SCALE_BYTES,
+            cache.numel() // (heads * row),
+        )
+        return
+    cache.view(-1, heads, row).index_copy_(0, slots, quantize_rows(x))
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
