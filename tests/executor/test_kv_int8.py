@@ -169,7 +169,7 @@ def test_int8_pages_count_their_scales_and_hold_more_tokens(make_checkpoint, mak
     info, base = int8.info(), fp32.info()
     assert (info["kv_cache_dtype"], base["kv_cache_dtype"]) == ("int8", "float32")
     assert info["kv_tokens"] == (int8.num_kv_blocks - 1) * int8.block_size
-    # head_dim 16: 20 bytes a row against 64
+    # head_dim 16: 18 bytes a row against 64
     assert info["kv_tokens"] >= 3 * base["kv_tokens"]
     # decode steps run the fused C step on the int8 pages
     assert int8.decode_step is not None and int8.decode_step.fused is not None
@@ -281,10 +281,20 @@ def test_bad_values_and_a_gpu_are_refused_naming_the_flag(tiny_llama):
         plan_module.plan_memory(config, spec, 64, torch.device("cuda"), torch.float32, 16)
 
 
-def test_the_cli_flag_lists_its_choices(tiny_llama):
+def test_info_says_the_kv_dtype_and_tokens_and_the_flag_lists_its_choices(tiny_llama):
+    import json
+
     from click.testing import CliRunner
     from sloserve.cli.main import cli
 
     args = ["info", "--model", str(tiny_llama), "--device", "cpu", "--json"]
     bad = CliRunner().invoke(cli, [*args, "--kv-cache-dtype", "fp8"])
     assert bad.exit_code != 0 and "'fp8' is not one of 'auto', 'int8'" in bad.output
+    sizes = {}
+    for kv in ("auto", "int8"):
+        result = CliRunner().invoke(cli, [*args, "--kv-cache-dtype", kv, "--kv-pool-size", "4MiB"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        sizes[data["kv_cache_dtype"]] = data["kv_tokens"]
+    # head_dim 16: 18 bytes a row against 64
+    assert sizes["int8"] >= 3.5 * sizes["float32"]
