@@ -142,6 +142,8 @@ INFO_KEYS = (
     "max_prompt_tokens",
     "max_tokens_limit",
     "block_size",
+    "kv_cache_dtype",
+    "kv_tokens",
     "expert_residency",
     "num_experts",
     "expert_slots_per_layer",

@@ -64,13 +64,13 @@ typedef struct {
     const float *gate_up_b;
     sloserve_weight down_w;          /* [H, I] */
     const float *down_b;
-    void *k_cache, *v_cache;         /* [P, page, Hkv, D] of the decoder's kv_type */
+    void *k_cache, *v_cache;         /* [P, page, Hkv, D] of the decoder's kv_type ([.., D + 2] bytes: I8) */
 } sloserve_layer;
 
 typedef struct {
     ptrdiff_t hidden, heads, kv_heads, head_dim, inter, vocab, num_layers, page, num_pages;
     float eps, scale;
-    int kv_type;                /* SLOSERVE_F32 or SLOSERVE_BF16 */
+    int kv_type;                /* SLOSERVE_F32, SLOSERVE_BF16, or SLOSERVE_I8: int8 rows and their scales */
     sloserve_weight embed;      /* [V, H] */
     const float *norm;          /* [H] */
     sloserve_weight lm_head;    /* [V, H]; a tied head is the embedding */
@@ -146,9 +146,17 @@ static void sloserve_row_float(const sloserve_weight *w, ptrdiff_t row, ptrdiff_
         memcpy(out, (const float *)w->data + row * n, n * sizeof(float));
 }
 
-/* n floats into slot `slot` of a cache of `type` ([slots, n]): bf16 rounds as torch's `.to` does. */
-static void sloserve_store_row(void *cache, int type, ptrdiff_t slot, const float *v, ptrdiff_t n) {
-    if (type == SLOSERVE_BF16)
+/* heads * dim floats into slot `slot` of a cache of `type` ([slots, heads, dim]): bf16 rounds as
+ * torch's `.to` does; int8 quantizes each head's row as kv_int8.quantize_rows does ([slots, heads,
+ * dim + 2] bytes). */
+static void sloserve_store_row(void *cache, int type, ptrdiff_t slot, const float *v, ptrdiff_t heads,
+                               ptrdiff_t dim) {
+    const ptrdiff_t n = heads * dim;
+    if (type == SLOSERVE_I8) {
+        const ptrdiff_t row = dim + SLOSERVE_KV8_SCALE_BYTES;
+        for (ptrdiff_t h = 0; h < heads; h++)
+            sloserve_kv8_store((int8_t *)cache + (slot * heads + h) * row, v + h * dim, dim);
+    } else if (type == SLOSERVE_BF16)
         for (ptrdiff_t d = 0; d < n; d++) ((uint16_t *)cache)[slot * n + d] = sloserve_float_bf16(v[d]);
     else
         memcpy((float *)cache + slot * n, v, n * sizeof(float));
@@ -261,8 +269,8 @@ static void sloserve_decode_job(void *raw, int me, int team) {
                 float *row = qkv + b * qkv_size;
                 const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
                 for (ptrdiff_t head = 0; head < Hq + Hkv; head++) sloserve_rope_head(row + head * D, cos, sin, D);
-                sloserve_store_row(L->k_cache, m->kv_type, slots[b], row + q_size, row_kv);
-                sloserve_store_row(L->v_cache, m->kv_type, slots[b], row + q_size + row_kv, row_kv);
+                sloserve_store_row(L->k_cache, m->kv_type, slots[b], row + q_size, Hkv, D);
+                sloserve_store_row(L->v_cache, m->kv_type, slots[b], row + q_size + row_kv, Hkv, D);
             }
         sloserve_barrier_wait(bar, team, &phase, stalled);
         for (ptrdiff_t item = me; item < batch * (Hkv / per_item); item += team) {
@@ -270,7 +278,10 @@ static void sloserve_decode_job(void *raw, int me, int team) {
             const float *q = qkv + b * qkv_size + kv_head * group * D;
             float *out = attn + b * q_size + kv_head * group * D;
             const int rc =
-                m->kv_type == SLOSERVE_BF16
+                m->kv_type == SLOSERVE_I8
+                    ? sloserve_paged_item_kv8(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
+                                              per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out)
+                : m->kv_type == SLOSERVE_BF16
                     ? sloserve_paged_item_bf16(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
                                                per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out)
                     : sloserve_paged_item_f32(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,

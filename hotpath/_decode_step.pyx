@@ -93,18 +93,20 @@ def int8_vnni(enabled: bool | None = None) -> bool:
     return bool(sloserve_vnni_enabled)
 
 
-# The element types the kernel reads weights and KV pages in, by torch's name for them.
+# The element types the kernel reads weights and KV pages in, by torch's name for them (int8 KV
+# pages: rows of int8 values, each followed by its bf16 scale; sloserve/layers/attention/kv_int8.py).
 _TYPES = {"float32": SLOSERVE_F32, "bfloat16": SLOSERVE_BF16}
+_KV_TYPES = {**_TYPES, "int8": SLOSERVE_I8}
 
 
 cdef const float* _ptr(object address):
     return <const float*> <uintptr_t> (0 if address is None else address)
 
 
-cdef int _type(str name) except -1:
-    if name not in _TYPES:
-        raise ValueError(f"the kernel reads {' or '.join(_TYPES)} weights and KV pages, not {name}")
-    return _TYPES[name]
+cdef int _type(str name, dict types=_TYPES, str what="weights") except -1:
+    if name not in types:
+        raise ValueError(f"the kernel reads {' or '.join(types)} {what}, not {name}")
+    return types[name]
 
 
 cdef sloserve_weight _weight(object address, int kind):
@@ -139,8 +141,9 @@ cdef class DecodeKernel:
     def __init__(self, dict dims, uintptr_t embed, uintptr_t norm, uintptr_t lm_head, uintptr_t cos, uintptr_t sin,
                  list layers, dict int8_head=None):
         """dims: hidden, heads, kv_heads, head_dim, inter, vocab, page, num_pages, max_positions, eps,
-        scale, and weight_dtype, kv_dtype ("float32" or "bfloat16": of the weight matrices (embed,
-        lm_head and each layer's *_w) and of the KV pages; norms, biases, cos and sin are float32).
+        scale, and weight_dtype ("float32" or "bfloat16": of the weight matrices embed, lm_head and
+        each layer's *_w) and kv_dtype (those, or "int8": of the KV pages); norms, biases, cos and
+        sin are float32.
         layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
         k_cache, v_cache (addresses; a missing bias is None); a projection of int8 rows also
         gives <name>_scale (float32 per row) and <name>_rowsum (int32: the sum of each row's
@@ -149,7 +152,7 @@ cdef class DecodeKernel:
         as Int8Linear.lookup reads them), lm_head_scale and lm_head_rowsum (as a projection's)."""
         cdef Py_ssize_t i
         cdef int wtype = _type(dims.get("weight_dtype", "float32"))
-        cdef int kvtype = _type(dims.get("kv_dtype", "float32"))
+        cdef int kvtype = _type(dims.get("kv_dtype", "float32"), _KV_TYPES, "KV pages")
         if self.layers != NULL:
             raise RuntimeError("DecodeKernel is set once")
         for key in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "page", "num_pages", "max_positions"):

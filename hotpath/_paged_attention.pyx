@@ -6,8 +6,9 @@
 
 One query token per sequence attends to positions 0 .. seq_len-1 of its own pages::
 
-    k_cache, v_cache  [P, page, Hkv, D] float32 or bf16 (widened in registers), contiguous (one
-                      layer of the pool)
+    k_cache, v_cache  [P, page, Hkv, D] float32 or bf16 (widened in registers), or int8 rows of
+                      D values and their bf16 scale ([P, page, Hkv, D + 2] bytes); contiguous
+                      (one layer of the pool)
     q, out            [S, Hq, D] float32, contiguous; query head h reads KV head h // (Hq / Hkv)
     block_tables      [S, W] int32; position p of sequence s lives in page block_tables[s, p // page]
     seq_lens          [S] int32
@@ -24,7 +25,7 @@ The pure-torch twin is `SdpaBackend`'s gather path; SLOSERVE_NO_EXTENSIONS=1 sel
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int32_t, uint16_t, uintptr_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 
@@ -42,18 +43,42 @@ cdef extern from "_paged_attention_item.h" nogil:
                                  const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count,
                                  Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page,
                                  Py_ssize_t num_pages, float scale, float* scores, float* out)
+    int sloserve_paged_item_kv8(const float* q, const int8_t* k_cache, const int8_t* v_cache,
+                                const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count,
+                                Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page,
+                                Py_ssize_t num_pages, float scale, float* scores, float* out)
     Py_ssize_t sloserve_item_kv_heads(Py_ssize_t seqs, Py_ssize_t hkv, int threads)
+    void sloserve_kv8_store(int8_t* row, const float* v, Py_ssize_t n)
+
+
+def write_int8_rows(uintptr_t rows, uintptr_t cache, uintptr_t slots, Py_ssize_t num_tokens, Py_ssize_t heads,
+                    Py_ssize_t head_dim, Py_ssize_t num_slots):
+    """cache[slots[t], h] = row h of token t quantized (kv_int8.quantize_rows' bytes): rows float32
+    [T, heads, head_dim] and slots int64 [T], contiguous; cache [num_slots, heads, head_dim + 2]
+    int8. ValueError, before anything is written, when a slot is outside [0, num_slots)."""
+    cdef const float* src = <const float*> rows
+    cdef int8_t* dst = <int8_t*> cache
+    cdef const int64_t* sp = <const int64_t*> slots
+    cdef Py_ssize_t t, h, pitch = head_dim + 2
+    for t in range(num_tokens):
+        if sp[t] < 0 or sp[t] >= num_slots:
+            raise ValueError(f"slot {sp[t]} of token {t} is outside the cache's [0, {num_slots})")
+    with nogil:
+        for t in range(num_tokens):
+            for h in range(heads):
+                sloserve_kv8_store(dst + (sp[t] * heads + h) * pitch, src + (t * heads + h) * head_dim, head_dim)
 
 
 def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,
                  uintptr_t out, Py_ssize_t num_seqs, Py_ssize_t num_heads, Py_ssize_t num_kv_heads,
                  Py_ssize_t head_dim, Py_ssize_t page, Py_ssize_t num_pages, Py_ssize_t table_width,
-                 float scale, int num_threads, bint kv_bf16=False):
+                 float scale, int num_threads, bint kv_bf16=False, bint kv_int8=False):
     """out[S, Hq, D] = softmax(q k^T * scale) v over each sequence's pages, read in place.
 
     Arguments are data pointers of contiguous CPU tensors (the caller checks dtypes, shapes and
-    contiguity; see sloserve.layers.attention.paged): q and out float32, the caches float32, or bf16
-    (uint16) with kv_bf16. ValueError when a sequence's length needs
+    contiguity; see sloserve.layers.attention.paged): q and out float32, the caches float32, bf16
+    (uint16) with kv_bf16, or int8 rows with their scales with kv_int8 (head_dim counts the values
+    only). ValueError when a sequence's length needs
     more pages than its table row holds or names a page outside the pool; then `out` is undefined.
     """
     if num_seqs <= 0:
@@ -88,7 +113,13 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
             else:
                 s = (i * per_item) // num_kv_heads
                 h = (i * per_item) % num_kv_heads
-                if kv_bf16:
+                if kv_int8:
+                    bad |= -sloserve_paged_item_kv8(qp + (s * num_heads + h * group) * head_dim,
+                                                    <const int8_t*> k_cache, <const int8_t*> v_cache,
+                                                    tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,
+                                                    head_dim, page, num_pages, scale, scores,
+                                                    op + (s * num_heads + h * group) * head_dim)
+                elif kv_bf16:
                     bad |= -sloserve_paged_item_bf16(qp + (s * num_heads + h * group) * head_dim,
                                                      <const uint16_t*> k_cache, <const uint16_t*> v_cache,
                                                      tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,

@@ -5,8 +5,9 @@
  * vectors. The loops are written with LANES independent accumulators, so they vectorise without
  * reassociation flags and give the same sums on every instruction set and thread count.
  *
- * The pages are float32 or bf16 (uint16, widened to float32 in registers): the kernels that read
- * them are written once, in _paged_attention_rows.h, and instantiated per type below.
+ * The pages are float32, bf16 (uint16, widened to float32 in registers) or int8 rows each followed
+ * by its bf16 scale (sloserve/layers/attention/kv_int8.py): the kernels that read them are
+ * written once, in _paged_attention_rows.h, and instantiated per type below.
  */
 #ifndef SLOSERVE_PAGED_ATTENTION_ITEM_H
 #define SLOSERVE_PAGED_ATTENTION_ITEM_H
@@ -63,6 +64,28 @@ static inline uint16_t sloserve_float_bf16(float f) {
     memcpy(&bits, &f, sizeof bits);
     if (f != f) return 0xffff;
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Eight int8 values as float lanes (exact): each 4-byte half broadcast to four lanes, its byte
+ * shifted to the top and arithmetic-shifted back down (a sign extension), then converted.
+ * NOTE: GCC 12 made a lane-by-lane build (or __builtin_convertvector) eight scalar conversions and
+ * inserts; this is variable shifts and one conversion on AVX2 and AVX-512. */
+typedef int32_t sloserve_i32x8 __attribute__((vector_size(32)));
+SLOSERVE_INLINE sloserve_v8 sloserve_load8_i8(const int8_t *p) {
+    int32_t lo, hi;
+    memcpy(&lo, p, sizeof lo);
+    memcpy(&hi, p + 4, sizeof hi);
+    const sloserve_i32x8 up = {24, 16, 8, 0, 24, 16, 8, 0};
+    sloserve_i32x8 v = {lo, lo, lo, lo, hi, hi, hi, hi};
+    v = (v << up) >> 24;
+    return __builtin_convertvector(v, sloserve_v8);
+}
+
+/* The bf16 scale stored after the `dim` values of an int8 KV row (unaligned), as a float. */
+SLOSERVE_INLINE float sloserve_kv8_scale(const int8_t *row, ptrdiff_t dim) {
+    uint16_t s;
+    memcpy(&s, row + dim, sizeof s);
+    return sloserve_bf16_float(s);
 }
 
 static inline float sloserve_dot(const float *a, const float *b, ptrdiff_t n) {
@@ -137,6 +160,30 @@ static inline float sloserve_exp_nonpositive(float x) {
 #define SLOSERVE_T_NAME(name) name##_bf16
 #define SLOSERVE_T_LOAD8(p) sloserve_load8_bf16(p)
 #define SLOSERVE_T_AT(p, i) sloserve_bf16_float((p)[i])
+#include "_paged_attention_rows.h"
+
+/* An int8 KV row of `n` floats: absmax / 127 rounded to bf16 is the scale, round(v / scale) the
+ * values (clamped to +-127), then the scale's bytes, as kv_int8.quantize_rows writes it (a row of
+ * zeros has scale 0). */
+static inline void sloserve_kv8_store(int8_t *row, const float *v, ptrdiff_t n) {
+    float absmax = 0.0f;
+    for (ptrdiff_t d = 0; d < n; d++) absmax = fabsf(v[d]) > absmax ? fabsf(v[d]) : absmax;
+    const uint16_t bits = sloserve_float_bf16(absmax / 127.0f);
+    const float scale = sloserve_bf16_float(bits), divisor = scale > 0.0f ? scale : 1.0f;
+    for (ptrdiff_t d = 0; d < n; d++) {
+        float r = nearbyintf(v[d] / divisor);
+        row[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    memcpy(row + n, &bits, sizeof bits);
+}
+
+#define SLOSERVE_KV8_SCALE_BYTES 2
+#define SLOSERVE_T int8_t
+#define SLOSERVE_T_NAME(name) name##_kv8
+#define SLOSERVE_T_LOAD8(p) sloserve_load8_i8(p)
+#define SLOSERVE_T_AT(p, i) ((float)(p)[i])
+#define SLOSERVE_T_PITCH(dim) ((dim) + SLOSERVE_KV8_SCALE_BYTES)
+#define SLOSERVE_T_ROW_SCALE(row, dim) sloserve_kv8_scale(row, dim)
 #include "_paged_attention_rows.h"
 
 #endif

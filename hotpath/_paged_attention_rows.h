@@ -6,11 +6,21 @@
  *     SLOSERVE_T_LOAD8(p)   eight elements at p as float lanes (sloserve_v8)
  *     SLOSERVE_T_AT(p, i)   element i of p as a float
  *
+ * and, for KV rows that carry a scale after their values (int8 pages), optionally
+ *
+ *     SLOSERVE_T_PITCH(dim)           elements from one (position, KV head) row to the next
+ *                                     (default: dim)
+ *     SLOSERVE_T_ROW_SCALE(row, dim)  the float a row's values are multiplied by
+ *
  * and undefines them. The other operand (queries, activations, scores) and every sum are float32,
  * in the same lanes and order whatever the type, so the float32 instance gives the bits these
  * kernels gave before they were typed, and a row's result never depends on the batch, the
  * thread or the instruction set.
  */
+
+#ifndef SLOSERVE_T_PITCH
+#define SLOSERVE_T_PITCH(dim) (dim)
+#endif
 
 /* sloserve_dot's sum (8 lanes, the tail to lane 0, then the fold) of float a against typed b. */
 SLOSERVE_INLINE float SLOSERVE_T_NAME(sloserve_dot)(const float *a, const SLOSERVE_T *b, ptrdiff_t n) {
@@ -135,16 +145,19 @@ SLOSERVE_INLINE void SLOSERVE_T_NAME(sloserve_prefetch_rows)(const SLOSERVE_T *r
  * rows of those heads are adjacent, so an item of every KV head reads whole rows). q, out: the
  * item's first query head row ([kv_count * group, dim], float32, contiguous); scores: kv_count *
  * group * seq_len floats. Each query head's result is the same bits whatever kv_count is.
- * Returns 0, or -1 when a block id is outside [0, num_pages) (then nothing is read from it). */
+ * Returns 0, or -1 when a block id is outside [0, num_pages) (then nothing is read from it).
+ * Rows with a scale (SLOSERVE_T_ROW_SCALE): a score is the dot product with the row's values times
+ * its scale, and a V row's weight is its probability times its scale. */
 SLOSERVE_CLONES
 static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, const SLOSERVE_T *k_cache, const SLOSERVE_T *v_cache,
                                                 const int32_t *table, ptrdiff_t seq_len, ptrdiff_t kv_head,
                                                 ptrdiff_t kv_count, ptrdiff_t group, ptrdiff_t hkv, ptrdiff_t dim,
                                                 ptrdiff_t page, ptrdiff_t num_pages, float scale, float *scores,
                                                 float *out) {
-    const ptrdiff_t stride = hkv * dim; /* elements between consecutive positions of one page */
-    const ptrdiff_t heads = kv_count * group, width = kv_count * dim; /* the item's query heads; its row elements */
-    const ptrdiff_t page_elems = page * stride, head_offset = kv_head * dim, num_blocks = (seq_len + page - 1) / page;
+    const ptrdiff_t pitch = SLOSERVE_T_PITCH(dim); /* elements between one KV head's row and the next */
+    const ptrdiff_t stride = hkv * pitch; /* elements between consecutive positions of one page */
+    const ptrdiff_t heads = kv_count * group, width = kv_count * pitch; /* the item's query heads; its row elements */
+    const ptrdiff_t page_elems = page * stride, head_offset = kv_head * pitch, num_blocks = (seq_len + page - 1) / page;
     for (ptrdiff_t b = 0; b < num_blocks; b++)
         if (table[b] < 0 || table[b] >= num_pages) return -1;
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
@@ -154,7 +167,7 @@ static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, const SLOSERVE_T
             SLOSERVE_T_NAME(sloserve_prefetch_rows)(k_cache + table[b + 1] * page_elems + head_offset, stride,
                                                     sloserve_page_len(seq_len, b + 1, page), width);
         for (ptrdiff_t kk = 0; kk < kv_count; kk++) {
-            const SLOSERVE_T *rows = page_rows + kk * dim;
+            const SLOSERVE_T *rows = page_rows + kk * pitch;
             const float *qk = q + kk * group * dim;
             float *sk = scores + kk * group * seq_len;
             ptrdiff_t j = 0;
@@ -179,6 +192,12 @@ static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, const SLOSERVE_T
             for (; j < n; j++)
                 for (ptrdiff_t g = 0; g < group; g++)
                     sk[g * seq_len + first + j] = SLOSERVE_T_NAME(sloserve_dot)(qk + g * dim, rows + j * stride, dim) * scale;
+#ifdef SLOSERVE_T_ROW_SCALE
+            for (j = 0; j < n; j++) {
+                const float row_scale = SLOSERVE_T_ROW_SCALE(rows + j * stride, dim);
+                for (ptrdiff_t g = 0; g < group; g++) sk[g * seq_len + first + j] *= row_scale;
+            }
+#endif
         }
     }
     for (ptrdiff_t g = 0; g < heads; g++) { /* softmax, running maximum subtracted */
@@ -202,8 +221,11 @@ static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, const SLOSERVE_T
             SLOSERVE_T_NAME(sloserve_prefetch_rows)(v_cache + table[b + 1] * page_elems + head_offset, stride,
                                                     sloserve_page_len(seq_len, b + 1, page), width);
         for (ptrdiff_t g = 0; g < heads; g++) { /* out[d] sums its positions in order, for every d */
-            const float *w = scores + g * seq_len + first;
-            const SLOSERVE_T *rows = page_rows + (g / group) * dim;
+            float *w = scores + g * seq_len + first;
+            const SLOSERVE_T *rows = page_rows + (g / group) * pitch;
+#ifdef SLOSERVE_T_ROW_SCALE
+            for (ptrdiff_t j = 0; j < n; j++) w[j] *= SLOSERVE_T_ROW_SCALE(rows + j * stride, dim);
+#endif
             float *o = out + g * dim;
             ptrdiff_t c = 0;
             for (; c + 64 <= dim; c += 64) SLOSERVE_T_NAME(sloserve_weighted_rows64)(w, rows + c, stride, n, o + c);
@@ -221,3 +243,7 @@ static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, const SLOSERVE_T
 #undef SLOSERVE_T_NAME
 #undef SLOSERVE_T_LOAD8
 #undef SLOSERVE_T_AT
+#undef SLOSERVE_T_PITCH
+#ifdef SLOSERVE_T_ROW_SCALE
+#undef SLOSERVE_T_ROW_SCALE
+#endif

@@ -100,6 +100,7 @@ def flag(default: Any, name: str, help: str, **kw: Any) -> Any:
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 QUANTIZATIONS = ("none", "int8")
+KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "sdpa", "flash", "triton")
 
@@ -232,6 +233,13 @@ class CacheConfig:
         "Bytes for the KV cache pool, e.g. 512MiB or 2GiB [default: suits the device].",
         parse=parse_size,
     )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "--kv-cache-dtype",
+        "KV page dtype: auto (the model's dtype) or int8 (a CPU only: each token's K and V rows "
+        "in int8 with a bf16 scale per KV head, ~3.9x the tokens of float32 pages).",
+        choices=KV_CACHE_DTYPES,
+    )
     gpu_memory_fraction: float = 0.85  # used on a GPU when kv_pool_bytes is None
     arena_bytes: int | None = None  # None: 256 MiB on GPU, 16 MiB on CPU
     swap_bytes: int = 256 * 1024**2  # host pool for swap preemption (pinned on CUDA)
@@ -284,6 +292,12 @@ class CacheConfig:
             0.0 < self.gpu_memory_fraction <= 1.0,
             "gpu_memory_fraction",
             "gpu memory fraction must be in (0, 1]",
+        )
+        require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r} (auto stores KV "
+            "pages in the model's dtype: pick that with --dtype)",
         )
         require(self.swap_bytes >= 0, "swap_bytes", "swap space must be >= 0 bytes")
         slots = self.expert_slots_per_layer

@@ -185,7 +185,9 @@ class KVCache:
     """The one device pool with the KV pages carved first, and the optional host swap pages."""
 
     pool: DevicePool
-    kv: torch.Tensor  # [layers, 2, pages, block, kv heads, head dim]
+    # [layers, 2, pages, block, kv heads, head dim]; int8 pages: head dim + 4, each row's scale
+    # after its values (layers/attention/kv_int8.py)
+    kv: torch.Tensor
     host_pool: DevicePool | None
     host_kv: torch.Tensor | None  # the same shape with the host's pages
     num_pages: int
@@ -196,10 +198,12 @@ class KVCache:
 
 def allocate(plan: MemoryPlan, loaded: Loaded, block_size: int) -> KVCache:
     """The device pool of plan.pool_bytes, its KV carve, and the host swap pool when swap is on."""
-    spec, dtype, device = loaded.spec, loaded.dtype, loaded.device
+    spec, device = loaded.spec, loaded.device
+    dtype = plan.kv_dtype or loaded.dtype
+    row = plan.kv_row or spec.head_dim
     # NOTE: KV first, at offset 0; the small carves follow it, so arena alignment wastes little.
     pool = DevicePool(plan.pool_bytes, plan.arena_bytes, device)
-    kv_shape = (spec.num_layers, 2, plan.num_pages, block_size, spec.num_kv_heads, spec.head_dim)
+    kv_shape = (spec.num_layers, 2, plan.num_pages, block_size, spec.num_kv_heads, row)
     kv = pool.carve("kv", kv_shape, dtype)
     layers, pair, _, *page = kv.shape  # one block: every dim but the pages one, K and V
     block_bytes = layers * pair * math.prod(page) * kv.element_size()
@@ -210,9 +214,21 @@ def allocate(plan: MemoryPlan, loaded: Loaded, block_size: int) -> KVCache:
             host_pages * plan.page_bytes, None, "cpu", pin_memory=device.type == "cuda", zero=False
         )
         host_kv = host_pool.carve("swap_kv", (*kv_shape[:2], host_pages, *kv_shape[3:]), dtype)
+    log.info(
+        "KV pages: %s, %d pages of %d tokens (%d tokens, %.0f tokens per GiB)",
+        "int8 with a bf16 scale per token and KV head" if dtype == torch.int8 else _name(dtype),
+        plan.num_pages - 1,
+        block_size,
+        (plan.num_pages - 1) * block_size,
+        plan.tokens_per_gib(block_size),
+    )
     return KVCache(
         pool, kv, host_pool, host_kv, plan.num_pages, host_pages, plan.page_bytes, block_bytes
     )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # ---- 5. build the model --------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def decode_path_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "the paged kernel extension is not built"
     if kv.device.type != "cpu" or kv.dtype not in paged.CACHE_DTYPES:
         return (
-            f"the in-place kernel runs float32 or bfloat16 caches on a CPU, not {kv.dtype} "
+            f"the in-place kernel runs float32, bfloat16 or int8 caches on a CPU, not {kv.dtype} "
             f"on {kv.device.type}"
         )
     return None

@@ -11,8 +11,9 @@ block table, and only the sampled rows get logits. Every row's K/V is written be
 attends, so each token sees exactly its causal prefix; the oracle there is the flat torch path
 (`DecoderModel.forward`).
 
-It serves dense float32 and bf16 models (their projections int8 too) on a CPU, one rank, batches
-up to FUSED_MAX_BATCH. Its matrix-vector products read each weight row once per two sequences
+It serves dense float32 and bf16 models (their projections int8 too; KV pages in the model's dtype
+or int8, each row quantized as the torch path's `write_kv` does) on a CPU, one rank, batches up
+to FUSED_MAX_BATCH. Its matrix-vector products read each weight row once per two sequences
 and need no FMA to run at the core's multiply-add rate, so on the CPUs measured it beat the
 torch path up to the largest batch it takes. Its pure-torch twin is
 `DecoderModel.decode` (eager), which runs everything else, and SLOSERVE_NO_EXTENSIONS=1.
@@ -88,8 +89,10 @@ BF16_DECODE: bool | str = "tied"
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# The dtypes the kernel reads weights and KV pages in (one for both: the model's).
+# The dtypes the kernel reads weights in (the model's), and KV pages in: the model's, or int8 rows
+# with their scales (layers/attention/kv_int8.py).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KV_DTYPES = (*KERNEL_DTYPES, torch.int8)
 
 
 def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
@@ -126,17 +129,23 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "MoE layers route on the host"
     if model.sharded:
         return "tensor parallelism splits the layers"
-    if kv.device.type != "cpu" or kv.dtype not in KERNEL_DTYPES or not kv.is_contiguous():
-        return "the kernel runs a contiguous float32 or bfloat16 cache on a CPU"
-    if kv.dtype == torch.bfloat16 and not BF16_DECODE:
+    if kv.device.type != "cpu" or kv.dtype not in KV_DTYPES or not kv.is_contiguous():
+        return "the kernel runs a contiguous float32, bfloat16 or int8 cache on a CPU"
+    dtype = model.dtype
+    if dtype not in KERNEL_DTYPES or kv.dtype not in (dtype, torch.int8):
+        return (
+            "the kernel reads float32 or bfloat16 weights and pages in their dtype or int8, not "
+            f"{_name(dtype)} weights and {_name(kv.dtype)} pages"
+        )
+    if dtype == torch.bfloat16 and not BF16_DECODE:
         return "bf16 decode runs on oneDNN's packed bf16 products (fused.BF16_DECODE is off)"
     untied = not w.tied and not isinstance(w.layers[0].qkv, Int8Linear)
-    if kv.dtype == torch.bfloat16 and BF16_DECODE == "tied" and untied:
+    if dtype == torch.bfloat16 and BF16_DECODE == "tied" and untied:
         return (
             "bf16 decode with an untied LM head runs on oneDNN's packed bf16 products "
             "(as fast at one sequence, faster at many: fused.BF16_DECODE)"
         )
-    if kv.dtype == torch.bfloat16 and not bf16_dot_products():
+    if dtype == torch.bfloat16 and not bf16_dot_products():
         return (
             "without AVX512-BF16 dot products bf16 decode runs faster on oneDNN's packed bf16 "
             "products than on the kernel's widened weights"
@@ -157,8 +166,8 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     tensors = [_matrix(w.embed), w.norm, _matrix(w.lm_head), w.lm_head.bias, model.cos, model.sin]
     tensors = [t for t in tensors if t is not None and t.dtype != torch.int8]
     tensors += [t for ts in layers for t in ts.values() if t is not None and t.dtype != torch.int8]
-    if any(t.device.type != "cpu" or t.dtype != kv.dtype or not t.is_contiguous() for t in tensors):
-        return f"the kernel reads contiguous {_name(kv.dtype)} weights on a CPU, as the cache"
+    if any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        return f"the kernel reads contiguous {_name(dtype)} weights on a CPU, as the model runs"
     return None
 
 
@@ -225,7 +234,7 @@ class FusedDecode:
             "max_positions": model.cos.shape[0],
             "eps": spec.rms_norm_eps,
             "scale": model.scale,
-            "weight_dtype": _name(kv.dtype),
+            "weight_dtype": _name(model.dtype),
             "kv_dtype": _name(kv.dtype),
         }
         layers = []
@@ -259,7 +268,7 @@ class FusedDecode:
             # NOTE: the 494M Llama at int8 (bf16 activations on the torch path): the kernel
             # ×1.96 / ×1.54 / ×1.25 / ×1.31 the torch int8 path at 8 / 16 / 32 / 64 sequences
             self.max_batch = FUSED_MAX_BATCH
-        elif kv.dtype == torch.bfloat16:
+        elif model.dtype == torch.bfloat16:
             self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))
 
     @property

@@ -10,6 +10,7 @@ from sloserve.config import SloserveConfig
 from sloserve.executor.inputs import workspace_bytes
 from sloserve.executor.residency import Residency, choose_residency, slot_pool_bytes
 from sloserve.hotpath import MAX_BLOCKS
+from sloserve.layers.attention.kv_int8 import row_bytes
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import CPU_DEFAULT_POOL_BYTES, default_arena_bytes, default_pool_bytes
 from sloserve.models.spec import ModelSpec
@@ -36,6 +37,12 @@ class MemoryPlan:
     num_host_pages: int
     residency: Residency | None = None  # None for a dense model
     budget_bytes: int | None = None  # the device budget for experts + pool (None: unbounded)
+    kv_dtype: torch.dtype | None = None  # the KV pages' dtype (None: the model's)
+    kv_row: int | None = None  # elements of one (token, KV head) row (None: head_dim)
+
+    def tokens_per_gib(self, block: int) -> float:
+        """Tokens one GiB of these KV pages holds (all layers, K and V)."""
+        return 2**30 / self.page_bytes * block
 
     @property
     def overhead_bytes(self) -> int:
@@ -63,6 +70,14 @@ def graph_memory_bytes(spec: ModelSpec, max_seqs: int, itemsize: int) -> int:
     return 2 * max_seqs * (row + logits) + 64 * 2**20
 
 
+def kv_layout(kv_cache_dtype: str, dtype: torch.dtype, head_dim: int) -> tuple[torch.dtype, int]:
+    """The KV pages' dtype and the elements of one (token, KV head) row: `dtype` and head_dim for
+    'auto', int8 rows with their scales for 'int8' (layers/attention/kv_int8.py)."""
+    if kv_cache_dtype == "int8":
+        return torch.int8, row_bytes(head_dim)
+    return dtype, head_dim
+
+
 def overhead(workspace: int, moe_workspace: int, arena: int) -> int:
     return workspace + moe_workspace + 2 * arena + POOL_ROUNDING
 
@@ -86,7 +101,14 @@ def plan_memory(
         sc.max_batched_tokens if sc.chunked_prefill else max(sc.max_batched_tokens, max_model_len)
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
-    token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
+    kv_dtype, kv_row = kv_layout(cc.kv_cache_dtype, dtype, spec.head_dim)
+    if kv_dtype == torch.int8 and device.type != "cpu":
+        raise ValueError(
+            f"--kv-cache-dtype int8 runs on a CPU only, not on {device.type} (FP8 KV on a GPU is "
+            "another kind): drop it (or pass --device cpu)"
+        )
+    kv_itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    token_bytes = spec.num_layers * 2 * spec.num_kv_heads * kv_row * kv_itemsize
     page_bytes = token_bytes * block
     ws_bytes = workspace_bytes(max_step_tokens, sc.max_batch, max_blocks)
     arena = cc.arena_bytes or default_arena_bytes(device)
@@ -157,4 +179,6 @@ def plan_memory(
         num_host_pages=min(cc.swap_bytes // page_bytes, num_pages),
         residency=residency,
         budget_bytes=budget,
+        kv_dtype=kv_dtype,
+        kv_row=kv_row,
     )

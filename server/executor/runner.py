@@ -471,6 +471,9 @@ class ModelRunner:
             "num_kv_blocks": self.num_kv_blocks,
             "num_host_blocks": self.num_host_blocks,
             "kv_page_bytes": self.page_bytes,
+            "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
+            # the pool's tokens, the null page left out
+            "kv_tokens": (self.num_kv_blocks - 1) * self.block_size,
             "kv_block_bytes": self.kv_block_bytes,  # one block, all layers, K and V (InfoResponse)
             "pool": self.pool.report(),
             "load_time_s": round(self.load_time_s, 3),

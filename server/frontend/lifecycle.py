@@ -129,6 +129,8 @@ class Lifecycle:
                 "weight_resident_bytes",
                 "quantization",
                 "attention_backend",
+                "kv_cache_dtype",
+                "kv_tokens",
                 "max_model_len",
                 "tensor_parallel_size",
                 "tensor_parallel_devices",

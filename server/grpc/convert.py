@@ -211,6 +211,8 @@ def info_pb(
         dtype_reason=str(model_info.get("dtype_reason", "")),
         weight_resident_bytes=int(model_info.get("weight_resident_bytes") or 0),
         quantization=str(model_info.get("quantization", "")),
+        kv_cache_dtype=str(model_info.get("kv_cache_dtype", "")),
+        kv_tokens=int(model_info.get("kv_tokens") or 0),
         attention_backend=str(model_info.get("attention_backend", "")),
         kv_block_bytes=int(model_info.get("kv_block_bytes") or 0),
         expert_residency=str(model_info.get("expert_residency") or ""),

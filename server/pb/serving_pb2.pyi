@@ -257,7 +257,7 @@ class EngineStats(_message.Message):
     def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ..., expert_resident_per_layer: _Optional[_Iterable[int]] = ..., expert_hits_total: _Optional[int] = ..., expert_misses_total: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., expert_prefetches_total: _Optional[int] = ..., expert_prefetch_accuracy: _Optional[float] = ..., expert_prediction_recall: _Optional[float] = ..., expert_bytes_copied_total: _Optional[int] = ..., expert_bytes_per_step: _Optional[float] = ..., expert_miss_stall_s_total: _Optional[float] = ..., steps_total: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., computed_prompt_tokens_total: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes", "expert_residency", "num_experts", "expert_slots_per_layer", "expert_device_bytes", "tensor_parallel_size", "tensor_parallel_devices", "dtype", "dtype_reason", "weight_resident_bytes", "quantization")
+    __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes", "expert_residency", "num_experts", "expert_slots_per_layer", "expert_device_bytes", "tensor_parallel_size", "tensor_parallel_devices", "dtype", "dtype_reason", "weight_resident_bytes", "quantization", "kv_cache_dtype", "kv_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,8 @@ class InfoResponse(_message.Message):
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     version: str
@@ -302,4 +304,6 @@ class InfoResponse(_message.Message):
     dtype_reason: str
     weight_resident_bytes: int
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ..., kv_block_bytes: _Optional[int] = ..., expert_residency: _Optional[str] = ..., num_experts: _Optional[int] = ..., expert_slots_per_layer: _Optional[int] = ..., expert_device_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_devices: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., weight_resident_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_tokens: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ..., kv_block_bytes: _Optional[int] = ..., expert_residency: _Optional[str] = ..., num_experts: _Optional[int] = ..., expert_slots_per_layer: _Optional[int] = ..., expert_device_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_devices: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., weight_resident_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_tokens: _Optional[int] = ...) -> None: ...

@@ -25,6 +25,7 @@ def runner_config(
     swap_bytes: int = 2**20,
     device: str = "cpu",
     expert_slots_per_layer: int | None = None,
+    kv_cache_dtype: str = "auto",
     **model_kw,
 ) -> SloserveConfig:
     """A small runner config; backend 'auto' by default, so tests run what users get."""
@@ -35,6 +36,7 @@ def runner_config(
             kv_pool_bytes=kv_pool_bytes,
             swap_bytes=swap_bytes,
             expert_slots_per_layer=expert_slots_per_layer,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(max_batch=max_batch, max_batched_tokens=max_batched_tokens),
     )

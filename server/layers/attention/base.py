@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+from sloserve.layers.attention.kv_int8 import is_int8, write_rows
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 
@@ -14,7 +15,8 @@ class BackendUnavailableError(RuntimeError):
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Paged attention over caches shaped [pages, page_size, kv_heads, head_dim].
+    """Paged attention over caches shaped [pages, page_size, kv_heads, head_dim] (an int8 cache:
+    [..., head_dim + 2], each row's scale after its values: kv_int8.py).
 
     A backend class has a ``name``, a constructor callable without arguments (raising
     ImportError or RuntimeError when its package is missing), and a static
@@ -87,7 +89,12 @@ def write_kv(
     v: torch.Tensor,  # [T, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots (slot = page * page_size + offset)."""
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter the new tokens' K/V into their cache slots (slot = page * page_size + offset); an
+    int8 cache takes each row quantized with its scale (kv_int8.py)."""
+    if is_int8(k_cache):
+        write_rows(k_cache, k, slot_mapping)
+        write_rows(v_cache, v, slot_mapping)
+        return
+    heads, row = k_cache.shape[-2:]
+    k_cache.view(-1, heads, row).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, row).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -2,8 +2,9 @@
 
 The kernel (`sloserve.hotpath._paged_attention`) walks each sequence's block table and reads
 its K/V rows where they lie in the pool: no per-layer gather of whole pages, no padding, no
-mask tensors. It runs float32 and bf16 caches on the CPU (a bf16 page widened in registers; the
-queries, scores, softmax and sums in float32); everything else (and SLOSERVE_NO_EXTENSIONS=1,
+mask tensors. It runs float32, bf16 and int8 caches on the CPU (a bf16 page widened in registers,
+an int8 row's dot products and weights times its scale: kv_int8.py; the queries, scores, softmax
+and sums in float32); everything else (and SLOSERVE_NO_EXTENSIONS=1,
 or an unbuilt extension) keeps the gather path in `sdpa.py`, its pure-torch twin.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from sloserve.hotpath import USING_EXTENSIONS
 from sloserve.layers.attention.base import write_kv
+from sloserve.layers.attention.kv_int8 import row_bytes
 
 try:
     if not USING_EXTENSIONS:
@@ -21,17 +23,18 @@ except ImportError:  # not built, or forced off: callers fall back to the gather
     _kernel = None
 
 AVAILABLE = _kernel is not None
-# The cache dtypes it reads (the queries and the output are float32 inside, in q's dtype outside).
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# The query dtypes it takes (float32 inside, q's dtype outside) and the cache dtypes it reads.
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the in-place kernel can run these tensors (built, CPU, a contiguous float32 or
-    bf16 cache, float32 or bf16 queries)."""
+    """Whether the in-place kernel can run these tensors (built, CPU, a contiguous float32, bf16
+    or int8 cache, float32 or bf16 queries)."""
     return (
         AVAILABLE
         and q.device.type == "cpu"
-        and q.dtype in CACHE_DTYPES
+        and q.dtype in QUERY_DTYPES
         and k_cache.dtype in CACHE_DTYPES
         and k_cache.is_contiguous()
     )
@@ -39,7 +42,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(
     q: torch.Tensor,  # [S, Hq, D] float32 or bf16, one query token per sequence
-    k_cache: torch.Tensor,  # [P, page, Hkv, D] float32 or bf16, contiguous
+    k_cache: torch.Tensor,  # [P, page, Hkv, D] float32 or bf16 ([..., D + 2] int8), contiguous
     v_cache: torch.Tensor,  # [P, page, Hkv, D]
     block_tables: torch.Tensor,  # [S, W] int32
     seq_lens: torch.Tensor,  # [S] int32
@@ -52,24 +55,26 @@ def paged_decode(
         )
     num_seqs, num_heads, dim = q.shape
     num_pages, page, kv_heads, kdim = k_cache.shape
+    int8 = k_cache.dtype == torch.int8
     if (
-        kdim != dim
+        kdim != (row_bytes(dim) if int8 else dim)
         or v_cache.shape != k_cache.shape
         or not v_cache.is_contiguous()
         or not k_cache.is_contiguous()
     ):
         raise ValueError(
-            f"caches must be contiguous [P, page, Hkv, {dim}], got {tuple(k_cache.shape)} "
+            f"caches must be contiguous [P, page, Hkv, {row_bytes(dim) if int8 else dim}], got {tuple(k_cache.shape)} "
             f"and {tuple(v_cache.shape)}"
         )
     if (
-        q.dtype not in CACHE_DTYPES
+        q.dtype not in QUERY_DTYPES
         or k_cache.dtype not in CACHE_DTYPES
         or v_cache.dtype != k_cache.dtype
     ):
         raise ValueError(
-            "the in-place paged decode kernel runs float32 or bfloat16 queries and caches (K and V "
-            f"alike), got {q.dtype} queries, {k_cache.dtype} K and {v_cache.dtype} V"
+            "the in-place paged decode kernel runs float32 or bfloat16 queries and float32, "
+            f"bfloat16 or int8 caches (K and V alike), got {q.dtype} queries, {k_cache.dtype} K "
+            f"and {v_cache.dtype} V"
         )
     out_dtype = q.dtype
     q = q.to(torch.float32).contiguous()
@@ -100,6 +105,7 @@ def paged_decode(
         float(scale),
         torch.get_num_threads(),
         k_cache.dtype == torch.bfloat16,
+        int8,
     )
     return out.to(out_dtype)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
+from sloserve.layers.attention import kv_int8
 from sloserve.layers.attention.metadata import AttentionMetadata
 
 
 class ReferenceBackend:
-    """Gather each sequence's pages, mask causally (bottom-right), softmax in float32."""
+    """Gather each sequence's pages (an int8 cache's dequantized into q's dtype), mask causally
+    (bottom-right), softmax in float32."""
 
     name = "reference"
 
@@ -28,7 +30,9 @@ class ReferenceBackend:
         ):
             lo, hi = cu[i], cu[i + 1]
             pages = meta.block_tables_list[i][: (seq_len + page - 1) // page]
-            out[lo:hi] = _attend(q[lo:hi], k_cache[pages], v_cache[pages], start, seq_len, scale)
+            k_pages = kv_int8.pages(k_cache, pages, q.dtype)
+            v_pages = kv_int8.pages(v_cache, pages, q.dtype)
+            out[lo:hi] = _attend(q[lo:hi], k_pages, v_pages, start, seq_len, scale)
         return out
 
 
@@ -61,8 +65,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     width = (meta.max_seqlen_k + page - 1) // page
     length = width * page
     pages = meta.block_tables[:, :width].reshape(-1)
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages)  # [S * width, page * Hkv * D]
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages)
+    k = kv_int8.flat_pages(k_cache, pages, q.dtype)  # [S * width, page * Hkv * D]
+    v = kv_int8.flat_pages(v_cache, pages, q.dtype)
     # Slots past a sequence's length (its last page's tail, the null page padding the table) hold
     # whatever the pool held, NaN included; a masked score still multiplies them (0 * NaN = NaN),
     # so they are zeroed in the fresh gathers, not just masked.

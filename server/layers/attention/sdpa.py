@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from sloserve.layers.attention import paged
+from sloserve.layers.attention import kv_int8, paged
 from sloserve.layers.attention.base import check_heads
 from sloserve.layers.attention.metadata import AttentionMetadata
 
@@ -164,8 +164,9 @@ class SdpaBackend:
             tokens, pages, outside, outside_rows = decode_inputs
             out[tokens] = _decode(q[tokens], k_cache, v_cache, pages, outside, outside_rows, scale)
         for lo, hi, seq_len, pages, mask in prefills:
-            k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-            v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+            # [Hkv, L, D]
+            k = kv_int8.pages(k_cache, pages, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
+            v = kv_int8.pages(v_cache, pages, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
             out[lo:hi] = _sdpa(
                 q[lo:hi].transpose(0, 1), k, v, mask, scale, causal=mask is None
             ).transpose(0, 1)
@@ -187,8 +188,8 @@ class SdpaBackend:
         device = q.device
         table = meta.block_tables[:, :num_blocks].to(torch.long)  # [S, nb]
         # [S, nb, page, Hkv, D] -> [S, Hkv, Lk, D]
-        k = k_cache[table].flatten(1, 2).transpose(1, 2)
-        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        k = kv_int8.pages(k_cache, table, q.dtype).flatten(1, 2).transpose(1, 2)
+        v = kv_int8.pages(v_cache, table, q.dtype).flatten(1, 2).transpose(1, 2)
         seq_of_token, row = meta.token_rows(q)
         q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim)
         q_pad[seq_of_token, row] = q
@@ -235,13 +236,13 @@ def _decode(
     num_seqs, length = outside.shape
     rows = num_seqs * length
     # [Sd * Lk, Hkv * D]
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(rows, -1)
+    k = kv_int8.flat_pages(k_cache, pages, q.dtype).view(rows, -1)
+    v = kv_int8.flat_pages(v_cache, pages, q.dtype).view(rows, -1)
     # Padding slots may hold NaN (see _forward_batched): zeroed in the fresh gathers, then masked.
     # Only those rows are written (index_fill_), a fraction of what a full masked_fill_ touches.
     k.index_fill_(0, outside_rows, 0.0)
     v.index_fill_(0, outside_rows, 0.0)
-    shape = (num_seqs, length, *k_cache.shape[2:])  # [Sd, Lk, Hkv, D]
+    shape = (num_seqs, length, k_cache.shape[2], q.shape[-1])  # [Sd, Lk, Hkv, D]
     k, v = k.view(shape), v.view(shape)
     mask = ~outside.view(num_seqs, 1, 1, length)  # keys < seq_len
     if q.device.type == "cpu" and q.dtype != torch.float32:
