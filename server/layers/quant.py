@@ -20,6 +20,14 @@ int8 arithmetic without, slower), so nothing here needs an instruction set to ru
 from __future__ import annotations
 
 import torch
+from sloserve.hotpath import USING_EXTENSIONS
+
+try:
+    if not USING_EXTENSIONS:
+        raise ImportError("SLOSERVE_NO_EXTENSIONS forces the torch ops")
+    from sloserve.hotpath._cpu_ops import int8_rescale as _rescale
+except ImportError:  # not built, or forced off: the torch ops in `_w8a8`
+    _rescale = None
 
 # Row counts whose products run weight-only (W8A16); every other count quantizes its activations too.
 W8A16_ROWS = range(2, 5)
@@ -91,9 +99,41 @@ class Int8Linear:
             return x.new_empty((*lead, self.out_features))
         if x2.shape[0] in W8A16_ROWS:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(x.dtype))
+            if self.bias is not None:
+                y = y + self.bias
         else:
-            xq, xs = quantize_rows(x2)
-            y = (torch._int_mm(xq, self.qweight.t()) * (xs[:, None] * self.scale)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+            y = self._w8a8(x2)
         return y.reshape(*lead, self.out_features)
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x quantized per token, int32 sums, rescaled to x's dtype (+ bias).
+
+        NOTE: the rescale is one C pass where built (the same bits): torch's ops make three
+        temporaries of the product's size, which cost more than `_int_mm` itself on a prefill
+        chunk (512 rows of gate/up: ~3.5 ms against its ~5.4; docs/design/cpu-decode.md).
+        """
+        xq, xs = quantize_rows(x)
+        acc = torch._int_mm(xq, self.qweight.t())
+        bias, dtype = self.bias, x.dtype
+        if (
+            _rescale is not None
+            and dtype in (torch.float32, torch.bfloat16)
+            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+            and acc.is_contiguous()
+            and not torch.compiler.is_compiling()
+        ):
+            out = torch.empty(acc.shape, dtype=dtype)
+            rows, cols = acc.shape
+            _rescale(
+                acc.data_ptr(),
+                xs.data_ptr(),
+                self.scale.data_ptr(),
+                0 if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                rows,
+                cols,
+                dtype == torch.bfloat16,
+            )
+            return out
+        y = (acc * (xs[:, None] * self.scale)).to(dtype)
+        return y if bias is None else y + bias

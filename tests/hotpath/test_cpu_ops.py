@@ -1,11 +1,11 @@
-"""The CPU RMSNorm and rotary kernels (`sloserve.hotpath._cpu_ops`) against their torch twins."""
+"""The CPU RMSNorm, rotary and int8 rescale kernels (`sloserve.hotpath._cpu_ops`) against their torch twins."""
 
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from sloserve.layers import norm, rope  # noqa: E402
+from sloserve.layers import norm, quant, rope  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     norm._kernel is None or rope._kernel is None,
@@ -60,3 +60,29 @@ def test_other_layouts_and_dtypes_take_the_torch_ops():
     cos, sin = torch.ones(4, 8, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.float64)
     assert not rope._fits(x, cos, sin) and torch.equal(rope.apply_rope(x, cos, sin), x)
     assert not norm._fits(torch.randn(4, 8).t(), torch.ones(4))
+
+
+@pytest.mark.skipif(quant._rescale is None, reason="the compiled extensions are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "out_f", "in_f"), [(1, 24, 16), (5, 67, 33), (64, 130, 48)])
+def test_int8_rescale_gives_the_torch_ops_bits(monkeypatch, dtype, bias, rows, out_f, in_f):
+    """W8A8's rescale in one C pass equals `(acc * (xs[:, None] * ws)).to(dtype) + bias` bit for
+    bit, ties to even and large sums included."""
+    gen = torch.Generator().manual_seed(rows * out_f + in_f)
+    weight = torch.randn(out_f, in_f, generator=gen)
+    b = torch.randn(out_f, generator=gen).to(dtype) if bias else None
+    proj = quant.Int8Linear.quantize(weight, b)
+    x = (torch.randn(rows, in_f, generator=gen) * 50).to(dtype)
+    got = proj(x)
+    monkeypatch.setattr(quant, "_rescale", None)
+    want = proj(x)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want)
+    # the twin itself: the formula, spelled out
+    xq, xs = quant.quantize_rows(x)
+    acc = torch._int_mm(xq, proj.qweight.t())
+    formula = (acc * (xs[:, None] * proj.scale)).to(dtype)
+    if b is not None:
+        formula = formula + b
+    assert torch.equal(want, formula)
