@@ -50,6 +50,7 @@ from sloserve.layers.linear import (
 from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
+from sloserve.models.compressed_tensors import read_quant_config
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
 from sloserve.models.shard import Shard
@@ -102,6 +103,19 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
             "drop it (or pass --device cpu)"
         )
     path = resolve_model_path(mc.path)
+    quant = read_quant_config(path)
+    if quant is not None:
+        if mc.quantization != "none":
+            raise ValueError(
+                f"--quantization {mc.quantization} was given, but {path} is already quantized "
+                f"({quant.describe()}): drop --quantization"
+            )
+        if device.type != "cpu":
+            raise ValueError(
+                f"{path} is quantized ({quant.describe()}); quantized checkpoints run on a CPU "
+                f"only for now, not on {device.type}: pass --device cpu"
+            )
+        log.info("quantized checkpoint: %s", quant.describe())
     # NOTE: tensor-parallel ranks decide by the CPU's units alone: each rank's probe times its own
     # run, and every rank must hold the same dtype.
     choice = choose_dtype(mc.dtype, device, checkpoint_dtype(path), probe=shard.size == 1)
@@ -331,7 +345,10 @@ def prepare_projections(
         kind, how = OneDnnLinear, "read in place (the fused step reads them too)"
     else:
         kind, how = PackedLinear, "packed"
-    count = weights.replace_dense(lambda proj: kind(proj.weight, proj.bias))
+    # a quantized checkpoint's projections keep the kind the loader built (layers/int4.py, w8a16.py)
+    count = weights.replace_dense(
+        lambda proj: kind(proj.weight, proj.bias) if isinstance(proj, DenseLinear) else proj
+    )
     log.info(
         "dense projections on oneDNN: %d weights %s, held once, in %.2fs",
         count,

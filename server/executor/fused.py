@@ -49,8 +49,10 @@ import torch
 from sloserve.executor.inputs import DecodeInputs, TokenRows
 from sloserve.executor.team import TeamSize
 from sloserve.hotpath import USING_EXTENSIONS
+from sloserve.layers.int4 import Int4Linear
 from sloserve.layers.linear import MIN_PACKED_ROWS, Linear, on_onednn
 from sloserve.layers.quant import Int8Linear
+from sloserve.layers.w8a16 import W8A16Linear
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.weights import LayerWeights
 
@@ -123,6 +125,15 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "the fused decode extension is not built (or SLOSERVE_NO_EXTENSIONS is set)"
     if spec.moe_layers:
         return "MoE layers route on the host"
+    if any(
+        isinstance(getattr(layer, name), Int4Linear | W8A16Linear)
+        for layer in w.layers
+        for name in _PROJECTIONS
+    ):
+        return (
+            "int4 and W8A16 projections run on torch's weight-only kernels (the kernel reads "
+            "float32, bf16 and int8 W8A8 weights)"
+        )
     if model.sharded:
         return "tensor parallelism splits the layers"
     if kv.device.type != "cpu" or kv.dtype not in KERNEL_DTYPES or not kv.is_contiguous():

@@ -1,0 +1,240 @@
+"""llm-compressor's compressed-tensors checkpoints: `quantization_config` read and checked, each
+quantized projection built from its packed tensors (docs/design/quantized-checkpoints.md).
+
+`pack-quantized` stores each quantized Linear as `weight_packed` (int32 [out, ceil(in / (32 / bits))],
+32 / bits signed values a word, each offset by 2^(bits - 1), the first in the lowest bits),
+`weight_scale` ([out, groups], the model's dtype), `weight_zero_point` when asymmetric (int32,
+packed the same way along the output rows: [ceil(out / (32 / bits)), groups]) and `weight_shape`
+([out, in]); w = (q - zero_point) * scale. 4 bits become `Int4Linear`, 8 bits `W8A16Linear`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from sloserve.errors import CheckpointError
+from sloserve.layers.int4 import GROUP_SIZES, Int4Linear, channel_group_size
+from sloserve.layers.linear import Linear
+from sloserve.layers.w8a16 import W8A16Linear
+from sloserve.models.spec import read_json
+
+METHODS = ("compressed-tensors",)
+FORMATS = ("pack-quantized",)
+BITS = (4, 8)
+STRATEGIES = {4: ("group", "channel"), 8: ("channel",)}
+# activation orders that store no g_idx (columns kept in place)
+ACT_ORDERS = (None, "weight", "static")
+# Rows unpacked at a time at load: the int32 temporaries stay this small.
+_UNPACK_ROWS = 1024
+
+
+@dataclass(slots=True, frozen=True)
+class WeightScheme:
+    """How one config group quantizes its Linear weights."""
+
+    bits: int
+    strategy: str  # "group" or "channel"
+    group_size: int | None
+    symmetric: bool
+
+    def groups(self, in_features: int) -> int:
+        """Scales per output row for a row of `in_features` inputs."""
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def describe(self) -> str:
+        per = "per channel" if self.group_size is None else f"groups of {self.group_size}"
+        return f"W{self.bits}A16 {per}, {'symmetric' if self.symmetric else 'asymmetric'}"
+
+
+@dataclass(slots=True, frozen=True)
+class QuantConfig:
+    """A compressed-tensors `quantization_config`: each group's targets and scheme, and the ignore list."""
+
+    format: str
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]
+    ignore: tuple[str, ...]
+
+    def scheme_for(self, module: str) -> WeightScheme | None:
+        """The scheme quantizing the Linear `module` (its dotted name); None: kept unquantized."""
+        if any(_matches(p, module) for p in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == "Linear" or _matches(t, module) for t in targets):
+                return scheme
+        return None
+
+    def describe(self) -> str:
+        schemes = sorted({s.describe() for _, s in self.groups})
+        return f"compressed-tensors {self.format}: {'; '.join(schemes)}"
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """compressed-tensors' target rule: `re:` + a regex matched at the start, else the exact name."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name
+
+
+def read_quant_config(folder: Path) -> QuantConfig | None:
+    """The checked `quantization_config` of `folder/config.json` (None: an unquantized checkpoint)."""
+    path = folder / "config.json"
+    raw = read_json(path).get("quantization_config")
+    if raw is None:
+        return None
+    where = f"{path}: quantization_config"
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where} must be a JSON object")
+    method = raw.get("quant_method")
+    if method not in METHODS:
+        raise CheckpointError(
+            f"{where}.quant_method {method!r} is not supported; sloserve reads "
+            f"{', '.join(METHODS)} (GPTQ, AWQ and FP8 folders are not read yet)"
+        )
+    status = raw.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise CheckpointError(
+            f"{where}.quantization_status {status!r}: sloserve reads saved compressed folders "
+            "(save_pretrained(..., save_compressed=True))"
+        )
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if raw.get(key):
+            raise CheckpointError(f"{where}.{key} is set; sloserve reads none (leave it empty)")
+    top_format = raw.get("format")
+    groups_raw = raw.get("config_groups")
+    if not isinstance(groups_raw, dict) or not groups_raw:
+        raise CheckpointError(f"{where}.config_groups must be a non-empty object")
+    groups, formats = [], set()
+    for name, group in groups_raw.items():
+        at = f"{where}.config_groups.{name}"
+        if not isinstance(group, dict):
+            raise CheckpointError(f"{at} must be an object")
+        fmt = group.get("format") or top_format
+        if fmt not in FORMATS:
+            raise CheckpointError(
+                f"{at}.format {fmt!r} is not supported; sloserve reads {', '.join(FORMATS)}"
+            )
+        formats.add(fmt)
+        for key in ("input_activations", "output_activations"):
+            if group.get(key):
+                raise CheckpointError(
+                    f"{at}.{key} is set: sloserve reads weight-only schemes (W4A16, W8A16) for now"
+                )
+        targets = group.get("targets")
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise CheckpointError(f"{at}.targets must be a list of names")
+        groups.append((tuple(targets), _scheme(group.get("weights"), f"{at}.weights")))
+    ignore = raw.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+        raise CheckpointError(f"{where}.ignore must be a list of names")
+    return QuantConfig(formats.pop(), tuple(groups), tuple(ignore))
+
+
+def _scheme(weights: object, at: str) -> WeightScheme:
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{at} must be an object")
+    if weights.get("type", "int") != "int":
+        raise CheckpointError(f"{at}.type {weights.get('type')!r} is not supported; use int")
+    bits = weights.get("num_bits")
+    if bits not in BITS:
+        raise CheckpointError(
+            f"{at}.num_bits {bits!r} is not supported; sloserve runs {', '.join(map(str, BITS))}"
+        )
+    strategy = weights.get("strategy")
+    if strategy not in STRATEGIES[bits]:
+        raise CheckpointError(
+            f"{at}.strategy {strategy!r} is not supported at {bits} bits; sloserve runs "
+            f"{', '.join(STRATEGIES[bits])}"
+        )
+    group_size = None
+    if strategy == "group":
+        group_size = weights.get("group_size")
+        if group_size not in GROUP_SIZES:
+            raise CheckpointError(
+                f"{at}.group_size {group_size!r} is not supported; sloserve runs "
+                f"{', '.join(map(str, GROUP_SIZES))}"
+            )
+    if weights.get("dynamic"):
+        raise CheckpointError(f"{at}.dynamic is true; weights must be quantized statically")
+    if weights.get("actorder") not in ACT_ORDERS:
+        raise CheckpointError(
+            f"{at}.actorder {weights.get('actorder')!r} is not supported (it stores a g_idx); "
+            "sloserve reads actorder null or weight"
+        )
+    return WeightScheme(bits, strategy, group_size, bool(weights.get("symmetric", True)))
+
+
+def expected_tensors(
+    scheme: WeightScheme, out_f: int, in_f: int
+) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+    """suffix -> (shape, allowed dtypes) of one quantized Linear's tensors; ValueError when the
+    shape cannot run (a group that does not divide the row)."""
+    if scheme.group_size is not None and in_f % scheme.group_size:
+        raise ValueError(f"its {in_f} inputs are not a multiple of group_size {scheme.group_size}")
+    if scheme.bits == 4:
+        if scheme.group_size is None:
+            channel_group_size(in_f)
+        if out_f % 16:
+            raise ValueError(f"int4 weights need a multiple of 16 output rows, got {out_f}")
+    per_word = 32 // scheme.bits
+    groups = scheme.groups(in_f)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    tensors = {
+        "weight_packed": ((out_f, math.ceil(in_f / per_word)), (torch.int32,)),
+        "weight_scale": ((out_f, groups), floats),
+        "weight_shape": ((2,), (torch.int32, torch.int64)),
+    }
+    if not scheme.symmetric:
+        tensors["weight_zero_point"] = ((math.ceil(out_f / per_word), groups), (torch.int32,))
+    return tensors
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """Signed int8 values [rows, columns] of words packed along dim 1 (see the module docstring)."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    out = torch.empty((packed.shape[0], columns), dtype=torch.int8)
+    for start in range(0, packed.shape[0], _UNPACK_ROWS):
+        words = packed[start : start + _UNPACK_ROWS]
+        values = ((words[..., None] >> shifts) & mask).reshape(words.shape[0], -1)
+        out[start : start + _UNPACK_ROWS] = values[:, :columns] - (1 << (bits - 1))
+    return out
+
+
+def build_projection(
+    read,
+    modules: list[str],
+    shapes: list[tuple[int, int]],
+    scheme: WeightScheme,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> Linear:
+    """The projection of the quantized Linears `modules` joined along their output rows.
+
+    `read(name, shape, dtype)` returns a checkpoint tensor (in its file's dtype when dtype is None).
+    """
+    qs, scales, zero_points = [], [], []
+    for module, (out_f, in_f) in zip(modules, shapes, strict=True):
+        tensors = expected_tensors(scheme, out_f, in_f)
+        stored = read(module + ".weight_shape", (2,), None).tolist()
+        if stored != [out_f, in_f]:
+            raise CheckpointError(
+                f"{module}.weight_shape is {stored}, but config.json implies {[out_f, in_f]}"
+            )
+        packed = read(module + ".weight_packed", tensors["weight_packed"][0], None)
+        qs.append(unpack_int32(packed, scheme.bits, in_f))
+        del packed
+        scales.append(read(module + ".weight_scale", tensors["weight_scale"][0], torch.float32))
+        if not scheme.symmetric:
+            zp = read(module + ".weight_zero_point", tensors["weight_zero_point"][0], None)
+            zero_points.append(unpack_int32(zp.t().contiguous(), scheme.bits, out_f).t())
+    q = qs[0] if len(qs) == 1 else torch.cat(qs)
+    del qs
+    scale = torch.cat(scales)
+    zero_point = torch.cat(zero_points) if zero_points else None
+    if scheme.bits == 4:
+        return Int4Linear.from_signed(q, scale, zero_point, bias, dtype)
+    return W8A16Linear(q, scale, zero_point, bias)
