@@ -1,14 +1,16 @@
 """int4 weight-only projections on a CPU: torch's int4 kernel against dequantizing a tile, and bf16.
 
 On the 358M Llama's projection shapes ([896 -> 4864] up, [4864 -> 896] down, [896 -> 1152] qkv)
-at 1, 4, 16, 64, 128 and 512 rows, each candidate from an activation in the model's dtype (bf16) to its
+at 1, 4, 16, 64, 128, 256 and 512 rows, each candidate from an activation in the model's dtype (bf16) to its
 output, with int4 weights in groups of 128 along the input, asymmetric (a zero per group):
 
 - `bf16`: oneDNN's packed bf16 product (`PackedBf16Linear`), the baseline of the ratios;
-- `int4pack`: torch's `_weight_int4pack_mm_for_cpu` on the weight converted once by
-  `_convert_weight_to_int4pack_for_cpu` ([out, in / 2] bytes), scales and zeros [in / 128, out, 2];
-- `deq_tile`: the weight kept as nibbles [out, in / 2], each tile of 512 output rows unpacked,
-  dequantized to bf16 and multiplied on torch's bf16 `linear`, tile by tile (no full copy).
+- `int4pack`: torch's `_weight_int4pack_mm_for_cpu` on `Int4Linear`'s weight (converted once by
+  `_convert_weight_to_int4pack_for_cpu`: [out, in / 2] bytes), scales and zeros [in / 128, out, 2];
+- `deq_tile`: the same weight, each tile of 512 output rows unpacked and dequantized to bf16
+  (`Int4Linear.dequantized`) and multiplied on torch's bf16 `linear`, tile by tile (no full copy).
+
+`Int4Linear` runs the first below `DEQUANT_ROWS` rows and the second from there on.
 
 Rounds alternate the candidates (the machine may be shared); the best round counts. Each
 candidate's result is checked against the float32 product of the dequantized weight.
@@ -26,53 +28,46 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from sloserve.layers.int4 import TILE_OUT, Int4Linear
 from sloserve.layers.linear import PackedBf16Linear
 
 from benchmarks._output import OUT, write_json
 
 SHAPES = {"up": (4864, 896), "down": (896, 4864), "qkv": (1152, 896)}
-ROWS = (1, 4, 16, 64, 128, 512)
+ROWS = (1, 4, 16, 64, 128, 256, 512)
 GROUP = 128
-DEQ_TILE = 512
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of GROUP inputs: values 0..15 [out, in], scales and zeros [out, in/GROUP]."""
+    """Asymmetric int4 per group of GROUP inputs: signed values [out, in], scales and zero points
+    [out, in / GROUP] (w = (q - zero_point) * scale, as compressed-tensors defines it)."""
     g = w.reshape(w.shape[0], -1, GROUP)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
     scale = ((hi - lo) / 15).clamp(min=1e-8)
-    zero = torch.round(-lo / scale)
-    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-    return q.reshape(w.shape).to(torch.int32), scale, zero
+    zero_point = torch.round(-8 - lo / scale).clamp(-8, 7)
+    q = torch.round(g / scale[..., None] + zero_point[..., None]).clamp(-8, 7)
+    return q.reshape(w.shape).to(torch.int8), scale, zero_point.to(torch.int8)
 
 
 def candidates(w: torch.Tensor) -> tuple[dict[str, Callable], torch.Tensor]:
     """name -> a product from a bf16 activation; and the float32 weight the int4 one stands for."""
-    q, s, z = quantize_groups(w)
-    dequant = ((q.float().reshape(*s.shape, GROUP) - z[..., None]) * s[..., None]).reshape(w.shape)
-    # torch's kernel computes (q - 8) * scale + zero: our zero point moves into its `zero`
-    scales_zeros = torch.stack([s.t(), (8 - z).t() * s.t()], dim=-1).contiguous()
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    sz_bf16 = scales_zeros.bfloat16()
-    nibbles = (q[:, 1::2] << 4 | q[:, ::2]).to(torch.uint8)
-    s_bf16, z_bf16 = s.bfloat16(), z.bfloat16()
+    q, s, zp = quantize_groups(w)
+    proj = Int4Linear.from_signed(q, s, zp, dtype=torch.bfloat16)
     bf16 = PackedBf16Linear(w.bfloat16())
 
     def int4pack(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz_bf16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, proj.packed, proj.group_size, proj.scales_zeros
+        )
 
     def deq_tile(x: torch.Tensor) -> torch.Tensor:
-        parts = []
-        for i in range(0, nibbles.shape[0], DEQ_TILE):
-            t = nibbles[i : i + DEQ_TILE]
-            vals = torch.stack([t & 15, t >> 4], dim=-1).reshape(t.shape[0], -1, GROUP)
-            tile = (vals.to(torch.bfloat16) - z_bf16[i : i + DEQ_TILE, :, None]) * s_bf16[
-                i : i + DEQ_TILE, :, None
-            ]
-            parts.append(F.linear(x, tile.reshape(t.shape[0], -1)))
+        parts = [
+            F.linear(x, proj.dequantized(slice(i, i + TILE_OUT), x.dtype))
+            for i in range(0, proj.out_features, TILE_OUT)
+        ]
         return torch.cat(parts, dim=-1)
 
-    return {"bf16": bf16, "int4pack": int4pack, "deq_tile": deq_tile}, dequant
+    return {"bf16": bf16, "int4pack": int4pack, "deq_tile": deq_tile}, proj.dequantized()
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 # Group sizes (inputs sharing a scale and zero) torch's int4 kernel runs.
 GROUP_SIZES = (32, 64, 128, 256)
 # Products of this many rows and more dequantize a tile at a time (see the module docstring).
-DEQUANT_ROWS = 64
+DEQUANT_ROWS = 256
 # Output rows dequantized at a time: a multiple of the layout's blocks of 64 rows.
 TILE_OUT = 512
 # Row blocks of torch's CPU int4 layout (rows past the last whole block pair up instead).
