@@ -6,6 +6,10 @@ quantized projection built from its packed tensors (docs/design/quantized-checkp
 `weight_scale` ([out, groups], the model's dtype), `weight_zero_point` when asymmetric (int32,
 packed the same way along the output rows: [ceil(out / (32 / bits)), groups]) and `weight_shape`
 ([out, in]); w = (q - zero_point) * scale. 4 bits become `Int4Linear`, 8 bits `W8A16Linear`.
+
+`int-quantized` W8A8 (int8 weights with a scale per output channel, activations quantized per
+token as they come) stores the int8 `weight` [out, in] as it is and `weight_scale` [out, 1]: it
+becomes `TokenW8A8Linear`, `Int8Linear`'s rows and scales with the checkpoint's activation rounding.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import torch
 from sloserve.errors import CheckpointError
 from sloserve.layers.int4 import GROUP_SIZES, Int4Linear, channel_group_size
 from sloserve.layers.linear import Linear
+from sloserve.layers.w8a8 import TokenW8A8Linear
 from sloserve.layers.w8a16 import W8A16Linear
 from sloserve.models.spec import read_json
 
 METHODS = ("compressed-tensors",)
-FORMATS = ("pack-quantized",)
+FORMATS = ("pack-quantized", "int-quantized")
 BITS = (4, 8)
 STRATEGIES = {4: ("group", "channel"), 8: ("channel",)}
 # activation orders that store no g_idx (columns kept in place)
@@ -40,6 +45,8 @@ class WeightScheme:
     strategy: str  # "group" or "channel"
     group_size: int | None
     symmetric: bool
+    # int-quantized W8A8: activations quantized per token, dynamically
+    activations: bool = False
 
     def groups(self, in_features: int) -> int:
         """Scales per output row for a row of `in_features` inputs."""
@@ -47,6 +54,8 @@ class WeightScheme:
 
     def describe(self) -> str:
         per = "per channel" if self.group_size is None else f"groups of {self.group_size}"
+        if self.activations:
+            return f"W8A8 {per}, symmetric, dynamic per-token activations"
         return f"W{self.bits}A16 {per}, {'symmetric' if self.symmetric else 'asymmetric'}"
 
 
@@ -118,15 +127,25 @@ def read_quant_config(folder: Path) -> QuantConfig | None:
                 f"{at}.format {fmt!r} is not supported; sloserve reads {', '.join(FORMATS)}"
             )
         formats.add(fmt)
-        for key in ("input_activations", "output_activations"):
-            if group.get(key):
-                raise CheckpointError(
-                    f"{at}.{key} is set: sloserve reads weight-only schemes (W4A16, W8A16) for now"
-                )
+        if group.get("output_activations"):
+            raise CheckpointError(f"{at}.output_activations is set; sloserve quantizes no outputs")
+        activations = group.get("input_activations")
+        if fmt == "pack-quantized" and activations:
+            raise CheckpointError(
+                f"{at}.input_activations is set: pack-quantized runs weight-only schemes "
+                "(W4A16, W8A16); W8A8 comes as int-quantized"
+            )
         targets = group.get("targets")
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
             raise CheckpointError(f"{at}.targets must be a list of names")
-        groups.append((tuple(targets), _scheme(group.get("weights"), f"{at}.weights")))
+        scheme = _scheme(group.get("weights"), f"{at}.weights")
+        if fmt == "int-quantized":
+            scheme = _w8a8(scheme, activations, at)
+        groups.append((tuple(targets), scheme))
+    if len(formats) > 1:
+        raise CheckpointError(
+            f"{where}: config groups mix formats {sorted(formats)}; sloserve reads one per folder"
+        )
     ignore = raw.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
         raise CheckpointError(f"{where}.ignore must be a list of names")
@@ -167,6 +186,25 @@ def _scheme(weights: object, at: str) -> WeightScheme:
     return WeightScheme(bits, strategy, group_size, bool(weights.get("symmetric", True)))
 
 
+def _w8a8(weights: WeightScheme, activations: object, at: str) -> WeightScheme:
+    """An int-quantized group's scheme: what `Int8Linear` runs, or CheckpointError."""
+    if weights.bits != 8 or weights.strategy != "channel" or not weights.symmetric:
+        raise CheckpointError(
+            f"{at}.weights: int-quantized runs as int8 rows with a scale each; sloserve reads "
+            "num_bits 8, strategy channel, symmetric true"
+        )
+    want = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    if not isinstance(activations, dict) or any(
+        activations.get(k, "int" if k == "type" else None) != v for k, v in want.items()
+    ):
+        raise CheckpointError(
+            f"{at}.input_activations {activations!r}: sloserve reads dynamic per-token int8 "
+            "activations (num_bits 8, strategy token, dynamic true, symmetric true); static "
+            "activation scales are not read yet"
+        )
+    return WeightScheme(8, "channel", None, True, activations=True)
+
+
 def expected_tensors(
     scheme: WeightScheme, out_f: int, in_f: int
 ) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
@@ -182,6 +220,11 @@ def expected_tensors(
     per_word = 32 // scheme.bits
     groups = scheme.groups(in_f)
     floats = (torch.float32, torch.bfloat16, torch.float16)
+    if scheme.activations:
+        return {
+            "weight": ((out_f, in_f), (torch.int8,)),
+            "weight_scale": ((out_f, 1), floats),
+        }
     tensors = {
         "weight_packed": ((out_f, math.ceil(in_f / per_word)), (torch.int32,)),
         "weight_scale": ((out_f, groups), floats),
@@ -216,6 +259,11 @@ def build_projection(
 
     `read(name, shape, dtype)` returns a checkpoint tensor (in its file's dtype when dtype is None).
     """
+    if scheme.activations:
+        pairs = list(zip(modules, shapes, strict=True))
+        weight = torch.cat([read(m + ".weight", s, None) for m, s in pairs])
+        scale = torch.cat([read(m + ".weight_scale", (s[0], 1), torch.float32) for m, s in pairs])
+        return TokenW8A8Linear(weight, scale.reshape(-1), bias)
     qs, scales, zero_points = [], [], []
     for module, (out_f, in_f) in zip(modules, shapes, strict=True):
         tensors = expected_tensors(scheme, out_f, in_f)

@@ -28,6 +28,12 @@ class Scheme:
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
     extra: dict = field(default_factory=dict, hash=False)
+    # W8A8: activations quantized per token, dynamically (format int-quantized)
+    activations: bool = False
+
+    @property
+    def format(self) -> str:
+        return "int-quantized" if self.activations else "pack-quantized"
 
     def config(self) -> dict:
         """compressed-tensors' QuantizationConfig as a plain dict."""
@@ -39,10 +45,20 @@ class Scheme:
             **({} if self.group_size is None else {"group_size": self.group_size}),
             **self.extra,
         }
-        return {
-            "config_groups": {"group_0": {"targets": list(self.targets), "weights": weights}},
-            "ignore": list(self.ignore),
-        }
+        group = {"targets": list(self.targets), "weights": weights}
+        if self.activations:
+            group["input_activations"] = TOKEN_ACTIVATIONS
+        return {"config_groups": {"group_0": group}, "ignore": list(self.ignore)}
+
+
+# compressed-tensors' W8A8 preset's activations: int8 per token, scales computed as they come
+TOKEN_ACTIVATIONS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "token",
+    "dynamic": True,
+}
 
 
 def _minmax(weight, args):
@@ -54,8 +70,8 @@ def _minmax(weight, args):
 
 
 def quantized_checkpoint(arch: str, tmp_root: Path, scheme: Scheme, **overrides) -> Path:
-    """Folder of a compressed-tensors `pack-quantized` checkpoint of the tiny `arch` model (built
-    once per arguments), beside it `oracle.safetensors`: the fake-quantized float32 weights."""
+    """Folder of a compressed-tensors checkpoint (`scheme.format`) of the tiny `arch` model (built
+    once per arguments), beside it `oracle.safetensors.bin`: the fake-quantized float32 weights."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -66,7 +82,7 @@ def quantized_checkpoint(arch: str, tmp_root: Path, scheme: Scheme, **overrides)
     from transformers import AutoModelForCausalLM
 
     base = tiny_checkpoint(arch, tmp_root, **overrides)
-    key = json.dumps([base.name, scheme.config()], sort_keys=True)
+    key = json.dumps([base.name, scheme.format, scheme.config()], sort_keys=True)
     folder = Path(tmp_root) / f"ct-{arch}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
     if (folder / "config.json").is_file():
         return folder
@@ -86,7 +102,7 @@ def quantized_checkpoint(arch: str, tmp_root: Path, scheme: Scheme, **overrides)
             oracle[name + ".weight"] = fake_quantize(
                 module.weight, module.weight_scale, module.weight_zero_point, args
             ).contiguous()
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=scheme.format)
     compressor.compress_model(model)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -100,15 +116,30 @@ def quantized_checkpoint(arch: str, tmp_root: Path, scheme: Scheme, **overrides)
 
 def fake_quantized_model(folder: Path, arch: str, tmp_root: Path, **overrides):
     """transformers' float32 model of the unquantized tiny checkpoint with each quantized weight
-    replaced by its fake-quantized value (the oracle of a quantized folder)."""
+    replaced by its fake-quantized value and, for W8A8, each quantized Linear's input
+    fake-quantized per token by compressed-tensors' own dynamic path (the oracle of the folder)."""
     import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
     from safetensors.torch import load_file
 
     from tests.checkpoints import load_hf_model
 
     model = load_hf_model(tiny_checkpoint(arch, tmp_root, **overrides))
-    params = dict(model.named_parameters())
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    activations = config["config_groups"]["group_0"].get("input_activations")
+    args = QuantizationArgs(**activations) if activations else None
+
+    def quantize_input(module, inputs):
+        (x,) = inputs
+        scale, zero_point = compute_dynamic_scales_and_zp(x, args, module)
+        return (fake_quantize(x, scale, zero_point, args),)
+
     with torch.no_grad():
         for name, weight in load_file(folder / "oracle.safetensors.bin").items():
             params[name].copy_(weight)
+            if args is not None:
+                modules[name.removesuffix(".weight")].register_forward_pre_hook(quantize_input)
     return model

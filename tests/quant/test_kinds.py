@@ -1,5 +1,6 @@
-"""The weight-only kinds (layers/int4.py, layers/w8a16.py) against plain-torch products of the
-weight their format defines, on both sides of DEQUANT_ROWS, and what they hold."""
+"""The quantized checkpoints' kinds (layers/int4.py, w8a16.py, w8a8.py) against plain-torch
+products of the weight their format defines, on both sides of each kind's DEQUANT_ROWS, and what
+they hold."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from sloserve.layers.int4 import (
     layout_known,
     unpack_rows,
 )
+from sloserve.layers.w8a8 import TokenW8A8Linear
+from sloserve.layers.w8a16 import DEQUANT_ROWS as W8A16_DEQUANT_ROWS
 from sloserve.layers.w8a16 import W8A16Linear
 
-ROWS = (1, 3, DEQUANT_ROWS - 1, DEQUANT_ROWS, 600)
+# each side of both kinds' switch from the int kernel to dequantized tiles
+ROWS = tuple(
+    sorted({1, 3, 600} | {n + d for n in (DEQUANT_ROWS, W8A16_DEQUANT_ROWS) for d in (-1, 0)})
+)
 
 
 def _int4(out_f: int, in_f: int, group: int | None, symmetric: bool, seed: int = 0):
@@ -100,3 +106,18 @@ def test_w8a16_products_never_round_the_activations(zero_point):
     assert proj.nbytes() == 200 * 96 + 200 * 4 * (3 if zero_point else 2)
     with pytest.raises(ValueError, match="2-D int8 CPU weight"):
         W8A16Linear(q.float(), scale)
+
+
+def test_token_w8a8_rounds_each_activation_row_as_compressed_tensors_does():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (160, 96), generator=g, dtype=torch.int8)
+    scale = torch.rand(160, generator=g) / 100
+    proj = TokenW8A8Linear(q, scale, None)
+    for rows in (1, 3, 600):
+        x = torch.randn(rows, 96)
+        x[0] = 0  # an all-zero row takes the smallest scale, not a division by zero
+        xs = x.abs().amax(dim=1, keepdim=True) / 127.5
+        xs = torch.where(xs == 0, torch.finfo(torch.float32).eps, xs)
+        xq = torch.round(x / xs).clamp(-128, 127)
+        want = (xq.double() * xs.double()) @ (q.double() * scale.double()[:, None]).t()
+        torch.testing.assert_close(proj(x).double(), want, rtol=1e-5, atol=1e-5)
