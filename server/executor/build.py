@@ -105,7 +105,8 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
     path = resolve_model_path(mc.path)
     quant = read_quant_config(path)
     if quant is not None:
-        if mc.quantization != "none":
+        # FP8 weights are dequantized at load (ct_fp8.py): --quantization int8 may requantize them
+        if mc.quantization != "none" and not quant.dequantized_at_load():
             raise ValueError(
                 f"--quantization {mc.quantization} was given, but {path} is already quantized "
                 f"({quant.describe()}): drop --quantization"
@@ -116,6 +117,9 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
                 f"only for now, not on {device.type}: pass --device cpu"
             )
         log.info("quantized checkpoint: %s", quant.describe())
+        if quant.dequantized_at_load():
+            into = "int8 rows" if mc.quantization == "int8" else "the model's dtype"
+            log.info("FP8 weights: this CPU has no FP8 arithmetic, converted at load into %s", into)
     # NOTE: tensor-parallel ranks decide by the CPU's units alone: each rank's probe times its own
     # run, and every rank must hold the same dtype.
     choice = choose_dtype(mc.dtype, device, checkpoint_dtype(path), probe=shard.size == 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +26,11 @@ from sloserve.layers.int4 import GROUP_SIZES, Int4Linear, channel_group_size
 from sloserve.layers.linear import Linear
 from sloserve.layers.w8a8 import TokenW8A8Linear
 from sloserve.layers.w8a16 import W8A16Linear
+from sloserve.models.ct_fp8 import check_fp8_weights, fp8_dequantized, fp8_scale_shape
 from sloserve.models.spec import read_json
 
 METHODS = ("compressed-tensors",)
-FORMATS = ("pack-quantized", "int-quantized")
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 BITS = (4, 8)
 STRATEGIES = {4: ("group", "channel"), 8: ("channel",)}
 # activation orders that store no g_idx (columns kept in place)
@@ -47,12 +49,24 @@ class WeightScheme:
     symmetric: bool
     # int-quantized W8A8: activations quantized per token, dynamically
     activations: bool = False
+    # float-quantized: FP8 e4m3 weights (strategy tensor, channel or block), dequantized at load
+    float8: bool = False
+    block: tuple[int, int] | None = None
+    fp8_activations: bool = False
 
     def groups(self, in_features: int) -> int:
         """Scales per output row for a row of `in_features` inputs."""
         return 1 if self.group_size is None else in_features // self.group_size
 
     def describe(self) -> str:
+        if self.float8:
+            per = (
+                f"blocks of {self.block[0]}x{self.block[1]}"
+                if self.block
+                else f"per {self.strategy}"
+            )
+            acts = "; its FP8 activations run unquantized" if self.fp8_activations else ""
+            return f"FP8 e4m3 weights {per}, dequantized at load{acts}"
         per = "per channel" if self.group_size is None else f"groups of {self.group_size}"
         if self.activations:
             return f"W8A8 {per}, symmetric, dynamic per-token activations"
@@ -75,6 +89,10 @@ class QuantConfig:
             if any(t == "Linear" or _matches(t, module) for t in targets):
                 return scheme
         return None
+
+    def dequantized_at_load(self) -> bool:
+        """Whether every quantized weight is converted at load (FP8), none kept as stored."""
+        return all(scheme.float8 for _, scheme in self.groups)
 
     def describe(self) -> str:
         schemes = sorted({s.describe() for _, s in self.groups})
@@ -138,7 +156,13 @@ def read_quant_config(folder: Path) -> QuantConfig | None:
         targets = group.get("targets")
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
             raise CheckpointError(f"{at}.targets must be a list of names")
-        scheme = _scheme(group.get("weights"), f"{at}.weights")
+        if fmt == "float-quantized":
+            strategy, block = check_fp8_weights(group.get("weights"), activations, at)
+            scheme = WeightScheme(
+                8, strategy, None, True, float8=True, block=block, fp8_activations=bool(activations)
+            )
+        else:
+            scheme = _scheme(group.get("weights"), f"{at}.weights")
         if fmt == "int-quantized":
             scheme = _w8a8(scheme, activations, at)
         groups.append((tuple(targets), scheme))
@@ -220,6 +244,11 @@ def expected_tensors(
     per_word = 32 // scheme.bits
     groups = scheme.groups(in_f)
     floats = (torch.float32, torch.bfloat16, torch.float16)
+    if scheme.float8:
+        return {
+            "weight": ((out_f, in_f), (torch.float8_e4m3fn,)),
+            "weight_scale": (fp8_scale_shape(scheme.strategy, scheme.block, out_f, in_f), floats),
+        }
     if scheme.activations:
         return {
             "weight": ((out_f, in_f), (torch.int8,)),
@@ -254,11 +283,23 @@ def build_projection(
     scheme: WeightScheme,
     dtype: torch.dtype,
     bias: torch.Tensor | None,
+    make_dense: Callable[[torch.Tensor, torch.Tensor | None], Linear],
 ) -> Linear:
     """The projection of the quantized Linears `modules` joined along their output rows.
 
     `read(name, shape, dtype)` returns a checkpoint tensor (in its file's dtype when dtype is None).
+    FP8 weights are dequantized into `dtype` and handed to `make_dense` (the unquantized path).
     """
+    if scheme.float8:
+        weight = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=dtype)
+        at = 0
+        for module, (out_f, in_f) in zip(modules, shapes, strict=True):
+            fp8 = read(module + ".weight", (out_f, in_f), None)
+            shape = fp8_scale_shape(scheme.strategy, scheme.block, out_f, in_f)
+            scale = read(module + ".weight_scale", shape, torch.float32)
+            weight[at : at + out_f] = fp8_dequantized(fp8, scale, scheme.strategy, scheme.block)
+            at += out_f
+        return make_dense(weight, bias)
     if scheme.activations:
         pairs = list(zip(modules, shapes, strict=True))
         weight = torch.cat([read(m + ".weight", s, None) for m, s in pairs])

@@ -243,7 +243,13 @@ def load_checkpoint(
         scheme = None if quant is None else quant.scheme_for(modules[0])
         if scheme is not None:
             return build_projection(
-                lambda n, s, dt: src.get(n, s, dtype=dt), modules, shapes, scheme, dtype, bias
+                lambda n, s, dt: src.get(n, s, dtype=dt),
+                modules,
+                shapes,
+                scheme,
+                dtype,
+                bias,
+                make_dense,
             )
         if len(names) == 1:
             return make_dense(get(names[0], *shapes[0], part=parts[0]), bias)

@@ -30,9 +30,14 @@ class Scheme:
     extra: dict = field(default_factory=dict, hash=False)
     # W8A8: activations quantized per token, dynamically (format int-quantized)
     activations: bool = False
+    # FP8 e4m3 weights per "tensor" or "channel" (format float-quantized), with FP8 activations
+    # per token when `activations`
+    fp8: str | None = None
 
     @property
     def format(self) -> str:
+        if self.fp8:
+            return "float-quantized"
         return "int-quantized" if self.activations else "pack-quantized"
 
     def config(self) -> dict:
@@ -45,9 +50,12 @@ class Scheme:
             **({} if self.group_size is None else {"group_size": self.group_size}),
             **self.extra,
         }
+        if self.fp8:
+            weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": self.fp8}
         group = {"targets": list(self.targets), "weights": weights}
         if self.activations:
-            group["input_activations"] = TOKEN_ACTIVATIONS
+            kind = {"type": "float"} if self.fp8 else {}
+            group["input_activations"] = {**TOKEN_ACTIVATIONS, **kind}
         return {"config_groups": {"group_0": group}, "ignore": list(self.ignore)}
 
 
@@ -66,6 +74,8 @@ def _minmax(weight, args):
     if args.group_size:
         grouped = weight.unflatten(-1, (-1, args.group_size))
         return grouped.amin(dim=-1), grouped.amax(dim=-1)
+    if args.strategy == "tensor":
+        return weight.amin().reshape(1), weight.amax().reshape(1)
     return weight.amin(dim=-1, keepdim=True), weight.amax(dim=-1, keepdim=True)
 
 
@@ -114,10 +124,13 @@ def quantized_checkpoint(arch: str, tmp_root: Path, scheme: Scheme, **overrides)
     return folder
 
 
-def fake_quantized_model(folder: Path, arch: str, tmp_root: Path, **overrides):
+def fake_quantized_model(
+    folder: Path, arch: str, tmp_root: Path, *, quantize_inputs: bool = True, **overrides
+):
     """transformers' float32 model of the unquantized tiny checkpoint with each quantized weight
-    replaced by its fake-quantized value and, for W8A8, each quantized Linear's input
-    fake-quantized per token by compressed-tensors' own dynamic path (the oracle of the folder)."""
+    replaced by its fake-quantized value and, for W8A8 (`quantize_inputs`), each quantized
+    Linear's input fake-quantized per token by compressed-tensors' own dynamic path (the oracle
+    of the folder)."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
@@ -130,7 +143,7 @@ def fake_quantized_model(folder: Path, arch: str, tmp_root: Path, **overrides):
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     activations = config["config_groups"]["group_0"].get("input_activations")
-    args = QuantizationArgs(**activations) if activations else None
+    args = QuantizationArgs(**activations) if activations and quantize_inputs else None
 
     def quantize_input(module, inputs):
         (x,) = inputs

@@ -12,6 +12,7 @@ import pytest
 import torch
 from sloserve.errors import CheckpointError
 from sloserve.layers.int4 import Int4Linear
+from sloserve.layers.quant import Int8Linear
 from sloserve.layers.w8a8 import TokenW8A8Linear
 from sloserve.layers.w8a16 import W8A16Linear
 from sloserve.models.loader import TensorSource, load_checkpoint
@@ -72,6 +73,29 @@ def test_greedy_at_float32_equals_the_fake_quantized_model(root, make_runner, ar
     assert agree >= 0.97
 
 
+@pytest.mark.parametrize(
+    "scheme",
+    [Scheme(fp8="tensor"), Scheme(fp8="channel", activations=True)],
+    ids=["fp8-tensor", "fp8-channel-dynamic"],
+)
+def test_fp8_weights_run_dequantized_at_load(root, make_runner, caplog, scheme):
+    folder = quantized_checkpoint("llama", root, scheme)
+    with caplog.at_level("INFO"):
+        runner = make_runner(folder, dtype="float32")
+    assert "converted at load into the model's dtype" in caplog.text
+    assert ("FP8 activations run unquantized" in caplog.text) == scheme.activations
+    assert runner.model.weights.layers[0].qkv.weight.dtype == torch.float32
+    # the weights are the checkpoint's exactly; FP8 activations are not emulated on a CPU
+    oracle = fake_quantized_model(folder, "llama", root, quantize_inputs=False)
+    assert generate(runner, PROMPTS, NEW_TOKENS) == hf_greedy(oracle, PROMPTS, NEW_TOKENS)
+
+
+def test_fp8_weights_requantize_under_the_int8_flag(root, make_runner):
+    folder = quantized_checkpoint("llama", root, Scheme(fp8="channel"))
+    runner = make_runner(folder, quantization="int8")
+    assert type(runner.model.weights.layers[0].gate_up) is Int8Linear
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_moe_families_with_quantized_attention(root, make_runner, arch):
     scheme = Scheme(4, 32, False, targets=("re:.*self_attn.*",))
@@ -128,6 +152,13 @@ def _int_quantized(q: dict, weights: dict | None = None, **activations) -> None:
     group["input_activations"] = {**TOKEN_ACTIVATIONS, **activations}
 
 
+def _fp8(q: dict, **weights) -> None:
+    """The config edited into a float-quantized FP8 one (with `weights` changes)."""
+    q["format"] = q["config_groups"]["group_0"]["format"] = "float-quantized"
+    _weights(q).update({"type": "float", "num_bits": 8, "strategy": "channel", "group_size": None})
+    _weights(q).update(weights)
+
+
 REFUSALS = {
     "method": (lambda q: q.update(quant_method="gptq"), r"quant_method 'gptq'.*compressed-tensors"),
     "format": (
@@ -142,6 +173,17 @@ REFUSALS = {
         r"input_activations is set.*W4A16",
     ),
     "actorder": (lambda q: _weights(q).update(actorder="group"), r"actorder 'group'"),
+    "fp8-block": (
+        lambda q: _fp8(q, strategy="block", block_structure=None),
+        r"block_structure None must be \[rows, columns\]",
+    ),
+    "fp8-int-activations": (
+        lambda q: (
+            _fp8(q),
+            q["config_groups"]["group_0"].update(input_activations=TOKEN_ACTIVATIONS),
+        ),
+        r"with FP8 weights sloserve reads FP8 activations",
+    ),
     "static-activations": (lambda q: _int_quantized(q, dynamic=False), r"static activation scales"),
     "w8a8-asymmetric": (
         lambda q: _int_quantized(q, weights={"symmetric": False}),

@@ -16,6 +16,7 @@ from sloserve.layers.int4 import (
 from sloserve.layers.w8a8 import TokenW8A8Linear
 from sloserve.layers.w8a16 import DEQUANT_ROWS as W8A16_DEQUANT_ROWS
 from sloserve.layers.w8a16 import W8A16Linear
+from sloserve.models.ct_fp8 import fp8_dequantized
 
 # each side of both kinds' switch from the int kernel to dequantized tiles
 ROWS = tuple(
@@ -121,3 +122,12 @@ def test_token_w8a8_rounds_each_activation_row_as_compressed_tensors_does():
         xq = torch.round(x / xs).clamp(-128, 127)
         want = (xq.double() * xs.double()) @ (q.double() * scale.double()[:, None]).t()
         torch.testing.assert_close(proj(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_block_scales_cover_their_rows_and_columns():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(200, 72, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 1, generator=g) + 0.5  # blocks of 128 x 128: a partial one at the end
+    got = fp8_dequantized(w, scale, "block", (128, 128))
+    torch.testing.assert_close(got[:128], w[:128].float() * scale[0])
+    torch.testing.assert_close(got[128:], w[128:].float() * scale[1])
