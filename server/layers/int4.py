@@ -32,6 +32,8 @@ DEQUANT_ROWS = 256
 TILE_OUT = 512
 # Row blocks of torch's CPU int4 layout (rows past the last whole block pair up instead).
 _BLOCK = 64
+# Rows converted to the layout at a time at load (a multiple of _BLOCK).
+CONVERT_ROWS = 1024
 
 
 def channel_group_size(in_features: int) -> int:
@@ -74,9 +76,7 @@ class Int4Linear:
             raise ValueError(f"int4 weights need a multiple of 16 output rows, got {out_f}")
         self.out_features, self.in_features = out_f, in_f
         self.group_size = in_f // scale.shape[1]
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            values.to(torch.int32).contiguous(), 1
-        )
+        self.packed = _convert(values)
         # [groups, out, 2]: the kernel's scales_and_zeros
         self.scales_zeros = torch.stack([scale.float().t(), zero.float().t()], dim=-1).to(dtype)
         self.bias = bias
@@ -94,7 +94,7 @@ class Int4Linear:
         [out, groups] (None: symmetric)."""
         scale = scale.float()
         zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float() * scale
-        return cls(q.to(torch.int32) + 8, scale, zero, bias, dtype)
+        return cls((q + 8).to(torch.uint8), scale, zero, bias, dtype)
 
     @property
     def weight(self) -> None:
@@ -138,6 +138,23 @@ class Int4Linear:
             ]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.reshape(*lead, self.out_features)
+
+
+def _convert(values: torch.Tensor) -> torch.Tensor:
+    """torch's int4 layout of `values` [out, in] (0..15), converted CONVERT_ROWS rows at a time.
+
+    Blocks of 64 rows lie one after another in the layout, so chunks whose rows are a multiple of
+    64 convert on their own and join end to end: the int32 copy torch's conversion takes stays a
+    chunk's, not the weight's (a 7B gate_up would need 360 MB for it).
+    """
+    out_f, in_f = values.shape
+    packed = torch.empty((out_f, in_f // 2), dtype=torch.uint8)
+    flat = packed.reshape(-1)
+    for start in range(0, out_f, CONVERT_ROWS):
+        chunk = values[start : start + CONVERT_ROWS].to(torch.int32)
+        part = torch.ops.aten._convert_weight_to_int4pack_for_cpu(chunk, 1)
+        flat[start * in_f // 2 : start * in_f // 2 + part.numel()] = part.reshape(-1)
+    return packed
 
 
 def unpack_rows(packed: torch.Tensor, out_f: int, in_f: int, start: int, stop: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sloserve.layers.int4 import (
+    CONVERT_ROWS,
     DEQUANT_ROWS,
     GROUP_SIZES,
     Int4Linear,
@@ -131,3 +132,10 @@ def test_fp8_block_scales_cover_their_rows_and_columns():
     got = fp8_dequantized(w, scale, "block", (128, 128))
     torch.testing.assert_close(got[:128], w[:128].float() * scale[0])
     torch.testing.assert_close(got[128:], w[128:].float() * scale[1])
+
+
+def test_int4_converts_in_chunks_to_the_layout_of_one_conversion():
+    values = torch.randint(0, 16, (CONVERT_ROWS * 2 + 80, 64), dtype=torch.int32)
+    proj = Int4Linear(values, torch.ones(values.shape[0], 1), torch.zeros(values.shape[0], 1))
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    assert torch.equal(proj.packed, whole)
