@@ -50,7 +50,7 @@ from sloserve.layers.linear import (
 from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
-from sloserve.models.compressed_tensors import read_quant_config
+from sloserve.models.compressed_tensors import QuantConfig, read_quant_config
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
 from sloserve.models.shard import Shard
@@ -91,6 +91,8 @@ class Loaded:
     max_model_len: int
     eos_token_ids: list[int]
     num_parameters: int  # counted before build_model hands the experts to their store
+    # what `info` reports: --quantization, or the quantized checkpoint's scheme
+    quantization: str = "none"
 
 
 def load(config: SloserveConfig, shard: Shard) -> Loaded:
@@ -156,7 +158,15 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
         mc.max_model_len or limit,
         eos,
         weights.num_parameters(),
+        _quantization(mc.quantization, quant),
     )
+
+
+def _quantization(flag: str, quant: QuantConfig | None) -> str:
+    """What `info` says of the weights' quantization: the flag, the checkpoint's scheme, or both."""
+    if quant is None:
+        return flag
+    return quant.describe() + ("" if flag == "none" else f"; --quantization {flag}")
 
 
 def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:

@@ -58,6 +58,7 @@ def test_greedy_at_float32_equals_the_fake_quantized_model(root, make_runner, ar
         assert all(type(getattr(layer, p)) is kind for p in DENSE_PROJECTIONS)
     # an unquantized lm_head (in `ignore`) stays as it is
     assert runner.model.weights.lm_head.weight is not None
+    assert runner.info()["quantization"].startswith(f"compressed-tensors {scheme.format}: W")
     want = hf_greedy(fake_quantized_model(folder, arch, root), PROMPTS, NEW_TOKENS)
     if not scheme.activations:
         assert generate(runner, PROMPTS, NEW_TOKENS) == want
