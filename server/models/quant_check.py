@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from sloserve.errors import CheckpointError
 from sloserve.models.compressed_tensors import QuantConfig, WeightScheme, expected_tensors
+from sloserve.models.safetensors_file import Entry
 from sloserve.models.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from sloserve.models.loader import TensorSource
+
+class TensorSource(Protocol):
+    """The loader's view of a checkpoint's files, headers only (models/loader.py's TensorSource)."""
+
+    folder: Path
+
+    def has(self, name: str) -> bool: ...
+
+    def entry(self, name: str) -> Entry: ...
 
 
 def projection_groups(spec: ModelSpec, i: int) -> list[list[tuple[str, tuple[int, int]]]]:
