@@ -1,5 +1,6 @@
-"""llm-compressor's compressed-tensors checkpoints: `quantization_config` read and checked, each
-quantized projection built from its packed tensors (docs/design/quantized-checkpoints.md).
+"""llm-compressor's compressed-tensors checkpoints: `quantization_config` read and checked, and the
+tensors each quantized Linear must have (docs/design/quantized-checkpoints.md; the projections are
+built in models/ct_projection.py).
 
 `pack-quantized` stores each quantized Linear as `weight_packed` (int32 [out, ceil(in / (32 / bits))],
 32 / bits signed values a word, each offset by 2^(bits - 1), the first in the lowest bits),
@@ -16,17 +17,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from sloserve.errors import CheckpointError
-from sloserve.layers.int4 import GROUP_SIZES, Int4Linear, channel_group_size
-from sloserve.layers.linear import Linear
-from sloserve.layers.w8a8 import TokenW8A8Linear
-from sloserve.layers.w8a16 import W8A16Linear
-from sloserve.models.ct_fp8 import check_fp8_weights, fp8_dequantized, fp8_scale_shape
+from sloserve.layers.int4 import GROUP_SIZES, channel_group_size
+from sloserve.models.ct_fp8 import check_fp8_weights, fp8_scale_shape
 from sloserve.models.spec import read_json
 
 METHODS = ("compressed-tensors",)
@@ -35,8 +32,6 @@ BITS = (4, 8)
 STRATEGIES = {4: ("group", "channel"), 8: ("channel",)}
 # activation orders that store no g_idx (columns kept in place)
 ACT_ORDERS = (None, "weight", "static")
-# Rows unpacked at a time at load: the int32 temporaries stay this small.
-_UNPACK_ROWS = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -262,68 +257,3 @@ def expected_tensors(
     if not scheme.symmetric:
         tensors["weight_zero_point"] = ((math.ceil(out_f / per_word), groups), (torch.int32,))
     return tensors
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
-    """Signed int8 values [rows, columns] of words packed along dim 1 (see the module docstring)."""
-    per_word, mask = 32 // bits, (1 << bits) - 1
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
-    out = torch.empty((packed.shape[0], columns), dtype=torch.int8)
-    for start in range(0, packed.shape[0], _UNPACK_ROWS):
-        words = packed[start : start + _UNPACK_ROWS]
-        values = ((words[..., None] >> shifts) & mask).reshape(words.shape[0], -1)
-        out[start : start + _UNPACK_ROWS] = values[:, :columns] - (1 << (bits - 1))
-    return out
-
-
-def build_projection(
-    read,
-    modules: list[str],
-    shapes: list[tuple[int, int]],
-    scheme: WeightScheme,
-    dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    make_dense: Callable[[torch.Tensor, torch.Tensor | None], Linear],
-) -> Linear:
-    """The projection of the quantized Linears `modules` joined along their output rows.
-
-    `read(name, shape, dtype)` returns a checkpoint tensor (in its file's dtype when dtype is None).
-    FP8 weights are dequantized into `dtype` and handed to `make_dense` (the unquantized path).
-    """
-    if scheme.float8:
-        weight = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=dtype)
-        at = 0
-        for module, (out_f, in_f) in zip(modules, shapes, strict=True):
-            fp8 = read(module + ".weight", (out_f, in_f), None)
-            shape = fp8_scale_shape(scheme.strategy, scheme.block, out_f, in_f)
-            scale = read(module + ".weight_scale", shape, torch.float32)
-            weight[at : at + out_f] = fp8_dequantized(fp8, scale, scheme.strategy, scheme.block)
-            at += out_f
-        return make_dense(weight, bias)
-    if scheme.activations:
-        pairs = list(zip(modules, shapes, strict=True))
-        weight = torch.cat([read(m + ".weight", s, None) for m, s in pairs])
-        scale = torch.cat([read(m + ".weight_scale", (s[0], 1), torch.float32) for m, s in pairs])
-        return TokenW8A8Linear(weight, scale.reshape(-1), bias)
-    qs, scales, zero_points = [], [], []
-    for module, (out_f, in_f) in zip(modules, shapes, strict=True):
-        tensors = expected_tensors(scheme, out_f, in_f)
-        stored = read(module + ".weight_shape", (2,), None).tolist()
-        if stored != [out_f, in_f]:
-            raise CheckpointError(
-                f"{module}.weight_shape is {stored}, but config.json implies {[out_f, in_f]}"
-            )
-        packed = read(module + ".weight_packed", tensors["weight_packed"][0], None)
-        qs.append(unpack_int32(packed, scheme.bits, in_f))
-        del packed
-        scales.append(read(module + ".weight_scale", tensors["weight_scale"][0], torch.float32))
-        if not scheme.symmetric:
-            zp = read(module + ".weight_zero_point", tensors["weight_zero_point"][0], None)
-            zero_points.append(unpack_int32(zp.t().contiguous(), scheme.bits, out_f).t())
-    q = qs[0] if len(qs) == 1 else torch.cat(qs)
-    del qs
-    scale = torch.cat(scales)
-    zero_point = torch.cat(zero_points) if zero_points else None
-    if scheme.bits == 4:
-        return Int4Linear.from_signed(q, scale, zero_point, bias, dtype)
-    return W8A16Linear(q, scale, zero_point, bias)

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from sloserve.errors import CheckpointError
 from sloserve.layers.linear import DenseLinear, Linear
-from sloserve.models.compressed_tensors import build_projection, read_quant_config
+from sloserve.models.compressed_tensors import read_quant_config
+from sloserve.models.ct_projection import build_projection
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
 from sloserve.models.quant_check import check_quantized
 from sloserve.models.safetensors_file import CHUNK_BYTES, Entry, SafetensorsFile
