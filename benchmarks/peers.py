@@ -15,6 +15,11 @@ within a task included, exactly `--max-tokens` output tokens each, closed loop a
   vllm            vLLM's CPU build (../shared/peer/vllm: setup.sh once, ~3 min), bf16
   llamacpp-bf16   llama-server (../shared/peer/llamacpp: build.sh once, ~10 min) on the bf16 GGUF
   llamacpp-q8_0   the same on the q8_0 GGUF
+  sloserve-w4a16  `sloserve serve` on the checkpoint's W4A16 folder (issue 56): int4 weights in
+                  groups of 128, asymmetric, lm_head unquantized, made once by llm-compressor
+                  (`QuantizationModifier(scheme="W4A16")`) in the venv ../shared/quant/setup.sh
+                  makes (QUANT_VENV); skipped where that venv is missing
+  llamacpp-q4_0   llama-server on the q4_0 GGUF (`llama-quantize` from the bf16 one)
 
 Every run starts its server fresh, sends it one short unrelated warm-up request, and drives it with
 one client, `sloserve bench --url` (its OpenAI-compatible HTTP API) and --ignore-eos; one server at
@@ -72,7 +77,20 @@ SHAPES = {
     "small": {"hidden": 256, "layers": 4, "heads": 4, "kv-heads": 2, "ffn": 704},
 }
 # bytes a decode step reads per weight, by the dtype an arm computes in
-BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "bf16": 2.0, "q8_0": 34 / 32}
+BYTES_PER_WEIGHT = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "int8": 1.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    # int4 values and a bf16 scale and zero per group of 128
+    "w4a16": 0.5 + 4 / 128,
+}
+QUANT_VENV = Path(
+    os.environ.get("QUANT_VENV")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sloserve-quant" / "venv"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +101,8 @@ class Arm:
     kind: str
     flags: tuple[str, ...] = ()
     gguf: str = ""
+    # llm-compressor's preset the checkpoint is quantized with first (sloserve arms)
+    scheme: str = ""
 
     @property
     def peer(self) -> bool:
@@ -97,6 +117,8 @@ ARMS = {
         Arm("vllm", "vllm"),
         Arm("llamacpp-bf16", "llamacpp", gguf="bf16"),
         Arm("llamacpp-q8_0", "llamacpp", gguf="q8_0"),
+        Arm("sloserve-w4a16", "sloserve", scheme="W4A16"),
+        Arm("llamacpp-q4_0", "llamacpp", gguf="q4_0"),
     )
 }
 
@@ -138,6 +160,37 @@ def to_bf16(src: Path, dst: Path) -> None:
         meta = json.loads(index.read_text())
         meta["metadata"]["total_size"] //= 2
         index.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+# llm-compressor's round-to-nearest of every Linear but lm_head, saved compressed (QUANT_VENV runs it)
+_QUANTIZE = """
+import shutil, sys, torch, transformers
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+src, out, scheme = sys.argv[1:]
+model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+model.save_pretrained(out, save_compressed=True)
+for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(f"{src}/{name}", f"{out}/{name}")
+"""
+
+
+def quantized(folder: Path, scheme: str) -> Path:
+    """folder's checkpoint quantized by llm-compressor with `scheme` (made once beside it)."""
+    out = folder.with_name(f"{folder.name}.{scheme.lower()}")
+    if (out / "config.json").is_file():
+        return out
+    python = QUANT_VENV / "bin" / "python"
+    if not python.is_file():
+        raise Refused(
+            f"llm-compressor's venv {QUANT_VENV} is missing: run ../shared/quant/setup.sh"
+        )
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run([python, "-c", _QUANTIZE, folder, tmp, scheme], check=True, capture_output=True)
+    tmp.rename(out)
+    return out
 
 
 def gguf(folder: Path, kind: str) -> Path:
@@ -273,7 +326,8 @@ def serve(arm: Arm, folder: Path, workdir: Path, context: int) -> Iterator[Serve
 
     context: the tokens a request needs (prompt and output): what a llama.cpp slot and vLLM hold."""
     if arm.kind == "sloserve":
-        yield from _serve_sloserve(arm, folder, workdir)
+        model = quantized(folder, arm.scheme) if arm.scheme else folder
+        yield from _serve_sloserve(arm, model, workdir)
     elif arm.kind == "vllm":
         yield from _serve_peer(
             [VLLM_SCRIPTS / "serve.sh", folder],
@@ -309,6 +363,7 @@ def _serve_sloserve(arm: Arm, folder: Path, workdir: Path) -> Iterator[Server]:
         _wait_healthy(url, proc, log)
         chosen = re.search(r"dtype (\w+): ", log.read_text(errors="replace"))
         dtype = "int8" if "int8" in arm.flags else (chosen.group(1) if chosen else "unknown")
+        dtype = arm.scheme.lower() or dtype
         yield Server(url, proc.pid, log, dtype)
     finally:
         proc.terminate()

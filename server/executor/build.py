@@ -50,6 +50,7 @@ from sloserve.layers.linear import (
 from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
+from sloserve.models.compressed_tensors import QuantConfig, read_quant_config
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
 from sloserve.models.shard import Shard
@@ -90,6 +91,8 @@ class Loaded:
     max_model_len: int
     eos_token_ids: list[int]
     num_parameters: int  # counted before build_model hands the experts to their store
+    # what `info` reports: --quantization, or the quantized checkpoint's scheme
+    quantization: str = "none"
 
 
 def load(config: SloserveConfig, shard: Shard) -> Loaded:
@@ -102,6 +105,23 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
             "drop it (or pass --device cpu)"
         )
     path = resolve_model_path(mc.path)
+    quant = read_quant_config(path)
+    if quant is not None:
+        # FP8 weights are dequantized at load (ct_fp8.py): --quantization int8 may requantize them
+        if mc.quantization != "none" and not quant.dequantized_at_load():
+            raise ValueError(
+                f"--quantization {mc.quantization} was given, but {path} is already quantized "
+                f"({quant.describe()}): drop --quantization"
+            )
+        if device.type != "cpu":
+            raise ValueError(
+                f"{path} is quantized ({quant.describe()}); quantized checkpoints run on a CPU "
+                f"only for now, not on {device.type}: pass --device cpu"
+            )
+        log.info("quantized checkpoint: %s", quant.describe())
+        if quant.dequantized_at_load():
+            into = "int8 rows" if mc.quantization == "int8" else "the model's dtype"
+            log.info("FP8 weights: this CPU has no FP8 arithmetic, converted at load into %s", into)
     # NOTE: tensor-parallel ranks decide by the CPU's units alone: each rank's probe times its own
     # run, and every rank must hold the same dtype.
     choice = choose_dtype(mc.dtype, device, checkpoint_dtype(path), probe=shard.size == 1)
@@ -145,7 +165,15 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
         mc.max_model_len or limit,
         eos,
         weights.num_parameters(),
+        _quantization(mc.quantization, quant),
     )
+
+
+def _quantization(flag: str, quant: QuantConfig | None) -> str:
+    """What `info` says of the weights' quantization: the flag, the checkpoint's scheme, or both."""
+    if quant is None:
+        return flag
+    return quant.describe() + ("" if flag == "none" else f"; --quantization {flag}")
 
 
 def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
@@ -348,7 +376,10 @@ def prepare_projections(
         kind, how = OneDnnLinear, "read in place (the fused step reads them too)"
     else:
         kind, how = PackedLinear, "packed"
-    count = weights.replace_dense(lambda proj: kind(proj.weight, proj.bias))
+    # a quantized checkpoint's projections keep the kind the loader built (layers/int4.py, w8a16.py)
+    count = weights.replace_dense(
+        lambda proj: kind(proj.weight, proj.bias) if isinstance(proj, DenseLinear) else proj
+    )
     log.info(
         "dense projections on oneDNN: %d weights %s, held once, in %.2fs",
         count,

@@ -68,11 +68,10 @@ class DecodeStep:
         self.pads = compiled and not model.spec.moe_layers
         self._fn: Callable[..., torch.Tensor] = model.decode
         # Eager small batches run as one C call when the model allows (see executor/fused.py).
-        self.fused = (
-            FusedDecode(model, kv, threads)
-            if not compiled and fused_reason(model, kv) is None
-            else None
-        )
+        why_not = None if compiled else fused_reason(model, kv)
+        self.fused = FusedDecode(model, kv, threads) if not compiled and why_not is None else None
+        if why_not:
+            log.info("decode steps run without the fused C step: %s", why_not)
         if compiled:
             # NOTE: KV and the step inputs are views of one uint8 pool buffer. Inputs that share a
             # storage make AOTAutograd merge them into views of one base (refused when one is

@@ -51,8 +51,11 @@ import torch
 from sloserve.executor.inputs import DecodeInputs, TokenRows
 from sloserve.executor.team import TeamSize
 from sloserve.hotpath import USING_EXTENSIONS
+from sloserve.layers.int4 import Int4Linear
 from sloserve.layers.linear import MIN_PACKED_ROWS, Linear, on_onednn
 from sloserve.layers.quant import Int8Linear
+from sloserve.layers.w8a8 import TokenW8A8Linear
+from sloserve.layers.w8a16 import W8A16Linear
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.weights import LayerWeights, ModelWeights
 
@@ -127,6 +130,15 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         return "the fused decode extension is not built (or SLOSERVE_NO_EXTENSIONS is set)"
     if spec.moe_layers:
         return "MoE layers route on the host"
+    if any(
+        isinstance(getattr(layer, name), Int4Linear | W8A16Linear | TokenW8A8Linear)
+        for layer in w.layers
+        for name in _PROJECTIONS
+    ):
+        return (
+            "a quantized checkpoint's int4, W8A16 and W8A8 projections run on torch's kernels "
+            "(the kernel reads float32, bf16 and --quantization int8 weights)"
+        )
     if model.sharded:
         return "tensor parallelism splits the layers"
     if kv.device.type != "cpu" or kv.dtype not in KV_DTYPES or not kv.is_contiguous():

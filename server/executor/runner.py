@@ -80,7 +80,7 @@ class ModelRunner:
             loaded.max_model_len,
         )
         self.dtype_reason = loaded.dtype_reason
-        self.quantization = config.model.quantization
+        self.quantization = loaded.quantization
         self.backend, self.block_size = choice.backend, choice.block_size
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = frozenset(self.eos_token_ids)

@@ -12,8 +12,11 @@ from pathlib import Path
 import torch
 from sloserve.errors import CheckpointError
 from sloserve.layers.linear import DenseLinear, Linear
+from sloserve.models.compressed_tensors import read_quant_config
+from sloserve.models.ct_projection import build_projection
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
-from sloserve.models.safetensors_file import CHUNK_BYTES, SafetensorsFile
+from sloserve.models.quant_check import check_quantized
+from sloserve.models.safetensors_file import CHUNK_BYTES, Entry, SafetensorsFile
 from sloserve.models.shard import Shard, local_spec
 from sloserve.models.spec import ModelSpec, load_spec, read_json
 from sloserve.models.weights import LayerWeights, ModelWeights
@@ -80,6 +83,16 @@ class TensorSource:
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def entry(self, name: str) -> Entry:
+        """Dtype and shape of the tensor `name` from its file's header (nothing is read)."""
+        file = self._where.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        opened = self._open(file)
+        if name not in opened.entries:
+            raise CheckpointError(f"{file}: tensor {name!r} is missing from the file")
+        return opened.entries[name]
 
     def get(
         self,
@@ -149,10 +162,23 @@ def load_checkpoint(
     With `make_head` (int8), the embedding becomes `make_head(embedding, None)` as it is read, the
     embedding of ModelWeights and a tied LM head both (one object); an untied head becomes
     `make_head(head, None)`.
+
+    A quantized checkpoint (`quantization_config`, models/compressed_tensors.py) has every shape
+    and field checked from the files' headers before anything is read; each quantized projection
+    becomes the kind that keeps its packed weight, never a `dtype` copy (`make_dense` is not called
+    for it).
     """
     full = load_spec(folder)
     spec = local_spec(full, shard.size)
     src = TensorSource(folder)
+    quant = read_quant_config(folder)
+    if quant is not None:
+        if shard.size > 1:
+            raise CheckpointError(
+                f"{folder} is quantized ({quant.describe()}); tensor parallelism does not "
+                "split quantized checkpoints yet: drop --tensor-parallel-size"
+            )
+        check_quantized(full, src, quant)
     partial = bool(spec.moe_layers) and expert_slots is not None and expert_slots < spec.num_experts
     expert_device = torch.device("cpu") if partial or experts_on_host else device
 
@@ -214,11 +240,33 @@ def load_checkpoint(
         lm_head = embed if make_head is not None else DenseLinear(embed)
     else:
         lm_head = (make_head or DenseLinear)(get("lm_head.weight", v, h), None)
+
+    def linear(
+        names: list[str],
+        shapes: list[tuple[int, int]],
+        parts: list[tuple[int, slice] | None],
+        bias: torch.Tensor | None,
+    ) -> Linear:
+        """The projection of the Linear weights `names` joined along their output rows."""
+        modules = [n.removesuffix(".weight") for n in names]
+        scheme = None if quant is None else quant.scheme_for(modules[0])
+        if scheme is not None:
+            return build_projection(
+                lambda n, s, dt: src.get(n, s, dtype=dt),
+                modules,
+                shapes,
+                scheme,
+                dtype,
+                bias,
+                make_dense,
+            )
+        if len(names) == 1:
+            return make_dense(get(names[0], *shapes[0], part=parts[0]), bias)
+        return make_dense(cat(names, shapes, parts=parts), bias)
+
     layers, experts = [], {}
     for i in range(spec.num_layers):
-        layer, routed = _load_layer(
-            full, shard, i, get, cat, stacked, src, expert_device, make_dense
-        )
+        layer, routed = _load_layer(full, shard, i, get, cat, stacked, src, expert_device, linear)
         layers.append(layer)
         if routed is not None:
             experts[i] = routed
@@ -243,7 +291,7 @@ def _load_layer(
     stacked: Callable,
     src: TensorSource,
     expert_device: torch.device,
-    make_dense: MakeDense,
+    linear: Callable[..., Linear],
 ):
     """Layer i's fused weights (this rank's part of them), checked against the full `spec`'s shapes."""
     h, d = spec.hidden_size, spec.head_dim
@@ -257,8 +305,10 @@ def _load_layer(
     layer = LayerWeights(
         ln1=get(p + "input_layernorm.weight", h),
         ln2=get(p + "post_attention_layernorm.weight", h),
-        qkv=make_dense(
-            cat(qkv_names, [(q, h), (kv, h), (kv, h)], parts=None if whole else rows),
+        qkv=linear(
+            qkv_names,
+            [(q, h), (kv, h), (kv, h)],
+            [None] * 3 if whole else rows,
             cat(
                 [attn + f"{n}_proj.bias" for n in "qkv"],
                 [(q,), (kv,), (kv,)],
@@ -267,13 +317,10 @@ def _load_layer(
             if spec.qkv_bias
             else None,
         ),
-        o=make_dense(
-            get(
-                attn + "o_proj.weight",
-                h,
-                spec.num_heads * d,
-                part=None if whole else (1, slice(qh.start * d, qh.stop * d)),
-            ),
+        o=linear(
+            [attn + "o_proj.weight"],
+            [(h, spec.num_heads * d)],
+            [None if whole else (1, slice(qh.start * d, qh.stop * d))],
             get(attn + "o_proj.bias", h) if spec.o_bias and shard.owns_bias else None,
         ),
     )
@@ -290,17 +337,13 @@ def _load_layer(
                 [mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], parts=up_rows
             )
             down_b = get(mlp + "down_proj.bias", h) if shard.owns_bias else None
-        layer.gate_up = make_dense(
-            cat(
-                [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-                [(inter, h), (inter, h)],
-                parts=up_rows,
-            ),
+        layer.gate_up = linear(
+            [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+            [(inter, h), (inter, h)],
+            up_rows,
             gate_up_b,
         )
-        layer.down = make_dense(
-            get(mlp + "down_proj.weight", h, inter, part=split(inter, 1)), down_b
-        )
+        layer.down = linear([mlp + "down_proj.weight"], [(h, inter)], [split(inter, 1)], down_b)
         return layer, None
     e, inter = spec.num_experts, spec.moe_intermediate_size
     if spec.family == "mixtral" and not src.has(p + "mlp.experts.gate_up_proj"):
@@ -334,15 +377,13 @@ def _load_layer(
         )
     if spec.shared_expert_intermediate_size:
         shared, s = moe + "shared_expert.", spec.shared_expert_intermediate_size
-        layer.gate_up = make_dense(
-            cat(
-                [shared + "gate_proj.weight", shared + "up_proj.weight"],
-                [(s, h), (s, h)],
-                parts=[split(s, 0)] * 2,
-            ),
+        layer.gate_up = linear(
+            [shared + "gate_proj.weight", shared + "up_proj.weight"],
+            [(s, h), (s, h)],
+            [split(s, 0)] * 2,
             None,
         )
-        layer.down = make_dense(get(shared + "down_proj.weight", h, s, part=split(s, 1)), None)
+        layer.down = linear([shared + "down_proj.weight"], [(h, s)], [split(s, 1)], None)
         layer.shared_gate = DenseLinear(get(moe + "shared_expert_gate.weight", 1, h))
     return layer, (w13, w2)
 
