@@ -106,34 +106,47 @@ class Int8Linear:
         return y.reshape(*lead, self.out_features)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows x quantized per token, int32 sums, rescaled to x's dtype (+ bias).
-
-        NOTE: the rescale is one C pass where built (the same bits): torch's ops make three
-        temporaries of the product's size, which cost more than `_int_mm` itself on a prefill
-        chunk (512 rows of gate/up: ~3.5 ms against its ~5.4; docs/design/cpu-decode.md).
-        """
+        """Rows x quantized per token, int32 sums, rescaled to x's dtype (+ bias)."""
         xq, xs = quantize_rows(x)
-        acc = torch._int_mm(xq, self.qweight.t())
-        bias, dtype = self.bias, x.dtype
-        if (
-            _rescale is not None
-            and dtype in (torch.float32, torch.bfloat16)
-            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
-            and acc.is_contiguous()
-            and not torch.compiler.is_compiling()
-        ):
-            out = torch.empty(acc.shape, dtype=dtype)
-            rows, cols = acc.shape
-            _rescale(
-                acc.data_ptr(),
-                xs.data_ptr(),
-                self.scale.data_ptr(),
-                0 if bias is None else bias.data_ptr(),
-                out.data_ptr(),
-                rows,
-                cols,
-                dtype == torch.bfloat16,
-            )
-            return out
-        y = (acc * (xs[:, None] * self.scale)).to(dtype)
-        return y if bias is None else y + bias
+        return rescale(torch._int_mm(xq, self.qweight.t()), xs, self.scale, self.bias, x.dtype)
+
+
+def rescale(
+    acc: torch.Tensor,
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`(acc * (xs[:, None] * ws)).to(dtype) + bias`: a W8A8 product's int32 sums [rows, cols]
+    scaled by each row's (token's) and each column's (channel's) float32 scale.
+
+    NOTE: one C pass where built (the same bits): torch's ops make three temporaries of the
+    product's size, which cost more than `_int_mm` itself on a prefill chunk (512 rows of gate/up:
+    ~3.5 ms against its ~5.4; docs/design/cpu-decode.md).
+    """
+    if (
+        _rescale is not None
+        and dtype in (torch.float32, torch.bfloat16)
+        and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+        and acc.is_contiguous()
+        and xs.dtype == ws.dtype == torch.float32
+        and xs.is_contiguous()
+        and ws.is_contiguous()
+        and not torch.compiler.is_compiling()
+    ):
+        out = torch.empty(acc.shape, dtype=dtype)
+        rows, cols = acc.shape
+        _rescale(
+            acc.data_ptr(),
+            xs.data_ptr(),
+            ws.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            cols,
+            dtype == torch.bfloat16,
+        )
+        return out
+    y = (acc * (xs[:, None] * ws)).to(dtype)
+    return y if bias is None else y + bias

@@ -11,7 +11,7 @@ tokens drift from a W8A8 checkpoint's reference.
 from __future__ import annotations
 
 import torch
-from sloserve.layers.quant import Int8Linear
+from sloserve.layers.quant import Int8Linear, rescale
 
 # float32's machine epsilon: the scale of an all-zero row (compressed-tensors' choice)
 _EPS = torch.finfo(torch.float32).eps
@@ -30,7 +30,5 @@ class TokenW8A8Linear(Int8Linear):
         xs = x2.abs().amax(dim=1) / 127.5
         xs = torch.where(xs == 0, _EPS, xs)
         xq = torch.round(x2 / xs[:, None]).clamp_(-128, 127).to(torch.int8)
-        y = (torch._int_mm(xq, self.qweight.t()) * (xs[:, None] * self.scale)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        y = rescale(torch._int_mm(xq, self.qweight.t()), xs, self.scale, self.bias, x.dtype)
         return y.reshape(*lead, self.out_features)
