@@ -23,6 +23,7 @@ from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
+from sloserve.spec.verify import accept
 
 log = logging.getLogger(__name__)
 
@@ -195,17 +196,32 @@ class ModelRunner:
             return []
         if out.num_steps > 1:
             return self._run_steps(out, step)
-        sampled = iter(self._step(out, step))
-        return [[next(sampled)] if s.sample else [] for s in out.sequences]
+        guesses: list[int] = []
+        sampled = iter(self._step(out, step, guesses))
+        runs = [[next(sampled)] if s.sample else [] for s in out.sequences]
+        if guesses:
+            found = iter(guesses)
+            for i, k in step.draft_rows:
+                seq = out.sequences[i]
+                guessed = [next(found) for _ in range(k)]
+                runs[i] = accept(seq.token_ids[-k:], guessed, runs[i][0])
+        return runs
 
-    def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
+    def _step(
+        self,
+        out: SchedulerOutput,
+        step: StepInputs | DecodeInputs | TokenRows,
+        guesses: list[int] | None = None,
+    ) -> list[int]:
+        """One token per sampled sequence; the argmax of each draft row is appended to `guesses`
+        (a step that verifies drafts: see ScheduledSequence.num_drafts)."""
         masks = None
         sampled = self._sampled(out, step)
         if any(s.sampling.grammar is not None for s in sampled):  # filled beside the forward
             # NOTE: every rank masks: in a run of steps each rank feeds its own sampled tokens to the next step
             masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])
         if self.prefetcher is None:
-            return self.sample(out, step, self.forward(step), masks)
+            return self.sample(out, step, self._scored(step, guesses), masks)
         sampled_ids = [s.req_id for s in sampled]
         if isinstance(step, StepInputs | TokenRows):
             rows = step.sample_idx[: len(step.sampled)]
@@ -213,7 +229,7 @@ class ModelRunner:
             rows = torch.arange(step.num_seqs, device=self.device)
         self.prefetcher.begin([s.req_id for s in out.sequences], sampled_ids, rows)
         try:
-            return self.sample(out, step, self.forward(step), masks)
+            return self.sample(out, step, self._scored(step, guesses), masks)
         finally:
             self.prefetcher.end(sampled_ids)
 
@@ -255,6 +271,20 @@ class ModelRunner:
             if all(stopped):
                 break
         return runs
+
+    def _scored(
+        self, step: StepInputs | DecodeInputs | TokenRows, guesses: list[int] | None
+    ) -> torch.Tensor:
+        """The step's logits less its draft rows, whose argmax (greedy verification: drafts are
+        only scheduled for greedy requests whose logits nothing processes) goes to `guesses`."""
+        logits = self.forward(step)
+        drafts = 0 if isinstance(step, DecodeInputs) else sum(k for _, k in step.draft_rows)
+        if not drafts:
+            return logits
+        if guesses is None:
+            raise ValueError("a step with drafts to verify runs alone, not in a run of steps")
+        guesses += logits[-drafts:].argmax(dim=-1).tolist()
+        return logits[:-drafts]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | TokenRows | None:
         """Swaps, dropped requests, and the step's inputs (None: no work): the decode fast path's for a
