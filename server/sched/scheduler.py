@@ -254,15 +254,14 @@ class Scheduler:
         return budget, preempted
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
-        """Draft tokens for `req` to verify this step: only a greedy decode that nothing but its
-        tokens steers (no grammar, logprobs, penalties, bias or min_tokens), within its max_tokens,
-        the context and the step's budget; the prediction's if it has one, else prompt lookup's."""
+        """Draft tokens for `req` to verify this step: only a decode that nothing but its tokens
+        steers (no grammar, logprobs, penalties, bias or min_tokens), within its max_tokens, the
+        context and the step's budget; the prediction's if it has one, else prompt lookup's."""
         params = req.sampling
         if (
             n != 1
             or req.num_output_tokens == 0
             or req.num_computed_tokens + 1 != req.num_tokens
-            or not params.greedy
             or params.grammar is not None
             or params.logprobs is not None
             or params.needs_context

@@ -198,19 +198,23 @@ def test_a_prediction_longer_than_max_tokens_or_the_context_is_refused_with_what
         NewRequest("c", [97], SamplingParams(max_tokens=3), prediction=[-1])
 
 
-def test_sampled_and_steered_requests_get_no_drafts():
-    s, r, _ = make_scheduler(FakeRunner(), num_speculative_tokens=4)
+def test_requests_whose_logits_something_steers_get_no_drafts_and_sampled_ones_do():
+    s, r, _ = make_scheduler(FakeRunner(), num_speculative_tokens=4, max_batch=8)
     prompt = [ord(c) for c in "abc"]
     answer = reference_tokens(r, prompt, 8)
     for name, params in {
         "sampled": SamplingParams(max_tokens=8, temperature=1.0, seed=1),
         "logprobs": SamplingParams(max_tokens=8, logprobs=0),
         "penalty": SamplingParams(max_tokens=8, presence_penalty=0.5),
+        "bias": SamplingParams(max_tokens=8, logit_bias={97: 1.0}),
+        "min_tokens": SamplingParams(max_tokens=8, min_tokens=6),
     }.items():
         s.add_request(NewRequest(name, prompt, params, prediction=answer))
+    drafted = set()
     for _ in range(4):
         out, _ = step(s, r)
-        assert all(q.num_drafts == 0 for q in out.sequences)
+        drafted |= {q.req_id for q in out.sequences if q.num_drafts}
+    assert drafted == {"sampled"}
 
 
 @pytest.mark.parametrize("seed", [21, 30, 38, 5])
