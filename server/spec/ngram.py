@@ -15,7 +15,9 @@ def lookup(
     own suffix); [] when none occurs.
 
     A match of n tokens is also one of every shorter n at the same place, so the longest n that
-    matches anywhere wins, and among its matches the last one (the most recent text).
+    matches anywhere wins, and among its matches the last one (the most recent text). In its own
+    text, k tokens are always proposed: what follows the match, repeated with its period where
+    it runs into the end (vLLM stops there).
     """
     size = len(tokens)
     if k <= 0 or size < min_n:
@@ -42,8 +44,14 @@ def lookup(
     if best is None:
         return []
     start = int(best[-1]) + 1
-    source = tokens if own else corpus
-    return list(source[start : start + k])
+    if not own:
+        return list(corpus[start : start + k])
+    # NOTE: a match near the end has fewer than k tokens after it; the text then repeats with the
+    # match's period (a row of a grid, a run of one token), so the drafts continue with it
+    drafts: list[int] = []
+    for at in range(start, start + k):
+        drafts.append(tokens[at] if at < size else drafts[at - size])
+    return drafts
 
 
 def nearest_lookup(

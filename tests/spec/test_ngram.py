@@ -16,9 +16,11 @@ def test_the_longest_suffix_ngram_wins_and_its_last_occurrence_is_copied():
     assert lookup(text, 0, 1, 3) == []
 
 
-def test_a_match_near_the_end_proposes_what_there_is():
-    assert lookup([5, 6, 5], 4, 1, 2) == [6, 5]
-    assert lookup([5, 5, 5, 5], 3, 1, 3) == [5]  # [5, 5, 5] last at 0..2, then one token
+def test_a_match_near_the_end_repeats_with_its_period():
+    assert lookup([5, 6, 5], 4, 1, 2) == [6, 5, 6, 5]  # [5] last at 0: period 2
+    assert lookup([5, 5, 5, 5], 3, 1, 3) == [5, 5, 5]  # [5, 5, 5] last at 0..2: period 1
+    rows = [1, 2, 0, 1, 2, 0, 1]  # grid rows "12\n": the next row continues the pattern
+    assert lookup(rows, 5, 1, 3) == [2, 0, 1, 2, 0]
     assert lookup([4], 3, 1, 3) == []
 
 
