@@ -37,7 +37,7 @@ def _generate(path: str, predictions=None, max_batch: int = 8, flat: bool = Fals
         return [o.token_ids for o in out], counters
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral", "qwen2_moe"])
 def checkpoint(request, make_checkpoint):
     return str(make_checkpoint(request.param))
 
@@ -67,3 +67,14 @@ def test_a_prediction_of_the_answer_is_accepted_and_a_wrong_one_changes_nothing(
     got, counters = _generate(checkpoint, predictions=wrong, num_speculative_tokens=8)
     assert got == answers
     assert 0 < counters.spec_accepted_tokens_total < counters.spec_drafted_tokens_total
+
+
+def test_two_tensor_parallel_ranks_verify_as_one(make_checkpoint):
+    """TP=2 (gloo): every rank runs the verify step; the tokens are one rank's without drafts."""
+    path = str(make_checkpoint("llama"))
+    off, _ = _generate(path)
+    on, counters = _generate(
+        path, speculation="ngram", num_speculative_tokens=4, tensor_parallel_size=2
+    )
+    assert on == off
+    assert counters.spec_accepted_tokens_total > 0
