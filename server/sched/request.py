@@ -83,6 +83,7 @@ class Request:
         "prompt_logprobs_sent",
         "prediction",
         "num_drafted",
+        "draft_depth",
         "num_accepted",
         "prediction_accepted",
         "prediction_rejected",
@@ -144,6 +145,7 @@ class Request:
         # speculative decoding: draft tokens verified and accepted; the prediction's drafts
         # accepted and rejected (OpenAI's accepted/rejected_prediction_tokens)
         self.num_drafted = 0
+        self.draft_depth: int | None = None  # drafts its next verify step may carry (sched/spec)
         self.num_accepted = 0
         self.prediction_accepted = 0
         self.prediction_rejected = 0

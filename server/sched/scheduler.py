@@ -28,6 +28,7 @@ from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
 from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 from sloserve.sched.stats import SchedulerStats
+from sloserve.spec.depth import next_depth
 from sloserve.spec.proposer import NgramProposer, PredictionProposer, Proposer
 
 
@@ -272,8 +273,10 @@ class Scheduler:
         proposer = self.predicted if req.prediction is not None else self.ngram
         if proposer is None:
             return []
+        if req.draft_depth is None:
+            req.draft_depth = self.config.num_speculative_tokens
         k = min(
-            self.config.num_speculative_tokens,
+            req.draft_depth,
             params.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
             budget - 1,
@@ -504,6 +507,9 @@ class Scheduler:
         only rejected drafts wrote to; never hashed, as only computed tokens are)."""
         req.num_drafted += drafted
         req.num_accepted += accepted
+        req.draft_depth = next_depth(
+            req.draft_depth, drafted, accepted, self.config.num_speculative_tokens
+        )
         if req.prediction is not None:
             req.prediction_accepted += accepted
             req.prediction_rejected += drafted - accepted

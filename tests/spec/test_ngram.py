@@ -1,7 +1,9 @@
-"""Prompt lookup (vLLM's prompt_lookup_min/max) and following a client's prediction."""
+"""Prompt lookup (vLLM's prompt_lookup_min/max), following a client's prediction, greedy
+acceptance and the depth of the next verify step."""
 
 from __future__ import annotations
 
+from sloserve.spec.depth import next_depth
 from sloserve.spec.ngram import lookup, nearest_lookup
 from sloserve.spec.verify import accept
 
@@ -40,3 +42,12 @@ def test_greedy_acceptance_takes_matching_drafts_then_the_models_token():
     assert accept([5, 6, 7], [5, 6, 7], 8) == [5, 6, 7, 8]
     assert accept([5, 6, 7], [5, 0, 7], 8) == [5, 0]
     assert accept([5, 6, 7], [1, 6, 7], 8) == [1]
+
+
+def test_the_depth_falls_to_what_was_accepted_and_doubles_back_while_drafts_come_true():
+    assert next_depth(8, 8, 0, 8) == 1
+    assert next_depth(8, 8, 3, 8) == 4
+    assert next_depth(1, 1, 1, 8) == 2
+    assert next_depth(4, 4, 4, 8) == 8
+    assert next_depth(8, 8, 8, 8) == 8  # never past --num-speculative-tokens
+    assert next_depth(8, 3, 3, 8) == 8  # fewer proposed than allowed, all kept: no fall
