@@ -610,9 +610,9 @@ class Scheduler:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
         self._step_tokens += n + len(drafts)
-        if (
-            n == 1 and not drafts
-        ):  # priced as a decoding sequence (a prompt's last token costs about the same)
+        # priced as a decoding sequence (a prompt's last token costs about the same); a verify
+        # step's rows count as prompt tokens
+        if n == 1 and not drafts:
             self._step_decodes += 1
         if plan is not None and req.first_token_time is None:
             plan.paced_prefill(req, n, *self._step_load())
