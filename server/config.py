@@ -331,6 +331,8 @@ class CacheConfig:
 POLICIES = ("slo", "priority", "fifo")
 MAX_SCHEDULER_STEPS = 64  # a longer run would hold a newcomer back for too many steps
 DEFAULT_SCHEDULER_STEPS = 8  # 8 beat 4 on TPOT at concurrency 1 (docs/design/cpu-decode.md)
+SPECULATION_MODES = ("off", "ngram")
+MAX_SPECULATIVE_TOKENS = 64  # a verify step's rows: a prefill chunk's size at most
 
 
 @dataclass(slots=True)
@@ -394,7 +396,43 @@ class SchedulerConfig:
         "once per run; tokens stream in runs of this many).",
     )
 
+    speculation: str = flag(
+        "off",
+        "--speculation",
+        "Draft tokens to verify each decode step: off, or ngram (prompt lookup over the "
+        "request's prompt and output). A request's own prediction is verified either way.",
+        choices=SPECULATION_MODES,
+    )
+    num_speculative_tokens: int = flag(
+        4,
+        "--num-speculative-tokens",
+        "Most draft tokens a request verifies per step (greedy requests only).",
+    )
+    prompt_lookup_min: int = flag(
+        1, "--prompt-lookup-min", "ngram speculation: the shortest suffix n-gram looked up."
+    )
+    prompt_lookup_max: int = flag(
+        4, "--prompt-lookup-max", "ngram speculation: the longest suffix n-gram looked up."
+    )
+
     def __post_init__(self) -> None:
+        require(
+            self.speculation in SPECULATION_MODES,
+            "speculation",
+            f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}",
+        )
+        require(
+            1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            "num_speculative_tokens",
+            f"num speculative tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+            f"got {self.num_speculative_tokens}",
+        )
+        require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            f"prompt lookup min must be >= 1 and <= prompt lookup max ({self.prompt_lookup_max}), "
+            f"got {self.prompt_lookup_min}",
+        )
         require(
             self.policy in POLICIES,
             "policy",

@@ -101,10 +101,13 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         *,
         priority: int | list[int] = 0,
+        predictions: list[str | list[int] | None] | None = None,
     ) -> list[CompletionOutput]:
         """One CompletionOutput per prompt, in order; a prompt is a string or a list of token ids.
 
         `priority` (one for all, or one per prompt): lower runs first under policy='priority'.
+        `predictions` (one per prompt, None for none): the output each is expected to give, as
+        text or token ids, verified as drafts (OpenAI's Predicted Outputs).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -126,9 +129,17 @@ class LLM:
         for grammar in {p.grammar for p in per_prompt if p.grammar is not None}:
             check_grammar(grammar)  # a bad one raises here, before anything runs
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if predictions is None:
+            predictions = [None] * len(prompts)
+        elif len(predictions) != len(prompts):
+            raise ValueError(f"got {len(predictions)} predictions for {len(prompts)} prompts")
+        drafts = [
+            self.tokenizer.encode(d, add_special_tokens=False) if isinstance(d, str) else d
+            for d in predictions
+        ]
         news = [
-            NewRequest(f"llm-{next(self._ids)}", t, p, priority=q)
-            for t, p, q in zip(ids, per_prompt, priorities, strict=True)
+            NewRequest(f"llm-{next(self._ids)}", t, p, priority=q, prediction=d)
+            for t, p, q, d in zip(ids, per_prompt, priorities, drafts, strict=True)
         ]  # a malformed one raises here, before anything runs
         return self._run(news)
 

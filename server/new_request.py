@@ -26,6 +26,8 @@ class NewRequest(msgspec.Struct, array_like=True):
     # stamps it when the request reaches it
     arrival_time: float | None = None
     priority: int = 0  # lower runs first under the priority policy
+    # the client's predicted output tokens (OpenAI Predicted Outputs): drafts to verify
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -40,6 +42,17 @@ class NewRequest(msgspec.Struct, array_like=True):
             raise InvalidRequestError("the prompt is empty: send at least one token")
         if isinstance(self.token_ids, tuple):
             self.token_ids = list(self.token_ids)
+        if self.prediction is not None:
+            if not isinstance(self.prediction, list | tuple) or not all(
+                isinstance(t, int) and t >= 0 for t in self.prediction
+            ):
+                raise InvalidRequestError("the prediction must be a list of token ids >= 0")
+            if len(self.prediction) > self.params.max_tokens:
+                raise InvalidRequestError(
+                    f"the prediction has {len(self.prediction)} tokens, more than max_tokens "
+                    f"({self.params.max_tokens}): raise max_tokens or shorten the prediction"
+                )
+            self.prediction = list(self.prediction) or None
         priority = self.priority
         if (
             not isinstance(priority, int)

@@ -87,6 +87,11 @@ class EngineCore:
             raise InvalidRequestError(
                 f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})"
             )
+        bad = [t for t in new.prediction or () if vocab is not None and t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"the prediction has token id {bad[0]}, outside the vocabulary [0, {vocab})"
+            )
         self.scheduler.add_request(new)
 
     def report_delivery_lag(self, lag_s: float) -> None:

@@ -154,4 +154,8 @@ def _take_output(req: Request, state: RequestText) -> RequestOutput:
         error_kind="refused" if req.refusal_reason else None,
         new_logprobs=new_logprobs,
         prompt_logprobs=prompt_logprobs,
+        num_drafted_tokens=req.num_drafted,
+        num_accepted_tokens=req.num_accepted,
+        accepted_prediction_tokens=req.prediction_accepted,
+        rejected_prediction_tokens=req.prediction_rejected,
     )

@@ -35,6 +35,12 @@ class RequestOutput:
     # first tokens), its prompt's, one per prompt token (the first None).
     new_logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
+    # Speculative decoding, so far: draft tokens verified and accepted; of the client's
+    # prediction, the tokens accepted into the output and the rest (OpenAI's usage fields)
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -81,6 +87,11 @@ class EngineStats:
     busy_seconds_total: float = 0.0  # wall time the runner spent on them
     # prompt tokens computed: hits excluded, recomputes included
     computed_prompt_tokens_total: int = 0
+    # Speculative decoding: verify steps (one per sequence with drafts), draft tokens verified,
+    # and how many of them the model accepted
+    spec_drafts_total: int = 0
+    spec_drafted_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -52,11 +52,13 @@ class TokenRows:
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [T, width] int32, row t: the table of token t's sequence
     seq_lens: torch.Tensor  # [T] int32
-    # [S' + P] int64, row of each sampled sequence's last token, then prompt rows
+    # [S' + P + D] int64, row of each sampled sequence's last token, then prompt rows, then draft rows
     sample_idx: torch.Tensor
     sampled: list[int]  # index into the step's sequences of each sampled row
     # (sequence index, positions) of the prompt-logprob rows, in order
     prompt_rows: list[tuple[int, range]]
+    # (sequence index, drafts) of the sequences verifying drafts, in order (see draft_rows)
+    draft_rows: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -70,10 +72,12 @@ class _FlatStep:
     tables: list[list[int]]
     max_len: int  # the longest sequence after the step
     sampled: list[int]  # index into the step's sequences of each sampled row
-    # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    # [S' + P + D] int64, flat row of each sampled sequence's last token, then prompt rows,
+    # then draft rows
     sample_idx: np.ndarray
     # (sequence index, positions) of the prompt-logprob rows, in order
     prompt_rows: list[tuple[int, range]]
+    draft_rows: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -81,11 +85,13 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    # [S' + P] int64, flat row of each sampled sequence's last token, then prompt rows
+    # [S' + P + D] int64, flat row of each sampled sequence's last token, then prompt rows,
+    # then draft rows
     sample_idx: torch.Tensor
     sampled: list[int]  # index into the step's sequences of each sampled row
     # (sequence index, positions) of the prompt-logprob rows, in order
     prompt_rows: list[tuple[int, range]]
+    draft_rows: list[tuple[int, int]]
 
 
 def workspace_bytes(max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -278,6 +284,7 @@ class InputBuilder:
             torch.from_numpy(flat.sample_idx),
             flat.sampled,
             flat.prompt_rows,
+            flat.draft_rows,
         )
 
     def _flat(self, seqs: list[ScheduledSequence]) -> _FlatStep:
@@ -327,8 +334,22 @@ class InputBuilder:
                 np.arange(r.start, r.stop) - seqs[i].start_pos + firsts[i] for i, r in prompt_rows
             ]
             sample_idx = np.concatenate([sample_idx, *extra]).astype(np.int64)
+        draft_rows = [(i, k) for i in sampled if (k := seqs[i].num_drafts)]
+        if draft_rows:  # the rows before each verifying sequence's last: they score its drafts
+            ends = arrays.cu_seqlens_q[1:]
+            extra = [np.arange(ends[i] - 1 - k, ends[i] - 1) for i, k in draft_rows]
+            sample_idx = np.concatenate([sample_idx, *extra]).astype(np.int64)
         return _FlatStep(
-            arrays, tokens, query_lens, start_pos, tables, max_len, sampled, sample_idx, prompt_rows
+            arrays,
+            tokens,
+            query_lens,
+            start_pos,
+            tables,
+            max_len,
+            sampled,
+            sample_idx,
+            prompt_rows,
+            draft_rows,
         )
 
     def build(self, seqs: list[ScheduledSequence]) -> StepInputs:
@@ -375,6 +396,7 @@ class InputBuilder:
             views["sample_idx"],
             flat.sampled,
             flat.prompt_rows,
+            flat.draft_rows,
         )
 
 

@@ -23,6 +23,7 @@ from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
+from sloserve.spec.verify import accept
 
 log = logging.getLogger(__name__)
 
@@ -195,17 +196,51 @@ class ModelRunner:
             return []
         if out.num_steps > 1:
             return self._run_steps(out, step)
-        sampled = iter(self._step(out, step))
-        return [[next(sampled)] if s.sample else [] for s in out.sequences]
+        scored: list[torch.Tensor] = []
+        sampled = iter(self._step(out, step, scored))
+        runs = [[next(sampled)] if s.sample else [] for s in out.sequences]
+        if scored:
+            self._verify(out, step, runs, scored[0])
+        return runs
 
-    def _step(self, out: SchedulerOutput, step: StepInputs | DecodeInputs | TokenRows) -> list[int]:
+    def _verify(
+        self,
+        out: SchedulerOutput,
+        step: StepInputs | TokenRows,
+        runs: list[list[int]],
+        rows: torch.Tensor,
+    ) -> None:
+        """Replace each drafting sequence's run (its last row's token) by the tokens its drafts
+        yield: greedy verification for a greedy request, rejection sampling for a sampled one
+        (`rows`: the draft rows' logits, in step.draft_rows order)."""
+        guesses = rows.argmax(dim=-1).tolist()
+        at = 0
+        for i, k in step.draft_rows:
+            seq = out.sequences[i]
+            drafts = seq.token_ids[-k:]
+            if seq.sampling.greedy:
+                runs[i] = accept(drafts, guesses[at : at + k], runs[i][0])
+            else:
+                runs[i] = self.sampler.verify(
+                    rows[at : at + k], seq.sampling, seq.req_id, drafts, runs[i][0]
+                )
+            at += k
+
+    def _step(
+        self,
+        out: SchedulerOutput,
+        step: StepInputs | DecodeInputs | TokenRows,
+        scored: list[torch.Tensor] | None = None,
+    ) -> list[int]:
+        """One token per sampled sequence; a step that verifies drafts (ScheduledSequence.num_drafts)
+        appends its draft rows' logits to `scored`."""
         masks = None
         sampled = self._sampled(out, step)
         if any(s.sampling.grammar is not None for s in sampled):  # filled beside the forward
             # NOTE: every rank masks: in a run of steps each rank feeds its own sampled tokens to the next step
             masks = self.grammar.begin([s.sampling for s in sampled], [s.req_id for s in sampled])
         if self.prefetcher is None:
-            return self.sample(out, step, self.forward(step), masks)
+            return self.sample(out, step, self._scored(step, scored), masks)
         sampled_ids = [s.req_id for s in sampled]
         if isinstance(step, StepInputs | TokenRows):
             rows = step.sample_idx[: len(step.sampled)]
@@ -213,7 +248,7 @@ class ModelRunner:
             rows = torch.arange(step.num_seqs, device=self.device)
         self.prefetcher.begin([s.req_id for s in out.sequences], sampled_ids, rows)
         try:
-            return self.sample(out, step, self.forward(step), masks)
+            return self.sample(out, step, self._scored(step, scored), masks)
         finally:
             self.prefetcher.end(sampled_ids)
 
@@ -255,6 +290,20 @@ class ModelRunner:
             if all(stopped):
                 break
         return runs
+
+    def _scored(
+        self, step: StepInputs | DecodeInputs | TokenRows, scored: list[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The step's logits less its draft rows, which go to `scored` (drafts are only scheduled
+        for requests whose logits nothing processes: no penalty, bias, grammar or logprobs)."""
+        logits = self.forward(step)
+        drafts = 0 if isinstance(step, DecodeInputs) else sum(k for _, k in step.draft_rows)
+        if not drafts:
+            return logits
+        if scored is None:
+            raise ValueError("a step with drafts to verify runs alone, not in a run of steps")
+        scored.append(logits[-drafts:])
+        return logits[:-drafts]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | DecodeInputs | TokenRows | None:
         """Swaps, dropped requests, and the step's inputs (None: no work): the decode fast path's for a

@@ -98,6 +98,21 @@ class EngineCollector(Collector):
         )
         yield f.counter("sloserve_generated_tokens", "Tokens generated.", s.generated_tokens_total)
         yield f.counter("sloserve_preemptions", "Running requests preempted.", s.preemptions_total)
+        yield f.counter(
+            "sloserve_spec_decode_num_drafts",
+            "Speculative decoding: verify steps, one per sequence with draft tokens (vLLM's name).",
+            getattr(s, "spec_drafts_total", 0),
+        )
+        yield f.counter(
+            "sloserve_spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            getattr(s, "spec_drafted_tokens_total", 0),
+        )
+        yield f.counter(
+            "sloserve_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens the model accepted.",
+            getattr(s, "spec_accepted_tokens_total", 0),
+        )
         merged = collections.Counter({str(k): int(v) for k, v in (s.refusals or {}).items()})
         merged.update(self._service_refusals)
         yield f.labelled(

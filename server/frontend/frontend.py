@@ -207,6 +207,9 @@ class Frontend:
                 self._count_done(done, parsed)
                 yield done
                 return
+            prediction = parsed.prediction
+            if isinstance(prediction, str):
+                prediction = await self._encode(prediction, False)
             self.check_open()  # again: draining may have begun while the prompt was tokenized
             stream = self.engine.add_request(
                 NewRequest(
@@ -216,6 +219,7 @@ class Frontend:
                     parsed.slo,
                     handle.arrival,
                     parsed.priority,
+                    prediction,
                 )
             )
             handle.admitted = True
@@ -273,14 +277,17 @@ class Frontend:
         keeps serving (a short one inline: a thread hand-off costs more than encoding it)."""
         if isinstance(prompt, list):
             return prompt
-        # False: a chat template wrote them
-        args = (prompt,) if add_special_tokens else (prompt, False)
-        if len(prompt) <= INLINE_TOKENIZE_CHARS:
-            ids = self.engine.tokenizer.encode(*args)
-        else:
-            ids = await asyncio.to_thread(self.engine.tokenizer.encode, *args)
+        ids = await self._encode(prompt, add_special_tokens)
         self.limits.check_tokens(len(ids), int(self.engine.model_info.get("max_model_len") or 0))
         return ids
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text`'s token ids, a long text's in a worker thread (False: a chat template wrote the
+        special tokens, or the text is a predicted output)."""
+        args = (text,) if add_special_tokens else (text, False)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.engine.tokenizer.encode(*args)
+        return await asyncio.to_thread(self.engine.tokenizer.encode, *args)
 
     def _outcome(
         self,
@@ -309,6 +316,8 @@ class Frontend:
             queue_s,
             first,
             now,
+            out.accepted_prediction_tokens if parsed.prediction is not None else None,
+            out.rejected_prediction_tokens if parsed.prediction is not None else None,
         )
         self._count_done(done, parsed)
         return done

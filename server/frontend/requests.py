@@ -22,6 +22,8 @@ class ParsedRequest:
     priority: int = 0
     add_special_tokens: bool = True  # False for a chat prompt: its template already wrote them
     n: int = 1  # choices wanted: the edge runs n requests over the same prompt (its KV shared by the prefix cache)
+    # OpenAI Predicted Outputs: the output expected (text or token ids), verified as drafts
+    prediction: str | list[int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +53,9 @@ class Finished:
     queue_s: float | None
     ttft_s: float | None
     e2e_s: float
+    # with a prediction only: its tokens accepted into the output and rejected (OpenAI's usage)
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
 
 Event = Tokens | Finished | Failure  # Finished or Failure is the last event of a request

@@ -62,6 +62,21 @@ class VllmCollector(Collector):
         )
         yield f.counter("vllm:prompt_tokens", "Prompt tokens received.", s.prompt_tokens_total)
         yield f.counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens_total)
+        yield f.counter(
+            "vllm:spec_decode_num_drafts",
+            "Number of spec decoding drafts.",
+            getattr(s, "spec_drafts_total", 0),
+        )
+        yield f.counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Number of draft tokens.",
+            getattr(s, "spec_drafted_tokens_total", 0),
+        )
+        yield f.counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.",
+            getattr(s, "spec_accepted_tokens_total", 0),
+        )
 
     def _successes(self) -> CounterMetricFamily:
         counts = dict.fromkeys(_FINISHED_REASONS.values(), 0.0)

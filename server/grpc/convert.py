@@ -73,6 +73,9 @@ _STATS_FIELDS = (
     "steps_total",
     "busy_seconds_total",
     "computed_prompt_tokens_total",
+    "spec_drafts_total",
+    "spec_drafted_tokens_total",
+    "spec_accepted_tokens_total",
 )
 
 
@@ -101,8 +104,18 @@ def from_pb(
         ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else False,
         grammar=grammar_from_pb(s.structured) if s.HasField("structured") else None,
     )
+    which = req.WhichOneof("prediction")
+    prediction: str | list[int] | None = None
+    if which == "prediction_token_ids":
+        prediction = list(req.prediction_token_ids.ids)
+    elif which == "prediction_text":
+        prediction = req.prediction_text
     return ParsedRequest(
-        prompt, params, slo_from_pb(req.slo, time_remaining), priority=req.priority
+        prompt,
+        params,
+        slo_from_pb(req.slo, time_remaining),
+        priority=req.priority,
+        prediction=prediction,
     )
 
 
@@ -172,6 +185,8 @@ def final_pb(request_id: str, done: Finished) -> pb.ServerMessage:
             queue_s=done.queue_s or 0.0,
             ttft_s=done.ttft_s or 0.0,
             e2e_s=done.e2e_s,
+            accepted_prediction_tokens=done.accepted_prediction_tokens or 0,
+            rejected_prediction_tokens=done.rejected_prediction_tokens or 0,
         )
     )
 

@@ -20,7 +20,7 @@ import orjson
 from sloserve.frontend import Failure, Finished, ParsedRequest, RequestHandle, Tokens
 from sloserve.http import sse
 from sloserve.http.errors import STATUS, error_body, failure_response
-from sloserve.http.responses import Shape
+from sloserve.http.responses import Shape, prediction_details
 from sloserve.http.schemas import CompletionRequest
 from starlette.responses import Response
 
@@ -186,9 +186,12 @@ def combined_usage(done: list[Finished], n: int) -> dict:
     firsts = done[::n]  # the first choice of each prompt
     prompt = sum(d.prompt_tokens for d in firsts)
     completion = sum(d.completion_tokens for d in done)
-    return {
+    usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
     }
+    if done and done[0].accepted_prediction_tokens is not None:
+        usage["completion_tokens_details"] = prediction_details(done)
+    return usage

@@ -178,9 +178,20 @@ def finish_reason(done: Finished) -> str:
 
 
 def usage(done: Finished) -> dict:
-    return {
+    body = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+    if done.accepted_prediction_tokens is not None:
+        body["completion_tokens_details"] = prediction_details([done])
+    return body
+
+
+def prediction_details(done: list[Finished]) -> dict:
+    """OpenAI's completion_tokens_details of requests that sent a prediction."""
+    return {
+        "accepted_prediction_tokens": sum(d.accepted_prediction_tokens or 0 for d in done),
+        "rejected_prediction_tokens": sum(d.rejected_prediction_tokens or 0 for d in done),
     }

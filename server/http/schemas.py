@@ -337,12 +337,35 @@ def _request(
         raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     priority = _int(body, "priority", 0)
     return CompletionRequest(
-        ParsedRequest(prompt, params, slo, priority=priority, n=n),
+        ParsedRequest(prompt, params, slo, priority=priority, n=n, prediction=_prediction(body)),
         model,
         stream,
         include_usage and stream,
         _bool(body, "return_token_ids", False),
         logprobs=logprobs is not None,
+    )
+
+
+def _prediction(body: dict) -> str | list[int] | None:
+    """OpenAI's `prediction`: {"type": "content", "content": text, a list of text parts, or
+    (this server's extension) token ids}; None when absent."""
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content":
+        raise _bad("prediction", 'must be {"type": "content", "content": <the expected output>}')
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+        if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _bad("prediction.content", 'parts must be {"type": "text", "text": ...}')
+        return "".join(p["text"] for p in content)
+    if isinstance(content, list) and content:
+        return _token_ids("prediction.content", content)
+    raise _bad(
+        "prediction.content",
+        f"must be the expected output as text, text parts or token ids, got {_kind(content)}",
     )
 
 

@@ -87,6 +87,35 @@ class Sampler:
                 )[0]
         return tokens
 
+    def verify(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        req_id: str,
+        drafts: Sequence[int],
+        bonus: int,
+    ) -> list[int]:
+        """Rejection sampling of one sequence's drafts (Leviathan et al. 2023; Chen et al. 2023).
+
+        `logits[i]` scores `drafts[i]`; `bonus` was sampled from the row after the last draft. A
+        deterministic proposer's draft is a one-hot q, so draft d is kept with probability p(d)
+        and, at the first rejection, the token is drawn from p with d removed (renormalised):
+        each token then follows p exactly, as sampling one at a time would.
+        """
+        probs = filtered_probs(logits, [params] * len(drafts))
+        gen = self._generator(req_id, params)
+        ids = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
+        kept = probs.gather(1, ids[:, None])[:, 0]
+        draws = torch.rand(len(drafts), generator=gen, device=probs.device)
+        rejected = (draws >= kept).nonzero()
+        if rejected.numel() == 0:
+            return [*drafts, bonus]
+        at = int(rejected[0, 0])
+        rest = probs[at].clone()
+        rest[drafts[at]] = 0.0
+        token = int(torch.multinomial(rest, 1, generator=gen)[0])
+        return [*drafts[:at], token]
+
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Probabilities [S, V] after temperature, top-k, top-p and min-p (float32; filtered entries are 0).

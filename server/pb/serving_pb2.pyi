@@ -88,7 +88,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "slo", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "slo", "priority", "prediction_text", "prediction_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -103,7 +105,9 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     slo: Slo
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    prediction_text: str
+    prediction_token_ids: TokenIds
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., prediction_text: _Optional[str] = ..., prediction_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -132,7 +136,7 @@ class TokenChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., time_s: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("request_id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "queue_s", "ttft_s", "e2e_s")
+    __slots__ = ("request_id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "queue_s", "ttft_s", "e2e_s", "accepted_prediction_tokens", "rejected_prediction_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +145,8 @@ class Final(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     finish_reason: FinishReason
     prompt_tokens: int
@@ -149,7 +155,9 @@ class Final(_message.Message):
     queue_s: float
     ttft_s: float
     e2e_s: float
-    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "code", "message", "reason")
@@ -178,7 +186,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s", "expert_resident_per_layer", "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total", "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total", "expert_bytes_per_step", "expert_miss_stall_s_total", "steps_total", "busy_seconds_total", "computed_prompt_tokens_total")
+    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s", "expert_resident_per_layer", "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total", "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total", "expert_bytes_per_step", "expert_miss_stall_s_total", "steps_total", "busy_seconds_total", "computed_prompt_tokens_total", "spec_drafts_total", "spec_drafted_tokens_total", "spec_accepted_tokens_total")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +228,9 @@ class EngineStats(_message.Message):
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_total: int
@@ -254,7 +265,10 @@ class EngineStats(_message.Message):
     steps_total: int
     busy_seconds_total: float
     computed_prompt_tokens_total: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ..., expert_resident_per_layer: _Optional[_Iterable[int]] = ..., expert_hits_total: _Optional[int] = ..., expert_misses_total: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., expert_prefetches_total: _Optional[int] = ..., expert_prefetch_accuracy: _Optional[float] = ..., expert_prediction_recall: _Optional[float] = ..., expert_bytes_copied_total: _Optional[int] = ..., expert_bytes_per_step: _Optional[float] = ..., expert_miss_stall_s_total: _Optional[float] = ..., steps_total: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., computed_prompt_tokens_total: _Optional[int] = ...) -> None: ...
+    spec_drafts_total: int
+    spec_drafted_tokens_total: int
+    spec_accepted_tokens_total: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ..., expert_resident_per_layer: _Optional[_Iterable[int]] = ..., expert_hits_total: _Optional[int] = ..., expert_misses_total: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., expert_prefetches_total: _Optional[int] = ..., expert_prefetch_accuracy: _Optional[float] = ..., expert_prediction_recall: _Optional[float] = ..., expert_bytes_copied_total: _Optional[int] = ..., expert_bytes_per_step: _Optional[float] = ..., expert_miss_stall_s_total: _Optional[float] = ..., steps_total: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., computed_prompt_tokens_total: _Optional[int] = ..., spec_drafts_total: _Optional[int] = ..., spec_drafted_tokens_total: _Optional[int] = ..., spec_accepted_tokens_total: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes", "expert_residency", "num_experts", "expert_slots_per_layer", "expert_device_bytes", "tensor_parallel_size", "tensor_parallel_devices", "dtype", "dtype_reason", "weight_resident_bytes", "quantization", "kv_cache_dtype", "kv_tokens")

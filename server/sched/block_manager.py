@@ -207,6 +207,14 @@ class BlockManager:
         req.block_table.extend(blocks)
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the blocks of `req` past those covering positions [0, num_tokens) (a rejected
+        draft's: never hashed, held by nobody else), tail first."""
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_table) > keep:
+            self.allocator.free(req.block_table[: keep - 1 : -1] if keep else req.block_table[::-1])
+            del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         """Return every device and host block of `req` (device blocks tail first)."""
         self._release(req)

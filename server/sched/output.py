@@ -7,6 +7,12 @@ block_table[p // block_size] * block_size + p % block_size), attending causally 
 before them in the same block table, and, when ``sample`` is set, samples one next token from
 the logits of the last position.
 
+Speculative decoding: the last ``num_drafts`` of ``token_ids`` are proposed tokens, not yet the
+request's (sloserve.spec). The executor verifies them greedily: it accepts drafts while each equals
+the argmax at the position before it, then appends the model's own token there, so the sequence
+returns 1 .. num_drafts + 1 tokens. The K/V of rejected drafts is written but never committed:
+the scheduler advances past accepted tokens only and returns the slots past them.
+
 The one exception to writing: the first ``kv_present`` tokens already have their K/V in the
 block table (a prefix-cache hit on a block other requests share). They are computed for their
 logits only, and their K/V is written nowhere (to the null page), so a shared block is never
@@ -35,6 +41,8 @@ class ScheduledSequence:
     # The request's tokens so far (prompt, then num_generated outputs), only when its sampling needs
     # them (penalties, prompt logprobs: SamplingParams.needs_context); else None.
     context: list[int] | None = None
+    # trailing tokens of token_ids that are drafts to verify (see above); 0 for every other step
+    num_drafts: int = 0
 
     @property
     def prompt_logprob_rows(self) -> range:
@@ -78,7 +86,8 @@ class StepResult:
     """What the runner returns for one SchedulerOutput, per scheduled sequence in its order.
 
     `tokens[i]` is what sequence i sampled, all one shape: one token, a run of decode steps (a
-    stop may end it early), or none (a prefill chunk short of the prompt's end). `errors` names
+    stop may end it early), the accepted drafts then the model's own token (a sequence with
+    drafts), or none (a prefill chunk short of the prompt's end). `errors` names
     the sequences whose computation failed (by index): they alone finish with 'error', and a
     sequence that samples but got no token and no error was not computed.
     """

@@ -81,6 +81,12 @@ class Request:
         "output_logprobs",
         "prompt_logprobs",
         "prompt_logprobs_sent",
+        "prediction",
+        "num_drafted",
+        "draft_depth",
+        "num_accepted",
+        "prediction_accepted",
+        "prediction_rejected",
     )
 
     def __init__(
@@ -135,6 +141,14 @@ class Request:
         if sampling.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(new.token_ids)
         self.prompt_logprobs_sent = False
+        self.prediction = new.prediction
+        # speculative decoding: draft tokens verified and accepted; the prediction's drafts
+        # accepted and rejected (OpenAI's accepted/rejected_prediction_tokens)
+        self.num_drafted = 0
+        self.draft_depth: int | None = None  # drafts its next verify step may carry (sched/spec)
+        self.num_accepted = 0
+        self.prediction_accepted = 0
+        self.prediction_rejected = 0
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,8 @@ from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
 from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 from sloserve.sched.stats import SchedulerStats
+from sloserve.spec.depth import next_depth
+from sloserve.spec.proposer import NgramProposer, PredictionProposer, Proposer
 
 
 class Scheduler:
@@ -77,6 +79,13 @@ class Scheduler:
         self._step_decodes = 0  # of which one-token chunks (decoding sequences)
         # Most decode steps per schedule (the core lowers it to 1 for a runner that cannot run them)
         self.max_steps = self.config.num_scheduler_steps
+        # speculative decoding: drafts from prompt lookup (when on) and from a request's prediction
+        self.ngram: Proposer | None = (
+            NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
+            if sc.speculation == "ngram"
+            else None
+        )
+        self.predicted: Proposer = PredictionProposer(sc.prompt_lookup_max)
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, new: NewRequest) -> Request:
@@ -87,6 +96,15 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt has {len(new.token_ids)} tokens but the model takes at most "
                 f"{self.max_model_len - 1} (room is needed for one output token); shorten it"
+            )
+        if (
+            new.prediction is not None
+            and len(new.token_ids) + len(new.prediction) > self.max_model_len
+        ):
+            raise InvalidRequestError(
+                f"the prompt ({len(new.token_ids)} tokens) and the prediction "
+                f"({len(new.prediction)} tokens) exceed the model's context of "
+                f"{self.max_model_len} tokens; shorten the prediction"
             )
         now = self.clock()
         if new.slo is not None and new.slo.ttft_s is not None:
@@ -217,9 +235,13 @@ class Scheduler:
                 n = plan.fit(req, n, *self._step_load())
             if n == 0:
                 continue
+            drafts = self._drafts(req, n, budget)
             while req is not None and not self.block_manager.allocate(
-                req, req.num_computed_tokens + n
+                req, req.num_computed_tokens + n + len(drafts)
             ):
+                if drafts:
+                    drafts = []  # NOTE: drafts never preempt anyone: they go when blocks are short
+                    continue
                 victim = self.preemption.victim(pending, req, plan)
                 if victim is not req:
                     pending.remove(victim)
@@ -228,9 +250,38 @@ class Scheduler:
                 if victim is req:
                     req = None
             if req is not None:
-                self._schedule_chunk(req, n, out, now, plan)
-                budget -= n
+                self._schedule_chunk(req, n, out, now, plan, drafts)
+                budget -= n + len(drafts)
         return budget, preempted
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Draft tokens for `req` to verify this step: only a decode that nothing but its tokens
+        steers (no grammar, logprobs, penalties, bias or min_tokens), within its max_tokens, the
+        context and the step's budget; the prediction's if it has one, else prompt lookup's."""
+        params = req.sampling
+        if (
+            n != 1
+            or req.num_output_tokens == 0
+            or req.num_computed_tokens + 1 != req.num_tokens
+            or params.grammar is not None
+            or params.logprobs is not None
+            or params.needs_context
+            or params.logit_bias
+            or req.num_output_tokens < params.min_tokens
+        ):
+            return []
+        proposer = self.predicted if req.prediction is not None else self.ngram
+        if proposer is None:
+            return []
+        if req.draft_depth is None:
+            req.draft_depth = self.config.num_speculative_tokens
+        k = min(
+            req.draft_depth,
+            params.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+            budget - 1,
+        )
+        return proposer.propose(req, k) if k > 0 else []
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps this schedule runs back to back (1: an ordinary step).
@@ -244,6 +295,7 @@ class Scheduler:
         if (
             self.max_steps <= 1
             or not seqs
+            or any(seq.num_drafts for seq in seqs)
             or self.waiting
             or out.swap_in
             or out.swap_out
@@ -398,6 +450,8 @@ class Scheduler:
                     req.keep_prompt_logprobs(prompt_logprobs[req.request_id])
                 if self._apply(req, n, run, now, result.logprobs.get(req.request_id)):
                     outputs.append(req)
+                if seq.num_drafts:
+                    self._verified(req, seq.num_drafts, len(run) - 1)
             except Exception as exc:  # one request's failure must not fail the batch
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -447,6 +501,23 @@ class Scheduler:
                 self._finish(req, req.status)
                 break
         return True
+
+    def _verified(self, req: Request, drafted: int, accepted: int) -> None:
+        """Count a verified draft and give back the blocks past what the request now needs (those
+        only rejected drafts wrote to; never hashed, as only computed tokens are)."""
+        req.num_drafted += drafted
+        req.num_accepted += accepted
+        req.draft_depth = next_depth(
+            req.draft_depth, drafted, accepted, self.config.num_speculative_tokens
+        )
+        if req.prediction is not None:
+            req.prediction_accepted += accepted
+            req.prediction_rejected += drafted - accepted
+        self.counters.spec_drafted_tokens_total += drafted
+        self.counters.spec_accepted_tokens_total += accepted
+        self.counters.spec_drafts_total += 1
+        if not req.is_finished:
+            self.block_manager.trim(req, req.num_tokens)
 
     def _advance(self, req: Request, n: int) -> None:
         """`req` computed `n` more tokens: commit its full blocks and count the prompt's share."""
@@ -512,9 +583,11 @@ class Scheduler:
         out: SchedulerOutput,
         now: float,
         plan: DeadlinePlan | None = None,
+        drafts: list[int] | None = None,
     ) -> None:
         start = req.num_computed_tokens
         end = start + n
+        drafts = drafts or []
         bm = self.block_manager
         bm.claim(req)
         # Hashed blocks hold computed K/V; past `start` only when a hit covered the last token.
@@ -522,21 +595,24 @@ class Scheduler:
         out.sequences.append(
             ScheduledSequence(
                 req_id=req.request_id,
-                token_ids=req.all_token_ids[start:end],
+                token_ids=req.all_token_ids[start:end] + drafts,
                 start_pos=start,
-                block_table=req.block_table[: bm.blocks_for(end)],
+                block_table=req.block_table[: bm.blocks_for(end + len(drafts))],
                 sample=end == req.num_tokens and not req.sampling.prompt_only,
                 sampling=req.sampling,
                 num_generated=req.num_output_tokens,
                 kv_present=kv_present,
                 context=req.all_token_ids if req.sampling.needs_context else None,
+                num_drafts=len(drafts),
             )
         )
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
-        self._step_tokens += n
-        if n == 1:  # priced as a decoding sequence (a prompt's last token costs about the same)
+        self._step_tokens += n + len(drafts)
+        # priced as a decoding sequence (a prompt's last token costs about the same); a verify
+        # step's rows count as prompt tokens
+        if n == 1 and not drafts:
             self._step_decodes += 1
         if plan is not None and req.first_token_time is None:
             plan.paced_prefill(req, n, *self._step_load())

@@ -21,6 +21,10 @@ class SchedulerStats:
     preemptions_total: int = 0
     requests_finished_total: int = 0
     kv_blocks_peak: int = 0  # most blocks held by requests at once
+    # speculative decoding: verify steps of one sequence, draft tokens in them, accepted ones
+    spec_drafts_total: int = 0
+    spec_drafted_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
     # predicted minus actual TTFT of recent requests that had a prediction (seconds)
     ttft_errors: deque[float] = field(default_factory=lambda: deque(maxlen=PREDICTION_ERRORS_KEPT))
     # NOTE: stats are read after every step: the quantiles are re-sorted only after new errors
@@ -48,5 +52,8 @@ class SchedulerStats:
             computed_prompt_tokens_total=self.computed_prompt_tokens_total,
             requests_finished_total=self.requests_finished_total,
             kv_blocks_peak=self.kv_blocks_peak,
+            spec_drafts_total=self.spec_drafts_total,
+            spec_drafted_tokens_total=self.spec_drafted_tokens_total,
+            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             **self._error_quantiles,
         )

@@ -7,7 +7,8 @@ class ByteTokenizer:
     """token id == byte; decode drops ids above 255 and replaces broken UTF-8 (so a detokenizer
     must hold a split character back)."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's UTF-8 bytes (there are no special tokens to add)."""
         return list(text.encode())
 
     def decode(self, ids: list[int]) -> str:

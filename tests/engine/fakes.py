@@ -13,6 +13,7 @@ import dataclasses
 from sloserve.engine.runner import RunnerDefaults
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
+from sloserve.spec.verify import accept
 from sloserve.testing.tokenizer import ByteTokenizer
 
 EOS = 3
@@ -117,9 +118,11 @@ class FakeRunner(RunnerDefaults):
                     raise AssertionError(
                         f"{seq.req_id} reads an unwritten slot at {seq.start_pos - 1}"
                     )
+            states = []
             for i, token in enumerate(seq.token_ids):
                 pos = seq.start_pos + i
                 state = _mix(state, token, pos)
+                states.append(state)
                 slot = self._slot(seq.block_table, pos)
                 # a shared block holds it: never written, and it must be right
                 if i < seq.kv_present:
@@ -130,6 +133,11 @@ class FakeRunner(RunnerDefaults):
                         )
                     continue
                 self.kv[slot] = state
+            if seq.num_drafts:  # greedy verification (sloserve.spec.verify)
+                k = seq.num_drafts
+                guesses = [self.next_token(x) for x in states[-k - 1 :]]
+                sampled.append(accept(seq.token_ids[-k:], guesses[:-1], guesses[-1]))
+                continue
             sampled.append([self.next_token(state)] if seq.sample else [])
         return sampled
 

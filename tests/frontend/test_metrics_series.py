@@ -26,6 +26,9 @@ VLLM = (
     "vllm:prompt_tokens",
     "vllm:generation_tokens",
     "vllm:request_success",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
 )
 
 
