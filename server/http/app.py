@@ -141,6 +141,8 @@ class HttpApi:
                 body, self.config.server.max_score_candidates, frontend.limits.max_logprobs
             )
             engine_id = f"http-{request.scope.get(GENERATED) or uuid.uuid4().hex}"
+            if client_id := request.headers.get("x-request-id"):
+                engine_id += f":{client_id[:128]}"
             run = asyncio.create_task(run_score(frontend, engine_id, arrival, parsed, slo))
             # the client went away: cancelling the call aborts every candidate in the engine
             watcher = watch_disconnect(request, run.cancel)

@@ -4,13 +4,14 @@ prompt's blocks are shared, and bad bodies get a 400 naming the field."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
-from sloserve.testing.server_process import quiescent
+from sloserve.testing.server_process import WITH_FAULTS, quiescent
 
 from tests.checkpoints import hf_log_softmax
-from tests.http.conftest import AUTH
+from tests.http.conftest import AUTH, start
 from tests.score.conftest import META, PROMPT, TOL
 
 pytestmark = pytest.mark.timeout(180)
@@ -73,3 +74,37 @@ def test_bad_bodies_get_a_400_naming_the_field(server, body, param, match):
     error = reply.json()["error"]
     assert error["param"] == param
     assert re.search(match, error["message"]), error["message"]
+
+
+def test_a_client_that_goes_away_aborts_every_candidate(tiny_llama):
+    """Steps with the call's requests take 4 s more: the client leaves during the first (which
+    computes the prompt and one candidate); the others are aborted, never computed."""
+    server = start(
+        tiny_llama,
+        None,
+        "--block-size",
+        "4",
+        "--inject-faults",
+        "slow-step:slowscore=4",
+        command=WITH_FAULTS,
+    )
+    try:
+        candidates = [[(i * 7 + j) % 250 for j in range(40)] for i in range(3)]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{server.url}/v1/score",
+                json={"prompt": PROMPT, "candidates": candidates},
+                headers={"x-request-id": "slowscore"},
+                timeout=1.0,
+            )
+        # the engine's stats are as of its last step: wait for the first one's
+        deadline = time.monotonic() + 30
+        while server.info().stats.steps_total < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stats = server.wait_quiescent(30)
+        assert quiescent(stats)
+        # only the first step's candidate was ever scheduled (the others waited for its blocks)
+        assert stats.prompt_tokens_total == len(PROMPT) + 40
+        assert stats.steps_total == 1
+    finally:
+        server.stop()
