@@ -41,3 +41,16 @@ def test_grpc_score_equals_http(server):
         _grpc_score(server, pb.ScoreRequest(text="hi"))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "candidates is empty" in caught.value.details()
+
+
+def test_an_undecodable_score_request_is_invalid_argument(server):
+    with server.sync_channel() as channel:
+        raw = channel.unary_unary(
+            "/sloserve.v1.Sloserve/Score",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ScoreResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            raw(b"\xff\xff\xff", timeout=30, metadata=META)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not parse sloserve.v1.ScoreRequest" in caught.value.details()
