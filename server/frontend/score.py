@@ -50,6 +50,8 @@ async def run_score(
     candidates = [tokenizer.encode(c, False) if isinstance(c, str) else c for c in call.candidates]
     max_model_len = int(frontend.engine.model_info.get("max_model_len") or 0)
     check_candidates(prompt, candidates, max_model_len, frontend.config.server.max_score_candidates)
+    for candidate in candidates:  # --max-prompt-tokens holds for each candidate's request
+        frontend.limits.check_tokens(len(prompt) + len(candidate), max_model_len)
     params = score_params(len(prompt), call.top_logprobs)
     tasks = [
         asyncio.create_task(
