@@ -32,6 +32,8 @@ class ScoreOutput:
 
 def score_params(prompt_len: int, top_logprobs: int = 0) -> SamplingParams:
     """Sampling for one candidate's request: score prompt + candidate from the candidate on, sample nothing."""
+    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
+        raise InvalidRequestError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
     return SamplingParams(
         max_tokens=0, prompt_logprobs=top_logprobs, prompt_logprobs_start=prompt_len
     )

@@ -129,6 +129,12 @@ def test_bad_input_names_the_field(folder, prompt, candidates, match):
         assert not llm.engine.scheduler.requests
 
 
+def test_a_negative_top_logprobs_is_named(folder):
+    with LLM(str(folder), **OPTIONS) as llm:
+        with pytest.raises(InvalidRequestError, match="top_logprobs must be an integer >= 0"):
+            llm.score(PROMPT, [[1]], top_logprobs=-1)
+
+
 def test_text_candidates_are_tokenized_alone(folder):
     with LLM(str(folder), **OPTIONS) as llm:
         ids = llm.tokenizer.encode("ab", add_special_tokens=False)
