@@ -6,9 +6,10 @@ tokens, then runs both arms in alternating order, each on its own engine so neit
 other's blocks cached: `score` (LLM.score: the prompt computed once, its blocks shared) and
 `echo` (K requests of prompt + candidate with max_tokens 0 and prompt logprobs from position 0,
 which keep prefix reuse off, as a completions call with echo and logprobs does today). Printed
-side by side: wall seconds, tokens computed, and the largest logprob difference between arms.
+side by side: wall and CPU seconds (this process's, all threads: steadier than wall time on a
+shared machine), tokens computed, and the largest logprob difference between arms.
 
-    python -m benchmarks.score [--rounds 3] [--prompt-tokens 2000] [--candidates 8]
+    python -m benchmarks.score [--rounds 3] [--prompt-tokens 2000] [--candidates 8] [--threads 1]
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--candidates", type=int, default=8)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default; 1 is steadier on a shared machine)",
+    )
     args = p.parse_args(argv)
     if min(args.rounds, args.prompt_tokens, args.candidates) < 1:
         p.error("every count must be >= 1")
@@ -66,30 +73,35 @@ def candidates(rng: random.Random, k: int) -> list[str]:
     return out
 
 
-def run_score(llm: LLM, prompt: list[int], cands: list[list[int]]) -> tuple[float, int, list]:
+def run_score(llm: LLM, prompt: list[int], cands: list[list[int]]) -> tuple:
     counters = llm.engine.scheduler.counters
     before = counters.computed_prompt_tokens_total
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     outs = llm.score(prompt, cands)
-    wall = time.perf_counter() - started
-    return wall, counters.computed_prompt_tokens_total - before, [o.token_logprobs for o in outs]
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    computed = counters.computed_prompt_tokens_total - before
+    return wall, computed, [o.token_logprobs for o in outs], cpu
 
 
-def run_echo(llm: LLM, prompt: list[int], cands: list[list[int]]) -> tuple[float, int, list]:
+def run_echo(llm: LLM, prompt: list[int], cands: list[list[int]]) -> tuple:
     counters = llm.engine.scheduler.counters
     before = counters.computed_prompt_tokens_total
     params = SamplingParams(max_tokens=0, prompt_logprobs=0)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([prompt + c for c in cands], params)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     logprobs = [
         [e.logprob for e in o.prompt_logprobs[-len(c) :]] for o, c in zip(outs, cands, strict=True)
     ]
-    return wall, counters.computed_prompt_tokens_total - before, logprobs
+    return wall, counters.computed_prompt_tokens_total - before, logprobs, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     options = dict(
         device="cpu",
         dtype="float32",
@@ -124,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                 "candidate_tokens": sum(map(len, cands)),
                 "score_s": got["score"][0],
                 "echo_s": got["echo"][0],
+                "score_cpu_s": got["score"][3],
+                "echo_cpu_s": got["echo"][3],
                 "score_computed": got["score"][1],
                 "echo_computed": got["echo"][1],
                 "max_abs_logprob_diff": diff,
@@ -135,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"score {row['score_s']:.3f}s, {row['score_computed']} tokens "
                 f"({row['score_computed'] / need:.3f} x (P + sum C)) | "
                 f"echo {row['echo_s']:.3f}s, {row['echo_computed']} tokens | "
-                f"echo/score x{row['echo_s'] / row['score_s']:.2f} | "
+                f"echo/score wall x{row['echo_s'] / row['score_s']:.2f}, "
+                f"cpu x{row['echo_cpu_s'] / row['score_cpu_s']:.2f} | "
                 f"max |dlogprob| {diff:.2e}",
                 flush=True,
             )
@@ -143,8 +158,12 @@ def main(argv: list[str] | None = None) -> None:
         scorer.close()
         plain.close()
     speedup = statistics.median(r["echo_s"] / r["score_s"] for r in rows)
+    cpu = statistics.median(r["echo_cpu_s"] / r["score_cpu_s"] for r in rows)
     ratio = max(r["score_computed"] / (r["prompt_tokens"] + r["candidate_tokens"]) for r in rows)
-    print(f"median wall echo/score x{speedup:.2f}; worst tokens computed / (P + sum C) {ratio:.3f}")
+    print(
+        f"median echo/score wall x{speedup:.2f}, cpu x{cpu:.2f}; "
+        f"worst tokens computed / (P + sum C) {ratio:.3f}"
+    )
     path = save("score", {"args": vars(args), "machine": machine(), "rounds": rows})
     print(f"wrote {path}")
 
