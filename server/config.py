@@ -497,6 +497,11 @@ class ServerConfig:
         "Most top log-probabilities per token a request may ask for (logprobs, top_logprobs).",
     )
     max_n: int = flag(16, "--max-n", "Most choices (n) one request may ask for.")
+    max_score_candidates: int = flag(
+        64,
+        "--max-score-candidates",
+        "Most candidates one score call (/v1/score, LLM.score) may send.",
+    )
     # Stop strings: OpenAI takes 4, TGI 4 by default; 16 leaves room for a chat template's end
     # markers plus a client's own, and 256 characters for any delimiter. At the limit a
     # request's automaton has <= 4096 nodes.
@@ -617,6 +622,11 @@ class ServerConfig:
             f"max logprobs must be >= 0, got {self.max_logprobs}",
         )
         require(self.max_n >= 1, "max_n", f"max n must be >= 1, got {self.max_n}")
+        require(
+            self.max_score_candidates >= 1,
+            "max_score_candidates",
+            f"max score candidates must be >= 1, got {self.max_score_candidates}",
+        )
         require(
             self.max_stop_strings >= 0,
             "max_stop_strings",

@@ -20,6 +20,7 @@ from sloserve.engine.runner import Runner
 from sloserve.logprobs import Logprob
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
+from sloserve.score import ScoreOutput, check_candidates, score_of, score_params
 from sloserve.structured import check_grammar
 
 if TYPE_CHECKING:
@@ -142,6 +143,36 @@ class LLM:
             for t, p, q, d in zip(ids, per_prompt, priorities, drafts, strict=True)
         ]  # a malformed one raises here, before anything runs
         return self._run(news)
+
+    def score(
+        self,
+        prompt: str | list[int],
+        candidates: list[str] | list[list[int]],
+        *,
+        top_logprobs: int = 0,
+    ) -> list[ScoreOutput]:
+        """One ScoreOutput per candidate continuation of `prompt`, in order; the prompt is computed
+        once and its cached blocks shared by every candidate (sloserve.score)."""
+        tok = self.tokenizer
+        prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # NOTE: a text candidate is tokenized alone, without special tokens, so its tokens are
+        # the same after any prompt (a BPE merge across the boundary would change them)
+        ids = [
+            tok.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c)
+            for c in candidates
+        ]
+        check_candidates(
+            prompt_ids,
+            ids,
+            self._core.scheduler.max_model_len,
+            self.config.server.max_score_candidates,
+        )
+        params = score_params(len(prompt_ids), top_logprobs)
+        news = [NewRequest(f"llm-{next(self._ids)}", prompt_ids + c, params) for c in ids]
+        return [
+            score_of(c, out.prompt_logprobs, top_logprobs, out.num_cached_tokens, out.error)
+            for c, out in zip(ids, self._run(news), strict=True)
+        ]
 
     def _run(self, news: list[NewRequest]) -> list[CompletionOutput]:
         """Feed the requests (never more than the queue cap at once) and step until all finish."""

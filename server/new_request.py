@@ -40,6 +40,11 @@ class NewRequest(msgspec.Struct, array_like=True):
             raise InvalidRequestError("the prompt must be a list of integer token ids")
         if not self.token_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token")
+        if self.params.prompt_logprobs_start >= len(self.token_ids):
+            raise InvalidRequestError(
+                f"prompt_logprobs_start is {self.params.prompt_logprobs_start} but the prompt has "
+                f"{len(self.token_ids)} tokens: it must name a prompt position"
+            )
         if isinstance(self.token_ids, tuple):
             self.token_ids = list(self.token_ids)
         if self.prediction is not None:

@@ -38,6 +38,9 @@ class SamplingParams:
     # top log-probabilities per output token (0: the sampled token's only)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
+    # prompt logprobs are needed from this position on (earlier ones are None): the prompt's cached
+    # blocks before it are reused (scoring candidates after a shared prompt)
+    prompt_logprobs_start: int = 0
     # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
     grammar: str | None = None
 
@@ -92,6 +95,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}")
+        start = self.prompt_logprobs_start
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise InvalidRequestError(
+                f"prompt_logprobs_start must be an integer >= 0, got {start!r}"
+            )
+        if start and self.prompt_logprobs is None:
+            raise InvalidRequestError(
+                "prompt_logprobs_start needs prompt_logprobs (it says from where they are needed)"
+            )
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise InvalidRequestError(
                 "grammar must be llguidance grammar text (see sloserve.structured.grammar_for)"

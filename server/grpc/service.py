@@ -15,10 +15,12 @@ from sloserve import __version__
 from sloserve.config import GrpcConfig
 from sloserve.errors import InvalidRequestError
 from sloserve.frontend import Failure, FailureCode, Frontend, RequestHandle, Tokens
+from sloserve.frontend.score import run_score
 from sloserve.grpc import limits
-from sloserve.grpc.convert import STATUS, chunk_pb, final_pb, from_pb, info_pb
+from sloserve.grpc.convert import STATUS, chunk_pb, final_pb, from_pb, info_pb, slo_from_pb
 from sloserve.grpc.handlers import Undecodable
 from sloserve.grpc.interceptors import end_call
+from sloserve.grpc.score import score_from_pb, score_pb
 from sloserve.grpc.session import StreamSession
 from sloserve.logs import Throttled
 from sloserve.pb import serving_pb2 as pb
@@ -225,6 +227,26 @@ class SloserveService(pb_grpc.SloserveServicer):
             max_prompt_tokens=frontend.config.server.max_prompt_tokens,
             max_tokens_limit=frontend.config.server.max_tokens_limit,
         )
+
+    async def Score(self, request: pb.ScoreRequest | Undecodable, context) -> pb.ScoreResponse:
+        """Candidates of one prompt scored on its shared blocks (frontend/score.py); a cancelled
+        call aborts every candidate still in the engine."""
+        arrival = time.monotonic()
+        frontend = self.frontend
+        try:
+            if isinstance(request, Undecodable):
+                raise InvalidRequestError(request.message)
+            frontend.check_open()
+            call = score_from_pb(request, frontend.limits.max_logprobs)
+            slo = slo_from_pb(request.slo, context.time_remaining())
+            engine_id = f"g-{uuid.uuid4().hex}:{request.request_id[:128]}"
+            outcome = await run_score(frontend, engine_id, arrival, call, slo)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            outcome = frontend.failure(exc)
+        if isinstance(outcome, Failure):
+            await end_call(context, STATUS[outcome.code], outcome.message)
+            return pb.ScoreResponse()  # only when the call was already over
+        return score_pb(*outcome)
 
 
 async def _abort(context: grpc.aio.ServicerContext, failure: Failure) -> None:

@@ -1,9 +1,10 @@
-"""The OpenAI-compatible routes (Starlette): /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
-/detokenize, /health, /metrics, /version, and the /server_info and /model_info a router reads -- a thin
-adapter over the front end."""
+"""The OpenAI-compatible routes (Starlette): /v1/completions, /v1/chat/completions, /v1/score,
+/v1/models, /tokenize, /detokenize, /health, /metrics, /version, and the /server_info and
+/model_info a router reads -- a thin adapter over the front end."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -12,19 +13,22 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sloserve import __version__
+from sloserve.errors import InvalidRequestError
 from sloserve.frontend import Failure, FailureCode, RequestHandle, ServerState
 from sloserve.frontend.bearer import bearer_matches
 from sloserve.frontend.chat import NO_TEMPLATE, ChatTemplate
 from sloserve.frontend.chat_files import template_from_checkpoint, template_from_file
 from sloserve.frontend.lifecycle import Lifecycle
+from sloserve.frontend.score import run_score
 from sloserve.http.auth import BearerAuth
-from sloserve.http.completions import Completions
+from sloserve.http.completions import Completions, watch_disconnect
 from sloserve.http.config import HttpConfig
 from sloserve.http.errors import HttpError, error_response, failure_response, http_error_response
 from sloserve.http.logprobs import LogprobFormat
 from sloserve.http.request_id import GENERATED, RequestIdMiddleware
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest, parse_chat, parse_completion
+from sloserve.http.score import parse_score, score_response
 from sloserve.http.slo import slo_from_wire
 from sloserve.http.tokenize import Tokenization
 from sloserve.logs import Throttled
@@ -59,6 +63,7 @@ class HttpApi:
             routes=[
                 Route("/v1/completions", self.create_completion, methods=["POST"]),
                 Route("/v1/chat/completions", self.create_chat_completion, methods=["POST"]),
+                Route("/v1/score", self.score, methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -122,6 +127,48 @@ class HttpApi:
             engine_id += f":{client_id[:128]}"
         handle = RequestHandle(engine_id, arrival)
         return await self.completions.respond(request, handle, req, self._shape(chat, req))
+
+    async def score(self, request: Request) -> Response:
+        """POST /v1/score: per candidate continuation of one prompt, its tokens' logprobs (http/score.py)."""
+        arrival = time.monotonic()
+        frontend = self.frontend
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            body = await self._json(request)
+            frontend.check_open()
+            slo = slo_from_wire(request.headers, body)
+            parsed = parse_score(
+                body, self.config.server.max_score_candidates, frontend.limits.max_logprobs
+            )
+            engine_id = f"http-{request.scope.get(GENERATED) or uuid.uuid4().hex}"
+            if client_id := request.headers.get("x-request-id"):
+                engine_id += f":{client_id[:128]}"
+            run = asyncio.create_task(run_score(frontend, engine_id, arrival, parsed, slo))
+            # the client went away: cancelling the call aborts every candidate in the engine
+            watcher = watch_disconnect(request, run.cancel)
+            try:
+                outcome = await run
+            except asyncio.CancelledError:
+                return Response(status_code=499)  # never sent: the connection is gone
+            except InvalidRequestError as exc:
+                param = "prompt" if str(exc).startswith("prompt") else "candidates"
+                raise HttpError(400, str(exc), param=param) from None
+            finally:
+                watcher.cancel()
+        except HttpError as exc:
+            if exc.status == 400:
+                frontend.count_failure(
+                    Failure(FailureCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+                )
+            return http_error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            return failure_response(frontend.failure(exc))
+        if isinstance(outcome, Failure):
+            return failure_response(outcome)
+        prompt_tokens, outs = outcome
+        return _json(score_response(self.model, prompt_tokens, outs, parsed.top_logprobs))
 
     def _shape(self, chat: bool, req: CompletionRequest) -> Shape:
         """How the request's responses look: with logprobs' token texts and echo's prompt when asked."""
@@ -358,7 +405,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     return error_response(
         404,
         f"no route {request.url.path}: this server answers /v1/completions, "
-        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version, "
+        "/v1/chat/completions, /v1/score, /v1/models, /tokenize, /detokenize, /health, /metrics, /version, "
         "/server_info and /model_info",
     )
 

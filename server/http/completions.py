@@ -189,6 +189,11 @@ def _json(payload: dict) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json")
 
 
+def watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> asyncio.Task:
+    """A task that calls on_disconnect if the client closes the connection (cancel it when answered)."""
+    return asyncio.create_task(_disconnected(request.receive, on_disconnect))
+
+
 async def _disconnected(receive: Callable, on_disconnect: Callable[[], None]) -> None:
     """Call on_disconnect when the client closes the connection before its response is sent."""
     with contextlib.suppress(asyncio.CancelledError):

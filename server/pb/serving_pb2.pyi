@@ -321,3 +321,59 @@ class InfoResponse(_message.Message):
     kv_cache_dtype: str
     kv_tokens: int
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., version: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., state: _Optional[_Union[ServerState, str]] = ..., kv_block_bytes: _Optional[int] = ..., expert_residency: _Optional[str] = ..., num_experts: _Optional[int] = ..., expert_slots_per_layer: _Optional[int] = ..., expert_device_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_devices: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., weight_resident_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreCandidate(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "candidates", "top_logprobs", "slo")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    candidates: _containers.RepeatedCompositeFieldContainer[ScoreCandidate]
+    top_logprobs: int
+    slo: Slo
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[ScoreCandidate, _Mapping]]] = ..., top_logprobs: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoredCandidate(_message.Message):
+    __slots__ = ("token_ids", "token_logprobs", "sum_logprob", "top_logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SUM_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    sum_logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., sum_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("candidates", "prompt_tokens", "candidate_tokens", "cached_tokens")
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[ScoredCandidate]
+    prompt_tokens: int
+    candidate_tokens: int
+    cached_tokens: int
+    def __init__(self, candidates: _Optional[_Iterable[_Union[ScoredCandidate, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., candidate_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

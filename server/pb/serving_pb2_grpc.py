@@ -50,6 +50,11 @@ class SloserveStub:
                 request_serializer=sloserve_dot_pb_dot_serving__pb2.InfoRequest.SerializeToString,
                 response_deserializer=sloserve_dot_pb_dot_serving__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/sloserve.v1.Sloserve/Score',
+                request_serializer=sloserve_dot_pb_dot_serving__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=sloserve_dot_pb_dot_serving__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class SloserveServicer:
@@ -77,6 +82,13 @@ class SloserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Candidate continuations of one prompt, each scored on the prompt's shared cached blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SloserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_SloserveServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=sloserve_dot_pb_dot_serving__pb2.InfoRequest.FromString,
                     response_serializer=sloserve_dot_pb_dot_serving__pb2.InfoResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=sloserve_dot_pb_dot_serving__pb2.ScoreRequest.FromString,
+                    response_serializer=sloserve_dot_pb_dot_serving__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Sloserve:
             '/sloserve.v1.Sloserve/Info',
             sloserve_dot_pb_dot_serving__pb2.InfoRequest.SerializeToString,
             sloserve_dot_pb_dot_serving__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sloserve.v1.Sloserve/Score',
+            sloserve_dot_pb_dot_serving__pb2.ScoreRequest.SerializeToString,
+            sloserve_dot_pb_dot_serving__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

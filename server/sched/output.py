@@ -47,11 +47,13 @@ class ScheduledSequence:
     @property
     def prompt_logprob_rows(self) -> range:
         """Positions of this chunk whose logits score a prompt token (the one after each), when its
-        sampling asks for prompt logprobs; else empty."""
+        sampling asks for prompt logprobs, from the row before prompt_logprobs_start on; else empty."""
         if self.sampling.prompt_logprobs is None or self.context is None:
             return range(0)
         num_prompt = len(self.context) - self.num_generated
-        return range(self.start_pos, min(self.start_pos + len(self.token_ids), num_prompt - 1))
+        first = max(self.start_pos, self.sampling.prompt_logprobs_start - 1)
+        end = min(self.start_pos + len(self.token_ids), num_prompt - 1)
+        return range(first, max(first, end))
 
 
 @dataclass(slots=True)

@@ -395,10 +395,12 @@ class Scheduler:
         return budget
 
     def _prefix(self, req: Request) -> tuple[list[int], list[int], int | None]:
-        """The cached prefix `req` may reuse: none when it wants prompt logprobs (every prompt row's
-        logits are computed, see ScheduledSequence.prompt_logprob_rows)."""
+        """The cached prefix `req` may reuse: when it wants prompt logprobs, only full blocks before
+        the row that scores its first needed one (prompt_logprobs_start - 1, see
+        ScheduledSequence.prompt_logprob_rows), so that row and every later one is computed."""
         if req.sampling.prompt_logprobs is not None:
-            return [], [], None
+            end = req.sampling.prompt_logprobs_start - 1
+            return self.block_manager.find_prefix(req.all_token_ids[: max(end, 0)])
         return self.block_manager.find_prefix(req.all_token_ids)
 
     def _deadline_plan(self, now: float) -> DeadlinePlan | None:
