@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from sloserve.config import (
     CacheConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -31,6 +32,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "server": ServerConfig,
     "parallel": ParallelConfig,
+    "lora": LoraConfig,
 }
 
 
@@ -101,10 +103,13 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         *,
         priority: int | list[int] = 0,
+        adapter: str | None | list[str | None] = None,
     ) -> list[CompletionOutput]:
         """One CompletionOutput per prompt, in order; a prompt is a string or a list of token ids.
 
         `priority` (one for all, or one per prompt): lower runs first under policy='priority'.
+        `adapter` (one for all, or one per prompt): a loaded LoRA adapter's name, None for the
+        base model; it overrides the adapter of `params`.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -123,6 +128,14 @@ class LLM:
             priorities = priority
         else:
             priorities = [priority] * len(prompts)
+        if isinstance(adapter, list):
+            if len(adapter) != len(prompts):
+                raise ValueError(f"got {len(adapter)} adapters for {len(prompts)} prompts")
+            per_prompt = [replace(p, adapter=a) for p, a in zip(per_prompt, adapter, strict=True)]
+        elif adapter is not None:
+            per_prompt = [replace(p, adapter=adapter) for p in per_prompt]
+        for name in {p.adapter for p in per_prompt}:
+            self._core.adapters.check(name)  # an unknown one raises here, before anything runs
         for grammar in {p.grammar for p in per_prompt if p.grammar is not None}:
             check_grammar(grammar)  # a bad one raises here, before anything runs
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -131,6 +144,14 @@ class LLM:
             for t, p, q in zip(ids, per_prompt, priorities, strict=True)
         ]  # a malformed one raises here, before anything runs
         return self._run(news)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder `path` as `name` (any path: the caller is the operator)."""
+        self._core.adapters.load(name, path, trusted=True)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`."""
+        self._core.adapters.unload(name)
 
     def _run(self, news: list[NewRequest]) -> list[CompletionOutput]:
         """Feed the requests (never more than the queue cap at once) and step until all finish."""

@@ -7,7 +7,7 @@ memory. Metadata is computed with a handful of numpy operations, never a Python 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -86,6 +86,8 @@ class StepInputs:
     sampled: list[int]  # index into the step's sequences of each sampled row
     # (sequence index, positions) of the prompt-logprob rows, in order
     prompt_rows: list[tuple[int, range]]
+    # (LoRA adapter name, its flat rows [n] int64) per distinct adapter in the step
+    adapter_rows: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 def workspace_bytes(max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -375,7 +377,23 @@ class InputBuilder:
             views["sample_idx"],
             flat.sampled,
             flat.prompt_rows,
+            _adapter_rows(seqs, arrays.cu_seqlens_q, self.device),
         )
+
+
+def _adapter_rows(
+    seqs: list[ScheduledSequence], firsts: np.ndarray, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """(adapter, flat rows of its sequences' tokens) per distinct adapter, in first-seen order."""
+    rows: dict[str, list[np.ndarray]] = {}
+    for i, seq in enumerate(seqs):
+        if seq.sampling.adapter is not None:
+            rows.setdefault(seq.sampling.adapter, []).append(np.arange(firsts[i], firsts[i + 1]))
+    # NOTE: a few small tensors per step with adapters (plain tensors in this slice, see docs/design/lora.md)
+    return [
+        (name, torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device))
+        for name, parts in rows.items()
+    ]
 
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:

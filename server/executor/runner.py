@@ -19,6 +19,7 @@ from sloserve.executor.swap import copy_blocks
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
+from sloserve.lora import LoraBatch, LoraRegistry
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
 from sloserve.sampling_params import SamplingParams
@@ -134,6 +135,17 @@ class ModelRunner:
             max(1, self._cpu_threads),
         )
         self.kept = KeptLogprobs()  # by sample(), until execute() returns them
+        self.lora = LoraRegistry(
+            self.spec, self.dtype, self.device, config.lora.max_lora_rank, config.lora.lora_dir
+        )
+        self._lora_path_logged = False
+        if config.lora.modules and shard.size > 1:
+            raise ValueError(
+                "--lora-modules with --tensor-parallel-size > 1 is not supported yet: serve "
+                "adapters on one rank"
+            )
+        for name, path in config.lora.modules:
+            self.lora.load(name, path, trusted=True)
         # see split_mixed (benchmarks and tests turn it off to compare)
         self.split_mixed_steps = True
         self.warmup_time_s = 0.0
@@ -275,6 +287,9 @@ class ModelRunner:
         seqs = out.sequences
         if not seqs:
             return None
+        if any(s.sampling.adapter is not None for s in seqs):
+            self._log_lora_path()
+            return self.inputs.build(seqs)
         decode = self.decode_step
         if decode is not None and all(len(s.token_ids) == 1 and s.sample for s in seqs):
             return self.inputs.build_decode(seqs, decode.bucket(len(seqs)))
@@ -291,9 +306,21 @@ class ModelRunner:
         if isinstance(step, TokenRows):
             return self.decode_step.fused.rows(step)
         self._fit_threads(step.input_ids.shape[0])
+        lora = None
+        if step.adapter_rows:
+            lora = LoraBatch([(self.lora.get(name), rows) for name, rows in step.adapter_rows])
         return self.model.forward(
-            step.input_ids, step.positions, step.meta, self.kv, step.sample_idx
+            step.input_ids, step.positions, step.meta, self.kv, step.sample_idx, lora
         )
+
+    def _log_lora_path(self) -> None:
+        """Say once why steps with adapters leave the decode fast path."""
+        if not self._lora_path_logged:
+            self._lora_path_logged = True
+            log.info(
+                "steps with LoRA adapters run on the batched torch path: the fused C decode step "
+                "and the compiled/graph decode step read the base weights only"
+            )
 
     def _fit_threads(self, num_tokens: int) -> None:
         """One CPU thread for a step with less arithmetic than SERIAL_STEP_MACS, else all of them."""

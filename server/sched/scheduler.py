@@ -347,7 +347,8 @@ class Scheduler:
         logits are computed, see ScheduledSequence.prompt_logprob_rows)."""
         if req.sampling.prompt_logprobs is not None:
             return [], [], None
-        return self.block_manager.find_prefix(req.all_token_ids)
+        bm = self.block_manager
+        return bm.find_prefix(req.all_token_ids, bm.root(req))
 
     def _deadline_plan(self, now: float) -> DeadlinePlan | None:
         """This step's deadline view (the slo policy with deadline_steps), once steps have been priced."""
