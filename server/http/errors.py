@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 STATUS = {  # the one place a front-end failure becomes an HTTP status
     FailureCode.INVALID_ARGUMENT: 400,
+    FailureCode.NOT_FOUND: 404,
     FailureCode.RESOURCE_EXHAUSTED: 429,
     FailureCode.DEADLINE_EXCEEDED: 504,
     FailureCode.UNAVAILABLE: 503,
@@ -19,6 +20,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
