@@ -91,6 +91,9 @@ def failure_response(failure: Failure, *, chat: bool = False) -> Response:
     """The response for a front-end Failure; its reason (e.g. the refusal reason) is the error code.
     A prompt too long for the context names the field to shorten, as OpenAI's API does."""
     param = ("messages" if chat else "prompt") if failure.reason == CONTEXT_LENGTH else None
+    # a `model` naming no loaded LoRA adapter
+    if failure.reason == "model_not_found":
+        param = "model"
     return error_response(STATUS[failure.code], failure.message, param=param, code=failure.reason)
 
 

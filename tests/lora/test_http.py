@@ -74,6 +74,7 @@ def test_an_unknown_adapter_is_404_model_not_found(lora_server, stream):
     assert answer.status_code == 404, answer.text
     assert answer.json()["error"]["code"] == "model_not_found"
     assert "'nope'" in answer.json()["error"]["message"]
+    assert answer.json()["error"]["param"] == "model"
 
 
 def test_load_generate_unload_while_serving(lora_server, make_checkpoint, make_lora):
