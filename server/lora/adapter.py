@@ -24,7 +24,7 @@ class LoraDelta:
         """y += this delta of x, in place (x [T, in], y [T, out])."""
         low = x @ self.a.T  # [T, sum r]
         for lo, hi, r0, r1, b in self.parts:
-            y[:, lo:hi] += low[:, r0:r1] @ b.T
+            y[:, lo:hi].addmm_(low[:, r0:r1], b.T)
 
 
 @dataclass(slots=True)
