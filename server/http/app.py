@@ -257,7 +257,8 @@ class HttpApi:
             if not isinstance(body, dict):
                 raise HttpError(400, "the request body must be a JSON object")
             requested = body.get("model")
-            if requested is not None and requested != self.model:
+            # an adapter tokenizes with the served model's tokenizer
+            if requested is not None and requested not in (self.model, *self._adapters()):
                 raise HttpError(
                     404,
                     f"model {requested!r} is not served here; this server serves {self.model!r}",

@@ -64,6 +64,8 @@ def test_model_names_an_adapter_and_models_lists_it(lora_server, make_checkpoint
         make_checkpoint("llama"), make_lora("llama", rank=8, seed=1), (PROMPT,), NEW
     )[0]
     assert answer.json()["choices"][0]["token_ids"] == want
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": "first", "prompt": "Hi"}, headers=AUTH)
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"][-2:] == [72, 105]
     base = _complete(url, base_id).json()["choices"][0]["token_ids"]
     assert base == merged_greedy(make_checkpoint("llama"), None, (PROMPT,), NEW)[0] != want
 
