@@ -86,8 +86,9 @@ class StepInputs:
     sampled: list[int]  # index into the step's sequences of each sampled row
     # (sequence index, positions) of the prompt-logprob rows, in order
     prompt_rows: list[tuple[int, range]]
-    # (LoRA adapter name, its flat rows [n] int64) per distinct adapter in the step
-    adapter_rows: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # (LoRA adapter name, its flat rows: a slice where they are side by side, else [n] int64) per
+    # distinct adapter in the step
+    adapter_rows: list[tuple[str, slice | torch.Tensor]] = field(default_factory=list)
 
 
 def workspace_bytes(max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -383,17 +384,22 @@ class InputBuilder:
 
 def _adapter_rows(
     seqs: list[ScheduledSequence], firsts: np.ndarray, device: torch.device
-) -> list[tuple[str, torch.Tensor]]:
-    """(adapter, flat rows of its sequences' tokens) per distinct adapter, in first-seen order."""
+) -> list[tuple[str, slice | torch.Tensor]]:
+    """(adapter, flat rows of its sequences' tokens) per distinct adapter, in first-seen order: a
+    slice where its sequences are side by side (the runner orders them so), else an index tensor."""
     rows: dict[str, list[np.ndarray]] = {}
     for i, seq in enumerate(seqs):
         if seq.sampling.adapter is not None:
             rows.setdefault(seq.sampling.adapter, []).append(np.arange(firsts[i], firsts[i + 1]))
-    # NOTE: a few small tensors per step with adapters (plain tensors in this slice, see docs/design/lora.md)
-    return [
-        (name, torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device))
-        for name, parts in rows.items()
-    ]
+    groups: list[tuple[str, slice | torch.Tensor]] = []
+    for name, parts in rows.items():
+        flat = np.concatenate(parts).astype(np.int64)
+        if flat[-1] - flat[0] + 1 == flat.shape[0]:
+            groups.append((name, slice(int(flat[0]), int(flat[-1]) + 1)))
+        else:
+            # NOTE: a small tensor per step (plain tensors in this slice, see docs/design/lora.md)
+            groups.append((name, torch.from_numpy(flat).to(device)))
+    return groups
 
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:

@@ -35,6 +35,23 @@ log = logging.getLogger(__name__)
 SERIAL_STEP_MACS = 1 << 28
 
 
+def _by_adapter(seqs: list[ScheduledSequence]) -> list[int] | None:
+    """The order that puts each adapter's sequences side by side (base model first, stable), or
+    None when no sequence has an adapter or they already are."""
+    if all(s.sampling.adapter is None for s in seqs):
+        return None
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].sampling.adapter or "")
+    first_seen: dict[str | None, int] = {}
+    for i in range(len(seqs)):
+        first_seen.setdefault(seqs[i].sampling.adapter, i)
+    grouped = all(
+        seqs[i].sampling.adapter == seqs[i - 1].sampling.adapter
+        or first_seen[seqs[i].sampling.adapter] == i
+        for i in range(1, len(seqs))
+    )
+    return None if grouped else order
+
+
 def _decodes(seq: ScheduledSequence) -> bool:
     """Does the sequence decode (one token, sampled)?"""
     return len(seq.token_ids) == 1 and seq.sample
@@ -172,14 +189,24 @@ class ModelRunner:
         """Swap blocks, run one forward over every scheduled sequence, sample where asked (a run
         of decode steps: each sequence's tokens), with the logprobs kept for those that asked."""
         self.kept.clear()  # NOTE: what a failed step kept: its sequences run again, alone
+        order = _by_adapter(out.sequences)
+        if order is None:
+            return self.kept.result(self._tokens(out))
+        # NOTE: one adapter's rows side by side, so each adapter's deltas run on a slice of them
+        tokens = self._tokens(dataclasses.replace(out, sequences=[out.sequences[i] for i in order]))
+        unsorted: list[list[int]] = [[] for _ in order]
+        for position, i in enumerate(order):
+            unsorted[i] = tokens[position]
+        return self.kept.result(unsorted)
+
+    def _tokens(self, out: SchedulerOutput) -> list[list[int]]:
+        """Each sequence's tokens, in one pass or split (see split_mixed)."""
         split = self.split_mixed(out) if self.split_mixed_steps else None
         if split is None:
-            return self.kept.result(self._execute(out))
+            return self._execute(out)
         chunks, decodes = split
         from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
-        return self.kept.result(
-            [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences]
-        )
+        return [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences]
 
     def split_mixed(self, out: SchedulerOutput) -> tuple[SchedulerOutput, SchedulerOutput] | None:
         """A mixed step too large for the fused kernel's rows, whose decodes alone it takes, as two

@@ -16,7 +16,8 @@ class LoraBatch:
     delta to its own rows only (shrink, then expand), the way MoE groups tokens by expert.
     """
 
-    groups: list[tuple[LoraAdapter, torch.Tensor]]  # (adapter, rows [n] int64)
+    # (adapter, its rows: a slice where they are side by side, else [n] int64)
+    groups: list[tuple[LoraAdapter, slice | torch.Tensor]]
 
     def apply(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x) with each group's delta added on its rows."""
@@ -24,9 +25,9 @@ class LoraBatch:
             delta = adapter.layers.get(layer, {}).get(name)
             if delta is None:
                 continue
-            # NOTE: groups are disjoint and each one's rows ascend: one holding every row is in order
-            if rows.shape[0] == y.shape[0]:
-                delta.add_to(y, x)
+            if isinstance(rows, slice):
+                # views: the delta lands on y in place
+                delta.add_to(y[rows], x[rows])
                 continue
             part = y.index_select(0, rows)
             delta.add_to(part, x.index_select(0, rows))
