@@ -17,6 +17,7 @@ from sloserve.config import (
     CacheConfig,
     ConfigError,
     Flag,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -102,7 +103,9 @@ def build_config(kwargs: dict[str, Any]) -> SloserveConfig:
     return SloserveConfig(**sections)
 
 
-engine_options = config_options(ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+engine_options = config_options(
+    ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoraConfig
+)
 
 
 async def with_engine(config: SloserveConfig, body: Callable[[Any], Any]) -> Any:

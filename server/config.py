@@ -867,6 +867,67 @@ class ParallelConfig:
         return self.tensor_parallel_size // self.nnodes
 
 
+MAX_LORA_RANK = 256
+
+
+def parse_lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """'name=path name2=path2' (spaces or commas between) -> ((name, path), ...)."""
+    pairs = []
+    for item in text.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"must be name=path pairs, got {item!r}")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model (docs/design/lora.md)."""
+
+    lora_modules: str = flag(
+        "",
+        "--lora-modules",
+        "Adapters to load at start-up, as name=path pairs separated by spaces or commas (PEFT "
+        "folders: adapter_config.json + adapter_model.safetensors); a request names one in "
+        "its `model` field.",
+        metavar="NAME=PATH",
+    )
+    lora_dir: str | None = flag(
+        None,
+        "--lora-dir",
+        "The folder adapters are loaded from through POST /v1/load_lora_adapter (paths outside "
+        "it are refused; without it the API loads none).",
+    )
+    max_lora_rank: int = flag(
+        MAX_LORA_RANK,
+        "--max-lora-rank",
+        f"The largest adapter rank loaded (1 to {MAX_LORA_RANK}).",
+    )
+
+    def __post_init__(self) -> None:
+        require(
+            1 <= self.max_lora_rank <= MAX_LORA_RANK,
+            "max_lora_rank",
+            f"must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}",
+        )
+        try:
+            modules = parse_lora_modules(self.lora_modules)
+        except ValueError as exc:
+            raise ConfigError("lora_modules", str(exc)) from None
+        names = [name for name, _ in modules]
+        require(
+            len(set(names)) == len(names),
+            "lora_modules",
+            f"must name each adapter once, got {', '.join(names)}",
+        )
+
+    @property
+    def modules(self) -> tuple[tuple[str, str], ...]:
+        """(name, path) of each start-up adapter."""
+        return parse_lora_modules(self.lora_modules)
+
+
 @dataclass(slots=True)
 class SloserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -875,6 +936,7 @@ class SloserveConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def naive(cls, **model_kw) -> SloserveConfig:

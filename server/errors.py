@@ -35,3 +35,27 @@ class EngineDeadError(SloserveError):
 
 class CheckpointError(SloserveError, ValueError):
     """A model folder cannot be loaded; the message names the file or architecture."""
+
+
+class AdapterError(InvalidRequestError):
+    """A LoRA adapter cannot be loaded (malformed, mismatched, too large, outside --lora-dir)."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names an adapter that is not loaded: NOT_FOUND (HTTP 404 model_not_found)."""
+
+    def __init__(self, name: str, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or f"model {name!r} is not served here: it is neither the served model nor a "
+            "loaded LoRA adapter (see GET /v1/models)"
+        )
+        self.name = name
+
+
+class AdapterBusyError(SloserveError):
+    """An adapter cannot be unloaded while requests of it are running: HTTP 409 (they finish first)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from sloserve.config import (
     CacheConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -32,6 +33,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "server": ServerConfig,
     "parallel": ParallelConfig,
+    "lora": LoraConfig,
 }
 
 
@@ -103,12 +105,15 @@ class LLM:
         *,
         priority: int | list[int] = 0,
         predictions: list[str | list[int] | None] | None = None,
+        adapter: str | None | list[str | None] = None,
     ) -> list[CompletionOutput]:
         """One CompletionOutput per prompt, in order; a prompt is a string or a list of token ids.
 
         `priority` (one for all, or one per prompt): lower runs first under policy='priority'.
         `predictions` (one per prompt, None for none): the output each is expected to give, as
         text or token ids, verified as drafts (OpenAI's Predicted Outputs).
+        `adapter` (one for all, or one per prompt): a loaded LoRA adapter's name, None for the
+        base model; it overrides the adapter of `params`.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -127,6 +132,14 @@ class LLM:
             priorities = priority
         else:
             priorities = [priority] * len(prompts)
+        if isinstance(adapter, list):
+            if len(adapter) != len(prompts):
+                raise ValueError(f"got {len(adapter)} adapters for {len(prompts)} prompts")
+            per_prompt = [replace(p, adapter=a) for p, a in zip(per_prompt, adapter, strict=True)]
+        elif adapter is not None:
+            per_prompt = [replace(p, adapter=adapter) for p in per_prompt]
+        for name in {p.adapter for p in per_prompt}:
+            self._core.adapters.check(name)  # an unknown one raises here, before anything runs
         for grammar in {p.grammar for p in per_prompt if p.grammar is not None}:
             check_grammar(grammar)  # a bad one raises here, before anything runs
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -173,6 +186,14 @@ class LLM:
             score_of(c, out.prompt_logprobs, top_logprobs, out.num_cached_tokens, out.error)
             for c, out in zip(ids, self._run(news), strict=True)
         ]
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder `path` as `name` (any path: the caller is the operator)."""
+        self._core.adapters.load(name, path, trusted=True)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`."""
+        self._core.adapters.unload(name)
 
     def _run(self, news: list[NewRequest]) -> list[CompletionOutput]:
         """Feed the requests (never more than the queue cap at once) and step until all finish."""

@@ -43,6 +43,8 @@ class SamplingParams:
     prompt_logprobs_start: int = 0
     # an llguidance grammar (sloserve.structured.grammar_for): tokens are masked to it
     grammar: str | None = None
+    # a loaded LoRA adapter's name (None: the base model); part of the prefix-cache key
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -107,6 +109,10 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise InvalidRequestError(
                 "grammar must be llguidance grammar text (see sloserve.structured.grammar_for)"
+            )
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InvalidRequestError(
+                f"adapter must be a loaded LoRA adapter's name, got {self.adapter!r}"
             )
 
     @property

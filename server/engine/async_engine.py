@@ -148,6 +148,25 @@ class AsyncEngine:
             self._deliver([out])
         return True
 
+    # ---- LoRA adapters -----------------------------------------------------------------
+    def adapter_names(self) -> list[str]:
+        """The adapters loaded now."""
+        return self._core.adapters.names() if self._core is not None else []
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load adapter `name` from `path` (under --lora-dir), in a worker thread."""
+        self._check_running()
+        await asyncio.to_thread(self._under_lock, self._core.adapters.load, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name` (refused while requests of it are live)."""
+        self._check_running()
+        self._under_lock(self._core.adapters.unload, name)
+
+    def _under_lock(self, fn: Callable[..., None], *args: str) -> None:
+        with self._lock:
+            fn(*args)
+
     def stats(self) -> EngineStats:
         if self._core is None:
             return EngineStats()

@@ -56,3 +56,17 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """The engine's latest stats."""
+
+
+@runtime_checkable
+class AdapterControl(Protocol):
+    """An engine client that loads and unloads LoRA adapters while serving (both real ones do)."""
+
+    def adapter_names(self) -> list[str]:
+        """The adapters loaded, by name."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load adapter `name` from `path` under --lora-dir; AdapterError says why not."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`; UnknownAdapterError or AdapterBusyError say why not."""

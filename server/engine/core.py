@@ -15,6 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from sloserve.config import SloserveConfig
+from sloserve.engine.adapters import Adapters
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import EngineStats, RequestOutput
 from sloserve.engine.priming import prime
@@ -61,6 +62,7 @@ class EngineCore:
             eos_token_ids=runner.eos_token_ids,
         )
         self.output = OutputProcessor(runner.tokenizer.decode)
+        self.adapters = Adapters(getattr(runner, "lora", None), self.scheduler)
         if not runner.runs_steps:  # a runner that runs one step per call
             self.scheduler.max_steps = 1
         if config.scheduler.admission_control or config.scheduler.policy == "slo":
@@ -92,6 +94,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"the prediction has token id {bad[0]}, outside the vocabulary [0, {vocab})"
             )
+        self.adapters.check(new.params.adapter)
         self.scheduler.add_request(new)
 
     def report_delivery_lag(self, lag_s: float) -> None:
@@ -220,6 +223,7 @@ class EngineCore:
         info["max_model_len"] = self.scheduler.max_model_len
         info["block_size"] = self.runner.block_size
         info.setdefault("vocab_size", self.runner.vocab_size)
+        info["lora_adapters"] = self.adapters.names()
         return info
 
 

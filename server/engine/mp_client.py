@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 from sloserve.config import SloserveConfig
 from sloserve.engine import wire
+from sloserve.engine.adapters import adapter_error
 from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import EngineStats
 from sloserve.engine.process import run_engine
@@ -82,6 +83,9 @@ class MPEngineClient:
         self._index = 0 if link is None else link.index
         self._pending = wire.Inputs(adds=[], aborts=[], frontend=self._index)
         self._flush_scheduled = False
+        self._adapter_ops: dict[int, asyncio.Future[wire.AdapterDone]] = {}
+        self._next_op = 0
+        self._adapters: list[str] = []
         self._info: dict = {}
         self._stats = EngineStats()
         self._tokenizer: Tokenizer | None = None
@@ -145,6 +149,7 @@ class MPEngineClient:
             self._watch(os.pidfd_open(first.pid))
             log.info("front end %d joined the engine process (pid %d)", self._index, self.pid)
         self._info, self._stats = first.model_info, first.stats
+        self._adapters = list(first.model_info.get("lora_adapters", []))
         from sloserve.tokenizer import Tokenizer
 
         self._tokenizer = await asyncio.to_thread(
@@ -270,6 +275,32 @@ class MPEngineClient:
         if not self.ready or self._stopping:
             raise EngineDeadError("the engine is not running (await engine.start() first)")
 
+    # ---- LoRA adapters -----------------------------------------------------------------
+    def adapter_names(self) -> list[str]:
+        """The adapters loaded, as of this front end's last operation (or the engine's start)."""
+        return list(self._adapters)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load adapter `name` from `path` (under --lora-dir) in the engine process."""
+        await self._adapter_op(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name` in the engine process."""
+        await self._adapter_op(name, None)
+
+    async def _adapter_op(self, name: str, path: str | None) -> None:
+        self._check_running()
+        self._next_op += 1
+        op = wire.AdapterOp(self._next_op, name, path)
+        done = self._adapter_ops[op.op_id] = asyncio.get_running_loop().create_future()
+        if not self._send(wire.Inputs(frontend=self._index, adapter_ops=[op])):
+            self._adapter_ops.pop(op.op_id, None)
+            raise EngineDeadError("the engine process is not taking messages")
+        reply = await done
+        self._adapters = reply.adapters
+        if reply.error is not None:
+            raise adapter_error(reply.error_kind, name, reply.error)
+
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -315,6 +346,10 @@ class MPEngineClient:
                         stream.put(out)
                 if msg.final:
                     self._final.set()
+            elif isinstance(msg, wire.AdapterDone):
+                done = self._adapter_ops.pop(msg.op_id, None)
+                if done is not None and not done.done():
+                    done.set_result(msg)
             elif isinstance(msg, wire.Died):
                 self._die(msg.reason)
 
@@ -345,6 +380,10 @@ class MPEngineClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(exc)
+        ops, self._adapter_ops = self._adapter_ops, {}
+        for done in ops.values():
+            if not done.done():
+                done.set_exception(exc)
 
     def _exit_description(self) -> str:
         code = self._proc.exitcode if self._proc is not None else None

@@ -28,6 +28,7 @@ class RequestOutput:
     # 'queue_timeout'; the service maps it to RESOURCE_EXHAUSTED.
     refusal_reason: str | None = None
     # With finish_reason 'error': 'invalid' (the request itself is wrong: INVALID_ARGUMENT),
+    # 'not_found' (it names a LoRA adapter that is not loaded: NOT_FOUND),
     # 'refused' (admission, see refusal_reason) or None (the engine failed it: INTERNAL). An engine
     # in another process reports what add_request would have raised this way.
     error_kind: str | None = None

@@ -26,9 +26,15 @@ from collections.abc import Callable, Sequence
 import zmq
 from sloserve.config import SloserveConfig
 from sloserve.engine import wire
+from sloserve.engine.adapters import adapter_error_kind
 from sloserve.engine.core import EngineCore
 from sloserve.engine.outputs import RequestOutput
-from sloserve.errors import InvalidRequestError, RequestRefusedError
+from sloserve.errors import (
+    AdapterBusyError,
+    InvalidRequestError,
+    RequestRefusedError,
+    UnknownAdapterError,
+)
 from sloserve.new_request import NewRequest
 
 log = logging.getLogger(__name__)
@@ -196,6 +202,8 @@ class EngineLoop:
             msg = wire.decode_inputs(data)
             if msg.delivery_lag_s is not None:  # before the adds: they are priced with it
                 self.core.report_delivery_lag(msg.delivery_lag_s)
+            for op in msg.adapter_ops:
+                self.pushes[msg.frontend].send(wire.encode(self._adapter_op(op)))
             for add in msg.adds:
                 if msg.frontend:
                     self._owner[add.request_id] = msg.frontend
@@ -215,8 +223,23 @@ class EngineLoop:
             return None
         except RequestRefusedError as exc:
             return _error_output(add, str(exc), "refused", exc.reason)
+        except UnknownAdapterError as exc:
+            return _error_output(add, str(exc), "not_found", None)
         except InvalidRequestError as exc:
             return _error_output(add, str(exc), "invalid", None)
+
+    def _adapter_op(self, op: wire.AdapterOp) -> wire.AdapterDone:
+        """Load or unload one adapter; what it would raise in-process comes back as its error."""
+        adapters = self.core.adapters
+        try:
+            if op.path is None:
+                adapters.unload(op.name)
+            else:
+                adapters.load(op.name, op.path)
+        except (InvalidRequestError, AdapterBusyError) as exc:
+            kind = adapter_error_kind(exc)
+            return wire.AdapterDone(op.op_id, adapters.names(), str(exc), kind)
+        return wire.AdapterDone(op.op_id, adapters.names())
 
     def _send(self, outputs: list[RequestOutput], final: bool = False) -> None:
         """The step's outputs to the front ends that own them, with the stats; a front end with

@@ -29,6 +29,15 @@ class EngineLink:
         return f"ipc://{self.folder}/outputs-{self.index}"
 
 
+class AdapterOp(msgspec.Struct, array_like=True):
+    """Front end -> engine: load LoRA adapter `name` from `path` (under --lora-dir), or unload it
+    (path None); answered by one AdapterDone with the same op_id."""
+
+    op_id: int
+    name: str
+    path: str | None = None
+
+
 class Inputs(msgspec.Struct, tag="inputs", array_like=True):
     """Front end -> engine: new requests and aborts gathered in one event-loop turn."""
 
@@ -37,6 +46,7 @@ class Inputs(msgspec.Struct, tag="inputs", array_like=True):
     shutdown: bool = False  # abort what is left, send the final outputs, then exit
     delivery_lag_s: float | None = None  # the front end's latest first-token delivery lag, if new
     frontend: int = 0  # which front end sent it (--frontends): its requests' outputs go back there
+    adapter_ops: list[AdapterOp] = []  # applied before `adds`
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -68,14 +78,24 @@ class Died(msgspec.Struct, tag="died", array_like=True):
     reason: str
 
 
-FromEngine = Ready | StartFailed | StepOutputs | Died
+class AdapterDone(msgspec.Struct, tag="adapter_done", array_like=True):
+    """Engine -> the front end that sent an AdapterOp: done, or why not, and the adapters now loaded."""
+
+    op_id: int
+    adapters: list[str]
+    error: str | None = None
+    # with error: 'invalid' (AdapterError), 'not_found' (UnknownAdapterError), 'busy' (AdapterBusyError)
+    error_kind: str | None = None
+
+
+FromEngine = Ready | StartFailed | StepOutputs | Died | AdapterDone
 
 _encoder = msgspec.msgpack.Encoder()
 _inputs_decoder = msgspec.msgpack.Decoder(Inputs)
 _from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
 
 
-def encode(msg: Inputs | Ready | StartFailed | StepOutputs | Died) -> bytes:
+def encode(msg: Inputs | Ready | StartFailed | StepOutputs | Died | AdapterDone) -> bytes:
     return _encoder.encode(msg)
 
 
@@ -83,5 +103,5 @@ def decode_inputs(data: bytes) -> Inputs:
     return _inputs_decoder.decode(data)
 
 
-def decode_from_engine(data: bytes) -> Ready | StartFailed | StepOutputs | Died:
+def decode_from_engine(data: bytes) -> Ready | StartFailed | StepOutputs | Died | AdapterDone:
     return _from_engine_decoder.decode(data)

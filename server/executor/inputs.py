@@ -7,7 +7,7 @@ memory. Metadata is computed with a handful of numpy operations, never a Python 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -92,6 +92,9 @@ class StepInputs:
     # (sequence index, positions) of the prompt-logprob rows, in order
     prompt_rows: list[tuple[int, range]]
     draft_rows: list[tuple[int, int]]
+    # (LoRA adapter name, its flat rows: a slice where they are side by side, else [n] int64) per
+    # distinct adapter in the step
+    adapter_rows: list[tuple[str, slice | torch.Tensor]] = field(default_factory=list)
 
 
 def workspace_bytes(max_step_tokens: int, max_seqs: int, max_blocks: int) -> int:
@@ -397,7 +400,28 @@ class InputBuilder:
             flat.sampled,
             flat.prompt_rows,
             flat.draft_rows,
+            _adapter_rows(seqs, arrays.cu_seqlens_q, self.device),
         )
+
+
+def _adapter_rows(
+    seqs: list[ScheduledSequence], firsts: np.ndarray, device: torch.device
+) -> list[tuple[str, slice | torch.Tensor]]:
+    """(adapter, flat rows of its sequences' tokens) per distinct adapter, in first-seen order: a
+    slice where its sequences are side by side (the runner orders them so), else an index tensor."""
+    rows: dict[str, list[np.ndarray]] = {}
+    for i, seq in enumerate(seqs):
+        if seq.sampling.adapter is not None:
+            rows.setdefault(seq.sampling.adapter, []).append(np.arange(firsts[i], firsts[i + 1]))
+    groups: list[tuple[str, slice | torch.Tensor]] = []
+    for name, parts in rows.items():
+        flat = np.concatenate(parts).astype(np.int64)
+        if flat[-1] - flat[0] + 1 == flat.shape[0]:
+            groups.append((name, slice(int(flat[0]), int(flat[-1]) + 1)))
+        else:
+            # NOTE: a small tensor per step (plain tensors in this slice, see docs/design/lora.md)
+            groups.append((name, torch.from_numpy(flat).to(device)))
+    return groups
 
 
 def _write_present_to_null(seqs: list[ScheduledSequence], slot_mapping: np.ndarray, firsts) -> None:

@@ -19,6 +19,7 @@ from sloserve.executor.swap import copy_blocks
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
+from sloserve.lora import LoraBatch, LoraRegistry
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
 from sloserve.sampling_params import SamplingParams
@@ -33,6 +34,23 @@ log = logging.getLogger(__name__)
 # steps through the fused kernel (executor/fused.py) run on every thread whatever their size:
 # its barriers spin, not sleep.
 SERIAL_STEP_MACS = 1 << 28
+
+
+def _by_adapter(seqs: list[ScheduledSequence]) -> list[int] | None:
+    """The order that puts each adapter's sequences side by side (base model first, stable), or
+    None when no sequence has an adapter or they already are."""
+    if all(s.sampling.adapter is None for s in seqs):
+        return None
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].sampling.adapter or "")
+    first_seen: dict[str | None, int] = {}
+    for i in range(len(seqs)):
+        first_seen.setdefault(seqs[i].sampling.adapter, i)
+    grouped = all(
+        seqs[i].sampling.adapter == seqs[i - 1].sampling.adapter
+        or first_seen[seqs[i].sampling.adapter] == i
+        for i in range(1, len(seqs))
+    )
+    return None if grouped else order
 
 
 def _decodes(seq: ScheduledSequence) -> bool:
@@ -135,6 +153,17 @@ class ModelRunner:
             max(1, self._cpu_threads),
         )
         self.kept = KeptLogprobs()  # by sample(), until execute() returns them
+        self.lora = LoraRegistry(
+            self.spec, self.dtype, self.device, config.lora.max_lora_rank, config.lora.lora_dir
+        )
+        self._lora_path_logged = False
+        if config.lora.modules and shard.size > 1:
+            raise ValueError(
+                "--lora-modules with --tensor-parallel-size > 1 is not supported yet: serve "
+                "adapters on one rank"
+            )
+        for name, path in config.lora.modules:
+            self.lora.load(name, path, trusted=True)
         # see split_mixed (benchmarks and tests turn it off to compare)
         self.split_mixed_steps = True
         self.warmup_time_s = 0.0
@@ -161,14 +190,24 @@ class ModelRunner:
         """Swap blocks, run one forward over every scheduled sequence, sample where asked (a run
         of decode steps: each sequence's tokens), with the logprobs kept for those that asked."""
         self.kept.clear()  # NOTE: what a failed step kept: its sequences run again, alone
+        order = _by_adapter(out.sequences)
+        if order is None:
+            return self.kept.result(self._tokens(out))
+        # NOTE: one adapter's rows side by side, so each adapter's deltas run on a slice of them
+        tokens = self._tokens(dataclasses.replace(out, sequences=[out.sequences[i] for i in order]))
+        unsorted: list[list[int]] = [[] for _ in order]
+        for position, i in enumerate(order):
+            unsorted[i] = tokens[position]
+        return self.kept.result(unsorted)
+
+    def _tokens(self, out: SchedulerOutput) -> list[list[int]]:
+        """Each sequence's tokens, in one pass or split (see split_mixed)."""
         split = self.split_mixed(out) if self.split_mixed_steps else None
         if split is None:
-            return self.kept.result(self._execute(out))
+            return self._execute(out)
         chunks, decodes = split
         from_chunks, from_decodes = iter(self._execute(chunks)), iter(self._execute(decodes))
-        return self.kept.result(
-            [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences]
-        )
+        return [next(from_decodes) if _decodes(s) else next(from_chunks) for s in out.sequences]
 
     def split_mixed(self, out: SchedulerOutput) -> tuple[SchedulerOutput, SchedulerOutput] | None:
         """A mixed step too large for the fused kernel's rows, whose decodes alone it takes, as two
@@ -324,6 +363,9 @@ class ModelRunner:
         seqs = out.sequences
         if not seqs:
             return None
+        if any(s.sampling.adapter is not None for s in seqs):
+            self._log_lora_path()
+            return self.inputs.build(seqs)
         decode = self.decode_step
         if decode is not None and all(len(s.token_ids) == 1 and s.sample for s in seqs):
             return self.inputs.build_decode(seqs, decode.bucket(len(seqs)))
@@ -340,9 +382,21 @@ class ModelRunner:
         if isinstance(step, TokenRows):
             return self.decode_step.fused.rows(step)
         self._fit_threads(step.input_ids.shape[0])
+        lora = None
+        if step.adapter_rows:
+            lora = LoraBatch([(self.lora.get(name), rows) for name, rows in step.adapter_rows])
         return self.model.forward(
-            step.input_ids, step.positions, step.meta, self.kv, step.sample_idx
+            step.input_ids, step.positions, step.meta, self.kv, step.sample_idx, lora
         )
+
+    def _log_lora_path(self) -> None:
+        """Say once why steps with adapters leave the decode fast path."""
+        if not self._lora_path_logged:
+            self._lora_path_logged = True
+            log.info(
+                "steps with LoRA adapters run on the batched torch path: the fused C decode step "
+                "and the compiled/graph decode step read the base weights only"
+            )
 
     def _fit_threads(self, num_tokens: int) -> None:
         """One CPU thread for a step with less arithmetic than SERIAL_STEP_MACS, else all of them."""

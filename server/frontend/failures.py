@@ -11,6 +11,7 @@ from sloserve.errors import (
     EngineDeadError,
     InvalidRequestError,
     RequestRefusedError,
+    UnknownAdapterError,
 )
 
 
@@ -18,6 +19,7 @@ class FailureCode(enum.Enum):
     """What kind of failure; the value is the metrics outcome label."""
 
     INVALID_ARGUMENT = "invalid_argument"  # the request itself is wrong: change it
+    NOT_FOUND = "not_found"  # it names a model (a LoRA adapter) that is not loaded
     RESOURCE_EXHAUSTED = "resource_exhausted"  # refused for load: retry later or elsewhere
     DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline passed before it could run
     # the server's state (loading, draining, dead engine): retry elsewhere
@@ -66,6 +68,8 @@ def failure_from_exception(exc: BaseException) -> Failure:
         return Failure(exc.code, exc.reason, str(exc), exc.limit)
     if isinstance(exc, RequestFailed):
         return Failure(exc.code, exc.reason, str(exc))
+    if isinstance(exc, UnknownAdapterError):
+        return Failure(FailureCode.NOT_FOUND, "model_not_found", str(exc))
     if isinstance(exc, ContextLengthError):
         return Failure(FailureCode.INVALID_ARGUMENT, "context_length_exceeded", str(exc))
     if isinstance(exc, InvalidRequestError):
@@ -97,6 +101,8 @@ def failure_from_output(out: Any) -> Failure:
     """The failure of a final RequestOutput with finish_reason 'error', from its error_kind."""
     kind = getattr(out, "error_kind", None)
     reason = getattr(out, "refusal_reason", None)
+    if kind == "not_found":
+        return Failure(FailureCode.NOT_FOUND, "model_not_found", out.error or "unknown model")
     if kind == "invalid":
         return Failure(
             FailureCode.INVALID_ARGUMENT, "invalid_argument", out.error or "invalid request"

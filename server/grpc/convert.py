@@ -21,6 +21,7 @@ from sloserve.structured import grammar_for
 
 STATUS = {  # the one place a front-end failure becomes a gRPC status
     FailureCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     FailureCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailureCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     FailureCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -103,6 +104,7 @@ def from_pb(
         stop=list(s.stop),
         ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else False,
         grammar=grammar_from_pb(s.structured) if s.HasField("structured") else None,
+        adapter=req.adapter or None,
     )
     which = req.WhichOneof("prediction")
     prediction: str | list[int] | None = None

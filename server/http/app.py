@@ -25,6 +25,7 @@ from sloserve.http.completions import Completions, watch_disconnect
 from sloserve.http.config import HttpConfig
 from sloserve.http.errors import HttpError, error_response, failure_response, http_error_response
 from sloserve.http.logprobs import LogprobFormat
+from sloserve.http.lora import LoraRoutes
 from sloserve.http.request_id import GENERATED, RequestIdMiddleware
 from sloserve.http.responses import Shape
 from sloserve.http.schemas import CompletionRequest, parse_chat, parse_completion
@@ -59,6 +60,7 @@ class HttpApi:
         self._template: ChatTemplate | None = None
         self._template_resolved = False
         self.tokenization = Tokenization(self.frontend, self._render)
+        lora = LoraRoutes(self.frontend.engine, self.auth, self._json)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.create_completion, methods=["POST"]),
@@ -66,6 +68,8 @@ class HttpApi:
                 Route("/v1/score", self.score, methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
+                Route("/v1/load_lora_adapter", lora.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -183,7 +187,7 @@ class HttpApi:
             echo = texts if req.prompts else texts[0]
         return Shape(
             chat,
-            self.model,
+            req.model,
             req.return_token_ids,
             logprobs,
             echo,
@@ -245,7 +249,8 @@ class HttpApi:
             self.auth.check(request.headers.get("authorization"))
         except HttpError as exc:
             return http_error_response(exc)
-        return _json({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(), *(self._model_card(a) for a in self._adapters())]
+        return _json({"object": "list", "data": cards})
 
     async def retrieve_model(self, request: Request) -> Response:
         """GET /v1/models/{id}: the served model, or 404 model_not_found."""
@@ -254,24 +259,35 @@ class HttpApi:
         except HttpError as exc:
             return http_error_response(exc)
         requested = request.path_params["model"]
-        if requested != self.model:
-            return error_response(
-                404,
-                f"model {requested!r} is not served here; this server serves {self.model!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return _json(self._model_card())
+        if requested == self.model:
+            return _json(self._model_card())
+        if requested in self._adapters():
+            return _json(self._model_card(requested))
+        return error_response(
+            404,
+            f"model {requested!r} is not served here; this server serves {self.model!r}",
+            param="model",
+            code="model_not_found",
+        )
 
-    def _model_card(self) -> dict:
+    def _adapters(self) -> list[str]:
+        """The LoRA adapters loaded (none where the engine serves none)."""
+        names = getattr(self.frontend.engine, "adapter_names", None)
+        return names() if names is not None else []
+
+    def _model_card(self, adapter: str | None = None) -> dict:
+        """The served model's card, or a LoRA adapter's (vLLM's: its `parent` the served model)."""
         max_len = int(self.frontend.engine.model_info.get("max_model_len") or 0) or None
-        return {
-            "id": self.model,
+        card = {
+            "id": adapter or self.model,
             "object": "model",
             "created": self.created,
             "owned_by": "sloserve",
             "max_model_len": max_len,
         }
+        if adapter is not None:
+            card |= {"root": adapter, "parent": self.model}
+        return card
 
     # ---- tokens ----------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -288,7 +304,8 @@ class HttpApi:
             if not isinstance(body, dict):
                 raise HttpError(400, "the request body must be a JSON object")
             requested = body.get("model")
-            if requested is not None and requested != self.model:
+            # an adapter tokenizes with the served model's tokenizer
+            if requested is not None and requested not in (self.model, *self._adapters()):
                 raise HttpError(
                     404,
                     f"model {requested!r} is not served here; this server serves {self.model!r}",

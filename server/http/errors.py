@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 STATUS = {  # the one place a front-end failure becomes an HTTP status
     FailureCode.INVALID_ARGUMENT: 400,
+    FailureCode.NOT_FOUND: 404,
     FailureCode.RESOURCE_EXHAUSTED: 429,
     FailureCode.DEADLINE_EXCEEDED: 504,
     FailureCode.UNAVAILABLE: 503,
@@ -19,6 +20,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -89,6 +91,9 @@ def failure_response(failure: Failure, *, chat: bool = False) -> Response:
     """The response for a front-end Failure; its reason (e.g. the refusal reason) is the error code.
     A prompt too long for the context names the field to shorten, as OpenAI's API does."""
     param = ("messages" if chat else "prompt") if failure.reason == CONTEXT_LENGTH else None
+    # a `model` naming no loaded LoRA adapter
+    if failure.reason == "model_not_found":
+        param = "model"
     return error_response(STATUS[failure.code], failure.message, param=param, code=failure.reason)
 
 

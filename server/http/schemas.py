@@ -272,14 +272,9 @@ def _request(
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
         raise _bad("model", f"must be a string, got {_kind(requested)}")
-    if requested and requested != model:
-        raise HttpError(
-            404,
-            f"model {requested!r} is not served here; this server serves {model!r} "
-            "(see GET /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
+    # NOTE: another name is a LoRA adapter's (vLLM's convention); the engine knows which are
+    # loaded and answers an unknown one 404 model_not_found
+    adapter = requested if requested and requested != model else None
     n = _int(body, "n", 1, minimum=1)
     max_tokens = _int(body, "max_completion_tokens", None, minimum=min_max_tokens)
     if max_tokens is None:
@@ -332,13 +327,14 @@ def _request(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=structured[1] if structured is not None else grammar,
+            adapter=adapter,
         )
     except InvalidRequestError as exc:
         raise HttpError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     priority = _int(body, "priority", 0)
     return CompletionRequest(
         ParsedRequest(prompt, params, slo, priority=priority, n=n, prediction=_prediction(body)),
-        model,
+        adapter or model,
         stream,
         include_usage and stream,
         _bool(body, "return_token_ids", False),

@@ -16,6 +16,7 @@ torch.compile (the runner compiles it with the kernel as one opaque custom opera
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from sloserve.layers.norm import rms_norm
 from sloserve.layers.rope import apply_rope, rope_tables
 from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from sloserve.lora import LoraBatch
 
 
 class DecoderModel:
@@ -67,13 +71,16 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv: torch.Tensor,  # [L, 2, P, page, Hkv, D]
         sample_idx: torch.Tensor,  # [S'] int64, rows whose logits are wanted
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [S', V] float32
+        """The logits of the sampled rows; `lora` adds each row group's adapter deltas."""
+
         def attention(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             return self.backend.forward(q, k_cache, v_cache, meta, self.scale)
 
-        h = self._layers(input_ids, positions, attention, self._moe)
+        h = self._layers(input_ids, positions, attention, self._moe, lora)
         h = rms_norm(h.index_select(0, sample_idx), self.weights.norm, self.spec.rms_norm_eps)
         return self.weights.lm_head(h).float()
 
@@ -107,9 +114,11 @@ class DecoderModel:
         positions: torch.Tensor,  # [T] int64
         attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         moe: Callable[[int, LayerWeights, torch.Tensor], torch.Tensor],
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [T, H], before the final norm
         """Every layer over the embedded tokens; `attention(i, q, k, v)` writes layer i's K/V
-        and attends ([T, Hq, D] out), `moe` runs a routed MLP."""
+        and attends ([T, Hq, D] out), `moe` runs a routed MLP, `lora` (dense layers) adds the
+        adapters' deltas after each base projection."""
         spec, w = self.spec, self.weights
         num_tokens = input_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
@@ -118,15 +127,27 @@ class DecoderModel:
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
-            qk, v = layer.qkv(x).split(self._split, dim=-1)
+            qkv = layer.qkv(x)
+            if lora is not None:
+                qkv = lora.apply(i, "qkv", x, qkv)
+            qk, v = qkv.split(self._split, dim=-1)
             # q and k rotated together
             qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
             attn = attention(i, q, k, v)
-            h = h + self.reduce(layer.o(attn.reshape(num_tokens, -1)))
+            attn = attn.reshape(num_tokens, -1)
+            o = layer.o(attn)
+            if lora is not None:
+                o = lora.apply(i, "o", attn, o)
+            h = h + self.reduce(o)
             x = rms_norm(h, layer.ln2, spec.rms_norm_eps)
-            h = h + self.reduce(moe(i, layer, x) if layer.router is not None else _mlp(layer, x))
+            if layer.router is not None:
+                h = h + self.reduce(moe(i, layer, x))
+            else:
+                h = h + self.reduce(
+                    _mlp(layer, x) if lora is None else _lora_mlp(layer, x, i, lora)
+                )
         return h
 
     def decode_fused(
@@ -179,6 +200,13 @@ class DecoderModel:
 def _whole(x: torch.Tensor) -> torch.Tensor:
     """One rank holds the whole model: its sums are complete."""
     return x
+
+
+def _lora_mlp(layer: LayerWeights, x: torch.Tensor, i: int, lora: LoraBatch) -> torch.Tensor:
+    """`_mlp` with the adapters' deltas added to gate_up and down of layer i."""
+    gate, up = lora.apply(i, "gate_up", x, layer.gate_up(x)).chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    return lora.apply(i, "down", act, layer.down(act))
 
 
 def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

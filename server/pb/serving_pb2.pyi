@@ -88,7 +88,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "slo", "priority", "prediction_text", "prediction_token_ids")
+    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "slo", "priority", "prediction_text", "prediction_token_ids", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_TEXT_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -107,7 +108,8 @@ class GenerateRequest(_message.Message):
     priority: int
     prediction_text: str
     prediction_token_ids: TokenIds
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., prediction_text: _Optional[str] = ..., prediction_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., prediction_text: _Optional[str] = ..., prediction_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

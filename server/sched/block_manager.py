@@ -41,6 +41,12 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def adapter_root(adapter: str, uid: int = 0) -> int:
+    """The chain's seed for a request of LoRA adapter `adapter` (load `uid`): two adapters, or two
+    loads of one name, never share a block; requests of one load do."""
+    return hash(("lora", adapter, uid))
+
+
 class BlockManager:
     """Gives requests device blocks (with prefix hits) and host blocks (swap) and takes them back."""
 
@@ -66,6 +72,16 @@ class BlockManager:
         self._claims: dict[int, int] = {}  # hash -> how many requests claim that block
         # request id -> its claimed hashes, in block order
         self._claims_by_req: dict[str, list[int]] = {}
+        # LoRA adapter name -> the seed of its requests' hash chains (set by the engine per load)
+        self.adapter_roots: dict[str, int] = {}
+
+    def root(self, req: Request) -> int:
+        """The seed of `req`'s hash chain: the base model's, or its adapter's."""
+        adapter = req.sampling.adapter
+        if adapter is None:
+            return _ROOT_HASH
+        root = self.adapter_roots.get(adapter)
+        return adapter_root(adapter) if root is None else root
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -84,14 +100,17 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ------------------------------------------------------------------
-    def find_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int], int | None]:
-        """(hit blocks, their hashes, hash of the next full block or None); changes nothing."""
+    def find_prefix(
+        self, tokens: Sequence[int], root: int = _ROOT_HASH
+    ) -> tuple[list[int], list[int], int | None]:
+        """(hit blocks, their hashes, hash of the next full block or None) of a chain seeded with
+        `root` (BlockManager.root); changes nothing."""
         if not self.prefix_cache:
             return [], [], None
         bs, alloc = self.block_size, self.allocator
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = _ROOT_HASH
+        parent = root
         for i in range(len(tokens) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = chain_hash(parent, chunk)
@@ -103,11 +122,14 @@ class BlockManager:
             parent = h
         return blocks, hashes, None
 
-    def prompt_hashes(self, tokens: Sequence[int], known: Sequence[int] = ()) -> list[int]:
+    def prompt_hashes(
+        self, tokens: Sequence[int], known: Sequence[int] = (), root: int = _ROOT_HASH
+    ) -> list[int]:
         """The chained hashes of every full block of `tokens` (as find_prefix and claim hash them),
-        continuing `known`, the hashes of its first blocks (find_prefix's hits and next hash)."""
+        continuing `known`, the hashes of its first blocks (find_prefix's hits and next hash), or
+        seeded with `root` where none are known."""
         bs, hashes = self.block_size, list(known)
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root
         for i in range(len(hashes), len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
@@ -145,7 +167,7 @@ class BlockManager:
             return
         claimed = self._claims_by_req.setdefault(req.request_id, [])
         parent = (
-            claimed[-1] if claimed else req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+            claimed[-1] if claimed else req.block_hashes[-1] if req.block_hashes else self.root(req)
         )
         bs, tokens = self.block_size, req.all_token_ids
         for i in range(len(req.block_hashes) + len(claimed), req.num_tokens // bs):
@@ -171,7 +193,7 @@ class BlockManager:
 
     def _new_full_hashes(self, req: Request, end: int) -> list[int]:
         bs = self.block_size
-        parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        parent = req.block_hashes[-1] if req.block_hashes else self.root(req)
         out = []
         for i in range(len(req.block_hashes), end // bs):
             parent = chain_hash(parent, req.all_token_ids[i * bs : (i + 1) * bs])

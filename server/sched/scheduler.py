@@ -397,11 +397,13 @@ class Scheduler:
     def _prefix(self, req: Request) -> tuple[list[int], list[int], int | None]:
         """The cached prefix `req` may reuse: when it wants prompt logprobs, only full blocks before
         the row that scores its first needed one (prompt_logprobs_start - 1, see
-        ScheduledSequence.prompt_logprob_rows), so that row and every later one is computed."""
+        ScheduledSequence.prompt_logprob_rows), so that row and every later one is computed; a
+        request of a LoRA adapter only that adapter's blocks (its hash chain's root)."""
+        bm = self.block_manager
         if req.sampling.prompt_logprobs is not None:
             end = req.sampling.prompt_logprobs_start - 1
-            return self.block_manager.find_prefix(req.all_token_ids[: max(end, 0)])
-        return self.block_manager.find_prefix(req.all_token_ids)
+            return bm.find_prefix(req.all_token_ids[: max(end, 0)], bm.root(req))
+        return bm.find_prefix(req.all_token_ids, bm.root(req))
 
     def _deadline_plan(self, now: float) -> DeadlinePlan | None:
         """This step's deadline view (the slo policy with deadline_steps), once steps have been priced."""

@@ -119,6 +119,7 @@ def test_every_failure_code_has_one_grpc_status():
     assert set(STATUS) == set(FailureCode)
     assert {code: STATUS[code] for code in FailureCode} == {
         FailureCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+        FailureCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
         FailureCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
         FailureCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
         FailureCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
