@@ -137,7 +137,16 @@ def test_the_defaults_are_the_issues_measurement():
     args = peers.parse_args([])
     assert args.shape == "qwen05" and args.concurrency == [1, 4, 16] and args.rounds == 1
     assert (args.requests, args.max_tokens) == (24, 64)
-    assert set(args.arms) == {"sloserve", "sloserve-int8", "vllm", "llamacpp-bf16", "llamacpp-q8_0"}
+    # issue 55's five arms and issue 56's int4 pair (W4A16 made by llm-compressor, q4_0)
+    assert set(args.arms) == {
+        "sloserve",
+        "sloserve-int8",
+        "vllm",
+        "llamacpp-bf16",
+        "llamacpp-q8_0",
+        "sloserve-w4a16",
+        "llamacpp-q4_0",
+    }
     assert peers.SHAPES["qwen05"] == {
         "hidden": 896,
         "layers": 24,
