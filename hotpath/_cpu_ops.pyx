@@ -140,17 +140,18 @@ def int8_rescale(uintptr_t acc, uintptr_t xs, uintptr_t ws, uintptr_t bias, uint
         for r in range(rows):
             s = xp[r]
             row = ap + r * cols
-            if bf16:
+            if bf16 and bias:
+                for c in range(cols):
+                    v = (<float> row[c]) * (s * wp[c])
+                    hout[r * cols + c] = _bf16(_float(_bf16(v)) + _float(hbias[c]))
+            elif bf16:
                 for c in range(cols):
                     v = (<float> row[c]) * (s * wp[c])
                     hout[r * cols + c] = _bf16(v)
-                if bias:
-                    for c in range(cols):
-                        hout[r * cols + c] = _bf16(_float(hout[r * cols + c]) + _float(hbias[c]))
-            else:
+            elif bias:
                 for c in range(cols):
                     v = (<float> row[c]) * (s * wp[c])
-                    fout[r * cols + c] = v
-                if bias:
-                    for c in range(cols):
-                        fout[r * cols + c] = fout[r * cols + c] + fbias[c]
+                    fout[r * cols + c] = v + fbias[c]
+            else:
+                for c in range(cols):
+                    fout[r * cols + c] = (<float> row[c]) * (s * wp[c])

@@ -31,6 +31,10 @@ except ImportError:  # not built, or forced off: the torch ops in `_w8a8`
 
 # Row counts whose products run weight-only (W8A16); every other count quantizes its activations too.
 W8A16_ROWS = range(2, 5)
+# Products (rows x columns) whose W8A8 rescale runs in C: measured quiet, 2 threads, bf16, the 358M's
+# shapes, the C pass against torch's ops at 512 rows: gate/up (5.0M) x0.84 the op's time, down
+# (0.46M) x0.97, qkv with bias (0.59M) x1.19; at 64 rows x0.94-1.15.
+RESCALE_C_ELEMENTS = 1 << 21
 # Rows of a weight quantized at a time at load: the float32 temporaries stay this small.
 _QUANTIZE_ROWS = 4096
 
@@ -121,12 +125,13 @@ def rescale(
     """`(acc * (xs[:, None] * ws)).to(dtype) + bias`: a W8A8 product's int32 sums [rows, cols]
     scaled by each row's (token's) and each column's (channel's) float32 scale.
 
-    NOTE: one C pass where built (the same bits): torch's ops make three temporaries of the
-    product's size, which cost more than `_int_mm` itself on a prefill chunk (512 rows of gate/up:
-    ~3.5 ms against its ~5.4; docs/design/cpu-decode.md).
+    NOTE: a product of RESCALE_C_ELEMENTS or more takes one C pass where built (the same bits):
+    torch's ops make three temporaries of the product's size. The pass runs on one thread, so on
+    smaller products torch's two threads are as fast or faster (docs/design/cpu-decode.md).
     """
     if (
         _rescale is not None
+        and acc.numel() >= RESCALE_C_ELEMENTS
         and dtype in (torch.float32, torch.bfloat16)
         and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
         and acc.is_contiguous()
