@@ -78,3 +78,28 @@ def test_an_adapter_loaded_and_unloaded_offline_serves_then_is_unknown(make_chec
         with pytest.raises(UnknownAdapterError):
             llm.generate(list(PROMPTS[:1]), PARAMS, adapter="late")
     assert got == merged_greedy(base, path, PROMPTS, NEW_TOKENS)
+
+
+def test_adapters_with_speculation_give_the_merged_models_tokens(make_checkpoint, make_lora):
+    """Draft rows of an adapter's request take its deltas like its other rows: n-gram drafts and
+    predictions (the expected output, and a wrong one) leave every adapter's tokens unchanged."""
+    base = make_checkpoint("llama")
+    adapters = {
+        "r8": make_lora("llama", rank=8, seed=1),
+        "r64": make_lora("llama", rank=64, seed=2),
+    }
+    names = [*adapters, None]
+    want = {name: merged_greedy(base, adapters.get(name), PROMPTS, NEW_TOKENS) for name in names}
+    cases = [(name, p) for name in names for p in range(len(PROMPTS))]
+    prompts = [list(PROMPTS[p]) for _, p in cases]
+    right = [want[name][p] for name, p in cases]
+    wrong = [[(t + 1) % 250 for t in tokens] for tokens in right]
+    with _llm(base, adapters, speculation="ngram", num_speculative_tokens=4) as llm:
+        counters = llm.engine.scheduler.counters
+        for predictions in (None, right, wrong):
+            outputs = llm.generate(
+                prompts, PARAMS, adapter=[name for name, _ in cases], predictions=predictions
+            )
+            assert _tokens(outputs) == right
+        # drafts were verified and accepted: draft rows did run with the adapters' deltas
+        assert counters.spec_accepted_tokens_total >= len(cases)
