@@ -20,6 +20,7 @@ docs/design/quantized-checkpoints.md):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,16 +129,27 @@ class Int4Linear:
             if self.bias is not None:
                 y = y + self.bias
         else:
-            parts = [
-                F.linear(
-                    x2,
-                    self.dequantized(slice(i, i + TILE_OUT), x.dtype),
-                    None if self.bias is None else self.bias[i : i + TILE_OUT],
-                )
-                for i in range(0, self.out_features, TILE_OUT)
-            ]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            y = tiled_product(x2, self.dequantized, self.bias, self.out_features)
         return y.reshape(*lead, self.out_features)
+
+
+def tiled_product(
+    x: torch.Tensor,
+    dequantized: Callable[[slice, torch.dtype], torch.Tensor],
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """x [rows, in] times a packed weight dequantized TILE_OUT output rows at a time (`dequantized`
+    (rows, dtype) gives them in x's dtype), so no whole dequantized copy is ever held."""
+    parts = [
+        F.linear(
+            x,
+            dequantized(slice(i, i + TILE_OUT), x.dtype),
+            None if bias is None else bias[i : i + TILE_OUT],
+        )
+        for i in range(0, out_features, TILE_OUT)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _convert(values: torch.Tensor) -> torch.Tensor:
