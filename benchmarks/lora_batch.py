@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from sloserve import LLM
+from sloserve.lora.peft_format import module_dims
 from sloserve.models.default import ensure_default_model
 from sloserve.models.spec import load_spec
 from sloserve.sampling_params import SamplingParams
@@ -39,16 +40,7 @@ MODULES = {
 def write_adapter(folder: Path, base: Path, rank: int, seed: int) -> Path:
     """A PEFT LoRA adapter of `base` on every projection, A and B random."""
     spec = load_spec(base)
-    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
-    dims = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
+    dims = module_dims(spec)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):

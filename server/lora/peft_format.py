@@ -88,7 +88,7 @@ def read_config(folder: Path, max_rank: int) -> AdapterConfig:
     return AdapterConfig(rank, float(alpha), bool(cfg.get("use_rslora", False)))
 
 
-def _dims(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+def module_dims(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """PEFT module name -> (in features, out features) of the base model."""
     h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     return {
@@ -168,7 +168,7 @@ def _check_shapes(
 ) -> list[tuple[int, str, str]]:
     """(layer, module, key prefix) of every adapted module, each with an A and a B of the shapes
     the base model and the rank need; AdapterError names the first tensor that is not."""
-    dims = _dims(spec)
+    dims = module_dims(spec)
     found: dict[str, tuple[int, str]] = {}
     for key in shapes:
         m = _KEY.match(key)
