@@ -31,9 +31,8 @@ except ImportError:  # not built, or forced off: the torch ops in `_w8a8`
 
 # Row counts whose products run weight-only (W8A16); every other count quantizes its activations too.
 W8A16_ROWS = range(2, 5)
-# Products (rows x columns) whose W8A8 rescale runs in C: measured quiet, 2 threads, bf16, the 358M's
-# shapes, the C pass against torch's ops at 512 rows: gate/up (5.0M) x0.84 the op's time, down
-# (0.46M) x0.97, qkv with bias (0.59M) x1.19; at 64 rows x0.94-1.15.
+# Products (rows x columns) whose W8A8 rescale runs in C: the one-thread pass wins only on products
+# this large (docs/design/cpu-decode.md, "int8 on the CPU" and the peers section).
 RESCALE_C_ELEMENTS = 1 << 21
 # Rows of a weight quantized at a time at load: the float32 temporaries stay this small.
 _QUANTIZE_ROWS = 4096
