@@ -19,9 +19,10 @@ from sloserve.executor.swap import copy_blocks
 from sloserve.layers.grammar import GrammarMasks, PendingMask
 from sloserve.layers.penalties import process_logits
 from sloserve.layers.sampler import Sampler
-from sloserve.lora import LoraBatch, LoraRegistry
+from sloserve.lora import BaseHead, LoraBatch, LoraRegistry
 from sloserve.memory.pool import DevicePool
 from sloserve.models.shard import Shard
+from sloserve.models.weights import ModelWeights
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import ScheduledSequence, SchedulerOutput, StepResult
 from sloserve.spec.verify import accept
@@ -154,7 +155,12 @@ class ModelRunner:
         )
         self.kept = KeptLogprobs()  # by sample(), until execute() returns them
         self.lora = LoraRegistry(
-            self.spec, self.dtype, self.device, config.lora.max_lora_rank, config.lora.lora_dir
+            self.spec,
+            self.dtype,
+            self.device,
+            config.lora.max_lora_rank,
+            config.lora.lora_dir,
+            _base_head(self.model.weights),
         )
         self._lora_path_logged = False
         if config.lora.modules and shard.size > 1:
@@ -595,3 +601,11 @@ class ModelRunner:
     def expert_stats(self) -> dict:
         """The EngineStats expert fields (cheap: host counters only, no device read); {} for a dense model."""
         return expert_stats(self.experts)
+
+
+def _base_head(w: ModelWeights) -> BaseHead:
+    """The base model's embedding and LM head as adapters on them are checked against (their
+    plain matrices; None where the model holds only an int8 or packed form)."""
+    embed = w.embed if isinstance(w.embed, torch.Tensor) else None
+    head = w.lm_head if isinstance(w.lm_head, torch.Tensor) else w.lm_head.weight
+    return BaseHead(w.tied, embed, head)

@@ -2,6 +2,7 @@
 
 from sloserve.lora.adapter import LoraAdapter, LoraDelta
 from sloserve.lora.batch import LoraBatch
+from sloserve.lora.peft_format import BaseHead
 from sloserve.lora.registry import LoraRegistry
 
-__all__ = ["LoraAdapter", "LoraBatch", "LoraDelta", "LoraRegistry"]
+__all__ = ["BaseHead", "LoraAdapter", "LoraBatch", "LoraDelta", "LoraRegistry"]

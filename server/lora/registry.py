@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from sloserve.errors import AdapterError, UnknownAdapterError
 from sloserve.lora.adapter import LoraAdapter
-from sloserve.lora.peft_format import read_adapter
+from sloserve.lora.peft_format import BaseHead, read_adapter
 from sloserve.models.spec import ModelSpec
 
 _NAME_LIMIT = 256
@@ -29,8 +29,10 @@ class LoraRegistry:
         device: torch.device,
         max_rank: int,
         lora_dir: str | None,
+        base: BaseHead | None = None,
     ) -> None:
         self.spec, self.dtype, self.device, self.max_rank = spec, dtype, device, max_rank
+        self.base = base
         self.lora_dir = Path(lora_dir).resolve() if lora_dir else None
         self._adapters: dict[str, LoraAdapter] = {}
         self._uids: dict[str, int] = {}
@@ -84,7 +86,9 @@ class LoraRegistry:
                 "another lora_name"
             )
         folder = self.resolve(path, trusted=trusted)
-        adapter = read_adapter(name, folder, self.spec, self.max_rank, self.dtype, self.device)
+        adapter = read_adapter(
+            name, folder, self.spec, self.max_rank, self.dtype, self.device, self.base
+        )
         self._adapters[name] = adapter
         self._uids[name] = next(self._next_uid)
         return adapter

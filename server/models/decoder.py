@@ -82,6 +82,8 @@ class DecoderModel:
 
         h = self._layers(input_ids, positions, attention, self._moe, lora)
         h = rms_norm(h.index_select(0, sample_idx), self.weights.norm, self.spec.rms_norm_eps)
+        if lora is not None:
+            return lora.head(h, sample_idx, self.weights.lm_head).float()
         return self.weights.lm_head(h).float()
 
     def decode(
@@ -123,6 +125,8 @@ class DecoderModel:
         num_tokens = input_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
         h = w.embedding(input_ids, self.dtype)  # [T, H]
+        if lora is not None:
+            h = lora.embed(input_ids, h)
         cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
         sin = self.sin.index_select(0, positions)
         for i, layer in enumerate(w.layers):

@@ -17,9 +17,11 @@ def make_adapter(
     targets: tuple[str, ...] = ALL_MODULES,
     rslora: bool = False,
     alpha: float | None = None,
+    saved: tuple[str, ...] = (),
 ) -> Path:
     """Save a PEFT LoRA adapter of `base` in `out` (built once): A and B drawn at random, since
-    PEFT's own init leaves B at zero and the adapter would change nothing."""
+    PEFT's own init leaves B at zero and the adapter would change nothing; `saved` are its
+    modules_to_save (embed_tokens, lm_head), their copies moved off the base's values."""
     if (out / "adapter_model.safetensors").is_file():
         return out
     import torch
@@ -34,16 +36,21 @@ def make_adapter(
         target_modules=list(targets),
         use_rslora=rslora,
         lora_dropout=0.0,
+        modules_to_save=list(saved) or None,
     )
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
+            scale = config.lora_alpha / (rank**0.5 if rslora else rank)
             if "lora_A" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                scale = config.lora_alpha / (rank**0.5 if rslora else rank)
+            elif "lora_embedding_A" in name:  # [r, V]: a token picks a column
+                param.copy_(torch.randn(param.shape, generator=gen))
+            elif "lora_B" in name or "lora_embedding_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3 / (scale * rank**0.5))
+            elif "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.05)
     peft_model.save_pretrained(out, safe_serialization=True)
     return out
 

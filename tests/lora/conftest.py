@@ -18,7 +18,8 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def make_lora(adapter_root: Path, make_checkpoint) -> Callable[..., Path]:
-    """make_lora(arch, rank=, seed=, targets=, rslora=) -> the adapter's folder (cached)."""
+    """make_lora(arch, rank=, seed=, targets=, rslora=, saved=, **base overrides) -> the adapter's
+    folder (cached)."""
 
     def make(
         arch: str,
@@ -27,12 +28,21 @@ def make_lora(adapter_root: Path, make_checkpoint) -> Callable[..., Path]:
         seed: int = 0,
         targets: tuple[str, ...] = ALL_MODULES,
         rslora: bool = False,
+        saved: tuple[str, ...] = (),
+        **base_overrides,
     ) -> Path:
-        tag = "-".join(t.removesuffix("_proj") for t in targets)
-        name = f"{arch}-r{rank}-s{seed}-{tag}{'-rs' if rslora else ''}"
-        base = make_checkpoint(arch)
+        tag = "-".join(t.removesuffix("_proj") for t in (*targets, *saved))
+        flags = ("-rs" if rslora else "") + "".join(f"-{k}{v}" for k, v in base_overrides.items())
+        name = f"{arch}-r{rank}-s{seed}-{tag}{flags}"
+        base = make_checkpoint(arch, **base_overrides)
         return make_adapter(
-            base, adapter_root / name, rank=rank, seed=seed, targets=targets, rslora=rslora
+            base,
+            adapter_root / name,
+            rank=rank,
+            seed=seed,
+            targets=targets,
+            rslora=rslora,
+            saved=saved,
         )
 
     return make

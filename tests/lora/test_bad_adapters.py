@@ -72,13 +72,9 @@ def test_modules_the_base_lacks_or_not_yet_supported_are_refused_by_name(
     save_file(tensors, str(renamed / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="module 'qq_proj', which the base model"):
         _registry(base).load("a", str(renamed), trusted=True)
-    embed = _copy(path, tmp_path / "embed")
-    _edit_config(embed, target_modules=["q_proj", "embed_tokens"])
-    with pytest.raises(AdapterError, match="target_modules names 'embed_tokens'"):
-        _registry(base).load("a", str(embed), trusted=True)
     saved = _copy(path, tmp_path / "saved")
-    _edit_config(saved, modules_to_save=["lm_head"])
-    with pytest.raises(AdapterError, match="modules_to_save is not supported"):
+    _edit_config(saved, modules_to_save=["lm_head", "score"])
+    with pytest.raises(AdapterError, match="modules_to_save may name embed_tokens and lm_head"):
         _registry(base).load("a", str(saved), trusted=True)
     with pytest.raises(AdapterError, match="MoE family MixtralForCausalLM"):
         _registry(make_checkpoint("mixtral")).load("a", str(path), trusted=True)
@@ -147,3 +143,36 @@ def test_lora_config_flags_are_checked():
         LoraConfig(lora_modules="a=/x a=/y")
     with pytest.raises(ConfigError, match="max_lora_rank must be in"):
         LoraConfig(max_lora_rank=0)
+
+
+def test_embedding_and_head_parts_are_checked_before_loading(make_checkpoint, make_lora, tmp_path):
+    path = make_lora("llama", rank=8, seed=6, targets=("q_proj", "embed_tokens", "lm_head"))
+    base = make_checkpoint("llama")
+    adapter = _registry(base).load("a", str(path), trusted=True)
+    assert adapter.embed is not None and adapter.head is not None
+    wider = make_checkpoint("llama", vocab_size=300)
+    with pytest.raises(
+        AdapterError,
+        match=r"lm_head.base_layer.weight' has shape \[260, 64\].*vocabulary 300.*\[300, 64\]",
+    ):
+        _registry(wider).load("a", str(path), trusted=True)
+    half = _copy(path, tmp_path / "half")
+    tensors = load_file(half / "adapter_model.safetensors")
+    del tensors["base_model.model.lm_head.lora_B.weight"]
+    save_file(tensors, str(half / "adapter_model.safetensors"))
+    with pytest.raises(
+        AdapterError, match=r"the LoRA on lm_head needs both A and B, found \['A'\]"
+    ):
+        _registry(base).load("a", str(half), trusted=True)
+
+
+def test_adapters_on_a_tied_base_s_embedding_or_head_are_refused(make_checkpoint, make_lora):
+    from sloserve.lora import BaseHead
+
+    tied = make_checkpoint("llama", tie_word_embeddings=True)
+    path = make_lora("llama", rank=8, seed=7, targets=("q_proj", "lm_head"))
+    registry = LoraRegistry(
+        load_spec(tied), torch.float32, torch.device("cpu"), 256, None, BaseHead(True, None, None)
+    )
+    with pytest.raises(AdapterError, match="ties lm_head to embed_tokens"):
+        registry.load("a", str(path), trusted=True)

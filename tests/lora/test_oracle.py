@@ -103,3 +103,33 @@ def test_adapters_with_speculation_give_the_merged_models_tokens(make_checkpoint
             assert _tokens(outputs) == right
         # drafts were verified and accepted: draft rows did run with the adapters' deltas
         assert counters.spec_accepted_tokens_total >= len(cases)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_adapters_on_the_embedding_and_head_equal_the_merged_model(
+    make_checkpoint, make_lora, arch
+):
+    """LoRA on embed_tokens and lm_head, and both saved whole (modules_to_save), alone and
+    co-batched with a layers-only adapter and the base model."""
+    base = make_checkpoint(arch)
+    adapters = {
+        "emb-head": make_lora(arch, rank=8, seed=11, targets=("q_proj", "embed_tokens", "lm_head")),
+        "head64": make_lora(arch, rank=64, seed=12, targets=("lm_head",)),
+        "saved": make_lora(arch, rank=8, seed=13, saved=("embed_tokens", "lm_head")),
+        "layers": make_lora(arch, rank=16, seed=14),
+    }
+    want = {name: merged_greedy(base, path, PROMPTS, NEW_TOKENS) for name, path in adapters.items()}
+    want[None] = merged_greedy(base, None, PROMPTS, NEW_TOKENS)
+    assert all(want[name] != want[None] for name in adapters)
+    with _llm(base, adapters) as llm:
+        held = {name: llm._core.runner.lora.get(name) for name in adapters}
+        # the base layers PEFT saves beside a LoRA on these modules are the model's: not held
+        assert held["emb-head"].embed_weight is None and held["emb-head"].head_weight is None
+        assert held["saved"].embed_weight is not None and held["saved"].head_weight is not None
+        names = [*adapters, None]
+        cases = [(name, p) for name in names for p in range(len(PROMPTS))]
+        outputs = llm.generate(
+            [list(PROMPTS[p]) for _, p in cases], PARAMS, adapter=[name for name, _ in cases]
+        )
+    for (name, p), out in zip(cases, outputs, strict=True):
+        assert out.token_ids == want[name][p], (name, p)
