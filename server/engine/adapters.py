@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from sloserve.errors import AdapterBusyError, AdapterError, UnknownAdapterError
 from sloserve.sched.block_manager import adapter_root
+from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -13,6 +14,10 @@ if TYPE_CHECKING:
 
 
 _KINDS = {"invalid": AdapterError, "not_found": UnknownAdapterError, "busy": AdapterBusyError}
+# What unloading does to an adapter's requests in flight: refuse the unload (409 / FAILED_PRECONDITION),
+# drain (refuse new requests of it, unload once the last finishes) or abort (end them now, each
+# with NOT_FOUND naming the unload)
+IN_FLIGHT = ("refuse", "drain", "abort")
 
 
 def adapter_error_kind(exc: Exception) -> str:
@@ -34,17 +39,25 @@ class Adapters:
     def __init__(self, registry: LoraRegistry | None, scheduler: Scheduler) -> None:
         self.registry = registry
         self.scheduler = scheduler
+        # unloaded once their last request finishes (`sweep`); no new request may name them
+        self.draining: set[str] = set()
         for name in self.names():
             self._seed(name)
 
     def names(self) -> list[str]:
-        """Loaded adapters, in load order."""
-        return [] if self.registry is None else self.registry.names()
+        """Adapters that take requests, in load order (not those draining)."""
+        if self.registry is None:
+            return []
+        return [name for name in self.registry.names() if name not in self.draining]
 
     def check(self, name: str | None) -> None:
         """UnknownAdapterError unless `name` is None (the base model) or a loaded adapter."""
         if name is not None and (self.registry is None or name not in self.registry):
             raise UnknownAdapterError(name)
+        if name in self.draining:
+            raise UnknownAdapterError(
+                name, f"adapter {name!r} is being unloaded: load it again to use it"
+            )
 
     def load(self, name: str, path: str, *, trusted: bool = False) -> None:
         """Load adapter `name` from `path` (under --lora-dir unless `trusted`)."""
@@ -53,20 +66,48 @@ class Adapters:
         self.registry.load(name, path, trusted=trusted)
         self._seed(name)
 
-    def unload(self, name: str) -> None:
-        """Unload adapter `name`; AdapterBusyError while requests of it are live (they finish first)."""
+    def unload(self, name: str, in_flight: str = "refuse") -> list[Request]:
+        """Unload adapter `name`; what happens to its requests in flight is `in_flight`'s (see
+        IN_FLIGHT). The requests it ended (abort), for their final outputs."""
+        if in_flight not in IN_FLIGHT:
+            raise AdapterError(
+                f"in_flight must be one of {', '.join(IN_FLIGHT)}, got {in_flight!r}"
+            )
         self.check(name)
-        live = sum(
-            1
-            for req in self.scheduler.requests.values()
-            if req.sampling.adapter == name and not req.status.is_finished
-        )
-        if live:
+        live = self._live(name)
+        if live and in_flight == "refuse":
             raise AdapterBusyError(
                 name,
-                f"adapter {name!r} has {live} request(s) in flight: unload it once they finish",
+                f"adapter {name!r} has {len(live)} request(s) in flight: unload it once they "
+                "finish, or ask in_flight 'drain' (unload when they finish) or 'abort' (end them)",
             )
+        if live and in_flight == "drain":
+            self.draining.add(name)
+            return []
+        message = f"adapter {name!r} was unloaded while this request ran (in_flight 'abort')"
+        for req in live:
+            req.error_kind = "not_found"
+            self.scheduler.stop_early(
+                req, req.num_output_tokens, RequestStatus.FINISHED_ERROR, message
+            )
+        self._forget(name)
+        return live
+
+    def sweep(self) -> None:
+        """Unload every draining adapter whose last request has finished."""
+        for name in [n for n in self.draining if not self._live(n)]:
+            self._forget(name)
+
+    def _live(self, name: str) -> list[Request]:
+        return [
+            req
+            for req in self.scheduler.requests.values()
+            if req.sampling.adapter == name and not req.status.is_finished
+        ]
+
+    def _forget(self, name: str) -> None:
         assert self.registry is not None
+        self.draining.discard(name)
         self.registry.unload(name)
         self.scheduler.block_manager.adapter_roots.pop(name, None)
 

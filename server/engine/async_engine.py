@@ -158,10 +158,12 @@ class AsyncEngine:
         self._check_running()
         await asyncio.to_thread(self._under_lock, self._core.adapters.load, name, path)
 
-    async def unload_adapter(self, name: str) -> None:
-        """Unload adapter `name` (refused while requests of it are live)."""
+    async def unload_adapter(self, name: str, in_flight: str = "refuse") -> None:
+        """Unload adapter `name`, its requests in flight refused, drained or aborted
+        (engine/adapters.py IN_FLIGHT)."""
         self._check_running()
-        self._under_lock(self._core.adapters.unload, name)
+        with self._lock:
+            self._deliver(self._core.unload_adapter(name, in_flight))
 
     def _under_lock(self, fn: Callable[..., None], *args: str) -> None:
         with self._lock:

@@ -68,5 +68,6 @@ class AdapterControl(Protocol):
     async def load_adapter(self, name: str, path: str) -> None:
         """Load adapter `name` from `path` under --lora-dir; AdapterError says why not."""
 
-    async def unload_adapter(self, name: str) -> None:
-        """Unload adapter `name`; UnknownAdapterError or AdapterBusyError say why not."""
+    async def unload_adapter(self, name: str, in_flight: str = "refuse") -> None:
+        """Unload adapter `name`, its requests in flight refused, drained or aborted
+        (engine/adapters.py IN_FLIGHT); UnknownAdapterError or AdapterBusyError say why not."""

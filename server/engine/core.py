@@ -106,6 +106,10 @@ class EngineCore:
         req = self.scheduler.abort(request_id)
         return None if req is None else self.output.process([req], self.scheduler)[0]
 
+    def unload_adapter(self, name: str, in_flight: str = "refuse") -> list[RequestOutput]:
+        """Unload LoRA adapter `name` (Adapters.unload); the final outputs of requests it ended."""
+        return self.output.process(self.adapters.unload(name, in_flight), self.scheduler)
+
     def abort_all(self) -> list[RequestOutput]:
         """Finish every live request as 'cancelled' (shutdown, a dead engine loop): their last outputs."""
         return self.output.process(self.scheduler.abort_all(), self.scheduler)
@@ -137,6 +141,8 @@ class EngineCore:
         self, out: SchedulerOutput, result: StepResult, seconds: float
     ) -> list[RequestOutput]:
         outputs = self.output.process(self.scheduler.update(out, result), self.scheduler)
+        if self.adapters.draining:
+            self.adapters.sweep()
         if out.sequences:
             tokens, each = out.num_tokens, seconds / out.num_steps  # a run: priced per step
             for _ in range(out.num_steps):

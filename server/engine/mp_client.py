@@ -284,14 +284,14 @@ class MPEngineClient:
         """Load adapter `name` from `path` (under --lora-dir) in the engine process."""
         await self._adapter_op(name, path)
 
-    async def unload_adapter(self, name: str) -> None:
-        """Unload adapter `name` in the engine process."""
-        await self._adapter_op(name, None)
+    async def unload_adapter(self, name: str, in_flight: str = "refuse") -> None:
+        """Unload adapter `name` in the engine process (engine/adapters.py IN_FLIGHT)."""
+        await self._adapter_op(name, None, in_flight)
 
-    async def _adapter_op(self, name: str, path: str | None) -> None:
+    async def _adapter_op(self, name: str, path: str | None, in_flight: str = "refuse") -> None:
         self._check_running()
         self._next_op += 1
-        op = wire.AdapterOp(self._next_op, name, path)
+        op = wire.AdapterOp(self._next_op, name, path, in_flight)
         done = self._adapter_ops[op.op_id] = asyncio.get_running_loop().create_future()
         if not self._send(wire.Inputs(frontend=self._index, adapter_ops=[op])):
             self._adapter_ops.pop(op.op_id, None)

@@ -151,7 +151,7 @@ def _take_output(req: Request, state: RequestText) -> RequestOutput:
         first_token_time=req.first_token_time,
         finish_time=req.finish_time,
         refusal_reason=req.refusal_reason,
-        error_kind="refused" if req.refusal_reason else None,
+        error_kind="refused" if req.refusal_reason else req.error_kind,
         new_logprobs=new_logprobs,
         prompt_logprobs=prompt_logprobs,
         num_drafted_tokens=req.num_drafted,

@@ -203,7 +203,9 @@ class EngineLoop:
             if msg.delivery_lag_s is not None:  # before the adds: they are priced with it
                 self.core.report_delivery_lag(msg.delivery_lag_s)
             for op in msg.adapter_ops:
-                self.pushes[msg.frontend].send(wire.encode(self._adapter_op(op)))
+                done, ended = self._adapter_op(op)
+                outputs += ended
+                self.pushes[msg.frontend].send(wire.encode(done))
             for add in msg.adds:
                 if msg.frontend:
                     self._owner[add.request_id] = msg.frontend
@@ -228,18 +230,19 @@ class EngineLoop:
         except InvalidRequestError as exc:
             return _error_output(add, str(exc), "invalid", None)
 
-    def _adapter_op(self, op: wire.AdapterOp) -> wire.AdapterDone:
-        """Load or unload one adapter; what it would raise in-process comes back as its error."""
-        adapters = self.core.adapters
+    def _adapter_op(self, op: wire.AdapterOp) -> tuple[wire.AdapterDone, list[RequestOutput]]:
+        """Load or unload one adapter, and the final outputs of requests an unload ended; what it
+        would raise in-process comes back as its error."""
+        adapters, ended = self.core.adapters, []
         try:
             if op.path is None:
-                adapters.unload(op.name)
+                ended = self.core.unload_adapter(op.name, op.in_flight)
             else:
                 adapters.load(op.name, op.path)
         except (InvalidRequestError, AdapterBusyError) as exc:
             kind = adapter_error_kind(exc)
-            return wire.AdapterDone(op.op_id, adapters.names(), str(exc), kind)
-        return wire.AdapterDone(op.op_id, adapters.names())
+            return wire.AdapterDone(op.op_id, adapters.names(), str(exc), kind), []
+        return wire.AdapterDone(op.op_id, adapters.names()), ended
 
     def _send(self, outputs: list[RequestOutput], final: bool = False) -> None:
         """The step's outputs to the front ends that own them, with the stats; a front end with

@@ -36,6 +36,7 @@ class AdapterOp(msgspec.Struct, array_like=True):
     op_id: int
     name: str
     path: str | None = None
+    in_flight: str = "refuse"  # an unload's: engine/adapters.py IN_FLIGHT
 
 
 class Inputs(msgspec.Struct, tag="inputs", array_like=True):

@@ -17,6 +17,7 @@ from sloserve.errors import InvalidRequestError
 from sloserve.frontend import Failure, FailureCode, Frontend, RequestHandle, Tokens
 from sloserve.frontend.score import run_score
 from sloserve.grpc import limits
+from sloserve.grpc.adapters import adapter_call
 from sloserve.grpc.convert import STATUS, chunk_pb, final_pb, from_pb, info_pb, slo_from_pb
 from sloserve.grpc.handlers import Undecodable
 from sloserve.grpc.interceptors import end_call
@@ -247,6 +248,33 @@ class SloserveService(pb_grpc.SloserveServicer):
             await end_call(context, STATUS[outcome.code], outcome.message)
             return pb.ScoreResponse()  # only when the call was already over
         return score_pb(*outcome)
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest | Undecodable, context
+    ) -> pb.AdapterResponse:
+        """A LoRA adapter loaded while serving (grpc/adapters.py)."""
+        return await self._adapter(request, context)
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest | Undecodable, context
+    ) -> pb.AdapterResponse:
+        """A LoRA adapter unloaded, its requests in flight refusing, draining or aborted."""
+        return await self._adapter(request, context)
+
+    async def _adapter(self, request, context) -> pb.AdapterResponse:
+        if isinstance(request, Undecodable):
+            outcome = (grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        else:
+            try:
+                self.frontend.check_open()
+                outcome = await adapter_call(self.frontend.engine, request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                failure = self.frontend.failure(exc)
+                outcome = (STATUS[failure.code], failure.message)
+        if isinstance(outcome, tuple):
+            await end_call(context, *outcome)
+            return pb.AdapterResponse()  # only when the call was already over
+        return outcome
 
 
 async def _abort(context: grpc.aio.ServicerContext, failure: Failure) -> None:

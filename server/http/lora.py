@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from sloserve.engine.adapters import IN_FLIGHT
 from sloserve.engine.client import AdapterControl
 from sloserve.errors import AdapterBusyError, InvalidRequestError, UnknownAdapterError
 from sloserve.http.auth import BearerAuth
@@ -28,7 +29,9 @@ class LoraRoutes:
         return await self._run(request, ("lora_name", "lora_path"), "added")
 
     async def unload(self, request: Request) -> Response:
-        """{"lora_name"}: refused (409) while requests of it are in flight."""
+        """{"lora_name", "in_flight"?}: requests of it in flight refuse the unload (409, the
+        default), are drained ("drain": new ones refused, unloaded when the last finishes) or
+        end now with 404 ("abort")."""
         return await self._run(request, ("lora_name",), "removed")
 
     async def _run(self, request: Request, fields: tuple[str, ...], done: str) -> Response:
@@ -43,13 +46,18 @@ class LoraRoutes:
                 if not isinstance(value, str) or not value:
                     raise HttpError(400, f"{field} must be a non-empty string", param=field)
                 values.append(value)
+            in_flight = body.get("in_flight", "refuse")
+            if done == "removed" and in_flight not in IN_FLIGHT:
+                raise HttpError(
+                    400, f"in_flight must be one of {', '.join(IN_FLIGHT)}", param="in_flight"
+                )
             engine = self.engine
             if not isinstance(engine, AdapterControl):
                 raise HttpError(400, "this engine serves no LoRA adapters")
             if done == "added":
                 await engine.load_adapter(*values)
             else:
-                await engine.unload_adapter(*values)
+                await engine.unload_adapter(*values, in_flight)
         except HttpError as exc:
             return http_error_response(exc)
         except UnknownAdapterError as exc:

@@ -21,6 +21,12 @@ class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_STATE_SERVING: _ClassVar[ServerState]
     SERVER_STATE_DRAINING: _ClassVar[ServerState]
     SERVER_STATE_ENGINE_DEAD: _ClassVar[ServerState]
+
+class InFlight(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IN_FLIGHT_REFUSE: _ClassVar[InFlight]
+    IN_FLIGHT_DRAIN: _ClassVar[InFlight]
+    IN_FLIGHT_ABORT: _ClassVar[InFlight]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -30,6 +36,9 @@ SERVER_STATE_LOADING: ServerState
 SERVER_STATE_SERVING: ServerState
 SERVER_STATE_DRAINING: ServerState
 SERVER_STATE_ENGINE_DEAD: ServerState
+IN_FLIGHT_REFUSE: InFlight
+IN_FLIGHT_DRAIN: InFlight
+IN_FLIGHT_ABORT: InFlight
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "structured")
@@ -379,3 +388,25 @@ class ScoreResponse(_message.Message):
     candidate_tokens: int
     cached_tokens: int
     def __init__(self, candidates: _Optional[_Iterable[_Union[ScoredCandidate, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., candidate_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name", "in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    in_flight: InFlight
+    def __init__(self, name: _Optional[str] = ..., in_flight: _Optional[_Union[InFlight, str]] = ...) -> None: ...
+
+class AdapterResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -55,6 +55,16 @@ class SloserveStub:
                 request_serializer=sloserve_dot_pb_dot_serving__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=sloserve_dot_pb_dot_serving__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/sloserve.v1.Sloserve/LoadAdapter',
+                request_serializer=sloserve_dot_pb_dot_serving__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=sloserve_dot_pb_dot_serving__pb2.AdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/sloserve.v1.Sloserve/UnloadAdapter',
+                request_serializer=sloserve_dot_pb_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=sloserve_dot_pb_dot_serving__pb2.AdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SloserveServicer:
@@ -89,6 +99,21 @@ class SloserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter (a PEFT folder under the server's --lora-dir) while serving: NOT_FOUND,
+        INVALID_ARGUMENT or FAILED_PRECONDITION say why not (the same auth as generation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unload a LoRA adapter; what happens to its requests in flight is the caller's choice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SloserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +136,16 @@ def add_SloserveServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=sloserve_dot_pb_dot_serving__pb2.ScoreRequest.FromString,
                     response_serializer=sloserve_dot_pb_dot_serving__pb2.ScoreResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=sloserve_dot_pb_dot_serving__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=sloserve_dot_pb_dot_serving__pb2.AdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=sloserve_dot_pb_dot_serving__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=sloserve_dot_pb_dot_serving__pb2.AdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +257,60 @@ class Sloserve:
             '/sloserve.v1.Sloserve/Score',
             sloserve_dot_pb_dot_serving__pb2.ScoreRequest.SerializeToString,
             sloserve_dot_pb_dot_serving__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sloserve.v1.Sloserve/LoadAdapter',
+            sloserve_dot_pb_dot_serving__pb2.LoadAdapterRequest.SerializeToString,
+            sloserve_dot_pb_dot_serving__pb2.AdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sloserve.v1.Sloserve/UnloadAdapter',
+            sloserve_dot_pb_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
+            sloserve_dot_pb_dot_serving__pb2.AdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

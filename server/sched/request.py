@@ -69,6 +69,7 @@ class Request:
         "first_token_time",
         "finish_time",
         "error",
+        "error_kind",
         "refusal_reason",
         "sent_token_len",
         "ever_scheduled",
@@ -132,6 +133,8 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.error: str | None = None
+        # with `error`: the wire's kind of it (RequestOutput.error_kind), where not the engine's fault
+        self.error_kind: str | None = None
         self.refusal_reason: str | None = None
         self.sent_token_len = 0
         self.ever_scheduled = False

@@ -169,3 +169,126 @@ def test_unloading_an_adapter_with_requests_in_flight_is_409(lora_server):
     assert busy.json()["error"]["code"] == "adapter_in_use"
     assert chunks[-1] == "data: [DONE]" or chunks[-2] == "data: [DONE]"
     assert _post(url, "unload_lora_adapter", {"lora_name": "first"}).status_code == 200
+
+
+def _grpc(lora_server, call: str, request, token: str | None = TOKEN):
+    """One unary rpc on the server; its reply (an RpcError raises)."""
+    from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with lora_server.sync_channel() as channel:
+        return getattr(pb_grpc.SloserveStub(channel), call)(request, metadata=metadata, timeout=60)
+
+
+def _grpc_code(lora_server, call: str, request, **kw):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc(lora_server, call, request, **kw)
+    return info.value.code(), info.value.details()
+
+
+def test_grpc_loads_and_unloads_adapters_with_precise_statuses(
+    lora_server, make_checkpoint, make_lora, adapter_root
+):
+    import grpc
+    from sloserve.pb import serving_pb2 as pb
+
+    path = make_lora("llama", rank=64, seed=2)
+    load = pb.LoadAdapterRequest(name="g64", path=path.name)
+    assert _grpc_code(lora_server, "LoadAdapter", load, token=None)[0] == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    assert "g64" in _grpc(lora_server, "LoadAdapter", load).adapters
+    assert (
+        _complete(lora_server.url, "g64").json()["choices"][0]["token_ids"]
+        == merged_greedy(make_checkpoint("llama"), path, (PROMPT,), NEW)[0]
+    )
+    again = _grpc_code(lora_server, "LoadAdapter", load)
+    assert again[0] == grpc.StatusCode.INVALID_ARGUMENT and "already loaded" in again[1]
+    outside = pb.LoadAdapterRequest(name="x", path="/etc")
+    assert _grpc_code(lora_server, "LoadAdapter", outside)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert _grpc_code(lora_server, "LoadAdapter", pb.LoadAdapterRequest(name="x"))[0] == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    unload = pb.UnloadAdapterRequest(name="g64")
+    assert "g64" not in _grpc(lora_server, "UnloadAdapter", unload).adapters
+    gone = _grpc_code(lora_server, "UnloadAdapter", unload)
+    assert gone[0] == grpc.StatusCode.NOT_FOUND and "'g64'" in gone[1]
+
+
+def _slow_grpc_stream(lora_server, adapter: str) -> tuple[threading.Thread, threading.Event, list]:
+    """A slowed gRPC Generate of `adapter` in a thread: (thread, first-chunk event, [messages or
+    the RpcError that ended it])."""
+    import grpc
+    from sloserve.pb import serving_pb2 as pb
+    from sloserve.pb import serving_pb2_grpc as pb_grpc
+
+    started, got = threading.Event(), []
+    request = pb.GenerateRequest(
+        request_id=SLOW,
+        token_ids=pb.TokenIds(ids=list(PROMPT)),
+        max_tokens=400,
+        sampling=pb.SamplingParams(ignore_eos=True),
+        adapter=adapter,
+    )
+
+    def run() -> None:
+        metadata = [("authorization", f"Bearer {TOKEN}")]
+        with lora_server.sync_channel() as channel:
+            try:
+                for message in pb_grpc.SloserveStub(channel).Generate(
+                    request, metadata=metadata, timeout=60
+                ):
+                    got.append(message)
+                    started.set()
+            except grpc.RpcError as exc:
+                got.append(exc)
+                started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, started, got
+
+
+def test_unload_aborting_in_flight_ends_them_with_not_found(lora_server, make_lora):
+    import grpc
+    from sloserve.pb import serving_pb2 as pb
+
+    name = make_lora("llama", rank=8, seed=1).name
+    _grpc(lora_server, "LoadAdapter", pb.LoadAdapterRequest(name="cut", path=name))
+    thread, started, got = _slow_grpc_stream(lora_server, "cut")
+    assert started.wait(30)
+    unload = pb.UnloadAdapterRequest(name="cut", in_flight=pb.IN_FLIGHT_ABORT)
+    assert "cut" not in _grpc(lora_server, "UnloadAdapter", unload).adapters
+    thread.join(60)
+    error = got[-1]
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND
+    assert "'cut' was unloaded while this request ran" in error.details()
+    assert any(not isinstance(m, grpc.RpcError) and m.HasField("chunk") for m in got)
+
+
+def test_unload_draining_refuses_new_requests_and_unloads_after_the_last(lora_server, make_lora):
+    from sloserve.pb import serving_pb2 as pb
+
+    url = lora_server.url
+    name = make_lora("llama", rank=8, seed=1).name
+    assert _post(url, "load_lora_adapter", {"lora_name": "d", "lora_path": name}).status_code == 200
+    thread, started, got = _slow_grpc_stream(lora_server, "d")
+    assert started.wait(30)
+    bad = _post(url, "unload_lora_adapter", {"lora_name": "d", "in_flight": "later"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "in_flight"
+    assert (
+        _post(url, "unload_lora_adapter", {"lora_name": "d", "in_flight": "drain"}).status_code
+        == 200
+    )
+    refused = _complete(url, "d")
+    assert refused.status_code == 404 and "being unloaded" in refused.text
+    models = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]
+    assert "d" not in models
+    thread.join(60)
+    assert got[-1].HasField("final")  # the request in flight finished normally
+    # unloaded once it finished: the name is free to load again
+    reload = _post(url, "load_lora_adapter", {"lora_name": "d", "lora_path": name})
+    assert reload.status_code == 200, reload.text
+    _grpc(lora_server, "UnloadAdapter", pb.UnloadAdapterRequest(name="d"))
