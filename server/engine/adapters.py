@@ -41,6 +41,11 @@ class Adapters:
         self.scheduler = scheduler
         # unloaded once their last request finishes (`sweep`); no new request may name them
         self.draining: set[str] = set()
+        # start-up adapters (--lora-modules) count as loads
+        self.loads_total, self.unloads_total = len(self.names()), 0
+        # per adapter loaded now: requests admitted, tokens generated (EngineStats.lora_*)
+        self.requests: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
         for name in self.names():
             self._seed(name)
 
@@ -64,6 +69,7 @@ class Adapters:
         if self.registry is None:
             raise AdapterError("this engine serves no LoRA adapters (tensor parallelism)")
         self.registry.load(name, path, trusted=trusted)
+        self.loads_total += 1
         self._seed(name)
 
     def unload(self, name: str, in_flight: str = "refuse") -> list[Request]:
@@ -105,9 +111,37 @@ class Adapters:
             if req.sampling.adapter == name and not req.status.is_finished
         ]
 
+    def count(self, requests: list[Request], tokens: list[int]) -> None:
+        """Add a step's new tokens (tokens[i] of requests[i]) to their adapters' counts."""
+        for req, n in zip(requests, tokens, strict=True):
+            name = req.sampling.adapter
+            if name is not None and n:
+                self.tokens[name] = self.tokens.get(name, 0) + n
+
+    def admitted(self, name: str | None) -> None:
+        """Count a request of adapter `name` taken by the engine (None: the base model's)."""
+        if name is not None:
+            self.requests[name] = self.requests.get(name, 0) + 1
+
+    def stats(self) -> dict:
+        """The EngineStats fields of the adapters."""
+        names = self.names()
+        held = 0 if self.registry is None else self.registry.nbytes()
+        return {
+            "lora_adapters_loaded": len(names),
+            "lora_adapter_bytes": held,
+            "lora_loads_total": self.loads_total,
+            "lora_unloads_total": self.unloads_total,
+            "lora_requests": {n: self.requests.get(n, 0) for n in names},
+            "lora_generated_tokens": {n: self.tokens.get(n, 0) for n in names},
+        }
+
     def _forget(self, name: str) -> None:
         assert self.registry is not None
         self.draining.discard(name)
+        self.unloads_total += 1
+        self.requests.pop(name, None)
+        self.tokens.pop(name, None)
         self.registry.unload(name)
         self.scheduler.block_manager.adapter_roots.pop(name, None)
 

@@ -96,6 +96,7 @@ class EngineCore:
             )
         self.adapters.check(new.params.adapter)
         self.scheduler.add_request(new)
+        self.adapters.admitted(new.params.adapter)
 
     def report_delivery_lag(self, lag_s: float) -> None:
         """The front end's delay in handing a first token to its client (admission prices it)."""
@@ -140,7 +141,10 @@ class EngineCore:
     def update(
         self, out: SchedulerOutput, result: StepResult, seconds: float
     ) -> list[RequestOutput]:
-        outputs = self.output.process(self.scheduler.update(out, result), self.scheduler)
+        moved = self.scheduler.update(out, result)
+        outputs = self.output.process(moved, self.scheduler)
+        if self.adapters.registry is not None and len(self.adapters.registry):
+            self.adapters.count(moved, [len(o.new_token_ids) for o in outputs])
         if self.adapters.draining:
             self.adapters.sweep()
         if out.sequences:
@@ -215,6 +219,8 @@ class EngineCore:
             name,
             value,
         ) in self.runner.expert_stats().items():  # MoE runners: host counters, no device read
+            setattr(stats, name, value)
+        for name, value in self.adapters.stats().items():
             setattr(stats, name, value)
         return stats
 

@@ -93,6 +93,14 @@ class EngineStats:
     spec_drafts_total: int = 0
     spec_drafted_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
+    # LoRA adapters: taking requests now, the bytes their tensors hold, loads and unloads so far,
+    # and per adapter loaded now: requests admitted and tokens generated since it was loaded
+    lora_adapters_loaded: int = 0
+    lora_adapter_bytes: int = 0
+    lora_loads_total: int = 0
+    lora_unloads_total: int = 0
+    lora_requests: dict[str, int] = field(default_factory=dict)
+    lora_generated_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -157,6 +157,7 @@ class EngineCollector(Collector):
             getattr(s, "ttft_predictions", 0),
         )
         yield from _expert_metrics(f, s)
+        yield from _lora_metrics(f, s)
         yield from self._weight_metrics()
 
     def _weight_metrics(self) -> Iterator[Any]:
@@ -171,6 +172,38 @@ class EngineCollector(Collector):
                 "Bytes the model's weights hold, each once, in the form its kernels read.",
                 held,
             )
+
+
+def _lora_metrics(f: Families, s: Any) -> Iterator[Any]:
+    """The LoRA adapters' gauges and counters; per-adapter series only for adapters loaded now."""
+    yield f.gauge(
+        "sloserve_lora_adapters_loaded",
+        "LoRA adapters taking requests.",
+        getattr(s, "lora_adapters_loaded", 0),
+    )
+    yield f.gauge(
+        "sloserve_lora_adapter_bytes",
+        "Bytes the loaded adapters' tensors hold.",
+        getattr(s, "lora_adapter_bytes", 0),
+    )
+    yield f.counter("sloserve_lora_loads", "Adapter loads.", getattr(s, "lora_loads_total", 0))
+    yield f.counter(
+        "sloserve_lora_unloads", "Adapter unloads.", getattr(s, "lora_unloads_total", 0)
+    )
+    yield f.labelled(
+        CounterMetricFamily,
+        "sloserve_lora_requests",
+        "Requests admitted per loaded adapter, since its load.",
+        "adapter",
+        dict(getattr(s, "lora_requests", None) or {}),
+    )
+    yield f.labelled(
+        CounterMetricFamily,
+        "sloserve_lora_generated_tokens",
+        "Tokens generated per loaded adapter, since its load.",
+        "adapter",
+        dict(getattr(s, "lora_generated_tokens", None) or {}),
+    )
 
 
 def _expert_metrics(f: Families, s: Any) -> Iterator[Any]:

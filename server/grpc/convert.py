@@ -77,6 +77,10 @@ _STATS_FIELDS = (
     "spec_drafts_total",
     "spec_drafted_tokens_total",
     "spec_accepted_tokens_total",
+    "lora_adapters_loaded",
+    "lora_adapter_bytes",
+    "lora_loads_total",
+    "lora_unloads_total",
 )
 
 
@@ -197,6 +201,8 @@ def stats_pb(stats: Any) -> pb.EngineStats:
     """EngineStats dataclass -> proto (same field names)."""
     msg = pb.EngineStats(**{name: getattr(stats, name) for name in _STATS_FIELDS})
     msg.refusals.update({str(k): int(v) for k, v in (stats.refusals or {}).items()})
+    msg.lora_requests.update(getattr(stats, "lora_requests", None) or {})
+    msg.lora_generated_tokens.update(getattr(stats, "lora_generated_tokens", None) or {})
     msg.expert_resident_per_layer.extend(
         int(n) for n in getattr(stats, "expert_resident_per_layer", ()) or ()
     )

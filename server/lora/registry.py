@@ -55,6 +55,10 @@ class LoraRegistry:
             raise UnknownAdapterError(name)
         return adapter
 
+    def nbytes(self) -> int:
+        """Bytes every loaded adapter's tensors take."""
+        return sum(adapter.nbytes for adapter in self._adapters.values())
+
     def uid(self, name: str) -> int:
         """The load id of adapter `name` (unique per load in this process)."""
         if name not in self._uids:

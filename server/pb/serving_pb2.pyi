@@ -197,8 +197,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s", "expert_resident_per_layer", "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total", "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total", "expert_bytes_per_step", "expert_miss_stall_s_total", "steps_total", "busy_seconds_total", "computed_prompt_tokens_total", "spec_drafts_total", "spec_drafted_tokens_total", "spec_accepted_tokens_total")
+    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "swap_blocks_total", "swap_blocks_free", "prompt_tokens_total", "prefix_hit_tokens_total", "generated_tokens_total", "preemptions_total", "refusals", "step_time_s", "tokens_per_step", "requests_finished_total", "step_time_p50_s", "step_time_p99_s", "kv_blocks_peak", "ttft_predictions", "ttft_prediction_error_p50_s", "ttft_prediction_error_p90_s", "expert_resident_per_layer", "expert_hits_total", "expert_misses_total", "expert_hit_rate", "expert_prefetches_total", "expert_prefetch_accuracy", "expert_prediction_recall", "expert_bytes_copied_total", "expert_bytes_per_step", "expert_miss_stall_s_total", "steps_total", "busy_seconds_total", "computed_prompt_tokens_total", "spec_drafts_total", "spec_drafted_tokens_total", "spec_accepted_tokens_total", "lora_adapters_loaded", "lora_adapter_bytes", "lora_loads_total", "lora_unloads_total", "lora_requests", "lora_generated_tokens")
     class RefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraRequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraGeneratedTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +256,12 @@ class EngineStats(_message.Message):
     SPEC_DRAFTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_UNLOADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_total: int
@@ -279,7 +299,13 @@ class EngineStats(_message.Message):
     spec_drafts_total: int
     spec_drafted_tokens_total: int
     spec_accepted_tokens_total: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ..., expert_resident_per_layer: _Optional[_Iterable[int]] = ..., expert_hits_total: _Optional[int] = ..., expert_misses_total: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., expert_prefetches_total: _Optional[int] = ..., expert_prefetch_accuracy: _Optional[float] = ..., expert_prediction_recall: _Optional[float] = ..., expert_bytes_copied_total: _Optional[int] = ..., expert_bytes_per_step: _Optional[float] = ..., expert_miss_stall_s_total: _Optional[float] = ..., steps_total: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., computed_prompt_tokens_total: _Optional[int] = ..., spec_drafts_total: _Optional[int] = ..., spec_drafted_tokens_total: _Optional[int] = ..., spec_accepted_tokens_total: _Optional[int] = ...) -> None: ...
+    lora_adapters_loaded: int
+    lora_adapter_bytes: int
+    lora_loads_total: int
+    lora_unloads_total: int
+    lora_requests: _containers.ScalarMap[str, int]
+    lora_generated_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., step_time_s: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., requests_finished_total: _Optional[int] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., kv_blocks_peak: _Optional[int] = ..., ttft_predictions: _Optional[int] = ..., ttft_prediction_error_p50_s: _Optional[float] = ..., ttft_prediction_error_p90_s: _Optional[float] = ..., expert_resident_per_layer: _Optional[_Iterable[int]] = ..., expert_hits_total: _Optional[int] = ..., expert_misses_total: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., expert_prefetches_total: _Optional[int] = ..., expert_prefetch_accuracy: _Optional[float] = ..., expert_prediction_recall: _Optional[float] = ..., expert_bytes_copied_total: _Optional[int] = ..., expert_bytes_per_step: _Optional[float] = ..., expert_miss_stall_s_total: _Optional[float] = ..., steps_total: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., computed_prompt_tokens_total: _Optional[int] = ..., spec_drafts_total: _Optional[int] = ..., spec_drafted_tokens_total: _Optional[int] = ..., spec_accepted_tokens_total: _Optional[int] = ..., lora_adapters_loaded: _Optional[int] = ..., lora_adapter_bytes: _Optional[int] = ..., lora_loads_total: _Optional[int] = ..., lora_unloads_total: _Optional[int] = ..., lora_requests: _Optional[_Mapping[str, int]] = ..., lora_generated_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "architecture", "version", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "block_size", "device", "attention_backend", "stats", "state", "kv_block_bytes", "expert_residency", "num_experts", "expert_slots_per_layer", "expert_device_bytes", "tensor_parallel_size", "tensor_parallel_devices", "dtype", "dtype_reason", "weight_resident_bytes", "quantization", "kv_cache_dtype", "kv_tokens")

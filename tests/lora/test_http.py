@@ -292,3 +292,37 @@ def test_unload_draining_refuses_new_requests_and_unloads_after_the_last(lora_se
     reload = _post(url, "load_lora_adapter", {"lora_name": "d", "lora_path": name})
     assert reload.status_code == 200, reload.text
     _grpc(lora_server, "UnloadAdapter", pb.UnloadAdapterRequest(name="d"))
+
+
+def test_metrics_count_loads_unloads_and_each_adapter_s_requests_and_tokens(lora_server, make_lora):
+    from tests.metrics_text import sample
+
+    url = lora_server.url
+
+    def metrics() -> str:
+        return httpx.get(f"{url}/metrics", headers=AUTH, timeout=30).text
+
+    before = metrics()
+    name = make_lora("llama", rank=8, seed=1).name
+    assert _post(url, "load_lora_adapter", {"lora_name": "m", "lora_path": name}).status_code == 200
+    for _ in range(2):
+        assert _complete(url, "m").status_code == 200
+    after = metrics()
+    assert sample(after, "sloserve_lora_requests_total", adapter="m") == 2
+    assert sample(after, "sloserve_lora_generated_tokens_total", adapter="m") == 2 * NEW
+    loads = sample(after, "sloserve_lora_loads_total")
+    assert loads == sample(before, "sloserve_lora_loads_total") + 1
+    assert (
+        sample(after, "sloserve_lora_adapters_loaded")
+        == sample(before, "sloserve_lora_adapters_loaded") + 1
+    )
+    assert sample(after, "sloserve_lora_adapter_bytes") > sample(
+        before, "sloserve_lora_adapter_bytes"
+    )
+    assert _post(url, "unload_lora_adapter", {"lora_name": "m"}).status_code == 200
+    gone = metrics()
+    assert 'adapter="m"' not in gone
+    assert (
+        sample(gone, "sloserve_lora_unloads_total")
+        == sample(after, "sloserve_lora_unloads_total") + 1
+    )
