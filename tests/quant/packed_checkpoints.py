@@ -116,7 +116,7 @@ def _pack(fields, bits: int):
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _packed_tensors(module: str, weight, packing: Packing, perm) -> tuple[dict, object]:
+def packed_tensors(module: str, weight, packing: Packing, perm) -> tuple[dict, object]:
     """The checkpoint tensors of one quantized Linear, and its dequantized weight (float32)."""
     import torch
 
@@ -167,7 +167,7 @@ def packed_checkpoint(arch: str, tmp_root: Path, packing: Packing, **overrides) 
             perms[shared] = (
                 torch.randperm(in_f, generator=gen) if packing.desc_act else torch.arange(in_f)
             )
-        packed, oracle[name] = _packed_tensors(module, tensors.pop(name), packing, perms[shared])
+        packed, oracle[name] = packed_tensors(module, tensors.pop(name), packing, perms[shared])
         tensors.update(packed)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

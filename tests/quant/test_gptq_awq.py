@@ -223,3 +223,38 @@ def test_quantization_flag_is_refused_on_a_gptq_folder(root, make_runner):
     folder = packed_checkpoint("llama", root, GPTQ)
     with pytest.raises(ValueError, match="--quantization int8 was given.*already quantized.*GPTQ"):
         make_runner(folder, quantization="int8")
+
+
+@pytest.mark.parametrize(
+    "packing",
+    [SCHEMES["gptq-w4-g32-asym-act"], SCHEMES["gptq-w8-channel-asym-v2"], SCHEMES["awq-w4-g32"]],
+    ids=["gptq-w4-act", "gptq-w8", "awq-w4"],
+)
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_products_at_every_row_count_equal_the_dequantized_weight(packing, rows):
+    """The kinds' small-product kernels and their dequantized tiles (256 rows and more, which the
+    greedy tests' prompts never reach) both see the inputs in the weight's order."""
+    from sloserve.models.gptq_awq import read_awq_config, read_gptq_config
+    from sloserve.models.gptq_awq_projection import build_packed
+
+    from tests.quant.packed_checkpoints import packed_tensors
+
+    torch.manual_seed(0)
+    out_f, in_f = 96, 128
+    weight = torch.randn(out_f, in_f) * 0.1
+    perm = torch.randperm(in_f) if packing.desc_act else torch.arange(in_f)
+    tensors, dequantized = packed_tensors("m", weight, packing, perm)
+    read_config = read_awq_config if packing.method == "awq" else read_gptq_config
+    scheme = read_config(packing.config(), "quantization_config")
+    proj = build_packed(
+        lambda n, s, dt: tensors[n] if dt is None else tensors[n].to(dt),
+        tensors.__contains__,
+        ["m"],
+        [(out_f, in_f)],
+        scheme,
+        torch.float32,
+        None,
+    )
+    assert isinstance(proj, ActOrderLinear) == packing.desc_act
+    x = torch.randn(rows, in_f)
+    torch.testing.assert_close(proj(x), x @ dequantized.t(), rtol=1e-4, atol=1e-4)
