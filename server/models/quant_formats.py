@@ -19,6 +19,8 @@ from sloserve.models.quant_check import check_quantized as check_compressed
 from sloserve.models.spec import ModelSpec, read_json
 
 METHODS = ("compressed-tensors", "gptq", "awq")
+# The files AutoGPTQ and AutoAWQ save beside a config.json without `quantization_config`
+SIDE_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
 # A checked quantization_config: describe() for logs and info, dequantized_at_load()
 CheckpointQuant = QuantConfig | PackedScheme
@@ -28,9 +30,14 @@ def read_quant_config(folder: Path) -> CheckpointQuant | None:
     """The checked `quantization_config` of `folder/config.json` (None: an unquantized checkpoint)."""
     path = folder / "config.json"
     raw = read_json(path).get("quantization_config")
+    where = f"{path}: quantization_config"
+    for name, method in SIDE_FILES:
+        if raw is None and (folder / name).is_file():
+            path = folder / name
+            raw = {"quant_method": method, **read_json(path)}
+            where = f"{path}: {name.removesuffix('.json')}"
     if raw is None:
         return None
-    where = f"{path}: quantization_config"
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where} must be a JSON object")
     method = raw.get("quant_method")

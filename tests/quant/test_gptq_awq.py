@@ -258,3 +258,32 @@ def test_products_at_every_row_count_equal_the_dequantized_weight(packing, rows)
     assert isinstance(proj, ActOrderLinear) == packing.desc_act
     x = torch.randn(rows, in_f)
     torch.testing.assert_close(proj(x), x @ dequantized.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("packing", "side_file", "kind"),
+    [(GPTQ, "quantize_config.json", ActOrderLinear), (AWQ, "quant_config.json", Int4Linear)],
+    ids=["autogptq", "autoawq"],
+)
+def test_the_tools_own_config_files_are_read(root, packing, side_file, kind):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (their own keys), beside a
+    config.json without quantization_config."""
+    source = packed_checkpoint("llama", root, packing)
+    folder = root / f"side-{source.name}"
+    folder.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "config.json" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    del quant["quant_method"]
+    if packing.method == "awq":
+        quant = {"w_bit": 4, "q_group_size": 32, "zero_point": True, "version": "GEMM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / side_file).write_text(json.dumps(quant))
+    _, weights = load_checkpoint(folder, torch.device("cpu"), torch.float32)
+    assert type(weights.layers[1].down) is kind
+    quant["bits"] = quant["w_bit"] = 3
+    (folder / side_file).write_text(json.dumps(quant))
+    with pytest.raises(CheckpointError, match=rf"{side_file}: \w+config.bits 3"):
+        load_checkpoint(folder, torch.device("cpu"), torch.float32)
