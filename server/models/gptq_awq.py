@@ -13,7 +13,8 @@ Both store unsigned values v in 0..2^bits - 1 packed into int32 words, the first
   along the OUTPUT dim, each word's eight fields holding the output columns 0, 2, 4, 6, 1, 3, 5, 7
   of its eight; `qzeros` [groups, out / 8] packed the same way; always a zero point; no g_idx.
 
-4 bits become `Int4Linear`, GPTQ's 8 bits per channel `W8A16Linear` (whose scale is one a row).
+4 bits become `Int4Linear`, GPTQ's 8 bits per channel `W8A16Linear` (whose scale is one a row);
+MoE routers and routed experts, which no packed kind runs, are dequantized at load.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class PackedScheme:
 
     def groups(self, in_features: int) -> int:
         """Scales per output row for a row of `in_features` inputs."""
-        return 1 if self.group_size is None else in_features // self.group_size
+        return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
 
     def dequantized_at_load(self) -> bool:
         """Never: every quantized weight is kept as its packed kind."""
@@ -132,14 +133,15 @@ def read_awq_config(raw: dict, where: str) -> PackedScheme:
 
 
 def expected_tensors(
-    scheme: PackedScheme, out_f: int, in_f: int
+    scheme: PackedScheme, out_f: int, in_f: int, *, kept: bool = True
 ) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
     """suffix -> (shape, allowed dtypes) of one quantized Linear's tensors (GPTQ's `g_idx`, which
-    a folder may leave out, is not among them); ValueError when the shape cannot run."""
+    a folder may leave out, is not among them); ValueError when the shape cannot run (`kept`: as
+    a packed kind; else dequantized at load, which only needs whole words)."""
     per_word = 32 // scheme.bits
-    if scheme.group_size is not None and in_f % scheme.group_size:
+    if kept and scheme.group_size is not None and in_f % scheme.group_size:
         raise ValueError(f"its {in_f} inputs are not a multiple of group_size {scheme.group_size}")
-    if scheme.bits == 4:
+    if kept and scheme.bits == 4:
         if scheme.group_size is None:
             channel_group_size(in_f)
         if out_f % 16:

@@ -11,24 +11,22 @@ from sloserve.models.quant_check import TensorSource, expert_names, projection_g
 from sloserve.models.spec import ModelSpec
 
 
-def check_packed(spec: ModelSpec, src: TensorSource, scheme: PackedScheme, read) -> None:
+def check_packed(spec: ModelSpec, src: TensorSource, scheme: PackedScheme, read) -> int:
     """CheckpointError naming the tensor or field at the first thing sloserve cannot load;
-    `read(name, shape, dtype)` reads the g_idx tensors, after every header has been checked."""
+    `read(name, shape, dtype)` reads the g_idx tensors, after every header has been checked.
+    Returns how many quantized Linears the model keeps in float (MoE routers and experts)."""
     if src.has("lm_head.qweight"):
         raise CheckpointError(
             f"{src.folder}: lm_head is quantized; sloserve reads an unquantized LM head "
             "(quantize without lm_head)"
         )
-    act_ordered = []
+    act_ordered, in_float = [], 0
     for i in range(spec.num_layers):
         if i in spec.moe_layers:
             for name in expert_names(spec, i):
                 if src.has(name + ".qweight"):
-                    raise CheckpointError(
-                        f"{src.folder}: {name} is quantized; sloserve reads quantized attention "
-                        "and dense or shared-expert MLPs only (keep the routers and experts "
-                        "unquantized: GPTQ's dynamic exclusion or AWQ's modules_to_not_convert)"
-                    )
+                    _check_module(src, name, _expert_shape(spec, name), scheme, kept=False)
+                    in_float += 1
         for group in projection_groups(spec, i):
             quantized = {src.has(module + ".qweight") for module, _ in group}
             if len(quantized) > 1:
@@ -43,16 +41,33 @@ def check_packed(spec: ModelSpec, src: TensorSource, scheme: PackedScheme, read)
                 act_ordered.append(group)
     for group in act_ordered:
         _check_g_idx(src, group, scheme, read)
+    return in_float
+
+
+def _expert_shape(spec: ModelSpec, name: str) -> tuple[int, int]:
+    """[out, in] of a router or routed expert's Linear (a name from quant_check.expert_names)."""
+    h, inter = spec.hidden_size, spec.moe_intermediate_size
+    last = name.rsplit(".", 1)[1]
+    if last == "gate":
+        return (spec.num_experts, h)
+    if last == "shared_expert_gate":
+        return (1, h)
+    return (h, inter) if last in ("w2", "down_proj") else (inter, h)
 
 
 def _check_module(
-    src: TensorSource, module: str, shape: tuple[int, int], scheme: PackedScheme | None
+    src: TensorSource,
+    module: str,
+    shape: tuple[int, int],
+    scheme: PackedScheme | None,
+    *,
+    kept: bool = True,
 ) -> None:
     if scheme is None:
         expected = {"weight": (shape, ())}
     else:
         try:
-            expected = expected_tensors(scheme, *shape)
+            expected = expected_tensors(scheme, *shape, kept=kept)
         except ValueError as exc:
             raise CheckpointError(
                 f"{src.folder}: {module} ({scheme.describe()}) cannot run: {exc}"

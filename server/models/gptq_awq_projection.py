@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from sloserve.errors import CheckpointError
 from sloserve.layers.act_order import ActOrderLinear
 from sloserve.layers.int4 import Int4Linear
 from sloserve.layers.linear import Linear
@@ -105,3 +106,33 @@ def build_packed(
         zero_point = zero - 128
         proj = W8A16Linear(q, scale, None if not zero_point.any() else zero_point, bias)
     return proj if perm is None else ActOrderLinear(proj, perm)
+
+
+def dequantized(
+    read: Read,
+    has: Callable[[str], bool],
+    module: str,
+    shape: tuple[int, int],
+    scheme: PackedScheme,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A quantized Linear's weight [out, in] in `dtype`, for what the model keeps in float (MoE
+    routers and routed experts, which no packed kind runs): w = (v - z) * scale, each input by
+    its g_idx group, _UNPACK_ROWS rows at a time."""
+    out_f, in_f = shape
+    values = _values(read, module, scheme, out_f, in_f)
+    zeros = _zeros(read, module, scheme, out_f, in_f)
+    groups = zeros.shape[1]
+    scales = read(module + ".scales", (groups, out_f), torch.float32).t()
+    if has(module + ".g_idx"):
+        group = read(module + ".g_idx", (in_f,), None).to(torch.int64)
+        if group.numel() and (group.min() < 0 or group.max() >= groups):
+            raise CheckpointError(f"{module}.g_idx names groups outside 0..{groups - 1}")
+    else:
+        group = torch.arange(in_f) // (scheme.group_size or in_f)
+    weight = torch.empty((out_f, in_f), dtype=dtype)
+    for start in range(0, out_f, _UNPACK_ROWS):
+        rows = slice(start, start + _UNPACK_ROWS)
+        w = (values[rows].float() - zeros[rows][:, group]) * scales[rows][:, group]
+        weight[rows] = w
+    return weight

@@ -13,7 +13,12 @@ import torch
 from sloserve.errors import CheckpointError
 from sloserve.layers.linear import DenseLinear, Linear
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
-from sloserve.models.quant_formats import check_quantized, quantized_projection, read_quant_config
+from sloserve.models.quant_formats import (
+    check_quantized,
+    float_weight,
+    quantized_projection,
+    read_quant_config,
+)
 from sloserve.models.safetensors_file import CHUNK_BYTES, Entry, SafetensorsFile
 from sloserve.models.shard import Shard, local_spec
 from sloserve.models.spec import ModelSpec, load_spec, read_json
@@ -188,6 +193,11 @@ def load_checkpoint(
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The weight in `dtype` on `on` (read into `out` when given)."""
+        if quant is not None and not src.has(name):
+            # NOTE: a quantized Linear that the model keeps in float (GPTQ/AWQ MoE experts)
+            weight = float_weight(quant, src, name, shape, dtype)
+            if weight is not None:
+                return weight.to(on) if out is None else out.copy_(weight)
         if on.type == "cpu":
             return src.get(name, shape, part, dtype=dtype, out=out)
         tensor = src.get(name, shape, part).to(device=on, dtype=dtype)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,9 +15,11 @@ from sloserve.models.compressed_tensors import QuantConfig
 from sloserve.models.ct_projection import build_projection
 from sloserve.models.gptq_awq import PackedScheme, read_awq_config, read_gptq_config
 from sloserve.models.gptq_awq_check import check_packed
-from sloserve.models.gptq_awq_projection import build_packed
+from sloserve.models.gptq_awq_projection import build_packed, dequantized
 from sloserve.models.quant_check import check_quantized as check_compressed
 from sloserve.models.spec import ModelSpec, read_json
+
+log = logging.getLogger(__name__)
 
 METHODS = ("compressed-tensors", "gptq", "awq")
 # The files AutoGPTQ and AutoAWQ save beside a config.json without `quantization_config`
@@ -55,7 +58,14 @@ def read_quant_config(folder: Path) -> CheckpointQuant | None:
 def check_quantized(spec: ModelSpec, src, quant: CheckpointQuant) -> None:
     """CheckpointError naming the tensor or field at the first thing sloserve cannot load."""
     if isinstance(quant, PackedScheme):
-        check_packed(spec, src, quant, lambda n, s, dt: src.get(n, s, dtype=dt))
+        in_float = check_packed(spec, src, quant, lambda n, s, dt: src.get(n, s, dtype=dt))
+        if in_float:
+            log.info(
+                "%s: %d quantized MoE router and expert Linears have no packed kind: "
+                "dequantized at load into the model's dtype",
+                quant.label,
+                in_float,
+            )
     else:
         check_compressed(spec, src, quant)
 
@@ -83,3 +93,18 @@ def quantized_projection(
     if scheme is None:
         return None
     return build_projection(read, modules, shapes, scheme, dtype, bias, make_dense)
+
+
+def float_weight(
+    quant: CheckpointQuant, src, name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The weight `name` dequantized into `dtype` where the checkpoint quantizes a Linear the
+    model keeps in float (a GPTQ or AWQ folder's MoE routers and routed experts); else None."""
+    module = name.removesuffix(".weight")
+    if not isinstance(quant, PackedScheme) or len(shape) != 2 or not src.has(module + ".qweight"):
+        return None
+
+    def read(tensor: str, shape: tuple[int, ...], dt: torch.dtype | None) -> torch.Tensor:
+        return src.get(tensor, shape, dtype=dt)
+
+    return dequantized(read, src.has, module, (shape[0], shape[1]), quant, dtype)

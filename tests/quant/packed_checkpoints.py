@@ -32,6 +32,9 @@ from tests.checkpoints import tiny_checkpoint
 # every Linear of the attention and of a dense MLP (a shared expert's and routed experts' not)
 DENSE = r".*(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj$"
 ATTENTION = r".*self_attn\.(q|k|v|o)_proj$"
+# the attention, dense MLPs, shared and routed experts (not the routers, whose few rows the
+# tools leave alone)
+EXPERTS = r".*_proj$|.*\.w[123]$"
 # projections fused into one (they share an input, so GPTQ orders their inputs alike)
 _FUSED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -59,7 +62,9 @@ class Packing:
                 "zero_point": True,
                 "version": "gemm",
                 "backend": "autoawq",
-                "modules_to_not_convert": None if self.targets == DENSE else ["experts", "gate"],
+                "modules_to_not_convert": ["experts", "gate"]
+                if self.targets == ATTENTION
+                else None,
             }
         config = {
             "quant_method": "gptq",
@@ -73,7 +78,7 @@ class Packing:
             "lm_head": False,
             "checkpoint_format": self.checkpoint_format,
         }
-        if self.targets != DENSE:
+        if self.targets == ATTENTION:
             config["dynamic"] = {"-:.*(mlp|block_sparse_moe)\\..*": {}}
         return config
 
@@ -144,7 +149,8 @@ def packed_tensors(module: str, weight, packing: Packing, perm) -> tuple[dict, o
 
 def packed_checkpoint(arch: str, tmp_root: Path, packing: Packing, **overrides) -> Path:
     """Folder of a GPTQ or AWQ checkpoint of the tiny `arch` model (built once per arguments),
-    beside it `oracle.safetensors.bin`: the dequantized float32 weights."""
+    inside it `dequantized/`: the same model as an ordinary float32 checkpoint, each quantized
+    weight replaced by its dequantized value."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -154,7 +160,8 @@ def packed_checkpoint(arch: str, tmp_root: Path, packing: Packing, **overrides) 
     folder = Path(tmp_root) / f"{packing.method}-{arch}-{digest}"
     if (folder / "config.json").is_file():
         return folder
-    tensors, oracle, perms = load_file(base / "model.safetensors"), {}, {}
+    tensors, perms = load_file(base / "model.safetensors"), {}
+    oracle = dict(tensors)
     gen = torch.Generator().manual_seed(1)
     for name in sorted(tensors):
         module = name.removesuffix(".weight")
@@ -173,7 +180,8 @@ def packed_checkpoint(arch: str, tmp_root: Path, packing: Packing, **overrides) 
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(base, staging, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-    save_file(oracle, staging / "oracle.safetensors.bin")
+    shutil.copytree(base, staging / "dequantized", ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(oracle, staging / "dequantized" / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((staging / "config.json").read_text())
     config["quantization_config"] = packing.config()
     (staging / "config.json").write_text(json.dumps(config, indent=2))
@@ -181,17 +189,8 @@ def packed_checkpoint(arch: str, tmp_root: Path, packing: Packing, **overrides) 
     return folder
 
 
-def dequantized_model(folder: Path, arch: str, tmp_root: Path, **overrides):
-    """transformers' float32 model of the unquantized tiny checkpoint with each quantized weight
-    replaced by its dequantized value (the oracle of the folder)."""
-    import torch
-    from safetensors.torch import load_file
-
+def dequantized_model(folder: Path):
+    """transformers' float32 model of the folder's dequantized twin (its oracle)."""
     from tests.checkpoints import load_hf_model
 
-    model = load_hf_model(tiny_checkpoint(arch, tmp_root, **overrides))
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, weight in load_file(folder / "oracle.safetensors.bin").items():
-            params[name].copy_(weight)
-    return model
+    return load_hf_model(folder / "dequantized")

@@ -19,7 +19,13 @@ from sloserve.models.weights import DENSE_PROJECTIONS
 
 from tests.checkpoints import hf_greedy
 from tests.executor.driver import generate
-from tests.quant.packed_checkpoints import ATTENTION, Packing, dequantized_model, packed_checkpoint
+from tests.quant.packed_checkpoints import (
+    ATTENTION,
+    EXPERTS,
+    Packing,
+    dequantized_model,
+    packed_checkpoint,
+)
 
 _RNG = random.Random(0)
 PROMPTS = [[256] + [_RNG.randrange(256) for _ in range(_RNG.randrange(1, 60))] for _ in range(6)]
@@ -68,7 +74,7 @@ def test_greedy_at_float32_equals_the_dequantized_model(root, make_runner, arch,
             assert type(proj) is _kind(packing)
     assert runner.model.weights.lm_head.weight is not None
     assert runner.info()["quantization"].startswith(("GPTQ", "AWQ"))
-    want = hf_greedy(dequantized_model(folder, arch, root, **overrides), PROMPTS, NEW_TOKENS)
+    want = hf_greedy(dequantized_model(folder), PROMPTS, NEW_TOKENS)
     assert generate(runner, PROMPTS, NEW_TOKENS) == want
 
 
@@ -86,7 +92,7 @@ def test_moe_families_with_quantized_attention(root, make_runner, arch, packing)
     runner = make_runner(folder, dtype="float32")
     qkv = runner.model.weights.layers[0].qkv
     assert isinstance(getattr(qkv, "inner", qkv), Int4Linear)
-    want = hf_greedy(dequantized_model(folder, arch, root), PROMPTS, NEW_TOKENS)
+    want = hf_greedy(dequantized_model(folder), PROMPTS, NEW_TOKENS)
     assert generate(runner, PROMPTS, NEW_TOKENS) == want
 
 
@@ -211,12 +217,22 @@ def test_tensors_that_cannot_run_are_refused(root, name):
         load_checkpoint(folder, torch.device("cpu"), torch.float32)
 
 
-def test_quantized_experts_are_refused(root):
-    folder = packed_checkpoint(
-        "mixtral", root, Packing("gptq", 4, 32, targets=r".*_proj$|.*w[123]$")
-    )
-    with pytest.raises(CheckpointError, match=r"experts\.0\.w1 is quantized.*keep the routers"):
-        load_checkpoint(folder, torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize(
+    ("arch", "packing"),
+    [
+        ("mixtral", Packing("gptq", 4, 32, sym=False, desc_act=True, targets=EXPERTS)),
+        ("qwen2_moe", Packing("gptq", 4, 32, sym=True, targets=EXPERTS)),
+        ("qwen2_moe", Packing("awq", 4, 32, sym=False, targets=EXPERTS)),
+    ],
+    ids=["mixtral-gptq", "qwen2_moe-gptq", "qwen2_moe-awq"],
+)
+def test_quantized_experts_are_dequantized_at_load(root, make_runner, caplog, arch, packing):
+    folder = packed_checkpoint(arch, root, packing)
+    with caplog.at_level("INFO"):
+        runner = make_runner(folder, dtype="float32")
+    assert "router and expert Linears have no packed kind: dequantized at load" in caplog.text
+    want = hf_greedy(dequantized_model(folder), PROMPTS, NEW_TOKENS)
+    assert generate(runner, PROMPTS, NEW_TOKENS) == want
 
 
 def test_quantization_flag_is_refused_on_a_gptq_folder(root, make_runner):
