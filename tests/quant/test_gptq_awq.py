@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from sloserve.errors import CheckpointError
+from sloserve.executor.precision import bf16_units
 from sloserve.layers.act_order import ActOrderLinear
 from sloserve.layers.int4 import Int4Linear
 from sloserve.layers.w8a16 import W8A16Linear
@@ -76,6 +77,33 @@ def test_greedy_at_float32_equals_the_dequantized_model(root, make_runner, arch,
     assert runner.info()["quantization"].startswith(("GPTQ", "AWQ"))
     want = hf_greedy(dequantized_model(folder), PROMPTS, NEW_TOKENS)
     assert generate(runner, PROMPTS, NEW_TOKENS) == want
+
+
+@pytest.mark.skipif(not bf16_units(), reason="this CPU has no bf16 units: bf16 is emulated")
+@pytest.mark.parametrize("name", ["gptq-w4-g32-asym-act", "gptq-w8-channel-asym-v2", "awq-w4-g32"])
+def test_bf16_activations_agree_with_the_float32_reference(root, make_runner, name):
+    """At bf16 (the default dtype on this CPU) every activation is rounded, so the oracle is
+    teacher-forced top-1 agreement with transformers' float32 model of the dequantized weights,
+    held against that model's own agreement when run in bf16."""
+    folder = packed_checkpoint("llama", root, SCHEMES[name])
+    runner = make_runner(folder, dtype="bfloat16")
+    hf32 = dequantized_model(folder)
+    want = hf_greedy(hf32, PROMPTS, NEW_TOKENS)
+    ours = _agreement(generate(runner, PROMPTS, NEW_TOKENS, forced=want), want)
+    hf16 = hf32.to(torch.bfloat16)
+    with torch.no_grad():
+        forced = [
+            hf16(torch.tensor([p + w])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+            for p, w in zip(PROMPTS, want, strict=True)
+        ]
+    theirs = _agreement(forced, want)
+    print(f"{name} bf16: teacher-forced agreement {ours:.4f}, transformers' bf16 {theirs:.4f}")
+    assert ours >= min(0.99, theirs - 0.03), (ours, theirs)
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    pairs = [(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)]
+    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 @pytest.mark.parametrize(
