@@ -50,9 +50,9 @@ from sloserve.layers.linear import (
 from sloserve.layers.quant import Int8Linear
 from sloserve.memory.expert_cache import ExpertStore
 from sloserve.memory.pool import DevicePool
-from sloserve.models.compressed_tensors import QuantConfig, read_quant_config
 from sloserve.models.decoder import DecoderModel
 from sloserve.models.loader import load_checkpoint, resolve_model_path
+from sloserve.models.quant_formats import CheckpointQuant, read_quant_config
 from sloserve.models.shard import Shard
 from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import ModelWeights
@@ -169,7 +169,7 @@ def load(config: SloserveConfig, shard: Shard) -> Loaded:
     )
 
 
-def _quantization(flag: str, quant: QuantConfig | None) -> str:
+def _quantization(flag: str, quant: CheckpointQuant | None) -> str:
     """What `info` says of the weights' quantization: the flag, the checkpoint's scheme, or both."""
     if quant is None:
         return flag

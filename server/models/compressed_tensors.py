@@ -114,7 +114,7 @@ def read_quant_config(folder: Path) -> QuantConfig | None:
     if method not in METHODS:
         raise CheckpointError(
             f"{where}.quant_method {method!r} is not supported; sloserve reads "
-            f"{', '.join(METHODS)} (GPTQ, AWQ and FP8 folders are not read yet)"
+            f"{', '.join(METHODS)} here (models/quant_formats.py reads the others)"
         )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":

@@ -12,10 +12,13 @@ from pathlib import Path
 import torch
 from sloserve.errors import CheckpointError
 from sloserve.layers.linear import DenseLinear, Linear
-from sloserve.models.compressed_tensors import read_quant_config
-from sloserve.models.ct_projection import build_projection
 from sloserve.models.default import BUILTIN_MODELS, ensure_default_model
-from sloserve.models.quant_check import check_quantized
+from sloserve.models.quant_formats import (
+    check_quantized,
+    float_weight,
+    quantized_projection,
+    read_quant_config,
+)
 from sloserve.models.safetensors_file import CHUNK_BYTES, Entry, SafetensorsFile
 from sloserve.models.shard import Shard, local_spec
 from sloserve.models.spec import ModelSpec, load_spec, read_json
@@ -163,7 +166,7 @@ def load_checkpoint(
     embedding of ModelWeights and a tied LM head both (one object); an untied head becomes
     `make_head(head, None)`.
 
-    A quantized checkpoint (`quantization_config`, models/compressed_tensors.py) has every shape
+    A quantized checkpoint (`quantization_config`, models/quant_formats.py) has every shape
     and field checked from the files' headers before anything is read; each quantized projection
     becomes the kind that keeps its packed weight, never a `dtype` copy (`make_dense` is not called
     for it).
@@ -190,6 +193,11 @@ def load_checkpoint(
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The weight in `dtype` on `on` (read into `out` when given)."""
+        if quant is not None and not src.has(name):
+            # NOTE: a quantized Linear that the model keeps in float (GPTQ/AWQ MoE experts)
+            weight = float_weight(quant, src, name, shape, dtype)
+            if weight is not None:
+                return weight.to(on) if out is None else out.copy_(weight)
         if on.type == "cpu":
             return src.get(name, shape, part, dtype=dtype, out=out)
         tensor = src.get(name, shape, part).to(device=on, dtype=dtype)
@@ -249,17 +257,10 @@ def load_checkpoint(
     ) -> Linear:
         """The projection of the Linear weights `names` joined along their output rows."""
         modules = [n.removesuffix(".weight") for n in names]
-        scheme = None if quant is None else quant.scheme_for(modules[0])
-        if scheme is not None:
-            return build_projection(
-                lambda n, s, dt: src.get(n, s, dtype=dt),
-                modules,
-                shapes,
-                scheme,
-                dtype,
-                bias,
-                make_dense,
-            )
+        if quant is not None:
+            proj = quantized_projection(quant, src, modules, shapes, dtype, bias, make_dense)
+            if proj is not None:
+                return proj
         if len(names) == 1:
             return make_dense(get(names[0], *shapes[0], part=parts[0]), bias)
         return make_dense(cat(names, shapes, parts=parts), bias)

@@ -95,13 +95,19 @@ def _check_module(
             )
 
 
-def _refuse_quantized_experts(spec: ModelSpec, src: TensorSource, i: int) -> None:
-    """Routers and routed experts stay unquantized (quantized ones are not read yet)."""
+def expert_names(spec: ModelSpec, i: int) -> list[str]:
+    """MoE layer i's routers and routed experts' Linear modules (dotted names), which stay
+    unquantized (quantized ones are not read yet)."""
     p = f"model.layers.{i}."
     prefix = p + ("block_sparse_moe." if spec.family == "mixtral" else "mlp.")
     names = [prefix + "gate", prefix + "shared_expert_gate"]
-    names += [f"{prefix}experts.{x}.{w}" for x in range(spec.num_experts) for w in _EXPERT_NAMES]
-    for name in names:
+    return names + [
+        f"{prefix}experts.{x}.{w}" for x in range(spec.num_experts) for w in _EXPERT_NAMES
+    ]
+
+
+def _refuse_quantized_experts(spec: ModelSpec, src: TensorSource, i: int) -> None:
+    for name in expert_names(spec, i):
         if src.has(name + ".weight_packed"):
             raise CheckpointError(
                 f"{src.folder}: {name} is quantized; sloserve reads quantized attention and "

@@ -161,7 +161,10 @@ def _fp8(q: dict, **weights) -> None:
 
 
 REFUSALS = {
-    "method": (lambda q: q.update(quant_method="gptq"), r"quant_method 'gptq'.*compressed-tensors"),
+    "method": (
+        lambda q: q.update(quant_method="fp16"),
+        r"quant_method 'fp16'.*compressed-tensors, gptq, awq",
+    ),
     "format": (
         lambda q: (q.update(format="naive-quantized"), q["config_groups"]["group_0"].pop("format")),
         r"format 'naive-quantized'.*pack-quantized",
