@@ -4,11 +4,14 @@ Each ARC task (held-out ARC-AGI-2 training tasks, else synthetic ones: server/be
 alone (concurrency 1) through an engine per arm, each arm in a process of its own, the arms
 alternating task by task: `off` (no drafts), `ngram kK` (prompt lookup, K drafts a step) and
 `predict` (speculation off, the request's prediction = the test input grid, which a same-shape
-answer edits in a few cells). Every arm must give the tokens `off` gives (checked). The decode rate
-is tokens after the first / time after the first (what a streaming client sees); end-to-end time,
-the share of drafts accepted and the tokens per verify step are reported beside it.
+answer edits in a few cells) and `auto` (prompt lookup, the drafts a step as spec/auto.py's cost
+model allows, at most the largest K). Every arm must give the tokens `off` gives (checked). The
+decode rate is tokens after the first / time after the first (what a streaming client sees);
+end-to-end time, the share of drafts accepted and the tokens per verify step are reported beside
+it. With `--concurrency N` the tasks go N at a time (the decode rate is then all tokens after
+each request's first over the batch's time after its first token).
 
-    python -m benchmarks.spec_decode [--model default] [--tasks 16] [--k 4 8 16]
+    python -m benchmarks.spec_decode [--model default] [--tasks 16] [--k 4 8 16] [--concurrency 1]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from sloserve.bench.workloads import ARC_TRACE, answer_budget
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 
-from benchmarks._output import OUT, write_json
+from benchmarks._output import write_json
 
 
 def tasks(count: int, max_len: int, seed: int, folder: Path | None) -> list[tuple[str, str, str]]:
@@ -58,43 +61,49 @@ def tasks(count: int, max_len: int, seed: int, folder: Path | None) -> list[tupl
     return found
 
 
-def run_one(llm: LLM, rid: str, prompt: str, max_tokens: int, prediction: str | None) -> dict:
-    """One request alone: its tokens, first-token and last-token times, and draft counts."""
+def run_batch(llm: LLM, jobs: list[tuple[str, str, int, str | None]]) -> list[dict]:
+    """Requests (id, prompt, max_tokens, prediction) at once: each one's tokens, decode and
+    end-to-end seconds and draft counts, and (on the first) the batch's verify steps."""
     core = llm._core
-    ids = llm.tokenizer.encode(prompt)
-    predicted = None if prediction is None else llm.tokenizer.encode(prediction, False)
-    params = SamplingParams(max_tokens=max_tokens)
     counters = core.scheduler.counters
     verifies = counters.spec_drafts_total
     began = time.perf_counter()
-    core.add(NewRequest(rid, ids, params, prediction=predicted))
-    tokens: list[int] = []
-    first = last = began
+    for rid, prompt, max_tokens, prediction in jobs:
+        ids = llm.tokenizer.encode(prompt)
+        predicted = None if prediction is None else llm.tokenizer.encode(prediction, False)
+        core.add(NewRequest(rid, ids, SamplingParams(max_tokens=max_tokens), prediction=predicted))
+    runs = {rid: {"tokens": [], "first": began, "last": began} for rid, *_ in jobs}
     while core.has_work():
         for out in core.step():
+            run = runs[out.request_id]
             if out.new_token_ids:
-                if not tokens:
-                    first = time.perf_counter()
-                tokens += out.new_token_ids
-                last = time.perf_counter()
+                if not run["tokens"]:
+                    run["first"] = time.perf_counter()
+                run["tokens"] += out.new_token_ids
+                run["last"] = time.perf_counter()
             if out.finished:
-                drafted, accepted = out.num_drafted_tokens, out.num_accepted_tokens
-    return {
-        "tokens": tokens,
-        "decode_s": last - first,
-        "e2e_s": last - began,
-        "drafted": drafted,
-        "accepted": accepted,
-        "verifies": counters.spec_drafts_total - verifies,
-    }
+                run["drafted"], run["accepted"] = out.num_drafted_tokens, out.num_accepted_tokens
+    results = [
+        {
+            "tokens": run["tokens"],
+            "decode_s": run["last"] - run["first"],
+            "e2e_s": run["last"] - began,
+            "drafted": run["drafted"],
+            "accepted": run["accepted"],
+            "verifies": 0,
+        }
+        for run in runs.values()
+    ]
+    results[0]["verifies"] = counters.spec_drafts_total - verifies
+    return results
 
 
 def serve_arm(options: dict, conn: Connection) -> None:
     """A child process: one arm's engine, running the requests it is sent one at a time."""
     llm = LLM(**options)
     conn.send("ready")
-    while (job := conn.recv()) is not None:
-        conn.send(run_one(llm, *job))
+    while (jobs := conn.recv()) is not None:
+        conn.send(run_batch(llm, jobs))
     llm.close()
 
 
@@ -105,28 +114,41 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[4, 8, 16], help="drafts per step")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=int, default=1, help="tasks sent at once")
+    parser.add_argument("--no-predict", action="store_true", help="leave out the prediction arm")
+    parser.add_argument("--json", action="store_true", help="write the report to --out")
     parser.add_argument(
         "--arc",
         type=Path,
         default=ARC_TRACE.parent / "training",
         help="ARC-AGI-2 training tasks (the held-out last 100 are used); synthetic if absent",
     )
-    parser.add_argument("--out", type=Path, default=OUT / "spec_decode.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "spec_decode.json"
+    )
     args = parser.parse_args()
-    common = dict(model=args.model, device="cpu", max_model_len=args.max_model_len, max_batch=1)
+    common = dict(
+        model=args.model,
+        device="cpu",
+        max_model_len=args.max_model_len,
+        max_batch=args.concurrency,
+    )
     arms: dict[str, tuple[dict, bool]] = {"off": (common, False)}
     for k in args.k:
         arms[f"ngram k{k}"] = (
             {**common, "speculation": "ngram", "num_speculative_tokens": k},
             False,
         )
-    arms[f"predict k{max(args.k)}"] = ({**common, "num_speculative_tokens": max(args.k)}, True)
+    most = {"num_speculative_tokens": max(args.k)}
+    arms[f"auto k{max(args.k)}"] = ({**common, "speculation": "auto", **most}, False)
+    if not args.no_predict:
+        arms[f"predict k{max(args.k)}"] = ({**common, **most}, True)
     work = tasks(args.tasks, args.max_model_len, args.seed, args.arc)
     print(
         f"{args.model}: {len(work)} tasks, prompts median "
         f"{statistics.median(len(p) for p, _, _ in work)} tokens, answers median "
-        f"{statistics.median(len(e) for _, e, _ in work)}, load {os.getloadavg()[0]:.1f} "
-        "(arms in processes of their own, alternating task by task)"
+        f"{statistics.median(len(e) for _, e, _ in work)}, concurrency {args.concurrency}, load "
+        f"{os.getloadavg()[0]:.1f} (arms in processes of their own, alternating batch by batch)"
     )
     # NOTE: one engine per process: torch's thread count is process-wide and each runner sets it
     context = multiprocessing.get_context("spawn")
@@ -139,16 +161,20 @@ def main() -> None:
     for _, conn in workers.values():
         conn.recv()
     results: dict[str, list[dict]] = {name: [] for name in arms}
-    for i, (prompt, expected, grid) in enumerate(work):
-        order = list(arms) if i % 2 == 0 else list(arms)[::-1]
-        for name in order:
-            conn = workers[name][1]
-            conn.send((f"t{i}", prompt, answer_budget(expected), grid if arms[name][1] else None))
-            results[name].append(conn.recv())
-        want = results["off"][-1]["tokens"]
+    c = args.concurrency
+    for b, at in enumerate(range(0, len(work), c)):
+        batch = list(enumerate(work))[at : at + c]
+        for name in list(arms) if b % 2 == 0 else list(arms)[::-1]:
+            jobs = [
+                (f"t{i}", prompt, answer_budget(expected), grid if arms[name][1] else None)
+                for i, (prompt, expected, grid) in batch
+            ]
+            workers[name][1].send(jobs)
+            results[name] += workers[name][1].recv()
         for name in arms:
-            if results[name][-1]["tokens"] != want:
-                raise SystemExit(f"task {i}: arm {name!r} gave other tokens than 'off'")
+            for j, (i, _) in enumerate(batch):
+                if results[name][at + j]["tokens"] != results["off"][at + j]["tokens"]:
+                    raise SystemExit(f"task {i}: arm {name!r} gave other tokens than 'off'")
     for process, conn in workers.values():
         conn.send(None)
         process.join(timeout=30)
@@ -157,7 +183,13 @@ def main() -> None:
         f"{'arm':>12} {'decode tok/s':>12} {'x off':>6} {'e2e s':>7} {'x off':>6} "
         f"{'accepted':>9} {'per verify':>10}"
     )
-    report = {"model": args.model, "tasks": len(work), "load": os.getloadavg()[0], "arms": {}}
+    report = {
+        "model": args.model,
+        "tasks": len(work),
+        "concurrency": c,
+        "load": os.getloadavg()[0],
+        "arms": {},
+    }
     for name, runs in results.items():
         s = _summary(runs)
         report["arms"][name] = s
@@ -166,7 +198,9 @@ def main() -> None:
             f"{s['e2e_s']:7.3f} {base['e2e_s'] / s['e2e_s']:6.2f} {s['acceptance']:9.2f} "
             f"{s['tokens_per_verify']:10.2f}"
         )
-    write_json(args.out, report)
+    print(f"load {os.getloadavg()[0]:.1f} at the end")
+    if args.json:
+        write_json(args.out, report)
 
 
 def _summary(runs: list[dict]) -> dict:

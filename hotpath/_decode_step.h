@@ -78,11 +78,17 @@ typedef struct {
     const sloserve_layer *layers;
 } sloserve_decoder;
 
+/* Query rows one attention work item takes at most in a step of `batch` rows. */
+static inline ptrdiff_t sloserve_item_rows(ptrdiff_t batch) {
+    return batch < SLOSERVE_ROWS_PER_ITEM ? batch : SLOSERVE_ROWS_PER_ITEM;
+}
+
 /* Floats of workspace a step of `batch` sequences, the longest `max_len` long, needs on `threads` threads. */
 static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t batch, ptrdiff_t max_len,
                                            int threads) {
     const ptrdiff_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) + (ptrdiff_t)threads * m->heads * max_len;
+    return batch * (2 * m->hidden + qkv + m->heads * m->head_dim + m->inter) +
+           (ptrdiff_t)threads * sloserve_item_rows(batch) * m->heads * max_len;
 }
 
 /* The matrix-vector products, once per weight type (_decode_step_gemv.h), and their dispatch. */
@@ -232,12 +238,13 @@ typedef struct {
     sloserve_barrier bar;
     int bad;
     long stalled_ns; /* thread 0's waits past the pause phase (sloserve_barrier_wait) */
+    ptrdiff_t runs, run_first[SLOSERVE_MAX_BATCH + 1]; /* rows that attend together (sloserve_row_runs) */
 } sloserve_decode_args;
 
 /* Thread `me` of `team` runs its share of the step (sloserve_job): each matrix-vector product is
  * split by output rows (thread t takes the t-th share), thread 0 does the per-row work (norms,
- * rotary, KV writes), attention items (a sequence's KV heads, or one of them while the batch is
- * smaller than two per thread) go round-robin; a barrier separates
+ * rotary, KV writes), attention items (a run of rows' KV heads, or one of them while there are
+ * fewer runs than two per thread) go round-robin; a barrier separates
  * every stage from the next. */
 static void sloserve_decode_job(void *raw, int me, int team) {
     sloserve_decode_args *a = (sloserve_decode_args *)raw;
@@ -253,8 +260,9 @@ static void sloserve_decode_job(void *raw, int me, int team) {
     long *stalled = me == 0 ? &a->stalled_ns : NULL;
     int phase = 0;
     ptrdiff_t first, last;
-    float *my_scores = scores + (ptrdiff_t)me * Hq * max_len;
-    const ptrdiff_t per_item = sloserve_item_kv_heads(batch, Hkv, team); /* KV heads per attention item */
+    float *my_scores = scores + (ptrdiff_t)me * sloserve_item_rows(batch) * Hq * max_len;
+    const ptrdiff_t runs = a->runs, *run_first = a->run_first;
+    const ptrdiff_t per_item = sloserve_item_kv_heads(runs, Hkv, team); /* KV heads per attention item */
     if (me == 0)
         for (ptrdiff_t b = 0; b < batch; b++) sloserve_row_float(&m->embed, ids[b], H, h + b * H);
     for (ptrdiff_t l = 0; l < m->num_layers; l++) {
@@ -273,19 +281,22 @@ static void sloserve_decode_job(void *raw, int me, int team) {
                 sloserve_store_row(L->v_cache, m->kv_type, slots[b], row + q_size + row_kv, Hkv, D);
             }
         sloserve_barrier_wait(bar, team, &phase, stalled);
-        for (ptrdiff_t item = me; item < batch * (Hkv / per_item); item += team) {
-            const ptrdiff_t b = item * per_item / Hkv, kv_head = item * per_item % Hkv;
+        for (ptrdiff_t item = me; item < runs * (Hkv / per_item); item += team) {
+            const ptrdiff_t run = item * per_item / Hkv, kv_head = item * per_item % Hkv;
+            const ptrdiff_t b = run_first[run], n = run_first[run + 1] - b;
             const float *q = qkv + b * qkv_size + kv_head * group * D;
             float *out = attn + b * q_size + kv_head * group * D;
+            const int32_t *table = tables + b * width;
             const int rc =
                 m->kv_type == SLOSERVE_I8
-                    ? sloserve_paged_item_kv8(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
-                                              per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out)
+                    ? sloserve_paged_item_kv8(q, qkv_size, n, L->k_cache, L->v_cache, table, lens[b], kv_head, per_item,
+                                              group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out, q_size)
                 : m->kv_type == SLOSERVE_BF16
-                    ? sloserve_paged_item_bf16(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
-                                               per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out)
-                    : sloserve_paged_item_f32(q, L->k_cache, L->v_cache, tables + b * width, lens[b], kv_head,
-                                              per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out);
+                    ? sloserve_paged_item_bf16(q, qkv_size, n, L->k_cache, L->v_cache, table, lens[b], kv_head,
+                                               per_item, group, Hkv, D, m->page, m->num_pages, m->scale, my_scores,
+                                               out, q_size)
+                    : sloserve_paged_item_f32(q, qkv_size, n, L->k_cache, L->v_cache, table, lens[b], kv_head, per_item,
+                                              group, Hkv, D, m->page, m->num_pages, m->scale, my_scores, out, q_size);
             if (rc) __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
         }
         sloserve_barrier_wait(bar, team, &phase, stalled);
@@ -316,9 +327,10 @@ static void sloserve_decode_job(void *raw, int me, int team) {
  * out_rows names (int64, in [0, batch)), or of every row when out_rows is NULL (num_out = batch).
  *
  * A row is one query token, so several rows may be one sequence's consecutive tokens (a prefill
- * chunk, each row with its own position and the sequence's table): every row's K and V are
- * written before any row attends, and a row attends to lens = position + 1 tokens, so each
- * token sees exactly its causal prefix. `work` holds
+ * chunk or a verify step's k + 1 rows, each row with its own position and the sequence's table):
+ * every row's K and V are written before any row attends, and a row attends to lens = position + 1
+ * tokens, so each token sees exactly its causal prefix; such rows attend in one work item, which
+ * reads each of the sequence's pages once for all of them (sloserve_row_runs). `work` holds
  * sloserve_decode_workspace(m, batch, max_len, threads) floats, threads being the team's size (1
  * when `team` is NULL: the caller alone). *stalled_ns is set to the caller's waits for late team
  * threads (0 alone). Returns 0, or -1 when a block table names a page outside the pool (then the
@@ -328,7 +340,8 @@ static int sloserve_decode_step(const sloserve_decoder *m, const int64_t *ids, c
                                 ptrdiff_t batch, ptrdiff_t max_len, const int64_t *out_rows, ptrdiff_t num_out,
                                 sloserve_team *team, float *work, float *logits, long *stalled_ns) {
     sloserve_decode_args a = {m, ids, positions, slots, tables, lens, width, batch, max_len, out_rows,
-                              out_rows ? num_out : batch, work, logits, {0, 0}, 0, 0};
+                              out_rows ? num_out : batch, work, logits, {0, 0}, 0, 0, 0, {0}};
+    a.runs = sloserve_row_runs(tables, width, lens, m->page, batch, a.run_first);
     if (team == NULL)
         sloserve_decode_job(&a, 0, 1);
     else

@@ -13,9 +13,10 @@ One query token per sequence attends to positions 0 .. seq_len-1 of its own page
     block_tables      [S, W] int32; position p of sequence s lives in page block_tables[s, p // page]
     seq_lens          [S] int32
 
-Work items are sequences (every KV head: whole rows of each page) or, while there are fewer
-than two sequences per thread, (sequence, KV head) pairs, spread over OpenMP threads (`prange`,
-nogil). Each item (`_paged_attention_item.h`, C built for several instruction sets) scores its
+Consecutive rows whose lengths count up by one over the same pages (one sequence's verify
+rows or chunk tokens) attend together, reading each page once for all of them (up to 16 rows: a
+run). Work items are runs (every KV head: whole rows of each page) or, while there are fewer
+than two runs per thread, (run, KV head) pairs, spread over OpenMP threads (`prange`, nogil). Each item (`_paged_attention_item.h`, C built for several instruction sets) scores its
 query heads against every key it owns (one pass over K, page by page, the next page
 prefetched), softmaxes in float32 with the running maximum subtracted, and accumulates V (one
 pass over V). A head's result is the same bits whichever items the batch is cut into. Slots past seq_len are never read, so whatever
@@ -35,19 +36,25 @@ cdef enum:
 
 
 cdef extern from "_paged_attention_item.h" nogil:
-    int sloserve_paged_item_f32(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
-                                Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count, Py_ssize_t group,
-                                Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale,
-                                float* scores, float* out)
-    int sloserve_paged_item_bf16(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                                 const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count,
-                                 Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page,
-                                 Py_ssize_t num_pages, float scale, float* scores, float* out)
-    int sloserve_paged_item_kv8(const float* q, const int8_t* k_cache, const int8_t* v_cache,
-                                const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head, Py_ssize_t kv_count,
-                                Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim, Py_ssize_t page,
-                                Py_ssize_t num_pages, float scale, float* scores, float* out)
+    int sloserve_paged_item_f32(const float* q, Py_ssize_t q_stride, Py_ssize_t rows, const float* k_cache,
+                                const float* v_cache, const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head,
+                                Py_ssize_t kv_count, Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim,
+                                Py_ssize_t page, Py_ssize_t num_pages, float scale, float* scores, float* out,
+                                Py_ssize_t out_stride)
+    int sloserve_paged_item_bf16(const float* q, Py_ssize_t q_stride, Py_ssize_t rows, const uint16_t* k_cache,
+                                 const uint16_t* v_cache, const int32_t* table, Py_ssize_t seq_len,
+                                 Py_ssize_t kv_head, Py_ssize_t kv_count, Py_ssize_t group, Py_ssize_t hkv,
+                                 Py_ssize_t dim, Py_ssize_t page, Py_ssize_t num_pages, float scale, float* scores,
+                                 float* out, Py_ssize_t out_stride)
+    int sloserve_paged_item_kv8(const float* q, Py_ssize_t q_stride, Py_ssize_t rows, const int8_t* k_cache,
+                                const int8_t* v_cache, const int32_t* table, Py_ssize_t seq_len, Py_ssize_t kv_head,
+                                Py_ssize_t kv_count, Py_ssize_t group, Py_ssize_t hkv, Py_ssize_t dim,
+                                Py_ssize_t page, Py_ssize_t num_pages, float scale, float* scores, float* out,
+                                Py_ssize_t out_stride)
     Py_ssize_t sloserve_item_kv_heads(Py_ssize_t seqs, Py_ssize_t hkv, int threads)
+    Py_ssize_t sloserve_row_runs(const int32_t* tables, Py_ssize_t width, const int32_t* lens, Py_ssize_t page,
+                                 Py_ssize_t batch, Py_ssize_t* first)
+    enum: SLOSERVE_ROWS_PER_ITEM
     void sloserve_kv8_store(int8_t* row, const float* v, Py_ssize_t n)
 
 
@@ -91,9 +98,11 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
     cdef const int32_t* lp = <const int32_t*> seq_lens
     cdef float* op = <float*> out
     cdef Py_ssize_t group = num_heads // num_kv_heads
-    cdef Py_ssize_t longest = 0, i, s, h, seq_len, per_item, items
+    cdef Py_ssize_t longest = 0, i, r, s, n, h, seq_len, per_item, items, runs, row_tile
+    cdef Py_ssize_t row = num_heads * head_dim
     cdef int bad = 0
     cdef float* scores
+    cdef Py_ssize_t* first
     for s in range(num_seqs):
         seq_len = lp[s]
         if seq_len < 1 or seq_len > table_width * page:
@@ -103,35 +112,43 @@ def paged_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t bl
             longest = seq_len
     if num_threads < 1 or num_seqs * num_heads * longest * head_dim < _SERIAL_WORK:
         num_threads = 1  # waking a sleeping OpenMP team costs more than a small step's arithmetic
-    per_item = sloserve_item_kv_heads(num_seqs, num_kv_heads, num_threads)
-    items = num_seqs * (num_kv_heads // per_item)
+    first = <Py_ssize_t*> malloc((num_seqs + 1) * sizeof(Py_ssize_t))
+    if first == NULL:
+        raise MemoryError("paged_decode: cannot allocate the runs")
+    runs = sloserve_row_runs(tp, table_width, lp, page, num_seqs, first)
+    row_tile = min(num_seqs, SLOSERVE_ROWS_PER_ITEM)
+    per_item = sloserve_item_kv_heads(runs, num_kv_heads, num_threads)
+    items = runs * (num_kv_heads // per_item)
     with nogil:
         for i in prange(items, num_threads=num_threads, schedule="dynamic"):
-            scores = <float*> malloc(per_item * group * longest * sizeof(float))
+            scores = <float*> malloc(row_tile * per_item * group * longest * sizeof(float))
             if scores == NULL:
                 bad |= 2  # a reduction: the only way a prange body may write a shared variable
             else:
-                s = (i * per_item) // num_kv_heads
+                r = (i * per_item) // num_kv_heads
                 h = (i * per_item) % num_kv_heads
+                s = first[r]
+                n = first[r + 1] - s
                 if kv_int8:
-                    bad |= -sloserve_paged_item_kv8(qp + (s * num_heads + h * group) * head_dim,
+                    bad |= -sloserve_paged_item_kv8(qp + s * row + h * group * head_dim, row, n,
                                                     <const int8_t*> k_cache, <const int8_t*> v_cache,
                                                     tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,
                                                     head_dim, page, num_pages, scale, scores,
-                                                    op + (s * num_heads + h * group) * head_dim)
+                                                    op + s * row + h * group * head_dim, row)
                 elif kv_bf16:
-                    bad |= -sloserve_paged_item_bf16(qp + (s * num_heads + h * group) * head_dim,
+                    bad |= -sloserve_paged_item_bf16(qp + s * row + h * group * head_dim, row, n,
                                                      <const uint16_t*> k_cache, <const uint16_t*> v_cache,
                                                      tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,
                                                      head_dim, page, num_pages, scale, scores,
-                                                     op + (s * num_heads + h * group) * head_dim)
+                                                     op + s * row + h * group * head_dim, row)
                 else:
-                    bad |= -sloserve_paged_item_f32(qp + (s * num_heads + h * group) * head_dim,
+                    bad |= -sloserve_paged_item_f32(qp + s * row + h * group * head_dim, row, n,
                                                     <const float*> k_cache, <const float*> v_cache,
                                                     tp + s * table_width, lp[s], h, per_item, group, num_kv_heads,
                                                     head_dim, page, num_pages, scale, scores,
-                                                    op + (s * num_heads + h * group) * head_dim)
+                                                    op + s * row + h * group * head_dim, row)
                 free(scores)
+    free(first)
     if bad & 2:
         raise MemoryError("paged_decode: cannot allocate the scores buffer")
     if bad & 1:

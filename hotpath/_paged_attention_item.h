@@ -125,6 +125,28 @@ static inline ptrdiff_t sloserve_item_kv_heads(ptrdiff_t seqs, ptrdiff_t hkv, in
     return seqs >= 2 * (ptrdiff_t)threads ? hkv : 1;
 }
 
+/* Rows per work item at most (a sequence's verify rows or chunk tokens attend together in tiles of
+ * this many): the scores of one item are this many rows' (sloserve_paged_item). */
+#define SLOSERVE_ROWS_PER_ITEM 16
+
+/* Cuts `batch` query rows into runs that one work item attends together: rows b .. b + n - 1 whose
+ * lengths count up by one and whose block tables agree with the run's first over every page the
+ * row reads (one sequence's consecutive tokens; rows of other sequences that share those pages
+ * give the same result either way), at most SLOSERVE_ROWS_PER_ITEM each. first[i] is run i's
+ * first row, first[runs] = batch (first holds batch + 1). Returns the number of runs. */
+static inline ptrdiff_t sloserve_row_runs(const int32_t *tables, ptrdiff_t width, const int32_t *lens,
+                                          ptrdiff_t page, ptrdiff_t batch, ptrdiff_t *first) {
+    ptrdiff_t runs = 0;
+    for (ptrdiff_t b = 0; b < batch; b++) {
+        const ptrdiff_t head = runs ? first[runs - 1] : 0, blocks = (lens[b] + page - 1) / page;
+        if (runs == 0 || b - head >= SLOSERVE_ROWS_PER_ITEM || lens[b] != lens[b - 1] + 1 ||
+            memcmp(tables + head * width, tables + b * width, blocks * sizeof(int32_t)) != 0)
+            first[runs++] = b;
+    }
+    first[runs] = batch;
+    return runs;
+}
+
 /* exp(x) for x <= 0 (a softmax of scores minus their maximum), in plain float arithmetic that
  * vectorises (libm's expf does not, and dominated the kernel): Cephes' expf reduction and
  * polynomial, ~1 ulp; exp(x) below -87.3 (under 2^-126) is flushed to 0. */

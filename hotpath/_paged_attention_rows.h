@@ -141,99 +141,141 @@ SLOSERVE_INLINE void SLOSERVE_T_NAME(sloserve_prefetch_rows)(const SLOSERVE_T *r
             __builtin_prefetch(rows + j * stride + d, 0, 0);
 }
 
-/* One work item: KV heads [kv_head, kv_head + kv_count) of one sequence, page by page (a page's
- * rows of those heads are adjacent, so an item of every KV head reads whole rows). q, out: the
- * item's first query head row ([kv_count * group, dim], float32, contiguous); scores: kv_count *
- * group * seq_len floats. Each query head's result is the same bits whatever kv_count is.
+/* Scores s[j] = dot(q, row j) * scale of positions [j, n) of a page (four at a time where dim is a
+ * multiple of 8, the rest one by one: the same bits either way). */
+SLOSERVE_INLINE void SLOSERVE_T_NAME(sloserve_scores1)(const float *q, const SLOSERVE_T *rows, ptrdiff_t stride,
+                                                       ptrdiff_t dim, ptrdiff_t j, ptrdiff_t n, float scale,
+                                                       float *s) {
+    if (dim % 8 == 0)
+        for (; j + 4 <= n; j += 4) {
+            const sloserve_v4 v = SLOSERVE_T_NAME(sloserve_dot4_strided)(q, rows + j * stride, stride, dim) * scale;
+            memcpy(s + j, &v, sizeof v);
+        }
+    for (; j < n; j++) s[j] = SLOSERVE_T_NAME(sloserve_dot)(q, rows + j * stride, dim) * scale;
+}
+
+/* The scores of two queries at once over the first multiple of four of n positions (each K row
+ * load serves both); returns where they stopped, for sloserve_scores1 to go on from. */
+SLOSERVE_INLINE ptrdiff_t SLOSERVE_T_NAME(sloserve_scores2)(const float *q0, const float *q1, const SLOSERVE_T *rows,
+                                                            ptrdiff_t stride, ptrdiff_t dim, ptrdiff_t n, float scale,
+                                                            float *s0, float *s1) {
+    ptrdiff_t j = 0;
+    if (dim % 8 == 0)
+        for (; j + 4 <= n; j += 4) {
+            sloserve_v4 a, b;
+            SLOSERVE_T_NAME(sloserve_dot4x2_strided)(q0, q1, rows + j * stride, stride, dim, &a, &b);
+            a *= scale;
+            b *= scale;
+            memcpy(s0 + j, &a, sizeof a);
+            memcpy(s1 + j, &b, sizeof b);
+        }
+    return j;
+}
+
+/* One work item: KV heads [kv_head, kv_head + kv_count) of one sequence for `rows` query rows,
+ * row r attending to positions 0 .. seq_len + r - 1 (a decode token is one row; a verify step's
+ * k + 1 rows or a prefill chunk's tokens are several), page by page (a page's rows of those heads
+ * are adjacent, so an item of every KV head reads whole rows). Each page is read once for every
+ * row: a K row load serves two queries (two heads, or two rows), and a V page is summed into
+ * every row's output while it is in L1.
+ *
+ * q, out: row r's first query head at q + r * q_stride ([kv_count * group, dim] float32,
+ * contiguous), out + r * out_stride; scores: rows * kv_count * group * (seq_len + rows - 1)
+ * floats. Every query's scores, softmax and sums are the operations, in the order, of that row
+ * alone (rows = 1), so a row's result is the same bits whatever rows and kv_count are.
  * Returns 0, or -1 when a block id is outside [0, num_pages) (then nothing is read from it).
  * Rows with a scale (SLOSERVE_T_ROW_SCALE): a score is the dot product with the row's values times
  * its scale, and a V row's weight is its probability times its scale. */
 SLOSERVE_CLONES
-static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, const SLOSERVE_T *k_cache, const SLOSERVE_T *v_cache,
+static int SLOSERVE_T_NAME(sloserve_paged_item)(const float *q, ptrdiff_t q_stride, ptrdiff_t rows,
+                                                const SLOSERVE_T *k_cache, const SLOSERVE_T *v_cache,
                                                 const int32_t *table, ptrdiff_t seq_len, ptrdiff_t kv_head,
                                                 ptrdiff_t kv_count, ptrdiff_t group, ptrdiff_t hkv, ptrdiff_t dim,
                                                 ptrdiff_t page, ptrdiff_t num_pages, float scale, float *scores,
-                                                float *out) {
+                                                float *out, ptrdiff_t out_stride) {
     const ptrdiff_t pitch = SLOSERVE_T_PITCH(dim); /* elements between one KV head's row and the next */
     const ptrdiff_t stride = hkv * pitch; /* elements between consecutive positions of one page */
     const ptrdiff_t heads = kv_count * group, width = kv_count * pitch; /* the item's query heads; its row elements */
-    const ptrdiff_t page_elems = page * stride, head_offset = kv_head * pitch, num_blocks = (seq_len + page - 1) / page;
+    /* every query of the item (row-major: row r's heads), each with a score row of `longest` floats */
+    const ptrdiff_t queries = rows * heads, longest = seq_len + rows - 1;
+    const ptrdiff_t page_elems = page * stride, head_offset = kv_head * pitch, num_blocks = (longest + page - 1) / page;
     for (ptrdiff_t b = 0; b < num_blocks; b++)
         if (table[b] < 0 || table[b] >= num_pages) return -1;
-    for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query head */
+    for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over K, page by page: every query */
         const SLOSERVE_T *page_rows = k_cache + table[b] * page_elems + head_offset;
-        const ptrdiff_t first = b * page, n = sloserve_page_len(seq_len, b, page);
+        const ptrdiff_t first = b * page;
         if (b + 1 < num_blocks)
             SLOSERVE_T_NAME(sloserve_prefetch_rows)(k_cache + table[b + 1] * page_elems + head_offset, stride,
-                                                    sloserve_page_len(seq_len, b + 1, page), width);
+                                                    sloserve_page_len(longest, b + 1, page), width);
         for (ptrdiff_t kk = 0; kk < kv_count; kk++) {
-            const SLOSERVE_T *rows = page_rows + kk * pitch;
-            const float *qk = q + kk * group * dim;
-            float *sk = scores + kk * group * seq_len;
-            ptrdiff_t j = 0;
-            if (dim % 8 == 0) /* four positions (of two query heads) at a time, the same sums as one at a time */
-                for (; j + 4 <= n; j += 4) {
-                    ptrdiff_t g = 0;
-                    for (; g + 2 <= group; g += 2) {
-                        sloserve_v4 s0, s1;
-                        SLOSERVE_T_NAME(sloserve_dot4x2_strided)(qk + g * dim, qk + (g + 1) * dim, rows + j * stride,
-                                                                 stride, dim, &s0, &s1);
-                        s0 *= scale;
-                        s1 *= scale;
-                        memcpy(sk + g * seq_len + first + j, &s0, sizeof s0);
-                        memcpy(sk + (g + 1) * seq_len + first + j, &s1, sizeof s1);
-                    }
-                    for (; g < group; g++) {
-                        const sloserve_v4 s =
-                            SLOSERVE_T_NAME(sloserve_dot4_strided)(qk + g * dim, rows + j * stride, stride, dim) * scale;
-                        memcpy(sk + g * seq_len + first + j, &s, sizeof s);
-                    }
+            const SLOSERVE_T *krows = page_rows + kk * pitch;
+            /* this KV head's (row, head) queries in order, two at a time; a later row sees as many
+             * of the page's positions as an earlier one, or more */
+            for (ptrdiff_t v = 0; v < rows * group; v += 2) {
+                const ptrdiff_t r0 = v / group, g0 = kk * group + v % group;
+                const ptrdiff_t n0 = sloserve_page_len(seq_len + r0, b, page);
+                const float *q0 = q + r0 * q_stride + g0 * dim;
+                float *s0 = scores + (r0 * heads + g0) * longest + first;
+                ptrdiff_t j = 0;
+                if (v + 1 < rows * group) {
+                    const ptrdiff_t r1 = (v + 1) / group, g1 = kk * group + (v + 1) % group;
+                    const ptrdiff_t n1 = sloserve_page_len(seq_len + r1, b, page);
+                    const float *q1 = q + r1 * q_stride + g1 * dim;
+                    float *s1 = scores + (r1 * heads + g1) * longest + first;
+                    if (n0 > 0) j = SLOSERVE_T_NAME(sloserve_scores2)(q0, q1, krows, stride, dim, n0, scale, s0, s1);
+                    SLOSERVE_T_NAME(sloserve_scores1)(q1, krows, stride, dim, j, n1, scale, s1);
                 }
-            for (; j < n; j++)
-                for (ptrdiff_t g = 0; g < group; g++)
-                    sk[g * seq_len + first + j] = SLOSERVE_T_NAME(sloserve_dot)(qk + g * dim, rows + j * stride, dim) * scale;
+                SLOSERVE_T_NAME(sloserve_scores1)(q0, krows, stride, dim, j, n0, scale, s0);
+            }
 #ifdef SLOSERVE_T_ROW_SCALE
-            for (j = 0; j < n; j++) {
-                const float row_scale = SLOSERVE_T_ROW_SCALE(rows + j * stride, dim);
-                for (ptrdiff_t g = 0; g < group; g++) sk[g * seq_len + first + j] *= row_scale;
+            for (ptrdiff_t j = 0; j < sloserve_page_len(longest, b, page); j++) {
+                const float row_scale = SLOSERVE_T_ROW_SCALE(krows + j * stride, dim);
+                for (ptrdiff_t r = 0; r < rows; r++)
+                    if (j < sloserve_page_len(seq_len + r, b, page))
+                        for (ptrdiff_t g = kk * group; g < (kk + 1) * group; g++)
+                            scores[(r * heads + g) * longest + first + j] *= row_scale;
             }
 #endif
         }
     }
-    for (ptrdiff_t g = 0; g < heads; g++) { /* softmax, running maximum subtracted */
-        float *s = scores + g * seq_len, m = s[0], acc[SLOSERVE_LANES] = {0};
-        for (ptrdiff_t p = 1; p < seq_len; p++) m = s[p] > m ? s[p] : m;
-        for (ptrdiff_t p = 0; p < seq_len; p++) s[p] = sloserve_exp_nonpositive(s[p] - m);
+    for (ptrdiff_t v = 0; v < queries; v++) { /* softmax, running maximum subtracted */
+        const ptrdiff_t len = seq_len + v / heads;
+        float *s = scores + v * longest, m = s[0], acc[SLOSERVE_LANES] = {0};
+        for (ptrdiff_t p = 1; p < len; p++) m = s[p] > m ? s[p] : m;
+        for (ptrdiff_t p = 0; p < len; p++) s[p] = sloserve_exp_nonpositive(s[p] - m);
         ptrdiff_t p = 0;
-        for (; p + SLOSERVE_LANES <= seq_len; p += SLOSERVE_LANES)
+        for (; p + SLOSERVE_LANES <= len; p += SLOSERVE_LANES)
             for (int j = 0; j < SLOSERVE_LANES; j++) acc[j] += s[p + j];
-        for (; p < seq_len; p++) acc[0] += s[p];
+        for (; p < len; p++) acc[0] += s[p];
         for (int lanes = SLOSERVE_LANES / 2; lanes > 0; lanes /= 2)
             for (int j = 0; j < lanes; j++) acc[j] += acc[j + lanes];
         const float inv = 1.0f / acc[0];
-        for (ptrdiff_t p = 0; p < seq_len; p++) s[p] *= inv;
-        for (ptrdiff_t d = 0; d < dim; d++) out[g * dim + d] = 0.0f;
+        for (ptrdiff_t p = 0; p < len; p++) s[p] *= inv;
+        float *o = out + (v / heads) * out_stride + (v % heads) * dim;
+        for (ptrdiff_t d = 0; d < dim; d++) o[d] = 0.0f;
     }
     for (ptrdiff_t b = 0; b < num_blocks; b++) { /* one pass over V, in the same position order */
         const SLOSERVE_T *page_rows = v_cache + table[b] * page_elems + head_offset;
-        const ptrdiff_t first = b * page, n = sloserve_page_len(seq_len, b, page);
+        const ptrdiff_t first = b * page;
         if (b + 1 < num_blocks)
             SLOSERVE_T_NAME(sloserve_prefetch_rows)(v_cache + table[b + 1] * page_elems + head_offset, stride,
-                                                    sloserve_page_len(seq_len, b + 1, page), width);
-        for (ptrdiff_t g = 0; g < heads; g++) { /* out[d] sums its positions in order, for every d */
-            float *w = scores + g * seq_len + first;
-            const SLOSERVE_T *rows = page_rows + (g / group) * pitch;
+                                                    sloserve_page_len(longest, b + 1, page), width);
+        for (ptrdiff_t v = 0; v < queries; v++) { /* out[d] sums its positions in order, for every d */
+            const ptrdiff_t g = v % heads, n = sloserve_page_len(seq_len + v / heads, b, page);
+            if (n <= 0) continue;
+            float *w = scores + v * longest + first;
+            const SLOSERVE_T *vrows = page_rows + (g / group) * pitch;
 #ifdef SLOSERVE_T_ROW_SCALE
-            for (ptrdiff_t j = 0; j < n; j++) w[j] *= SLOSERVE_T_ROW_SCALE(rows + j * stride, dim);
+            for (ptrdiff_t j = 0; j < n; j++) w[j] *= SLOSERVE_T_ROW_SCALE(vrows + j * stride, dim);
 #endif
-            float *o = out + g * dim;
+            float *o = out + (v / heads) * out_stride + g * dim;
             ptrdiff_t c = 0;
-            for (; c + 64 <= dim; c += 64) SLOSERVE_T_NAME(sloserve_weighted_rows64)(w, rows + c, stride, n, o + c);
+            for (; c + 64 <= dim; c += 64) SLOSERVE_T_NAME(sloserve_weighted_rows64)(w, vrows + c, stride, n, o + c);
             if (dim % 8 == 0)
-                SLOSERVE_T_NAME(sloserve_weighted_rows8)(w, rows + c, stride, n, dim - c, o + c);
+                SLOSERVE_T_NAME(sloserve_weighted_rows8)(w, vrows + c, stride, n, dim - c, o + c);
             else
                 for (ptrdiff_t j = 0; j < n; j++)
-                    for (ptrdiff_t d = c; d < dim; d++) o[d] += w[j] * SLOSERVE_T_AT(rows, j * stride + d);
+                    for (ptrdiff_t d = c; d < dim; d++) o[d] += w[j] * SLOSERVE_T_AT(vrows, j * stride + d);
         }
     }
     return 0;

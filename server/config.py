@@ -331,7 +331,7 @@ class CacheConfig:
 POLICIES = ("slo", "priority", "fifo")
 MAX_SCHEDULER_STEPS = 64  # a longer run would hold a newcomer back for too many steps
 DEFAULT_SCHEDULER_STEPS = 8  # 8 beat 4 on TPOT at concurrency 1 (docs/design/cpu-decode.md)
-SPECULATION_MODES = ("off", "ngram")
+SPECULATION_MODES = ("off", "ngram", "auto")
 MAX_SPECULATIVE_TOKENS = 64  # a verify step's rows: a prefill chunk's size at most
 
 
@@ -399,8 +399,10 @@ class SchedulerConfig:
     speculation: str = flag(
         "off",
         "--speculation",
-        "Draft tokens to verify each decode step: off, or ngram (prompt lookup over the "
-        "request's prompt and output). A request's own prediction is verified either way.",
+        "Draft tokens to verify each decode step: off, ngram (prompt lookup over the "
+        "request's prompt and output), or auto (prompt lookup, as many drafts a step as "
+        "the measured cost of verify rows and the batch size pay for). A request's own "
+        "prediction is verified either way.",
         choices=SPECULATION_MODES,
     )
     num_speculative_tokens: int = flag(

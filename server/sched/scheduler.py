@@ -28,6 +28,7 @@ from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
 from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 from sloserve.sched.stats import SchedulerStats
+from sloserve.spec.auto import DraftPlanner
 from sloserve.spec.depth import next_depth
 from sloserve.spec.proposer import NgramProposer, PredictionProposer, Proposer
 
@@ -82,10 +83,15 @@ class Scheduler:
         # speculative decoding: drafts from prompt lookup (when on) and from a request's prediction
         self.ngram: Proposer | None = (
             NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
-            if sc.speculation == "ngram"
+            if sc.speculation in ("ngram", "auto")
             else None
         )
         self.predicted: Proposer = PredictionProposer(sc.prompt_lookup_max)
+        # auto: the step's draft cap from measured step costs (spec/auto.py)
+        self.planner = DraftPlanner(sc.num_speculative_tokens) if sc.speculation == "auto" else None
+        self._draft_cap = sc.num_speculative_tokens
+        # (scheduled at, rows, steps) of the last schedule that only decoded or verified
+        self._last_rows: tuple[float, int, int] | None = None
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, new: NewRequest) -> Request:
@@ -174,6 +180,8 @@ class Scheduler:
         self._step_tokens = 0
         self._step_decodes = 0
         self._expire(now)
+        if self.planner is not None:
+            self._plan_drafts(now)
         plan = self._deadline_plan(now)
         budget = self.config.max_batched_tokens
         if plan is None:
@@ -194,6 +202,10 @@ class Scheduler:
             self._admit_waiting(out, budget, now, plan)
         out.num_steps = self._run_length(out)
         prefill = any(len(seq.token_ids) > 1 for seq in out.sequences)
+        only_rows = out.sequences and all(
+            len(seq.token_ids) == 1 + seq.num_drafts for seq in out.sequences
+        )
+        self._last_rows = (now, out.num_tokens, out.num_steps) if only_rows else None
         self.admission.on_step(
             now,
             len(out.sequences),
@@ -254,6 +266,14 @@ class Scheduler:
                 budget -= n + len(drafts)
         return budget, preempted
 
+    def _plan_drafts(self, now: float) -> None:
+        """auto: feed the planner the last schedule's cost, then cap this step's drafts."""
+        last = self._last_rows
+        if last is not None and self.running:
+            began, rows, steps = last
+            self.planner.observe_step(rows, steps, self.admission.compute_s, now - began)
+        self._draft_cap = self.planner.cap(len(self.running), self.max_steps)
+
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for `req` to verify this step: only a decode that nothing but its tokens
         steers (no grammar, logprobs, penalties, bias or min_tokens), within its max_tokens, the
@@ -277,6 +297,7 @@ class Scheduler:
             req.draft_depth = self.config.num_speculative_tokens
         k = min(
             req.draft_depth,
+            self._draft_cap,
             params.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
             budget - 1,
@@ -514,6 +535,8 @@ class Scheduler:
         req.draft_depth = next_depth(
             req.draft_depth, drafted, accepted, self.config.num_speculative_tokens
         )
+        if self.planner is not None:
+            self.planner.observe_verify(drafted, accepted)
         if req.prediction is not None:
             req.prediction_accepted += accepted
             req.prediction_rejected += drafted - accepted

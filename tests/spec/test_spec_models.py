@@ -19,12 +19,12 @@ def _generate(path: str, predictions=None, max_batch: int = 8, flat: bool = Fals
     """Greedy tokens of _prompts() and the scheduler's counters; `flat`: mixed and verify steps
     on the torch path, never the fused kernel's rows."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
+    options.setdefault("num_scheduler_steps", 1)
     with LLM(
         path,
         device="cpu",
         max_model_len=256,
         block_size=4,
-        num_scheduler_steps=1,
         max_batch=max_batch,
         **options,
     ) as llm:
@@ -78,3 +78,19 @@ def test_two_tensor_parallel_ranks_verify_as_one(make_checkpoint):
     )
     assert on == off
     assert counters.spec_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_auto_speculation_gives_the_tokens_of_decoding_without_it(checkpoint, max_batch):
+    """auto: drafts where its cost model lets them, runs of decode steps where it does not (the
+    engine's step timings feed it); the tokens are those without drafts either way."""
+    off, _ = _generate(checkpoint, max_batch=max_batch)
+    on, counters = _generate(
+        checkpoint,
+        max_batch=max_batch,
+        speculation="auto",
+        num_speculative_tokens=5,
+        num_scheduler_steps=4,
+    )
+    assert on == off
+    assert counters.spec_drafts_total > 0, "the planner never probed with drafts"

@@ -154,6 +154,11 @@ class AdmissionControl:
             self._prompt_costs.append(seconds / (tokens - decodes))
         self._compute_s = seconds
 
+    @property
+    def compute_s(self) -> float:
+        """Compute time of the last step the runner reported (on_compute)."""
+        return self._compute_s
+
     def report_delivery_lag(self, lag_s: float, now: float) -> None:
         """The front end handed a first token to its client `lag_s` after the engine produced it.
 
