@@ -27,6 +27,10 @@ embedding and LM head Int8Linear: the kernel's W8A8 products on VNNI against the
 itself), the layout before they were int8: `--dtypes int8 int8-plain-head` times the two side by
 side.
 
+`--dtypes w4a16` runs `--model` (a W4A16 folder, e.g. benchmarks.peers' `qwen05-bf16.w4a16`) at
+bf16: the kernel's int4 products (torch's int4 layout read in place) against the torch path's
+`_weight_int4pack_mm_for_cpu`.
+
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
 weight_residency's random-weight Llama of Qwen2.5-0.5B's shape (358M parameters, tied 151,936
@@ -123,7 +127,7 @@ def make_runner(
         model=ModelConfig(
             path=path,
             device="cpu",
-            dtype="bfloat16" if int8 else dtype,
+            dtype="bfloat16" if int8 or dtype == "w4a16" else dtype,
             quantization="int8" if int8 else "none",
             max_model_len=1024,
         ),
@@ -156,7 +160,7 @@ def main() -> None:
         "--dtypes",
         nargs="+",
         default=["float32"],
-        choices=["float32", "bfloat16", "int8", "int8-plain-head"],
+        choices=["float32", "bfloat16", "int8", "int8-plain-head", "w4a16"],
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
