@@ -164,6 +164,97 @@ static void sloserve_i4_block_avx512(const sloserve_weight *w, const float *x, c
     default: sloserve_i4_block4(w, x, xsum, k, j, out); break;
     }
 }
+
+#ifdef SLOSERVE_HAVE_DPBF16
+#define SLOSERVE_I4_DP_INLINE \
+    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* Two inputs' bytes (d, d + 1) of 16 rows as bf16 pairs: lane i holds row i's (128 + v) at d and
+ * d + 1, for the low nibbles (*lo) and the high ones (*hi). 0x4300 | v is the bf16 of 128 + v. */
+SLOSERVE_I4_DP_INLINE void sloserve_i4_pairs(const uint8_t *p, __m512i *lo, __m512i *hi) {
+    const __m512i mask = _mm512_set1_epi32(0x000F000F), base = _mm512_set1_epi32(0x43004300);
+    const __m512i c = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)),
+                                      _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 32))), 16));
+    /* (c & mask) | base */
+    *lo = _mm512_ternarylogic_epi32(c, mask, base, 0xEA);
+    *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi32(c, 4), mask, base, 0xEA);
+}
+
+/* The block's sums on AVX512-BF16 dot products, NB sequences of activations rounded to bf16 (xb,
+ * row stride kp; xsum their group sums): each pair of inputs in one instruction, summing
+ * (128 + v) x, the 128 x taken back with the group's sum. */
+#define SLOSERVE_I4_DEFINE_DP(NB)                                                                                 \
+    SLOSERVE_I4_DP_INLINE void sloserve_i4_dp##NB(const sloserve_weight *w, const uint16_t *xb, ptrdiff_t kp,   \
+                                                  const float *xsum, ptrdiff_t k, ptrdiff_t j, float *out) {      \
+        const uint8_t *blk = (const uint8_t *)w->data + j * k / 2;                                                \
+        const ptrdiff_t group = w->group, groups = k / group;                                                     \
+        for (int i = 0; i < NB * 4; i++) _mm512_storeu_ps(out + 16 * i, _mm512_setzero_ps());                     \
+        for (ptrdiff_t g = 0; g < groups; g++) {                                                                  \
+            __m512 acc[NB][4];                                                                                    \
+            for (int b = 0; b < NB; b++)                                                                          \
+                for (int q = 0; q < 4; q++) acc[b][q] = _mm512_setzero_ps();                                      \
+            for (ptrdiff_t d = g * group; d < (g + 1) * group; d += 2) {                                          \
+                __m512i w0, w1, w2, w3;                                                                           \
+                sloserve_i4_pairs(blk + d * 32, &w0, &w2);                                                        \
+                sloserve_i4_pairs(blk + d * 32 + 16, &w1, &w3);                                                   \
+                for (int b = 0; b < NB; b++) {                                                                    \
+                    uint32_t pair;                                                                                \
+                    memcpy(&pair, xb + b * kp + d, sizeof(pair));                                                 \
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                                   \
+                    acc[b][0] = _mm512_dpbf16_ps(acc[b][0], (__m512bh)w0, xv);                                    \
+                    acc[b][1] = _mm512_dpbf16_ps(acc[b][1], (__m512bh)w1, xv);                                    \
+                    acc[b][2] = _mm512_dpbf16_ps(acc[b][2], (__m512bh)w2, xv);                                    \
+                    acc[b][3] = _mm512_dpbf16_ps(acc[b][3], (__m512bh)w3, xv);                                    \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int q = 0; q < 4; q++) {                                                                         \
+                __m512 scale, zero;                                                                               \
+                sloserve_i4_sz16(w, g, j + 16 * q, &scale, &zero);                                                \
+                const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero);                       \
+                for (int b = 0; b < NB; b++) {                                                                    \
+                    float *at = out + b * SLOSERVE_I4_BLOCK + 16 * q;                                             \
+                    const __m512 xs = _mm512_set1_ps(xsum[b * groups + g]);                                       \
+                    const __m512 v = _mm512_add_ps(_mm512_mul_ps(scale, acc[b][q]), _mm512_mul_ps(shift, xs));    \
+                    _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), v));                                  \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+
+SLOSERVE_I4_DEFINE_DP(1)
+SLOSERVE_I4_DEFINE_DP(2)
+SLOSERVE_I4_DEFINE_DP(3)
+SLOSERVE_I4_DEFINE_DP(4)
+
+/* The block at row j against nb (<= 4) rounded sequences. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void sloserve_i4_block_dp(const sloserve_weight *w, const uint16_t *xb, ptrdiff_t kp, const float *xsum,
+                                 ptrdiff_t nb, ptrdiff_t k, ptrdiff_t j, float *out) {
+    switch (nb) {
+    case 1: sloserve_i4_dp1(w, xb, kp, xsum, k, j, out); break;
+    case 2: sloserve_i4_dp2(w, xb, kp, xsum, k, j, out); break;
+    case 3: sloserve_i4_dp3(w, xb, kp, xsum, k, j, out); break;
+    default: sloserve_i4_dp4(w, xb, kp, xsum, k, j, out); break;
+    }
+}
+
+/* x rounded to bf16 into xb ([batch, kp]) and the rounded rows' group sums: NULL when this
+ * thread's buffer cannot grow (the caller then takes the float32 path). */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static uint16_t *sloserve_i4_round(const float *x, ptrdiff_t batch, ptrdiff_t k, ptrdiff_t kp, ptrdiff_t group,
+                                   float *xsum) {
+    uint16_t *xb = sloserve_rounded_buffer(batch * kp);
+    if (xb == NULL) return NULL;
+    sloserve_round_rows(x, batch, k, kp, xb);
+    for (ptrdiff_t b = 0; b < batch; b++)
+        for (ptrdiff_t g = 0; g < k / group; g++) {
+            float sum = 0.0f;
+            for (ptrdiff_t d = g * group; d < (g + 1) * group; d++) sum += sloserve_bf16_float(xb[b * kp + d]);
+            xsum[b * (k / group) + g] = sum;
+        }
+    return xb;
+}
+#endif
 #else
 static int sloserve_int4_set(int on) {
     (void)on;
@@ -197,12 +288,27 @@ static void sloserve_rows_i4(const sloserve_weight *w, const float *bias, const 
     if (j0 >= j1) return;
     /* NOTE: a few KiB (64 sequences of a 7B-shape row of 11008 inputs in groups of 32: 86 KiB) */
     float xsum[batch * groups];
-    sloserve_i4_group_sums(x, batch, k, w->group, xsum);
+    const uint16_t *xb = NULL;
+    const ptrdiff_t kp = (k + 31) / 32 * 32;
+#ifdef SLOSERVE_HAVE_DPBF16
+    if (w->scale_bf16 && sloserve_dpbf16_enabled && sloserve_int4_avx512)
+        xb = sloserve_i4_round(x, batch, k, kp, w->group, xsum);
+#endif
+    if (xb == NULL) sloserve_i4_group_sums(x, batch, k, w->group, xsum);
     for (ptrdiff_t j = j0; j < j1; j += SLOSERVE_I4_BLOCK)
         for (ptrdiff_t b0 = 0; b0 < batch; b0 += SLOSERVE_I4_TILE) {
             const ptrdiff_t nb = batch - b0 < SLOSERVE_I4_TILE ? batch - b0 : SLOSERVE_I4_TILE;
-            sloserve_i4_block(w, x + b0 * k, xsum + b0 * groups, nb, k, j, gates);
-            if (inter) sloserve_i4_block(w, x + b0 * k, xsum + b0 * groups, nb, k, inter + j, ups);
+            const float *sums = xsum + b0 * groups;
+#ifdef SLOSERVE_HAVE_DPBF16
+            if (xb) {
+                sloserve_i4_block_dp(w, xb + b0 * kp, kp, sums, nb, k, j, gates);
+                if (inter) sloserve_i4_block_dp(w, xb + b0 * kp, kp, sums, nb, k, inter + j, ups);
+            }
+#endif
+            if (xb == NULL) {
+                sloserve_i4_block(w, x + b0 * k, sums, nb, k, j, gates);
+                if (inter) sloserve_i4_block(w, x + b0 * k, sums, nb, k, inter + j, ups);
+            }
             for (ptrdiff_t b = 0; b < nb; b++)
                 for (ptrdiff_t r = 0; r < SLOSERVE_I4_BLOCK; r++) {
                     float v = gates[b * SLOSERVE_I4_BLOCK + r];

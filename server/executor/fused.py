@@ -41,6 +41,12 @@ W8A8 with per-token activation scales at every batch, as Int8Linear's one-row pr
 it, on AVX512-VNNI where the CPU has it (exact int32 sums: the same bits on every path; 22.7 ms
 a step at one sequence of that model against 34.6 on the torch int8 path; "int8 on the CPU"
 there).
+
+Int4Linear projections (compressed-tensors W4A16) are read as Int4Linear holds them, torch's CPU
+int4 layout and its scales and zeros (_decode_step_int4.h): a bf16 model's products on AVX512-BF16
+dot products (activations rounded to bf16 once per product), a float32 model's on float32
+multiply-adds; the logits stay within rounding of the torch int4 path's
+(docs/design/cpu-decode.md, "int4 (W4A16) in the decode step").
 """
 
 from __future__ import annotations
@@ -324,6 +330,10 @@ class FusedDecode:
         if isinstance(w.layers[0].qkv, Int8Linear):
             # NOTE: the 494M Llama at int8 (bf16 activations on the torch path): the kernel
             # ×1.96 / ×1.54 / ×1.25 / ×1.31 the torch int8 path at 8 / 16 / 32 / 64 sequences
+            self.max_batch = FUSED_MAX_BATCH
+        elif isinstance(w.layers[0].qkv, Int4Linear):
+            # NOTE: the 358M W4A16 folder (groups of 128) at bf16, under load: the kernel ×1.59 /
+            # ×1.77 / ×2.00 the torch int4 path at 8 / 16 / 32 sequences (docs/design/cpu-decode.md)
             self.max_batch = FUSED_MAX_BATCH
         elif model.dtype == torch.bfloat16:
             self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))

@@ -25,7 +25,8 @@ pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.skipif(
     fused.DecodeKernel is None, reason="the fused decode extension is not built"
 )
-from sloserve.hotpath._decode_step import int4_avx512  # noqa: E402
+_step = pytest.importorskip("sloserve.hotpath._decode_step")
+bf16_dot_products, int4_avx512 = _step.bf16_dot_products, _step.int4_avx512
 
 _RNG = random.Random(1)
 PROMPTS = [[256] + [_RNG.randrange(256) for _ in range(_RNG.randrange(1, 60))] for _ in range(6)]
@@ -90,13 +91,19 @@ def test_int4_models_take_the_kernel(runner):
     assert runner.decode_step.fused is not None
 
 
-@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "scalar"])
+# (AVX-512, AVX512-BF16 dot products): a bf16 model's products on dot products where the CPU has
+# them, else (and a float32 model's) on float32 multiply-adds; the scalar loop without AVX-512
+PATHS = {"avx512": (True, True), "float32-activations": (True, False), "scalar": (False, True)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("batch", [1, 3, 5, 8])
-def test_logits_match_the_torch_int4_path(runner, batch, avx512):
+def test_logits_match_the_torch_int4_path(runner, batch, path):
     rtol, atol = TOLERANCE[runner.model.dtype]
-    was = int4_avx512()
+    was = int4_avx512(), bf16_dot_products()
     try:
-        int4_avx512(avx512)
+        int4_avx512(PATHS[path][0])
+        bf16_dot_products(PATHS[path][1])
         for first in range(0, len(LENGTHS), batch):
             lengths = [LENGTHS[(first + j) % len(LENGTHS)] for j in range(batch)]
             step = _step(runner, lengths)
@@ -104,7 +111,8 @@ def test_logits_match_the_torch_int4_path(runner, batch, avx512):
             got = runner.decode_step.fused(step)
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"lengths {lengths}")
     finally:
-        int4_avx512(was)
+        int4_avx512(was[0])
+        bf16_dot_products(was[1])
 
 
 def test_one_thread_and_two_give_the_same_bits(runner):
