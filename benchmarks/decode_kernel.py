@@ -27,6 +27,11 @@ embedding and LM head Int8Linear: the kernel's W8A8 products on VNNI against the
 itself), the layout before they were int8: `--dtypes int8 int8-plain-head` times the two side by
 side.
 
+`--dtypes w4a16` runs `--model` (a W4A16 folder, e.g. benchmarks.peers' `qwen05-bf16.w4a16`) at
+bf16: the kernel's int4 products (torch's int4 layout read in place) against the torch path's
+`_weight_int4pack_mm_for_cpu`, and (`widened`) on float32 activations beside AVX512-BF16 dot
+products.
+
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
 weight_residency's random-weight Llama of Qwen2.5-0.5B's shape (358M parameters, tied 151,936
@@ -123,7 +128,7 @@ def make_runner(
         model=ModelConfig(
             path=path,
             device="cpu",
-            dtype="bfloat16" if int8 else dtype,
+            dtype="bfloat16" if int8 or dtype == "w4a16" else dtype,
             quantization="int8" if int8 else "none",
             max_model_len=1024,
         ),
@@ -156,7 +161,7 @@ def main() -> None:
         "--dtypes",
         nargs="+",
         default=["float32"],
-        choices=["float32", "bfloat16", "int8", "int8-plain-head"],
+        choices=["float32", "bfloat16", "int8", "int8-plain-head", "w4a16"],
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 800])
@@ -179,8 +184,10 @@ def main() -> None:
         else None
     )
     kernels = {d: r.decode_step.fused for d, r in runners.items()}
-    # the widened bf16 path beside the dot products, where the CPU has them
-    widened = "bfloat16" in args.dtypes and bf16_dot_products()
+    # the widened bf16 path beside the dot products, where the CPU has them (w4a16: the int4
+    # products on float32 activations beside those on bf16 dot products)
+    wide = next((d for d in ("bfloat16", "w4a16") if d in args.dtypes), None)
+    widened = wide is not None and bf16_dot_products()
     for kernel in kernels.values():
         kernel.threads = torch.get_num_threads()
     info = next(iter(runners.values())).info()
@@ -222,7 +229,7 @@ def main() -> None:
                     for arm, kernel in (("fused", kernels[d]), ("torch", None)):
                         seconds = timed(r, steps[d], kernel, args.steps)
                         best[d, arm] = min(best[d, arm], seconds)
-                    if d == "bfloat16" and widened:
+                    if d == wide and widened:
                         seconds = timed(r, steps[d], kernels[d], args.steps, dot_products=False)
                         best["widened"] = min(best["widened"], seconds)
                 if packed:
@@ -248,9 +255,9 @@ def main() -> None:
                 row["bfloat16"]["packed_over_fused"] = round(ratio, 3)
                 line += f" {best['packed'] * 1e3:>11.3f} {ratio:>12.2f}"
             if widened:
-                ratio = best["widened"] / best["bfloat16", "fused"]
-                row["bfloat16"]["widened_ms"] = round(best["widened"] * 1e3, 4)
-                row["bfloat16"]["widened_over_fused"] = round(ratio, 3)
+                ratio = best["widened"] / best[wide, "fused"]
+                row[wide]["widened_ms"] = round(best["widened"] * 1e3, 4)
+                row[wide]["widened_over_fused"] = round(ratio, 3)
                 line += f" {best['widened'] * 1e3:>8.3f} {ratio:>13.2f}"
             if len(args.dtypes) == 2:
                 ratio = best[args.dtypes[0], "fused"] / best[args.dtypes[1], "fused"]

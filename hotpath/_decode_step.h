@@ -42,16 +42,21 @@
 
 
 /* Element types of the weight matrices and the KV pages; activations and sums are float32 always. */
-enum { SLOSERVE_F32 = 0, SLOSERVE_BF16 = 1, SLOSERVE_I8 = 2 };
+enum { SLOSERVE_F32 = 0, SLOSERVE_BF16 = 1, SLOSERVE_I8 = 2, SLOSERVE_I4 = 3 };
 
 /* A weight matrix [out, in], read in place: `data` of `type` (SLOSERVE_F32: float; SLOSERVE_BF16:
  * uint16_t; SLOSERVE_I8: int8_t, with a float scale and the int32 sum of its weights per row;
- * NULL for the others). The embedding's rowsum stays NULL (only a product reads it). */
+ * NULL for the others). The embedding's rowsum stays NULL (only a product reads it). SLOSERVE_I4:
+ * torch's CPU int4 layout with its scales_zeros ([groups, rows, 2], bf16 when scale_bf16, else
+ * float32), `group` inputs to a group (_decode_step_int4.h). */
 typedef struct {
     const void *data;
     const float *scale;
     const int32_t *rowsum;
     int type;
+    const void *scales_zeros;
+    ptrdiff_t rows;
+    int group, scale_bf16;
 } sloserve_weight;
 
 typedef struct {
@@ -112,11 +117,16 @@ static ptrdiff_t sloserve_decode_workspace(const sloserve_decoder *m, ptrdiff_t 
 /* int8 products (W8A8, per-token activation scales) on VNNI where the CPU has it (sloserve_vnni_set). */
 #include "_decode_step_int8.h"
 
+/* int4 products (W4A16, torch's int4 layout read in place) on AVX-512 where the CPU has it. */
+#include "_decode_step_int4.h"
+
 /* y[b, j] = (accumulate ? y[b, j] + : ) (x[b] . w[j] + bias[j]) for rows j in [j0, j1) and every b
  * (x: [batch, k] contiguous, batch <= SLOSERVE_MAX_BATCH; y: row stride ldy). */
 static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1, float *y, ptrdiff_t ldy, int accumulate) {
-    if (w->type == SLOSERVE_I8)
+    if (w->type == SLOSERVE_I4)
+        sloserve_gemv_rows_i4(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
+    else if (w->type == SLOSERVE_I8)
         sloserve_gemv_rows_i8(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
     else if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled)
         sloserve_gemv_rows_dpbf16(w, bias, x, batch, k, j0, j1, y, ldy, accumulate);
@@ -129,7 +139,9 @@ static void sloserve_gemv_rows(const sloserve_weight *w, const float *bias, cons
 /* act[b, j] = silu(x[b] . w[j] + bg[j]) * (x[b] . w[inter + j] + bu[j]) for j in [j0, j1). */
 static void sloserve_swiglu_rows(const sloserve_weight *w, const float *bias, const float *x, ptrdiff_t batch,
                                  ptrdiff_t k, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *act) {
-    if (w->type == SLOSERVE_I8)
+    if (w->type == SLOSERVE_I4)
+        sloserve_swiglu_rows_i4(w, bias, x, batch, k, inter, j0, j1, act);
+    else if (w->type == SLOSERVE_I8)
         sloserve_swiglu_rows_i8(w, bias, x, batch, k, inter, j0, j1, act);
     else if (w->type == SLOSERVE_BF16 && sloserve_dpbf16_enabled)
         sloserve_swiglu_rows_dpbf16(w, bias, x, batch, k, inter, j0, j1, act);

@@ -6,6 +6,9 @@ def bf16_dot_products(enabled: bool | None = None) -> bool:
 def int8_vnni(enabled: bool | None = None) -> bool:
     """Whether int8 products run on AVX512-VNNI; False forces the widened int32 loop."""
 
+def int4_avx512(enabled: bool | None = None) -> bool:
+    """Whether int4 products run on AVX-512; False forces the scalar loop."""
+
 class DecodeKernel:
     """A dense decoder's whole decode step in one nogil call; addresses of its weights and cache set
     once (weights and KV pages float32 or bf16: dims' weight_dtype and kv_dtype)."""
@@ -18,7 +21,7 @@ class DecodeKernel:
         lm_head: int,
         cos: int,
         sin: int,
-        layers: list[dict[str, int | None]],
+        layers: list[dict[str, int | str | None]],
         int8_head: dict[str, int | None] | None = None,
     ) -> None: ...
     def __call__(

@@ -20,12 +20,16 @@ cdef extern from "_decode_step.h" nogil:
     enum: SLOSERVE_F32
     enum: SLOSERVE_BF16
     enum: SLOSERVE_I8
+    enum: SLOSERVE_I4
 
     ctypedef struct sloserve_weight:
         const void* data
         const float* scale
         const int32_t* rowsum
         int type
+        const void* scales_zeros
+        Py_ssize_t rows
+        int group, scale_bf16
 
     ctypedef struct sloserve_layer:
         const float* ln1
@@ -67,12 +71,16 @@ cdef extern from "_decode_step.h" nogil:
     int sloserve_dpbf16_enabled
     int sloserve_vnni_set(int on)
     int sloserve_vnni_enabled
+    int sloserve_int4_set(int on)
+    int sloserve_int4_avx512
 
 
 # bf16 products on AVX512-BF16 dot products wherever the CPU has them (_decode_step_dpbf16.h).
 sloserve_dpbf16_set(1)
 # int8 products on AVX512-VNNI wherever the CPU has it (_decode_step_int8.h).
 sloserve_vnni_set(1)
+# int4 products on AVX-512 wherever the CPU has it (_decode_step_int4.h).
+sloserve_int4_set(1)
 
 
 def bf16_dot_products(enabled: bool | None = None) -> bool:
@@ -91,6 +99,15 @@ def int8_vnni(enabled: bool | None = None) -> bool:
     if enabled is not None:
         sloserve_vnni_set(1 if enabled else 0)
     return bool(sloserve_vnni_enabled)
+
+
+def int4_avx512(enabled: bool | None = None) -> bool:
+    """Whether int4 products run on AVX-512: False forces the scalar loop (tests compare the two),
+    True restores AVX-512 where the CPU has it, None only asks. Set between steps, never while
+    one runs."""
+    if enabled is not None:
+        sloserve_int4_set(1 if enabled else 0)
+    return bool(sloserve_int4_avx512)
 
 
 # The element types the kernel reads weights and KV pages in, by torch's name for them (int8 KV
@@ -112,12 +129,22 @@ cdef int _type(str name, dict types=_TYPES, str what="weights") except -1:
 cdef sloserve_weight _weight(object address, int kind):
     cdef sloserve_weight w
     w.data, w.scale, w.rowsum, w.type = <const void*> _ptr(address), NULL, NULL, kind
+    w.scales_zeros, w.rows, w.group, w.scale_bf16 = NULL, 0, 0, 0
     return w
 
 
 cdef sloserve_weight _projection(dict layer, str name, int kind) except *:
-    """Projection `name` of a layer dict: int8 when the dict gives its scale and row sums."""
+    """Projection `name` of a layer dict: int8 when the dict gives its scale and row sums, int4
+    when it gives its scales_zeros, rows, group and scale dtype (_decode_step_int4.h)."""
     cdef sloserve_weight w = _weight(layer[name + "_w"], kind)
+    if layer.get(name + "_group") is not None:
+        w.scales_zeros = <const void*> _ptr(layer[name + "_scales_zeros"])
+        w.rows, w.group = layer[name + "_rows"], layer[name + "_group"]
+        w.scale_bf16 = _type(layer[name + "_scale_dtype"]) == SLOSERVE_BF16
+        if w.rows % 64 or w.group <= 0 or w.scales_zeros == NULL:
+            raise ValueError(f"int4 projection {name}: {w.rows} rows (a multiple of 64), group {w.group}")
+        w.type = SLOSERVE_I4
+        return w
     if layer.get(name + "_scale") is not None:
         if layer.get(name + "_rowsum") is None:
             raise ValueError(f"int8 projection {name} needs {name}_rowsum beside {name}_scale")
@@ -147,7 +174,9 @@ cdef class DecodeKernel:
         layers: dicts of ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
         k_cache, v_cache (addresses; a missing bias is None); a projection of int8 rows also
         gives <name>_scale (float32 per row) and <name>_rowsum (int32: the sum of each row's
-        weights), its products then W8A8 as layers/quant.py computes them. int8_head: the int8
+        weights), its products then W8A8 as layers/quant.py computes them; one in torch's CPU int4
+        layout gives <name>_scales_zeros, <name>_rows, <name>_group and <name>_scale_dtype
+        (float32 or bfloat16), its products then W4A16 (_decode_step_int4.h). int8_head: the int8
         embedding's and LM head's addresses beside theirs, embed_scale (its rows then int8, read
         as Int8Linear.lookup reads them), lm_head_scale and lm_head_rowsum (as a projection's)."""
         cdef Py_ssize_t i

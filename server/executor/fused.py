@@ -41,6 +41,12 @@ W8A8 with per-token activation scales at every batch, as Int8Linear's one-row pr
 it, on AVX512-VNNI where the CPU has it (exact int32 sums: the same bits on every path; 22.7 ms
 a step at one sequence of that model against 34.6 on the torch int8 path; "int8 on the CPU"
 there).
+
+Int4Linear projections (compressed-tensors W4A16) are read as Int4Linear holds them, torch's CPU
+int4 layout and its scales and zeros (_decode_step_int4.h): a bf16 model's products on AVX512-BF16
+dot products (activations rounded to bf16 once per product), a float32 model's on float32
+multiply-adds; the logits stay within rounding of the torch int4 path's
+(docs/design/cpu-decode.md, "int4 (W4A16) in the decode step").
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import torch
 from sloserve.executor.inputs import DecodeInputs, TokenRows
 from sloserve.executor.team import TeamSize
 from sloserve.hotpath import USING_EXTENSIONS
-from sloserve.layers.int4 import Int4Linear
+from sloserve.layers.int4 import Int4Linear, layout_known
 from sloserve.layers.linear import MIN_PACKED_ROWS, Linear, on_onednn
 from sloserve.layers.quant import Int8Linear
 from sloserve.layers.w8a8 import TokenW8A8Linear
@@ -96,6 +102,9 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # with their scales (layers/attention/kv_int8.py).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 KV_DTYPES = (*KERNEL_DTYPES, torch.int8)
+# Rows of a block of torch's CPU int4 layout, the unit the kernel's int4 products split by: an
+# int4 projection's rows (a gate_up's gate rows) must be a multiple (_decode_step_int4.h).
+INT4_BLOCK = 64
 
 
 def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
@@ -105,6 +114,8 @@ def _layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor | None]:
     for name in _PROJECTIONS:
         proj: Linear = getattr(layer, name)
         weight = proj.qweight if isinstance(proj, Int8Linear) else proj.weight
+        if isinstance(proj, Int4Linear):
+            weight = proj.packed
         tensors[name + "_w"], tensors[name + "_b"] = weight, proj.bias
     return tensors
 
@@ -123,6 +134,41 @@ def _int8_scales(layer: LayerWeights, keep: list[torch.Tensor]) -> dict[str, int
     return addresses
 
 
+def _int4_fields(layer: LayerWeights) -> dict[str, int | str]:
+    """Each int4 projection's scales_zeros address, rows, group size and scale dtype by the
+    kernel's names for them (it reads the packed weight and these in place)."""
+    fields: dict[str, int | str] = {}
+    for name in _PROJECTIONS:
+        proj = getattr(layer, name)
+        if isinstance(proj, Int4Linear):
+            fields[name + "_scales_zeros"] = proj.scales_zeros.data_ptr()
+            fields[name + "_rows"] = proj.out_features
+            fields[name + "_group"] = proj.group_size
+            fields[name + "_scale_dtype"] = _name(proj.scales_zeros.dtype)
+    return fields
+
+
+def _int4_reason(layer: LayerWeights) -> str | None:
+    """Why the kernel cannot read this layer's int4 projections (None when it can)."""
+    for name in _PROJECTIONS:
+        proj = getattr(layer, name)
+        if not isinstance(proj, Int4Linear):
+            continue
+        rows = proj.out_features // 2 if name == "gate_up" else proj.out_features
+        if rows % INT4_BLOCK:
+            return f"the kernel reads int4 weights in blocks of {INT4_BLOCK} rows, not {rows}"
+        if not layout_known():
+            return "this torch lays int4 weights out otherwise than the kernel reads them"
+        sz = proj.scales_zeros
+        if (
+            sz.dtype not in KERNEL_DTYPES
+            or not sz.is_contiguous()
+            or not proj.packed.is_contiguous()
+        ):
+            return "the kernel reads contiguous int4 weights and float32 or bf16 scales"
+    return None
+
+
 def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     """Why this model's decode steps cannot take the kernel (None when they can)."""
     spec, w = model.spec, model.weights
@@ -131,14 +177,17 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     if spec.moe_layers:
         return "MoE layers route on the host"
     if any(
-        isinstance(getattr(layer, name), Int4Linear | W8A16Linear | TokenW8A8Linear)
+        isinstance(getattr(layer, name), W8A16Linear | TokenW8A8Linear)
         for layer in w.layers
         for name in _PROJECTIONS
     ):
         return (
-            "a quantized checkpoint's int4, W8A16 and W8A8 projections run on torch's kernels "
-            "(the kernel reads float32, bf16 and --quantization int8 weights)"
+            "a quantized checkpoint's W8A16 and W8A8 projections run on torch's kernels "
+            "(the kernel reads float32, bf16, int4 and --quantization int8 weights)"
         )
+    int4 = next(filter(None, map(_int4_reason, w.layers)), None)
+    if int4:
+        return int4
     if model.sharded:
         return "tensor parallelism splits the layers"
     if kv.device.type != "cpu" or kv.dtype not in KV_DTYPES or not kv.is_contiguous():
@@ -151,7 +200,7 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
         )
     if dtype == torch.bfloat16 and not BF16_DECODE:
         return "bf16 decode runs on oneDNN's packed bf16 products (fused.BF16_DECODE is off)"
-    untied = not w.tied and not isinstance(w.layers[0].qkv, Int8Linear)
+    untied = not w.tied and not isinstance(w.layers[0].qkv, Int8Linear | Int4Linear)
     if dtype == torch.bfloat16 and BF16_DECODE == "tied" and untied:
         return (
             "bf16 decode with an untied LM head runs on oneDNN's packed bf16 products "
@@ -176,8 +225,9 @@ def fused_reason(model: DecoderModel, kv: torch.Tensor) -> str | None:
     if isinstance(w.lm_head, Int8Linear) and w.lm_head.bias is not None:
         return "the kernel's LM head has no bias"
     tensors = [_matrix(w.embed), w.norm, _matrix(w.lm_head), w.lm_head.bias, model.cos, model.sin]
-    tensors = [t for t in tensors if t is not None and t.dtype != torch.int8]
-    tensors += [t for ts in layers for t in ts.values() if t is not None and t.dtype != torch.int8]
+    packed = (torch.int8, torch.uint8)
+    tensors = [t for t in tensors if t is not None and t.dtype not in packed]
+    tensors += [t for ts in layers for t in ts.values() if t is not None and t.dtype not in packed]
     if any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
         return f"the kernel reads contiguous {_name(dtype)} weights on a CPU, as the model runs"
     return None
@@ -256,6 +306,7 @@ class FusedDecode:
                 for f, t in _layer_tensors(layer).items()
             }
             ptrs.update(_int8_scales(layer, self._floats))
+            ptrs.update(_int4_fields(layer))
             ptrs["k_cache"], ptrs["v_cache"] = kv[i, 0].data_ptr(), kv[i, 1].data_ptr()
             layers.append(ptrs)
         self.kernel = DecodeKernel(
@@ -279,6 +330,10 @@ class FusedDecode:
         if isinstance(w.layers[0].qkv, Int8Linear):
             # NOTE: the 494M Llama at int8 (bf16 activations on the torch path): the kernel
             # ×1.96 / ×1.54 / ×1.25 / ×1.31 the torch int8 path at 8 / 16 / 32 / 64 sequences
+            self.max_batch = FUSED_MAX_BATCH
+        elif isinstance(w.layers[0].qkv, Int4Linear):
+            # NOTE: the 358M W4A16 folder (groups of 128) at bf16, under load: the kernel ×1.59 /
+            # ×1.77 / ×2.00 the torch int4 path at 8 / 16 / 32 sequences (docs/design/cpu-decode.md)
             self.max_batch = FUSED_MAX_BATCH
         elif model.dtype == torch.bfloat16:
             self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))

@@ -15,6 +15,9 @@ docs/design/quantized-checkpoints.md):
 - DEQUANT_ROWS rows and more: each tile of TILE_OUT output rows dequantized into the activation's
   dtype and multiplied on torch's `linear`, tile by tile: the int4 kernel's cost grows with the
   rows, a tile's dequantizing does not. No dequantized copy outlives the product.
+
+Decode steps of up to 64 sequences run the fused C step instead, which reads `packed` and
+`scales_zeros` in place (hotpath/_decode_step_int4.h; executor/fused.py).
 """
 
 from __future__ import annotations
