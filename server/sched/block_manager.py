@@ -165,7 +165,7 @@ class BlockManager:
         """Claim every full block of `req`'s tokens not yet computed nor claimed (see Claims)."""
         if not self.prefix_cache:
             return
-        claimed = self._claims_by_req.setdefault(req.request_id, [])
+        claimed = self._claims_by_req.get(req.request_id, [])
         parent = (
             claimed[-1] if claimed else req.block_hashes[-1] if req.block_hashes else self.root(req)
         )
@@ -174,6 +174,10 @@ class BlockManager:
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             claimed.append(parent)
             self._claims[parent] = self._claims.get(parent, 0) + 1
+        # NOTE: only a request that claims something gets an entry: `_release` drops entries
+        # with claims, so an empty one would outlive its request
+        if claimed:
+            self._claims_by_req[req.request_id] = claimed
 
     def commit(self, req: Request) -> None:
         """Hash the blocks completed by `req.num_computed_tokens` so later requests can hit them."""

@@ -99,3 +99,5 @@ def assert_all_free(scheduler: Scheduler) -> None:
     assert bm.num_free == bm.num_usable, f"{bm.num_usable - bm.num_free} blocks still held"
     assert bm.num_host_free == bm.num_host_blocks
     assert not scheduler.running and not len(scheduler.waiting) and not scheduler.requests
+    # no bookkeeping outlives its request (regression: an empty claim list per request leaked)
+    assert not bm._claims_by_req and not bm._claims
