@@ -32,6 +32,11 @@ bf16: the kernel's int4 products (torch's int4 layout read in place) against the
 `_weight_int4pack_mm_for_cpu`, and (`widened`) on float32 activations beside AVX512-BF16 dot
 products.
 
+`--baseline PATH` times a previous build of the kernel's extension (its `_decode_step*.so`, or
+the folder holding it: e.g. `git stash; make` and copy the .so out first) beside the current one,
+as `base` and `base/fused` per dtype, in the same rounds (its own copy of the step's C, on the same
+weights and cache).
+
 `--model` defaults to the built-in `default` (3.1M parameters: hidden 256, 4 layers, the shape
 of issue 14's llama-server comparison); `default-random` is the ~40M one; `qwen-shape` is
 weight_residency's random-weight Llama of Qwen2.5-0.5B's shape (358M parameters, tied 151,936
@@ -41,6 +46,7 @@ vocab) saved in bf16.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -154,6 +160,34 @@ def make_runner(
     return runner
 
 
+def load_baseline(path: Path):
+    """A previous build of the kernel's extension (its .so, or the folder holding it) as a module of its own."""
+    if path.is_dir():
+        found = sorted(path.glob("_decode_step*.so"))
+        if not found:
+            raise SystemExit(f"--baseline {path}: no _decode_step*.so in it")
+        path = found[0]
+    spec = importlib.util.spec_from_file_location("decode_kernel_baseline._decode_step", path)
+    if spec is None:
+        raise SystemExit(f"--baseline {path}: not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_kernel(runner: ModelRunner, module) -> FusedDecode:
+    """The runner's fused step on `module`'s DecodeKernel (the same weights and cache)."""
+    current = runner.decode_step.fused
+    built_with, bf16_decode = fused_module.DecodeKernel, fused_module.BF16_DECODE
+    fused_module.DecodeKernel, fused_module.BF16_DECODE = module.DecodeKernel, True
+    try:
+        kernel = FusedDecode(runner.model, runner.kv, current.threads)
+    finally:
+        fused_module.DecodeKernel, fused_module.BF16_DECODE = built_with, bf16_decode
+    kernel.max_batch = current.max_batch
+    return kernel
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -170,6 +204,12 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a previous build's _decode_step .so (or its folder)",
+    )
     parser.add_argument("--out", type=Path, default=OUT / "decode_kernel.json")
     args = parser.parse_args()
     path = model_path(args.model)
@@ -190,6 +230,8 @@ def main() -> None:
     widened = wide is not None and bf16_dot_products()
     for kernel in kernels.values():
         kernel.threads = torch.get_num_threads()
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    bases = {d: baseline_kernel(r, baseline) for d, r in runners.items()} if baseline else {}
     info = next(iter(runners.values())).info()
     load = [round(x, 2) for x in os.getloadavg()]
     print(
@@ -211,6 +253,7 @@ def main() -> None:
     head = f"{'batch':>5} {'context':>7}"
     for d in args.dtypes:
         head += f" {d + ' fused':>15} {'torch':>8} {'torch/fused':>11}"
+        head += f" {'base':>8} {'base/fused':>10}" if baseline else ""
     head += f" {'bf16 packed':>11} {'packed/fused':>12}" if packed else ""
     head += f" {'widened':>8} {'widened/fused':>13}" if widened else ""
     pair = f" {args.dtypes[0]}/{args.dtypes[1]} fused" if len(args.dtypes) == 2 else ""
@@ -220,13 +263,17 @@ def main() -> None:
         for batch in args.batches:
             steps = {d: decode_step(r, batch, context) for d, r in runners.items()}
             packed_step = decode_step(packed, batch, context) if packed else None
-            best = {(d, arm): float("inf") for d in args.dtypes for arm in ("fused", "torch")}
+            best = {
+                (d, arm): float("inf") for d in args.dtypes for arm in ("fused", "torch", "base")
+            }
             best["packed"] = best["widened"] = float("inf")
             for i in range(args.rounds):
                 order = args.dtypes if i % 2 == 0 else args.dtypes[::-1]
                 for d in order:
                     r = runners[d]
-                    for arm, kernel in (("fused", kernels[d]), ("torch", None)):
+                    arms = [("fused", kernels[d]), ("torch", None)]
+                    arms += [("base", bases[d])] if baseline else []
+                    for arm, kernel in arms:
                         seconds = timed(r, steps[d], kernel, args.steps)
                         best[d, arm] = min(best[d, arm], seconds)
                     if d == wide and widened:
@@ -246,9 +293,16 @@ def main() -> None:
                     "torch_ms": round(t * 1e3, 4),
                     "torch_over_fused": round(t / f, 3),
                 }
+                if baseline:
+                    base = best[d, "base"]
+                    line += f" {base * 1e3:>8.3f} {base / f:>10.2f}"
+                    row[d]["base_ms"] = round(base * 1e3, 4)
+                    row[d]["base_over_fused"] = round(base / f, 3)
                 if batch == 1:
                     ceiling = bandwidth / token_bytes[d]
                     row[d]["fused_share_of_ceiling"] = round(1 / f / ceiling, 3)
+                    if baseline:
+                        row[d]["base_share_of_ceiling"] = round(1 / best[d, "base"] / ceiling, 3)
             if packed:
                 ratio = best["packed"] / best["bfloat16", "fused"]
                 row["bfloat16"]["packed_ms"] = round(best["packed"] * 1e3, 4)
@@ -267,17 +321,18 @@ def main() -> None:
             rows.append(row)
     for d, r in runners.items():
         r.decode_step.fused = kernels[d]
-    share = {
-        d: row[d]["fused_share_of_ceiling"]
-        for row in rows
-        if row["batch"] == 1
-        for d in args.dtypes
-    }
-    if share:
-        print(
-            "batch 1, fused step / bandwidth ceiling (last context): "
-            + ", ".join(f"{d} {100 * s:.0f}%" for d, s in share.items())
-        )
+    for arm in ("fused", "base") if baseline else ("fused",):
+        share = {
+            d: row[d][f"{arm}_share_of_ceiling"]
+            for row in rows
+            if row["batch"] == 1
+            for d in args.dtypes
+        }
+        if share:
+            print(
+                f"batch 1, {arm} step / bandwidth ceiling (last context): "
+                + ", ".join(f"{d} {100 * s:.0f}%" for d, s in share.items())
+            )
     report = {
         "benchmark": "decode_kernel",
         "model": args.model,
@@ -288,6 +343,7 @@ def main() -> None:
         "load_average_after": os.getloadavg(),
         "torch": torch.__version__,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "baseline": str(args.baseline) if baseline else None,
         "weight_bytes_per_token": token_bytes,
         "rows": rows,
     }

@@ -60,6 +60,9 @@ static int sloserve_vnni_set(int on) {
     return sloserve_vnni_enabled;
 }
 
+/* Bytes ahead of a row's loads that the memory is asked for (one prefetch per 64-byte line). */
+#define SLOSERVE_I8_PREFETCH 4096
+
 /* A weight row's 64 bytes at d, masked to the row's length k. */
 SLOSERVE_VNNI_INLINE __m512i sloserve_load_w8(const int8_t *w, ptrdiff_t d, ptrdiff_t k) {
     if (d + 64 <= k) return _mm512_loadu_si512(w + d);
@@ -67,79 +70,116 @@ SLOSERVE_VNNI_INLINE __m512i sloserve_load_w8(const int8_t *w, ptrdiff_t d, ptrd
     return _mm512_maskz_loadu_epi8(n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1), w + d);
 }
 
-/* Four weight rows (w, w + k, ...) against one offset activation row: sums of (q + 128) . w. */
-SLOSERVE_VNNI_INLINE void sloserve_vnni4(const int8_t *w, const uint8_t *x, ptrdiff_t k, int32_t *out) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    for (ptrdiff_t d = 0; d < k; d += 64) {
-        const __m512i u = _mm512_loadu_si512(x + d);
-        a0 = _mm512_dpbusd_epi32(a0, u, sloserve_load_w8(w, d, k));
-        a1 = _mm512_dpbusd_epi32(a1, u, sloserve_load_w8(w + k, d, k));
-        a2 = _mm512_dpbusd_epi32(a2, u, sloserve_load_w8(w + 2 * k, d, k));
-        a3 = _mm512_dpbusd_epi32(a3, u, sloserve_load_w8(w + 3 * k, d, k));
+/* The four accumulators' sums, one int32 each (exact: integer sums in any order), folded together
+ * instead of one horizontal reduction each. */
+SLOSERVE_VNNI_INLINE __m128i sloserve_fold4_i32(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* One weight row against one offset activation row: the 16 lanes of (q + 128) . w. The row is
+ * read front to back, two chunks a turn into two accumulators, asking for the line
+ * SLOSERVE_I8_PREFETCH bytes ahead of each. */
+SLOSERVE_VNNI_INLINE __m512i sloserve_vnni1(const int8_t *w, const uint8_t *x, ptrdiff_t k) {
+    __m512i a = _mm512_setzero_si512(), b = a;
+    ptrdiff_t d = 0;
+    for (; d + 128 <= k; d += 128) {
+        _mm_prefetch((const char *)w + d + SLOSERVE_I8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + d + 64 + SLOSERVE_I8_PREFETCH, _MM_HINT_T0);
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(x + d), _mm512_loadu_si512(w + d));
+        b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(x + d + 64), _mm512_loadu_si512(w + d + 64));
     }
-    out[0] = _mm512_reduce_add_epi32(a0);
-    out[1] = _mm512_reduce_add_epi32(a1);
-    out[2] = _mm512_reduce_add_epi32(a2);
-    out[3] = _mm512_reduce_add_epi32(a3);
+    for (; d < k; d += 64) a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(x + d), sloserve_load_w8(w, d, k));
+    return _mm512_add_epi32(a, b);
 }
 
 /* The same against two activation rows: each weight load serves both sequences. */
-SLOSERVE_VNNI_INLINE void sloserve_vnni4x2(const int8_t *w, const uint8_t *x0, const uint8_t *x1, ptrdiff_t k,
-                                           int32_t *out0, int32_t *out1) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (ptrdiff_t d = 0; d < k; d += 64) {
-        const __m512i u = _mm512_loadu_si512(x0 + d), v = _mm512_loadu_si512(x1 + d);
-        __m512i r = sloserve_load_w8(w, d, k);
-        a0 = _mm512_dpbusd_epi32(a0, u, r);
-        b0 = _mm512_dpbusd_epi32(b0, v, r);
-        r = sloserve_load_w8(w + k, d, k);
-        a1 = _mm512_dpbusd_epi32(a1, u, r);
-        b1 = _mm512_dpbusd_epi32(b1, v, r);
-        r = sloserve_load_w8(w + 2 * k, d, k);
-        a2 = _mm512_dpbusd_epi32(a2, u, r);
-        b2 = _mm512_dpbusd_epi32(b2, v, r);
-        r = sloserve_load_w8(w + 3 * k, d, k);
-        a3 = _mm512_dpbusd_epi32(a3, u, r);
-        b3 = _mm512_dpbusd_epi32(b3, v, r);
+SLOSERVE_VNNI_INLINE void sloserve_vnni2(const int8_t *w, const uint8_t *x0, const uint8_t *x1, ptrdiff_t k,
+                                         __m512i *s0, __m512i *s1) {
+    __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
+    ptrdiff_t d = 0;
+    for (; d + 128 <= k; d += 128) {
+        _mm_prefetch((const char *)w + d + SLOSERVE_I8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + d + 64 + SLOSERVE_I8_PREFETCH, _MM_HINT_T0);
+        const __m512i r = _mm512_loadu_si512(w + d), t = _mm512_loadu_si512(w + d + 64);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(x0 + d), r);
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(x1 + d), r);
+        b0 = _mm512_dpbusd_epi32(b0, _mm512_loadu_si512(x0 + d + 64), t);
+        b1 = _mm512_dpbusd_epi32(b1, _mm512_loadu_si512(x1 + d + 64), t);
     }
-    out0[0] = _mm512_reduce_add_epi32(a0);
-    out0[1] = _mm512_reduce_add_epi32(a1);
-    out0[2] = _mm512_reduce_add_epi32(a2);
-    out0[3] = _mm512_reduce_add_epi32(a3);
-    out1[0] = _mm512_reduce_add_epi32(b0);
-    out1[1] = _mm512_reduce_add_epi32(b1);
-    out1[2] = _mm512_reduce_add_epi32(b2);
-    out1[3] = _mm512_reduce_add_epi32(b3);
-}
-
-/* One weight row against one offset activation row. */
-SLOSERVE_VNNI_INLINE int32_t sloserve_vnni1(const int8_t *w, const uint8_t *x, ptrdiff_t k) {
-    __m512i a = _mm512_setzero_si512();
-    for (ptrdiff_t d = 0; d < k; d += 64) a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(x + d), sloserve_load_w8(w, d, k));
-    return _mm512_reduce_add_epi32(a);
+    for (; d < k; d += 64) {
+        const __m512i r = sloserve_load_w8(w, d, k);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(x0 + d), r);
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(x1 + d), r);
+    }
+    *s0 = _mm512_add_epi32(a0, b0);
+    *s1 = _mm512_add_epi32(a1, b1);
 }
 
 /* sums[4 b + r] = q_b . w[r] for r < n (n <= 4) and every b: rows [n, k] int8, xq [batch, kp]
- * offset by 128, rowsum[r] each row's weight sum. */
+ * offset by 128, rowsum[r] each row's weight sum. Each row is summed whole before the next, so
+ * the weights are read in memory order (four rows read a chunk of each at a time streamed at
+ * about half the rate on a Zen 4; docs/design/cpu-decode.md), against two sequences a pass (the
+ * first pair reads a row from memory, the others from the cache); the four rows' lanes are
+ * folded together at the end. */
 SLOSERVE_VNNI_TARGET
 static void sloserve_sums_vnni(const int8_t *rows, const int32_t *rowsum, const uint8_t *xq, ptrdiff_t batch,
                                ptrdiff_t k, ptrdiff_t kp, ptrdiff_t n, int32_t *sums) {
-    ptrdiff_t b = 0;
-    if (n == 4) {
-        for (; b + 2 <= batch; b += 2)
-            sloserve_vnni4x2(rows, xq + b * kp, xq + (b + 1) * kp, k, sums + 4 * b, sums + 4 * (b + 1));
-        if (b < batch) sloserve_vnni4(rows, xq + b * kp, k, sums + 4 * b);
-    } else {
-        for (; b < batch; b++)
-            for (ptrdiff_t r = 0; r < n; r++) sums[4 * b + r] = sloserve_vnni1(rows + r * k, xq + b * kp, k);
+    __m512i lanes[2][4];
+    for (ptrdiff_t b = 0; b < batch; b += 2) {
+        const int pair = b + 1 < batch;
+        for (ptrdiff_t r = 0; r < n; r++) {
+            if (pair)
+                sloserve_vnni2(rows + r * k, xq + b * kp, xq + (b + 1) * kp, k, &lanes[0][r], &lanes[1][r]);
+            else
+                lanes[0][r] = sloserve_vnni1(rows + r * k, xq + b * kp, k);
+        }
+        for (ptrdiff_t r = n; r < 4; r++) lanes[0][r] = lanes[1][r] = _mm512_setzero_si512();
+        int32_t folded[4];
+        for (int i = 0; i <= pair; i++) {
+            const __m128i sum = sloserve_fold4_i32(lanes[i][0], lanes[i][1], lanes[i][2], lanes[i][3]);
+            _mm_storeu_si128((__m128i *)folded, sum);
+            for (ptrdiff_t r = 0; r < n; r++) sums[4 * (b + i) + r] = folded[r] - 128 * rowsum[r];
+        }
     }
-    for (b = 0; b < batch; b++)
-        for (ptrdiff_t r = 0; r < n; r++) sums[4 * b + r] -= 128 * rowsum[r];
+}
+
+/* Row x of k floats quantized as sloserve_quantize_row does, 16 at a time (the same bits:
+ * division and rounding to nearest even are exact operations, the maximum is order-free, and a
+ * NaN goes through both the same way). */
+SLOSERVE_VNNI_TARGET
+static float sloserve_quantize_row_avx512(const float *x, ptrdiff_t k, ptrdiff_t kp, int offset, uint8_t *out) {
+    __m512 top = _mm512_setzero_ps();
+    for (ptrdiff_t d = 0; d < k; d += 16) {
+        const __mmask16 m = k - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - d)) - 1u);
+        /* NOTE: a NaN operand first, so that max keeps the running maximum, as the scalar loop does */
+        top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + d)), top);
+    }
+    const float absmax = _mm512_reduce_max_ps(top);
+    const float scale = (absmax > 1e-12f ? absmax : 1e-12f) / 127.0f;
+    const __m512 s = _mm512_set1_ps(scale), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512i off = _mm512_set1_epi32(offset);
+    for (ptrdiff_t d = 0; d < kp; d += 16) {
+        const ptrdiff_t left = k - d;
+        const __mmask16 m = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + d), s),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* NOTE: NaN second in min and max, so that it stays NaN and converts as (int) does */
+        q = _mm512_max_ps(lo, _mm512_min_ps(hi, q));
+        _mm_storeu_si128((__m128i *)(out + d), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), off)));
+    }
+    return scale;
 }
 #else
 static int sloserve_vnni_set(int on) {
     (void)on;
     return 0;
+}
+static float sloserve_quantize_row_avx512(const float *x, ptrdiff_t k, ptrdiff_t kp, int offset, uint8_t *out) {
+    return sloserve_quantize_row(x, k, kp, offset, out);
 }
 static void sloserve_sums_vnni(const int8_t *rows, const int32_t *rowsum, const uint8_t *xq, ptrdiff_t batch,
                                ptrdiff_t k, ptrdiff_t kp, ptrdiff_t n, int32_t *sums) {
@@ -181,7 +221,9 @@ static void sloserve_rows_i8(const sloserve_weight *w, const float *bias, const 
                              ptrdiff_t k, ptrdiff_t kp, ptrdiff_t inter, ptrdiff_t j0, ptrdiff_t j1, float *y,
                              ptrdiff_t ldy, int accumulate, uint8_t *xq) {
     float xs[SLOSERVE_MAX_BATCH], gates[4 * SLOSERVE_MAX_BATCH], ups[4 * SLOSERVE_MAX_BATCH];
-    for (ptrdiff_t b = 0; b < batch; b++) xs[b] = sloserve_quantize_row(x + b * k, k, kp, 128, xq + b * kp);
+    for (ptrdiff_t b = 0; b < batch; b++)
+        xs[b] = sloserve_vnni_enabled ? sloserve_quantize_row_avx512(x + b * k, k, kp, 128, xq + b * kp)
+                                      : sloserve_quantize_row(x + b * k, k, kp, 128, xq + b * kp);
     for (ptrdiff_t j = j0; j < j1; j += 4) {
         const ptrdiff_t n = j1 - j < 4 ? j1 - j : 4;
         sloserve_dots_i8(w, xq, xs, batch, k, kp, j, n, gates);
