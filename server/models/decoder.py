@@ -25,7 +25,7 @@ from sloserve.layers.attention import AttentionBackend, AttentionMetadata, write
 from sloserve.layers.attention.paged import write_and_attend
 from sloserve.layers.moe import ExpertStore, moe_forward
 from sloserve.layers.norm import rms_norm
-from sloserve.layers.rope import apply_rope, rope_tables
+from sloserve.layers.rope import RopeRows, rope_tables
 from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import LayerWeights, ModelWeights
 
@@ -123,8 +123,7 @@ class DecoderModel:
         num_tokens = input_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
         h = w.embedding(input_ids, self.dtype)  # [T, H]
-        cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
-        sin = self.sin.index_select(0, positions)
+        rope = RopeRows.gather(self.cos, self.sin, positions)  # shared by every layer
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
             qkv = layer.qkv(x)
@@ -132,7 +131,7 @@ class DecoderModel:
                 qkv = lora.apply(i, "qkv", x, qkv)
             qk, v = qkv.split(self._split, dim=-1)
             # q and k rotated together
-            qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)
+            qk = rope.rotate(qk.view(num_tokens, heads, spec.head_dim))
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
             attn = attention(i, q, k, v)
