@@ -94,6 +94,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+@dataclass(slots=True, frozen=True)
+class RopeRows:
+    """One step's cos/sin rows [T, D], gathered once and applied by every layer (`rotate`).
+
+    Where the C kernel cannot take them (not float32 on a CPU), `signed_sin` holds sin [T, 1, D]
+    with its first half negated, so a layer rotates in four torch ops instead of about ten:
+    rotate_half(x) * sin == x.roll(D/2) * signed_sin, bit for bit (negating a product only flips
+    its sign: rounding to nearest is symmetric).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    signed_sin: torch.Tensor | None = None
+
+    @classmethod
+    def gather(cls, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> RopeRows:
+        """The rows of `positions` from the [max_positions, D] tables."""
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        if _kernel is not None and cos.dtype == torch.float32 and cos.device.type == "cpu":
+            return cls(cos, sin)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cls(cos.unsqueeze(1), sin, signed.unsqueeze(1))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x[T, H, D] rotated: `apply_rope(x, cos, sin)`'s bits."""
+        if self.signed_sin is None:
+            return apply_rope(x, self.cos, self.sin)
+        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.signed_sin
+
+
 def _fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel can run these tensors: heads contiguous within each token's row."""
     if x.device.type != "cpu" or x.dim() != 3 or torch.compiler.is_compiling():

@@ -25,7 +25,7 @@ from sloserve.layers.attention import AttentionBackend, AttentionMetadata, write
 from sloserve.layers.attention.paged import write_and_attend
 from sloserve.layers.moe import ExpertStore, moe_forward
 from sloserve.layers.norm import rms_norm
-from sloserve.layers.rope import apply_rope, rope_tables
+from sloserve.layers.rope import RopeRows, rope_tables
 from sloserve.models.spec import ModelSpec
 from sloserve.models.weights import LayerWeights, ModelWeights
 
@@ -127,8 +127,7 @@ class DecoderModel:
         h = w.embedding(input_ids, self.dtype)  # [T, H]
         if lora is not None:
             h = lora.embed(input_ids, h)
-        cos = self.cos.index_select(0, positions)  # [T, D], shared by every layer
-        sin = self.sin.index_select(0, positions)
+        rope = RopeRows.gather(self.cos, self.sin, positions)  # shared by every layer
         for i, layer in enumerate(w.layers):
             x = rms_norm(h, layer.ln1, spec.rms_norm_eps)
             qkv = layer.qkv(x)
@@ -136,7 +135,7 @@ class DecoderModel:
                 qkv = lora.apply(i, "qkv", x, qkv)
             qk, v = qkv.split(self._split, dim=-1)
             # q and k rotated together
-            qk = apply_rope(qk.view(num_tokens, heads, spec.head_dim), cos, sin)
+            qk = rope.rotate(qk.view(num_tokens, heads, spec.head_dim))
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
             attn = attention(i, q, k, v)
