@@ -3,7 +3,10 @@
 One step: expire queue timeouts, re-key the waiting queue, then fill a token budget -- running
 requests first in urgency order (a decode token each, or their next prefill chunk), preempting
 the least urgent running request when blocks run out, then waiting requests in queue order
-with chunked prefill while the running set is below the (adaptive) batch target.
+with chunked prefill while the running set is below the (adaptive) batch target. Prompts go one
+after another (`prefill_order` shortest, the default): a step computes one prompt's chunk, the
+one with the least remaining prefill among equal slack, besides tails of at most MIN_CHUNK
+tokens and urgent or starving requests' chunks (Scheduler._next_prompt).
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from sloserve.sched.queue_policy import make_queue
 from sloserve.sched.queued_prefixes import QueuedPrefixes
 from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
-from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
+from sloserve.sched.slo.deadlines import (
+    MIN_CHUNK,
+    DeadlinePlan,
+    TightestRecent,
+    remaining_prefill,
+)
 from sloserve.sched.stats import SchedulerStats
 from sloserve.spec.depth import next_depth
 from sloserve.spec.proposer import NgramProposer, PredictionProposer, Proposer
@@ -77,6 +85,7 @@ class Scheduler:
         )
         self._step_tokens = 0  # tokens scheduled so far in the step being composed
         self._step_decodes = 0  # of which one-token chunks (decoding sequences)
+        self._step_prompts = 0  # prompt chunks of more than MIN_CHUNK tokens in it
         # Most decode steps per schedule (the core lowers it to 1 for a runner that cannot run them)
         self.max_steps = self.config.num_scheduler_steps
         # speculative decoding: drafts from prompt lookup (when on) and from a request's prediction
@@ -173,6 +182,7 @@ class Scheduler:
         self.preemption.swapped = []
         self._step_tokens = 0
         self._step_decodes = 0
+        self._step_prompts = 0
         self._expire(now)
         plan = self._deadline_plan(now)
         budget = self.config.max_batched_tokens
@@ -227,7 +237,7 @@ class Scheduler:
             if must_only and not plan.must_run(pending[0]):
                 break
             req = pending.popleft()
-            n = self._chunk(req, budget, first=not out.sequences)
+            n = self._chunk(req, budget, first=not out.sequences, plan=plan)
             if must_only and not plan.urgent(req):
                 # starving, not urgent: progress now, the rest when there is room
                 n = min(n, MIN_CHUNK)
@@ -343,6 +353,14 @@ class Scheduler:
                 and plan.room(*self._step_load()) < MIN_CHUNK
             ):
                 continue  # optional, and the step has no room under the cap: look for a must-run one
+            if (
+                plan is not None
+                and self._step_prompts
+                and self.config.prefill_order == "shortest"
+                and not plan.must_run(req)
+                and remaining_prefill(req) > MIN_CHUNK
+            ):
+                continue  # _next_prompt would hold it back: spare pricing its prefix
             prefix = None if req.is_swapped else self._prefix(req)
             if (
                 prefix is not None
@@ -355,7 +373,7 @@ class Scheduler:
             ):
                 return budget
             if req.is_swapped:
-                n = self._chunk(req, budget, first=not out.sequences)
+                n = self._chunk(req, budget, first=not out.sequences, plan=plan)
                 if plan is not None:
                     n = plan.fit(req, n, *self._step_load())
                 extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
@@ -366,7 +384,7 @@ class Scheduler:
             else:
                 blocks, hashes, _ = prefix
                 cached = bm.hit_tokens(len(blocks), req.num_tokens)
-                n = self._chunk(req, budget, first=not out.sequences, computed=cached)
+                n = self._chunk(req, budget, first=not out.sequences, computed=cached, plan=plan)
                 if plan is not None:
                     n = plan.fit(req, n, *self._step_load())
                 if n == 0:
@@ -557,19 +575,39 @@ class Scheduler:
         depth = len(self.running) + len(self.waiting) + extra
         return target_batch_size(cap, depth, self.config.batch_decay)
 
-    def _chunk(self, req: Request, budget: int, first: bool, computed: int | None = None) -> int:
+    def _chunk(
+        self,
+        req: Request,
+        budget: int,
+        first: bool,
+        computed: int | None = None,
+        plan: DeadlinePlan | None = None,
+    ) -> int:
         """Tokens of `req` to compute now: 1 to decode, else a prefill chunk within the budget."""
         remaining = req.num_tokens - (req.num_computed_tokens if computed is None else computed)
         if remaining <= 1:
             return 1 if budget >= 1 else 0
         if self.config.chunked_prefill:
-            return min(
-                remaining,
-                budget,
-                budget if first and self._alone(req) else self.config.prefill_chunk,
-            )
+            cap = budget if first and self._alone(req) else self.config.prefill_chunk
+            n = min(remaining, budget, cap)
+            if remaining > MIN_CHUNK and self._step_prompts:
+                return self._next_prompt(req, n, plan)
+            return n
         # Without chunking a prompt runs whole; one longer than the budget may run alone.
         return remaining if remaining <= budget or first else 0
+
+    def _next_prompt(self, req: Request, n: int, plan: DeadlinePlan | None) -> int:
+        """Of `n` prompt tokens of `req`, those it computes in a step that already has a prompt
+        chunk, in shortest order (prompts one after another, least remaining prefill first):
+        none, as any other prompt's chunk in the step delays that prompt's first token and
+        brings its own no sooner; an urgent request's all the same; a starving one's MIN_CHUNK
+        (the starvation bound's offer). In arrival order every prompt of the step advances.
+        Why, measured: docs/design/deadline-steps.md."""
+        if self.config.prefill_order == "arrival" or (plan is not None and plan.urgent(req)):
+            return n
+        if plan is not None and plan.starving(req):
+            return min(n, MIN_CHUNK)
+        return 0
 
     def _alone(self, req: Request) -> bool:
         """Nobody else runs or waits: a prompt's chunk keeps no one's TPOT, so it may fill the step.
@@ -614,6 +652,8 @@ class Scheduler:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
         self._step_tokens += n + len(drafts)
+        if n > MIN_CHUNK:
+            self._step_prompts += 1
         # priced as a decoding sequence (a prompt's last token costs about the same); a verify
         # step's rows count as prompt tokens
         if n == 1 and not drafts:

@@ -351,11 +351,13 @@ def test_tightest_recent_keeps_the_smallest_objective_of_the_window():
     assert seen.tightest(12.5) is None
 
 
-def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
+def _batch_step_tokens(
+    interactive_seen: bool, later_s: float = 0.0, prefill_order: str = "arrival"
+) -> int:
     """Tokens of the first step of two 1,500-token batch prompts (30 s end-to-end), when a short
     request with a 0.3 s TTFT objective arrived (and finished) just before, `later_s` earlier, or
     not at all."""
-    s, r, clock = _scheduler()
+    s, r, clock = _scheduler(prefill_order=prefill_order)
     if interactive_seen:
         s.add_request(
             NewRequest(
@@ -384,10 +386,12 @@ def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
 def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
     """With requests under a 0.3 s TTFT arriving, a step is cut to ARRIVAL_SHARE of it (75 ms:
     700 tokens at 0.1 ms plus 5 ms), so a newcomer does not wait out a 2,048-token step first;
-    without them, or once ARRIVAL_WINDOW_S has passed since the last, two full chunks run."""
+    without them, or once ARRIVAL_WINDOW_S has passed since the last, two full chunks run (in
+    arrival order; in shortest order one prompt's chunk at a time)."""
     assert _batch_step_tokens(False) == 1024
     assert _batch_step_tokens(True) <= 700
     assert _batch_step_tokens(True, later_s=ARRIVAL_WINDOW_S + 1) == 1024
+    assert _batch_step_tokens(False, prefill_order="shortest") == 512
 
 
 def test_the_arrival_room_cuts_optional_prompt_chunks_not_decodes():

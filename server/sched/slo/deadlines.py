@@ -62,8 +62,10 @@ class DeadlinePlan:
         step_tokens: int,
         finish_margin: float = 0.0,
         arrival_ttft_s: float | None = None,
+        shortest_first: bool = False,
     ) -> None:
         self.price = price
+        self.shortest_first = shortest_first
         self.now = now
         self.chunk = chunk
         self.max_wait_s = max_wait_s
@@ -254,6 +256,7 @@ class DeadlinePlan:
             sc.max_batched_tokens,
             sc.finish_margin,
             arrival_ttft_s,
+            sc.prefill_order == "shortest",
         )
 
     def fit(self, r: Request, n: int, prompt: int, decodes: int) -> int:
@@ -287,9 +290,11 @@ class DeadlinePlan:
             or self.price.step_seconds(prompt, decodes + 1) + self.price.margin_s <= self.cap_s
         )
 
-    def sort_key(self, r: Request) -> tuple[float, float, int]:
-        """Least slack first (ties: earlier arrival)."""
-        return self.slack(r), r.arrival_time, r.handle
+    def sort_key(self, r: Request) -> tuple[float, int, float, int]:
+        """Least slack first; ties (requests without objectives, or past them: infinite slack)
+        least remaining prefill first with `shortest_first`, then earlier arrival."""
+        left = remaining_prefill(r) if self.shortest_first else 0
+        return self.slack(r), left, r.arrival_time, r.handle
 
     def waiting_order(self, waiting: Iterable[Request]) -> list[Request]:
         """The waiting queue in slack order, as it stood at the step's first call (sorted once per
@@ -297,6 +302,15 @@ class DeadlinePlan:
         if self._waiting is None:
             self._waiting = sorted(waiting, key=self.sort_key)
         return self._waiting
+
+
+def remaining_prefill(r: Request) -> int:
+    """Prompt tokens r still computes before its first token (0 once it has one); a request not
+    yet started is spared the blocks it expects from the cache or from a request queued before it."""
+    if r.first_token_time is not None:
+        return 0
+    done = r.num_computed_tokens if r.ever_scheduled else r.expected_cached_tokens
+    return max(0, r.num_tokens - done)
 
 
 class TightestRecent:
