@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 from sloserve.config import SloserveConfig
+from sloserve.engine.priming import priming_shapes
 from sloserve.new_request import NewRequest
 from sloserve.sampling_params import SamplingParams
 from sloserve.sched.output import StepResult
@@ -79,6 +80,11 @@ def simulate(
     sched = Scheduler(
         config, num_blocks=4096, block_size=16, max_model_len=4096, clock=lambda: clock[0]
     )
+    # priming, then every step, feeds the step-cost model as the engine does (engine/priming.py,
+    # EngineCore.update): the deadline plan prices steps with it
+    for seqs, each in priming_shapes(config.scheduler, 4096):
+        prompt, decodes = (0, seqs) if each == 1 else (seqs * each, 0)
+        sched.admission.on_compute(seqs * each, cost(prompt, decodes, 1), decodes=decodes)
     sent, open_ids, reqs = 0, set(), {}
 
     def send() -> None:
@@ -102,6 +108,8 @@ def simulate(
             )
             print(f"  t={clock[0]:7.3f}s step {steps:3d} {decodes:2d} decoding, prompt {chunks}")
         clock[0] += seconds
+        for _ in range(out.num_steps if out.sequences else 0):
+            sched.admission.on_compute(out.num_tokens, seconds / out.num_steps, out.num_decodes)
         steps += 1
         tokens = [[7] * out.num_steps if s.sample else [] for s in out.sequences]
         sched.update(out, StepResult(tokens=tokens))

@@ -29,12 +29,7 @@ from sloserve.sched.queue_policy import make_queue
 from sloserve.sched.queued_prefixes import QueuedPrefixes
 from sloserve.sched.request import Request, RequestStatus
 from sloserve.sched.slo.admission import AdmissionControl
-from sloserve.sched.slo.deadlines import (
-    MIN_CHUNK,
-    DeadlinePlan,
-    TightestRecent,
-    remaining_prefill,
-)
+from sloserve.sched.slo.deadlines import MIN_CHUNK, DeadlinePlan, TightestRecent
 from sloserve.sched.stats import SchedulerStats
 from sloserve.spec.depth import next_depth
 from sloserve.spec.proposer import NgramProposer, PredictionProposer, Proposer
@@ -358,7 +353,7 @@ class Scheduler:
                 and self._step_prompts
                 and self.config.prefill_order == "shortest"
                 and not plan.must_run(req)
-                and remaining_prefill(req) > MIN_CHUNK
+                and self._prefill_left(req) > MIN_CHUNK
             ):
                 continue  # _next_prompt would hold it back: spare pricing its prefix
             prefix = None if req.is_swapped else self._prefix(req)
@@ -431,8 +426,17 @@ class Scheduler:
         if price is None:
             return None
         return DeadlinePlan.for_step(
-            self.config, price, self.running, now, self.arrivals.tightest(now)
+            self.config, price, self.running, now, self.arrivals.tightest(now), self._prefill_left
         )
+
+    def _prefill_left(self, req: Request) -> int:
+        """Prompt tokens `req` still computes itself before its first token (0 once it has one);
+        a queued request is spared its leading blocks that are cached or being computed."""
+        if req.first_token_time is not None:
+            return 0
+        if req.ever_scheduled:
+            return req.num_tokens - req.num_computed_tokens
+        return self.queued_prefixes.own_work(req, self.block_manager)
 
     def _step_load(self) -> tuple[int, int]:
         """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from sloserve.config import SchedulerConfig
 from sloserve.sched.request import Request
@@ -62,10 +62,11 @@ class DeadlinePlan:
         step_tokens: int,
         finish_margin: float = 0.0,
         arrival_ttft_s: float | None = None,
-        shortest_first: bool = False,
+        prefill_left: Callable[[Request], int] | None = None,
     ) -> None:
         self.price = price
-        self.shortest_first = shortest_first
+        # ties of slack: least remaining prefill first (Scheduler._prefill_left), None: arrival
+        self.prefill_left = prefill_left
         self.now = now
         self.chunk = chunk
         self.max_wait_s = max_wait_s
@@ -240,9 +241,10 @@ class DeadlinePlan:
         running: Iterable[Request],
         now: float,
         arrival_ttft_s: float | None,
+        prefill_left: Callable[[Request], int] | None = None,
     ) -> DeadlinePlan:
         """The plan of a step at `now` under the scheduler's settings (its prefill chunk, the
-        starvation bound, the step's token cap, the finish margin)."""
+        starvation bound, the step's token cap, the finish margin, the prefill order)."""
         sc = config
         chunk = sc.max_batched_tokens
         if sc.chunked_prefill:
@@ -256,7 +258,7 @@ class DeadlinePlan:
             sc.max_batched_tokens,
             sc.finish_margin,
             arrival_ttft_s,
-            sc.prefill_order == "shortest",
+            prefill_left if sc.prefill_order == "shortest" else None,
         )
 
     def fit(self, r: Request, n: int, prompt: int, decodes: int) -> int:
@@ -292,8 +294,8 @@ class DeadlinePlan:
 
     def sort_key(self, r: Request) -> tuple[float, int, float, int]:
         """Least slack first; ties (requests without objectives, or past them: infinite slack)
-        least remaining prefill first with `shortest_first`, then earlier arrival."""
-        left = remaining_prefill(r) if self.shortest_first else 0
+        least remaining prefill first with `prefill_left`, then earlier arrival."""
+        left = self.prefill_left(r) if self.prefill_left is not None else 0
         return self.slack(r), left, r.arrival_time, r.handle
 
     def waiting_order(self, waiting: Iterable[Request]) -> list[Request]:
@@ -302,15 +304,6 @@ class DeadlinePlan:
         if self._waiting is None:
             self._waiting = sorted(waiting, key=self.sort_key)
         return self._waiting
-
-
-def remaining_prefill(r: Request) -> int:
-    """Prompt tokens r still computes before its first token (0 once it has one); a request not
-    yet started is spared the blocks it expects from the cache or from a request queued before it."""
-    if r.first_token_time is not None:
-        return 0
-    done = r.num_computed_tokens if r.ever_scheduled else r.expected_cached_tokens
-    return max(0, r.num_tokens - done)
 
 
 class TightestRecent:
