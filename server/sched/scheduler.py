@@ -233,8 +233,9 @@ class Scheduler:
                 break
             req = pending.popleft()
             n = self._chunk(req, budget, first=not out.sequences, plan=plan)
-            if must_only and not plan.urgent(req):
-                # starving, not urgent: progress now, the rest when there is room
+            if must_only and not plan.urgent(req) and self.config.prefill_order == "arrival":
+                # starving, not urgent: progress now, the rest when there is room (in shortest
+                # order _chunk gave it the step's one prompt chunk, or MIN_CHUNK past that)
                 n = min(n, MIN_CHUNK)
             if plan is not None:
                 n = plan.fit(req, n, *self._step_load())
