@@ -670,7 +670,7 @@ class Scheduler:
 
     def _expire(self, now: float) -> None:
         for req in self.waiting:
-            if self.admission.timed_out(req, now):
+            if self.admission.timed_out(req, now) and not self._awaits_claim(req):
                 self.admission.refusals["queue_timeout"] += 1
                 req.refusal_reason = "queue_timeout"
                 req.error = (
@@ -679,6 +679,17 @@ class Scheduler:
                 )
                 self._finish(req, RequestStatus.FINISHED_REFUSED)
                 self._outputs.append(req)
+
+    def _awaits_claim(self, req: Request) -> bool:
+        """Is `req` waiting for prompt blocks a running request is computing (prefix claims), or
+        were they just computed, leaving it a tail? Then it waited by design and costs a tail
+        now: the queue timeout passes it by."""
+        if req.is_swapped:
+            return False
+        left = self._prefill_left(req)
+        if left < req.num_tokens and left <= MIN_CHUNK:
+            return True
+        return self.block_manager.is_claimed(self._prefix(req)[2])
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.admission.forget()
