@@ -53,16 +53,23 @@ ARMS = {
 
 @dataclasses.dataclass(slots=True)
 class StepCost:
-    """Seconds a step takes: overhead + per prompt token + per decoding sequence."""
+    """Seconds a step takes: overhead + per prompt token + per decoding sequence + per prompt
+    chunk (the per-sequence work of a prefill: its attention calls, its inputs)."""
 
     overhead_s: float
     per_token_s: float
     per_decode_s: float
+    per_chunk_s: float = 0.0
 
-    def __call__(self, prompt: int, decodes: int, steps: int) -> float:
+    def __call__(self, prompt: int, decodes: int, steps: int, chunks: int = 0) -> float:
         if prompt == 0:
             return steps * (self.overhead_s + self.per_decode_s * decodes)
-        return self.overhead_s + self.per_token_s * prompt + self.per_decode_s * decodes
+        return (
+            self.overhead_s
+            + self.per_token_s * prompt
+            + self.per_decode_s * decodes
+            + self.per_chunk_s * chunks
+        )
 
 
 def simulate(
@@ -101,7 +108,8 @@ def simulate(
     while open_ids:
         out = sched.schedule()
         prompt, decodes = sched._step_load()
-        seconds = cost(prompt, decodes, out.num_steps)
+        chunks = sum(len(q.token_ids) > 1 for q in out.sequences)
+        seconds = cost(prompt, decodes, out.num_steps, chunks)
         if trace:
             chunks = " ".join(
                 f"{s.req_id}:{len(s.token_ids)}" for s in out.sequences if len(s.token_ids) > 1
@@ -117,7 +125,8 @@ def simulate(
             open_ids.discard(rid)
             if sent < len(prompts):
                 send()
-    ttft = sorted(r.first_token_time - r.arrival_time for r in reqs.values())
+    served = [r for r in reqs.values() if r.first_token_time is not None]
+    ttft = sorted(r.first_token_time - r.arrival_time for r in served)
     counters = sched.counters.counters()
     return {
         "ttft_p50_s": statistics.median(ttft),
@@ -126,6 +135,8 @@ def simulate(
         "seconds": clock[0],
         "steps": steps,
         "prompt_tokens_computed": counters["computed_prompt_tokens_total"],
+        # refused (the queue timeout) or cut short: left out of the TTFT figures
+        "unserved": len(reqs) - len(served),
     }
 
 
@@ -181,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-token-ms", type=float, default=1.0)
     p.add_argument("--overhead-ms", type=float, default=20.0)
     p.add_argument("--per-decode-ms", type=float, default=2.0)
+    p.add_argument("--per-chunk-ms", type=float, default=0.0, help="per prompt chunk in a step")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--trace", choices=list(ARMS), help="print this arm's steps")
     p.add_argument("--served", type=int, default=0, metavar="ROUNDS", help="then serve for real")
@@ -190,12 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _, items = arc_items(args.requests, 0, args.max_prompt_chars, args.max_tokens)
     prompts = [list(item.prompt.encode()) for item in items]
-    cost = StepCost(args.overhead_ms / 1e3, args.per_token_ms / 1e3, args.per_decode_ms / 1e3)
+    cost = StepCost(
+        args.overhead_ms / 1e3,
+        args.per_token_ms / 1e3,
+        args.per_decode_ms / 1e3,
+        args.per_chunk_ms / 1e3,
+    )
     print(
         f"{len(prompts)} requests, mean prompt {statistics.mean(map(len, prompts)):.0f} tokens, "
         f"{distinct_tokens(prompts)} distinct prompt tokens, c{args.concurrency}, "
         f"{args.max_tokens} out; step = {args.overhead_ms:g} ms + {args.per_token_ms:g} ms a "
-        f"prompt token + {args.per_decode_ms:g} ms a decoding sequence (simulated clock)"
+        f"prompt token + {args.per_decode_ms:g} ms a decoding sequence + {args.per_chunk_ms:g} ms "
+        "a prompt chunk (simulated clock)"
     )
     runs = {}
     for name in args.arms:
@@ -207,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:>9}: TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s, "
             f"{r['output_tok_s']:.1f} out tok/s, {r['prompt_tokens_computed']} prompt tokens "
             f"computed, {r['steps']} steps"
+            + (f", {r['unserved']} refused" if r["unserved"] else "")
         )
     if len(runs) == 2:
         (na, a), (nb, b) = runs.items()
