@@ -3,8 +3,8 @@
 One step: expire queue timeouts, re-key the waiting queue, then fill a token budget -- running
 requests first in urgency order (a decode token each, or their next prefill chunk), preempting
 the least urgent running request when blocks run out, then waiting requests in queue order
-with chunked prefill while the running set is below the (adaptive) batch target. Prompts go one
-after another (`prefill_order` shortest, the default): a step computes one prompt's chunk, the
+with chunked prefill while the running set is below the (adaptive) batch target. With
+`prefill_order` shortest, prompts go one after another: a step computes one prompt's chunk, the
 one with the least remaining prefill among equal slack, besides tails of at most MIN_CHUNK
 tokens and urgent or starving requests' chunks (Scheduler._next_prompt).
 """
