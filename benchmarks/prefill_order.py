@@ -6,7 +6,10 @@ the prefixes shared within a task included, 64 output tokens, closed loop at 16)
 token + per decoding sequence; the defaults are the 358M's bf16 steps on this 2-core EPYC, ~1 ms a
 prompt token), and the sampled token is a constant. So an arm's figures are its scheduling alone,
 the same on a loaded machine as on a quiet one: TTFT p50/p99, output tok/s, prompt tokens computed
-against the distinct ones the prompts hold, steps; `--trace` prints each step's chunks.
+against the distinct ones the prompts hold, steps; `--trace` prints each step's chunks. It prices a
+mixed step's decodes per sequence, not as the separate decode pass the runner makes beside a prompt
+chunk: served, `shortest` cost output tok/s that the simulation does not show
+(docs/design/deadline-steps.md), so `--served` decides.
 
     python -m benchmarks.prefill_order [--concurrency 16] [--requests 24] [--trace ARM]
     python -m benchmarks.prefill_order --served 3 [--json]
@@ -19,7 +22,7 @@ medians' ratios, and writes the runs to benchmarks/results/prefill_order.json wi
 
 Arms: `arrival` (prefill in the slo plan's order with arrival breaking slack ties, each prompt's
 chunk capped at prefill_chunk: every prompt of a burst advances together) against `shortest`
-(the default: least remaining prefill first among equal slack, the step's prompt tokens on one
+(opt-in: least remaining prefill first among equal slack, the step's prompt tokens on one
 prompt until it is done).
 """
 
