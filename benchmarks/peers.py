@@ -479,6 +479,7 @@ def bench(arm: Arm, folder: Path, workload: Path, concurrency: int, workdir: Pat
         "output_tokens": run.get("output_tokens_per_request"),
         "output_tok_s": run["output_token_throughput"],
         "ttft_p50_s": run["ttft_s"]["p50"],
+        "ttft_p99_s": run["ttft_s"]["p99"],
         "tpot_p50_s": run["tpot_s"]["p50"],
         "e2e_p50_s": run["e2e_s"]["p50"],
         "memory": memory,

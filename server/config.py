@@ -332,6 +332,7 @@ POLICIES = ("slo", "priority", "fifo")
 MAX_SCHEDULER_STEPS = 64  # a longer run would hold a newcomer back for too many steps
 DEFAULT_SCHEDULER_STEPS = 8  # 8 beat 4 on TPOT at concurrency 1 (docs/design/cpu-decode.md)
 SPECULATION_MODES = ("off", "ngram", "auto")
+PREFILL_ORDERS = ("arrival", "shortest")
 MAX_SPECULATIVE_TOKENS = 64  # a verify step's rows: a prefill chunk's size at most
 
 
@@ -369,6 +370,16 @@ class SchedulerConfig:
     )
     # longest prefill chunk of one request in a step others share (alone: the budget)
     prefill_chunk: int = 512
+    # NOTE: shortest halves a c16 burst's TTFT p50 but served at x0.79-0.95 the out tok/s
+    # (docs/design/deadline-steps.md): arrival stays the default until a quiet rerun settles it
+    prefill_order: str = flag(
+        "arrival",
+        "--prefill-order",
+        "Prompts of equal slack: arrival (in arrival order, every prompt of the step advancing "
+        "together) or shortest (least remaining prefill first, each finished before the next "
+        "starts: earlier first tokens in a burst, more steps).",
+        choices=PREFILL_ORDERS,
+    )
     preemption_mode: str = "swap"  # 'swap' (falls back to recompute) or 'recompute'
     batch_decay: float = 0.9  # adaptive batch target: ceil(max_batch * (1 - decay ** depth))
     # off by default: with max_batch 64 the target is >= the queue depth (caps nothing)
@@ -418,6 +429,11 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        require(
+            self.prefill_order in PREFILL_ORDERS,
+            "prefill_order",
+            f"prefill order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}",
+        )
         require(
             self.speculation in SPECULATION_MODES,
             "speculation",

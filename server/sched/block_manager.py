@@ -139,6 +139,10 @@ class BlockManager:
         """Tokens a hit of `num_blocks` blocks spares computing: all of them but the request's last."""
         return min(num_blocks * self.block_size, num_tokens - 1)
 
+    def is_cached(self, block_hash: int) -> bool:
+        """True when a computed block with this hash is in the pool: a prefix hit."""
+        return self.prefix_cache and self.allocator.lookup(block_hash) >= 0
+
     def is_claimed(self, block_hash: int | None) -> bool:
         """True when a running request is computing the block with this hash (see Claims)."""
         return block_hash is not None and block_hash in self._claims

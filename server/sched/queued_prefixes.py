@@ -54,6 +54,17 @@ class QueuedPrefixes:
         req.expected_cached_tokens = bm.hit_tokens(shared, req.num_tokens)
         return bm.hit_tokens(claimed, req.num_tokens), hashes
 
+    def own_work(self, req: Request, bm: BlockManager) -> int:
+        """Prompt tokens `req` (queued, never started) would compute if it started now: all but
+        its leading blocks that are cached or that a running request is computing."""
+        hashes = self._held.get(req.request_id)
+        if not hashes:  # held none: all cached when it came, or no prefix reuse
+            return req.num_tokens - req.expected_cached_tokens
+        ready = 0
+        while ready < len(hashes) and (bm.is_cached(hashes[ready]) or bm.is_claimed(hashes[ready])):
+            ready += 1
+        return req.num_tokens - bm.hit_tokens(ready, req.num_tokens)
+
     def discard(self, request_id: str) -> None:
         """Forget a request (started, finished or refused); nothing if it is not held."""
         hashes = self._held.pop(request_id, None)

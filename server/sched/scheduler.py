@@ -3,7 +3,10 @@
 One step: expire queue timeouts, re-key the waiting queue, then fill a token budget -- running
 requests first in urgency order (a decode token each, or their next prefill chunk), preempting
 the least urgent running request when blocks run out, then waiting requests in queue order
-with chunked prefill while the running set is below the (adaptive) batch target.
+with chunked prefill while the running set is below the (adaptive) batch target. With
+`prefill_order` shortest, prompts go one after another: a step computes one prompt's chunk, the
+one with the least remaining prefill among equal slack, besides tails of at most MIN_CHUNK
+tokens and urgent or starving requests' chunks (Scheduler._next_prompt).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class Scheduler:
         )
         self._step_tokens = 0  # tokens scheduled so far in the step being composed
         self._step_decodes = 0  # of which one-token chunks (decoding sequences)
+        self._step_prompts = 0  # prompt chunks of more than MIN_CHUNK tokens in it
         # Most decode steps per schedule (the core lowers it to 1 for a runner that cannot run them)
         self.max_steps = self.config.num_scheduler_steps
         # speculative decoding: drafts from prompt lookup (when on) and from a request's prediction
@@ -179,6 +183,7 @@ class Scheduler:
         self.preemption.swapped = []
         self._step_tokens = 0
         self._step_decodes = 0
+        self._step_prompts = 0
         self._expire(now)
         if self.planner is not None:
             self._plan_drafts(now)
@@ -239,9 +244,10 @@ class Scheduler:
             if must_only and not plan.must_run(pending[0]):
                 break
             req = pending.popleft()
-            n = self._chunk(req, budget, first=not out.sequences)
-            if must_only and not plan.urgent(req):
-                # starving, not urgent: progress now, the rest when there is room
+            n = self._chunk(req, budget, first=not out.sequences, plan=plan)
+            if must_only and not plan.urgent(req) and self.config.prefill_order == "arrival":
+                # starving, not urgent: progress now, the rest when there is room (in shortest
+                # order _chunk gave it the step's one prompt chunk, or MIN_CHUNK past that)
                 n = min(n, MIN_CHUNK)
             if plan is not None:
                 n = plan.fit(req, n, *self._step_load())
@@ -364,6 +370,14 @@ class Scheduler:
                 and plan.room(*self._step_load()) < MIN_CHUNK
             ):
                 continue  # optional, and the step has no room under the cap: look for a must-run one
+            if (
+                plan is not None
+                and self._step_prompts
+                and self.config.prefill_order == "shortest"
+                and not plan.must_run(req)
+                and self._prefill_left(req) > MIN_CHUNK
+            ):
+                continue  # _next_prompt would hold it back: spare pricing its prefix
             prefix = None if req.is_swapped else self._prefix(req)
             if (
                 prefix is not None
@@ -376,7 +390,7 @@ class Scheduler:
             ):
                 return budget
             if req.is_swapped:
-                n = self._chunk(req, budget, first=not out.sequences)
+                n = self._chunk(req, budget, first=not out.sequences, plan=plan)
                 if plan is not None:
                     n = plan.fit(req, n, *self._step_load())
                 extra = bm.blocks_for(req.num_computed_tokens + n) - len(req.host_table)
@@ -387,7 +401,7 @@ class Scheduler:
             else:
                 blocks, hashes, _ = prefix
                 cached = bm.hit_tokens(len(blocks), req.num_tokens)
-                n = self._chunk(req, budget, first=not out.sequences, computed=cached)
+                n = self._chunk(req, budget, first=not out.sequences, computed=cached, plan=plan)
                 if plan is not None:
                     n = plan.fit(req, n, *self._step_load())
                 if n == 0:
@@ -434,8 +448,17 @@ class Scheduler:
         if price is None:
             return None
         return DeadlinePlan.for_step(
-            self.config, price, self.running, now, self.arrivals.tightest(now)
+            self.config, price, self.running, now, self.arrivals.tightest(now), self._prefill_left
         )
+
+    def _prefill_left(self, req: Request) -> int:
+        """Prompt tokens `req` still computes itself before its first token (0 once it has one);
+        a queued request is spared its leading blocks that are cached or being computed."""
+        if req.first_token_time is not None:
+            return 0
+        if req.ever_scheduled:
+            return req.num_tokens - req.num_computed_tokens
+        return self.queued_prefixes.own_work(req, self.block_manager)
 
     def _step_load(self) -> tuple[int, int]:
         """(prompt tokens, decoding sequences) scheduled so far in the step being composed."""
@@ -580,19 +603,39 @@ class Scheduler:
         depth = len(self.running) + len(self.waiting) + extra
         return target_batch_size(cap, depth, self.config.batch_decay)
 
-    def _chunk(self, req: Request, budget: int, first: bool, computed: int | None = None) -> int:
+    def _chunk(
+        self,
+        req: Request,
+        budget: int,
+        first: bool,
+        computed: int | None = None,
+        plan: DeadlinePlan | None = None,
+    ) -> int:
         """Tokens of `req` to compute now: 1 to decode, else a prefill chunk within the budget."""
         remaining = req.num_tokens - (req.num_computed_tokens if computed is None else computed)
         if remaining <= 1:
             return 1 if budget >= 1 else 0
         if self.config.chunked_prefill:
-            return min(
-                remaining,
-                budget,
-                budget if first and self._alone(req) else self.config.prefill_chunk,
-            )
+            cap = budget if first and self._alone(req) else self.config.prefill_chunk
+            n = min(remaining, budget, cap)
+            if remaining > MIN_CHUNK and self._step_prompts:
+                return self._next_prompt(req, n, plan)
+            return n
         # Without chunking a prompt runs whole; one longer than the budget may run alone.
         return remaining if remaining <= budget or first else 0
+
+    def _next_prompt(self, req: Request, n: int, plan: DeadlinePlan | None) -> int:
+        """Of `n` prompt tokens of `req`, those it computes in a step that already has a prompt
+        chunk, in shortest order (prompts one after another, least remaining prefill first):
+        none, as any other prompt's chunk in the step delays that prompt's first token and
+        brings its own no sooner; an urgent request's all the same; a starving one's MIN_CHUNK
+        (the starvation bound's offer). In arrival order every prompt of the step advances.
+        Why, measured: docs/design/deadline-steps.md."""
+        if self.config.prefill_order == "arrival" or (plan is not None and plan.urgent(req)):
+            return n
+        if plan is not None and plan.starving(req):
+            return min(n, MIN_CHUNK)
+        return 0
 
     def _alone(self, req: Request) -> bool:
         """Nobody else runs or waits: a prompt's chunk keeps no one's TPOT, so it may fill the step.
@@ -637,6 +680,8 @@ class Scheduler:
             req.first_scheduled_time = now
         req.last_scheduled_time = now
         self._step_tokens += n + len(drafts)
+        if n > MIN_CHUNK:
+            self._step_prompts += 1
         # priced as a decoding sequence (a prompt's last token costs about the same); a verify
         # step's rows count as prompt tokens
         if n == 1 and not drafts:
@@ -648,7 +693,7 @@ class Scheduler:
 
     def _expire(self, now: float) -> None:
         for req in self.waiting:
-            if self.admission.timed_out(req, now):
+            if self.admission.timed_out(req, now) and not self._awaits_claim(req):
                 self.admission.refusals["queue_timeout"] += 1
                 req.refusal_reason = "queue_timeout"
                 req.error = (
@@ -657,6 +702,17 @@ class Scheduler:
                 )
                 self._finish(req, RequestStatus.FINISHED_REFUSED)
                 self._outputs.append(req)
+
+    def _awaits_claim(self, req: Request) -> bool:
+        """Is `req` waiting for prompt blocks a running request is computing (prefix claims), or
+        were they just computed, leaving it a tail? Then it waited by design and costs a tail
+        now: the queue timeout passes it by."""
+        if req.is_swapped:
+            return False
+        left = self._prefill_left(req)
+        if left < req.num_tokens and left <= MIN_CHUNK:
+            return True
+        return self.block_manager.is_claimed(self._prefix(req)[2])
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.admission.forget()

@@ -351,11 +351,13 @@ def test_tightest_recent_keeps_the_smallest_objective_of_the_window():
     assert seen.tightest(12.5) is None
 
 
-def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
+def _batch_step_tokens(
+    interactive_seen: bool, later_s: float = 0.0, prefill_order: str = "arrival"
+) -> int:
     """Tokens of the first step of two 1,500-token batch prompts (30 s end-to-end), when a short
     request with a 0.3 s TTFT objective arrived (and finished) just before, `later_s` earlier, or
     not at all."""
-    s, r, clock = _scheduler()
+    s, r, clock = _scheduler(prefill_order=prefill_order)
     if interactive_seen:
         s.add_request(
             NewRequest(
@@ -384,10 +386,12 @@ def _batch_step_tokens(interactive_seen: bool, later_s: float = 0.0) -> int:
 def test_steps_leave_room_for_the_first_token_of_the_next_interactive_arrival():
     """With requests under a 0.3 s TTFT arriving, a step is cut to ARRIVAL_SHARE of it (75 ms:
     700 tokens at 0.1 ms plus 5 ms), so a newcomer does not wait out a 2,048-token step first;
-    without them, or once ARRIVAL_WINDOW_S has passed since the last, two full chunks run."""
+    without them, or once ARRIVAL_WINDOW_S has passed since the last, two full chunks run (in
+    arrival order; in shortest order one prompt's chunk at a time)."""
     assert _batch_step_tokens(False) == 1024
     assert _batch_step_tokens(True) <= 700
     assert _batch_step_tokens(True, later_s=ARRIVAL_WINDOW_S + 1) == 1024
+    assert _batch_step_tokens(False, prefill_order="shortest") == 512
 
 
 def test_the_arrival_room_cuts_optional_prompt_chunks_not_decodes():
@@ -467,3 +471,52 @@ def test_an_urgent_prompt_that_cannot_wait_a_step_joins_the_one_past_the_cap():
     # off: it keeps a margin and would refuse so tight an objective).
     steps, _ = _steps_of_two_urgent_prompts(ttft_s=0.06, admission_control=False)
     assert any({"a", "b"} <= step for step in steps)
+
+
+def _burst(prefill_order: str, prompts: dict[str, list[int]], slo: SLO | None = None):
+    """A burst of `prompts` on a primed scheduler (prefill_chunk 64): the first step's chunks, each
+    request's first-token time, and the scheduler."""
+    s, r, clock = _scheduler(prefill_order=prefill_order, prefill_chunk=64)
+    for name, tokens in prompts.items():
+        s.add_request(NewRequest(name, tokens, SamplingParams(max_tokens=2, ignore_eos=True), slo))
+    first = s.schedule()
+    chunks = [(q.req_id, len(q.token_ids)) for q in first.sequences]
+    s.update(first, r.execute(first))
+    clock.t += price(first.num_tokens)
+    times = _run(s, r, clock, 40)
+    return chunks, {name: t[0] for name, t in times.items()}, s
+
+
+def test_a_burst_finishes_its_prompts_one_after_another_least_remaining_first():
+    """Without objectives, shortest order gives one prompt's chunk a step, the least remaining
+    prefill first: first tokens in prompt-length order and sooner on average than arrival order's
+    (which advances every prompt together), for the same prompt tokens computed."""
+    prompts = {"long": [97] * 300, "short": [98] * 100, "mid": [99] * 200}
+    chunks, times, s = _burst("shortest", prompts)
+    assert chunks == [("short", 64)]
+    assert times["short"] < times["mid"] < times["long"]
+    chunks_a, times_a, s_a = _burst("arrival", prompts)
+    assert chunks_a == [("long", 64), ("short", 64), ("mid", 64)]
+    assert sum(times.values()) < sum(times_a.values())
+    assert sorted(times.values())[1] < sorted(times_a.values())[1]
+    computed = "computed_prompt_tokens_total"
+    assert s.counters.counters()[computed] == s_a.counters.counters()[computed] == 600
+
+
+def test_a_sibling_waits_for_the_shared_prompt_then_its_tail_rides_with_the_next_prompt():
+    """Two requests of one prompt compute it once: the first queued starts (neither has a block
+    cached or being computed: equal work, so arrival decides), the second waits for its claimed
+    blocks, then computes its last token in the step of the next prompt's chunk."""
+    shared = [97] * 100
+    chunks, times, s = _burst("shortest", {"a1": shared, "a2": list(shared), "b": [98] * 120})
+    assert chunks == [("a1", 64)]
+    assert max(times[x] for x in ("a1", "a2")) < times["b"]
+    counters = s.counters.counters()
+    assert counters["computed_prompt_tokens_total"] == 100 + 1 + 120
+    assert counters["prefix_hit_tokens_total"] == 99
+
+
+def test_urgent_prompts_are_not_held_back_by_the_one_prompt_a_step_rule():
+    """Prompts whose TTFT objective is at risk keep the deadline plan's chunks, however many."""
+    chunks, times, _ = _burst("shortest", {"x": [97] * 200, "y": [98] * 200}, SLO(ttft_s=0.15))
+    assert [name for name, n in chunks if n > 16] == ["x", "y"]

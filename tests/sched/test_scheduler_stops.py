@@ -162,3 +162,23 @@ def test_step_cost_model_separates_overhead_from_per_token_cost():
     for _ in range(10):
         decode_only.observe(2, 0.015)  # small steps say nothing about prefill speed
     assert decode_only.fit() is None and decode_only.seconds_for(1000, 2048) is None
+
+
+def test_a_request_waiting_for_a_claimed_prefix_outlives_the_queue_timeout():
+    """Its wait is by design (the prefix is being computed for it), and it costs a tail then."""
+    s, r, clock = make_scheduler(
+        max_batch=8,
+        adaptive_batch=False,
+        queue_timeout_s=1.0,
+        prefill_chunk=8,
+        max_batched_tokens=8,
+    )
+    shared = [3] * 40
+    s.add_request(NewRequest("first", shared, SamplingParams(max_tokens=1)))
+    s.add_request(NewRequest("twin", list(shared), SamplingParams(max_tokens=1)))
+    step(s, r)  # 'first' computes 8 tokens and claims its other blocks: 'twin' waits for them
+    clock.t += 2.0
+    outputs = drain(s, r)
+    assert not any(o.refusal_reason for o in outputs["twin"])
+    assert tokens_of(outputs["twin"]) == tokens_of(outputs["first"])
+    assert s.stats()["refusals"] == {}

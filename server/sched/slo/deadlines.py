@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from sloserve.config import SchedulerConfig
 from sloserve.sched.request import Request
@@ -62,8 +62,11 @@ class DeadlinePlan:
         step_tokens: int,
         finish_margin: float = 0.0,
         arrival_ttft_s: float | None = None,
+        prefill_left: Callable[[Request], int] | None = None,
     ) -> None:
         self.price = price
+        # ties of slack: least remaining prefill first (Scheduler._prefill_left), None: arrival
+        self.prefill_left = prefill_left
         self.now = now
         self.chunk = chunk
         self.max_wait_s = max_wait_s
@@ -238,9 +241,10 @@ class DeadlinePlan:
         running: Iterable[Request],
         now: float,
         arrival_ttft_s: float | None,
+        prefill_left: Callable[[Request], int] | None = None,
     ) -> DeadlinePlan:
         """The plan of a step at `now` under the scheduler's settings (its prefill chunk, the
-        starvation bound, the step's token cap, the finish margin)."""
+        starvation bound, the step's token cap, the finish margin, the prefill order)."""
         sc = config
         chunk = sc.max_batched_tokens
         if sc.chunked_prefill:
@@ -254,6 +258,7 @@ class DeadlinePlan:
             sc.max_batched_tokens,
             sc.finish_margin,
             arrival_ttft_s,
+            prefill_left if sc.prefill_order == "shortest" else None,
         )
 
     def fit(self, r: Request, n: int, prompt: int, decodes: int) -> int:
@@ -287,9 +292,11 @@ class DeadlinePlan:
             or self.price.step_seconds(prompt, decodes + 1) + self.price.margin_s <= self.cap_s
         )
 
-    def sort_key(self, r: Request) -> tuple[float, float, int]:
-        """Least slack first (ties: earlier arrival)."""
-        return self.slack(r), r.arrival_time, r.handle
+    def sort_key(self, r: Request) -> tuple[float, int, float, int]:
+        """Least slack first; ties (requests without objectives, or past them: infinite slack)
+        least remaining prefill first with `prefill_left`, then earlier arrival."""
+        left = self.prefill_left(r) if self.prefill_left is not None else 0
+        return self.slack(r), left, r.arrival_time, r.handle
 
     def waiting_order(self, waiting: Iterable[Request]) -> list[Request]:
         """The waiting queue in slack order, as it stood at the step's first call (sorted once per
