@@ -86,14 +86,14 @@ FUSED_MAX_MACS_PACKED = 1 << 28
 # at 16 (docs/design/cpu-decode.md): up to 8 sequences of that model.
 FUSED_MAX_MACS_BF16 = 1 << 32
 # NOTE: which bf16 models take the kernel, where its products run on AVX512-BF16 dot products (the
-# projections then keep the plain weights, OneDnnBf16Linear): "tied" (the default) those whose LM
-# head is the embedding, True every one, False none (oneDNN's packed bf16 copies). A tied head
-# cannot be packed without holding the embedding twice, so off the kernel it runs F.linear on the
-# plain embedding; with every projection packed, one sequence streams the weights at the memory's
-# rate on either path and the plain weights only cost prefill and large batches. The widened path
-# (no dot products) lost to the packed copies everywhere. Measurements: docs/design/cpu-decode.md,
+# projections then keep the plain weights, OneDnnBf16Linear): True (the default) every one, "tied"
+# those whose LM head is the embedding, False none (oneDNN's packed bf16 copies). Since the
+# row-streaming dot products, an untied 358M served on the kernel gave x1.18 / x1.07 / x0.91
+# output tok/s at c1 / c4 / c16 against the packed copies (TPOT p50 x0.72 at c1): the plain
+# weights cost prefill, the kernel wins every decode up to 8 sequences. The widened path (no dot
+# products) lost to the packed copies everywhere. Measurements: docs/design/cpu-decode.md,
 # "bf16 on the CPU".
-BF16_DECODE: bool | str = "tied"
+BF16_DECODE: bool | str = True
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
 # (the bias's is the same with _b); it reads the plain weight each projection object holds.

@@ -430,7 +430,7 @@ def widened():
 
 @pytest.fixture(autouse=True)
 def every_bf16_model_on_the_kernel(monkeypatch):
-    """Untied bf16 models on the kernel too (by default only tied ones take it: fused.BF16_DECODE)."""
+    """Untied bf16 models on the kernel (the default; "tied" would send them to the packed copies)."""
     monkeypatch.setattr(fused, "BF16_DECODE", True)
 
 
