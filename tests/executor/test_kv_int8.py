@@ -139,18 +139,25 @@ def test_greedy_top1_agrees_with_float32_pages(make_checkpoint, make_runner, arc
 
 
 @pytest.mark.skipif(not bf16_units(), reason="this CPU has no AVX512-BF16 or AMX-BF16 units")
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    ("overrides", "bf16_decode"),
+    [({}, True), ({}, "tied"), ({"tie_word_embeddings": True}, True)],
+    ids=["untied-fused", "untied-torch", "tied-fused"],
+)
 def test_a_bf16_model_on_int8_pages_agrees_with_its_bf16_pages(
-    make_checkpoint, make_runner, overrides
+    make_checkpoint, make_runner, monkeypatch, overrides, bf16_decode
 ):
-    """bf16 weights beside int8 pages: the tied model decodes on the fused step, the untied one on
-    the torch path (fused.BF16_DECODE), both against the same model on bf16 pages."""
+    """bf16 weights beside int8 pages, on the fused step (the default) and on the torch path (an
+    untied model under fused.BF16_DECODE "tied"), against the same model on bf16 pages."""
+    monkeypatch.setattr(fused, "BF16_DECODE", bf16_decode)
     folder = make_checkpoint("llama", dtype="bfloat16", **overrides)
     base = make_runner(folder, dtype="bfloat16", kv_pool_bytes=8 << 20)
     reference = generate(base, PROMPTS, NEW_TOKENS, chunk=7, stagger=True)
     runner = make_runner(folder, dtype="bfloat16", kv_pool_bytes=8 << 20, kv_cache_dtype="int8")
     assert runner.dtype == torch.bfloat16 and runner.kv.dtype == torch.int8
-    assert (runner.decode_step.fused is not None) == ("tie_word_embeddings" in overrides)
+    on_kernel = bf16_decode is True or "tie_word_embeddings" in overrides
+    if fused.DecodeKernel is not None:
+        assert (runner.decode_step.fused is not None) == on_kernel
     got = generate(runner, PROMPTS, NEW_TOKENS, chunk=7, stagger=True, forced=reference)
     pairs = [(a, b) for g, w in zip(got, reference, strict=True) for a, b in zip(g, w, strict=True)]
     assert sum(a == b for a, b in pairs) / len(pairs) >= AGREEMENT_FLOOR
