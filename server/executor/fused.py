@@ -88,8 +88,8 @@ FUSED_MAX_MACS_BF16 = 1 << 32
 # NOTE: which bf16 models take the kernel, where its products run on AVX512-BF16 dot products (the
 # projections then keep the plain weights, OneDnnBf16Linear): True (the default) every one, "tied"
 # those whose LM head is the embedding, False none (oneDNN's packed bf16 copies). Since the
-# row-streaming dot products, an untied 358M served on the kernel gave x1.18 / x1.07 / x0.91
-# output tok/s at c1 / c4 / c16 against the packed copies (TPOT p50 x0.72 at c1): the plain
+# row-streaming dot products, an untied 358M served on the kernel gave x1.06-1.18 / x1.07 / x0.91
+# output tok/s at c1 / c4 / c16 against the packed copies (TPOT p50 x0.72-0.81 at c1): the plain
 # weights cost prefill, the kernel wins every decode up to 8 sequences. The widened path (no dot
 # products) lost to the packed copies everywhere. Measurements: docs/design/cpu-decode.md,
 # "bf16 on the CPU".
