@@ -7,7 +7,12 @@ import torch
 from sloserve.errors import CheckpointError
 from sloserve.models.gptq_awq import PackedScheme, expected_tensors
 from sloserve.models.gptq_awq_projection import act_order
-from sloserve.models.quant_check import TensorSource, expert_names, projection_groups
+from sloserve.models.quant_check import (
+    TensorSource,
+    check_expected,
+    expert_names,
+    projection_groups,
+)
 from sloserve.models.spec import ModelSpec
 
 
@@ -74,18 +79,7 @@ def _check_module(
             ) from None
         if scheme.method == "gptq" and src.has(module + ".g_idx"):
             expected["g_idx"] = ((shape[1],), (torch.int32, torch.int64))
-    for suffix, (want_shape, dtypes) in expected.items():
-        entry = src.entry(f"{module}.{suffix}")
-        if entry.shape != want_shape:
-            raise CheckpointError(
-                f"{src.folder}: tensor {module}.{suffix} has shape {entry.shape}, but config.json "
-                f"and quantization_config imply {want_shape}"
-            )
-        if dtypes and entry.dtype not in dtypes:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise CheckpointError(
-                f"{src.folder}: tensor {module}.{suffix} is {entry.dtype}; the format stores {allowed}"
-            )
+    check_expected(src, module, expected)
 
 
 def _check_g_idx(src: TensorSource, group: list, scheme: PackedScheme, read) -> None:

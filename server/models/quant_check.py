@@ -81,6 +81,12 @@ def _check_module(
                 f"{src.folder}: {module}.weight_g_idx is present (activation order by group); "
                 "sloserve reads checkpoints without g_idx (actorder null or weight)"
             )
+    check_expected(src, module, expected)
+
+
+def check_expected(src: TensorSource, module: str, expected: dict) -> None:
+    """Each tensor `module.suffix` in `expected` ({suffix: (shape, dtypes or ())}) has that shape
+    and one of those dtypes; CheckpointError names the first that does not."""
     for suffix, (want_shape, dtypes) in expected.items():
         entry = src.entry(f"{module}.{suffix}")
         if entry.shape != want_shape:
