@@ -370,9 +370,9 @@ class SchedulerConfig:
     )
     # longest prefill chunk of one request in a step others share (alone: the budget)
     prefill_chunk: int = 512
-    # NOTE: shortest, quiet, served c16 burst (three rounds): TTFT p50 x0.41, out tok/s x0.98,
-    # TPOT p50 x1.3-1.5 (docs/design/deadline-steps.md); it stays opt-in until the graceful-drain
-    # race seen once under it in CI (tests/cli/test_serve_process.py, sigterm) is understood
+    # NOTE: shortest trades a burst's TTFT for its early finishers' TPOT (measurements:
+    # docs/design/deadline-steps.md); it stays opt-in until the graceful-drain failure seen once
+    # under it in CI (tests/cli/test_serve_process.py, sigterm) is understood
     prefill_order: str = flag(
         "arrival",
         "--prefill-order",

@@ -87,12 +87,10 @@ FUSED_MAX_MACS_PACKED = 1 << 28
 FUSED_MAX_MACS_BF16 = 1 << 32
 # NOTE: which bf16 models take the kernel, where its products run on AVX512-BF16 dot products (the
 # projections then keep the plain weights, OneDnnBf16Linear): True (the default) every one, "tied"
-# those whose LM head is the embedding, False none (oneDNN's packed bf16 copies). Since the
-# row-streaming dot products, an untied 358M served on the kernel gave x1.06-1.18 / x1.07 / x0.91
-# output tok/s at c1 / c4 / c16 against the packed copies (TPOT p50 x0.72-0.81 at c1): the plain
-# weights cost prefill, the kernel wins every decode up to 8 sequences. The widened path (no dot
-# products) lost to the packed copies everywhere. Measurements: docs/design/cpu-decode.md,
-# "bf16 on the CPU".
+# those whose LM head is the embedding, False none (oneDNN's packed bf16 copies). The kernel wins
+# every decode up to 8 sequences; the plain weights it reads cost prefill and larger batches, so
+# "tied" suits batch-heavy serving of untied models. The widened path (no dot products) lost to the
+# packed copies everywhere. Measurements: docs/design/cpu-decode.md, "bf16 on the CPU".
 BF16_DECODE: bool | str = True
 
 # The projections the kernel reads, by the name of their weight's field in its layer struct
@@ -332,8 +330,8 @@ class FusedDecode:
             # ×1.96 / ×1.54 / ×1.25 / ×1.31 the torch int8 path at 8 / 16 / 32 / 64 sequences
             self.max_batch = FUSED_MAX_BATCH
         elif isinstance(w.layers[0].qkv, Int4Linear):
-            # NOTE: the 358M W4A16 folder (groups of 128) at bf16, under load: the kernel ×1.59 /
-            # ×1.77 / ×2.00 the torch int4 path at 8 / 16 / 32 sequences (docs/design/cpu-decode.md)
+            # NOTE: the int4 kernel beat the torch int4 path at every batch measured, up to 32
+            # sequences (docs/design/cpu-decode.md, "int4 (W4A16) in the decode step")
             self.max_batch = FUSED_MAX_BATCH
         elif model.dtype == torch.bfloat16:
             self.max_batch = max(1, min(FUSED_MAX_BATCH, FUSED_MAX_MACS_BF16 // params))
